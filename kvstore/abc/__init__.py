@@ -1,0 +1,1 @@
+"""Contracts only: protocols, predicates and abstract bases, no MLX-heavy code."""

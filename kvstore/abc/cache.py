@@ -1,0 +1,172 @@
+"""What a KV cache is to the rest of kvstore, and the predicates the model routes on.
+
+Contract for implementers: a cache is mlx-lm compatible (``offset``,
+``update_and_fetch(keys, values)``, ``make_mask(N, window_size=, return_array=)``,
+``state``/``from_state``, ``is_trimmable()``, ``trim(n)``, ``nbytes``,
+``empty()``, ``size()``) and reports ``signature() -> str`` in the grammar of
+:mod:`kvstore.signature`, plus ``bytes_per_token()``: the physical bytes one
+more token costs (one row of keys and values across heads and batch).
+
+Consumers never ask a cache what it *is* (no ``isinstance``/``hasattr`` on
+concrete classes). They ask a predicate named after the decision it supports.
+Predicates compare the parsed signature kind and **fail closed**: an object
+whose signature is missing, raises, or does not parse makes every predicate
+false, and :func:`signature_of` returns ``None`` for it.
+
+mlx-lm's own cache objects are recognised through :data:`MLX_LM_ALIASES`, an
+explicit table keyed by the exact class path, so caches that stock
+``mlx_lm.generate`` produced can be persisted too.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Protocol, runtime_checkable
+
+from kvstore.errors import CapabilityError
+from kvstore.signature import UNKNOWN, Signature, parse_signature
+
+__all__ = [
+    "SupportsSignature",
+    "SupportsTrim",
+    "MLX_LM_ALIASES",
+    "signature_of",
+    "signature_string",
+    "is_plain_kv_cache",
+    "is_quantized_kv_cache",
+    "is_rotating_plain_cache",
+    "is_rotating_quantized_cache",
+    "is_turboquant_cache",
+    "is_sliding_window_cache",
+    "uses_quantized_attention",
+    "uses_dense_attention",
+    "affine_params",
+    "can_trim",
+]
+
+
+@runtime_checkable
+class SupportsSignature(Protocol):
+    def signature(self) -> str: ...
+
+
+@runtime_checkable
+class SupportsTrim(Protocol):
+    def is_trimmable(self) -> bool: ...
+
+    def trim(self, n: int) -> int: ...
+
+
+def _mlx_lm_quant(cache: Any) -> str:
+    return f"kv:quant:{int(cache.bits)}:{int(cache.group_size)}"
+
+
+#: mlx-lm cache classes we know, by exact ``module.qualname`` (subclasses are
+#: not matched: a subclass may change semantics, so it fails closed).
+MLX_LM_ALIASES: dict[str, Callable[[Any], str]] = {
+    "mlx_lm.models.cache.KVCache": lambda cache: "kv:plain",
+    "mlx_lm.models.cache.QuantizedKVCache": _mlx_lm_quant,
+    "mlx_lm.models.cache.RotatingKVCache": lambda cache: "kv:rotating-plain",
+}
+
+
+def signature_of(cache: object) -> Signature | None:
+    """The parsed signature of ``cache``, or ``None`` when it has none we know.
+
+    Never raises: a missing, failing or unparsable signature is ``None``.
+    """
+    cls = type(cache)
+    alias = MLX_LM_ALIASES.get(f"{cls.__module__}.{cls.__qualname__}")
+    try:
+        if alias is not None:
+            text = alias(cache)
+        elif isinstance(cache, SupportsSignature):
+            text = cache.signature()
+        else:
+            return None
+        return parse_signature(text)
+    except Exception:  # fail closed: a broken signature is an unknown one
+        return None
+
+
+def signature_string(cache: object) -> str:
+    """The canonical signature of ``cache``, or ``'unknown'``."""
+    sig = signature_of(cache)
+    return UNKNOWN if sig is None else str(sig)
+
+
+def _kind(cache: object) -> str | None:
+    sig = signature_of(cache)
+    return None if sig is None else sig.kind
+
+
+def is_plain_kv_cache(cache: object) -> bool:
+    """Raw rows that grow without bound (``kv:plain``)."""
+    return _kind(cache) == "kv:plain"
+
+
+def is_quantized_kv_cache(cache: object) -> bool:
+    """MLX affine rows that grow without bound (``kv:quant``)."""
+    return _kind(cache) == "kv:quant"
+
+
+def is_rotating_plain_cache(cache: object) -> bool:
+    """A sliding-window ring of raw rows (``kv:rotating-plain``)."""
+    return _kind(cache) == "kv:rotating-plain"
+
+
+def is_rotating_quantized_cache(cache: object) -> bool:
+    """A sliding-window ring of affine rows (``kv:rotating-quant``)."""
+    return _kind(cache) == "kv:rotating-quant"
+
+
+def is_turboquant_cache(cache: object) -> bool:
+    """TurboQuant-encoded rows, growing or windowed; fetch returns decoded rows."""
+    return _kind(cache) in ("kv:turboquant", "kv:rotating-turboquant")
+
+
+def is_sliding_window_cache(cache: object) -> bool:
+    """A cache that keeps only a window (plus ``keep`` sink tokens)."""
+    return _kind(cache) in ("kv:rotating-plain", "kv:rotating-quant", "kv:rotating-turboquant")
+
+
+def uses_quantized_attention(cache: object) -> bool:
+    """``update_and_fetch`` returns packed affine tuples for quantized matmul attention."""
+    return _kind(cache) in ("kv:quant", "kv:rotating-quant")
+
+
+def uses_dense_attention(cache: object) -> bool:
+    """``update_and_fetch`` returns dense key/value arrays for ``scaled_dot_product_attention``."""
+    return _kind(cache) in (
+        "kv:plain",
+        "kv:rotating-plain",
+        "kv:turboquant",
+        "kv:rotating-turboquant",
+    )
+
+
+def affine_params(cache: object) -> tuple[int, int]:
+    """``(bits, group_size)`` of an affine-quantized cache, read from its signature.
+
+    Raises:
+        CapabilityError: ``cache`` does not use quantized attention.
+    """
+    sig = signature_of(cache)
+    if sig is None or sig.kind not in ("kv:quant", "kv:rotating-quant"):
+        found = UNKNOWN if sig is None else str(sig)
+        raise CapabilityError(
+            f"[affine_params] Only affine-quantized caches have bits/group_size; "
+            f"received a cache with signature '{found}'.",
+            signature=found,
+        )
+    return sig.bits, sig.group_size
+
+
+def can_trim(cache: object) -> bool:
+    """True if ``cache`` can drop its newest tokens now (rotating caches lose this once full)."""
+    if signature_of(cache) is None or not isinstance(cache, SupportsTrim):
+        return False
+    try:
+        return bool(cache.is_trimmable())
+    except Exception:
+        return False

@@ -1,0 +1,148 @@
+"""Behaviour every cache family shares, written once over row *trees*.
+
+A family stores each token's keys (and values) as a tree of arrays shaped
+``[B, H, T, width]``: a bare array for raw rows, a ``(packed, scales, biases)``
+tuple for MLX affine rows. The growing buffer (:class:`GrowingKVCache`) and the
+sliding-window ring (:mod:`kvstore.caches.rotating`) are written once over
+such trees, so each family only says how a row is encoded (``_encode``) and
+what attention receives (``_present``). The buffer arithmetic mirrors mlx-lm's
+``KVCache``/``QuantizedKVCache`` step by step: attention then sees the same
+arrays in the same order, which is what makes logits bit-identical to mlx-lm.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+from mlx.utils import tree_flatten, tree_map
+
+from kvstore.caches.mask import create_attention_mask
+
+__all__ = ["BaseKVCache", "GrowingKVCache", "row_leaves", "tree_length", "zeros_like_rows"]
+
+Tree = Any  # mx.array | tuple[mx.array, ...]
+
+
+def row_leaves(tree: Tree) -> list[mx.array]:
+    """The arrays of a row tree, in order."""
+    return [leaf for _, leaf in tree_flatten(tree)]
+
+
+def tree_length(tree: Tree) -> int:
+    """Token capacity (axis 2) of a row tree."""
+    return int(row_leaves(tree)[0].shape[2])
+
+
+def zeros_like_rows(tree: Tree, tokens: int) -> Tree:
+    return tree_map(lambda a: mx.zeros((*a.shape[:2], tokens, a.shape[3]), a.dtype), tree)
+
+
+class BaseKVCache:
+    """Attributes and methods common to every family (mlx-lm ``_BaseCache`` plus ours)."""
+
+    step = 256
+    keys: Tree | None
+    values: Tree | None
+    offset: int
+
+    def signature(self) -> str:
+        raise NotImplementedError
+
+    # -- hooks a family overrides -------------------------------------------------
+    def _encode(self, x: mx.array) -> Tree:
+        """Turn new ``[B, H, S, D]`` rows into the family's stored row tree."""
+        return x
+
+    def _present(self, keys: Tree, values: Tree) -> tuple[Tree, Tree]:
+        """What attention receives for the stored rows ``keys``/``values``."""
+        return keys, values
+
+    # -- shared -------------------------------------------------------------------
+    def empty(self) -> bool:
+        return self.keys is None
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes allocated, capacity padding included (as mlx-lm reports it)."""
+        if self.keys is None:
+            return 0
+        return sum(leaf.nbytes for leaf in row_leaves((self.keys, self.values)))
+
+    def bytes_per_token(self) -> int:
+        """Physical bytes one more token costs: one row of keys and values
+        across batch and heads. 0 while the cache is empty (no shapes yet)."""
+        if self.keys is None:
+            return 0
+        return sum(
+            leaf.nbytes // leaf.shape[2] for leaf in row_leaves((self.keys, self.values))
+        )
+
+    def is_trimmable(self) -> bool:
+        return True
+
+    @classmethod
+    def from_state(cls, state: Any) -> Any:
+        # As mlx-lm: build without __init__, then let the state setter fill in.
+        obj = cls.__new__(cls)
+        obj.state = state
+        return obj
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.signature()}, offset={self.offset})"
+
+
+class GrowingKVCache(BaseKVCache):
+    """Rows appended to a buffer that grows in steps of ``step`` tokens."""
+
+    def __init__(self) -> None:
+        self.keys = None
+        self.values = None
+        self.offset = 0
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[Tree, Tree]:
+        prev = self.offset
+        new_keys, new_values = self._encode(keys), self._encode(values)
+        num_steps = keys.shape[2]
+        if self.keys is None or prev + num_steps > tree_length(self.keys):
+            grow = (self.step + num_steps - 1) // self.step * self.step
+            fresh_k = zeros_like_rows(new_keys, grow)
+            fresh_v = zeros_like_rows(new_values, grow)
+            if self.keys is None:
+                self.keys, self.values = fresh_k, fresh_v
+            else:
+                if prev % self.step != 0:
+                    self.keys, self.values = tree_map(
+                        lambda a: a[..., :prev, :], (self.keys, self.values)
+                    )
+                self.keys, self.values = tree_map(
+                    lambda a, b: mx.concatenate([a, b], axis=2),
+                    (self.keys, self.values),
+                    (fresh_k, fresh_v),
+                )
+        self.offset += num_steps
+        for buf, new in zip(row_leaves((self.keys, self.values)), row_leaves((new_keys, new_values))):
+            buf[..., prev : self.offset, :] = new
+        return self._present(*self.keys_and_values())
+
+    def keys_and_values(self) -> tuple[Tree, Tree]:
+        """The stored rows of the ``offset`` logical tokens (no capacity padding)."""
+        assert self.keys is not None and self.values is not None
+        if self.offset < tree_length(self.keys):
+            return tree_map(lambda a: a[..., : self.offset, :], (self.keys, self.values))
+        return self.keys, self.values
+
+    def size(self) -> int:
+        return self.offset
+
+    def trim(self, n: int) -> int:
+        n = min(self.offset, n)
+        self.offset -= n
+        return n
+
+    def make_mask(
+        self, N: int, return_array: bool = False, window_size: int | None = None
+    ) -> mx.array | str | None:
+        return create_attention_mask(
+            N, offset=self.offset, return_array=return_array, window_size=window_size
+        )

@@ -1,0 +1,215 @@
+"""Sliding-window rings: ``kv:rotating-plain`` and ``kv:rotating-quant:{bits}:{group}``.
+
+The ring arithmetic is mlx-lm's ``RotatingKVCache``, written once over row
+trees so the affine variant (which mlx-lm lacks) shares it. Multi-token
+updates put the ring in temporal order and keep up to ``max_size + S - 1``
+rows so every new token sees a full window; single-token updates write in
+place, wrapping to just after the ``keep`` sink tokens.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+from mlx.utils import tree_map
+
+from kvstore.caches.base import BaseKVCache, Tree, zeros_like_rows, row_leaves, tree_length
+from kvstore.caches.mask import create_causal_mask
+from kvstore.caches.quantized import AffineRows
+from kvstore.errors import CapabilityError
+
+__all__ = ["RingKVCache", "RotatingKVCache", "RotatingQuantizedKVCache"]
+
+
+class RingKVCache(BaseKVCache):
+    """A window of the last ``max_size`` tokens plus the first ``keep`` ones."""
+
+    def __init__(self, max_size: int, keep: int = 0) -> None:
+        if not (isinstance(max_size, int) and max_size > 0):
+            raise ValueError(f"[{type(self).__name__}] max_size must be a positive int; received {max_size!r}.")
+        if not (isinstance(keep, int) and 0 <= keep < max_size):
+            raise ValueError(
+                f"[{type(self).__name__}] keep must be an int in [0, max_size={max_size}); received {keep!r}."
+            )
+        self.keep = keep
+        self.keys = None
+        self.values = None
+        self.offset = 0
+        self.max_size = max_size
+        self._idx = 0
+
+    # -- ring arithmetic (mlx-lm RotatingKVCache) ---------------------------------------
+    def _trim(self, trim_size: int, v: Tree, append: Tree | None = None) -> Tree:
+        def one(a: mx.array, *extra: mx.array) -> mx.array:
+            parts = [a[..., : self.keep, :], a[..., trim_size + self.keep :, :]] if trim_size > 0 else [a]
+            return mx.concatenate([*parts, *extra], axis=2)
+
+        return tree_map(one, v) if append is None else tree_map(one, v, append)
+
+    def _temporal_order(self, v: Tree) -> Tree:
+        """The ring in temporal order, the unused end sliced off."""
+        if self._idx == tree_length(v):
+            return v
+        if self._idx < self.offset:
+            return tree_map(
+                lambda a: mx.concatenate(
+                    [a[..., : self.keep, :], a[..., self._idx :, :], a[..., self.keep : self._idx, :]],
+                    axis=2,
+                ),
+                v,
+            )
+        return tree_map(lambda a: a[..., : self._idx, :], v)
+
+    def _update_concat(self, keys: Tree, values: Tree, num_steps: int) -> tuple[Tree, Tree]:
+        if self.keys is None:
+            self.keys, self.values = keys, values
+        else:
+            self.keys = self._temporal_order(self.keys)
+            self.values = self._temporal_order(self.values)
+            self._idx = tree_length(self.keys)
+            # Up to max_size + S - 1 rows, so every new token sees a full window.
+            trim_size = self._idx - self.max_size + 1
+            self.keys = self._trim(trim_size, self.keys, keys)
+            self.values = self._trim(trim_size, self.values, values)
+        self.offset += num_steps
+        self._idx = tree_length(self.keys)
+        return self.keys, self.values
+
+    def _update_in_place(self, keys: Tree, values: Tree, num_steps: int) -> tuple[Tree, Tree]:
+        prev = self.offset
+        if self.keys is None or (
+            prev >= tree_length(self.keys) and tree_length(self.keys) < self.max_size
+        ):
+            new_size = min(self.step, self.max_size - prev)
+            fresh_k = zeros_like_rows(keys, new_size)
+            fresh_v = zeros_like_rows(values, new_size)
+            if self.keys is None:
+                self.keys, self.values = fresh_k, fresh_v
+            else:
+                self.keys, self.values = tree_map(
+                    lambda a, b: mx.concatenate([a, b], axis=2),
+                    (self.keys, self.values),
+                    (fresh_k, fresh_v),
+                )
+            self._idx = prev
+
+        trim_size = tree_length(self.keys) - self.max_size
+        if trim_size > 0:
+            self.keys = self._trim(trim_size, self.keys)
+            self.values = self._trim(trim_size, self.values)
+            self._idx = self.max_size
+
+        if self._idx == self.max_size:  # wrap to just after the sink tokens
+            self._idx = self.keep
+
+        for buf, new in zip(row_leaves((self.keys, self.values)), row_leaves((keys, values))):
+            buf[..., self._idx : self._idx + num_steps, :] = new
+        self.offset += num_steps
+        self._idx += num_steps
+        return self.keys_and_values()
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[Tree, Tree]:
+        num_steps = keys.shape[2]
+        new_keys, new_values = self._encode(keys), self._encode(values)
+        if num_steps == 1:
+            stored = self._update_in_place(new_keys, new_values, num_steps)
+        else:
+            stored = self._update_concat(new_keys, new_values, num_steps)
+        return self._present(*stored)
+
+    def keys_and_values(self) -> tuple[Tree, Tree]:
+        """The stored rows in ring order (not temporal order), padding sliced off."""
+        assert self.keys is not None and self.values is not None
+        if self.offset < tree_length(self.keys):
+            return tree_map(lambda a: a[..., : self.offset, :], (self.keys, self.values))
+        return self.keys, self.values
+
+    def temporal_keys_and_values(self) -> tuple[Tree, Tree]:
+        """The stored rows in temporal order: ``keep`` sinks, then oldest to newest."""
+        assert self.keys is not None and self.values is not None
+        return self._temporal_order(self.keys), self._temporal_order(self.values)
+
+    def size(self) -> int:
+        return min(self.offset, self.max_size)
+
+    def is_trimmable(self) -> bool:
+        return self.offset < self.max_size
+
+    def trim(self, n: int) -> int:
+        if not self.is_trimmable():
+            raise CapabilityError(
+                f"[{self.signature()}] cannot trim after the window wrapped "
+                f"(offset {self.offset} >= max_size {self.max_size}): the tokens "
+                f"before the window are gone. Check can_trim(cache) first.",
+                offset=self.offset,
+                max_size=self.max_size,
+            )
+        n = min(self.offset, n)
+        self.offset -= n
+        self._idx -= n
+        return n
+
+    def make_mask(
+        self, N: int, window_size: int | None = None, return_array: bool = False
+    ) -> mx.array | str | None:
+        if N > 1:
+            window_size = window_size or self.max_size
+            offset = min(self.max_size - 1, self.offset)
+            if offset + N > window_size or return_array:
+                return create_causal_mask(N, offset, window_size=window_size)
+            return "causal"
+        if window_size is None:
+            return None
+        # A window narrower than the ring needs an explicit mask.
+        if self.offset >= window_size and self.max_size > window_size:
+            idx = self._idx
+            if idx >= self.max_size:
+                idx = 0
+            mask_size = self.offset + 1 if self.offset < self.max_size else self.max_size
+            mask = mx.arange(mask_size) >= (mask_size - window_size)
+            return mx.roll(mask, shift=idx + 1)
+        return None
+
+
+class RotatingKVCache(RingKVCache):
+    """Raw rows in a sliding window (mlx-lm ``RotatingKVCache``: same name and state)."""
+
+    def signature(self) -> str:
+        return "kv:rotating-plain"
+
+    @property
+    def state(self) -> tuple[Any, Any, int, int, int, int]:
+        return self.keys, self.values, self.offset, self.keep, self.max_size, self._idx
+
+    @state.setter
+    def state(self, v: tuple[Any, Any, int, int, int, int]) -> None:
+        self.keys, self.values, self.offset, self.keep, self.max_size, self._idx = v
+
+
+class RotatingQuantizedKVCache(AffineRows, RingKVCache):
+    """Affine rows in a sliding window with ``keep`` sink tokens (new: mlx-lm has none)."""
+
+    kind = "kv:rotating-quant"
+
+    def __init__(self, max_size: int, keep: int = 0, group_size: int = 64, bits: int = 8) -> None:
+        RingKVCache.__init__(self, max_size, keep)
+        self._init_affine(group_size, bits)
+
+    @property
+    def state(self) -> tuple[Any, ...]:
+        return (
+            self.keys,
+            self.values,
+            self.offset,
+            self.keep,
+            self.max_size,
+            self._idx,
+            self.group_size,
+            self.bits,
+        )
+
+    @state.setter
+    def state(self, v: tuple[Any, ...]) -> None:
+        (self.keys, self.values, self.offset, self.keep, self.max_size, self._idx, group_size, bits) = v
+        self._init_affine(int(group_size), int(bits))

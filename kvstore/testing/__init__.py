@@ -1,0 +1,1 @@
+"""Helpers shipped for tests: tiny models, conformance checks, strategies."""

@@ -1,0 +1,99 @@
+"""Tiny mlx-lm models built in-process from small args, with seeded weights.
+
+The parity oracle for our caches and our model: no hub downloads, just
+``mlx_lm.models.<arch>.Model(ModelArgs(...))`` with deterministic weights.
+Needs the ``mlx-lm`` extra.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten, tree_unflatten
+
+__all__ = ["TINY_ARGS", "build_mlx_lm_model", "seed_weights"]
+
+#: Small args per architecture; head_dim 64 so every affine group (32/64) fits.
+TINY_ARGS: dict[str, dict[str, Any]] = {
+    "llama": dict(
+        model_type="llama",
+        hidden_size=128,
+        num_hidden_layers=2,
+        intermediate_size=256,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        rms_norm_eps=1e-5,
+        vocab_size=256,
+        rope_theta=10000.0,
+        tie_word_embeddings=True,
+    ),
+    "qwen2": dict(
+        model_type="qwen2",
+        hidden_size=128,
+        num_hidden_layers=2,
+        intermediate_size=256,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        rms_norm_eps=1e-6,
+        vocab_size=256,
+        rope_theta=1000000.0,
+        tie_word_embeddings=True,
+    ),
+    "qwen3": dict(
+        model_type="qwen3",
+        hidden_size=128,
+        num_hidden_layers=2,
+        intermediate_size=256,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        rms_norm_eps=1e-6,
+        vocab_size=256,
+        max_position_embeddings=4096,
+        rope_theta=1000000.0,
+        tie_word_embeddings=True,
+    ),
+    "gemma3_text": dict(
+        model_type="gemma3_text",
+        hidden_size=128,
+        num_hidden_layers=4,
+        intermediate_size=256,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        rms_norm_eps=1e-6,
+        vocab_size=256,
+        query_pre_attn_scalar=64,
+        sliding_window=16,
+        sliding_window_pattern=2,
+        max_position_embeddings=4096,
+    ),
+}
+
+
+def seed_weights(model: nn.Module, seed: int, scale: float = 0.08) -> nn.Module:
+    """Replace every parameter with seeded normal values (norm weights near 1)."""
+    params = []
+    for i, (name, value) in enumerate(tree_flatten(model.parameters())):
+        sub = mx.random.split(mx.random.key(seed * 1_000_003 + i))[0]
+        noise = mx.random.normal(value.shape, dtype=mx.float32, key=sub)
+        if "norm" in name:
+            value = 1.0 + 0.1 * noise
+        else:
+            value = scale * noise
+        params.append((name, value.astype(mx.float32)))
+    model.update(tree_unflatten(params))
+    mx.eval(model.parameters())
+    return model
+
+
+def build_mlx_lm_model(arch: str, seed: int = 0, **overrides: Any) -> nn.Module:
+    """mlx-lm's own ``arch`` model from :data:`TINY_ARGS` (plus ``overrides``), seeded."""
+    module = importlib.import_module(f"mlx_lm.models.{arch}")
+    args = module.ModelArgs.from_dict({**TINY_ARGS[arch], **overrides})
+    model = module.Model(args)
+    return seed_weights(model, seed)

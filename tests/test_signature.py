@@ -1,0 +1,101 @@
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from kvstore.errors import KVStoreError, UnknownSignatureError
+from kvstore.signature import (
+    KINDS,
+    Signature,
+    format_signature,
+    make_signature,
+    parse_signature,
+    registered_kinds,
+)
+
+VALID = [
+    "kv:plain",
+    "kv:rotating-plain",
+    *(f"kv:quant:{b}:{g}" for b in (2, 3, 4, 5, 6, 8) for g in (32, 64, 128)),
+    *(f"kv:rotating-quant:{b}:{g}" for b in (2, 3, 4, 5, 6, 8) for g in (32, 64, 128)),
+    *(f"kv:turboquant:{k}:{v}" for k in (2, 3, 4) for v in (2, 3, 4)),
+    *(f"kv:rotating-turboquant:{k}:{v}" for k in (2, 3, 4) for v in (2, 3, 4)),
+    "batch:kv:plain",
+    "batch:kv:quant:4:64",
+]
+
+
+@pytest.mark.parametrize("text", VALID)
+def test_round_trip_exact(text):
+    sig = parse_signature(text)
+    assert format_signature(sig) == text
+    assert str(sig) == text
+    assert parse_signature(str(sig)) == sig
+
+
+def test_parsed_fields():
+    sig = parse_signature("kv:quant:4:64")
+    assert (sig.kind, sig.params, sig.bits, sig.group_size) == ("kv:quant", (4, 64), 4, 64)
+    tq = parse_signature("kv:turboquant:4:3")
+    assert (tq.kind, tq.kbits, tq.vbits) == ("kv:turboquant", 4, 3)
+    wrapped = parse_signature("batch:kv:quant:8:32")
+    assert wrapped.kind == "batch" and wrapped.inner == Signature("kv:quant", (8, 32))
+    assert make_signature("kv:quant", 8, 32) == wrapped.inner
+    with pytest.raises(AttributeError, match="no parameter 'bits'"):
+        parse_signature("kv:plain").bits
+
+
+@pytest.mark.parametrize(
+    "text, allowed",
+    [
+        ("kv:quant:7:64", "2, 3, 4, 5, 6, 8"),
+        ("kv:quant:4:48", "32, 64, 128"),
+        ("kv:turboquant:5:3", "2, 3, 4"),
+        ("kv:quant:04:64", "2, 3, 4, 5, 6, 8"),
+        ("kv:quant:+4:64", "2, 3, 4, 5, 6, 8"),
+        ("kv:quant:4:", "32, 64, 128"),
+    ],
+)
+def test_bad_parameter_value_says_what_is_allowed(text, allowed):
+    with pytest.raises(ValueError, match=allowed) as info:
+        parse_signature(text)
+    assert not isinstance(info.value, UnknownSignatureError)
+
+
+@pytest.mark.parametrize(
+    "text, form",
+    [("kv:plain:3", "'kv:plain'"), ("kv:quant:4", "kv:quant:{bits}:{group_size}"), ("kv:quant:4:64:1", "kv:quant:{bits}:{group_size}")],
+)
+def test_wrong_parameter_count(text, form):
+    with pytest.raises(ValueError, match=form.replace("{", r"\{").replace("}", r"\}")):
+        parse_signature(text)
+
+
+@pytest.mark.parametrize("text", ["kv:foo", "", "kv", "plain", "KV:PLAIN", "kv:quant4:64", "batch"])
+def test_unknown_kind_lists_registered(text):
+    if text == "batch":
+        with pytest.raises(ValueError, match="inner signature"):
+            parse_signature(text)
+        return
+    with pytest.raises(UnknownSignatureError) as info:
+        parse_signature(text)
+    err = info.value
+    assert isinstance(err, LookupError) and isinstance(err, KVStoreError)
+    for kind in registered_kinds():
+        assert kind in str(err)
+    assert err.supported == registered_kinds()
+
+
+@pytest.mark.parametrize("value", [None, 3, b"kv:plain", ["kv:plain"], object()])
+def test_non_str_is_type_error(value):
+    with pytest.raises(TypeError, match="must be a str"):
+        parse_signature(value)
+
+
+@given(st.text(max_size=40))
+def test_arbitrary_text_parses_or_raises_our_errors(text):
+    try:
+        sig = parse_signature(text)
+    except (UnknownSignatureError, ValueError):
+        return
+    assert format_signature(sig) == text
+    assert sig.kind in KINDS or sig.kind == "batch"
