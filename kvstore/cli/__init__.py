@@ -1,29 +1,53 @@
-"""The ``kvstore`` console script: one module per subcommand under ``kvstore.cli``."""
+"""The ``kvstore`` console script: one module per subcommand under ``kvstore.cli``.
+
+Each subcommand module exposes ``add_parser(subparsers)`` (which sets
+``run=`` as the parser default) and ``run(args) -> int``. Errors of our own
+tree, and bad input the subcommand reports as such, end in one line on stderr
+and exit status 2; ``--debug`` shows the traceback instead.
+"""
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 from collections.abc import Sequence
 
-__all__ = ["main", "build_parser"]
+from kvstore.errors import KVStoreError
+
+__all__ = ["main", "build_parser", "SUBCOMMANDS", "EXIT_USAGE"]
+
+#: Subcommand modules under kvstore.cli, in help order.
+SUBCOMMANDS: tuple[str, ...] = ("demo",)
+
+#: Exit status for bad input (missing store, bad URL, corrupt file, ...).
+EXIT_USAGE = 2
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from kvstore.cli import demo
-
-    parser = argparse.ArgumentParser(prog="kvstore", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="kvstore", description="Persistent KV-cache storage for MLX language models."
+    )
     parser.add_argument("--debug", action="store_true", help="show tracebacks on errors")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    for module in (demo,):
-        module.add_parser(sub)
+    for name in SUBCOMMANDS:
+        importlib.import_module(f"kvstore.cli.{name}").add_parser(sub)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    return int(args.run(args))
+    try:
+        return int(args.run(args))
+    except (KVStoreError, FileNotFoundError, NotADirectoryError, IsADirectoryError) as exc:
+        if args.debug:
+            raise
+        print(f"kvstore {args.command}: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        print(f"kvstore {args.command}: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":
