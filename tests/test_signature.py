@@ -41,7 +41,7 @@ def test_parsed_fields():
     assert wrapped.kind == "batch" and wrapped.inner == Signature("kv:quant", (8, 32))
     assert make_signature("kv:quant", 8, 32) == wrapped.inner
     with pytest.raises(AttributeError, match="no parameter 'bits'"):
-        parse_signature("kv:plain").bits
+        _ = parse_signature("kv:plain").bits
 
 
 @pytest.mark.parametrize(
@@ -63,7 +63,11 @@ def test_bad_parameter_value_says_what_is_allowed(text, allowed):
 
 @pytest.mark.parametrize(
     "text, form",
-    [("kv:plain:3", "'kv:plain'"), ("kv:quant:4", "kv:quant:{bits}:{group_size}"), ("kv:quant:4:64:1", "kv:quant:{bits}:{group_size}")],
+    [
+        ("kv:plain:3", "'kv:plain'"),
+        ("kv:quant:4", "kv:quant:{bits}:{group_size}"),
+        ("kv:quant:4:64:1", "kv:quant:{bits}:{group_size}"),
+    ],
 )
 def test_wrong_parameter_count(text, form):
     with pytest.raises(ValueError, match=form.replace("{", r"\{").replace("}", r"\}")):

@@ -74,9 +74,7 @@ class BaseKVCache:
         across batch and heads. 0 while the cache is empty (no shapes yet)."""
         if self.keys is None:
             return 0
-        return sum(
-            leaf.nbytes // leaf.shape[2] for leaf in row_leaves((self.keys, self.values))
-        )
+        return sum(leaf.nbytes // leaf.shape[2] for leaf in row_leaves((self.keys, self.values)))
 
     def is_trimmable(self) -> bool:
         return True
@@ -121,7 +119,9 @@ class GrowingKVCache(BaseKVCache):
                     (fresh_k, fresh_v),
                 )
         self.offset += num_steps
-        for buf, new in zip(row_leaves((self.keys, self.values)), row_leaves((new_keys, new_values))):
+        for buf, new in zip(
+            row_leaves((self.keys, self.values)), row_leaves((new_keys, new_values))
+        ):
             buf[..., prev : self.offset, :] = new
         return self._present(*self.keys_and_values())
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from kvstore.caches.base import GrowingKVCache
+from kvstore.caches.quantized import QuantizedKVCache
 
 __all__ = ["KVCache", "PlainKVCache"]
 
@@ -26,6 +27,16 @@ class KVCache(GrowingKVCache):
     @state.setter
     def state(self, v: tuple[Any, Any, int]) -> None:
         self.keys, self.values, self.offset = v
+
+    def to_quantized(self, group_size: int = 64, bits: int = 4) -> QuantizedKVCache:
+        """This cache's rows affine-quantized (what mlx-lm's ``kv_bits`` option calls)."""
+        quant = QuantizedKVCache(group_size=group_size, bits=bits)
+        quant.offset = self.offset
+        if self.keys is not None:
+            # The whole buffer, padding included, exactly as mlx-lm does.
+            quant.keys = quant._encode(self.keys)
+            quant.values = quant._encode(self.values)
+        return quant
 
 
 #: The house-style name (STYLE.md C4); the mlx-lm name is the primary one.

@@ -14,7 +14,7 @@ from typing import Any
 import mlx.core as mx
 from mlx.utils import tree_map
 
-from kvstore.caches.base import BaseKVCache, Tree, zeros_like_rows, row_leaves, tree_length
+from kvstore.caches.base import BaseKVCache, Tree, row_leaves, tree_length, zeros_like_rows
 from kvstore.caches.mask import create_causal_mask
 from kvstore.caches.quantized import AffineRows
 from kvstore.errors import CapabilityError
@@ -27,10 +27,13 @@ class RingKVCache(BaseKVCache):
 
     def __init__(self, max_size: int, keep: int = 0) -> None:
         if not (isinstance(max_size, int) and max_size > 0):
-            raise ValueError(f"[{type(self).__name__}] max_size must be a positive int; received {max_size!r}.")
+            raise ValueError(
+                f"[{type(self).__name__}] max_size must be a positive int; received {max_size!r}."
+            )
         if not (isinstance(keep, int) and 0 <= keep < max_size):
             raise ValueError(
-                f"[{type(self).__name__}] keep must be an int in [0, max_size={max_size}); received {keep!r}."
+                f"[{type(self).__name__}] keep must be an int in [0, max_size={max_size}); "
+                f"received {keep!r}."
             )
         self.keep = keep
         self.keys = None
@@ -42,7 +45,11 @@ class RingKVCache(BaseKVCache):
     # -- ring arithmetic (mlx-lm RotatingKVCache) ---------------------------------------
     def _trim(self, trim_size: int, v: Tree, append: Tree | None = None) -> Tree:
         def one(a: mx.array, *extra: mx.array) -> mx.array:
-            parts = [a[..., : self.keep, :], a[..., trim_size + self.keep :, :]] if trim_size > 0 else [a]
+            parts = (
+                [a[..., : self.keep, :], a[..., trim_size + self.keep :, :]]
+                if trim_size > 0
+                else [a]
+            )
             return mx.concatenate([*parts, *extra], axis=2)
 
         return tree_map(one, v) if append is None else tree_map(one, v, append)
@@ -54,7 +61,11 @@ class RingKVCache(BaseKVCache):
         if self._idx < self.offset:
             return tree_map(
                 lambda a: mx.concatenate(
-                    [a[..., : self.keep, :], a[..., self._idx :, :], a[..., self.keep : self._idx, :]],
+                    [
+                        a[..., : self.keep, :],
+                        a[..., self._idx :, :],
+                        a[..., self.keep : self._idx, :],
+                    ],
                     axis=2,
                 ),
                 v,
@@ -186,6 +197,15 @@ class RotatingKVCache(RingKVCache):
     def state(self, v: tuple[Any, Any, int, int, int, int]) -> None:
         self.keys, self.values, self.offset, self.keep, self.max_size, self._idx = v
 
+    def to_quantized(self, group_size: int = 64, bits: int = 4) -> RotatingQuantizedKVCache:
+        """This ring affine-quantized in place of its rows (mlx-lm raises here)."""
+        quant = RotatingQuantizedKVCache(self.max_size, self.keep, group_size, bits)
+        quant.offset, quant._idx = self.offset, self._idx
+        if self.keys is not None:
+            quant.keys = quant._encode(self.keys)
+            quant.values = quant._encode(self.values)
+        return quant
+
 
 class RotatingQuantizedKVCache(AffineRows, RingKVCache):
     """Affine rows in a sliding window with ``keep`` sink tokens (new: mlx-lm has none)."""
@@ -211,5 +231,14 @@ class RotatingQuantizedKVCache(AffineRows, RingKVCache):
 
     @state.setter
     def state(self, v: tuple[Any, ...]) -> None:
-        (self.keys, self.values, self.offset, self.keep, self.max_size, self._idx, group_size, bits) = v
+        (
+            self.keys,
+            self.values,
+            self.offset,
+            self.keep,
+            self.max_size,
+            self._idx,
+            group_size,
+            bits,
+        ) = v
         self._init_affine(int(group_size), int(bits))

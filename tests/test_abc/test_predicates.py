@@ -36,7 +36,12 @@ def true_predicates(cache):
         ),
         (
             lambda: RotatingKVCache(8),
-            {"is_rotating_plain_cache", "is_sliding_window_cache", "uses_dense_attention", "can_trim"},
+            {
+                "is_rotating_plain_cache",
+                "is_sliding_window_cache",
+                "uses_dense_attention",
+                "can_trim",
+            },
         ),
         (
             lambda: RotatingQuantizedKVCache(8, bits=4),

@@ -178,3 +178,28 @@ def test_our_caches_load_in_stock_mlx_lm(tmp_path):
         assert ours.offset == theirs.offset
         for u, v in zip(tree_flatten(ours.state), tree_flatten(theirs.state)):
             assert mx.array_equal(u[1], v[1]).item()
+
+
+def test_to_quantized_matches_mlx_lm_and_extends_to_rings():
+    lm = pytest.importorskip("mlx_lm.models.cache")
+    x = rows(40)
+    ours, theirs = KVCache(), lm.KVCache()
+    ours.update_and_fetch(x, x)
+    theirs.update_and_fetch(x, x)
+    q_ours, q_theirs = ours.to_quantized(64, 4), theirs.to_quantized(64, 4)
+    y = rows(1)
+    for u, v in zip(
+        tree_flatten(q_ours.update_and_fetch(y, y)), tree_flatten(q_theirs.update_and_fetch(y, y))
+    ):
+        assert mx.array_equal(u[1], v[1]).item()
+
+    ring = RotatingKVCache(16, keep=2)
+    for n in (20, 1, 1):
+        ring.update_and_fetch(rows(n), rows(n))
+    q_ring = ring.to_quantized(64, 8)
+    assert q_ring.signature() == "kv:rotating-quant:8:64"
+    assert (q_ring.offset, q_ring.size()) == (ring.offset, ring.size())
+    plain_k, _ = ring.temporal_keys_and_values()
+    quant_k, _ = q_ring.temporal_keys_and_values()
+    err = mx.abs(mx.dequantize(*quant_k, group_size=64, bits=8) - plain_k).max().item()
+    assert 0 < err < 0.05

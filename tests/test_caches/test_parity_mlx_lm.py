@@ -53,7 +53,9 @@ def test_logits_identical_to_mlx_lm(arch, family):
     model = build_mlx_lm_model(arch)
     n = len(model.layers)
     p = prompt()
-    assert_identical(run(model, [ours() for _ in range(n)], p), run(model, [theirs() for _ in range(n)], p))
+    assert_identical(
+        run(model, [ours() for _ in range(n)], p), run(model, [theirs() for _ in range(n)], p)
+    )
 
 
 def test_gemma3_sliding_window_layers_identical_to_mlx_lm():
@@ -108,7 +110,9 @@ def test_rotating_quant_within_quant_vs_plain_tolerance(bits):
 @pytest.mark.parametrize("bits", [4, 8])
 def test_gemma3_rotating_quant_within_quant_vs_plain_tolerance(bits):
     model = build_mlx_lm_model("gemma3_text")
-    windows = [c.max_size if type(c) is lm_cache.RotatingKVCache else None for c in model.make_cache()]
+    windows = [
+        c.max_size if type(c) is lm_cache.RotatingKVCache else None for c in model.make_cache()
+    ]
     err, tolerance = rotating_quant_error_vs_tolerance(model, windows.__getitem__, bits, prompt(4))
     assert tolerance > 0
     assert err <= 2 * tolerance, (err, tolerance)
