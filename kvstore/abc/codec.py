@@ -110,9 +110,9 @@ class KVCodec(ABC):
         """A live cache rebuilt from one snapshot or from ranges sorted by start."""
 
     def snapshot_held(self, cache: Any) -> list[Snapshot]:
-        """Snapshots of every position ``cache`` still holds; ``restore`` of
-        them rebuilds it. One snapshot for a growing cache; a windowed one
-        that lost positions gives its sink range and its window."""
+        """Snapshots of every position ``cache`` will still attend to;
+        ``restore`` of them rebuilds it. One snapshot for a growing cache; a
+        windowed one past its window gives its sink range and its window."""
         return [self.snapshot(cache)]
 
     def to_dense(self, snapshot: Snapshot) -> tuple[Any, Any]:

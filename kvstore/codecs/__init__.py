@@ -86,7 +86,7 @@ def snapshot(cache: Any, start: int = 0, stop: int | None = None) -> Snapshot:
 
 
 def snapshot_held(cache: Any) -> list[Snapshot]:
-    """Snapshots of every position ``cache`` still holds (a window's sinks and window)."""
+    """Snapshots of every position ``cache`` will still attend to (a window's sinks and window)."""
     return codec_for(cache).snapshot_held(cache)
 
 

@@ -31,6 +31,7 @@ __all__ = [
     "registered_kinds",
     "codec_for",
     "kind_of",
+    "reported_signature",
 ]
 
 #: The entry-point group third-party codecs are declared in.
@@ -130,36 +131,38 @@ def get_codec(signature: str) -> KVCodec:
     return codec
 
 
+def reported_signature(cache: Any) -> str | None:
+    """The signature ``cache`` reports: canonical when the grammar knows its
+    kind, as written when only a plugin does; None when it reports none."""
+    sig = signature_of(cache)
+    if sig is not None:
+        return str(sig)
+    try:
+        text = cache.signature()
+    except Exception:  # a cache whose signature() fails has no signature
+        return None
+    return text if isinstance(text, str) else None
+
+
 def codec_for(cache: Any) -> KVCodec:
     """The codec for a live cache, chosen by its signature.
 
     Raises:
-        CapabilityError: the cache reports no signature we know, or one no
-            codec serves; the message names what it reported.
+        CapabilityError: the cache reports no signature, or one no codec
+            serves; the message names what it reported.
     """
-    sig = signature_of(cache)
-    if sig is None:
-        raise CapabilityError(
-            f"[codecs.codec_for] {type(cache).__name__} reports no known signature "
-            f"({_reported(cache)}); it cannot be snapshotted. Use a kvstore cache family "
-            f"or one of mlx-lm's KVCache/QuantizedKVCache/RotatingKVCache.",
-            signature=_reported(cache),
-        )
+    text = reported_signature(cache)
     try:
-        return get_codec(str(sig))
-    except UnknownSignatureError as exc:
+        if text is None:
+            raise UnknownSignatureError("no signature", found=None)
+        return get_codec(text)
+    except (UnknownSignatureError, ValueError) as exc:
         raise CapabilityError(
-            f"[codecs.codec_for] No codec serves caches of signature '{sig}'. "
-            f"Registered: {', '.join(registered_kinds())}.",
-            signature=str(sig),
+            f"[codecs.codec_for] No codec serves {type(cache).__name__} caches "
+            f"(signature {text or 'unknown'!r}); it cannot be snapshotted. Registered: "
+            f"{', '.join(registered_kinds())}.",
+            signature=text or "unknown",
         ) from exc
-
-
-def _reported(cache: Any) -> str:
-    try:
-        return f"signature() -> {cache.signature()!r}"
-    except Exception as exc:  # the point is to say what went wrong, whatever it was
-        return f"signature() unavailable: {type(exc).__name__}"
 
 
 def _load_entry_point(kind: str) -> type[KVCodec] | None:

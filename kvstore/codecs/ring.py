@@ -44,9 +44,22 @@ from kvstore.codecs.rows import (
 )
 from kvstore.errors import CapabilityError
 
-__all__ = ["RingView", "RingKVCodec", "RotatingKVCodec", "RotatingQuantizedKVCodec"]
+__all__ = [
+    "RingView",
+    "RingKVCodec",
+    "RotatingKVCodec",
+    "RotatingQuantizedKVCodec",
+    "window_positions",
+]
 
 Interval = tuple[int, int]
+
+
+def window_positions(n: int, max_size: int, keep: int) -> list[Interval]:
+    """The positions a ring at position ``n`` attends to, in temporal order."""
+    if n <= max_size:
+        return [(0, n)]
+    return [iv for iv in ((0, keep), (n - (max_size - keep), n)) if iv[1] > iv[0]]
 
 
 def _spans(intervals: Sequence[Interval]) -> str:
@@ -96,6 +109,12 @@ class RingView:
             iv for iv in ((0, sinks), (self.offset - (t - self.keep), self.offset)) if iv[1] > iv[0]
         ]
 
+    def needed(self) -> list[Interval]:
+        """The positions the ring will still attend to (its canonical form):
+        everything up to ``max_size`` tokens, then the sinks and the last
+        ``max_size - keep`` positions. Always a subset of :meth:`held`."""
+        return window_positions(self.offset, self.max_size, self.keep)
+
     def missing(self, start: int, stop: int) -> list[Interval]:
         """The parts of ``[start, stop)`` the ring does not hold."""
         gaps, pos = [], start
@@ -120,8 +139,8 @@ class RingView:
             if lo < hi:
                 segments.append((a + lo - base, a + hi - base))
             base += b - a
-        if len(segments) == 1:
-            return slice_rows(tree, *segments[0])
+        if len(segments) <= 1:
+            return slice_rows(tree, *(segments[0] if segments else (0, 0)))
         parts = [slice_rows(tree, a, b) for a, b in segments]
         if isinstance(tree, tuple):
             return tuple(mx.concatenate([p[i] for p in parts], axis=2) for i in range(len(tree)))
@@ -162,8 +181,11 @@ class RingKVCodec(RowCodec):
         return Snapshot(self.signature, start, stop, self.tensors_from_rows(keys, values), meta)
 
     def snapshot_held(self, cache: Any) -> list[Snapshot]:
+        """Snapshots of the positions the ring will still attend to: its sink
+        range and its window (rows a multi-token update left beyond the
+        window are dropped; the next update would trim them)."""
         self.check_cache(cache)
-        return [self.snapshot(cache, a, b) for a, b in RingView.of(cache).held()]
+        return [self.snapshot(cache, a, b) for a, b in RingView.of(cache).needed()]
 
     def _snapshot_problem(self, snap: Snapshot) -> str | None:
         problem = super()._snapshot_problem(snap)
@@ -228,16 +250,16 @@ class RingKVCodec(RowCodec):
     def _layout(n: int, max_size: int, keep: int, last: Snapshot) -> tuple[list[Interval], int]:
         """The absolute positions of the restored buffer's rows in buffer
         order, and the ring's ``_idx``."""
+        order = window_positions(n, max_size, keep)
         if n <= max_size:
-            return [(0, n)], n
-        start = n - (max_size - keep)
-        order = [(0, keep)] if keep else []
+            return order, n
         # Rebuild the rotation only from a snapshot taken at the ring's latest position.
         idx = last.meta.get("ring_idx") if last.meta["offset"] == n else None
         if idx is None:
-            return [*order, (start, n)], max_size
+            return order, max_size
+        *sinks, (start, _) = order
         split = start + max_size - idx
-        return [*order, *((a, b) for a, b in ((split, n), (start, split)) if b > a)], idx
+        return [*sinks, *((a, b) for a, b in ((split, n), (start, split)) if b > a)], idx
 
 
 def _gather(

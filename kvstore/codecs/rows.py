@@ -19,10 +19,10 @@ from typing import Any, ClassVar
 
 import mlx.core as mx
 
-from kvstore.abc.cache import signature_string
 from kvstore.abc.codec import KVCodec, Snapshot
 from kvstore.caches.quantized import QuantizedKVCache
 from kvstore.codecs.arrays import MLX_DTYPES, as_mlx, dtype_name
+from kvstore.codecs.registry import reported_signature
 from kvstore.errors import CapabilityError, CorruptEntryError
 from kvstore.signature import parse_signature
 
@@ -129,7 +129,7 @@ class RowCodec(KVCodec):
 
     def check_cache(self, cache: Any) -> None:
         """Raise ``CapabilityError`` unless ``cache`` is a non-empty cache of this signature."""
-        found = signature_string(cache)
+        found = reported_signature(cache) or "unknown"
         if found != self.signature:
             raise CapabilityError(
                 f"[{type(self).__name__}.snapshot] This codec snapshots '{self.signature}' "
