@@ -214,7 +214,7 @@ def parse_fields(op: str, obj: Any, where: str, fields: Mapping[str, Check]) -> 
 def _parse_tensor(op: str, obj: Any, where: str, located: bool) -> TensorEntry:
     fields: dict[str, Check] = {
         "name": is_str,
-        "dtype": lambda v: v in DTYPES,
+        "dtype": lambda v: isinstance(v, str) and v in DTYPES,
         "shape": lambda v: (
             isinstance(v, list) and 0 < len(v) <= BOUNDS.rank and all(map(is_int, v))
         ),

@@ -170,14 +170,14 @@ def encode_record(
         "payload_nbytes": end,
         "checksum": {"algorithm": CHECKSUM_ALGORITHM, "value": hasher.intdigest()},
     }
-    try:  # what we write, we must be able to read
-        check_bounds("encode_record", header)
-    except CorruptEntryError as exc:
-        raise ValueError(f"{exc} Store less meta per record.") from exc
     try:
         packed = msgpack.packb(header, use_bin_type=True)
     except (TypeError, ValueError, OverflowError) as exc:
         raise TypeError(f"[encode_record] The header is not msgpack-able: {exc}.") from exc
+    try:  # what we write, we must be able to read
+        check_bounds("encode_record", header)
+    except CorruptEntryError as exc:
+        raise ValueError(f"{exc} Store less meta per record.") from exc
     if len(packed) > BOUNDS.header_bytes:
         raise ValueError(
             f"[encode_record] The header is {len(packed)} bytes; records allow "
