@@ -25,15 +25,9 @@ from kvstore.codecs.arrays import as_mlx, dtype_name
 from kvstore.codecs.header import (
     BOUNDS,
     FORMAT_VERSION,
-    check_bounds,
-    check_codec_versions,
-    check_format,
     corrupt,
-    is_map,
-    is_str,
     layer_entry,
-    parse_fields,
-    parse_layers,
+    parse_header,
     tensor_manifest,
     writer,
 )
@@ -102,22 +96,7 @@ def load_snapshots(path: str | os.PathLike[str]) -> tuple[list[Snapshot | None],
         obj = json.loads(text)
     except (ValueError, RecursionError) as exc:
         raise corrupt(op, f"The header is not JSON: {type(exc).__name__}.") from exc
-    check_bounds(op, obj)
-    if isinstance(obj, dict) and "format" in obj:
-        check_format(op, obj["format"])
-    f = parse_fields(
-        op,
-        obj,
-        "header",
-        {
-            "format": lambda v: type(v) is int,
-            "writer": is_str,
-            "layers": lambda v: isinstance(v, list),
-            "meta": is_map,
-        },
-    )
-    layers = parse_layers(op, f["layers"], located=False)
-    check_codec_versions(op, layers)
+    f, layers = parse_header(op, obj, located=False)
     expected: set[str] = set()
     out: list[Snapshot | None] = []
     for i, layer in enumerate(layers):

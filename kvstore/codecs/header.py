@@ -38,6 +38,7 @@ __all__ = [
     "check_bounds",
     "check_format",
     "parse_fields",
+    "parse_header",
     "parse_layers",
     "layer_entry",
     "writer",
@@ -278,6 +279,30 @@ def parse_layers(op: str, obj: Any, located: bool) -> tuple[LayerEntry | None, .
             )
         )
     return tuple(layers)
+
+
+def parse_header(
+    op: str, obj: Any, *, located: bool, extra: Mapping[str, Check] | None = None
+) -> tuple[dict[str, Any], tuple[LayerEntry | None, ...]]:
+    """The fields and layers of a header (record or file), bounds and all checked.
+
+    Common fields are ``format``, ``writer``, ``layers`` and ``meta``; ``extra``
+    adds a container's own. ``located``: tensors carry ``offset``/``nbytes``.
+    """
+    check_bounds(op, obj)
+    if isinstance(obj, dict) and "format" in obj:
+        check_format(op, obj["format"])
+    fields: dict[str, Check] = {
+        "format": lambda v: type(v) is int,
+        "writer": is_str,
+        "layers": lambda v: isinstance(v, list),
+        "meta": is_map,
+        **(extra or {}),
+    }
+    f = parse_fields(op, obj, "header", fields)
+    layers = parse_layers(op, f["layers"], located=located)
+    check_codec_versions(op, layers)
+    return f, layers
 
 
 def layer_entry(snapshot: Snapshot, tensors: Sequence[dict[str, Any]]) -> dict[str, Any]:

@@ -46,15 +46,13 @@ from kvstore.codecs.header import (
     FORMAT_VERSION,
     LayerEntry,
     check_bounds,
-    check_codec_versions,
     check_format,
     corrupt,
     is_int,
     is_map,
-    is_str,
     layer_entry,
     parse_fields,
-    parse_layers,
+    parse_header,
     tensor_manifest,
     writer,
 )
@@ -363,31 +361,18 @@ def _read_header(view: memoryview, op: str) -> RecordHeader:
         )
     except Exception as exc:  # msgpack raises a dozen types; all mean "not a header"
         raise corrupt(op, f"The header is not valid msgpack: {type(exc).__name__}: {exc}.") from exc
-    check_bounds(op, obj)
-    if isinstance(obj, dict) and "format" in obj:
-        check_format(op, obj["format"])
-    f = parse_fields(
-        op,
-        obj,
-        "header",
-        {
-            "format": lambda v: type(v) is int and v == version,
-            "writer": is_str,
-            "layers": lambda v: isinstance(v, list),
-            "meta": is_map,
-            "payload_nbytes": is_int,
-            "checksum": is_map,
-        },
+    f, layers = parse_header(
+        op, obj, located=True, extra={"payload_nbytes": is_int, "checksum": is_map}
     )
+    if f["format"] != version:
+        raise corrupt(op, f"Header format {f['format']} disagrees with the prefix's {version}.")
     check = parse_fields(
         op,
         f["checksum"],
         "header.checksum",
         {"algorithm": lambda v: v == CHECKSUM_ALGORITHM, "value": _is_u64},
     )
-    layers = parse_layers(op, f["layers"], located=True)
     _check_extents(op, layers, f["payload_nbytes"])
-    check_codec_versions(op, layers)
     return RecordHeader(
         version,
         flags,
