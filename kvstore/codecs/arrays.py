@@ -117,14 +117,19 @@ def contiguous_chunks(array: np.ndarray) -> Iterator[memoryview]:
     if array.size == 0:
         return
     if array.flags.c_contiguous:
-        yield memoryview(array.view(np.uint8).reshape(-1))
+        yield _bytes(array)
         return
     lead = _contiguous_split(array)
     if lead is None or int(np.prod(array.shape[:lead])) > _MAX_CHUNKS:
-        yield memoryview(np.ascontiguousarray(array).view(np.uint8).reshape(-1))
+        yield _bytes(np.ascontiguousarray(array))
         return
     for index in np.ndindex(*array.shape[:lead]):
-        yield memoryview(array[index].view(np.uint8).reshape(-1))
+        yield _bytes(array[index])
+
+
+def _bytes(array: np.ndarray) -> memoryview:
+    """The bytes of a C-contiguous array, as a flat view."""
+    return array.view(np.uint8).reshape(-1).data
 
 
 def _contiguous_split(array: np.ndarray) -> int | None:

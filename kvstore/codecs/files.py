@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 import mlx.core as mx
 
@@ -32,7 +32,7 @@ from kvstore.codecs.header import (
     writer,
 )
 
-__all__ = ["METADATA_KEY", "save_snapshots", "load_snapshots"]
+__all__ = ["METADATA_KEY", "save_snapshots", "load_snapshots", "read_safetensors"]
 
 #: The safetensors metadata key holding the JSON header.
 METADATA_KEY = "kvstore"
@@ -71,6 +71,21 @@ def save_snapshots(
     mx.save_safetensors(os.fspath(path), arrays, metadata={METADATA_KEY: text})
 
 
+def read_safetensors(
+    op: str, path: str | os.PathLike[str]
+) -> tuple[dict[str, mx.array], dict[str, str]]:
+    """The tensors and str metadata of a ``.safetensors`` file.
+
+    Raises:
+        CorruptEntryError: not a readable safetensors file.
+    """
+    try:
+        arrays, metadata = mx.load(os.fspath(path), return_metadata=True)
+    except (RuntimeError, ValueError, OSError) as exc:
+        raise corrupt(op, f"'{os.fspath(path)}' is not a readable safetensors file: {exc}") from exc
+    return cast(dict[str, mx.array], arrays), cast(dict[str, str], metadata)
+
+
 def load_snapshots(path: str | os.PathLike[str]) -> tuple[list[Snapshot | None], dict[str, Any]]:
     """The snapshots and user meta of a file written by :func:`save_snapshots`.
 
@@ -82,10 +97,7 @@ def load_snapshots(path: str | os.PathLike[str]) -> tuple[list[Snapshot | None],
         FormatVersionError: a format this reader does not read.
     """
     op = "load_snapshots"
-    try:
-        arrays, metadata = mx.load(os.fspath(path), return_metadata=True)
-    except (RuntimeError, ValueError, OSError) as exc:
-        raise corrupt(op, f"'{os.fspath(path)}' is not a readable safetensors file: {exc}") from exc
+    arrays, metadata = read_safetensors(op, path)
     text = metadata.get(METADATA_KEY)
     if text is None:
         hint = " (an mlx-lm prompt cache? use import_prompt_cache)" if "1.0" in metadata else ""
@@ -103,7 +115,7 @@ def load_snapshots(path: str | os.PathLike[str]) -> tuple[list[Snapshot | None],
         if layer is None:
             out.append(None)
             continue
-        tensors = {}
+        tensors: dict[str, mx.array] = {}
         for t in layer.tensors:
             key = f"layer.{i}.{t.name}"
             array = arrays.get(key)

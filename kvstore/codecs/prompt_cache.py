@@ -21,13 +21,14 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import mlx.core as mx
 from mlx.utils import tree_flatten, tree_unflatten
 
 from kvstore.abc.codec import Snapshot
 from kvstore.caches import KVCache, QuantizedKVCache, RotatingKVCache
+from kvstore.codecs.files import read_safetensors
 from kvstore.codecs.registry import codec_for, get_codec
 from kvstore.codecs.rows import slice_rows
 from kvstore.errors import CapabilityError, CorruptEntryError
@@ -35,7 +36,7 @@ from kvstore.errors import CapabilityError, CorruptEntryError
 __all__ = ["ImportedPromptCache", "import_prompt_cache", "export_prompt_cache"]
 
 # mlx-lm class name -> (our class with the same state layout, its kind)
-_CLASSES: dict[str, tuple[type, str]] = {
+_CLASSES: dict[str, tuple[Any, str]] = {
     "KVCache": (KVCache, "kv:plain"),
     "QuantizedKVCache": (QuantizedKVCache, "kv:quant"),
     "RotatingKVCache": (RotatingKVCache, "kv:rotating-plain"),
@@ -71,12 +72,12 @@ def import_prompt_cache(path: str | os.PathLike[str]) -> ImportedPromptCache:
         CapabilityError: it holds a cache class kvstore has no codec for.
     """
     op = "import_prompt_cache"
+    arrays, flat_meta = read_safetensors(op, path)
     try:
-        arrays, flat_meta = mx.load(os.fspath(path), return_metadata=True)
         meta_tree = tree_unflatten(list(flat_meta.items()))
         states = tree_unflatten(list(arrays.items())) if arrays else []
-    except Exception as exc:  # mx.load and tree_unflatten raise several types on junk
-        raise CorruptEntryError(f"[{op}] Not a readable prompt-cache file: {exc}.") from exc
+    except Exception as exc:  # tree_unflatten raises several types on junk keys
+        raise CorruptEntryError(f"[{op}] Not a prompt-cache layout: {exc}.") from exc
     if not (isinstance(meta_tree, list) and len(meta_tree) == 3):
         raise CorruptEntryError(f"[{op}] No mlx-lm prompt-cache metadata in '{os.fspath(path)}'.")
     first, second, third = meta_tree
@@ -109,7 +110,7 @@ def import_prompt_cache(path: str | os.PathLike[str]) -> ImportedPromptCache:
             full = state if layout == "current" else _legacy_state(name, state, info)
             # tree_unflatten gives lists where mlx-lm's states hold tuples
             full = tuple(tuple(x) if isinstance(x, list) else x for x in full)
-            cache = _CLASSES[name][0].from_state(full)
+            cache: Any = _CLASSES[name][0].from_state(full)
             layers.append(codec_for(cache).snapshot_held(cache))
         except (ValueError, TypeError, IndexError, AttributeError) as exc:
             raise CorruptEntryError(
@@ -146,14 +147,13 @@ def export_prompt_cache(
         # as they were); export its used rows only.
         rebuilt = codec.restore(codec.snapshot_held(cache))
         used = min(int(rebuilt.offset), int(_rows(rebuilt.keys)))
-        rebuilt.keys, rebuilt.values = (
-            slice_rows(t, 0, used) for t in (rebuilt.keys, rebuilt.values)
-        )
+        rebuilt.keys = slice_rows(rebuilt.keys, 0, used)
+        rebuilt.values = slice_rows(rebuilt.values, 0, used)
         states.append(rebuilt.state)
         classes.append(name)
     scalars: list[Any] = [""]  # mlx-lm: "must be non-empty otherwise tree_flatten drops it"
-    tensors = {}
-    for key, value in tree_flatten(states):
+    tensors: dict[str, mx.array] = {}
+    for key, value in cast(list[tuple[str, Any]], tree_flatten(states)):
         if isinstance(value, int):
             scalars.append((key, "scalar"))
             value = mx.array(value)

@@ -94,7 +94,7 @@ def kind_of(signature: str) -> str:
     try:
         return parse_signature(signature).kind
     except UnknownSignatureError as exc:
-        return str(exc.found)
+        return str(getattr(exc, "found", signature))
 
 
 def find_codec_class(kind: str) -> type[KVCodec] | None:

@@ -191,14 +191,14 @@ class RingKVCodec(RowCodec):
         problem = super()._snapshot_problem(snap)
         if problem:
             return problem
-        meta = snap.meta
-        ints = {k: meta.get(k) for k in ("max_size", "keep", "offset")}
-        if not all(type(v) is int for v in ints.values()):
-            return f"meta max_size/keep/offset must be ints; received {ints}"
-        if not (0 <= ints["keep"] < ints["max_size"] and ints["offset"] >= snap.stop):
-            return f"meta {ints} is not a ring's state for [{snap.start}, {snap.stop})"
-        idx = meta.get("ring_idx")
-        if idx is not None and not (type(idx) is int and ints["keep"] <= idx < ints["max_size"]):
+        state = {k: snap.meta.get(k) for k in ("max_size", "keep", "offset")}
+        max_size, keep, offset = state.values()
+        if not (type(max_size) is int and type(keep) is int and type(offset) is int):
+            return f"meta max_size/keep/offset must be ints; received {state}"
+        if not (0 <= keep < max_size and offset >= snap.stop):
+            return f"meta {state} is not a ring's state for [{snap.start}, {snap.stop})"
+        idx = snap.meta.get("ring_idx")
+        if idx is not None and not (type(idx) is int and keep <= idx < max_size):
             return f"meta ring_idx {idx!r} is outside [keep, max_size)"
         return None
 

@@ -258,10 +258,12 @@ class AffineRowCodec(RowCodec):
     def to_dense(self, snapshot: Snapshot) -> tuple[mx.array, mx.array]:
         self.check_snapshot(snapshot)
         keys, values = self.rows_from_tensors(snapshot.tensors)
-        return tuple(  # type: ignore[return-value]
-            mx.dequantize(*(as_mlx(a) for a in tree), group_size=self.group_size, bits=self.bits)
-            for tree in (keys, values)
-        )
+
+        def dense(tree: Tree) -> mx.array:
+            q, scales, biases = (as_mlx(a) for a in tree)
+            return mx.dequantize(q, scales, biases, group_size=self.group_size, bits=self.bits)
+
+        return dense(keys), dense(values)
 
     def from_dense(
         self, keys: Any, values: Any, *, start: int, stop: int, meta: Mapping[str, Any]

@@ -21,7 +21,7 @@ keys and values (mean over vectors of ``|x - x'|^2 / |x|^2``, as in
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import mlx.core as mx
 
@@ -55,7 +55,7 @@ def relative_mse(x: mx.array, approx: mx.array) -> float:
     err = mx.sum(mx.square(x32 - a32), axis=-1)
     norm = mx.sum(mx.square(x32), axis=-1)
     ratio = mx.where(norm > 0, err / mx.maximum(norm, 1e-30), 0.0)
-    return float(mx.mean(ratio).item()) if ratio.size else 0.0
+    return float(cast(float, mx.mean(ratio).item())) if ratio.size else 0.0
 
 
 def transcode(

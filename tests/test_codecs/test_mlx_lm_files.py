@@ -132,7 +132,7 @@ def test_export_of_a_family_mlx_lm_lacks_is_refused(tmp_path):
 
 def test_import_errors(tmp_path):
     (tmp_path / "junk.safetensors").write_bytes(b"not a safetensors file")
-    with pytest.raises(CorruptEntryError, match="Not a readable prompt-cache file"):
+    with pytest.raises(CorruptEntryError, match="is not a readable safetensors file"):
         import_prompt_cache(tmp_path / "junk.safetensors")
     mx.save_safetensors(str(tmp_path / "plain.safetensors"), {"w": mx.zeros(3)})
     with pytest.raises(CorruptEntryError, match="No mlx-lm prompt-cache metadata"):
