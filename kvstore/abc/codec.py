@@ -14,9 +14,18 @@ Rules for implementers:
   whoever stores several layers adds the layer context.
 * Encoded payloads (affine words/scales/biases, TurboQuant codes/scales) are
   stored as they are: restore is bit-exact, nothing is re-quantised.
+* ``meta`` always carries ``dtype`` (the float dtype of the rows or scales)
+  and ``offset`` (the cache's offset when the snapshot was taken); windowed
+  families add ``max_size`` and ``keep``.
+* ``restore`` returns a cache whose arrays are owned MLX arrays (never views
+  into the snapshot's buffers), with capacity rounded up past the restored
+  tokens to the family's growth step, so the next decode step does not
+  reallocate.
 * Compatibility: two codecs may serve the same kind only if each reads the
-  other's output. A changed byte layout bumps ``version``; a changed meaning
-  takes a new kind.
+  other's output (each one's ``version`` is in the other's ``reads``). A
+  changed byte layout bumps ``version``; a changed meaning takes a new kind.
+* Transcoding between families goes through dense rows: a codec that can
+  offers :meth:`KVCodec.to_dense` and :meth:`KVCodec.from_dense`.
 """
 
 from __future__ import annotations
@@ -25,6 +34,9 @@ from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
+
+from kvstore.errors import CapabilityError
+from kvstore.signature import parse_signature
 
 __all__ = ["Snapshot", "KVCodec"]
 
@@ -53,23 +65,76 @@ class Snapshot:
 
 
 class KVCodec(ABC):
-    """Snapshots and restores one cache family; one instance per signature."""
+    """Snapshots and restores one cache family; one instance per signature.
+
+    Instances are immutable and compare equal when class and signature match.
+    """
 
     #: The signature kind this codec serves (``"kv:quant"``).
     kind: ClassVar[str]
     #: Byte-layout version of this codec's snapshots.
     version: ClassVar[int] = 1
+    #: Layout versions this codec reads (its own included).
+    reads: ClassVar[frozenset[int]] = frozenset({1})
+    #: True when :meth:`from_dense` loses information (quantisation).
+    lossy: ClassVar[bool] = False
 
     def __init__(self, signature: str) -> None:
-        self.signature = signature
+        self.signature = self.parse_signature(signature)
+
+    @classmethod
+    def parse_signature(cls, signature: str) -> str:
+        """The canonical form of ``signature``; raises if it is not of this codec's kind.
+
+        Built-in kinds parse through :mod:`kvstore.signature`; a plugin codec
+        whose kind that grammar does not know overrides this.
+        """
+        sig = parse_signature(signature)
+        if sig.kind != cls.kind:
+            raise ValueError(
+                f"[{cls.__name__}] serves kind '{cls.kind}'; received signature '{signature}'."
+            )
+        return str(sig)
 
     @abstractmethod
     def snapshot(self, cache: Any, start: int = 0, stop: int | None = None) -> Snapshot:
-        """The logical content of ``cache`` for tokens ``[start, stop)``."""
+        """The logical content of ``cache`` for tokens ``[start, stop)``.
+
+        Raises:
+            CapabilityError: the cache is not of this codec's signature, or no
+                longer holds (or never held) some of the positions asked for.
+        """
 
     @abstractmethod
     def restore(self, snapshots: Snapshot | Sequence[Snapshot]) -> Any:
-        """A live cache rebuilt from one snapshot or consecutive ranges."""
+        """A live cache rebuilt from one snapshot or from ranges sorted by start."""
+
+    def snapshot_held(self, cache: Any) -> list[Snapshot]:
+        """Snapshots of every position ``cache`` will still attend to;
+        ``restore`` of them rebuilds it. One snapshot for a growing cache; a
+        windowed one past its window gives its sink range and its window."""
+        return [self.snapshot(cache)]
+
+    def to_dense(self, snapshot: Snapshot) -> tuple[Any, Any]:
+        """``(keys, values)`` of ``snapshot`` as float rows ``[B, H, T, head_dim]``."""
+        raise CapabilityError(
+            f"[{type(self).__name__}.to_dense] {self.signature} has no dense form; "
+            f"it cannot be transcoded.",
+            signature=self.signature,
+        )
+
+    def from_dense(
+        self, keys: Any, values: Any, *, start: int, stop: int, meta: Mapping[str, Any]
+    ) -> Snapshot:
+        """A snapshot of this codec's signature holding the float rows ``keys``/``values``.
+
+        ``meta`` is the source snapshot's; the codec keeps what applies to it.
+        """
+        raise CapabilityError(
+            f"[{type(self).__name__}.from_dense] {self.signature} cannot be built "
+            f"from dense rows; it cannot be a transcode target.",
+            signature=self.signature,
+        )
 
     def __eq__(self, other: object) -> bool:
         return type(self) is type(other) and self.signature == other.signature  # type: ignore[attr-defined]

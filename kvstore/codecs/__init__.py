@@ -1,0 +1,104 @@
+"""Codecs: a cache (or a token range of it) <-> named tensors + metadata, and the record format.
+
+The registry maps a signature *kind* to a codec class; built-ins are
+registered here, one line each, and third-party codecs come from the
+entry-point group ``kvstore.codecs`` (see :mod:`kvstore.codecs.registry`).
+
+Snapshot tensor names, per row encoding (all ``[B, H, T, width]``, in
+temporal order, logical rows only):
+
+* raw rows (``kv:plain``, ``kv:rotating-plain``): ``keys``, ``values``;
+* affine rows (``kv:quant``, ``kv:rotating-quant``): ``keys.q`` (packed
+  uint32 words), ``keys.scales``, ``keys.biases``, and the same for ``values``.
+
+Snapshot ``meta``: ``dtype`` and ``offset`` always; windowed families add
+``max_size``, ``keep`` and, for a rotated ring, ``ring_idx``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from kvstore.abc.codec import KVCodec, Snapshot
+from kvstore.codecs.growing import GrowingKVCodec, PlainKVCodec, QuantizedKVCodec
+from kvstore.codecs.record import (
+    Record,
+    RecordHeader,
+    decode_record,
+    decode_record_to_mlx,
+    encode_record,
+    read_header,
+    snapshot_to_mlx,
+)
+from kvstore.codecs.registry import (
+    ENTRY_POINT_GROUP,
+    codec_for,
+    get_codec,
+    register_codec,
+    registered_kinds,
+)
+from kvstore.codecs.ring import RingKVCodec, RotatingKVCodec, RotatingQuantizedKVCodec
+from kvstore.codecs.transcode import Transcoded, transcode, transcode_measured
+
+__all__ = [
+    "KVCodec",
+    "Snapshot",
+    "GrowingKVCodec",
+    "RingKVCodec",
+    "PlainKVCodec",
+    "QuantizedKVCodec",
+    "RotatingKVCodec",
+    "RotatingQuantizedKVCodec",
+    "ENTRY_POINT_GROUP",
+    "register_codec",
+    "get_codec",
+    "registered_kinds",
+    "codec_for",
+    "snapshot",
+    "snapshot_held",
+    "restore",
+    "transcode",
+    "transcode_measured",
+    "Transcoded",
+    "Record",
+    "RecordHeader",
+    "encode_record",
+    "decode_record",
+    "decode_record_to_mlx",
+    "read_header",
+    "snapshot_to_mlx",
+]
+
+register_codec(PlainKVCodec)
+register_codec(QuantizedKVCodec)
+register_codec(RotatingKVCodec)
+register_codec(RotatingQuantizedKVCodec)
+
+
+def snapshot(cache: Any, start: int = 0, stop: int | None = None) -> Snapshot:
+    """The logical content of ``cache`` for tokens ``[start, stop)`` (default: all).
+
+    Raises:
+        CapabilityError: an unknown cache, or positions it does not hold.
+    """
+    return codec_for(cache).snapshot(cache, start, stop)
+
+
+def snapshot_held(cache: Any) -> list[Snapshot]:
+    """Snapshots of every position ``cache`` will still attend to (a window's sinks and window)."""
+    return codec_for(cache).snapshot_held(cache)
+
+
+def restore(snapshots: Snapshot | Sequence[Snapshot]) -> Any:
+    """A live cache rebuilt from one snapshot or from ranges sorted by start.
+
+    Raises:
+        UnknownSignatureError: no codec serves the snapshots' kind.
+        CapabilityError: the ranges do not cover what the cache needs.
+        CorruptEntryError: malformed or mutually inconsistent snapshots.
+    """
+    first = snapshots if isinstance(snapshots, Snapshot) else next(iter(snapshots), None)
+    if first is None:
+        raise ValueError("[restore] Nothing to restore: no snapshots.")
+    return get_codec(first.signature).restore(snapshots)

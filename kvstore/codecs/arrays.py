@@ -1,0 +1,142 @@
+"""Moving tensors between MLX and numpy without hidden copies.
+
+numpy has no bfloat16, so bfloat16 travels as its raw 16-bit words: a numpy
+``uint16`` array whose dtype carries ``metadata={"dtype": "bfloat16"}``
+(:data:`BFLOAT16_WORDS`). The tag survives slicing and reshaping, so a view
+cut from a record still knows what it is, and :func:`as_mlx` turns it back
+into ``mx.bfloat16`` with one copy and a free reinterpretation.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+
+__all__ = [
+    "BFLOAT16_WORDS",
+    "DTYPES",
+    "MLX_DTYPES",
+    "dtype_name",
+    "numpy_dtype",
+    "as_mlx",
+    "as_numpy",
+    "contiguous_chunks",
+]
+
+#: numpy's stand-in for bfloat16: the raw words, tagged.
+BFLOAT16_WORDS = np.dtype(np.uint16, metadata={"dtype": "bfloat16"})
+
+#: Every dtype a snapshot tensor may have, by name -> MLX dtype.
+MLX_DTYPES: dict[str, mx.Dtype] = {
+    "bool": mx.bool_,
+    "uint8": mx.uint8,
+    "uint16": mx.uint16,
+    "uint32": mx.uint32,
+    "uint64": mx.uint64,
+    "int8": mx.int8,
+    "int16": mx.int16,
+    "int32": mx.int32,
+    "int64": mx.int64,
+    "float16": mx.float16,
+    "bfloat16": mx.bfloat16,
+    "float32": mx.float32,
+}
+
+#: Name -> numpy dtype used for views (bfloat16 as tagged words).
+DTYPES: dict[str, np.dtype] = {
+    name: (BFLOAT16_WORDS if name == "bfloat16" else np.dtype(name)) for name in MLX_DTYPES
+}
+
+_NAME_OF_MLX = {dtype: name for name, dtype in MLX_DTYPES.items()}
+
+# At most this many contiguous pieces per tensor before a strided one is
+# compacted first (thousands of tiny writes cost more than one copy).
+_MAX_CHUNKS = 4096
+
+
+def dtype_name(array: Any) -> str:
+    """The dtype name of an ``mx.array`` or numpy array (tagged words -> ``bfloat16``).
+
+    Raises:
+        TypeError: not an array, or a dtype snapshots do not carry.
+    """
+    if isinstance(array, mx.array):
+        name = _NAME_OF_MLX.get(array.dtype)
+    elif isinstance(array, np.ndarray):
+        meta = array.dtype.metadata or {}
+        name = meta.get("dtype", array.dtype.name)
+    else:
+        raise TypeError(
+            f"[codecs] A snapshot tensor must be an mx.array or a numpy array; "
+            f"received {type(array).__name__}."
+        )
+    if name not in MLX_DTYPES:
+        raise TypeError(
+            f"[codecs] Snapshot tensors may have dtype {', '.join(MLX_DTYPES)}; "
+            f"received {getattr(array, 'dtype', name)}."
+        )
+    return name
+
+
+def numpy_dtype(name: str) -> np.dtype:
+    """The numpy dtype that views tensors of dtype ``name``."""
+    return DTYPES[name]
+
+
+def as_mlx(array: Any) -> mx.array:
+    """``array`` as an ``mx.array``: itself if it is one, else one copy of the numpy data."""
+    if isinstance(array, mx.array):
+        return array
+    name = dtype_name(array)
+    out = mx.array(array)
+    return out.view(mx.bfloat16) if name == "bfloat16" else out
+
+
+def as_numpy(array: Any) -> np.ndarray:
+    """A numpy view of ``array`` (no copy; strides kept; bfloat16 as tagged words).
+
+    Evaluates a lazy ``mx.array`` first.
+    """
+    if isinstance(array, np.ndarray):
+        return array
+    name = dtype_name(array)
+    if name == "bfloat16":
+        return np.asarray(array.view(mx.uint16)).view(BFLOAT16_WORDS)
+    return np.asarray(array)
+
+
+def contiguous_chunks(array: np.ndarray) -> Iterator[memoryview]:
+    """Byte views that, concatenated, are ``array`` in C order.
+
+    A strided view (a token range cut from a cache buffer) is walked along its
+    leading axes until the trailing block is contiguous, so no copy is made.
+    """
+    if array.size == 0:
+        return
+    if array.flags.c_contiguous:
+        yield _bytes(array)
+        return
+    lead = _contiguous_split(array)
+    if lead is None or int(np.prod(array.shape[:lead])) > _MAX_CHUNKS:
+        yield _bytes(np.ascontiguousarray(array))
+        return
+    for index in np.ndindex(*array.shape[:lead]):
+        yield _bytes(array[index])
+
+
+def _bytes(array: np.ndarray) -> memoryview:
+    """The bytes of a C-contiguous array, as a flat view."""
+    return array.view(np.uint8).reshape(-1).data
+
+
+def _contiguous_split(array: np.ndarray) -> int | None:
+    """The fewest leading axes after which every sub-array is C-contiguous."""
+    expected = array.itemsize
+    for axis in range(array.ndim - 1, -1, -1):
+        if array.shape[axis] != 1 and array.strides[axis] != expected:
+            return axis + 1 if axis + 1 < array.ndim else None
+        expected *= array.shape[axis]
+    return 0

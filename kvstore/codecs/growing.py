@@ -1,0 +1,86 @@
+"""Codecs of caches whose rows grow without bound: ``kv:plain`` and ``kv:quant``.
+
+The cache holds positions ``[0, offset)`` at buffer rows ``[0, offset)``
+(capacity padding beyond). A snapshot of ``[start, stop)`` is those rows; a
+restore concatenates ranges that start at 0 and follow each other.
+"""
+
+from __future__ import annotations
+
+from abc import abstractmethod
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import mlx.core as mx
+
+from kvstore.abc.codec import Snapshot
+from kvstore.caches import KVCache, QuantizedKVCache
+from kvstore.codecs.rows import (
+    AffineRowCodec,
+    RawRowCodec,
+    RowCodec,
+    growth_capacity,
+    join_rows,
+    slice_rows,
+)
+from kvstore.errors import CapabilityError
+
+__all__ = ["GrowingKVCodec", "PlainKVCodec", "QuantizedKVCodec"]
+
+
+class GrowingKVCodec(RowCodec):
+    """Snapshot/restore of a growing cache; a family adds its row encoding and cache class."""
+
+    @abstractmethod
+    def make_cache(self, meta: Mapping[str, Any]) -> Any:
+        """An empty live cache of this codec's signature."""
+
+    def snapshot(self, cache: Any, start: int = 0, stop: int | None = None) -> Snapshot:
+        self.check_cache(cache)
+        offset = int(cache.offset)
+        start, stop = self.check_range(start, stop, offset)
+        keys, values = slice_rows(cache.keys, start, stop), slice_rows(cache.values, start, stop)
+        meta = {"dtype": self.rows_dtype(keys), "offset": offset}
+        return Snapshot(self.signature, start, stop, self.tensors_from_rows(keys, values), meta)
+
+    def restore(self, snapshots: Snapshot | Sequence[Snapshot]) -> Any:
+        snaps = self.as_snapshots(snapshots)
+        expected = 0
+        for snap in snaps:
+            if snap.start != expected:
+                raise CapabilityError(
+                    f"[{type(self).__name__}.restore] A growing cache is rebuilt from ranges "
+                    f"that start at 0 and follow each other; expected a range starting at "
+                    f"{expected}, received [{snap.start}, {snap.stop}).",
+                    expected=expected,
+                    ranges=[(s.start, s.stop) for s in snaps],
+                )
+            self.check_compatible(snaps[0], snap, ("dtype",))
+            expected = snap.stop
+        cache = self.make_cache(snaps[-1].meta)
+        capacity = growth_capacity(expected, cache.step)
+        rows = [self.rows_from_tensors(s.tensors) for s in snaps]
+        cache.keys = join_rows([k for k, _ in rows], capacity)
+        cache.values = join_rows([v for _, v in rows], capacity)
+        cache.offset = expected
+        mx.eval(cache.keys, cache.values)
+        return cache
+
+
+class PlainKVCodec(RawRowCodec, GrowingKVCodec):
+    """``kv:plain``: raw rows (``keys``, ``values``)."""
+
+    kind = "kv:plain"
+
+    def make_cache(self, meta: Mapping[str, Any]) -> KVCache:
+        return KVCache()
+
+
+class QuantizedKVCodec(AffineRowCodec, GrowingKVCodec):
+    """``kv:quant:{bits}:{group}``: affine rows (``keys.q``, ``keys.scales``,
+    ``keys.biases``, same for ``values``), stored as they are."""
+
+    kind = "kv:quant"
+
+    def make_cache(self, meta: Mapping[str, Any]) -> QuantizedKVCache:
+        return QuantizedKVCache(self.group_size, self.bits)

@@ -1,0 +1,358 @@
+"""The self-describing header shared by records and ``.safetensors`` snapshot files.
+
+Both carry the same description of their layers, one entry per layer (or
+``None`` for a layer absent from this value)::
+
+    {"signature": "kv:quant:4:64", "codec": "QuantizedKVCodec", "codec_version": 1,
+     "start": 0, "stop": 256, "meta": {...},
+     "tensors": [{"name": "keys.q", "dtype": "uint32", "shape": [1, 8, 256, 16],
+                  "offset": 0, "nbytes": 131072}, ...]}
+
+(``offset``/``nbytes`` only in records: ``.safetensors`` locates tensors itself.)
+
+Parsing is defensive: whatever the bytes, it ends in a value or in a
+``CorruptEntryError``/``FormatVersionError`` -- never another exception.
+Size, nesting depth and container lengths are bounded before anything is
+interpreted. A field this reader does not know is a ``FormatVersionError``
+(a newer writer made it required), unless it is a map marked
+``"must_understand": false``, which is skipped (zarr v3's rule).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from kvstore.abc.codec import Snapshot
+from kvstore.codecs.arrays import DTYPES, dtype_name
+from kvstore.errors import CorruptEntryError, FormatVersionError
+
+__all__ = [
+    "FORMAT_VERSION",
+    "SUPPORTED_VERSIONS",
+    "Bounds",
+    "BOUNDS",
+    "TensorEntry",
+    "LayerEntry",
+    "check_bounds",
+    "check_format",
+    "parse_fields",
+    "parse_header",
+    "parse_layers",
+    "layer_entry",
+    "writer",
+]
+
+#: The record/file format this module writes.
+FORMAT_VERSION = 1
+#: The formats this module reads.
+SUPPORTED_VERSIONS: tuple[int, ...] = (1,)
+
+# Generous enough for 4k layers and a 100k-token id list in user meta.
+_MAX_INT = (1 << 63) - 1
+
+
+@dataclass(frozen=True)
+class Bounds:
+    """Limits a header must stay within before it is interpreted."""
+
+    header_bytes: int = 4 << 20
+    depth: int = 32
+    array_len: int = 1 << 17
+    map_len: int = 1 << 12
+    str_len: int = 1 << 16
+    bin_len: int = 1 << 20
+    layers: int = 1 << 12
+    tensors_per_layer: int = 64
+    rank: int = 8
+
+
+BOUNDS = Bounds()
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    """One tensor of a layer: where its bytes are and how to view them."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    offset: int = 0
+    nbytes: int = 0
+
+
+@dataclass(frozen=True)
+class LayerEntry:
+    """One layer's snapshot, described."""
+
+    signature: str
+    codec: str
+    codec_version: int
+    start: int
+    stop: int
+    meta: Mapping[str, Any]
+    tensors: tuple[TensorEntry, ...]
+
+
+def writer() -> str:
+    from kvstore import __version__
+
+    return f"kvstore {__version__}"
+
+
+def corrupt(op: str, message: str, **attrs: Any) -> CorruptEntryError:
+    return CorruptEntryError(f"[{op}] {message}", **attrs)
+
+
+def check_format(op: str, version: Any) -> None:
+    """Raise ``FormatVersionError`` unless this reader reads format ``version``."""
+    if version not in SUPPORTED_VERSIONS:
+        reads = ", ".join(map(str, SUPPORTED_VERSIONS))
+        newer = isinstance(version, int) and version > max(SUPPORTED_VERSIONS)
+        fix = (
+            "Upgrade kvstore, or treat the entry as a miss."
+            if newer
+            else "Run 'kvstore migrate' with a release that reads it."
+        )
+        raise FormatVersionError(
+            f"[{op}] Format {version!r} is {'newer than' if newer else 'not read by'} this "
+            f"reader (reads {reads}). {fix}",
+            found=version,
+            supported=SUPPORTED_VERSIONS,
+        )
+
+
+def check_bounds(op: str, value: Any, bounds: Bounds = BOUNDS) -> None:
+    """Walk ``value`` (iteratively) and raise ``CorruptEntryError`` past any bound.
+
+    Also rejects anything but the msgpack/JSON data model (dict with str
+    keys, list, str, bytes, int, float, bool, None).
+    """
+    stack: list[tuple[Any, int]] = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if depth > bounds.depth:
+            raise corrupt(op, f"Header nesting is deeper than {bounds.depth} levels.")
+        if isinstance(item, dict):
+            if len(item) > bounds.map_len:
+                raise corrupt(
+                    op, f"A header map has {len(item)} entries (at most {bounds.map_len})."
+                )
+            for key, sub in item.items():
+                if not isinstance(key, str) or len(key) > bounds.str_len:
+                    raise corrupt(op, f"A header map key is not a short str: {str(key)[:40]!r}.")
+                stack.append((sub, depth + 1))
+        elif isinstance(item, list):
+            if len(item) > bounds.array_len:
+                raise corrupt(
+                    op, f"A header array has {len(item)} items (at most {bounds.array_len})."
+                )
+            stack.extend((sub, depth + 1) for sub in item)
+        elif isinstance(item, str):
+            if len(item) > bounds.str_len:
+                raise corrupt(
+                    op, f"A header string has {len(item)} chars (at most {bounds.str_len})."
+                )
+        elif isinstance(item, bytes):
+            if len(item) > bounds.bin_len:
+                raise corrupt(
+                    op, f"A header byte string has {len(item)} bytes (at most {bounds.bin_len})."
+                )
+        elif not (item is None or isinstance(item, (bool, int, float))):
+            raise corrupt(op, f"A header value of type {type(item).__name__} is not data.")
+
+
+# -- field validation ------------------------------------------------------------------
+
+Check = Callable[[Any], bool]
+
+
+def is_int(value: Any) -> bool:
+    return type(value) is int and 0 <= value <= _MAX_INT
+
+
+def is_str(value: Any) -> bool:
+    return isinstance(value, str) and 0 < len(value) <= 256
+
+
+def is_map(value: Any) -> bool:
+    return isinstance(value, dict)
+
+
+def parse_fields(op: str, obj: Any, where: str, fields: Mapping[str, Check]) -> dict[str, Any]:
+    """The fields of map ``obj``, each present and passing its check.
+
+    Raises:
+        CorruptEntryError: not a map, a field missing, or one failing its check.
+        FormatVersionError: a field this reader does not know (unless it is a
+            map marked ``"must_understand": false``).
+    """
+    if not isinstance(obj, dict):
+        raise corrupt(op, f"{where} must be a map; found {type(obj).__name__}.")
+    for key, value in obj.items():
+        if key in fields:
+            continue
+        if isinstance(value, dict) and value.get("must_understand") is False:
+            continue
+        raise FormatVersionError(
+            f"[{op}] {where} has field '{key}', which this reader (format "
+            f"{FORMAT_VERSION}) does not understand. It was written by a newer kvstore; "
+            f"upgrade, or treat the entry as a miss.",
+            found=key,
+            supported=SUPPORTED_VERSIONS,
+        )
+    out = {}
+    for key, check in fields.items():
+        if key not in obj:
+            raise corrupt(op, f"{where} lacks the required field '{key}'.")
+        if not check(obj[key]):
+            raise corrupt(op, f"{where}.{key} is invalid: {str(obj[key])[:80]!r}.")
+        out[key] = obj[key]
+    return out
+
+
+def _parse_tensor(op: str, obj: Any, where: str, located: bool) -> TensorEntry:
+    fields: dict[str, Check] = {
+        "name": is_str,
+        "dtype": lambda v: isinstance(v, str) and v in DTYPES,
+        "shape": lambda v: (
+            isinstance(v, list) and 0 < len(v) <= BOUNDS.rank and all(map(is_int, v))
+        ),
+    }
+    if located:
+        fields.update(offset=is_int, nbytes=is_int)
+    f = parse_fields(op, obj, where, fields)
+    shape = tuple(f["shape"])
+    size = DTYPES[f["dtype"]].itemsize
+    for dim in shape:
+        size *= dim
+    if located and size != f["nbytes"]:
+        raise corrupt(
+            op,
+            f"{where} has {f['nbytes']} bytes; shape {list(shape)} of {f['dtype']} needs {size}.",
+        )
+    return TensorEntry(f["name"], f["dtype"], shape, f.get("offset", 0), f.get("nbytes", size))
+
+
+def parse_layers(op: str, obj: Any, located: bool) -> tuple[LayerEntry | None, ...]:
+    """The ``layers`` array of a header. ``located``: tensors carry offset/nbytes."""
+    if not isinstance(obj, list) or len(obj) > BOUNDS.layers:
+        raise corrupt(op, f"layers must be an array of at most {BOUNDS.layers} entries.")
+    layers: list[LayerEntry | None] = []
+    for i, item in enumerate(obj):
+        if item is None:
+            layers.append(None)
+            continue
+        where = f"layers[{i}]"
+        f = parse_fields(
+            op,
+            item,
+            where,
+            {
+                "signature": is_str,
+                "codec": is_str,
+                "codec_version": is_int,
+                "start": is_int,
+                "stop": is_int,
+                "meta": is_map,
+                "tensors": lambda v: isinstance(v, list) and len(v) <= BOUNDS.tensors_per_layer,
+            },
+        )
+        if f["start"] > f["stop"]:
+            raise corrupt(op, f"{where} covers [{f['start']}, {f['stop']}): start after stop.")
+        tensors = tuple(
+            _parse_tensor(op, t, f"{where}.tensors[{j}]", located)
+            for j, t in enumerate(f["tensors"])
+        )
+        if len({t.name for t in tensors}) != len(tensors):
+            raise corrupt(op, f"{where} names a tensor twice.")
+        layers.append(
+            LayerEntry(
+                f["signature"],
+                f["codec"],
+                f["codec_version"],
+                f["start"],
+                f["stop"],
+                f["meta"],
+                tensors,
+            )
+        )
+    return tuple(layers)
+
+
+def parse_header(
+    op: str, obj: Any, *, located: bool, extra: Mapping[str, Check] | None = None
+) -> tuple[dict[str, Any], tuple[LayerEntry | None, ...]]:
+    """The fields and layers of a header (record or file), bounds and all checked.
+
+    Common fields are ``format``, ``writer``, ``layers`` and ``meta``; ``extra``
+    adds a container's own. ``located``: tensors carry ``offset``/``nbytes``.
+    """
+    check_bounds(op, obj)
+    if isinstance(obj, dict) and "format" in obj:
+        check_format(op, obj["format"])
+    fields: dict[str, Check] = {
+        "format": lambda v: type(v) is int,
+        "writer": is_str,
+        "layers": lambda v: isinstance(v, list),
+        "meta": is_map,
+        **(extra or {}),
+    }
+    f = parse_fields(op, obj, "header", fields)
+    layers = parse_layers(op, f["layers"], located=located)
+    check_codec_versions(op, layers)
+    return f, layers
+
+
+def layer_entry(snapshot: Snapshot, tensors: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """The header entry describing ``snapshot`` with the given tensor manifest.
+
+    Raises:
+        UnknownSignatureError: no codec serves the snapshot's kind.
+    """
+    from kvstore.codecs.registry import get_codec
+
+    codec = get_codec(snapshot.signature)
+    return {
+        "signature": snapshot.signature,
+        "codec": type(codec).__name__,
+        "codec_version": codec.version,
+        "start": int(snapshot.start),
+        "stop": int(snapshot.stop),
+        "meta": dict(snapshot.meta),
+        "tensors": list(tensors),
+    }
+
+
+def tensor_manifest(snapshot: Snapshot) -> list[dict[str, Any]]:
+    """``name``/``dtype``/``shape`` of each tensor of ``snapshot``, in order."""
+    return [
+        {"name": name, "dtype": dtype_name(array), "shape": [int(d) for d in array.shape]}
+        for name, array in snapshot.tensors.items()
+    ]
+
+
+def check_codec_versions(op: str, layers: Sequence[LayerEntry | None]) -> None:
+    """Raise ``FormatVersionError`` for a layer whose codec (when installed)
+    does not read the version it was written with."""
+    from kvstore.codecs.registry import find_codec_class, kind_of
+
+    for i, layer in enumerate(layers):
+        if layer is None:
+            continue
+        try:
+            cls = find_codec_class(kind_of(layer.signature))
+        except (ValueError, TypeError) as exc:
+            raise corrupt(
+                op, f"layers[{i}].signature {layer.signature!r} is malformed: {exc}"
+            ) from exc
+        if cls is not None and layer.codec_version not in cls.reads:
+            raise FormatVersionError(
+                f"[{op}] layers[{i}] ({layer.signature}) was written by {layer.codec} "
+                f"version {layer.codec_version}; {cls.__name__} here reads versions "
+                f"{', '.join(map(str, sorted(cls.reads)))}. Upgrade kvstore or the "
+                f"codec's package.",
+                found=layer.codec_version,
+                supported=tuple(sorted(cls.reads)),
+            )

@@ -1,0 +1,196 @@
+"""mlx-lm prompt-cache files (``save_prompt_cache``/``load_prompt_cache``), both ways.
+
+mlx-lm writes ``tree_flatten([c.state for c in cache])`` as tensors and a
+three-part metadata tree, in one of two layouts:
+
+* current (mlx-lm >= 0.29, 0.32.2 here): ``0.*`` user metadata, ``1.*`` class
+  names, ``2.*`` scalars -- ``2.0`` is ``""``, then ``(position, kind)``
+  pairs naming which tensors are really ints/strings/None. States are
+  ``(keys, values, offset[, ...])`` with capacity-padded buffers.
+* older (up to 0.28): ``0.*`` each cache's ``meta_state`` strings, ``1.*``
+  user metadata, ``2.*`` class names. States are ``(keys, values)`` already
+  cut to ``offset``.
+
+Import detects the layout, rebuilds each cache's state and returns its
+logical snapshots (padding dropped, rings in temporal order). Export writes
+the current layout without padding; stock ``load_prompt_cache`` loads it.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, cast
+
+import mlx.core as mx
+from mlx.utils import tree_flatten, tree_unflatten
+
+from kvstore.abc.codec import Snapshot
+from kvstore.caches import KVCache, QuantizedKVCache, RotatingKVCache
+from kvstore.codecs.files import read_safetensors
+from kvstore.codecs.registry import codec_for, get_codec
+from kvstore.codecs.rows import slice_rows
+from kvstore.errors import CapabilityError, CorruptEntryError
+
+__all__ = ["ImportedPromptCache", "import_prompt_cache", "export_prompt_cache"]
+
+# mlx-lm class name -> (our class with the same state layout, its kind)
+_CLASSES: dict[str, tuple[Any, str]] = {
+    "KVCache": (KVCache, "kv:plain"),
+    "QuantizedKVCache": (QuantizedKVCache, "kv:quant"),
+    "RotatingKVCache": (RotatingKVCache, "kv:rotating-plain"),
+}
+_CLASS_OF_KIND = {kind: name for name, (_, kind) in _CLASSES.items()}
+
+
+@dataclass(frozen=True)
+class ImportedPromptCache:
+    """What a prompt-cache file held.
+
+    Attributes:
+        layers: per layer, the snapshots that restore it (one, or a ring's
+            sink range and window).
+        metadata: the user metadata mlx-lm saved alongside.
+        layout: ``"current"`` or ``"legacy"`` (see the module docstring).
+    """
+
+    layers: list[list[Snapshot]]
+    metadata: dict[str, str]
+    layout: str
+
+    def caches(self) -> list[Any]:
+        """Live kvstore caches restored from the file."""
+        return [get_codec(snaps[0].signature).restore(snaps) for snaps in self.layers]
+
+
+def import_prompt_cache(path: str | os.PathLike[str]) -> ImportedPromptCache:
+    """Read a file written by mlx-lm's ``save_prompt_cache`` (either layout).
+
+    Raises:
+        CorruptEntryError: the file is not an mlx-lm prompt cache.
+        CapabilityError: it holds a cache class kvstore has no codec for.
+    """
+    op = "import_prompt_cache"
+    arrays, flat_meta = read_safetensors(op, path)
+    try:
+        meta_tree = tree_unflatten(list(flat_meta.items()))
+        states = tree_unflatten(list(arrays.items())) if arrays else []
+    except Exception as exc:  # tree_unflatten raises several types on junk keys
+        raise CorruptEntryError(f"[{op}] Not a prompt-cache layout: {exc}.") from exc
+    if not (isinstance(meta_tree, list) and len(meta_tree) == 3):
+        raise CorruptEntryError(f"[{op}] No mlx-lm prompt-cache metadata in '{os.fspath(path)}'.")
+    first, second, third = meta_tree
+    if isinstance(third, list) and third[:1] == [""]:
+        layout, user, classes = "current", first, second
+        try:
+            for position, kind in third[1:]:
+                _set_scalar(states, position, kind)
+        except (ValueError, TypeError, IndexError, KeyError) as exc:
+            raise CorruptEntryError(f"[{op}] Bad scalar table in the metadata: {exc}.") from exc
+        infos: list[Any] = [None] * len(classes or [])
+    elif isinstance(third, list) and all(isinstance(c, str) and c for c in third):
+        layout, user, classes, infos = "legacy", second, third, first or [None] * len(third)
+    else:
+        raise CorruptEntryError(f"[{op}] Unrecognised prompt-cache metadata layout.")
+    classes = classes or []
+    if len(states) != len(classes):
+        raise CorruptEntryError(
+            f"[{op}] {len(classes)} cache classes but {len(states)} cache states."
+        )
+    layers = []
+    for i, (name, state, info) in enumerate(zip(classes, states, infos, strict=True)):
+        if name not in _CLASSES:
+            raise CapabilityError(
+                f"[{op}] Layer {i} is an mlx-lm {name}; kvstore imports {', '.join(_CLASSES)}.",
+                found=name,
+                supported=list(_CLASSES),
+            )
+        try:
+            full = state if layout == "current" else _legacy_state(name, state, info)
+            # tree_unflatten gives lists where mlx-lm's states hold tuples
+            full = tuple(tuple(x) if isinstance(x, list) else x for x in full)
+            cache: Any = _CLASSES[name][0].from_state(full)
+            layers.append(codec_for(cache).snapshot_held(cache))
+        except (ValueError, TypeError, IndexError, AttributeError) as exc:
+            raise CorruptEntryError(
+                f"[{op}] Layer {i} ({name}) does not hold an mlx-lm {name} state: {exc}."
+            ) from exc
+    return ImportedPromptCache(layers, dict(user or {}), layout)
+
+
+def export_prompt_cache(
+    path: str | os.PathLike[str],
+    caches: Sequence[Any],
+    metadata: Mapping[str, str] | None = None,
+) -> None:
+    """Write ``caches`` as an mlx-lm prompt-cache file (current layout, no padding).
+
+    Stock ``mlx_lm.models.cache.load_prompt_cache`` loads it into mlx-lm's own
+    ``KVCache``/``QuantizedKVCache``/``RotatingKVCache``.
+
+    Raises:
+        CapabilityError: a cache family mlx-lm has no class for
+            (``kv:rotating-quant``, TurboQuant).
+    """
+    states, classes = [], []
+    for i, cache in enumerate(caches):
+        codec = codec_for(cache)
+        name = _CLASS_OF_KIND.get(codec.kind)
+        if name is None:
+            raise CapabilityError(
+                f"[export_prompt_cache] Layer {i} is '{codec.signature}', which mlx-lm has no "
+                f"cache class for; it exports {', '.join(_CLASS_OF_KIND)}.",
+                signature=codec.signature,
+            )
+        # Our restore builds exactly the buffer mlx-lm expects (rings rotated
+        # as they were); export its used rows only.
+        rebuilt = codec.restore(codec.snapshot_held(cache))
+        used = min(int(rebuilt.offset), int(_rows(rebuilt.keys)))
+        rebuilt.keys = slice_rows(rebuilt.keys, 0, used)
+        rebuilt.values = slice_rows(rebuilt.values, 0, used)
+        states.append(rebuilt.state)
+        classes.append(name)
+    scalars: list[Any] = [""]  # mlx-lm: "must be non-empty otherwise tree_flatten drops it"
+    tensors: dict[str, mx.array] = {}
+    for key, value in cast(list[tuple[str, Any]], tree_flatten(states)):
+        if isinstance(value, int):
+            scalars.append((key, "scalar"))
+            value = mx.array(value)
+        tensors[key] = value
+    flat_meta = dict(tree_flatten([dict(metadata or {}), classes, scalars]))
+    mx.save_safetensors(os.fspath(path), tensors, flat_meta)
+
+
+def _rows(tree: Any) -> int:
+    return (tree[0] if isinstance(tree, tuple) else tree).shape[2]
+
+
+def _set_scalar(states: list[Any], position: str, kind: str) -> None:
+    """Turn the tensor at ``position`` ("3.2") back into the Python value mlx-lm saved."""
+    *path, last = (int(p) for p in position.split("."))
+    parent = states
+    for step in path:
+        parent = parent[step]
+    array = parent[last]
+    if kind == "scalar":
+        parent[last] = array.item()
+    elif kind == "none":
+        parent[last] = None
+    elif kind == "string":
+        parent[last] = "".join(chr(c) for c in array.tolist())
+    else:
+        raise CorruptEntryError(f"[import_prompt_cache] Unknown scalar kind {kind!r}.")
+
+
+def _legacy_state(name: str, state: Sequence[Any], info: Any) -> tuple[Any, ...]:
+    """An older (keys, values) + ``meta_state`` strings as today's state tuple."""
+    keys, values = state[0], state[1]
+    fields = [int(x) for x in (info or ())] if not isinstance(info, str) else []
+    if name == "KVCache":
+        return keys, values, _rows(tuple(keys) if isinstance(keys, list) else keys)
+    if name == "QuantizedKVCache":
+        offset, group_size, bits = fields[-3:]  # (step,) offset, group_size, bits
+        return tuple(keys), tuple(values), offset, group_size, bits
+    keep, max_size, *rest = fields  # keep, max_size, (step,) offset, _idx
+    return keys, values, rest[-2], keep, max_size, rest[-1]

@@ -1,0 +1,456 @@
+"""The record: one stored value holding every layer of a model for one block of tokens.
+
+Layout (little-endian; DESIGN.md section 3)::
+
+    offset 0   magic "KVST"
+           4   u16 format version (1)
+           6   u16 flags (none defined in format 1: must be 0)
+           8   u32 header length H
+          12   u64 xxh3-64 of bytes [0, 12) and of the header
+          20   msgpack header, H bytes
+               zero padding to a multiple of 64
+          P    payload: each tensor's bytes, every tensor 64-byte aligned
+               (offsets relative to P), zero padding between them
+
+    header = {"format": 1, "writer": "kvstore 0.1.0",
+              "layers": [None | layer entry (see kvstore.codecs.header)],
+              "meta": {...}, "payload_nbytes": N,
+              "checksum": {"algorithm": "xxh3-64", "value": <u64 of the payload>}}
+
+Both checksums are verified on every decode (the header's before it is
+parsed), so a flipped bit anywhere is a ``CorruptEntryError``, never data.
+Tensors come back as numpy views into the caller's buffer (zero copy; the
+buffer must outlive them); :func:`snapshot_to_mlx` and
+:func:`decode_record_to_mlx` then copy into MLX memory exactly once.
+
+.. versionchanged:: 0.1 format 1.
+"""
+
+from __future__ import annotations
+
+import struct
+import threading
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.core as mx
+import msgpack
+import numpy as np
+import xxhash
+
+from kvstore.abc.codec import Snapshot
+from kvstore.codecs.arrays import MLX_DTYPES, as_mlx, as_numpy, contiguous_chunks, numpy_dtype
+from kvstore.codecs.header import (
+    BOUNDS,
+    FORMAT_VERSION,
+    LayerEntry,
+    check_bounds,
+    check_format,
+    corrupt,
+    is_int,
+    is_map,
+    layer_entry,
+    parse_fields,
+    parse_header,
+    tensor_manifest,
+    writer,
+)
+from kvstore.errors import CorruptEntryError
+
+__all__ = [
+    "MAGIC",
+    "ALIGN",
+    "CHECKSUM_ALGORITHM",
+    "RecordHeader",
+    "Record",
+    "encode_record",
+    "decode_record",
+    "decode_record_to_mlx",
+    "read_header",
+    "snapshot_to_mlx",
+]
+
+MAGIC = b"KVST"
+ALIGN = 64
+CHECKSUM_ALGORITHM = "xxh3-64"
+_PREFIX = struct.Struct("<4sHHIQ")
+_FIXED = 12  # magic, version, flags, header length: the bytes the header checksum covers
+# Below this a second thread for the checksum costs more than it saves.
+_PARALLEL_CHECKSUM_BYTES = 4 << 20
+# Largest copy into MLX memory when its buffer cache is cold: measured on Linux,
+# 8 MiB pieces land in reused heap memory, while one 512 MiB piece faults every
+# page fresh (4x slower).
+_SEGMENT_BYTES = 8 << 20
+
+
+def _align(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+@dataclass(frozen=True)
+class RecordHeader:
+    """A record's parsed header: enough to list, inspect and locate, no payload touched."""
+
+    format: int
+    flags: int
+    writer: str
+    layers: tuple[LayerEntry | None, ...]
+    meta: Mapping[str, Any]
+    payload_offset: int
+    payload_nbytes: int
+    checksum: int
+
+    @property
+    def nbytes(self) -> int:
+        """The record's total length."""
+        return self.payload_offset + self.payload_nbytes
+
+
+@dataclass(frozen=True)
+class Record:
+    """A decoded record: its header and one snapshot per layer (``None`` where absent)."""
+
+    header: RecordHeader
+    layers: list[Snapshot | None]
+
+
+# -- encode ------------------------------------------------------------------------------
+
+
+def encode_record(
+    layers: Sequence[Snapshot | None], *, meta: Mapping[str, Any] | None = None
+) -> bytes:
+    """One record holding ``layers`` (a snapshot per layer, ``None`` where absent).
+
+    Each tensor's bytes are copied once, straight from the (possibly strided)
+    source into the returned ``bytes``.
+
+    Args:
+        layers: the snapshots; layers may have different signatures.
+        meta: msgpack-able user metadata (token ids, model fingerprint...).
+
+    Raises:
+        UnknownSignatureError: a snapshot of a kind no codec serves.
+        TypeError: a tensor of a dtype records do not carry, or meta that
+            msgpack cannot encode.
+        ValueError: the header would exceed the format's bounds.
+    """
+    mx_arrays = [
+        a
+        for snap in layers
+        if snap is not None
+        for a in snap.tensors.values()
+        if isinstance(a, mx.array)
+    ]
+    mx.eval(mx_arrays)
+    entries: list[dict[str, Any] | None] = []
+    chunks: list[Any] = []
+    end = 0
+    for snap in layers:
+        if snap is None:
+            entries.append(None)
+            continue
+        manifest = tensor_manifest(snap)
+        for entry, array in zip(manifest, snap.tensors.values(), strict=True):
+            start = _align(end)
+            if start > end:
+                chunks.append(bytes(start - end))
+            words = as_numpy(array)
+            entry.update(offset=start, nbytes=int(words.nbytes))
+            chunks.extend(contiguous_chunks(words))
+            end = start + words.nbytes
+        entries.append(layer_entry(snap, manifest))
+    hasher = xxhash.xxh3_64()
+    for chunk in chunks:
+        hasher.update(chunk)
+    header = {
+        "format": FORMAT_VERSION,
+        "writer": writer(),
+        "layers": entries,
+        "meta": dict(meta or {}),
+        "payload_nbytes": end,
+        "checksum": {"algorithm": CHECKSUM_ALGORITHM, "value": hasher.intdigest()},
+    }
+    try:
+        packed = msgpack.packb(header, use_bin_type=True)
+    except (TypeError, ValueError, OverflowError) as exc:
+        raise TypeError(f"[encode_record] The header is not msgpack-able: {exc}.") from exc
+    try:  # what we write, we must be able to read
+        check_bounds("encode_record", header)
+    except CorruptEntryError as exc:
+        raise ValueError(f"{exc} Store less meta per record.") from exc
+    if len(packed) > BOUNDS.header_bytes:
+        raise ValueError(
+            f"[encode_record] The header is {len(packed)} bytes; records allow "
+            f"{BOUNDS.header_bytes}. Store fewer layers or less meta per record."
+        )
+    fixed = _PREFIX.pack(MAGIC, FORMAT_VERSION, 0, len(packed), 0)[:_FIXED]
+    header_sum = xxhash.xxh3_64_intdigest(fixed + packed)
+    head = _PREFIX.pack(MAGIC, FORMAT_VERSION, 0, len(packed), header_sum) + packed
+    return b"".join([head, bytes(_align(len(head)) - len(head)), *chunks])
+
+
+# -- decode ------------------------------------------------------------------------------
+
+
+def read_header(buffer: Any) -> RecordHeader:
+    """Parse and check a record's header without touching its payload.
+
+    ``buffer`` needs to hold at least the fixed prefix and the header.
+
+    Raises:
+        CorruptEntryError: wrong magic, bad header checksum, bounds, schema.
+        FormatVersionError: a format (or header field, or codec version)
+            this reader does not read.
+    """
+    return _read_header(_bytes_view(buffer, "read_header"), "read_header")
+
+
+def decode_record(buffer: Any, *, verify: bool = True) -> Record:
+    """Decode a record; tensors are numpy views into ``buffer`` (zero copy).
+
+    bfloat16 tensors come back as tagged ``uint16`` words
+    (:data:`kvstore.codecs.arrays.BFLOAT16_WORDS`). ``buffer`` (bytes,
+    memoryview, mmap, an LMDB value...) must outlive the views.
+
+    Args:
+        buffer: the whole record.
+        verify: check the payload checksum (only skip it for bytes you
+            verified yourself).
+
+    Raises:
+        CorruptEntryError: anything wrong with the bytes; ``stored`` and
+            ``computed`` attributes on a checksum mismatch.
+        FormatVersionError: a format this reader does not read.
+    """
+    view = _bytes_view(buffer, "decode_record")
+    header = _read_header(view, "decode_record")
+    payload = _payload(view, header, "decode_record")
+    if verify:
+        _verify(header, xxhash.xxh3_64_intdigest(payload), "decode_record")
+    return Record(header, _snapshots(header, lambda t: _numpy_view(payload, t)))
+
+
+def decode_record_to_mlx(buffer: Any) -> Record:
+    """Decode a record straight into MLX memory: one copy of the payload.
+
+    The checksum runs on a second thread while the payload is copied (xxhash
+    releases the GIL), and is checked before anything is returned. Tensors
+    are views into owned MLX buffers, not into ``buffer``.
+
+    Raises:
+        CorruptEntryError, FormatVersionError: as :func:`decode_record`.
+    """
+    view = _bytes_view(buffer, "decode_record")
+    header = _read_header(view, "decode_record")
+    payload = _payload(view, header, "decode_record")
+    computed: list[int] = []
+    worker = None
+    if len(payload) >= _PARALLEL_CHECKSUM_BYTES:
+        worker = threading.Thread(target=lambda: computed.append(xxhash.xxh3_64_intdigest(payload)))
+        worker.start()
+    else:
+        computed.append(xxhash.xxh3_64_intdigest(payload))
+    try:
+        words = np.frombuffer(payload, dtype=np.uint8)
+        segments = [(a, b, mx.array(words[a:b])) for a, b in _segments(header)]
+        mx.eval([array for _, _, array in segments])
+    finally:
+        if worker is not None:
+            worker.join()
+    _verify(header, computed[0], "decode_record")
+
+    def tensor(entry: Any) -> mx.array:
+        start, _, flat = next(seg for seg in segments if seg[0] <= entry.offset < seg[1])
+        cut = flat[entry.offset - start : entry.offset - start + entry.nbytes]
+        return cut.view(MLX_DTYPES[entry.dtype]).reshape(entry.shape)
+
+    def empty(entry: Any) -> mx.array:
+        return mx.zeros(entry.shape, MLX_DTYPES[entry.dtype])
+
+    record = Record(header, _snapshots(header, lambda t: tensor(t) if t.nbytes else empty(t)))
+    mx.eval([a for snap in record.layers if snap is not None for a in snap.tensors.values()])
+    return record
+
+
+def _segments(header: RecordHeader) -> list[tuple[int, int]]:
+    """Byte ranges of the payload to copy into MLX, each whole tensors.
+
+    One range when MLX's buffer cache already holds that much freed memory
+    (a warm process: one large copy into touched pages is fastest); else
+    ranges of about ``_SEGMENT_BYTES`` (a larger tensor is one range), which
+    the C allocator serves from reused heap memory instead of fresh pages
+    that fault one by one. Only speed depends on this choice.
+    """
+    if not header.payload_nbytes:
+        return []
+    if mx.get_cache_memory() >= header.payload_nbytes:
+        return [(0, header.payload_nbytes)]
+    extents = sorted(
+        (t.offset, t.offset + t.nbytes)
+        for layer in header.layers
+        if layer is not None
+        for t in layer.tensors
+        if t.nbytes
+    )
+    segments: list[tuple[int, int]] = []
+    for start, end in extents:
+        if segments and end - segments[-1][0] <= _SEGMENT_BYTES:
+            segments[-1] = (segments[-1][0], end)
+        else:
+            segments.append((start, end))
+    return segments
+
+
+def snapshot_to_mlx(snapshot: Snapshot) -> Snapshot:
+    """``snapshot`` with every tensor an ``mx.array``: one copy of each numpy
+    view (bfloat16 words reinterpreted for free); MLX tensors pass as they are."""
+    tensors = {name: as_mlx(array) for name, array in snapshot.tensors.items()}
+    mx.eval(list(tensors.values()))
+    return Snapshot(snapshot.signature, snapshot.start, snapshot.stop, tensors, snapshot.meta)
+
+
+def _bytes_view(buffer: Any, op: str) -> memoryview:
+    try:
+        view = memoryview(buffer)
+    except TypeError as exc:
+        raise TypeError(
+            f"[{op}] A record is a bytes-like object; received {type(buffer).__name__}."
+        ) from exc
+    if not view.c_contiguous:
+        raise TypeError(f"[{op}] A record buffer must be contiguous.")
+    return view.cast("B") if view.format != "B" or view.ndim != 1 else view
+
+
+def _read_header(view: memoryview, op: str) -> RecordHeader:
+    if len(view) < _PREFIX.size:
+        raise corrupt(op, f"A record is at least {_PREFIX.size} bytes; received {len(view)}.")
+    magic, version, flags, length, header_sum = _PREFIX.unpack_from(view)
+    if magic != MAGIC:
+        raise corrupt(op, f"Not a kvstore record: magic {bytes(magic)!r}, expected {MAGIC!r}.")
+    check_format(op, version)
+    if length > BOUNDS.header_bytes:
+        raise corrupt(op, f"Header length {length} exceeds the bound {BOUNDS.header_bytes}.")
+    end = _PREFIX.size + length
+    if len(view) < end:
+        raise corrupt(op, f"Truncated: the header needs {end} bytes; received {len(view)}.")
+    hasher = xxhash.xxh3_64(view[:_FIXED])
+    hasher.update(view[_PREFIX.size : end])
+    if hasher.intdigest() != header_sum:
+        raise corrupt(
+            op,
+            f"Header checksum mismatch: stored {header_sum:#018x}, "
+            f"computed {hasher.intdigest():#018x}.",
+            stored=header_sum,
+            computed=hasher.intdigest(),
+        )
+    if flags != 0:
+        raise corrupt(op, f"Flags {flags:#06x} are set; format 1 defines none.")
+    try:
+        obj = msgpack.unpackb(
+            view[_PREFIX.size : end],
+            raw=False,
+            strict_map_key=True,
+            use_list=True,
+            max_str_len=BOUNDS.str_len,
+            max_bin_len=BOUNDS.bin_len,
+            max_array_len=BOUNDS.array_len,
+            max_map_len=BOUNDS.map_len,
+            max_ext_len=0,
+        )
+    except Exception as exc:  # msgpack raises a dozen types; all mean "not a header"
+        raise corrupt(op, f"The header is not valid msgpack: {type(exc).__name__}: {exc}.") from exc
+    f, layers = parse_header(
+        op, obj, located=True, extra={"payload_nbytes": is_int, "checksum": is_map}
+    )
+    if f["format"] != version:
+        raise corrupt(op, f"Header format {f['format']} disagrees with the prefix's {version}.")
+    check = parse_fields(
+        op,
+        f["checksum"],
+        "header.checksum",
+        {"algorithm": lambda v: v == CHECKSUM_ALGORITHM, "value": _is_u64},
+    )
+    _check_extents(op, layers, f["payload_nbytes"])
+    return RecordHeader(
+        version,
+        flags,
+        f["writer"],
+        layers,
+        f["meta"],
+        _align(end),
+        f["payload_nbytes"],
+        check["value"],
+    )
+
+
+def _is_u64(value: Any) -> bool:
+    return type(value) is int and 0 <= value < 1 << 64
+
+
+def _check_extents(op: str, layers: Sequence[LayerEntry | None], payload_nbytes: int) -> None:
+    extents = []
+    for i, layer in enumerate(layers):
+        for t in layer.tensors if layer is not None else ():
+            if t.offset % ALIGN or t.offset + t.nbytes > payload_nbytes:
+                raise corrupt(
+                    op,
+                    f"layers[{i}] tensor '{t.name}' at [{t.offset}, {t.offset + t.nbytes}) is "
+                    f"misaligned or outside the {payload_nbytes}-byte payload.",
+                )
+            if t.nbytes:
+                extents.append((t.offset, t.offset + t.nbytes))
+    extents.sort()
+    for (_, end), (start, _) in zip(extents, extents[1:], strict=False):
+        if start < end:
+            raise corrupt(op, "Two tensors overlap in the payload.")
+
+
+def _payload(view: memoryview, header: RecordHeader, op: str) -> memoryview:
+    if len(view) != header.nbytes:
+        raise corrupt(
+            op,
+            f"Record length {len(view)} differs from the {header.nbytes} bytes its header "
+            f"describes (truncated or trailing bytes).",
+            found=len(view),
+            expected=header.nbytes,
+        )
+    pad_start = _PREFIX.size + _PREFIX.unpack_from(view)[3]
+    if any(view[pad_start : header.payload_offset]):
+        raise corrupt(op, "The padding after the header is not zero.")
+    return view[header.payload_offset :]
+
+
+def _verify(header: RecordHeader, computed: int, op: str) -> None:
+    if computed != header.checksum:
+        raise corrupt(
+            op,
+            f"Payload checksum mismatch: stored {header.checksum:#018x}, computed "
+            f"{computed:#018x}. The entry is corrupt; treat it as a miss.",
+            stored=header.checksum,
+            computed=computed,
+        )
+
+
+def _numpy_view(payload: memoryview, entry: Any) -> np.ndarray:
+    dtype = numpy_dtype(entry.dtype)
+    count = entry.nbytes // dtype.itemsize
+    return np.frombuffer(payload, dtype=dtype, count=count, offset=entry.offset).reshape(
+        entry.shape
+    )
+
+
+def _snapshots(header: RecordHeader, tensor: Any) -> list[Snapshot | None]:
+    return [
+        None
+        if layer is None
+        else Snapshot(
+            layer.signature,
+            layer.start,
+            layer.stop,
+            {t.name: tensor(t) for t in layer.tensors},
+            layer.meta,
+        )
+        for layer in header.layers
+    ]

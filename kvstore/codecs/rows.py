@@ -1,0 +1,275 @@
+"""Row trees <-> snapshot tensors, and the row encodings codecs share.
+
+A cache stores keys and values as *row trees* shaped ``[B, H, T, width]``
+(see :mod:`kvstore.caches.base`): a bare array for raw rows, a
+``(q, scales, biases)`` tuple for MLX affine rows. A snapshot names each
+leaf: ``keys``/``values`` for raw rows, ``keys.q``/``keys.scales``/
+``keys.biases`` (and the same for ``values``) for affine rows.
+
+An *encoding* mixin (:class:`RawRowCodec`, :class:`AffineRowCodec`) tells a codec
+those names and how its rows convert to and from dense float rows; a
+*layout* base (:mod:`kvstore.codecs.growing`, :mod:`kvstore.codecs.ring`)
+says how rows sit in the cache. A codec is one of each.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any, ClassVar
+
+import mlx.core as mx
+
+from kvstore.abc.codec import KVCodec, Snapshot
+from kvstore.caches.quantized import QuantizedKVCache
+from kvstore.codecs.arrays import MLX_DTYPES, as_mlx, dtype_name
+from kvstore.codecs.registry import reported_signature
+from kvstore.errors import CapabilityError, CorruptEntryError
+from kvstore.signature import parse_signature
+
+__all__ = [
+    "Tree",
+    "RowCodec",
+    "RawRowCodec",
+    "AffineRowCodec",
+    "growth_capacity",
+    "slice_rows",
+    "join_rows",
+]
+
+Tree = Any  # mx.array | tuple[mx.array, ...]; numpy views before restore
+
+
+def growth_capacity(tokens: int, step: int) -> int:
+    """Capacity for ``tokens`` rows rounded up to ``step`` with room for one
+    more token, so the next decode step writes in place."""
+    return (tokens // step + 1) * step
+
+
+def slice_rows(tree: Tree, start: int, stop: int) -> Tree:
+    """Rows ``[start, stop)`` (axis 2) of every leaf; views, not copies."""
+    if isinstance(tree, tuple):
+        return tuple(leaf[:, :, start:stop] for leaf in tree)
+    return tree[:, :, start:stop]
+
+
+def join_rows(pieces: Sequence[Tree], capacity: int) -> Tree:
+    """The pieces concatenated along tokens into owned MLX arrays of
+    ``capacity`` rows, zero-padded after the last piece."""
+
+    def join(leaves: Sequence[Any]) -> mx.array:
+        parts = [as_mlx(leaf) for leaf in leaves]
+        first = parts[0]
+        tokens = sum(int(p.shape[2]) for p in parts)
+        if capacity > tokens:
+            pad = (*first.shape[:2], capacity - tokens, *first.shape[3:])
+            parts.append(mx.zeros(pad, first.dtype))
+        if len(parts) > 1:
+            return mx.concatenate(parts, axis=2)
+        # A lone part may be the caller's own array (or a view of it): copy it.
+        return parts[0] if parts[0] is not leaves[0] else mx.array(parts[0])
+
+    if isinstance(pieces[0], tuple):
+        return tuple(join([p[i] for p in pieces]) for i in range(len(pieces[0])))
+    return join(pieces)
+
+
+class RowCodec(KVCodec):
+    """How a family's rows are named in a snapshot and turned into dense rows."""
+
+    #: Suffixes of the leaves of one row tree ("" for a bare array).
+    parts: ClassVar[tuple[str, ...]]
+
+    # -- names -----------------------------------------------------------------
+    def tensor_names(self) -> list[str]:
+        return [f"{side}{part}" for side in ("keys", "values") for part in self.parts]
+
+    def tensors_from_rows(self, keys: Tree, values: Tree) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for side, tree in (("keys", keys), ("values", values)):
+            leaves = tree if isinstance(tree, tuple) else (tree,)
+            for part, leaf in zip(self.parts, leaves, strict=True):
+                out[f"{side}{part}"] = leaf
+        return out
+
+    def rows_from_tensors(self, tensors: Mapping[str, Any]) -> tuple[Tree, Tree]:
+        def tree(side: str) -> Tree:
+            leaves = tuple(tensors[f"{side}{part}"] for part in self.parts)
+            return leaves if len(leaves) > 1 else leaves[0]
+
+        return tree("keys"), tree("values")
+
+    def rows_dtype(self, keys: Tree) -> str:
+        """The float dtype of the rows (raw rows, or affine scales)."""
+        leaves = keys if isinstance(keys, tuple) else (keys,)
+        return dtype_name(leaves[-1])
+
+    # -- validation --------------------------------------------------------------
+    def check_range(self, start: int, stop: int | None, offset: int) -> tuple[int, int]:
+        """``(start, stop)`` with ``stop`` defaulted to ``offset``.
+
+        Raises:
+            ValueError: not ints, negative, or ``start > stop``.
+            CapabilityError: ``stop`` is past the cache's ``offset``.
+        """
+        stop = offset if stop is None else stop
+        if not (isinstance(start, int) and isinstance(stop, int) and 0 <= start <= stop):
+            raise ValueError(
+                f"[{type(self).__name__}.snapshot] A token range needs ints 0 <= start <= stop; "
+                f"received start={start!r}, stop={stop!r}."
+            )
+        if stop > offset:
+            raise CapabilityError(
+                f"[{type(self).__name__}.snapshot] The cache holds {offset} tokens; "
+                f"positions [{max(start, offset)}, {stop}) of [{start}, {stop}) do not exist yet.",
+                start=start,
+                stop=stop,
+                offset=offset,
+            )
+        return start, stop
+
+    def check_cache(self, cache: Any) -> None:
+        """Raise ``CapabilityError`` unless ``cache`` is a non-empty cache of this signature."""
+        found = reported_signature(cache) or "unknown"
+        if found != self.signature:
+            raise CapabilityError(
+                f"[{type(self).__name__}.snapshot] This codec snapshots '{self.signature}' "
+                f"caches; received a cache with signature '{found}'. Use codec_for(cache).",
+                signature=found,
+            )
+        if cache.keys is None:
+            raise CapabilityError(
+                f"[{type(self).__name__}.snapshot] The cache is empty: nothing to snapshot "
+                f"(not even its shapes). Snapshot after the first update.",
+                signature=found,
+            )
+
+    def as_snapshots(self, snapshots: Snapshot | Sequence[Snapshot]) -> list[Snapshot]:
+        """The snapshots as a non-empty list, each checked against the codec."""
+        snaps = [snapshots] if isinstance(snapshots, Snapshot) else list(snapshots)
+        if not snaps:
+            raise ValueError(f"[{type(self).__name__}.restore] Nothing to restore: no snapshots.")
+        for snap in snaps:
+            self.check_snapshot(snap)
+        return snaps
+
+    def check_snapshot(self, snap: Snapshot) -> None:
+        """Raise ``CorruptEntryError`` unless ``snap`` is a well-formed
+        snapshot of this codec's signature."""
+        problem = self._snapshot_problem(snap)
+        if problem:
+            raise CorruptEntryError(
+                f"[{type(self).__name__}.restore] {problem}; the snapshot cannot be restored.",
+                signature=snap.signature,
+            )
+
+    def _snapshot_problem(self, snap: Snapshot) -> str | None:
+        if snap.signature != self.signature:
+            return f"snapshot of '{snap.signature}' given to the '{self.signature}' codec"
+        if sorted(snap.tensors) != sorted(self.tensor_names()):
+            return f"tensors {sorted(snap.tensors)} where {self.tensor_names()} belong"
+        if snap.meta.get("dtype") not in MLX_DTYPES:
+            return f"meta dtype {snap.meta.get('dtype')!r} is not a known dtype"
+        lead = None
+        for name in self.tensor_names():
+            shape = tuple(snap.tensors[name].shape)
+            if len(shape) < 3 or shape[2] != snap.stop - snap.start:
+                return f"tensor '{name}' has shape {shape}, not [B, H, {snap.tokens}, ...]"
+            if lead is None:
+                lead = shape[:2]
+            elif shape[:2] != lead:
+                return f"tensor '{name}' has batch/heads {shape[:2]}, not {lead}"
+        keys, _ = self.rows_from_tensors(snap.tensors)
+        if self.rows_dtype(keys) != snap.meta["dtype"]:
+            return f"rows of dtype {self.rows_dtype(keys)} but meta dtype {snap.meta['dtype']}"
+        return None
+
+    def check_compatible(self, first: Snapshot, other: Snapshot, keys: Sequence[str]) -> None:
+        """Raise ``CorruptEntryError`` unless ``other`` can be joined with ``first``."""
+        for key in keys:
+            if first.meta.get(key) != other.meta.get(key):
+                raise CorruptEntryError(
+                    f"[{type(self).__name__}.restore] snapshots disagree on {key}: "
+                    f"{first.meta.get(key)!r} for [{first.start}, {first.stop}) and "
+                    f"{other.meta.get(key)!r} for [{other.start}, {other.stop}).",
+                    signature=self.signature,
+                )
+        for name in self.tensor_names():
+            a, b = tuple(first.tensors[name].shape), tuple(other.tensors[name].shape)
+            if a[:2] + a[3:] != b[:2] + b[3:]:
+                raise CorruptEntryError(
+                    f"[{type(self).__name__}.restore] tensor '{name}' is {tuple(a)} in "
+                    f"[{first.start}, {first.stop}) but {tuple(b)} in "
+                    f"[{other.start}, {other.stop}); the ranges are not of one cache.",
+                    signature=self.signature,
+                )
+
+
+class RawRowCodec(RowCodec):
+    """Rows stored as they come: float16, bfloat16 or float32."""
+
+    parts = ("",)
+
+    def to_dense(self, snapshot: Snapshot) -> tuple[mx.array, mx.array]:
+        self.check_snapshot(snapshot)
+        keys, values = self.rows_from_tensors(snapshot.tensors)
+        return as_mlx(keys), as_mlx(values)
+
+    def from_dense(
+        self, keys: Any, values: Any, *, start: int, stop: int, meta: Mapping[str, Any]
+    ) -> Snapshot:
+        dtype = MLX_DTYPES[meta["dtype"]]
+        keys, values = as_mlx(keys).astype(dtype), as_mlx(values).astype(dtype)
+        return Snapshot(
+            self.signature, start, stop, self.tensors_from_rows(keys, values), dict(meta)
+        )
+
+
+class AffineRowCodec(RowCodec):
+    """MLX affine rows ``(q, scales, biases)``: packed uint32 words and
+    per-group scales/biases in the model's float dtype."""
+
+    parts = (".q", ".scales", ".biases")
+    lossy = True
+
+    @property
+    def bits(self) -> int:
+        return parse_signature(self.signature).bits
+
+    @property
+    def group_size(self) -> int:
+        return parse_signature(self.signature).group_size
+
+    def _snapshot_problem(self, snap: Snapshot) -> str | None:
+        problem = super()._snapshot_problem(snap)
+        if problem:
+            return problem
+        for side in ("keys", "values"):
+            q, scales = snap.tensors[f"{side}.q"], snap.tensors[f"{side}.scales"]
+            head_dim = int(scales.shape[3]) * self.group_size
+            if int(q.shape[3]) * 32 != head_dim * self.bits:
+                return (
+                    f"{side}.q has {q.shape[3]} words per row, which does not hold "
+                    f"{head_dim} dims of {self.bits} bits"
+                )
+            if dtype_name(q) != "uint32":
+                return f"{side}.q has dtype {dtype_name(q)}, not uint32"
+        return None
+
+    def to_dense(self, snapshot: Snapshot) -> tuple[mx.array, mx.array]:
+        self.check_snapshot(snapshot)
+        keys, values = self.rows_from_tensors(snapshot.tensors)
+
+        def dense(tree: Tree) -> mx.array:
+            q, scales, biases = (as_mlx(a) for a in tree)
+            return mx.dequantize(q, scales, biases, group_size=self.group_size, bits=self.bits)
+
+        return dense(keys), dense(values)
+
+    def from_dense(
+        self, keys: Any, values: Any, *, start: int, stop: int, meta: Mapping[str, Any]
+    ) -> Snapshot:
+        dtype = MLX_DTYPES[meta["dtype"]]
+        # The cache's own encoder: same kernel, same CapabilityError when no group fits.
+        encoder = QuantizedKVCache(self.group_size, self.bits)
+        trees = [encoder._encode(as_mlx(x).astype(dtype)) for x in (keys, values)]
+        return Snapshot(self.signature, start, stop, self.tensors_from_rows(*trees), dict(meta))

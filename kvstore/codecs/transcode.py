@@ -1,0 +1,136 @@
+"""Converting a snapshot from one family to another (the migration tool's verb).
+
+Every conversion goes through dense float rows: the source codec's
+``to_dense``, then the target codec's ``from_dense``. What that costs:
+
+* raw -> affine (``kv:plain`` -> ``kv:quant:b:g``) is **lossy**: the rows are
+  quantised;
+* affine -> raw dequantises; nothing further is lost;
+* affine -> affine with other bits/group dequantises and quantises again
+  (lossy);
+* growing <-> windowed (``kv:plain`` <-> ``kv:rotating-plain``) keeps the
+  rows of the snapshot's range as they are: a windowed snapshot already
+  holds only positions its window still had, and a growing one becomes a
+  window by naming its ``max_size``/``keep``.
+
+:func:`transcode_measured` also measures what was lost: the relative MSE of
+keys and values (mean over vectors of ``|x - x'|^2 / |x|^2``, as in
+``specs/turboquant.md``), so a migration can report it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, cast
+
+import mlx.core as mx
+
+from kvstore.abc.codec import KVCodec, Snapshot
+from kvstore.codecs.registry import get_codec
+from kvstore.codecs.ring import RingKVCodec
+
+__all__ = ["Transcoded", "transcode", "transcode_measured", "relative_mse"]
+
+_WINDOW_KEYS = ("max_size", "keep", "ring_idx")
+
+
+@dataclass(frozen=True)
+class Transcoded:
+    """A transcoded snapshot and what the conversion lost.
+
+    Attributes:
+        snapshot: the snapshot in the target family.
+        lossless: True when the target decodes to exactly the source's rows.
+        relative_mse: ``{"keys": ..., "values": ...}``, 0.0 when lossless.
+    """
+
+    snapshot: Snapshot
+    lossless: bool
+    relative_mse: dict[str, float]
+
+
+def relative_mse(x: mx.array, approx: mx.array) -> float:
+    """Mean over vectors (last axis) of ``|x - approx|^2 / |x|^2``; zero vectors count as 0."""
+    x32, a32 = x.astype(mx.float32), approx.astype(mx.float32)
+    err = mx.sum(mx.square(x32 - a32), axis=-1)
+    norm = mx.sum(mx.square(x32), axis=-1)
+    ratio = mx.where(norm > 0, err / mx.maximum(norm, 1e-30), 0.0)
+    return float(cast(float, mx.mean(ratio).item())) if ratio.size else 0.0
+
+
+def transcode(
+    snapshot: Snapshot, to_signature: str, *, max_size: int | None = None, keep: int | None = None
+) -> Snapshot:
+    """``snapshot`` converted to the family ``to_signature``.
+
+    Lossy when the target quantises (``kv:plain`` -> ``kv:quant:b:g``, or
+    affine -> affine with other parameters); see :func:`transcode_measured`
+    for the error.
+
+    Args:
+        snapshot: the source snapshot (any registered family with a dense form).
+        to_signature: the target family's signature.
+        max_size, keep: the window of a windowed target; default to the
+            source's when it is windowed too (``keep`` defaults to 0 otherwise).
+
+    Raises:
+        UnknownSignatureError: no codec serves the source or target kind.
+        CapabilityError: a family without a dense form.
+        ValueError: a windowed target without ``max_size``.
+    """
+    return transcode_measured(snapshot, to_signature, max_size=max_size, keep=keep).snapshot
+
+
+def transcode_measured(
+    snapshot: Snapshot, to_signature: str, *, max_size: int | None = None, keep: int | None = None
+) -> Transcoded:
+    """:func:`transcode`, plus whether it was lossless and its relative MSE."""
+    source, target = get_codec(snapshot.signature), get_codec(to_signature)
+    meta = _target_meta(snapshot, source, target, max_size, keep)
+    if source == target and meta == dict(snapshot.meta):
+        return Transcoded(snapshot, True, {"keys": 0.0, "values": 0.0})
+    keys, values = source.to_dense(snapshot)
+    out = target.from_dense(keys, values, start=snapshot.start, stop=snapshot.stop, meta=meta)
+    new_keys, new_values = target.to_dense(out)
+    lossless = bool(mx.array_equal(keys, new_keys).item()) and bool(
+        mx.array_equal(values, new_values).item()
+    )
+    errors = {"keys": relative_mse(keys, new_keys), "values": relative_mse(values, new_values)}
+    return Transcoded(out, lossless, errors)
+
+
+def _target_meta(
+    snapshot: Snapshot,
+    source: KVCodec,
+    target: KVCodec,
+    max_size: int | None,
+    keep: int | None,
+) -> dict[str, Any]:
+    meta = {k: v for k, v in snapshot.meta.items() if k not in _WINDOW_KEYS}
+    if not isinstance(target, RingKVCodec):
+        return meta
+    windowed = isinstance(source, RingKVCodec)
+    same_window = (
+        windowed
+        and max_size in (None, snapshot.meta["max_size"])
+        and keep
+        in (
+            None,
+            snapshot.meta["keep"],
+        )
+    )
+    if same_window:
+        return dict(snapshot.meta)
+    if max_size is None and not windowed:
+        raise ValueError(
+            f"[transcode] A windowed target '{target.signature}' needs max_size (and keep); "
+            f"the source '{source.signature}' has no window."
+        )
+    meta["max_size"] = int(max_size if max_size is not None else snapshot.meta["max_size"])
+    meta["keep"] = int(keep if keep is not None else (snapshot.meta["keep"] if windowed else 0))
+    if not 0 <= meta["keep"] < meta["max_size"]:
+        raise ValueError(
+            f"[transcode] A window needs 0 <= keep < max_size; "
+            f"received max_size={meta['max_size']}, keep={meta['keep']}."
+        )
+    return meta

@@ -1,0 +1,145 @@
+"""Acceptance 5: mlx-lm prompt-cache files both ways, against the installed mlx-lm
+and a file written by a real mlx-lm 0.28.0 (the older layout)."""
+
+import json
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+
+pytest.importorskip("mlx_lm")
+from mlx_lm.models import cache as lm_cache  # noqa: E402
+
+from kvstore.caches import (  # noqa: E402
+    KVCache,
+    QuantizedKVCache,
+    RotatingKVCache,
+    RotatingQuantizedKVCache,
+)
+from kvstore.codecs import snapshot_held  # noqa: E402
+from kvstore.codecs.prompt_cache import export_prompt_cache, import_prompt_cache  # noqa: E402
+from kvstore.errors import CapabilityError, CorruptEntryError  # noqa: E402
+from kvstore.testing.codec import (  # noqa: E402
+    assert_arrays_equal,
+    assert_snapshots_equal,
+    check_continue,
+    fill_cache,
+)
+from kvstore.testing.mlx_lm_models import build_mlx_lm_model  # noqa: E402
+
+FIXTURES = Path(__file__).parent.parent / "fixtures" / "mlx_lm"
+
+# (ours, stock mlx-lm) pairs fed the same rows
+PAIRS = {
+    "plain": (KVCache, lm_cache.KVCache),
+    "quant-4-64": (lambda: QuantizedKVCache(64, 4), lambda: lm_cache.QuantizedKVCache(64, 4)),
+    "quant-8-32": (lambda: QuantizedKVCache(32, 8), lambda: lm_cache.QuantizedKVCache(32, 8)),
+    "rotating": (lambda: RotatingKVCache(16, keep=2), lambda: lm_cache.RotatingKVCache(16, keep=2)),
+}
+HISTORY = [30, 1, 1, 5, 1, 1]
+
+
+@pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16], ids=["fp16", "bf16"])
+def test_import_current_layout_written_by_stock_mlx_lm(tmp_path, dtype):
+    ours = [make() for make, _ in PAIRS.values()]
+    theirs = [make() for _, make in PAIRS.values()]
+    for cache in ours + theirs:
+        fill_cache(cache, HISTORY, dtype=dtype)
+    path = tmp_path / "stock.safetensors"
+    lm_cache.save_prompt_cache(str(path), theirs, {"model": "tiny"})
+    imported = import_prompt_cache(path)
+    assert imported.layout == "current" and imported.metadata == {"model": "tiny"}
+    for mine, layer in zip(ours, imported.layers, strict=True):
+        # Capacity padding is gone: the snapshots hold exactly the logical rows.
+        assert_snapshots_equal(snapshot_held(mine), layer)
+    for stock, restored in zip(theirs, imported.caches(), strict=True):
+        check_continue(stock, restored, [1, 1, 7, 1], dtype=dtype)
+
+
+def test_import_older_layout_written_by_mlx_lm_0_28():
+    config = json.loads((FIXTURES / "config-mlx-lm-0.28.0.json").read_text())
+    inputs = mx.load(str(FIXTURES / "inputs-mlx-lm-0.28.0.safetensors"))
+    imported = import_prompt_cache(FIXTURES / "prompt-cache-mlx-lm-0.28.0.safetensors")
+    assert imported.layout == "legacy"
+    assert imported.metadata == {"written_by": "mlx-lm 0.28.0"}
+    ours_by_class = {
+        "KVCache": KVCache,
+        "QuantizedKVCache": QuantizedKVCache,
+        "RotatingKVCache": RotatingKVCache,
+    }
+    restored = imported.caches()
+    for i, (spec, layer) in enumerate(zip(config["layers"], imported.layers, strict=True)):
+        mine = ours_by_class[spec["class"]](*spec["args"])
+        for j in range(len(spec["updates"])):
+            mine.update_and_fetch(
+                inputs[f"layer.{i}.update.{j}.keys"], inputs[f"layer.{i}.update.{j}.values"]
+            )
+        assert_snapshots_equal(snapshot_held(mine), layer)
+        check_continue(mine, restored[i], [1, 1, 7, 1], dtype=getattr(mx, spec["dtype"]))
+    # the rotated ring kept its rotation
+    assert imported.layers[2][0].meta["ring_idx"] == 6
+
+
+def logits_after(model, caches, chunks, seed=5):
+    out = []
+    for n in chunks:
+        out.append(model(mx.random.randint(0, 256, (1, n), key=mx.random.key(seed)), cache=caches))
+        seed += 1
+    mx.eval(out)
+    return out
+
+
+@pytest.mark.parametrize(
+    "family",
+    ["plain", "quant-4-64", "rotating"],
+)
+def test_export_loads_in_stock_mlx_lm_with_identical_logits(tmp_path, family):
+    model = build_mlx_lm_model("llama")
+    make = PAIRS[family][0]
+    ours = [make() for _ in model.layers]
+    prompt = mx.random.randint(0, 256, (1, 70), key=mx.random.key(3))
+    model(prompt[:, :64], cache=ours)
+    for i in range(64, 70):  # decode: a rotating window wraps and rotates
+        model(prompt[:, i : i + 1], cache=ours)
+    path = tmp_path / "ours.safetensors"
+    export_prompt_cache(path, ours, {"source": "kvstore"})
+    stock, metadata = lm_cache.load_prompt_cache(str(path), return_metadata=True)
+    assert metadata == {"source": "kvstore"}
+    assert [type(c) for c in stock] == [type(PAIRS[family][1]())] * len(ours)
+    chunks = [1, 1, 6, 1]
+    want_all, got_all = logits_after(model, ours, chunks), logits_after(model, stock, chunks)
+    for want, got in zip(want_all, got_all, strict=True):
+        assert_arrays_equal(want, got, "next-token logits")
+
+
+def test_export_round_trips_through_import(tmp_path):
+    ours = [make() for make, _ in PAIRS.values()]
+    for cache in ours:
+        fill_cache(cache, HISTORY, dtype=mx.bfloat16)
+    export_prompt_cache(tmp_path / "x.safetensors", ours)
+    imported = import_prompt_cache(tmp_path / "x.safetensors")
+    for mine, layer in zip(ours, imported.layers, strict=True):
+        assert_snapshots_equal(snapshot_held(mine), layer)
+
+
+def test_export_of_a_family_mlx_lm_lacks_is_refused(tmp_path):
+    ring = RotatingQuantizedKVCache(16, bits=4)
+    fill_cache(ring, [3])
+    with pytest.raises(CapabilityError, match="mlx-lm has no cache class") as info:
+        export_prompt_cache(tmp_path / "x.safetensors", [ring])
+    assert info.value.signature == "kv:rotating-quant:4:64"
+
+
+def test_import_errors(tmp_path):
+    (tmp_path / "junk.safetensors").write_bytes(b"not a safetensors file")
+    with pytest.raises(CorruptEntryError, match="is not a readable safetensors file"):
+        import_prompt_cache(tmp_path / "junk.safetensors")
+    mx.save_safetensors(str(tmp_path / "plain.safetensors"), {"w": mx.zeros(3)})
+    with pytest.raises(CorruptEntryError, match="No mlx-lm prompt-cache metadata"):
+        import_prompt_cache(tmp_path / "plain.safetensors")
+    chunked = lm_cache.ChunkedKVCache(8)
+    chunked.update_and_fetch(mx.zeros((1, 1, 3, 32)), mx.zeros((1, 1, 3, 32)))
+    lm_cache.save_prompt_cache(str(tmp_path / "chunked.safetensors"), [chunked])
+    with pytest.raises(CapabilityError, match="ChunkedKVCache") as info:
+        import_prompt_cache(tmp_path / "chunked.safetensors")
+    assert info.value.found == "ChunkedKVCache"

@@ -1,0 +1,275 @@
+"""The record format: layout, zero copy, header rules, errors and their attributes."""
+
+import struct
+
+import mlx.core as mx
+import numpy as np
+import pytest
+import xxhash
+
+from kvstore.caches import KVCache, QuantizedKVCache, RotatingKVCache
+from kvstore.codecs import (
+    decode_record,
+    decode_record_to_mlx,
+    encode_record,
+    read_header,
+    snapshot,
+    snapshot_held,
+    snapshot_to_mlx,
+)
+from kvstore.codecs.arrays import BFLOAT16_WORDS
+from kvstore.codecs.header import BOUNDS
+from kvstore.errors import CorruptEntryError, FormatVersionError, UnknownSignatureError
+from kvstore.testing.codec import assert_snapshots_equal, fill_cache
+
+from .helpers import craft_record, header_of, payload_of, small_record
+
+
+def mixed_layers():
+    plain, quant, ring = KVCache(), QuantizedKVCache(64, 4), RotatingKVCache(16, keep=2)
+    for cache in (plain, quant, ring):
+        fill_cache(cache, [20], heads=3, dtype=mx.bfloat16)
+    # A middle range of a 3-head cache is a strided view: encoded without compacting it first.
+    return [snapshot(plain, 5, 17), None, snapshot(quant, 5, 17), snapshot(ring, 5, 17)]
+
+
+def test_layout_prefix_alignment_and_payload_bytes():
+    layers = mixed_layers()
+    record = encode_record(layers, meta={"tokens": list(range(5, 17))})
+    magic, version, flags, length, header_sum = struct.unpack_from("<4sHHIQ", record)
+    assert (magic, version, flags) == (b"KVST", 1, 0)
+    assert header_sum == xxhash.xxh3_64_intdigest(record[:12] + record[20 : 20 + length])
+    header = read_header(record)
+    assert header.payload_offset % 64 == 0 and header.payload_offset >= 20 + length
+    assert header.nbytes == len(record)
+    assert header.meta == {"tokens": list(range(5, 17))}
+    assert header.writer.startswith("kvstore ")
+    assert header.checksum == xxhash.xxh3_64_intdigest(payload_of(record))
+    payload = payload_of(record)
+    for layer, snap in zip(header.layers, layers, strict=True):
+        assert (layer is None) == (snap is None)
+        if layer is None:
+            continue
+        assert (layer.signature, layer.start, layer.stop) == (snap.signature, 5, 17)
+        assert (layer.codec, layer.codec_version) == (
+            {"kv:plain": "PlainKVCodec", "kv:quant:4:64": "QuantizedKVCodec"}.get(
+                snap.signature, "RotatingKVCodec"
+            ),
+            1,
+        )
+        for entry, (name, array) in zip(layer.tensors, snap.tensors.items(), strict=True):
+            assert entry.name == name and entry.offset % 64 == 0
+            words = array.view(mx.uint16) if array.dtype == mx.bfloat16 else array
+            raw = np.ascontiguousarray(np.asarray(words)).tobytes()
+            assert payload[entry.offset : entry.offset + entry.nbytes] == raw
+
+
+def test_decode_is_zero_copy_and_keeps_bfloat16_words():
+    layers = mixed_layers()
+    buffer = bytearray(encode_record(layers))
+    record = decode_record(buffer)
+    assert_snapshots_equal(layers, record.layers)
+    keys = record.layers[0].tensors["keys"]
+    assert keys.dtype == BFLOAT16_WORDS and keys.dtype.metadata == {"dtype": "bfloat16"}
+    whole = np.frombuffer(buffer, dtype=np.uint8)
+    for snap in record.layers:
+        for array in snap.tensors.values() if snap else ():
+            assert np.shares_memory(array, whole)
+    # Proof of the view: a write to the buffer shows through.
+    offset = record.header.payload_offset + record.header.layers[0].tensors[0].offset
+    buffer[offset : offset + 2] = b"\x80\x3f"  # bfloat16 1.0
+    assert keys.reshape(-1)[0] == 0x3F80
+
+
+def test_to_mlx_copies_once_into_owned_memory():
+    layers = mixed_layers()
+    record_bytes = encode_record(layers)
+    numpy_views = decode_record(record_bytes)
+    whole = np.frombuffer(record_bytes, dtype=np.uint8)
+    converted = [snapshot_to_mlx(s) if s else None for s in numpy_views.layers]
+    direct = decode_record_to_mlx(record_bytes)
+    for decoded in (converted, direct.layers):
+        assert_snapshots_equal(layers, decoded)
+        for snap in decoded:
+            for array in snap.tensors.values() if snap else ():
+                assert isinstance(array, mx.array)
+                words = array.view(mx.uint16) if array.dtype == mx.bfloat16 else array
+                assert not np.shares_memory(np.asarray(words), whole)
+    assert direct.layers[0].tensors["keys"].dtype == mx.bfloat16
+
+
+def test_large_record_checksum_runs_on_a_second_thread_and_still_verifies():
+    cache = KVCache()
+    fill_cache(cache, [4096], heads=4, head_dim=128)  # 8 MiB payload: the parallel path
+    record = bytearray(encode_record([snapshot(cache)]))
+    assert_snapshots_equal([snapshot(cache)], decode_record_to_mlx(record).layers)
+    record[-1] ^= 0x01
+    with pytest.raises(CorruptEntryError, match="Payload checksum mismatch"):
+        decode_record_to_mlx(record)
+
+
+def test_read_header_needs_only_the_header():
+    record = small_record()
+    header = read_header(record)
+    cut = header.payload_offset
+    assert read_header(record[:cut]) == header
+    damaged = bytearray(record)
+    damaged[cut + 3] ^= 0xFF  # payload damage is decode's business, not read_header's
+    assert read_header(damaged) == header
+    with pytest.raises(CorruptEntryError):
+        decode_record(damaged)
+    assert decode_record(damaged, verify=False).header == header
+
+
+def test_checksum_mismatch_names_stored_and_computed():
+    record = bytearray(small_record())
+    stored = read_header(record).checksum
+    record[-5] ^= 0x10
+    with pytest.raises(CorruptEntryError) as info:
+        decode_record(record)
+    computed = xxhash.xxh3_64_intdigest(payload_of(bytes(record)))
+    assert info.value.stored == stored and info.value.computed == computed != stored
+    assert f"stored {stored:#018x}, computed {computed:#018x}" in str(info.value)
+
+
+@pytest.mark.parametrize("version", [2, 7, 65535])
+def test_newer_format_is_a_format_version_error(version):
+    record = bytearray(small_record())
+    record[4:6] = struct.pack("<H", version)
+    with pytest.raises(FormatVersionError) as info:
+        decode_record(record)
+    assert str(info.value) == (
+        f"[decode_record] Format {version} is newer than this reader (reads 1). "
+        "Upgrade kvstore, or treat the entry as a miss."
+    )
+    assert info.value.found == version and info.value.supported == (1,)
+
+
+def test_format_zero_is_not_read():
+    record = bytearray(small_record())
+    record[4:6] = b"\x00\x00"
+    with pytest.raises(FormatVersionError, match="Format 0 is not read by this reader"):
+        decode_record(record)
+
+
+def valid_header():
+    record = small_record()
+    return header_of(record), payload_of(record)
+
+
+def test_unknown_header_fields_are_format_errors_unless_marked_optional():
+    header, payload = valid_header()
+    with pytest.raises(FormatVersionError, match="header has field 'compression'"):
+        decode_record(craft_record({**header, "compression": "zstd"}, payload))
+    optional = {**header, "hints": {"must_understand": False, "prefetch": True}}
+    assert decode_record(craft_record(optional, payload)).header.meta == header["meta"]
+    layer = {**header["layers"][0], "scale": 2}
+    with pytest.raises(FormatVersionError, match=r"layers\[0\] has field 'scale'"):
+        decode_record(craft_record({**header, "layers": [layer, *header["layers"][1:]]}, payload))
+    tensor = {**header["layers"][0]["tensors"][0], "codec": "zstd"}
+    layer = {**header["layers"][0], "tensors": [tensor, *header["layers"][0]["tensors"][1:]]}
+    with pytest.raises(FormatVersionError, match=r"tensors\[0\] has field 'codec'"):
+        decode_record(craft_record({**header, "layers": [layer, *header["layers"][1:]]}, payload))
+
+
+def test_a_codec_version_this_codec_cannot_read_is_a_format_error():
+    header, payload = valid_header()
+    layer = {**header["layers"][0], "codec_version": 9}
+    crafted = craft_record({**header, "layers": [layer, *header["layers"][1:]]}, payload)
+    with pytest.raises(FormatVersionError, match="PlainKVCodec here reads versions 1") as info:
+        decode_record(crafted)
+    assert info.value.found == 9 and info.value.supported == (1,)
+
+
+def test_records_of_kinds_not_installed_still_decode():
+    header, payload = valid_header()
+    layer = {**header["layers"][0], "signature": "kv:elsewhere", "codec": "ElsewhereCodec"}
+    record = decode_record(
+        craft_record({**header, "layers": [layer, *header["layers"][1:]]}, payload)
+    )
+    assert record.layers[0].signature == "kv:elsewhere"
+
+
+@pytest.mark.parametrize(
+    "field, value, message",
+    [
+        ("payload_nbytes", 1 << 40, "differs from"),
+        ("format", True, r"header.format is invalid"),
+        ("checksum", {"algorithm": "crc32", "value": 1}, "checksum.algorithm is invalid"),
+        ("layers", "none", "header.layers is invalid"),
+    ],
+)
+def test_header_schema_violations_are_corrupt(field, value, message):
+    header, payload = valid_header()
+    with pytest.raises(CorruptEntryError, match=message):
+        decode_record(craft_record({**header, field: value}, payload))
+
+
+def test_tensor_extents_are_checked():
+    header, payload = valid_header()
+    layer = header["layers"][0]
+    for change, message in [
+        ({"offset": 8}, "misaligned or outside"),
+        ({"offset": 1 << 20}, "misaligned or outside"),
+        ({"nbytes": 10}, "needs"),
+        ({"shape": [1, 1, 3, 32, 1, 1, 1, 1, 1]}, "shape is invalid"),
+        ({"dtype": "complex64"}, "dtype is invalid"),
+    ]:
+        tensors = [{**layer["tensors"][0], **change}, *layer["tensors"][1:]]
+        bad = {**header, "layers": [{**layer, "tensors": tensors}, *header["layers"][1:]]}
+        with pytest.raises(CorruptEntryError, match=message):
+            decode_record(craft_record(bad, payload))
+    overlapping = [layer["tensors"][0], {**layer["tensors"][1], "offset": 0}]
+    bad = {**header, "layers": [{**layer, "tensors": overlapping}, *header["layers"][1:]]}
+    with pytest.raises(CorruptEntryError, match="overlap"):
+        decode_record(craft_record(bad, payload))
+
+
+def test_nonzero_padding_and_flags_are_corrupt():
+    header, payload = valid_header()
+    record = bytearray(craft_record(header, payload))
+    pad = 20 + struct.unpack_from("<I", record, 8)[0]
+    if pad % 64:
+        record[pad] = 1
+        with pytest.raises(CorruptEntryError, match="padding"):
+            decode_record(record)
+    with pytest.raises(CorruptEntryError, match="Flags 0x0001"):
+        decode_record(craft_record(header, payload, flags=1))
+
+
+def test_encode_errors():
+    cache = KVCache()
+    fill_cache(cache, [3])
+    snap = snapshot(cache)
+    with pytest.raises(UnknownSignatureError):
+        encode_record([type(snap)("kv:nope", 0, 3, snap.tensors, snap.meta)])
+    with pytest.raises(TypeError, match="not msgpack-able"):
+        encode_record([snap], meta={"f": object()})
+    with pytest.raises(ValueError, match="Store less meta"):
+        encode_record([snap], meta={"ids": list(range(BOUNDS.array_len + 1))})
+    with pytest.raises(TypeError, match="dtype"):
+        encode_record([type(snap)("kv:plain", 0, 3, {"keys": np.zeros(3, np.float64)}, {})])
+
+
+def test_empty_and_zero_token_records():
+    assert decode_record(encode_record([])).layers == []
+    ring = RotatingKVCache(8)
+    fill_cache(ring, [2])
+    empty = snapshot(ring, 1, 1)
+    (decoded,) = decode_record(encode_record([empty])).layers
+    assert_snapshots_equal([empty], [decoded])
+    assert_snapshots_equal([empty], decode_record_to_mlx(encode_record([empty])).layers)
+
+
+def test_record_of_held_ring_snapshots_keeps_ring_meta():
+    ring = RotatingKVCache(16, keep=2)
+    fill_cache(ring, [30, 1, 1])
+    held = snapshot_held(ring)
+    decoded = [decode_record(encode_record([s])).layers[0] for s in held]
+    assert [dict(s.meta) for s in decoded] == [dict(s.meta) for s in held]
+    assert held[0].meta["ring_idx"] == 4
+
+
+def test_msgpack_header_holds_the_design_fields():
+    header = header_of(small_record())
+    assert set(header) == {"format", "writer", "layers", "meta", "payload_nbytes", "checksum"}

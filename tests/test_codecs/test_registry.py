@@ -1,0 +1,187 @@
+"""The codec registry: explicit built-ins, entry-point plugins, misses, compatibility."""
+
+import importlib
+import inspect
+import pkgutil
+import sys
+from pathlib import Path
+
+import pytest
+
+import kvstore
+import kvstore.codecs
+from kvstore.abc.codec import KVCodec
+from kvstore.caches import KVCache, QuantizedKVCache, RotatingKVCache, RotatingQuantizedKVCache
+from kvstore.codecs import (
+    PlainKVCodec,
+    QuantizedKVCodec,
+    RotatingKVCodec,
+    RotatingQuantizedKVCodec,
+    codec_for,
+    get_codec,
+    register_codec,
+    registered_kinds,
+    restore,
+    snapshot,
+)
+from kvstore.codecs import registry as registry_module
+from kvstore.errors import CapabilityError, UnknownSignatureError
+from kvstore.testing.codec import check_continue, check_signature, fill_cache
+
+PLUGIN_DIR = Path(__file__).parent.parent / "fixtures" / "plugin"
+
+
+@pytest.fixture
+def registry():
+    """The registry's tables, restored after the test."""
+    codecs, instances = dict(registry_module._CODECS), dict(registry_module._INSTANCES)
+    yield registry_module
+    registry_module._CODECS.clear()
+    registry_module._CODECS.update(codecs)
+    registry_module._INSTANCES.clear()
+    registry_module._INSTANCES.update(instances)
+
+
+def all_codec_classes():
+    for info in pkgutil.walk_packages(kvstore.__path__, "kvstore."):
+        importlib.import_module(info.name)
+    seen, todo = set(), [KVCodec]
+    while todo:
+        for sub in todo.pop().__subclasses__():
+            if sub not in seen:
+                seen.add(sub)
+                todo.append(sub)
+    return [c for c in seen if c.__module__.startswith("kvstore.") and not inspect.isabstract(c)]
+
+
+def test_every_codec_class_is_registered():
+    classes = all_codec_classes()
+    assert {PlainKVCodec, QuantizedKVCodec, RotatingKVCodec, RotatingQuantizedKVCodec} <= set(
+        classes
+    )
+    unregistered = [c.__name__ for c in classes if registry_module._CODECS.get(c.kind) is not c]
+    assert not unregistered, (
+        f"codec classes not registered in kvstore/codecs/__init__.py: {unregistered}"
+    )
+
+
+def test_builtin_kinds():
+    assert {"kv:plain", "kv:quant", "kv:rotating-plain", "kv:rotating-quant"} <= set(
+        registered_kinds()
+    )
+
+
+@pytest.mark.parametrize(
+    "signature",
+    ["kv:plain", "kv:quant:4:64", "kv:quant:3:32", "kv:rotating-plain", "kv:rotating-quant:8:128"],
+)
+def test_signatures_resolve_to_bound_codecs(signature):
+    codec = check_signature(signature)
+    assert get_codec(signature) is codec  # instances are cached per signature
+
+
+def test_unknown_kind_lists_registered_kinds():
+    with pytest.raises(UnknownSignatureError) as info:
+        get_codec("kv:tq2:3")
+    msg = str(info.value)
+    assert msg.startswith("[codecs.get] Unknown signature kind 'kv:tq2'")
+    assert "Registered: " + ", ".join(registered_kinds()) in msg
+    assert info.value.found == "kv:tq2" and info.value.supported == registered_kinds()
+    with pytest.raises(UnknownSignatureError, match="kind 'batch'"):
+        get_codec("batch:kv:plain")
+
+
+def test_bad_parameters_of_a_known_kind_are_a_value_error():
+    with pytest.raises(ValueError, match="bits must be one of"):
+        get_codec("kv:quant:7:64")
+
+
+@pytest.mark.parametrize(
+    "make, codec",
+    [
+        (KVCache, PlainKVCodec),
+        (lambda: QuantizedKVCache(32, 5), QuantizedKVCodec),
+        (lambda: RotatingKVCache(16, keep=2), RotatingKVCodec),
+        (lambda: RotatingQuantizedKVCache(16, bits=4), RotatingQuantizedKVCodec),
+    ],
+)
+def test_codec_for_our_caches(make, codec):
+    cache = make()
+    assert type(codec_for(cache)) is codec
+    assert codec_for(cache).signature == cache.signature()
+
+
+def test_codec_for_mlx_lm_caches():
+    lm = pytest.importorskip("mlx_lm.models.cache")
+    assert type(codec_for(lm.KVCache())) is PlainKVCodec
+    assert codec_for(lm.QuantizedKVCache(32, 8)).signature == "kv:quant:8:32"
+    assert type(codec_for(lm.RotatingKVCache(8))) is RotatingKVCodec
+
+
+def test_codec_for_unknown_caches_names_their_signature():
+    class Odd:
+        def signature(self):
+            return "kv:bogus:1"
+
+    with pytest.raises(CapabilityError, match="signature 'kv:bogus:1'") as info:
+        codec_for(Odd())
+    assert info.value.signature == "kv:bogus:1"
+    with pytest.raises(CapabilityError, match="signature 'unknown'"):
+        codec_for(object())
+
+
+def test_a_kind_is_shared_only_by_codecs_that_read_each_other(registry):
+    class PlainV2(PlainKVCodec):
+        version = 2
+        reads = frozenset({2})
+
+    with pytest.raises(ValueError, match="each reads the other's output"):
+        register_codec(PlainV2)
+
+    class PlainV2ReadsBoth(PlainKVCodec):
+        version = 2
+        reads = frozenset({1, 2})
+
+    with pytest.raises(ValueError, match="cannot also serve it"):
+        register_codec(PlainV2ReadsBoth)  # PlainKVCodec does not read version 2
+
+    class PlainCompatible(PlainKVCodec):
+        pass
+
+    assert register_codec(PlainCompatible) is PlainCompatible
+    assert type(get_codec("kv:plain")) is PlainCompatible
+
+
+def test_register_rejects_what_is_not_a_codec():
+    with pytest.raises(TypeError, match="KVCodec subclass"):
+        register_codec(dict)
+    with pytest.raises(TypeError, match="KVCodec subclass"):
+        register_codec(kvstore.codecs.GrowingKVCodec)  # abstract
+
+
+@pytest.fixture
+def plugin_on_path(registry, monkeypatch):
+    monkeypatch.syspath_prepend(str(PLUGIN_DIR))
+    importlib.invalidate_caches()
+    yield
+    sys.modules.pop("plugin_pkg", None)
+
+
+def test_plugin_codec_resolves_through_its_entry_point(plugin_on_path):
+    assert "kv:example-plain" not in registered_kinds()
+    codec = get_codec("kv:example-plain")
+    assert type(codec).__name__ == "ExamplePlainKVCodec"
+    assert type(codec).__module__ == "plugin_pkg"
+    assert "kv:example-plain" in registered_kinds()
+    # The plugin family works end to end: snapshot, restore, continue.
+    cache = sys.modules["plugin_pkg"].ExampleKVCache()
+    fill_cache(cache, [12, 1])
+    assert codec_for(cache) is codec
+    again = restore(snapshot(cache))
+    assert type(again).__name__ == "ExampleKVCache"
+    check_continue(cache, again, [1, 3])
+
+
+def test_without_the_plugin_its_kind_is_unknown(registry):
+    with pytest.raises(UnknownSignatureError, match="kv:example-plain"):
+        get_codec("kv:example-plain")

@@ -1,0 +1,188 @@
+"""Write the golden record fixtures under tests/fixtures/golden/<name>/format-<N>/.
+
+Golden fixtures pin the on-disk format: CI decodes them on every run (see
+``kvstore.testing.codec.check_golden``), so a reader that stops reading what
+an earlier kvstore wrote fails a test. They are written once, by running::
+
+    .venv/bin/python tools/write_golden.py --write-golden
+
+which writes only fixture directories that do not exist yet (a new format
+version gets a new ``format-<N>`` directory beside the old ones); it never
+rewrites one. Each fixture feeds seeded rows to a few caches in chunks, and
+stores one record per block of tokens -- every layer of the block in one
+record, as the prefix store does -- plus what each record and each cache
+should hold.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+
+from kvstore import caches as families
+from kvstore.abc.codec import Snapshot
+from kvstore.codecs import encode_record, snapshot, snapshot_held
+from kvstore.codecs.header import FORMAT_VERSION
+from kvstore.codecs.ring import window_positions
+from kvstore.testing.codec import GOLDEN_RECORD_SUFFIX, random_kv
+
+ROOT = Path(__file__).resolve().parent.parent / "tests" / "fixtures" / "golden"
+HEADS = 2
+#: Token blocks: each list is the updates that fill one block (the last
+#: block is decoded token by token, so windowed caches wrap and rotate).
+BLOCKS = [[16], [16], [16], [1, 1, 1]]
+
+#: name -> description and layers (cache class, its arguments, dtype, head_dim).
+FIXTURES: dict[str, dict[str, Any]] = {
+    "kv-plain": {
+        "description": "kv:plain, float16 and bfloat16",
+        "layers": [
+            ("KVCache", {}, "float16", 64),
+            ("KVCache", {}, "bfloat16", 128),
+        ],
+    },
+    "kv-quant": {
+        "description": "kv:quant 4/64 (bfloat16, head_dim 128) and 3/32 (float16)",
+        "layers": [
+            ("QuantizedKVCache", {"group_size": 64, "bits": 4}, "bfloat16", 128),
+            ("QuantizedKVCache", {"group_size": 32, "bits": 3}, "float16", 64),
+        ],
+    },
+    "kv-rotating-plain": {
+        "description": "kv:rotating-plain, window 32 keep 4 and window 16 keep 0, wrapped",
+        "layers": [
+            ("RotatingKVCache", {"max_size": 32, "keep": 4}, "float16", 64),
+            ("RotatingKVCache", {"max_size": 16, "keep": 0}, "bfloat16", 64),
+        ],
+    },
+    "kv-rotating-quant": {
+        "description": "kv:rotating-quant 4/64 keep 4 and 8/32 keep 0, wrapped",
+        "layers": [
+            ("RotatingQuantizedKVCache", {"max_size": 32, "keep": 4, "bits": 4}, "bfloat16", 64),
+            (
+                "RotatingQuantizedKVCache",
+                {"max_size": 16, "keep": 0, "bits": 8, "group_size": 32},
+                "float16",
+                64,
+            ),
+        ],
+    },
+    "mixed": {
+        "description": "a gemma-like layer stack: sliding and global layers in one record",
+        "layers": [
+            ("RotatingKVCache", {"max_size": 16}, "bfloat16", 64),
+            ("KVCache", {}, "bfloat16", 64),
+            ("RotatingQuantizedKVCache", {"max_size": 16, "bits": 8}, "bfloat16", 64),
+            ("QuantizedKVCache", {"bits": 8}, "bfloat16", 64),
+        ],
+    },
+}
+
+
+def build(
+    name: str, spec: dict[str, Any]
+) -> tuple[list[bytes], dict[str, mx.array], dict[str, Any]]:
+    """The records, the expected tensors and the config of one fixture."""
+    caches = [getattr(families, cls)(**kwargs) for cls, kwargs, _, _ in spec["layers"]]
+    blocks: list[list[Snapshot | None]] = []
+    start = 0
+    for b, updates in enumerate(BLOCKS):
+        for u, n in enumerate(updates):
+            for i, (cache, (_, _, dtype, head_dim)) in enumerate(
+                zip(caches, spec["layers"], strict=True)
+            ):
+                kv = random_kv(
+                    n,
+                    seed=1000 * i + 10 * b + u,
+                    heads=HEADS,
+                    head_dim=head_dim,
+                    dtype=getattr(mx, dtype),
+                )
+                cache.update_and_fetch(*kv)
+        stop = start + sum(updates)
+        blocks.append([snapshot(cache, start, stop) for cache in caches])
+        start = stop
+    # A store keeps a windowed layer's blocks only while its window needs them.
+    for i, cache in enumerate(caches):
+        if hasattr(cache, "max_size"):
+            needed = window_positions(cache.offset, cache.max_size, cache.keep)
+            for block in blocks:
+                s = block[i]
+                if not any(s.start < b and a < s.stop for a, b in needed):
+                    block[i] = None
+    records, expected, config_records = [], {}, []
+    for k, block in enumerate(blocks):
+        first = next(s for s in block if s is not None)
+        meta = {"block": k, "tokens": [first.start, first.stop]}
+        records.append(encode_record(block, meta=meta))
+        entries = []
+        for i, s in enumerate(block):
+            if s is None:
+                entries.append(None)
+                continue
+            entries.append(
+                {"signature": s.signature, "tensors": list(s.tensors), "meta": dict(s.meta)}
+            )
+            expected.update({f"record.{k}.layer.{i}.{n}": a for n, a in s.tensors.items()})
+        config_records.append(
+            {"start": first.start, "stop": first.stop, "meta": meta, "layers": entries}
+        )
+    layers = []
+    for i, (cache, (cls, kwargs, dtype, head_dim)) in enumerate(
+        zip(caches, spec["layers"], strict=True)
+    ):
+        held = snapshot_held(cache)
+        for j, s in enumerate(held):
+            expected.update({f"held.layer.{i}.{j}.{n}": a for n, a in s.tensors.items()})
+        layers.append(
+            {
+                "cache": cls,
+                "args": kwargs,
+                "dtype": dtype,
+                "head_dim": head_dim,
+                "signature": cache.signature(),
+                "tensors": list(held[0].tensors),
+                "held": [[s.start, s.stop, dict(s.meta)] for s in held],
+            }
+        )
+    config = {
+        "name": name,
+        "format": FORMAT_VERSION,
+        "description": spec["description"],
+        "heads": HEADS,
+        "blocks": BLOCKS,
+        "layers": layers,
+        "records": config_records,
+    }
+    return records, expected, config
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--write-golden", action="store_true", help="write missing fixtures")
+    args = parser.parse_args(argv)
+    for name, spec in FIXTURES.items():
+        target = ROOT / name / f"format-{FORMAT_VERSION}"
+        if target.exists():
+            print(f"{target.relative_to(ROOT)}: exists, left as it is")
+            continue
+        if not args.write_golden:
+            print(f"{target.relative_to(ROOT)}: missing (pass --write-golden to write it)")
+            continue
+        records, expected, config = build(name, spec)
+        target.mkdir(parents=True)
+        for k, record in enumerate(records):
+            (target / f"record-{k}{GOLDEN_RECORD_SUFFIX}").write_bytes(record)
+        mx.save_safetensors(str(target / "expected.safetensors"), expected)
+        (target / "config.json").write_text(json.dumps(config, indent=1) + "\n")
+        print(f"{target.relative_to(ROOT)}: written ({len(records)} records)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
