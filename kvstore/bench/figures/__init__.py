@@ -1,0 +1,30 @@
+"""Every figure of BENCHMARKS.md, in one table.
+
+A figure whose part is not on main yet is listed (from :mod:`.pending`)
+with its bars, and the table shows it as not measured yet with the reason.
+Adding one is a module with a ``Figure`` and its line here.
+"""
+
+from __future__ import annotations
+
+from kvstore.bench.figures import decode, restore, save, stored_bytes
+from kvstore.bench.figures.pending import P4, P5, P6, P8, P9, P10, P11
+from kvstore.bench.harness import Figure
+
+__all__ = ["FIGURES"]
+
+#: Figure id -> figure, in the order a run measures and prints them.
+FIGURES: dict[str, Figure] = {
+    "P1": restore.FIGURE,
+    "P2": save.P2,
+    "P3": save.P3,
+    "P4": P4,
+    "P5": P5,
+    "P6": P6,
+    "P7": stored_bytes.FIGURE,
+    "P8": P8,
+    "P9": P9,
+    "P10": P10,
+    "P11": P11,
+    "D1": decode.FIGURE,
+}

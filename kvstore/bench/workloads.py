@@ -1,0 +1,229 @@
+"""Benchmark workloads: synthetic KV in the shapes of real models, and the peers' cases.
+
+The shapes are BENCHMARKS.md's (``llama8b``, ``qwen0.5b``, ``gemma-swa``).
+Rows are seeded bfloat16 values, fed in prefill chunks of 2048 tokens
+(mlx-lm's ``prefill_step_size``) to our caches (:mod:`kvstore.caches`) or
+to mlx-lm's, so both hold what a real prefill leaves behind: same buffers,
+same ring state, same bytes. Each builder regenerates the rows from the
+seed rather than keeping them, so only the caches asked for occupy memory.
+
+The peer cases every figure shares live here too: mlx-lm's
+``load_prompt_cache``/``save_prompt_cache`` of the same cache and the memcpy
+limit (``numpy.copyto`` into an already-touched buffer of the same size).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, cast
+
+import mlx.core as mx
+import numpy as np
+from mlx.utils import tree_flatten
+
+from kvstore.bench.harness import Case
+from kvstore.signature import KINDS, parse_signature
+
+__all__ = [
+    "KVShape",
+    "WORKLOADS",
+    "PREFILL_STEP",
+    "SyntheticKV",
+    "synthetic_kv",
+    "windowed_signature",
+    "cache_arrays",
+    "cache_nbytes",
+    "memcpy_case",
+    "mlx_lm_load_case",
+    "mlx_lm_save_case",
+]
+
+#: mlx-lm's default ``prefill_step_size``: the chunk a real prefill feeds a cache.
+PREFILL_STEP = 2048
+_BF16_BYTES = 2
+# bfloat16 words: keep the sign, mantissa and lowest exponent bit; exponent 124 or 125.
+_KEEP_BITS, _EXPONENT_BITS = np.uint16(0x80FF), np.uint16(0x3E00)
+
+
+@dataclass(frozen=True)
+class KVShape:
+    """The KV-cache geometry of a model.
+
+    Attributes:
+        name: the workload id.
+        layers, kv_heads, head_dim: per-layer keys/values are ``[1, kv_heads, T, head_dim]``.
+        window: sliding-window size of the sliding layers (None: none slide).
+        global_every: with a window, every ``global_every``-th layer is global
+            (Gemma 3's ``sliding_window_pattern``: layer ``i`` is global when
+            ``i % global_every == global_every - 1``).
+    """
+
+    name: str
+    layers: int
+    kv_heads: int
+    head_dim: int
+    window: int | None = None
+    global_every: int = 1
+
+    def is_sliding(self, layer: int) -> bool:
+        """True if ``layer`` attends over a sliding window."""
+        return self.window is not None and layer % self.global_every != self.global_every - 1
+
+    @property
+    def bytes_per_token(self) -> int:
+        """bfloat16 keys and values of one token over every layer (BENCHMARKS.md's column)."""
+        return self.layers * self.kv_heads * self.head_dim * 2 * _BF16_BYTES
+
+
+#: BENCHMARKS.md "Workloads".
+WORKLOADS: dict[str, KVShape] = {
+    shape.name: shape
+    for shape in (
+        KVShape("llama8b", layers=32, kv_heads=8, head_dim=128),
+        KVShape("qwen0.5b", layers=24, kv_heads=2, head_dim=64),
+        KVShape("gemma-swa", layers=26, kv_heads=4, head_dim=256, window=1024, global_every=6),
+    )
+}
+
+
+def windowed_signature(signature: str) -> str:
+    """The sliding-window family storing rows like ``signature`` (``kv:quant:8:64`` ->
+    ``kv:rotating-quant:8:64``); a windowed signature is returned as it is."""
+    sig = parse_signature(signature)
+    family = sig.kind.removeprefix("kv:")
+    if family.startswith("rotating-"):
+        return str(sig)
+    windowed = f"kv:rotating-{family}"
+    if windowed not in KINDS:
+        raise ValueError(f"[bench] '{signature}' has no sliding-window family.")
+    return ":".join([windowed, *(str(p) for p in sig.params)])
+
+
+@dataclass(frozen=True)
+class SyntheticKV:
+    """Seeded keys/values of ``shape`` for ``tokens`` tokens, built into caches on demand."""
+
+    shape: KVShape
+    tokens: int
+    seed: int = 0
+
+    @property
+    def label(self) -> str:
+        return f"{self.shape.name} {self.tokens}"
+
+    def chunks(self, layer: int) -> list[tuple[mx.array, mx.array]]:
+        """``(keys, values)`` of ``layer`` in prefill chunks; the same arrays for every call."""
+        out = []
+        for index, start in enumerate(range(0, self.tokens, PREFILL_STEP)):
+            n = min(PREFILL_STEP, self.tokens - start)
+            shape = (1, self.shape.kv_heads, n, self.shape.head_dim)
+            keys, values = (_bf16_rows(shape, self._seed(layer, index, part)) for part in (0, 1))
+            out.append((keys, values))
+        return out
+
+    def _seed(self, layer: int, chunk: int, part: int) -> int:
+        return ((self.seed * 1000 + layer) * 1000 + chunk) * 2 + part
+
+    def ours(self) -> list[Any]:
+        """Our caches (``kvstore.caches``) after a chunked prefill, evaluated."""
+        from kvstore.caches import KVCache, RotatingKVCache
+
+        return self._prefill(KVCache, RotatingKVCache)
+
+    def mlx_lm(self) -> list[Any]:
+        """mlx-lm's caches (``mlx_lm.models.cache``) after the same prefill, evaluated."""
+        from mlx_lm.models.cache import KVCache, RotatingKVCache
+
+        return self._prefill(KVCache, RotatingKVCache)
+
+    def _prefill(self, growing: Callable[[], Any], ring: Callable[..., Any]) -> list[Any]:
+        caches = []
+        for layer in range(self.shape.layers):
+            sliding = self.shape.is_sliding(layer)
+            cache = ring(max_size=self.shape.window) if sliding else growing()
+            for keys, values in self.chunks(layer):
+                cache.update_and_fetch(keys, values)
+            mx.eval(cache_arrays([cache]))  # one layer at a time: peak memory stays one layer
+            caches.append(cache)
+        return caches
+
+
+def _bf16_rows(shape: tuple[int, ...], seed: int) -> mx.array:
+    """Seeded finite bfloat16 values in +-[1/8, 1/2): random sign, mantissa and lowest
+    exponent bit. Random bits are ~10x quicker to make than normals on a CPU, and no
+    figure depends on the values' distribution (sizes and copies do not)."""
+    count = int(np.prod(shape))
+    words = np.frombuffer(np.random.default_rng(seed).bytes(2 * count), dtype=np.uint16)
+    words = (words & _KEEP_BITS) | _EXPONENT_BITS
+    return mx.array(words.reshape(shape)).view(mx.bfloat16)
+
+
+def synthetic_kv(workload: str, tokens: int, seed: int = 0) -> SyntheticKV:
+    """The synthetic KV of ``workload`` (a key of :data:`WORKLOADS`) at ``tokens`` tokens."""
+    if workload not in WORKLOADS:
+        raise ValueError(f"[bench] Unknown workload '{workload}'; known: {', '.join(WORKLOADS)}.")
+    if tokens <= 0:
+        raise ValueError(f"[bench] A workload needs at least one token; received {tokens}.")
+    return SyntheticKV(WORKLOADS[workload], tokens, seed)
+
+
+def cache_arrays(caches: list[Any]) -> list[mx.array]:
+    """Every array of the caches' ``state`` (what a save writes and a load must evaluate)."""
+    leaves = cast(list[tuple[str, Any]], tree_flatten([c.state for c in caches]))
+    return [a for _, a in leaves if isinstance(a, mx.array)]
+
+
+def cache_nbytes(caches: list[Any]) -> int:
+    """Bytes of the caches' ``state`` arrays."""
+    return sum(a.nbytes for a in cache_arrays(caches))
+
+
+# -- the peers' cases ----------------------------------------------------------------------
+
+
+def memcpy_case(nbytes: int, name: str = "memcpy") -> Case:
+    """``numpy.copyto`` of ``nbytes`` into an already-touched buffer: the physical limit."""
+    source = np.ones(nbytes, dtype=np.uint8)
+    target = np.zeros(nbytes, dtype=np.uint8)
+    np.copyto(target, source)  # touch every page of both once
+    return Case(name, "limit", lambda: np.copyto(target, source))
+
+
+def mlx_lm_load_case(path: Path, name: str = "mlx-lm load") -> Case:
+    """mlx-lm ``load_prompt_cache`` of ``path`` and ``mx.eval`` of every array it holds.
+
+    The file is read once now, so the timed loads find it in the page cache.
+    """
+    from mlx_lm.models.cache import load_prompt_cache
+
+    path.read_bytes()
+
+    def load() -> list[Any]:
+        caches = load_prompt_cache(str(path))
+        mx.eval(cache_arrays(caches))
+        return caches
+
+    return Case(name, "peer", load)
+
+
+def mlx_lm_save_case(
+    caches: list[Any], path: Path, *, durable: bool = False, name: str | None = None
+) -> Case:
+    """mlx-lm ``save_prompt_cache`` of ``caches`` to a fresh ``path`` (removed, untimed, before
+    each call). ``durable`` adds an ``fsync`` of the file, what a committed store write pays."""
+    from mlx_lm.models.cache import save_prompt_cache
+
+    def save() -> None:
+        save_prompt_cache(str(path), caches)
+        if durable:
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+
+    label = name or ("mlx-lm save+fsync" if durable else "mlx-lm save")
+    return Case(label, "peer", save, reset=lambda: path.unlink(missing_ok=True))
