@@ -86,7 +86,7 @@ def plot_scaling(
     if not workloads:
         wanted = ", ".join(f"{s.figure} '{s.case}'" for s in series)
         raise ValueError(f"[bench plot] Nothing to plot: no rows of {wanted} in these results.")
-    fig = Figure(figsize=(5.0 * len(workloads), 4.0), layout="constrained")
+    fig = Figure(figsize=(max(6.5, 5.0 * len(workloads)), 4.5), layout="constrained")
     axes = fig.subplots(1, len(workloads), squeeze=False)[0]
     for ax, workload in zip(axes, workloads):
         ticks: set[int] = set()
@@ -125,6 +125,6 @@ def _workloads(results: BenchResults, series: tuple[Series, ...]) -> list[str]:
 
 def _caption(results: BenchResults) -> str:
     m = results.machine
-    blas = (m.get("blas") or {}).get("mlx", "?")
+    blas = (m.get("blas") or {}).get("mlx", "?").split(" (")[0]  # without the caveat note
     rev = (results.git or {}).get("revision", "")[:12]
-    return f"{m.get('cpu')}, {m.get('usable_cpus')} cpus; mlx BLAS: {blas}; {results.created} {rev}"
+    return f"{m.get('cpu')}, {m.get('usable_cpus')} cpus; mlx BLAS: {blas}\n{results.created} {rev}"
