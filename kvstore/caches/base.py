@@ -26,7 +26,7 @@ Tree = Any  # mx.array | tuple[mx.array, ...]
 
 def row_leaves(tree: Tree) -> list[mx.array]:
     """The arrays of a row tree, in order."""
-    return [leaf for _, leaf in tree_flatten(tree)]
+    return [leaf for _, leaf in tree_flatten(tree)]  # type: ignore[misc,str-unpack]
 
 
 def tree_length(tree: Tree) -> int:
@@ -45,6 +45,7 @@ class BaseKVCache:
     keys: Tree | None
     values: Tree | None
     offset: int
+    state: Any  # a property in each family: mlx-lm's positional state tuple
 
     def signature(self) -> str:
         raise NotImplementedError

@@ -32,7 +32,7 @@ class KVCache(GrowingKVCache):
         """This cache's rows affine-quantized (what mlx-lm's ``kv_bits`` option calls)."""
         quant = QuantizedKVCache(group_size=group_size, bits=bits)
         quant.offset = self.offset
-        if self.keys is not None:
+        if self.keys is not None and self.values is not None:
             # The whole buffer, padding included, exactly as mlx-lm does.
             quant.keys = quant._encode(self.keys)
             quant.values = quant._encode(self.values)

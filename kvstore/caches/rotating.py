@@ -179,7 +179,7 @@ class RingKVCache(BaseKVCache):
                 idx = 0
             mask_size = self.offset + 1 if self.offset < self.max_size else self.max_size
             mask = mx.arange(mask_size) >= (mask_size - window_size)
-            return mx.roll(mask, shift=idx + 1)
+            return mx.roll(mask, idx + 1)
         return None
 
 
@@ -201,7 +201,7 @@ class RotatingKVCache(RingKVCache):
         """This ring affine-quantized in place of its rows (mlx-lm raises here)."""
         quant = RotatingQuantizedKVCache(self.max_size, self.keep, group_size, bits)
         quant.offset, quant._idx = self.offset, self._idx
-        if self.keys is not None:
+        if self.keys is not None and self.values is not None:
             quant.keys = quant._encode(self.keys)
             quant.values = quant._encode(self.values)
         return quant

@@ -78,7 +78,8 @@ TINY_ARGS: dict[str, dict[str, Any]] = {
 def seed_weights(model: nn.Module, seed: int, scale: float = 0.08) -> nn.Module:
     """Replace every parameter with seeded normal values (norm weights near 1)."""
     params = []
-    for i, (name, value) in enumerate(tree_flatten(model.parameters())):
+    flat: list[tuple[str, mx.array]] = tree_flatten(model.parameters())  # type: ignore[assignment]
+    for i, (name, value) in enumerate(flat):
         sub = mx.random.split(mx.random.key(seed * 1_000_003 + i))[0]
         noise = mx.random.normal(value.shape, dtype=mx.float32, key=sub)
         if "norm" in name:
