@@ -38,6 +38,7 @@ change to it takes a new version, never a new meaning for ``v1`` keys.
 
 from __future__ import annotations
 
+import builtins
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager
@@ -327,7 +328,9 @@ class Match:
         """The blocks a sliding-window layer needs: its ``keep`` first tokens and
         the ``max_size - keep`` most recent ones (mlx-lm ``RotatingKVCache`` layout)."""
         recent_from = max(keep, self.tokens - (max_size - keep))
-        wanted = {b.key for b in (*self.covering(0, keep), *self.covering(recent_from, self.tokens))}
+        wanted = {
+            b.key for b in (*self.covering(0, keep), *self.covering(recent_from, self.tokens))
+        }
         return tuple(b for b in self.blocks if b.key in wanted)
 
     def untrimmed(self) -> Match:
@@ -399,10 +402,10 @@ class VerifyReport:
 
     blocks: int = 0
     bytes: int = 0
-    corrupt: tuple[bytes, ...] = ()
-    newer_format: tuple[bytes, ...] = ()
-    orphans: tuple[bytes, ...] = ()
-    dangling: tuple[bytes, ...] = ()
+    corrupt: tuple[builtins.bytes, ...] = ()
+    newer_format: tuple[builtins.bytes, ...] = ()
+    orphans: tuple[builtins.bytes, ...] = ()
+    dangling: tuple[builtins.bytes, ...] = ()
     totals_mismatch: tuple[str, ...] = ()
     repaired: bool = False
 

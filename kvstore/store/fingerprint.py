@@ -36,7 +36,7 @@ import os
 import tempfile
 from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import xxhash
 
@@ -167,7 +167,9 @@ def _directory_manifest(root: Path) -> list[tuple[str, str]]:
         parsed = json.loads(config.read_text(encoding="utf-8"))
     except ValueError as exc:
         raise StoreConfigError(f"[fingerprint] {config} is not valid JSON: {exc}.") from exc
-    manifest = [("config.json", hashlib.blake2b(_canonical_json(parsed, "config.json")).hexdigest())]
+    manifest = [
+        ("config.json", hashlib.blake2b(_canonical_json(parsed, "config.json")).hexdigest())
+    ]
     cache_path = digest_cache_path()
     cache = _load_cache(cache_path)
     before = json.dumps(cache, sort_keys=True)
@@ -189,15 +191,16 @@ def _parameter_manifest(model: Any) -> list[tuple[str, str]]:
     from mlx.utils import tree_flatten
 
     manifest = []
-    for name, value in tree_flatten(model.parameters()):
+    params = cast(list[tuple[str, Any]], tree_flatten(model.parameters()))
+    for name, value in params:
         if not isinstance(value, mx.array):
             continue
         mx.eval(value)
-        view = memoryview(value)
+        view = memoryview(cast(Any, value))  # MLX arrays export the buffer protocol
         if not view.c_contiguous:
             value = mx.contiguous(value)
             mx.eval(value)
-            view = memoryview(value)
+            view = memoryview(cast(Any, value))
         h = xxhash.xxh3_128(view)
         manifest.append((f"param/{name}", f"{value.dtype}:{tuple(value.shape)}:{h.hexdigest()}"))
     if not manifest:
@@ -258,7 +261,11 @@ def _tokenizer_digest(tokenizer: Any) -> str:
         root = Path(tokenizer)
         parts = [(n, file_digest(root / n)) for n in _TOKENIZER_FILES if (root / n).is_file()]
         return _combine(parts)
-    vocab = tokenizer.get_vocab() if hasattr(tokenizer, "get_vocab") else getattr(tokenizer, "vocab", None)
+    vocab = (
+        tokenizer.get_vocab()
+        if hasattr(tokenizer, "get_vocab")
+        else getattr(tokenizer, "vocab", None)
+    )
     if not isinstance(vocab, Mapping):
         raise CapabilityError(
             f"[fingerprint] Cannot fingerprint a tokenizer of type {type(tokenizer).__name__}; "

@@ -56,20 +56,23 @@ class Housekeeper:
         self._cond = threading.Condition()
         self._thread: threading.Thread | None = None
         self._closed = False
+        self._urgent = False
         self.last_error: BaseException | None = None
 
     def touch(self, keys: Iterable[bytes], when: float) -> None:
         with self._cond:
             touches = self._pending.touches
+            was_empty = not self._pending
             for key in keys:
                 if when > touches.get(key, float("-inf")):
                     touches[key] = when
-            self._wake(len(touches) >= _MAX_PENDING)
+            self._wake(was_empty, urgent=len(touches) >= _MAX_PENDING)
 
     def remove(self, keys: Iterable[bytes]) -> None:
         with self._cond:
+            was_empty = not self._pending
             self._pending.removals.update(keys)
-            self._wake(True)
+            self._wake(was_empty, urgent=True)
 
     def take(self) -> Pending:
         """Swap the buffer out (the caller writes it, or gives it back with :meth:`give_back`)."""
@@ -100,8 +103,8 @@ class Housekeeper:
         if self._thread is not None:
             self._thread.join()
 
-    def _wake(self, urgent: bool) -> None:
-        # Called with the condition held.
+    def _wake(self, was_empty: bool, urgent: bool) -> None:
+        # Called with the condition held: start the thread, or tell it work arrived.
         if self._interval <= 0 or self._closed:
             return
         if self._thread is None:
@@ -109,19 +112,27 @@ class Housekeeper:
                 target=self._run, name="kvstore-housekeeper", daemon=True
             )
             self._thread.start()
-        if urgent:
+        if was_empty or urgent:
+            self._urgent = self._urgent or urgent
             self._cond.notify_all()
 
     def _run(self) -> None:
         while True:
             with self._cond:
-                if not self._closed:
+                # Sleep until there is something to write, then let a batch gather.
+                while not (self._pending or self._closed):
+                    self._cond.wait()
+                if not (self._closed or self._urgent):
                     self._cond.wait(self._interval)
+                self._urgent = False
                 closing = self._closed
             try:
                 self.flush()
                 self.last_error = None
-            except Exception as exc:  # noqa: BLE001 - kept for stats; retried next interval
+            except Exception as exc:  # noqa: BLE001 - kept for stats; retried next round
                 self.last_error = exc
+                if not closing:
+                    with self._cond:
+                        self._cond.wait(self._interval)  # do not spin on a failing write
             if closing:
                 return

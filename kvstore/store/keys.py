@@ -157,7 +157,7 @@ def iter_chain_digests(
     32k-token prompt costs 128 hash calls and no copies.
     """
     n = len(tokens) // block_size if count is None else count
-    raw = memoryview(tokens).cast("B")
+    raw = tokens.data.cast("B")
     step = 4 * block_size
     parent = ROOT
     blake = hashlib.blake2b
@@ -212,7 +212,9 @@ def order_prefix(tokens: np.ndarray, pad: bool) -> bytes:
     return out + bytes(4 * ORDER_TOKENS - len(out)) if pad else out
 
 
-def child_key(namespace: bytes, parent: bytes, tokens: np.ndarray, digest: bytes, full: bool) -> bytes:
+def child_key(
+    namespace: bytes, parent: bytes, tokens: np.ndarray, digest: bytes, full: bool
+) -> bytes:
     """The index key of a block under its parent (``.c`` for full blocks, ``.t`` for tails)."""
     base = children_dir if full else tails_dir
     return base(namespace, parent) + order_prefix(tokens, pad=True) + digest[:_ORDER_DIGEST]

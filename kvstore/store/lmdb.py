@@ -40,9 +40,7 @@ __all__ = ["LMDB_ERRORS", "LMDBBackend", "open_lmdb_backend"]
 
 T = TypeVar("T")
 
-_DAMAGED = (
-    "The LMDB file is damaged; run `kvstore inspect --fix` on a copy or restore a backup."
-)
+_DAMAGED = "The LMDB file is damaged; run `kvstore inspect --fix` on a copy or restore a backup."
 _BUG = "This is a kvstore bug; please report it with the traceback."
 
 #: Every python-lmdb exception class and what it becomes (tests check none is missing).
@@ -345,6 +343,12 @@ class LMDBBackend(Backend):
                 f"[open_store] {p} is empty: no store to open read-only.", path=str(p)
             )
 
+    @property
+    def environment(self) -> lmdb.Environment:
+        """The python-lmdb environment (shared by every store open on this path in this
+        process), for tools and benchmarks; the store itself goes through the gate."""
+        return self._env
+
     # Capabilities.
     @property
     def supports_zero_copy(self) -> bool:
@@ -379,8 +383,9 @@ class LMDBBackend(Backend):
                         txn.abort()  # a no-op after a commit
                     return
             # set_mapsize needs no transaction open in this process: resize alone.
-            with self._gate.exclusive(operation), translate_errors(
-                LMDB_ERRORS, operation, self.url
+            with (
+                self._gate.exclusive(operation),
+                translate_errors(LMDB_ERRORS, operation, self.url),
             ):
                 self._env.set_mapsize(0)
 

@@ -33,6 +33,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -85,11 +86,25 @@ from kvstore.store.stats import Counters, add_totals, all_totals, read_totals
 
 __all__ = ["BlockPrefixStore", "STORE_OPTIONS"]
 
+
+def _parse_callable(name: str) -> Callable[[Any], Any]:
+    def parse(value: Any) -> Any:
+        if value is not None and not callable(value):
+            raise StoreConfigError(
+                f"[open_store] {name} must be a callable or None; received {value!r}.",
+                setting=name,
+                found=value,
+            )
+        return value
+
+    return parse
+
+
 #: Options of the store itself (not persisted), with their parsers.
 STORE_OPTIONS: dict[str, Callable[[Any], Any]] = {
-    "verify": lambda v: v,
+    "verify": _parse_callable("verify"),
     "touch_interval": lambda v: parse_seconds(v, "touch_interval"),
-    "clock": lambda v: v,
+    "clock": _parse_callable("clock"),
     "low_water": lambda v: parse_fraction(v, "low_water"),
 }
 
@@ -148,7 +163,7 @@ class BlockPrefixStore(PrefixStore):
         *,
         verify: RecordVerifier | None = None,
         touch_interval: float = 1.0,
-        clock: Callable[[], float] = time.time,
+        clock: Callable[[], float] | None = None,
         low_water: float = 0.9,
         **settings: Any,
     ) -> None:
@@ -162,7 +177,7 @@ class BlockPrefixStore(PrefixStore):
                 found=sorted(unknown),
             )
         self._verify = verify or _accept
-        self._clock = clock
+        self._clock = clock or time.time
         self._low_water = parse_fraction(low_water, "low_water")
         self._counters = Counters()
         self._quarantine: set[bytes] = set()
@@ -317,7 +332,9 @@ class BlockPrefixStore(PrefixStore):
             for ref in blocks:
                 value = None if ref.key in self._quarantine else view.get(ref.key)
                 if value is None:
-                    reason = MissReason.CORRUPT if ref.key in self._quarantine else MissReason.VANISHED
+                    reason = (
+                        MissReason.CORRUPT if ref.key in self._quarantine else MissReason.VANISHED
+                    )
                     self._counters.miss(reason)
                     break
                 mv = memoryview(value)
@@ -377,21 +394,31 @@ class BlockPrefixStore(PrefixStore):
         encoded: dict[int, Any] = {}
         now = self._clock()
         for _ in range(_SAVE_ATTEMPTS):
-            self._encode_missing(ns, spans, encoded, encode)
+            with self._backend.reader() as view:
+                existing, cover, missing = self._survey(view, ns, spans)
+            if not missing:  # dedup: hashing and one read; the recency update is batched
+                if self._house is not None:
+                    self._house.touch(existing, now)
+                self._counters.add(saves=1, deduplicated_blocks=len(existing))
+                return SaveResult(
+                    namespace, len(toks), deduplicated=len(existing), covered_by=cover
+                )
+            self._encode(ns, [s for s in missing if s.index not in encoded], encoded, encode)
             size = sum(_nbytes(r) for r in encoded.values())
-            pending = self._house.take() if self._house is not None else Pending()
             try:
-                out = self._backend.transact(
-                    lambda txn: self._commit_save(txn, ns, spans, encoded, now, family, pending),
+                out = self._write_with_pending(
+                    partial(
+                        self._commit_save,
+                        ns=ns,
+                        spans=spans,
+                        encoded=encoded,
+                        now=now,
+                        family=family,
+                    ),
                     size_hint=size,
                 )
             except _Stale:
-                self._give_back(pending)
                 continue
-            except BaseException:
-                self._give_back(pending)
-                raise
-            self._forget_quarantined(pending)
             self._counters.add(
                 saves=1,
                 saved_blocks=len(out.written),
@@ -428,79 +455,76 @@ class BlockPrefixStore(PrefixStore):
         start = len(digests) * bsize
         if start < len(toks):
             tail = toks[start:]
-            digest = K.block_digest(parents[-1], ns, memoryview(tail).cast("B"))
+            digest = K.block_digest(parents[-1], ns, tail.data)
             spans.append(_Span(len(digests), start, tail, digest, parents[-1], False))
         return spans
 
-    def _encode_missing(
+    def _survey(
+        self, view: ReadView, ns: bytes, spans: list[_Span]
+    ) -> tuple[list[bytes], bytes | None, list[_Span]]:
+        """(record keys already serving the prompt, the tail's covering sibling, spans missing)."""
+        existing: list[bytes] = []
+        cover: bytes | None = None
+        missing: list[_Span] = []
+        for span in spans:
+            key = K.record_key(ns, span.digest)
+            if view.contains(key):
+                existing.append(key)
+            elif not span.full and (cover := self._covering(view, ns, span)) is not None:
+                existing.append(cover)
+            else:
+                missing.append(span)
+        return existing, cover, missing
+
+    @staticmethod
+    def _covering(view: ReadView, ns: bytes, span: _Span) -> bytes | None:
+        """The record key of a stored sibling whose tokens start with the tail's, if any."""
+        dirs = (K.children_dir(ns, span.parent), K.tails_dir(ns, span.parent))
+        found = best_child(view, dirs, span.tokens)
+        if found is None or found[0] != len(span.tokens):
+            return None
+        return K.record_key(ns, found[2].digest)
+
+    def _encode(
         self, ns: bytes, spans: list[_Span], encoded: dict[int, Any], encode: RecordEncoder
     ) -> None:
-        """Encode (outside the write lock) every span not stored and not encoded yet."""
-        with self._backend.reader() as view:
-            missing = [
-                s
-                for s in spans
-                if s.index not in encoded
-                and not view.contains(K.record_key(ns, s.digest))
-                and not (not s.full and self._covering(view, ns, s) is not None)
-            ]
-        if not missing:
+        """Encode ``spans`` (outside the write lock) into ``encoded``, checking what comes back."""
+        if not spans:
             return
         records = list(
             encode(
                 [
                     BlockSpan(s.index, s.start, s.start + len(s.tokens), K.record_key(ns, s.digest))
-                    for s in missing
+                    for s in spans
                 ]
             )
         )
-        if len(records) != len(missing):
+        if len(records) != len(spans):
             raise StoreConfigError(
-                f"[save] encode() must return one record per span: {len(missing)} spans, "
+                f"[save] encode() must return one record per span: {len(spans)} spans, "
                 f"{len(records)} records.",
                 found=len(records),
-                expected=len(missing),
+                expected=len(spans),
             )
-        for span, record in zip(missing, records):
+        for span, record in zip(spans, records, strict=True):
             _nbytes(record)  # rejects what is not a contiguous buffer, before the write
             encoded[span.index] = record
-
-    @staticmethod
-    def _covering(view: ReadView, ns: bytes, span: _Span) -> bytes | None:
-        """The index key of a stored sibling whose tokens start with the tail's, if any."""
-        dirs = (K.children_dir(ns, span.parent), K.tails_dir(ns, span.parent))
-        found = best_child(view, dirs, span.tokens)
-        return found[1] if found is not None and found[0] == len(span.tokens) else None
 
     def _commit_save(
         self,
         txn: WriteView,
+        pending: Pending,
+        *,
         ns: bytes,
         spans: list[_Span],
         encoded: dict[int, Any],
         now: float,
         family: str,
-        pending: Pending,
     ) -> _SaveOutcome:
         self._apply_pending(txn, pending)
-        new: list[_Span] = []
-        existing: list[bytes] = []
-        covered_by: bytes | None = None
-        for span in spans:
-            key = K.record_key(ns, span.digest)
-            if txn.contains(key):
-                existing.append(key)
-                continue
-            if not span.full:
-                cover = self._covering(txn, ns, span)
-                if cover is not None:
-                    entry = decode_entry(txn.get(cover), with_tokens=False)  # type: ignore[arg-type]
-                    covered_by = K.record_key(ns, entry.digest)
-                    existing.append(covered_by)
-                    continue
-            if span.index not in encoded:
-                raise _Stale
-            new.append(span)
+        existing, covered_by, new = self._survey(txn, ns, spans)
+        if any(span.index not in encoded for span in new):
+            raise _Stale
         superseded = self._superseded(txn, ns, new)
         new_bytes = sum(_nbytes(encoded[s.index]) for s in new)
         freed = sum(e.nbytes for _, e in superseded)
@@ -539,9 +563,7 @@ class BlockPrefixStore(PrefixStore):
         )
 
     @staticmethod
-    def _superseded(
-        txn: ReadView, ns: bytes, new: list[_Span]
-    ) -> list[tuple[bytes, IndexEntry]]:
+    def _superseded(txn: ReadView, ns: bytes, new: list[_Span]) -> list[tuple[bytes, IndexEntry]]:
         """Stored tails that a new block extends (its tokens start with theirs)."""
         out = []
         for span in new:
@@ -556,9 +578,7 @@ class BlockPrefixStore(PrefixStore):
 
     # ------------------------------------------------------------------ eviction
 
-    def _make_room(
-        self, txn: WriteView, ns: bytes, delta: int, pinned: set[bytes]
-    ) -> list[Block]:
+    def _make_room(self, txn: WriteView, ns: bytes, delta: int, pinned: set[bytes]) -> list[Block]:
         """Evict so that ``delta`` more bytes fit the namespace and store budgets."""
         if delta <= 0:
             return []
@@ -746,10 +766,14 @@ class BlockPrefixStore(PrefixStore):
         self._backend.transact(lambda txn: self._apply_pending(txn, pending))
         self._forget_quarantined(pending)
 
-    def _write_with_pending(self, fn: Callable[[WriteView, Pending], Any]) -> Any:
+    def _write_with_pending(
+        self, fn: Callable[[WriteView, Pending], Any], size_hint: int = 0
+    ) -> Any:
+        """Run ``fn(txn, pending)`` in one write transaction, draining this process's
+        batched touches and removals into it (they go back to the buffer on failure)."""
         pending = self._house.take() if self._house is not None else Pending()
         try:
-            result = self._backend.transact(lambda txn: fn(txn, pending))
+            result = self._backend.transact(lambda txn: fn(txn, pending), size_hint=size_hint)
         except BaseException:
             self._give_back(pending)
             raise
@@ -897,11 +921,11 @@ class _Survey:
             ns = K.split_record_key(rkey)[0]  # type: ignore[index]
             b, n = counted.get(ns, (0, 0))
             counted[ns] = (b + 1, n + entry.nbytes)
-        mismatch = [
-            f"{ns.decode()}: stored {self.totals.get(ns, (0, 0))}, counted {counted.get(ns, (0, 0))}"
-            for ns in sorted(set(self.totals) | set(counted))
-            if self.totals.get(ns, (0, 0)) != counted.get(ns, (0, 0))
-        ]
+        mismatch = []
+        for ns in sorted(set(self.totals) | set(counted)):
+            stored, found = self.totals.get(ns, (0, 0)), counted.get(ns, (0, 0))
+            if stored != found:
+                mismatch.append(f"{ns.decode()}: stored {stored}, counted {found}")
         return sorted(orphans), sorted(dangling), mismatch, sorted({*self.corrupt, *orphans})
 
     def report(self, repaired: bool) -> VerifyReport:

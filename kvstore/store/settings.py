@@ -86,8 +86,11 @@ def _config_error(name: str, rule: str, value: object) -> StoreConfigError:
 def parse_int(value: object, name: str = "value", lo: int = 0, hi: int | None = None) -> int:
     if isinstance(value, str) and re.fullmatch(r"\d+", value.strip()):
         value = int(value)
-    if isinstance(value, bool) or not isinstance(value, int) or value < lo or (
-        hi is not None and value > hi
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int)
+        or value < lo
+        or (hi is not None and value > hi)
     ):
         rule = f"an integer in [{lo}, {hi}]" if hi is not None else f"an integer >= {lo}"
         raise _config_error(name, rule, value)
@@ -110,7 +113,9 @@ def parse_storage_policy(value: object) -> str:
         ) from exc
     if sig.kind not in _LOSSY_KINDS:
         raise _config_error(
-            "storage_policy", f"'lossless' or a signature of kind {' or '.join(_LOSSY_KINDS)}", value
+            "storage_policy",
+            f"'lossless' or a signature of kind {' or '.join(_LOSSY_KINDS)}",
+            value,
         )
     return str(sig)
 
@@ -144,7 +149,16 @@ def parse_optional_byte_size(name: str) -> Callable[[object], int | None]:
 def parse_bool(value: object, name: str = "flag") -> bool:
     if isinstance(value, bool):
         return value
-    if isinstance(value, str) and value.lower() in ("1", "true", "yes", "on", "0", "false", "no", "off"):
+    if isinstance(value, str) and value.lower() in (
+        "1",
+        "true",
+        "yes",
+        "on",
+        "0",
+        "false",
+        "no",
+        "off",
+    ):
         return value.lower() in ("1", "true", "yes", "on")
     raise _config_error(name, "a boolean (true/false)", value)
 

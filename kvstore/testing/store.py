@@ -25,7 +25,14 @@ import xxhash
 from kvstore.abc.store import BlockSpan, Match, PrefixStore, RecordEncoder
 from kvstore.errors import CorruptEntryError
 
-__all__ = ["prefix_rows", "make_record", "encoder_for", "verify_record", "record_rows", "check_match"]
+__all__ = [
+    "prefix_rows",
+    "make_record",
+    "encoder_for",
+    "verify_record",
+    "record_rows",
+    "check_match",
+]
 
 _HEAD = struct.Struct("<QII")
 
@@ -49,7 +56,9 @@ def make_record(rows: np.ndarray, filler: int = 0) -> bytes:
     return struct.pack("<Q", xxhash.xxh3_64_intdigest(rest)) + rest
 
 
-def encoder_for(tokens: Sequence[int] | np.ndarray, row_bytes: int = 16, filler: int = 0) -> RecordEncoder:
+def encoder_for(
+    tokens: Sequence[int] | np.ndarray, row_bytes: int = 16, filler: int = 0
+) -> RecordEncoder:
     """An ``encode`` for ``put_blocks`` that makes each span's record from its rows."""
     rows = prefix_rows(tokens, row_bytes)
 
@@ -76,15 +85,21 @@ def verify_record(view: memoryview) -> None:
 def record_rows(view: Any) -> np.ndarray:
     """The rows of a synthetic record (a copy)."""
     _, n, width = _HEAD.unpack_from(view)
-    return np.frombuffer(view, dtype=np.uint8, count=n * width, offset=_HEAD.size).reshape(n, width).copy()
+    return (
+        np.frombuffer(view, dtype=np.uint8, count=n * width, offset=_HEAD.size)
+        .reshape(n, width)
+        .copy()
+    )
 
 
-def check_match(store: PrefixStore, match: Match, tokens: Sequence[int] | np.ndarray, row_bytes: int = 16) -> None:
+def check_match(
+    store: PrefixStore, match: Match, tokens: Sequence[int] | np.ndarray, row_bytes: int = 16
+) -> None:
     """Assert that reading ``match`` yields exactly the rows of ``tokens[: match.tokens]``."""
     expected = prefix_rows(np.asarray(tokens)[: match.tokens], row_bytes)
     with store.read(match.blocks) as views:
         assert len(views) == len(match.blocks), f"read {len(views)} of {len(match.blocks)} blocks"
-        got = [record_rows(v)[: ref.rows] for v, ref in zip(views, match.blocks)]
+        got = [record_rows(v)[: ref.rows] for v, ref in zip(views, match.blocks, strict=True)]
     restored = np.concatenate(got) if got else expected[:0]
     assert restored.shape == expected.shape, (restored.shape, expected.shape)
     assert np.array_equal(restored, expected), "restored rows differ from the prompt's rows"

@@ -1,4 +1,6 @@
-"""Subprocess side of the multi-process store tests: ``python -m tests.test_store.store_worker MODE ...``.
+"""Subprocess side of the multi-process store tests.
+
+Run as ``python -m tests.test_store.store_worker MODE ARGS...``.
 
 Prompts are drawn from :func:`prompt` so that the parent can rebuild any of
 them from ``(seed, i)`` and check what a worker acknowledged.

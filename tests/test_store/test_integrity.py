@@ -29,7 +29,7 @@ def restored_rows(store, tokens):
     """The rows a restore would get for ``tokens`` (possibly fewer than matched)."""
     match = store.lookup(NS, tokens)
     with store.read(match.blocks) as views:
-        parts = [record_rows(v)[: ref.rows] for v, ref in zip(views, match.blocks)]
+        parts = [record_rows(v)[: ref.rows] for v, ref in zip(views, match.blocks, strict=False)]
     return np.concatenate(parts) if parts else np.zeros((0, 16), np.uint8)
 
 

@@ -79,7 +79,9 @@ def test_every_integer_input_gives_the_same_keys(convert):
 def test_the_chain_names_the_whole_prefix():
     a = K.chain_digests(NS, K.as_tokens(list(range(12))), 4)
     b = K.chain_digests(NS, K.as_tokens([99, *range(1, 12)]), 4)
-    assert all(x != y for x, y in zip(a, b))  # one changed token changes every later key
+    assert all(
+        x != y for x, y in zip(a, b, strict=True)
+    )  # one changed token changes every later key
     c = K.chain_digests(b"other-namespace", K.as_tokens(list(range(12))), 4)
     assert not set(a) & set(c)
 

@@ -13,7 +13,7 @@ import pytest
 from kvstore.errors import KVStoreError, StoreError, StoreFullError, StoreUnavailableError
 from kvstore.store.boundary import translate_errors
 from kvstore.store.lmdb import LMDB_ERRORS
-from kvstore.testing.store import check_match, encoder_for
+from kvstore.testing.store import check_match
 
 from .store_worker import NS, open_, prompt, save
 
@@ -50,8 +50,13 @@ def test_every_lmdb_error_is_mapped():
 
 
 @pytest.mark.parametrize(
-    "cls, ours", [(lmdb.MapFullError, StoreFullError), (lmdb.DiskError, StoreFullError),
-                  (lmdb.ReadersFullError, StoreUnavailableError), (lmdb.CorruptedError, StoreError)]
+    "cls, ours",
+    [
+        (lmdb.MapFullError, StoreFullError),
+        (lmdb.DiskError, StoreFullError),
+        (lmdb.ReadersFullError, StoreUnavailableError),
+        (lmdb.CorruptedError, StoreError),
+    ],
 )
 def test_errors_are_translated_at_the_boundary(cls, ours):
     with pytest.raises(ours, match=r"^\[write\] .* from the store at lmdb:///x") as info:
@@ -112,7 +117,10 @@ def test_a_full_disk_raises_store_full_and_leaves_the_store_intact(tmp_path):
         f"-m tests.test_store.store_worker fill {mnt}/store"
     )
     out = subprocess.run(
-        ["unshare", "-rm", "sh", "-c", script], cwd=ROOT, capture_output=True, text=True,
+        ["unshare", "-rm", "sh", "-c", script],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
         timeout=120,
     )
     assert out.returncode == 0, out.stderr

@@ -84,7 +84,9 @@ def test_not_a_store(tmp_path):
     foreign = open_backend(f"lmdb://{tmp_path}/foreign")
     foreign.put_many([(b"somebody/else", b"1")])
     foreign.close()
-    with pytest.raises(StoreConfigError, match="no kvstore/v1/__meta__ record: it is not a kvstore"):
+    with pytest.raises(
+        StoreConfigError, match="no kvstore/v1/__meta__ record: it is not a kvstore"
+    ):
         open_store(f"lmdb://{tmp_path}/foreign")
     with pytest.raises(StoreConfigError, match="does not exist"):
         open_store(f"lmdb://{tmp_path}/missing", readonly=True)

@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import threading
+import time
+
 import numpy as np
 import pytest
 
 from kvstore.abc.store import BlockRef, Match, MissReason
 from kvstore.errors import CapabilityError, StoreConfigError, StoreError
 from kvstore.store import keys as K
-from kvstore.testing.store import check_match, encoder_for, record_rows
+from kvstore.store import open_store
+from kvstore.store.index import decode_use
+from kvstore.testing.store import check_match, encoder_for, record_rows, verify_record
 
 from .conftest import NS
 
@@ -186,12 +191,62 @@ def test_closed_store(store):
         store.lookup(NS, [1, 2, 3])
 
 
-def test_stats_and_settings_survive_reopening(make_store, store_url):
-    if store_url.startswith("memory"):
-        pytest.skip("a memory store lives only as long as its process")
-    first = make_store()
-    save(first, list(range(10)))
-    first.close()
-    again = make_store()
-    assert again.stats().blocks == 3
-    check_match(again, again.lookup(NS, list(range(10))), list(range(10)))
+def test_blocks_and_stats_survive_reopening(tmp_path):
+    url = f"lmdb://{tmp_path / 's'}"
+    with open_store(url, block_size=4, verify=verify_record) as first:
+        save(first, list(range(10)))
+    with open_store(url, verify=verify_record) as again:
+        assert again.stats().blocks == 3 and again.block_size == 4
+        check_match(again, again.lookup(NS, list(range(10))), list(range(10)))
+
+
+def test_concurrent_saves_of_the_same_prefix_are_idempotent(store):
+    prompts = [list(range(n)) for n in (9, 13, 13, 17, 9)] + [[1, 2, 3, 4, 5, 6]] * 3
+    errors = []
+
+    def saver(order):
+        try:
+            for i in order:
+                save(store, prompts[i])
+        except Exception as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [
+        threading.Thread(target=saver, args=(list(range(len(prompts)))[::step],))
+        for step in (1, -1, 2, -2)
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    assert store.verify().clean
+    # 0..16: four full blocks and a tail [16]; [1..6]: one block and a tail.
+    assert store.stats().blocks == 7
+    for p in prompts:
+        check_match(store, store.lookup(NS, p), p)
+
+
+def test_the_background_writer_persists_recency(make_store, raw, clock):
+    store = make_store(touch_interval=0.01)
+    tokens = list(range(6))
+    clock.now = 1.0
+    save(store, tokens)
+    clock.now = 2.0
+    store.lookup(NS, tokens)
+    ns = K.parse_namespace(NS)
+    use_key = K.use_key(ns, K.chain_digests(ns, K.as_tokens(tokens), 4)[0])
+    for _ in range(1000):  # polls for the background write; no timing is asserted
+        with raw.reader() as view:
+            if decode_use(view.get(use_key))[0] == 2.0:
+                break
+        time.sleep(0.01)
+    else:
+        raise AssertionError("recency was never written in the background")
+
+
+def test_bad_store_options():
+    with pytest.raises(StoreConfigError, match="verify must be a callable"):
+        open_store("memory://", verify="xxh3")
+    with pytest.raises(StoreConfigError, match="low_water must be a number in"):
+        open_store("memory://", low_water=2)
