@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 from kvstore.abc.store import ReadView
 from kvstore.store import keys as K
-from kvstore.store.index import decode_entry, decode_use
+from kvstore.store.index import decode_use, iter_entries
 
 __all__ = ["Block", "load_blocks", "plan_eviction"]
 
@@ -49,8 +49,7 @@ def load_blocks(view: ReadView, namespaces: Iterable[bytes]) -> dict[bytes, Bloc
     for ns in namespaces:
         base = K.namespace_dir(ns)
         for sub in (b".c/", b".t/"):
-            for key, value in view.scan(base + sub):
-                e = decode_entry(value, with_tokens=False)
+            for key, e in iter_entries(view, base + sub, with_tokens=False):
                 block = Block(ns, e.digest, e.parent, key, e.depth, e.nbytes, e.created)
                 blocks[block.record_key] = block
         uses = base + b".u/"

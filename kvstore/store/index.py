@@ -14,7 +14,7 @@ transaction as their record.
 from __future__ import annotations
 
 import struct
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -27,6 +27,7 @@ __all__ = [
     "IndexEntry",
     "encode_entry",
     "decode_entry",
+    "iter_entries",
     "encode_use",
     "decode_use",
     "common_prefix",
@@ -111,6 +112,23 @@ def decode_entry(value: Buffer, *, with_tokens: bool = True) -> IndexEntry:
     )
 
 
+def iter_entries(
+    view: ReadView,
+    prefix: bytes,
+    *,
+    start: bytes | None = None,
+    reverse: bool = False,
+    with_tokens: bool = True,
+) -> Iterator[tuple[bytes, IndexEntry]]:
+    """Decoded index entries under ``prefix``; entries that do not decode are skipped
+    (``verify()`` reports them), so one damaged entry never fails a lookup or a save."""
+    for key, value in view.scan(prefix, start=start, reverse=reverse):
+        try:
+            yield key, decode_entry(value, with_tokens=with_tokens)
+        except (CorruptEntryError, FormatVersionError):
+            continue
+
+
 def encode_use(last_use: float, index_key: bytes) -> bytes:
     """The ``.u/`` value: last use (float64 seconds), then the block's index key,
     so a block named only by its record key can be found in the index."""
@@ -153,16 +171,15 @@ def best_child(
     best: tuple[tuple[int, int, bytes], IndexEntry] | None = None
     for directory in directories:
         seek = directory + order
-        found: list[tuple[bytes, Buffer]] = []
-        for key, value in view.scan(directory, start=seek):
-            found.append((key, value))
+        found: list[tuple[bytes, IndexEntry]] = []
+        for key, entry in iter_entries(view, directory, start=seek):
+            found.append((key, entry))
             if not (full_run and key[len(directory) : len(seek)] == order):
                 break
-        for key, value in view.scan(directory, start=seek, reverse=True):
-            found.append((key, value))
+        for key, entry in iter_entries(view, directory, start=seek, reverse=True):
+            found.append((key, entry))
             break
-        for key, value in found:
-            entry = decode_entry(value)
+        for key, entry in found:
             assert entry.tokens is not None
             lcp = common_prefix(entry.tokens, query)
             rank = (-lcp, entry.ntokens, key)

@@ -331,7 +331,8 @@ class LMDBBackend(Backend):
                 )
             p.mkdir(parents=True, exist_ok=True)
             return
-        if any(p.iterdir()):
+        # lock.mdb alone: another process is creating the store right now.
+        if set(os.listdir(p)) - {"lock.mdb"}:
             raise StoreConfigError(
                 f"[open_store] {p} is a non-empty directory with no LMDB store (no data.mdb) "
                 f"in it; refusing to create one among other files. Use an empty or new "

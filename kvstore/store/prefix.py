@@ -71,6 +71,7 @@ from kvstore.store.index import (
     decode_use,
     encode_entry,
     encode_use,
+    iter_entries,
 )
 from kvstore.store.settings import (
     SETTING_PARSERS,
@@ -200,22 +201,14 @@ class BlockPrefixStore(PrefixStore):
         return self._settings
 
     def _open_settings(self, explicit: dict[str, Any]) -> StoreSettings:
-        url = self.url
         with self._backend.reader() as view:
             raw = view.get(K.META_KEY)
-            stored = None if raw is None else decode_meta(raw, url)[0]
-        if stored is None:
-            entries = self._backend.stats().get("entries", 0)
-            if entries:
-                raise StoreConfigError(
-                    f"[open_store] {url} holds {entries} entries but no kvstore/v1/__meta__ "
-                    f"record: it is not a kvstore store. Use an empty or new location.",
-                    url=url,
-                )
-            if not self._backend.supports_writes:
-                raise StoreConfigError(
-                    f"[open_store] {url} is empty: no store to open read-only.", url=url
-                )
+            stored = None if raw is None else decode_meta(raw, self.url)[0]
+        if stored is None and not self._backend.supports_writes:
+            self._refuse_foreign()
+            raise StoreConfigError(
+                f"[open_store] {self.url} is empty: no store to open read-only.", url=self.url
+            )
         settings, changed = resolve_settings(stored, explicit)
         if changed and self._backend.supports_writes:
             settings = self._backend.transact(lambda txn: self._write_meta(txn, explicit))
@@ -225,11 +218,25 @@ class BlockPrefixStore(PrefixStore):
         # Re-read inside the transaction: another process may have created the
         # store (or changed a budget) since we looked.
         raw = txn.get(K.META_KEY)
-        stored, created = (None, None) if raw is None else decode_meta(raw, self.url)
+        if raw is None:
+            self._refuse_foreign()  # consistent: we hold the write lock, nothing else commits
+            stored, created = None, None
+        else:
+            stored, created = decode_meta(raw, self.url)
         settings, changed = resolve_settings(stored, explicit)
         if changed:
             txn.put(K.META_KEY, encode_meta(settings, created))
         return settings
+
+    def _refuse_foreign(self) -> None:
+        """Raise if the backend holds data but no meta record: it is someone else's."""
+        entries = self._backend.stats().get("entries", 0)
+        if entries:
+            raise StoreConfigError(
+                f"[open_store] {self.url} holds {entries} entries but no kvstore/v1/__meta__ "
+                f"record: it is not a kvstore store. Use an empty or new location.",
+                url=self.url,
+            )
 
     def _budgets(self, view: ReadView) -> StoreSettings:
         """Settings as stored now (budgets may have been changed by another process)."""
@@ -567,8 +574,7 @@ class BlockPrefixStore(PrefixStore):
         """Stored tails that a new block extends (its tokens start with theirs)."""
         out = []
         for span in new:
-            for key, value in txn.scan(K.tails_dir(ns, span.parent)):
-                entry = decode_entry(value)
+            for key, entry in iter_entries(txn, K.tails_dir(ns, span.parent)):
                 assert entry.tokens is not None
                 if entry.ntokens < len(span.tokens) and np.array_equal(
                     entry.tokens, span.tokens[: entry.ntokens]
@@ -692,8 +698,7 @@ class BlockPrefixStore(PrefixStore):
                 tail = toks[whole * bsize :]
                 order = K.order_prefix(tail, pad=False)
                 for d in (K.children_dir(ns, parent), K.tails_dir(ns, parent)):
-                    for key, value in txn.scan(d + order):
-                        entry = decode_entry(value)
+                    for key, entry in iter_entries(txn, d + order):
                         assert entry.tokens is not None
                         if np.array_equal(entry.tokens[: len(tail)], tail):
                             roots.append((key, entry.digest))
@@ -724,10 +729,12 @@ class BlockPrefixStore(PrefixStore):
             key, d = stack.pop()
             for directory in (K.children_dir(ns, d), K.tails_dir(ns, d)):
                 for child_key, value in list(txn.scan(directory)):
-                    stack.append((child_key, decode_entry(value, with_tokens=False).digest))
-            raw = txn.get(key)
-            if raw is not None:
-                nbytes += decode_entry(raw, with_tokens=False).nbytes
+                    try:
+                        stack.append((child_key, decode_entry(value, with_tokens=False).digest))
+                    except (CorruptEntryError, FormatVersionError):
+                        txn.delete(child_key)  # unreadable: its subtree is left to verify()
+            record = txn.get(K.record_key(ns, d))
+            nbytes += 0 if record is None else len(record)
             self._delete_one(txn, ns, key, d)
             count += 1
         return count, nbytes
@@ -817,8 +824,8 @@ class BlockPrefixStore(PrefixStore):
                 families = {}
                 for ns in totals:
                     for sub in (b".c/", b".t/"):
-                        for _, value in view.scan(K.namespace_dir(ns) + sub):
-                            e = decode_entry(value, with_tokens=False)
+                        prefix = K.namespace_dir(ns) + sub
+                        for _, e in iter_entries(view, prefix, with_tokens=False):
                             families[e.family] = families.get(e.family, 0) + e.nbytes
         namespaces = {
             n.decode(): NamespaceStats(b, nb, settings.budget_for(n.decode()))
@@ -955,9 +962,9 @@ class _Survey:
         for ns in {K.split_record_key(r)[0] for r in self.entries}:  # type: ignore[index]
             blocks = nbytes = 0
             for sub in (b".c/", b".t/"):
-                for _, value in txn.scan(K.namespace_dir(ns) + sub):
+                for _, entry in iter_entries(txn, K.namespace_dir(ns) + sub, with_tokens=False):
                     blocks += 1
-                    nbytes += decode_entry(value, with_tokens=False).nbytes
+                    nbytes += entry.nbytes
             add_totals(txn, ns, blocks, nbytes)
 
 
