@@ -31,6 +31,10 @@ Contract for backend implementers:
   leaves the store as it was.
 * Capabilities are boolean properties; a method whose capability is off
   raises :class:`~kvstore.errors.CapabilityError` before doing anything.
+* ``stats()`` includes ``"entries"`` (keys stored): a store refuses to adopt
+  a non-empty location that has no ``kvstore/v1/__meta__`` record.
+* Conformance: ``tests/test_store/test_backends.py`` runs the contract on
+  every backend; a new backend adds its URL there.
 
 Compatibility: the key layout carries a schema version (``kvstore/v1``); a
 change to it takes a new version, never a new meaning for ``v1`` keys.
