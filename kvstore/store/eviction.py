@@ -18,11 +18,13 @@ import heapq
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 
-from kvstore.abc.store import ReadView
+from kvstore.abc.store import ReadView, WriteView
 from kvstore.store import keys as K
 from kvstore.store.index import decode_use, iter_entries
+from kvstore.store.removal import delete_block
+from kvstore.store.stats import add_totals
 
-__all__ = ["Block", "load_blocks", "plan_eviction"]
+__all__ = ["Block", "load_blocks", "plan_eviction", "evict_in"]
 
 
 @dataclass
@@ -91,3 +93,18 @@ def plan_eviction(
             if parent.children == 0 and parent_key not in pinned:
                 heapq.heappush(heap, (parent.last_use, -parent.depth, parent_key))
     return out
+
+
+def evict_in(
+    txn: WriteView, namespaces: list[bytes], total: int, target: int, pinned: Collection[bytes]
+) -> list[Block]:
+    """Evict from ``namespaces`` (holding ``total`` bytes) down to ``target``; adjusts totals."""
+    plan = plan_eviction(load_blocks(txn, namespaces), total, target, pinned)
+    per_ns: dict[bytes, tuple[int, int]] = {}
+    for block in plan:
+        delete_block(txn, block.namespace, block.index_key, block.digest)
+        count, nbytes = per_ns.get(block.namespace, (0, 0))
+        per_ns[block.namespace] = (count + 1, nbytes + block.nbytes)
+    for ns, (count, nbytes) in per_ns.items():
+        add_totals(txn, ns, -count, -nbytes)
+    return plan

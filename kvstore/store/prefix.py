@@ -62,17 +62,18 @@ from kvstore.errors import (
     StoreFullError,
 )
 from kvstore.store import keys as K
-from kvstore.store.eviction import Block, load_blocks, plan_eviction
+from kvstore.store.eviction import Block, evict_in
 from kvstore.store.housekeeping import Housekeeper, Pending
 from kvstore.store.index import (
     IndexEntry,
     best_child,
-    decode_entry,
     decode_use,
     encode_entry,
     encode_use,
     iter_entries,
 )
+from kvstore.store.integrity import Survey
+from kvstore.store.removal import delete_block, delete_namespace, delete_subtree
 from kvstore.store.settings import (
     SETTING_PARSERS,
     StoreSettings,
@@ -556,7 +557,7 @@ class BlockPrefixStore(PrefixStore):
             txn.put(index_key, encode_entry(entry))
             txn.put(K.use_key(ns, span.digest), encode_use(now, index_key))
         for index_key, entry in superseded:
-            self._delete_one(txn, ns, index_key, entry.digest)
+            delete_block(txn, ns, index_key, entry.digest)
         for key in existing:
             self._touch_in(txn, key, now)
         add_totals(txn, ns, len(new) - len(superseded), new_bytes - freed)
@@ -602,7 +603,7 @@ class BlockPrefixStore(PrefixStore):
             if total + delta <= budget:
                 continue
             target = math.floor(budget * self._low_water) - delta
-            gone = self._evict_in(txn, namespaces, total, target, pinned)
+            gone = evict_in(txn, namespaces, total, target, pinned)
             evicted += gone
             total -= sum(b.nbytes for b in gone)
             if total + delta > budget:
@@ -616,19 +617,6 @@ class BlockPrefixStore(PrefixStore):
                     remaining=total,
                 )
         return evicted
-
-    def _evict_in(
-        self, txn: WriteView, namespaces: list[bytes], total: int, target: int, pinned: set[bytes]
-    ) -> list[Block]:
-        plan = plan_eviction(load_blocks(txn, namespaces), total, target, pinned)
-        per_ns: dict[bytes, tuple[int, int]] = {}
-        for block in plan:
-            self._delete_one(txn, block.namespace, block.index_key, block.digest)
-            count, nbytes = per_ns.get(block.namespace, (0, 0))
-            per_ns[block.namespace] = (count + 1, nbytes + block.nbytes)
-        for n, (count, nbytes) in per_ns.items():
-            add_totals(txn, n, -count, -nbytes)
-        return plan
 
     def evict(self, *, namespace: str | None = None, max_bytes: int | str | None = None) -> int:
         """Evict least-recently-used leaf blocks; returns the bytes freed.
@@ -659,7 +647,7 @@ class BlockPrefixStore(PrefixStore):
             for namespaces, target in jobs:
                 total = sum(read_totals(txn, n)[1] for n in namespaces)
                 if total > target:
-                    out += self._evict_in(txn, namespaces, total, target, set())
+                    out += evict_in(txn, namespaces, total, target, set())
             return out
 
         gone = self._write_with_pending(run)
@@ -685,7 +673,7 @@ class BlockPrefixStore(PrefixStore):
         def run(txn: WriteView, pending: Pending) -> int:
             self._apply_pending(txn, pending)
             if not len(toks):
-                return self._delete_namespace(txn, ns)
+                return delete_namespace(txn, ns)
             roots: list[tuple[bytes, bytes]] = []
             if not rest:
                 parent = digests[-2] if whole > 1 else K.ROOT
@@ -704,46 +692,12 @@ class BlockPrefixStore(PrefixStore):
                             roots.append((key, entry.digest))
             count = nbytes = 0
             for key, digest in roots:
-                c, b = self._delete_subtree(txn, ns, key, digest)
+                c, b = delete_subtree(txn, ns, key, digest)
                 count, nbytes = count + c, nbytes + b
             add_totals(txn, ns, -count, -nbytes)
             return count
 
         return self._write_with_pending(run)
-
-    @staticmethod
-    def _delete_namespace(txn: WriteView, ns: bytes) -> int:
-        keys = [key for key, _ in txn.scan(K.namespace_dir(ns))]
-        for key in keys:
-            txn.delete(key)
-        txn.delete(K.totals_key(ns))
-        return sum(K.split_record_key(key) is not None for key in keys)
-
-    def _delete_subtree(
-        self, txn: WriteView, ns: bytes, index_key: bytes, digest: bytes
-    ) -> tuple[int, int]:
-        """Delete a block and everything stored after it; returns (blocks, bytes)."""
-        count = nbytes = 0
-        stack = [(index_key, digest)]
-        while stack:
-            key, d = stack.pop()
-            for directory in (K.children_dir(ns, d), K.tails_dir(ns, d)):
-                for child_key, value in list(txn.scan(directory)):
-                    try:
-                        stack.append((child_key, decode_entry(value, with_tokens=False).digest))
-                    except (CorruptEntryError, FormatVersionError):
-                        txn.delete(child_key)  # unreadable: its subtree is left to verify()
-            record = txn.get(K.record_key(ns, d))
-            nbytes += 0 if record is None else len(record)
-            self._delete_one(txn, ns, key, d)
-            count += 1
-        return count, nbytes
-
-    @staticmethod
-    def _delete_one(txn: WriteView, ns: bytes, index_key: bytes, digest: bytes) -> None:
-        txn.delete(K.record_key(ns, digest))
-        txn.delete(index_key)
-        txn.delete(K.use_key(ns, digest))
 
     # ------------------------------------------------------------------ housekeeping
 
@@ -766,7 +720,7 @@ class BlockPrefixStore(PrefixStore):
             if parts is None or use is None or not txn.contains(key):
                 continue
             ns, digest = parts
-            count, nbytes = self._delete_subtree(txn, ns, decode_use(use)[1], digest)
+            count, nbytes = delete_subtree(txn, ns, decode_use(use)[1], digest)
             add_totals(txn, ns, -count, -nbytes)
 
     def _write_pending(self, pending: Pending) -> None:
@@ -844,7 +798,8 @@ class BlockPrefixStore(PrefixStore):
     # ------------------------------------------------------------------ verify
 
     def verify(self, *, repair: bool = False) -> VerifyReport:
-        """Check every record (with ``verify``) and the index against the records.
+        """Check every record (with ``verify``) and the index against the records (see
+        :mod:`kvstore.store.integrity`).
 
         Finds corrupt records, records written by a newer kvstore (kept), orphans
         (blocks whose parent is gone), dangling keys (an index entry without its
@@ -854,118 +809,16 @@ class BlockPrefixStore(PrefixStore):
         dangling keys and rewrites the totals, in one transaction.
         """
         self._check_open("verify")
-        found = _Survey()
+        found = Survey()
         with self._backend.reader() as view:
             found.run(view, self._verify)
         report = found.report(repaired=False)
         if repair and not report.clean:
             self._check_writable("verify")
-            self._backend.transact(lambda txn: found.repair(txn, self))
+            self._backend.transact(found.repair)
             self._counters.add(corruptions=len(report.corrupt))
             report = replace(report, repaired=True)
         return report
-
-
-class _Survey:
-    """One pass over every ``kvstore/v1`` key, classified for :meth:`BlockPrefixStore.verify`."""
-
-    def __init__(self) -> None:
-        self.records: dict[bytes, int] = {}
-        self.entries: dict[bytes, tuple[bytes, IndexEntry]] = {}  # record key -> (index key, entry)
-        self.bad_entries: list[bytes] = []
-        self.uses: list[tuple[bytes, bytes]] = []  # (use key, record key)
-        self.corrupt: list[bytes] = []
-        self.newer: list[bytes] = []
-        self.totals: dict[bytes, tuple[int, int]] = {}
-
-    def run(self, view: ReadView, verify: RecordVerifier) -> None:
-        self.totals = all_totals(view)
-        for key, value in view.scan(K.SCHEMA):
-            if key == K.META_KEY or key.startswith(K.NS_TOTALS_DIR):
-                continue
-            parts = K.split_record_key(key)
-            if parts is not None:
-                self.records[key] = len(value)
-                try:
-                    verify(memoryview(value))
-                except CorruptEntryError:
-                    self.corrupt.append(key)
-                except FormatVersionError:
-                    self.newer.append(key)
-                continue
-            ns, _, rest = key[len(K.SCHEMA) :].partition(b"/")
-            if rest.startswith((b".c/", b".t/")):
-                try:
-                    entry = decode_entry(value, with_tokens=False)
-                except (CorruptEntryError, FormatVersionError):
-                    self.bad_entries.append(key)
-                    continue
-                self.entries[K.record_key(ns, entry.digest)] = (key, entry)
-            elif rest.startswith(b".u/"):
-                self.uses.append((key, K.SCHEMA + ns + b"/" + rest[3:]))
-            else:
-                self.bad_entries.append(key)
-
-    def _classify(self) -> tuple[list[bytes], list[bytes], list[str], list[bytes]]:
-        """(orphans, dangling keys, totals mismatches, blocks to remove with their subtrees)."""
-        corrupt = set(self.corrupt)
-        for rkey, (_, entry) in self.entries.items():
-            if rkey in self.records and self.records[rkey] != entry.nbytes:
-                corrupt.add(rkey)  # the record is not the one the index describes
-        self.corrupt = sorted(corrupt)
-        orphans = []
-        for rkey, (_, entry) in self.entries.items():
-            if entry.parent != K.ROOT:
-                ns = K.split_record_key(rkey)[0]  # type: ignore[index]
-                if K.record_key(ns, entry.parent) not in self.entries:
-                    orphans.append(rkey)
-        dangling = list(self.bad_entries)
-        dangling += [ikey for rkey, (ikey, _) in self.entries.items() if rkey not in self.records]
-        dangling += [rkey for rkey in self.records if rkey not in self.entries]
-        dangling += [ukey for ukey, rkey in self.uses if rkey not in self.entries]
-        counted: dict[bytes, tuple[int, int]] = {}
-        for rkey, (_, entry) in self.entries.items():
-            ns = K.split_record_key(rkey)[0]  # type: ignore[index]
-            b, n = counted.get(ns, (0, 0))
-            counted[ns] = (b + 1, n + entry.nbytes)
-        mismatch = []
-        for ns in sorted(set(self.totals) | set(counted)):
-            stored, found = self.totals.get(ns, (0, 0)), counted.get(ns, (0, 0))
-            if stored != found:
-                mismatch.append(f"{ns.decode()}: stored {stored}, counted {found}")
-        return sorted(orphans), sorted(dangling), mismatch, sorted({*self.corrupt, *orphans})
-
-    def report(self, repaired: bool) -> VerifyReport:
-        orphans, dangling, mismatch, _ = self._classify()
-        return VerifyReport(
-            blocks=len(self.records),
-            bytes=sum(self.records.values()),
-            corrupt=tuple(self.corrupt),
-            newer_format=tuple(sorted(self.newer)),
-            orphans=tuple(orphans),
-            dangling=tuple(dangling),
-            totals_mismatch=tuple(mismatch),
-            repaired=repaired,
-        )
-
-    def repair(self, txn: WriteView, store: BlockPrefixStore) -> None:
-        _, dangling, _, remove = self._classify()
-        for rkey in remove:
-            if rkey in self.entries and txn.contains(self.entries[rkey][0]):
-                ns, digest = K.split_record_key(rkey)  # type: ignore[misc]
-                store._delete_subtree(txn, ns, self.entries[rkey][0], digest)
-        for key in dangling:
-            txn.delete(key)
-        # Totals from what is left.
-        for key, _ in list(txn.scan(K.NS_TOTALS_DIR)):
-            txn.delete(key)
-        for ns in {K.split_record_key(r)[0] for r in self.entries}:  # type: ignore[index]
-            blocks = nbytes = 0
-            for sub in (b".c/", b".t/"):
-                for _, entry in iter_entries(txn, K.namespace_dir(ns) + sub, with_tokens=False):
-                    blocks += 1
-                    nbytes += entry.nbytes
-            add_totals(txn, ns, blocks, nbytes)
 
 
 def _nbytes(record: Any) -> int:
