@@ -1,0 +1,526 @@
+"""The prefix-store contracts: the backend protocol and the :class:`PrefixStore` ABC.
+
+Two layers, so that a storage engine is a small thing to add:
+
+* :class:`Backend` is an ordered byte-key/byte-value store with atomic
+  read-modify-write transactions. LMDB (:mod:`kvstore.store.lmdb`) and memory
+  (:mod:`kvstore.store.memory`) implement it; Redis/Valkey will.
+* :class:`PrefixStore` is what callers use: chained block keys, token-exact
+  lookup, save bookkeeping, zero-copy reads, eviction, stats and integrity.
+  One implementation (:class:`kvstore.store.prefix.BlockPrefixStore`) runs
+  over any backend. A block's record is opaque bytes here; the codecs decide
+  what is in it.
+
+Contract for backend implementers:
+
+* Keys are ``bytes`` under ``kvstore/v1/`` (layout in :mod:`kvstore.store.keys`);
+  values are opaque ``bytes``. Nothing read from a backend is ever unpickled.
+* :meth:`Backend.reader` yields a :class:`ReadView`. Values it returns may be
+  ``memoryview`` objects into the engine's pages (LMDB); they are valid only
+  inside the ``with`` block, so callers copy what they keep.
+* :meth:`Backend.transact` runs ``fn(WriteView)`` atomically: every put and
+  delete it made commits together, or none does. ``fn`` may run more than
+  once (LMDB grows its map and retries; Redis retries on a ``WATCH``
+  conflict), so it must have no effect outside the view.
+* ``scan`` is ordered by key bytes and never called with an empty prefix;
+  a backend without ordered keys keeps a sorted index of its keys
+  (a Redis ``ZSET`` and ``ZRANGEBYLEX`` serve).
+* Engine exceptions are translated to :mod:`kvstore.errors` at the boundary
+  with one context manager (:func:`kvstore.store.boundary.translate_errors`);
+  a full map, disk or quota is :class:`~kvstore.errors.StoreFullError` and
+  leaves the store as it was.
+* Capabilities are boolean properties; a method whose capability is off
+  raises :class:`~kvstore.errors.CapabilityError` before doing anything.
+* ``stats()`` includes ``"entries"`` (keys stored): a store refuses to adopt
+  a non-empty location that has no ``kvstore/v1/__meta__`` record.
+* Conformance: ``tests/test_store/test_backends.py`` runs the contract on
+  every backend; a new backend adds its URL there.
+
+Compatibility: the key layout carries a schema version (``kvstore/v1``); a
+change to it takes a new version, never a new meaning for ``v1`` keys.
+"""
+
+from __future__ import annotations
+
+import builtins
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from contextlib import AbstractContextManager, contextmanager
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+
+from kvstore.errors import CapabilityError, ReadOnlyStoreError, StoreError
+
+if TYPE_CHECKING:
+    from kvstore.store.settings import StoreSettings
+
+__all__ = [
+    "Buffer",
+    "ReadView",
+    "WriteView",
+    "Backend",
+    "MissReason",
+    "BlockSpan",
+    "BlockRef",
+    "Match",
+    "SaveResult",
+    "NamespaceStats",
+    "StoreStats",
+    "VerifyReport",
+    "RecordEncoder",
+    "RecordVerifier",
+    "PrefixStore",
+]
+
+T = TypeVar("T")
+
+#: A value as a backend hands it out: ``bytes``, or a ``memoryview`` into its pages.
+Buffer = bytes | memoryview
+
+
+class ReadView(Protocol):
+    """One consistent read of a backend (an LMDB read transaction)."""
+
+    def get(self, key: bytes) -> Buffer | None:
+        """The value of ``key`` (valid only while the view is open), or ``None``."""
+
+    def contains(self, key: bytes) -> bool:
+        """Whether ``key`` is stored, without touching its value."""
+
+    def scan(
+        self, prefix: bytes, *, start: bytes | None = None, reverse: bool = False
+    ) -> Iterator[tuple[bytes, Buffer]]:
+        """``(key, value)`` for keys starting with ``prefix``, in key order.
+
+        Forward: keys ``>= start`` (all of them when ``start`` is ``None``),
+        ascending. Reverse: keys ``< start`` (all when ``None``), descending.
+        """
+
+
+class WriteView(ReadView, Protocol):
+    """A read view that also writes; everything commits together or not at all."""
+
+    def put(self, key: bytes, value: Any, *, if_absent: bool = False) -> bool:
+        """Store ``value`` (any C-contiguous buffer); ``False`` if ``if_absent`` and present."""
+
+    def delete(self, key: bytes) -> bool:
+        """Remove ``key``; ``False`` if it was not stored."""
+
+
+class Backend(ABC):
+    """An ordered key/value engine under a prefix store (see the module docstring)."""
+
+    #: The URL the backend was opened from (``lmdb:///var/kv``).
+    url: str = ""
+
+    # Capabilities. Where a default could be wrong, it is the value that only
+    # turns off a fast path or a feature, never one that promises too much.
+    @property
+    def supports_zero_copy(self) -> bool:
+        """Read views hand out memoryviews into the engine's own memory."""
+        return False
+
+    @property
+    def supports_ttl(self) -> bool:
+        """Keys can expire on their own (:meth:`set_ttl`)."""
+        return False
+
+    @property
+    def supports_multiprocess(self) -> bool:
+        """Several processes may open the same store at once."""
+        return False
+
+    @property
+    def supports_persistence(self) -> bool:
+        """What is committed survives the process (and a SIGKILL of it)."""
+        return False
+
+    @property
+    def supports_writes(self) -> bool:
+        """False when opened read-only: every write raises ReadOnlyStoreError."""
+        return True
+
+    @abstractmethod
+    def reader(self) -> AbstractContextManager[ReadView]:
+        """A consistent read view; its values are valid only inside the ``with``."""
+
+    @abstractmethod
+    def _transact(self, fn: Callable[[WriteView], T], size_hint: int) -> T:
+        """Engine part of :meth:`transact` (writability already checked)."""
+
+    @abstractmethod
+    def stats(self) -> dict[str, Any]:
+        """Engine figures (entries, bytes on disk, map size...), JSON-able."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Release the engine; idempotent."""
+
+    def transact(self, fn: Callable[[WriteView], T], *, size_hint: int = 0) -> T:
+        """Run ``fn`` in one atomic read-modify-write transaction and return its result.
+
+        Args:
+            fn: does reads and writes on the view; may be called more than once.
+            size_hint: bytes ``fn`` is about to write (lets LMDB grow its map once).
+
+        Raises:
+            ReadOnlyStoreError: the backend was opened read-only.
+            StoreFullError: the map, disk or quota cannot hold the writes;
+                nothing was written.
+        """
+        self.require_writes("transact")
+        return self._transact(fn, size_hint)
+
+    # Conveniences built on the two primitives; engines may override them
+    # with faster paths (pipelines, multi-gets).
+    def get_many(self, keys: Sequence[bytes]) -> list[bytes | None]:
+        """Owned copies of the values of ``keys`` (``None`` where absent)."""
+        with self.reader() as view:
+            return [None if (v := view.get(k)) is None else bytes(v) for k in keys]
+
+    @contextmanager
+    def view_many(self, keys: Sequence[bytes]) -> Iterator[list[Buffer | None]]:
+        """Zero-copy values of ``keys``, valid only inside the ``with`` block."""
+        with self.reader() as view:
+            yield [view.get(k) for k in keys]
+
+    def contains_many(self, keys: Sequence[bytes]) -> list[bool]:
+        with self.reader() as view:
+            return [view.contains(k) for k in keys]
+
+    def scan(self, prefix: bytes, *, keys_only: bool = False) -> list[tuple[bytes, bytes | None]]:
+        """Owned ``(key, value)`` pairs under ``prefix`` (value ``None`` if ``keys_only``)."""
+        with self.reader() as view:
+            return [(bytes(k), None if keys_only else bytes(v)) for k, v in view.scan(prefix)]
+
+    def put_many(self, items: Iterable[tuple[bytes, Any]], *, if_absent: bool = False) -> int:
+        """Store every item atomically (all or nothing); returns how many were written.
+
+        With ``if_absent`` a stored key is left as it is, which makes saving a
+        content-addressed block idempotent under concurrent writers.
+        """
+        items = list(items)
+        size = sum(memoryview(v).nbytes for _, v in items)
+
+        def write(txn: WriteView) -> int:
+            return sum(txn.put(k, v, if_absent=if_absent) for k, v in items)
+
+        return self.transact(write, size_hint=size)
+
+    def delete_many(self, keys: Iterable[bytes]) -> int:
+        """Remove ``keys`` atomically; returns how many were stored."""
+        keys = list(keys)
+        return self.transact(lambda txn: sum(txn.delete(k) for k in keys))
+
+    def set_ttl(self, keys: Sequence[bytes], seconds: float) -> None:
+        """Let ``keys`` expire after ``seconds``."""
+        self.require("supports_ttl", "set_ttl")
+        raise NotImplementedError  # an engine that supports TTLs overrides this
+
+    def require(self, capability: str, operation: str) -> None:
+        """Raise CapabilityError unless the boolean property ``capability`` is on."""
+        if not getattr(self, capability):
+            raise CapabilityError(
+                f"[{operation}] The {type(self).__name__} backend ({self.url}) does not "
+                f"support this ({capability} is False). Use a backend that does, such as "
+                f"Redis for TTLs.",
+                capability=capability,
+                backend=type(self).__name__,
+            )
+
+    def require_writes(self, operation: str) -> None:
+        if not self.supports_writes:
+            raise ReadOnlyStoreError(
+                f"[{operation}] The store {self.url} was opened read-only; open it "
+                f"without readonly=True to write.",
+                url=self.url,
+            )
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.url!r})"
+
+
+class MissReason:
+    """Why a lookup or a read served nothing (keys of ``StoreStats.misses``)."""
+
+    #: No stored block shares a first token with the prompt.
+    COLD = "cold"
+    #: The prompt has fewer than two tokens: nothing can be reused.
+    SHORT_PROMPT = "short_prompt"
+    #: A record failed verification; it was dropped and counted, never served.
+    CORRUPT = "corrupt"
+    #: A record was written by a newer kvstore (FormatVersionError); kept, not served.
+    VERSION = "version"
+    #: A matched block was evicted or deleted before it was read.
+    VANISHED = "vanished"
+    #: The backend could not be reached (StoreUnavailableError).
+    UNAVAILABLE = "unavailable"
+
+    ALL = (COLD, SHORT_PROMPT, CORRUPT, VERSION, VANISHED, UNAVAILABLE)
+
+
+@dataclass(frozen=True)
+class BlockSpan:
+    """A block a save must encode: the tokens ``[start, stop)`` of the prompt."""
+
+    index: int
+    start: int
+    stop: int
+    key: bytes
+
+    @property
+    def tokens(self) -> int:
+        return self.stop - self.start
+
+
+@dataclass(frozen=True)
+class BlockRef:
+    """One block a restore reads, and which of its rows it uses.
+
+    Attributes:
+        key: the record key (``kvstore/v1/<namespace>/<block hash>``).
+        index: position of the block in the chain (block ``i`` starts at ``i * block_size``).
+        start: absolute token position of the record's first row.
+        rows: rows of the record the match uses (``[0, rows)``); less than
+            ``stored_rows`` when the match ends inside the block, which the
+            restore trims (every KV family can drop a record's last rows).
+        stored_rows: rows the record holds (``block_size``, or fewer for a tail).
+    """
+
+    key: bytes
+    index: int
+    start: int
+    rows: int
+    stored_rows: int
+
+    @property
+    def stop(self) -> int:
+        """Absolute token position just after the last row used."""
+        return self.start + self.rows
+
+    @property
+    def trimmed(self) -> bool:
+        return self.rows < self.stored_rows
+
+
+@dataclass(frozen=True)
+class Match:
+    """The longest reusable prefix of a prompt, and the blocks to read for it.
+
+    ``tokens`` is the number of prompt tokens whose KV the store can supply,
+    ``0 <= tokens <= prompt_tokens - 1``: at least one token is always left
+    for the model to process, because its logits are needed. ``blocks`` cover
+    ``[0, tokens)`` in order, without gaps.
+    """
+
+    namespace: str
+    tokens: int
+    prompt_tokens: int
+    block_size: int
+    blocks: tuple[BlockRef, ...] = ()
+
+    @property
+    def hit(self) -> bool:
+        return self.tokens > 0
+
+    def covering(self, start: int, stop: int) -> tuple[BlockRef, ...]:
+        """The blocks holding any of the tokens ``[start, stop)`` (clipped to the match)."""
+        stop = min(stop, self.tokens)
+        return tuple(b for b in self.blocks if b.start < stop and b.stop > start)
+
+    def for_window(self, max_size: int, keep: int = 0) -> tuple[BlockRef, ...]:
+        """The blocks a sliding-window layer needs: its ``keep`` first tokens and
+        the ``max_size - keep`` most recent ones (mlx-lm ``RotatingKVCache`` layout)."""
+        recent_from = max(keep, self.tokens - (max_size - keep))
+        wanted = {
+            b.key for b in (*self.covering(0, keep), *self.covering(recent_from, self.tokens))
+        }
+        return tuple(b for b in self.blocks if b.key in wanted)
+
+    def untrimmed(self) -> Match:
+        """This match cut back to whole records, for a family that cannot drop rows.
+
+        Only the last block of a match can be trimmed, so at most one block goes.
+        """
+        blocks = self.blocks[:-1] if self.blocks and self.blocks[-1].trimmed else self.blocks
+        return replace(self, tokens=blocks[-1].stop if blocks else 0, blocks=blocks)
+
+
+@dataclass(frozen=True)
+class SaveResult:
+    """What one save did. ``written + deduplicated`` blocks make up the prompt."""
+
+    namespace: str
+    tokens: int
+    written: tuple[bytes, ...] = ()
+    written_bytes: int = 0
+    deduplicated: int = 0
+    superseded: int = 0
+    evicted: int = 0
+    evicted_bytes: int = 0
+    #: The stored sibling that already holds the prompt's tail (then no tail was written).
+    covered_by: bytes | None = None
+
+
+@dataclass(frozen=True)
+class NamespaceStats:
+    blocks: int
+    bytes: int
+    max_bytes: int | None = None
+
+
+@dataclass(frozen=True)
+class StoreStats:
+    """Content figures (persisted, exact across processes) and this handle's activity.
+
+    ``blocks``/``bytes``/``namespaces`` are read from counters every write keeps
+    in the same transaction, so they are exact and cost no scan. The activity
+    counters (lookups, hits, misses by reason, evictions, corruptions, saves)
+    count what *this open store* did since it was opened; they are not
+    persisted, so that a read never needs a write.
+    """
+
+    blocks: int
+    bytes: int
+    namespaces: Mapping[str, NamespaceStats]
+    max_bytes: int | None
+    lookups: int = 0
+    hits: int = 0
+    hit_tokens: int = 0
+    misses: Mapping[str, int] = field(default_factory=dict)
+    saves: int = 0
+    saved_blocks: int = 0
+    saved_bytes: int = 0
+    deduplicated_blocks: int = 0
+    evictions: int = 0
+    evicted_bytes: int = 0
+    corruptions: int = 0
+    #: Stored bytes by record family, when asked for (``stats(by_family=True)``, a scan).
+    by_family: Mapping[str, int] | None = None
+    backend: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class VerifyReport:
+    """What :meth:`PrefixStore.verify` found (and removed, with ``repair=True``)."""
+
+    blocks: int = 0
+    bytes: int = 0
+    corrupt: tuple[builtins.bytes, ...] = ()
+    newer_format: tuple[builtins.bytes, ...] = ()
+    orphans: tuple[builtins.bytes, ...] = ()
+    dangling: tuple[builtins.bytes, ...] = ()
+    totals_mismatch: tuple[str, ...] = ()
+    repaired: bool = False
+
+    @property
+    def clean(self) -> bool:
+        return not (self.corrupt or self.orphans or self.dangling or self.totals_mismatch)
+
+
+#: ``encode(spans) -> records``: one bytes-like record per span, in order.
+RecordEncoder = Callable[[Sequence[BlockSpan]], Sequence[Any]]
+#: ``verify(record)``: returns, or raises CorruptEntryError / FormatVersionError.
+RecordVerifier = Callable[[memoryview], None]
+
+
+class PrefixStore(ABC):
+    """A persistent, deduplicated store of KV blocks keyed by token prefixes.
+
+    Shared behaviour lives here: the context manager, read-only and closed
+    checks. The block logic is in :class:`kvstore.store.prefix.BlockPrefixStore`.
+    """
+
+    def __init__(self, backend: Backend) -> None:
+        self._backend = backend
+        self._closed = False
+
+    @property
+    def backend(self) -> Backend:
+        return self._backend
+
+    @property
+    def url(self) -> str:
+        return self._backend.url
+
+    @property
+    def read_only(self) -> bool:
+        return not self._backend.supports_writes
+
+    @property
+    @abstractmethod
+    def settings(self) -> StoreSettings:
+        """The store's settings (block size, storage policy, budgets)."""
+
+    @property
+    def block_size(self) -> int:
+        return self.settings.block_size
+
+    @abstractmethod
+    def lookup(self, namespace: str, tokens: Any) -> Match:
+        """The longest reusable prefix of ``tokens`` (see :class:`Match`)."""
+
+    @abstractmethod
+    def put_blocks(
+        self, namespace: str, tokens: Any, encode: RecordEncoder, *, family: str = ""
+    ) -> SaveResult:
+        """Store the blocks of ``tokens`` not stored yet, in one atomic write."""
+
+    @abstractmethod
+    def read(self, blocks: Sequence[BlockRef]) -> AbstractContextManager[list[memoryview]]:
+        """Verified zero-copy views of the records of ``blocks`` (valid inside the ``with``)."""
+
+    @abstractmethod
+    def delete(self, namespace: str, tokens: Any = ()) -> int:
+        """Forget every stored block whose prefix extends ``tokens``; returns blocks removed."""
+
+    @abstractmethod
+    def evict(self, *, namespace: str | None = None, max_bytes: int | None = None) -> int:
+        """Evict least-recently-used leaf blocks; returns bytes freed."""
+
+    @abstractmethod
+    def stats(self, *, by_family: bool = False) -> StoreStats:
+        """Content and activity figures (see :class:`StoreStats`)."""
+
+    @abstractmethod
+    def verify(self, *, repair: bool = False) -> VerifyReport:
+        """Check every record and the index; with ``repair``, remove what is bad."""
+
+    @abstractmethod
+    def flush(self) -> None:
+        """Write batched recency updates now (they are otherwise written in the background)."""
+
+    def close(self) -> None:
+        """Flush and release the backend; idempotent."""
+        if self._closed:
+            return
+        try:
+            if not self.read_only:
+                self.flush()
+        finally:
+            self._closed = True
+            self._backend.close()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def _check_open(self, operation: str) -> None:
+        if self._closed:
+            raise StoreError(
+                f"[{operation}] The store {self.url} is closed; open it again with open_store().",
+                url=self.url,
+            )
+
+    def _check_writable(self, operation: str) -> None:
+        self._check_open(operation)
+        self._backend.require_writes(operation)
+
+    def __enter__(self) -> PrefixStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.url!r}, block_size={self.block_size})"

@@ -1,0 +1,121 @@
+"""What ``verify()`` does: one pass over every key, a report, and the repair.
+
+Finds corrupt records (the store's ``verify`` callable raises, or the record
+is not the size its index entry says), records a newer kvstore wrote (kept),
+orphans (blocks whose parent is gone), dangling keys (an index entry without
+its record, a record without its entry, a last use without a block, keys
+that are none of these) and namespace totals that disagree with the blocks.
+"""
+
+from __future__ import annotations
+
+from kvstore.abc.store import ReadView, RecordVerifier, VerifyReport, WriteView
+from kvstore.errors import CorruptEntryError, FormatVersionError
+from kvstore.store import keys as K
+from kvstore.store.index import IndexEntry, decode_entry, iter_entries
+from kvstore.store.removal import delete_subtree
+from kvstore.store.stats import add_totals, all_totals
+
+__all__ = ["Survey"]
+
+
+class Survey:
+    """One pass over every ``kvstore/v1`` key, classified; then a report or a repair."""
+
+    def __init__(self) -> None:
+        self.records: dict[bytes, int] = {}
+        self.entries: dict[bytes, tuple[bytes, IndexEntry]] = {}  # record key -> (index key, entry)
+        self.bad_entries: list[bytes] = []
+        self.uses: list[tuple[bytes, bytes]] = []  # (use key, record key)
+        self.corrupt: list[bytes] = []
+        self.newer: list[bytes] = []
+        self.totals: dict[bytes, tuple[int, int]] = {}
+
+    def run(self, view: ReadView, verify: RecordVerifier) -> None:
+        self.totals = all_totals(view)
+        for key, value in view.scan(K.SCHEMA):
+            if key == K.META_KEY or key.startswith(K.NS_TOTALS_DIR):
+                continue
+            parts = K.split_record_key(key)
+            if parts is not None:
+                self.records[key] = len(value)
+                try:
+                    verify(memoryview(value))
+                except CorruptEntryError:
+                    self.corrupt.append(key)
+                except FormatVersionError:
+                    self.newer.append(key)
+                continue
+            ns, _, rest = key[len(K.SCHEMA) :].partition(b"/")
+            if rest.startswith((b".c/", b".t/")):
+                try:
+                    entry = decode_entry(value, with_tokens=False)
+                except (CorruptEntryError, FormatVersionError):
+                    self.bad_entries.append(key)
+                    continue
+                self.entries[K.record_key(ns, entry.digest)] = (key, entry)
+            elif rest.startswith(b".u/"):
+                self.uses.append((key, K.SCHEMA + ns + b"/" + rest[3:]))
+            else:
+                self.bad_entries.append(key)
+
+    def _classify(self) -> tuple[list[bytes], list[bytes], list[str], list[bytes]]:
+        """(orphans, dangling keys, totals mismatches, blocks to remove with their subtrees)."""
+        corrupt = set(self.corrupt)
+        for rkey, (_, entry) in self.entries.items():
+            if rkey in self.records and self.records[rkey] != entry.nbytes:
+                corrupt.add(rkey)  # the record is not the one the index describes
+        self.corrupt = sorted(corrupt)
+        orphans = []
+        for rkey, (_, entry) in self.entries.items():
+            if entry.parent != K.ROOT:
+                ns = K.split_record_key(rkey)[0]  # type: ignore[index]
+                if K.record_key(ns, entry.parent) not in self.entries:
+                    orphans.append(rkey)
+        dangling = list(self.bad_entries)
+        dangling += [ikey for rkey, (ikey, _) in self.entries.items() if rkey not in self.records]
+        dangling += [rkey for rkey in self.records if rkey not in self.entries]
+        dangling += [ukey for ukey, rkey in self.uses if rkey not in self.entries]
+        counted: dict[bytes, tuple[int, int]] = {}
+        for rkey, (_, entry) in self.entries.items():
+            ns = K.split_record_key(rkey)[0]  # type: ignore[index]
+            b, n = counted.get(ns, (0, 0))
+            counted[ns] = (b + 1, n + entry.nbytes)
+        mismatch = []
+        for ns in sorted(set(self.totals) | set(counted)):
+            stored, found = self.totals.get(ns, (0, 0)), counted.get(ns, (0, 0))
+            if stored != found:
+                mismatch.append(f"{ns.decode()}: stored {stored}, counted {found}")
+        return sorted(orphans), sorted(dangling), mismatch, sorted({*self.corrupt, *orphans})
+
+    def report(self, repaired: bool) -> VerifyReport:
+        orphans, dangling, mismatch, _ = self._classify()
+        return VerifyReport(
+            blocks=len(self.records),
+            bytes=sum(self.records.values()),
+            corrupt=tuple(self.corrupt),
+            newer_format=tuple(sorted(self.newer)),
+            orphans=tuple(orphans),
+            dangling=tuple(dangling),
+            totals_mismatch=tuple(mismatch),
+            repaired=repaired,
+        )
+
+    def repair(self, txn: WriteView) -> None:
+        _, dangling, _, remove = self._classify()
+        for rkey in remove:
+            if rkey in self.entries and txn.contains(self.entries[rkey][0]):
+                ns, digest = K.split_record_key(rkey)  # type: ignore[misc]
+                delete_subtree(txn, ns, self.entries[rkey][0], digest)
+        for key in dangling:
+            txn.delete(key)
+        # Totals from what is left.
+        for key, _ in list(txn.scan(K.NS_TOTALS_DIR)):
+            txn.delete(key)
+        for ns in {K.split_record_key(r)[0] for r in self.entries}:  # type: ignore[index]
+            blocks = nbytes = 0
+            for sub in (b".c/", b".t/"):
+                for _, entry in iter_entries(txn, K.namespace_dir(ns) + sub, with_tokens=False):
+                    blocks += 1
+                    nbytes += entry.nbytes
+            add_totals(txn, ns, blocks, nbytes)

@@ -1,0 +1,484 @@
+"""The embedded default backend: one LMDB environment, many processes, zero-copy reads.
+
+Readers never block the writer or each other (LMDB MVCC); one writer at a
+time per store, across processes. Commits are durable (``sync=True``) and a
+writer killed at any point leaves the last committed state. The map (LMDB's
+size limit) grows by itself: a transaction that hits ``MapFullError`` is
+aborted, the map doubled and the transaction re-run; a process whose map
+another process grew adopts the new size on ``MapResizedError``. Every
+``lmdb.Error`` is translated by :data:`LMDB_ERRORS`.
+
+Do not share an open store across ``fork()``; open it in the child.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+import threading
+from collections import Counter
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, TypeVar
+
+import lmdb
+
+from kvstore.abc.store import Backend, Buffer
+from kvstore.errors import (
+    ReadOnlyStoreError,
+    StoreConfigError,
+    StoreError,
+    StoreFullError,
+    StoreUnavailableError,
+)
+from kvstore.store.boundary import Translation, translate_errors
+from kvstore.store.keys import prefix_successor
+
+__all__ = ["LMDB_ERRORS", "LMDBBackend", "open_lmdb_backend"]
+
+T = TypeVar("T")
+
+_DAMAGED = "The LMDB file is damaged; run `kvstore inspect --fix` on a copy or restore a backup."
+_BUG = "This is a kvstore bug; please report it with the traceback."
+
+#: Every python-lmdb exception class and what it becomes (tests check none is missing).
+LMDB_ERRORS: dict[type[BaseException], Translation] = {
+    lmdb.MapFullError: Translation(
+        StoreFullError, "The LMDB map reached max_map_size; raise it, set a budget or evict."
+    ),
+    lmdb.DiskError: Translation(
+        StoreFullError, "The disk is full; free space or set a byte budget (max_bytes)."
+    ),
+    lmdb.TxnFullError: Translation(
+        StoreFullError, "One transaction dirtied too many pages; save fewer blocks per call."
+    ),
+    lmdb.PageFullError: Translation(StoreFullError, "An LMDB page overflowed. " + _BUG),
+    lmdb.MemoryError: Translation(StoreError, "The process ran out of memory."),
+    lmdb.ReadersFullError: Translation(
+        StoreUnavailableError,
+        "Every LMDB reader slot is taken; raise max_readers or close idle processes.",
+    ),
+    lmdb.TlsFullError: Translation(
+        StoreUnavailableError, "Too many threads hold read transactions; retry later."
+    ),
+    lmdb.LockError: Translation(
+        StoreUnavailableError, "The store's lock file could not be locked; retry later."
+    ),
+    lmdb.MapResizedError: Translation(
+        StoreUnavailableError, "Another process grew the map during the call; retry."
+    ),
+    lmdb.ReadonlyError: Translation(
+        ReadOnlyStoreError, "The store or its files are read-only; check permissions."
+    ),
+    lmdb.VersionMismatchError: Translation(
+        StoreConfigError, "The store was written by another LMDB version; open it with that one."
+    ),
+    lmdb.IncompatibleError: Translation(
+        StoreConfigError, "The file was created with incompatible LMDB flags; it is not ours."
+    ),
+    lmdb.InvalidError: Translation(
+        StoreConfigError, "The path holds a file that is not an LMDB store; pick another path."
+    ),
+    lmdb.InvalidParameterError: Translation(
+        StoreConfigError, "An LMDB option is invalid; check map_size and max_readers."
+    ),
+    lmdb.CryptoFailError: Translation(StoreConfigError, "The store is encrypted; kvstore is not."),
+    lmdb.EnvEncryptionError: Translation(
+        StoreConfigError, "The store is encrypted; kvstore is not."
+    ),
+    lmdb.DbsFullError: Translation(StoreConfigError, "Too many named databases. " + _BUG),
+    lmdb.CorruptedError: Translation(StoreError, _DAMAGED),
+    lmdb.PageNotFoundError: Translation(StoreError, _DAMAGED),
+    lmdb.BadChecksumError: Translation(StoreError, _DAMAGED),
+    lmdb.ProblemError: Translation(StoreError, _DAMAGED),
+    lmdb.PanicError: Translation(StoreError, "LMDB hit a fatal error; reopen the store."),
+    lmdb.BadTxnError: Translation(StoreError, "The transaction failed earlier; retry the call."),
+    lmdb.BadRslotError: Translation(StoreError, "A reader slot was misused. " + _BUG),
+    lmdb.BadDbiError: Translation(StoreError, "A database handle went stale; reopen the store."),
+    lmdb.BadValsizeError: Translation(StoreError, "A key or value LMDB cannot hold. " + _BUG),
+    lmdb.CursorFullError: Translation(StoreError, "The B-tree is too deep. " + _BUG),
+    lmdb.KeyExistsError: Translation(StoreError, _BUG),
+    lmdb.NotFoundError: Translation(StoreError, _BUG),
+    lmdb.Error: Translation(StoreError, "Unexpected LMDB error."),
+}
+
+_MiB = 1 << 20
+
+
+class _Gate:
+    """In-process gate: every transaction holds it shared; a map resize holds it alone.
+
+    LMDB's ``mdb_env_set_mapsize`` may only run while this process has no
+    transaction open, which python-lmdb leaves to the caller to ensure.
+    """
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._shared = 0
+        self._exclusive = False
+        self._waiting = 0
+        self._held: Counter[int] = Counter()
+
+    @contextmanager
+    def shared(self) -> Iterator[None]:
+        me = threading.get_ident()
+        with self._cond:
+            # A thread already inside may nest (re-entrant); others let a resize go first.
+            while self._exclusive or (self._waiting and not self._held[me]):
+                self._cond.wait()
+            self._shared += 1
+            self._held[me] += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._shared -= 1
+                self._held[me] -= 1
+                if not self._held[me]:
+                    del self._held[me]
+                self._cond.notify_all()
+
+    @contextmanager
+    def exclusive(self, operation: str) -> Iterator[None]:
+        with self._cond:
+            if self._held[threading.get_ident()]:
+                raise StoreError(
+                    f"[{operation}] The LMDB map must grow, which needs every read view of "
+                    f"this store closed, but this thread holds one; leave the read() block "
+                    f"before writing."
+                )
+            self._waiting += 1
+            while self._exclusive or self._shared:
+                self._cond.wait()
+            self._waiting -= 1
+            self._exclusive = True
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._exclusive = False
+                self._cond.notify_all()
+
+
+class _SharedEnv:
+    """One LMDB environment per directory per process, shared by every store open on it.
+
+    LMDB forbids opening an environment twice in one process (its locks are
+    per process), so a second ``open_store`` of the same path shares the first
+    one's environment and gate; the last close closes it.
+    """
+
+    _open: dict[str, _SharedEnv] = {}
+    _lock = threading.Lock()
+
+    def __init__(self, key: str, env: lmdb.Environment, readonly: bool) -> None:
+        self.key = key
+        self.env = env
+        self.readonly = readonly
+        self.gate = _Gate()
+        self.refs = 0
+
+    @classmethod
+    def acquire(cls, path: Path, url: str, **options: Any) -> _SharedEnv:
+        key = str(path.resolve())
+        readonly = bool(options.get("readonly"))
+        with cls._lock:
+            shared = cls._open.get(key)
+            if shared is None:
+                env = lmdb.open(key, **options)
+                if not readonly:
+                    # Slots left by processes that died inside a read transaction
+                    # would pin old pages forever (a SIGKILL leaves them behind).
+                    env.reader_check()
+                shared = cls._open[key] = cls(key, env, readonly)
+            elif shared.readonly and not readonly:
+                raise StoreConfigError(
+                    f"[open_store] {url} is already open read-only in this process; close "
+                    f"that store before opening it for writing.",
+                    url=url,
+                )
+            shared.refs += 1
+            return shared
+
+    def release(self) -> None:
+        with self._lock:
+            self.refs -= 1
+            if self.refs == 0:
+                del self._open[self.key]
+                self.env.close()
+
+
+class _LMDBView:
+    """A read (or write) view over one LMDB transaction opened with ``buffers=True``."""
+
+    __slots__ = ("_txn", "_cursor")
+
+    def __init__(self, txn: lmdb.Transaction) -> None:
+        self._txn = txn
+        self._cursor: lmdb.Cursor | None = None
+
+    def _cur(self) -> lmdb.Cursor:
+        if self._cursor is None:
+            self._cursor = self._txn.cursor()
+        return self._cursor
+
+    def get(self, key: bytes) -> Buffer | None:
+        return self._txn.get(key)
+
+    def contains(self, key: bytes) -> bool:
+        # set_key positions the cursor without materialising the value.
+        return self._cur().set_key(key)
+
+    def scan(
+        self, prefix: bytes, *, start: bytes | None = None, reverse: bool = False
+    ) -> Iterator[tuple[bytes, Buffer]]:
+        cursor = self._txn.cursor()
+        if not reverse:
+            if not cursor.set_range(max(prefix, start) if start is not None else prefix):
+                return
+            for key, value in cursor:
+                key = bytes(key)
+                if not key.startswith(prefix):
+                    return
+                yield key, value
+            return
+        if start is not None and cursor.set_range(start):
+            positioned = cursor.prev()
+        elif start is None and cursor.set_range(prefix_successor(prefix)):
+            positioned = cursor.prev()
+        else:
+            positioned = cursor.last()
+        while positioned:
+            key = bytes(cursor.key())
+            if key < prefix or not key.startswith(prefix):
+                return
+            yield key, cursor.value()
+            positioned = cursor.prev()
+
+    def put(self, key: bytes, value: Any, *, if_absent: bool = False) -> bool:
+        return self._txn.put(key, value, overwrite=not if_absent)
+
+    def delete(self, key: bytes) -> bool:
+        return self._txn.delete(key)
+
+
+class LMDBBackend(Backend):
+    """An LMDB environment (a directory holding ``data.mdb`` and ``lock.mdb``).
+
+    Args:
+        path: the store directory; created (with parents) unless ``create=False``.
+        map_size: initial map size in bytes; it grows as needed.
+        max_map_size: ceiling for growth (``None``: grow until the disk is full).
+        readonly: open for reading only (writes raise ReadOnlyStoreError).
+        create: create a new store when ``path`` holds none.
+        max_readers: concurrent read transactions across all processes.
+        sync: fsync every commit (durable); ``False`` trades durability after a
+            power loss (not a process crash) for commit latency.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        map_size: int = 256 * _MiB,
+        max_map_size: int | None = None,
+        readonly: bool = False,
+        create: bool = True,
+        max_readers: int = 126,
+        sync: bool = True,
+        url: str | None = None,
+    ) -> None:
+        self.path = Path(path).expanduser()
+        self.url = url or f"lmdb://{self.path.resolve()}"
+        self._readonly = readonly
+        self._max_map_size = max_map_size
+        self._check_path(create and not readonly)
+        with translate_errors(LMDB_ERRORS, "open_store", self.url):
+            self._shared: _SharedEnv | None = _SharedEnv.acquire(
+                self.path,
+                self.url,
+                map_size=max(map_size, _MiB),
+                subdir=True,
+                readonly=readonly,
+                create=create and not readonly,
+                max_readers=max_readers,
+                max_dbs=0,
+                sync=sync,
+                metasync=sync,
+                lock=True,
+            )
+        self._env = self._shared.env
+        self._gate = self._shared.gate
+
+    def _check_path(self, create: bool) -> None:
+        p = self.path
+        if p.exists() and not p.is_dir():
+            raise StoreConfigError(
+                f"[open_store] An LMDB store is a directory; {p} is a file. Point the URL at "
+                f"a directory (lmdb:///path/to/store).",
+                path=str(p),
+            )
+        if (p / "data.mdb").exists():
+            return
+        if not p.exists():
+            if not create:
+                raise StoreConfigError(
+                    f"[open_store] No store at {p}; it does not exist. Open it without "
+                    f"readonly=True/create=False to create one.",
+                    path=str(p),
+                )
+            p.mkdir(parents=True, exist_ok=True)
+            return
+        # lock.mdb alone: another process is creating the store right now.
+        if set(os.listdir(p)) - {"lock.mdb"}:
+            raise StoreConfigError(
+                f"[open_store] {p} is a non-empty directory with no LMDB store (no data.mdb) "
+                f"in it; refusing to create one among other files. Use an empty or new "
+                f"directory.",
+                path=str(p),
+            )
+        if not create:
+            raise StoreConfigError(
+                f"[open_store] {p} is empty: no store to open read-only.", path=str(p)
+            )
+
+    @property
+    def environment(self) -> lmdb.Environment:
+        """The python-lmdb environment (shared by every store open on this path in this
+        process), for tools and benchmarks; the store itself goes through the gate."""
+        return self._env
+
+    # Capabilities.
+    @property
+    def supports_zero_copy(self) -> bool:
+        return True
+
+    @property
+    def supports_multiprocess(self) -> bool:
+        return True
+
+    @property
+    def supports_persistence(self) -> bool:
+        return True
+
+    @property
+    def supports_writes(self) -> bool:
+        return not self._readonly
+
+    @contextmanager
+    def _begin(self, operation: str, write: bool) -> Iterator[lmdb.Transaction]:
+        """A transaction under the gate, adopting a map another process grew."""
+        while True:
+            with self._gate.shared():
+                with translate_errors(LMDB_ERRORS, operation, self.url):
+                    try:
+                        txn = self._env.begin(write=write, buffers=True)
+                    except lmdb.MapResizedError:
+                        txn = None
+                if txn is not None:
+                    try:
+                        yield txn
+                    finally:
+                        txn.abort()  # a no-op after a commit
+                    return
+            # set_mapsize needs no transaction open in this process: resize alone.
+            with (
+                self._gate.exclusive(operation),
+                translate_errors(LMDB_ERRORS, operation, self.url),
+            ):
+                self._env.set_mapsize(0)
+
+    @contextmanager
+    def reader(self) -> Iterator[_LMDBView]:
+        with self._begin("read", write=False) as txn:
+            with translate_errors(LMDB_ERRORS, "read", self.url):
+                yield _LMDBView(txn)
+
+    def _transact(self, fn: Callable[[_LMDBView], T], size_hint: int) -> T:
+        while True:
+            with self._begin("write", write=True) as txn:
+                with translate_errors(LMDB_ERRORS, "write", self.url):
+                    try:
+                        result = fn(_LMDBView(txn))
+                        txn.commit()
+                        return result
+                    except lmdb.MapFullError:
+                        pass  # the transaction is void: grow the map, run fn again
+                    except lmdb.Error as exc:
+                        self._raise_if_disk_full(exc, size_hint)
+                        raise
+            self._grow(size_hint)
+
+    def _raise_if_disk_full(self, exc: lmdb.Error, size_hint: int) -> None:
+        """A write that failed because the disk is full is StoreFullError.
+
+        LMDB 0.9 reports a short write at commit as EIO, not ENOSPC, so an EIO
+        counts as "full" when the filesystem has (almost) no room left.
+        """
+        code = getattr(exc, "code", None)
+        full = isinstance(exc, lmdb.DiskError) or code in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+        if not full and code == errno.EIO:
+            try:
+                full = shutil.disk_usage(self.path).free < size_hint + 16 * _MiB
+            except OSError:
+                full = False
+        if full:
+            raise StoreFullError(
+                f"[write] The disk holding {self.url} is full ({exc}); nothing was written. "
+                f"Free space, or set a byte budget (max_bytes) below the free space.",
+                url=self.url,
+                needed=size_hint,
+            ) from exc
+
+    def _grow(self, size_hint: int) -> None:
+        """Double the map (at least enough for ``size_hint`` more bytes), within the ceiling."""
+        with self._gate.exclusive("write"), translate_errors(LMDB_ERRORS, "write", self.url):
+            info = self._env.info()
+            current = info["map_size"]
+            used = (info["last_pgno"] + 1) * self._env.stat()["psize"]
+            wanted = max(2 * current, used + 2 * size_hint + 64 * _MiB)
+            if self._max_map_size is not None:
+                wanted = min(wanted, self._max_map_size)
+            if wanted <= current:
+                raise StoreFullError(
+                    f"[write] The LMDB map of {self.url} is full at max_map_size="
+                    f"{self._max_map_size} bytes and this write needs about {size_hint} more. "
+                    f"Raise max_map_size, set a byte budget (max_bytes) or evict.",
+                    map_size=current,
+                    max_map_size=self._max_map_size,
+                    needed=size_hint,
+                )
+            self._env.set_mapsize(wanted)
+
+    def stats(self) -> dict[str, Any]:
+        with translate_errors(LMDB_ERRORS, "stats", self.url):
+            info, stat = self._env.info(), self._env.stat()
+        data = self.path / "data.mdb"
+        return {
+            "engine": f"lmdb {'.'.join(map(str, lmdb.version()))}",
+            "path": str(self.path),
+            "entries": stat["entries"],
+            "map_size": info["map_size"],
+            "used_bytes": (info["last_pgno"] + 1) * stat["psize"],
+            "file_bytes": data.stat().st_size if data.exists() else 0,
+            "readers": info["num_readers"],
+            "max_readers": info["max_readers"],
+        }
+
+    def close(self) -> None:
+        shared, self._shared = getattr(self, "_shared", None), None
+        if shared is not None:
+            shared.release()
+
+
+def open_lmdb_backend(location: str, url: str, options: dict[str, Any]) -> LMDBBackend:
+    """The ``lmdb`` URL scheme: ``location`` is the store directory."""
+    if not location:
+        raise StoreConfigError(
+            f"[open_store] {url!r} names no directory. Use lmdb:///absolute/path or "
+            f"lmdb:relative/path.",
+            url=url,
+        )
+    return LMDBBackend(location, url=url, **options)

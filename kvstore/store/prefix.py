@@ -1,0 +1,839 @@
+"""The prefix store over any backend: lookup, save bookkeeping, reads, deletes, eviction.
+
+Blocks are the unit of storage: ``block_size`` tokens of a prompt, keyed by
+the chained hash of everything up to them (:mod:`kvstore.store.keys`). A
+prompt's last, partial block is stored too (a *tail*), so an exact or
+extended prompt is fully reusable. Records are opaque bytes produced by the
+caller's ``encode`` and checked by the ``verify`` the store was opened with.
+
+Lookup (token-exact), for a prompt of ``L`` tokens:
+
+1. walk the chain of the prompt's full blocks while they are stored;
+2. among the children of the last matched block (full blocks and tails), take
+   the one sharing the longest common prefix with the rest of the prompt, and
+   use that many of its rows;
+3. leave at least one token for the model: if that covers all ``L`` tokens,
+   use one row less (dropping the last block if that leaves it empty).
+
+So a prompt stored whole matches ``L - 1`` tokens, and prompts diverging
+mid-block reuse exactly their common prefix.
+
+Saving a prompt writes, in one atomic transaction, its missing blocks, its
+tail (unless a stored sibling already starts with the tail's tokens), their
+index entries and last uses; it removes stored tails the new blocks extend
+(superseded) and evicts least-recently-used leaves when a budget needs room.
+Re-saving a stored prefix only hashes and reads.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
+from functools import partial
+from typing import Any
+
+import numpy as np
+
+from kvstore.abc.store import (
+    Backend,
+    BlockRef,
+    BlockSpan,
+    Match,
+    MissReason,
+    NamespaceStats,
+    PrefixStore,
+    ReadView,
+    RecordEncoder,
+    RecordVerifier,
+    SaveResult,
+    StoreStats,
+    VerifyReport,
+    WriteView,
+)
+from kvstore.errors import (
+    CorruptEntryError,
+    FormatVersionError,
+    StoreConfigError,
+    StoreError,
+    StoreFullError,
+)
+from kvstore.store import keys as K
+from kvstore.store.eviction import Block, evict_in
+from kvstore.store.housekeeping import Housekeeper, Pending
+from kvstore.store.index import (
+    IndexEntry,
+    best_child,
+    decode_use,
+    encode_entry,
+    encode_use,
+    iter_entries,
+)
+from kvstore.store.integrity import Survey
+from kvstore.store.removal import delete_block, delete_namespace, delete_subtree
+from kvstore.store.settings import (
+    SETTING_PARSERS,
+    StoreSettings,
+    decode_meta,
+    encode_meta,
+    parse_byte_size,
+    parse_fraction,
+    parse_seconds,
+    resolve_settings,
+)
+from kvstore.store.stats import Counters, add_totals, all_totals, read_totals
+
+__all__ = ["BlockPrefixStore", "STORE_OPTIONS"]
+
+
+def _parse_callable(name: str) -> Callable[[Any], Any]:
+    def parse(value: Any) -> Any:
+        if value is not None and not callable(value):
+            raise StoreConfigError(
+                f"[open_store] {name} must be a callable or None; received {value!r}.",
+                setting=name,
+                found=value,
+            )
+        return value
+
+    return parse
+
+
+#: Options of the store itself (not persisted), with their parsers.
+STORE_OPTIONS: dict[str, Callable[[Any], Any]] = {
+    "verify": _parse_callable("verify"),
+    "touch_interval": lambda v: parse_seconds(v, "touch_interval"),
+    "clock": _parse_callable("clock"),
+    "low_water": lambda v: parse_fraction(v, "low_water"),
+}
+
+_SAVE_ATTEMPTS = 8
+
+
+def _accept(record: memoryview) -> None:
+    """The default verifier: records are opaque until a codec is wired in."""
+
+
+class _Stale(Exception):
+    """A block seen stored before the write transaction is gone inside it: encode it too."""
+
+
+@dataclass(frozen=True)
+class _Span:
+    """A block of the prompt being saved."""
+
+    index: int
+    start: int
+    tokens: np.ndarray
+    digest: bytes
+    parent: bytes
+    full: bool
+
+
+@dataclass(frozen=True)
+class _SaveOutcome:
+    written: tuple[bytes, ...]
+    written_bytes: int
+    deduplicated: int
+    superseded: int
+    evicted: tuple[Block, ...]
+    covered_by: bytes | None
+
+
+class BlockPrefixStore(PrefixStore):
+    """A prefix store of chained blocks over any :class:`~kvstore.abc.store.Backend`.
+
+    Open one with :func:`kvstore.store.open_store`.
+
+    Args:
+        backend: the engine (LMDB, memory...).
+        verify: ``verify(record)`` raises CorruptEntryError for a bad record;
+            called on every record read, and by :meth:`verify`.
+        touch_interval: seconds between background writes of recency updates
+            (``0``: only when the store writes anyway, or on :meth:`flush`).
+        clock: the time source for recency (seconds; tests pass a counter).
+        low_water: a save over budget evicts down to this fraction of it.
+        **settings: store settings (:class:`~kvstore.store.settings.StoreSettings`).
+    """
+
+    def __init__(
+        self,
+        backend: Backend,
+        *,
+        verify: RecordVerifier | None = None,
+        touch_interval: float = 1.0,
+        clock: Callable[[], float] | None = None,
+        low_water: float = 0.9,
+        **settings: Any,
+    ) -> None:
+        super().__init__(backend)
+        unknown = set(settings) - set(SETTING_PARSERS)
+        if unknown:
+            backend.close()
+            raise StoreConfigError(
+                f"[open_store] Unknown setting(s) {', '.join(sorted(unknown))}; settings are "
+                f"{', '.join(SETTING_PARSERS)}.",
+                found=sorted(unknown),
+            )
+        self._verify = verify or _accept
+        self._clock = clock or time.time
+        self._low_water = parse_fraction(low_water, "low_water")
+        self._counters = Counters()
+        self._quarantine: set[bytes] = set()
+        try:
+            self._settings = self._open_settings(settings)
+        except BaseException:
+            backend.close()
+            raise
+        self._house = (
+            Housekeeper(self._write_pending, parse_seconds(touch_interval, "touch_interval"))
+            if backend.supports_writes
+            else None
+        )
+        self._meta_lock = threading.Lock()
+
+    # ------------------------------------------------------------------ settings
+
+    @property
+    def settings(self) -> StoreSettings:
+        return self._settings
+
+    def _open_settings(self, explicit: dict[str, Any]) -> StoreSettings:
+        with self._backend.reader() as view:
+            raw = view.get(K.META_KEY)
+            stored = None if raw is None else decode_meta(raw, self.url)[0]
+        if stored is None and not self._backend.supports_writes:
+            self._refuse_foreign()
+            raise StoreConfigError(
+                f"[open_store] {self.url} is empty: no store to open read-only.", url=self.url
+            )
+        settings, changed = resolve_settings(stored, explicit)
+        if changed and self._backend.supports_writes:
+            settings = self._backend.transact(lambda txn: self._write_meta(txn, explicit))
+        return settings
+
+    def _write_meta(self, txn: WriteView, explicit: dict[str, Any]) -> StoreSettings:
+        # Re-read inside the transaction: another process may have created the
+        # store (or changed a budget) since we looked.
+        raw = txn.get(K.META_KEY)
+        if raw is None:
+            self._refuse_foreign()  # consistent: we hold the write lock, nothing else commits
+            stored, created = None, None
+        else:
+            stored, created = decode_meta(raw, self.url)
+        settings, changed = resolve_settings(stored, explicit)
+        if changed:
+            txn.put(K.META_KEY, encode_meta(settings, created))
+        return settings
+
+    def _refuse_foreign(self) -> None:
+        """Raise if the backend holds data but no meta record: it is someone else's."""
+        entries = self._backend.stats().get("entries", 0)
+        if entries:
+            raise StoreConfigError(
+                f"[open_store] {self.url} holds {entries} entries but no kvstore/v1/__meta__ "
+                f"record: it is not a kvstore store. Use an empty or new location.",
+                url=self.url,
+            )
+
+    def _budgets(self, view: ReadView) -> StoreSettings:
+        """Settings as stored now (budgets may have been changed by another process)."""
+        raw = view.get(K.META_KEY)
+        return self._settings if raw is None else decode_meta(raw, self.url)[0]
+
+    def set_budget(self, max_bytes: int | str | None, *, namespace: str | None = None) -> None:
+        """Set (``None``: remove) the byte budget of the store or of one namespace, persistently.
+
+        The new budget is enforced from the next save on; call :meth:`evict`
+        to enforce it now.
+        """
+        self._check_writable("set_budget")
+        value = None if max_bytes is None else parse_byte_size(max_bytes, "max_bytes")
+        if namespace is not None:
+            K.parse_namespace(namespace)
+
+        def write(txn: WriteView) -> StoreSettings:
+            raw = txn.get(K.META_KEY)
+            assert raw is not None
+            stored, created = decode_meta(raw, self.url)
+            if namespace is None:
+                new = replace(stored, max_bytes=value)
+            else:
+                budgets = dict(stored.namespace_budgets)
+                if value is None:
+                    budgets.pop(namespace, None)
+                else:
+                    budgets[namespace] = value
+                new = replace(stored, namespace_budgets=budgets)
+            txn.put(K.META_KEY, encode_meta(new, created))
+            return new
+
+        with self._meta_lock:
+            self._settings = self._backend.transact(write)
+
+    # ------------------------------------------------------------------ lookup
+
+    def lookup(self, namespace: str, tokens: Any) -> Match:
+        """The longest reusable prefix of ``tokens`` in ``namespace`` (module docstring)."""
+        self._check_open("lookup")
+        ns = K.parse_namespace(namespace)
+        toks = K.as_tokens(tokens, "lookup")
+        size, bsize = len(toks), self._settings.block_size
+        self._counters.add(lookups=1)
+        if size < 2:
+            self._counters.miss(MissReason.SHORT_PROMPT)
+            return Match(namespace, 0, size, bsize)
+        quarantine = self._quarantine
+        refs: list[BlockRef] = []
+        parent = K.ROOT
+        with self._backend.reader() as view:
+            for i, digest in enumerate(K.iter_chain_digests(ns, toks, bsize)):
+                key = K.record_key(ns, digest)
+                if key in quarantine or not view.contains(key):
+                    break
+                refs.append(BlockRef(key, i, i * bsize, bsize, bsize))
+                parent = digest
+            matched = len(refs) * bsize
+            if matched < size:
+                query = toks[matched : matched + bsize]
+                dirs = (K.children_dir(ns, parent), K.tails_dir(ns, parent))
+                found = best_child(view, dirs, query)
+                if found is not None:
+                    lcp, _, entry = found
+                    key = K.record_key(ns, entry.digest)
+                    if key not in quarantine:
+                        refs.append(BlockRef(key, len(refs), matched, lcp, entry.ntokens))
+        n = refs[-1].stop if refs else 0
+        if n >= size:  # leave the last prompt token to the model
+            last = refs.pop()
+            if last.rows > 1:
+                refs.append(replace(last, rows=last.rows - 1))
+            n = size - 1
+        if not n:
+            self._counters.miss(MissReason.COLD)
+            return Match(namespace, 0, size, bsize)
+        self._counters.add(hits=1, hit_tokens=n)
+        if self._house is not None:
+            self._house.touch([r.key for r in refs], self._clock())
+        return Match(namespace, n, size, bsize, tuple(refs))
+
+    # ------------------------------------------------------------------ read
+
+    @contextmanager
+    def read(self, blocks: Sequence[BlockRef]) -> Iterator[list[memoryview]]:
+        """Verified views of the records of ``blocks``, valid only inside the ``with``.
+
+        Yields views for the leading run of ``blocks`` that are stored and pass
+        ``verify``; the list is shorter than ``blocks`` when one vanished
+        (evicted, deleted) or is corrupt. A corrupt record is counted, removed
+        in the background and never served; one written by a newer kvstore is
+        skipped and kept. Views are released on exit, and arrays or slices
+        made from them must not outlive the block either: copy what you keep.
+        """
+        self._check_open("read")
+        corrupt: list[bytes] = []
+        views: list[memoryview] = []
+        with self._backend.reader() as view:
+            for ref in blocks:
+                value = None if ref.key in self._quarantine else view.get(ref.key)
+                if value is None:
+                    reason = (
+                        MissReason.CORRUPT if ref.key in self._quarantine else MissReason.VANISHED
+                    )
+                    self._counters.miss(reason)
+                    break
+                mv = memoryview(value)
+                try:
+                    self._verify(mv)
+                except CorruptEntryError:
+                    corrupt.append(ref.key)
+                    self._counters.miss(MissReason.CORRUPT)
+                    self._counters.add(corruptions=1)
+                    break
+                except FormatVersionError:
+                    self._counters.miss(MissReason.VERSION)
+                    break
+                views.append(mv)
+            try:
+                yield views
+            finally:
+                self._release(views)
+        if corrupt:
+            self._quarantine.update(corrupt)
+            if self._house is not None:
+                self._house.remove(corrupt)
+
+    @staticmethod
+    def _release(views: list[memoryview]) -> None:
+        # Using a released view raises instead of reading pages LMDB may reuse.
+        # (Arrays or slices made from a view cannot be revoked: copy inside.)
+        for mv in views:
+            mv.release()
+
+    # ------------------------------------------------------------------ save
+
+    def put_blocks(
+        self, namespace: str, tokens: Any, encode: RecordEncoder, *, family: str = ""
+    ) -> SaveResult:
+        """Store the blocks of ``tokens`` that are not stored yet, in one atomic write.
+
+        Args:
+            namespace: from :func:`~kvstore.store.namespace_for`.
+            tokens: the prompt's token ids (every one has KV to store).
+            encode: ``encode(spans)`` returns one bytes-like record per
+                :class:`~kvstore.abc.store.BlockSpan` (the missing blocks, in
+                order; the last one may be a partial tail). Not called when
+                nothing is missing.
+            family: a label kept with each new block for ``stats(by_family=True)``.
+
+        Raises:
+            StoreFullError: the blocks do not fit the budget even after evicting
+                every unpinned leaf, or the map/disk is full; nothing was written.
+        """
+        self._check_writable("save")
+        ns = K.parse_namespace(namespace)
+        toks = K.as_tokens(tokens, "save")
+        if not len(toks):
+            return SaveResult(namespace, 0)
+        spans = self._spans(ns, toks)
+        encoded: dict[int, Any] = {}
+        now = self._clock()
+        for _ in range(_SAVE_ATTEMPTS):
+            with self._backend.reader() as view:
+                existing, cover, missing = self._survey(view, ns, spans)
+            if not missing:  # dedup: hashing and one read; the recency update is batched
+                if self._house is not None:
+                    self._house.touch(existing, now)
+                self._counters.add(saves=1, deduplicated_blocks=len(existing))
+                return SaveResult(
+                    namespace, len(toks), deduplicated=len(existing), covered_by=cover
+                )
+            self._encode(ns, [s for s in missing if s.index not in encoded], encoded, encode)
+            size = sum(_nbytes(r) for r in encoded.values())
+            try:
+                out = self._write_with_pending(
+                    partial(
+                        self._commit_save,
+                        ns=ns,
+                        spans=spans,
+                        encoded=encoded,
+                        now=now,
+                        family=family,
+                    ),
+                    size_hint=size,
+                )
+            except _Stale:
+                continue
+            self._counters.add(
+                saves=1,
+                saved_blocks=len(out.written),
+                saved_bytes=out.written_bytes,
+                deduplicated_blocks=out.deduplicated,
+                evictions=len(out.evicted),
+                evicted_bytes=sum(b.nbytes for b in out.evicted),
+            )
+            return SaveResult(
+                namespace,
+                len(toks),
+                out.written,
+                out.written_bytes,
+                out.deduplicated,
+                out.superseded,
+                len(out.evicted),
+                sum(b.nbytes for b in out.evicted),
+                out.covered_by,
+            )
+        raise StoreError(
+            f"[save] Blocks kept vanishing under concurrent evictions for {_SAVE_ATTEMPTS} "
+            f"attempts; raise the budget of namespace {namespace} or retry.",
+            namespace=namespace,
+        )
+
+    def _spans(self, ns: bytes, toks: np.ndarray) -> list[_Span]:
+        bsize = self._settings.block_size
+        digests = K.chain_digests(ns, toks, bsize)
+        parents = [K.ROOT, *digests]
+        spans = [
+            _Span(i, i * bsize, toks[i * bsize : (i + 1) * bsize], d, parents[i], True)
+            for i, d in enumerate(digests)
+        ]
+        start = len(digests) * bsize
+        if start < len(toks):
+            tail = toks[start:]
+            digest = K.block_digest(parents[-1], ns, tail.data)
+            spans.append(_Span(len(digests), start, tail, digest, parents[-1], False))
+        return spans
+
+    def _survey(
+        self, view: ReadView, ns: bytes, spans: list[_Span]
+    ) -> tuple[list[bytes], bytes | None, list[_Span]]:
+        """(record keys already serving the prompt, the tail's covering sibling, spans missing)."""
+        existing: list[bytes] = []
+        cover: bytes | None = None
+        missing: list[_Span] = []
+        for span in spans:
+            key = K.record_key(ns, span.digest)
+            if view.contains(key):
+                existing.append(key)
+            elif not span.full and (cover := self._covering(view, ns, span)) is not None:
+                existing.append(cover)
+            else:
+                missing.append(span)
+        return existing, cover, missing
+
+    @staticmethod
+    def _covering(view: ReadView, ns: bytes, span: _Span) -> bytes | None:
+        """The record key of a stored sibling whose tokens start with the tail's, if any."""
+        dirs = (K.children_dir(ns, span.parent), K.tails_dir(ns, span.parent))
+        found = best_child(view, dirs, span.tokens)
+        if found is None or found[0] != len(span.tokens):
+            return None
+        return K.record_key(ns, found[2].digest)
+
+    def _encode(
+        self, ns: bytes, spans: list[_Span], encoded: dict[int, Any], encode: RecordEncoder
+    ) -> None:
+        """Encode ``spans`` (outside the write lock) into ``encoded``, checking what comes back."""
+        if not spans:
+            return
+        records = list(
+            encode(
+                [
+                    BlockSpan(s.index, s.start, s.start + len(s.tokens), K.record_key(ns, s.digest))
+                    for s in spans
+                ]
+            )
+        )
+        if len(records) != len(spans):
+            raise StoreConfigError(
+                f"[save] encode() must return one record per span: {len(spans)} spans, "
+                f"{len(records)} records.",
+                found=len(records),
+                expected=len(spans),
+            )
+        for span, record in zip(spans, records, strict=True):
+            _nbytes(record)  # rejects what is not a contiguous buffer, before the write
+            encoded[span.index] = record
+
+    def _commit_save(
+        self,
+        txn: WriteView,
+        pending: Pending,
+        *,
+        ns: bytes,
+        spans: list[_Span],
+        encoded: dict[int, Any],
+        now: float,
+        family: str,
+    ) -> _SaveOutcome:
+        self._apply_pending(txn, pending)
+        existing, covered_by, new = self._survey(txn, ns, spans)
+        if any(span.index not in encoded for span in new):
+            raise _Stale
+        superseded = self._superseded(txn, ns, new)
+        new_bytes = sum(_nbytes(encoded[s.index]) for s in new)
+        freed = sum(e.nbytes for _, e in superseded)
+        pinned = {*existing, *(K.record_key(ns, e.digest) for _, e in superseded)}
+        evicted = self._make_room(txn, ns, new_bytes - freed, pinned)
+        for span in new:
+            key = K.record_key(ns, span.digest)
+            record = encoded[span.index]
+            txn.put(key, record)
+            entry = IndexEntry(
+                span.digest,
+                span.parent,
+                span.index,
+                len(span.tokens),
+                _nbytes(record),
+                now,
+                family,
+                span.full,
+                span.tokens,
+            )
+            index_key = K.child_key(ns, span.parent, span.tokens, span.digest, span.full)
+            txn.put(index_key, encode_entry(entry))
+            txn.put(K.use_key(ns, span.digest), encode_use(now, index_key))
+        for index_key, entry in superseded:
+            delete_block(txn, ns, index_key, entry.digest)
+        for key in existing:
+            self._touch_in(txn, key, now)
+        add_totals(txn, ns, len(new) - len(superseded), new_bytes - freed)
+        return _SaveOutcome(
+            tuple(K.record_key(ns, s.digest) for s in new),
+            new_bytes,
+            len(existing),
+            len(superseded),
+            tuple(evicted),
+            covered_by,
+        )
+
+    @staticmethod
+    def _superseded(txn: ReadView, ns: bytes, new: list[_Span]) -> list[tuple[bytes, IndexEntry]]:
+        """Stored tails that a new block extends (its tokens start with theirs)."""
+        out = []
+        for span in new:
+            for key, entry in iter_entries(txn, K.tails_dir(ns, span.parent)):
+                assert entry.tokens is not None
+                if entry.ntokens < len(span.tokens) and np.array_equal(
+                    entry.tokens, span.tokens[: entry.ntokens]
+                ):
+                    out.append((key, entry))
+        return out
+
+    # ------------------------------------------------------------------ eviction
+
+    def _make_room(self, txn: WriteView, ns: bytes, delta: int, pinned: set[bytes]) -> list[Block]:
+        """Evict so that ``delta`` more bytes fit the namespace and store budgets."""
+        if delta <= 0:
+            return []
+        settings = self._budgets(txn)
+        evicted: list[Block] = []
+        scopes: list[tuple[str, int | None, list[bytes]]] = [
+            (f"namespace {ns.decode()}", settings.budget_for(ns.decode()), [ns]),
+            ("the store", settings.max_bytes, []),
+        ]
+        for scope, budget, namespaces in scopes:
+            if budget is None:
+                continue
+            namespaces = namespaces or list(all_totals(txn))
+            total = sum(read_totals(txn, n)[1] for n in namespaces)
+            if total + delta <= budget:
+                continue
+            target = math.floor(budget * self._low_water) - delta
+            gone = evict_in(txn, namespaces, total, target, pinned)
+            evicted += gone
+            total -= sum(b.nbytes for b in gone)
+            if total + delta > budget:
+                raise StoreFullError(
+                    f"[save] {delta} new bytes do not fit the byte budget of {scope} "
+                    f"({budget} bytes): {total} bytes remain after evicting every block not "
+                    f"in use by this prompt. Raise the budget (set_budget) or save a "
+                    f"shorter prompt.",
+                    needed=delta,
+                    budget=budget,
+                    remaining=total,
+                )
+        return evicted
+
+    def evict(self, *, namespace: str | None = None, max_bytes: int | str | None = None) -> int:
+        """Evict least-recently-used leaf blocks; returns the bytes freed.
+
+        With ``max_bytes``, evict until the namespace (or the whole store) holds
+        at most that many bytes. Without, enforce the configured budgets: any
+        namespace or store over its budget is brought down to ``low_water`` of it.
+        """
+        self._check_writable("evict")
+        ns = None if namespace is None else K.parse_namespace(namespace)
+        limit = None if max_bytes is None else parse_byte_size(max_bytes, "max_bytes")
+
+        def run(txn: WriteView, pending: Pending) -> list[Block]:
+            self._apply_pending(txn, pending)
+            totals = all_totals(txn)
+            settings = self._budgets(txn)
+            jobs: list[tuple[list[bytes], int]] = []
+            if limit is not None:
+                jobs.append(([ns] if ns else list(totals), limit))
+            else:
+                for n in [ns] if ns else list(totals):
+                    budget = settings.budget_for(n.decode())
+                    if budget is not None:
+                        jobs.append(([n], math.floor(budget * self._low_water)))
+                if ns is None and settings.max_bytes is not None:
+                    jobs.append((list(totals), math.floor(settings.max_bytes * self._low_water)))
+            out: list[Block] = []
+            for namespaces, target in jobs:
+                total = sum(read_totals(txn, n)[1] for n in namespaces)
+                if total > target:
+                    out += evict_in(txn, namespaces, total, target, set())
+            return out
+
+        gone = self._write_with_pending(run)
+        freed = sum(b.nbytes for b in gone)
+        self._counters.add(evictions=len(gone), evicted_bytes=freed)
+        return freed
+
+    # ------------------------------------------------------------------ delete
+
+    def delete(self, namespace: str, tokens: Any = ()) -> int:
+        """Forget every stored block whose prefix extends ``tokens``; returns blocks removed.
+
+        ``tokens=()`` forgets the whole namespace. Blocks shared with prompts
+        that do not start with ``tokens`` stay, so chains stay contiguous.
+        """
+        self._check_writable("delete")
+        ns = K.parse_namespace(namespace)
+        toks = K.as_tokens(tokens, "delete")
+        bsize = self._settings.block_size
+        whole, rest = divmod(len(toks), bsize)
+        digests = K.chain_digests(ns, toks, bsize, whole)
+
+        def run(txn: WriteView, pending: Pending) -> int:
+            self._apply_pending(txn, pending)
+            if not len(toks):
+                return delete_namespace(txn, ns)
+            roots: list[tuple[bytes, bytes]] = []
+            if not rest:
+                parent = digests[-2] if whole > 1 else K.ROOT
+                block = toks[(whole - 1) * bsize :]
+                key = K.child_key(ns, parent, block, digests[-1], True)
+                if txn.contains(key):
+                    roots.append((key, digests[-1]))
+            else:
+                parent = digests[-1] if whole else K.ROOT
+                tail = toks[whole * bsize :]
+                order = K.order_prefix(tail, pad=False)
+                for d in (K.children_dir(ns, parent), K.tails_dir(ns, parent)):
+                    for key, entry in iter_entries(txn, d + order):
+                        assert entry.tokens is not None
+                        if np.array_equal(entry.tokens[: len(tail)], tail):
+                            roots.append((key, entry.digest))
+            count = nbytes = 0
+            for key, digest in roots:
+                c, b = delete_subtree(txn, ns, key, digest)
+                count, nbytes = count + c, nbytes + b
+            add_totals(txn, ns, -count, -nbytes)
+            return count
+
+        return self._write_with_pending(run)
+
+    # ------------------------------------------------------------------ housekeeping
+
+    @staticmethod
+    def _touch_in(txn: WriteView, record_key: bytes, when: float) -> None:
+        parts = K.split_record_key(record_key)
+        old = None if parts is None else txn.get(K.use_key(*parts))
+        if old is None:
+            return  # the block is gone since it was used: nothing to keep recent
+        last, index_key = decode_use(old)
+        if last < when:
+            txn.put(K.use_key(*parts), encode_use(when, index_key))  # type: ignore[misc]
+
+    def _apply_pending(self, txn: WriteView, pending: Pending) -> None:
+        for key, when in pending.touches.items():
+            self._touch_in(txn, key, when)
+        for key in pending.removals:
+            parts = K.split_record_key(key)
+            use = None if parts is None else txn.get(K.use_key(*parts))
+            if parts is None or use is None or not txn.contains(key):
+                continue
+            ns, digest = parts
+            count, nbytes = delete_subtree(txn, ns, decode_use(use)[1], digest)
+            add_totals(txn, ns, -count, -nbytes)
+
+    def _write_pending(self, pending: Pending) -> None:
+        self._backend.transact(lambda txn: self._apply_pending(txn, pending))
+        self._forget_quarantined(pending)
+
+    def _write_with_pending(
+        self, fn: Callable[[WriteView, Pending], Any], size_hint: int = 0
+    ) -> Any:
+        """Run ``fn(txn, pending)`` in one write transaction, draining this process's
+        batched touches and removals into it (they go back to the buffer on failure)."""
+        pending = self._house.take() if self._house is not None else Pending()
+        try:
+            result = self._backend.transact(lambda txn: fn(txn, pending), size_hint=size_hint)
+        except BaseException:
+            self._give_back(pending)
+            raise
+        self._forget_quarantined(pending)
+        return result
+
+    def _give_back(self, pending: Pending) -> None:
+        if self._house is not None and pending:
+            self._house.give_back(pending)
+
+    def _forget_quarantined(self, pending: Pending) -> None:
+        if pending.removals:
+            self._quarantine.difference_update(pending.removals)
+
+    def flush(self) -> None:
+        """Write batched recency updates and pending removals now."""
+        self._check_open("flush")
+        if self._house is not None:
+            self._house.flush()
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        try:
+            if self._house is not None:
+                self._house.close()
+                self._house.flush()
+        finally:
+            self._closed = True
+            self._backend.close()
+
+    # ------------------------------------------------------------------ stats
+
+    def stats(self, *, by_family: bool = False) -> StoreStats:
+        self._check_open("stats")
+        with self._backend.reader() as view:
+            totals = all_totals(view)
+            settings = self._budgets(view)
+            families: dict[str, int] | None = None
+            if by_family:
+                families = {}
+                for ns in totals:
+                    for sub in (b".c/", b".t/"):
+                        prefix = K.namespace_dir(ns) + sub
+                        for _, e in iter_entries(view, prefix, with_tokens=False):
+                            families[e.family] = families.get(e.family, 0) + e.nbytes
+        namespaces = {
+            n.decode(): NamespaceStats(b, nb, settings.budget_for(n.decode()))
+            for n, (b, nb) in totals.items()
+        }
+        return StoreStats(
+            blocks=sum(s.blocks for s in namespaces.values()),
+            bytes=sum(s.bytes for s in namespaces.values()),
+            namespaces=namespaces,
+            max_bytes=settings.max_bytes,
+            by_family=families,
+            backend=self._backend.stats(),
+            **self._counters.snapshot(),
+        )
+
+    # ------------------------------------------------------------------ verify
+
+    def verify(self, *, repair: bool = False) -> VerifyReport:
+        """Check every record (with ``verify``) and the index against the records (see
+        :mod:`kvstore.store.integrity`).
+
+        Finds corrupt records, records written by a newer kvstore (kept), orphans
+        (blocks whose parent is gone), dangling keys (an index entry without its
+        record, a record without its entry, a last use without a block) and
+        namespace totals that disagree with the blocks. With ``repair``, removes
+        corrupt blocks and orphans with everything stored after them, removes
+        dangling keys and rewrites the totals, in one transaction.
+        """
+        self._check_open("verify")
+        found = Survey()
+        with self._backend.reader() as view:
+            found.run(view, self._verify)
+        report = found.report(repaired=False)
+        if repair and not report.clean:
+            self._check_writable("verify")
+            self._backend.transact(found.repair)
+            self._counters.add(corruptions=len(report.corrupt))
+            report = replace(report, repaired=True)
+        return report
+
+
+def _nbytes(record: Any) -> int:
+    """Size of a record, which must be a C-contiguous buffer."""
+    try:
+        view = memoryview(record)
+    except TypeError as exc:
+        raise StoreConfigError(
+            f"[save] A record must be bytes-like (bytes, bytearray, memoryview, numpy "
+            f"array); received {type(record).__name__}.",
+            found=type(record).__name__,
+        ) from exc
+    if not view.c_contiguous:
+        raise StoreConfigError(
+            "[save] A record must be a C-contiguous buffer; copy it (np.ascontiguousarray).",
+            found=type(record).__name__,
+        )
+    return view.nbytes

@@ -1,0 +1,278 @@
+"""Store settings, their parsers, and the meta record that persists them.
+
+A store's settings live in one record, ``kvstore/v1/__meta__`` (msgpack,
+little-endian by construction). Precedence on open: defaults < stored <
+explicit. Two kinds of setting:
+
+=====================  ==========  ========================================
+setting                default     changes after creation
+=====================  ==========  ========================================
+block_size             256         never: a different value is an error
+storage_policy         "lossless"  never: a different value is an error
+max_bytes              None        yes: an explicit value replaces the stored
+namespace_max_bytes    None        yes: an explicit value replaces the stored
+namespace_budgets      {}          with ``store.set_budget(..., namespace=)``
+=====================  ==========  ========================================
+
+``storage_policy`` is ``"lossless"`` (each layer in its own family's
+encoding) or the signature plain layers are stored as (``"kv:quant:8:64"``,
+``"kv:quant:4:64"``, ``"kv:turboquant:3:3"``...).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any
+
+import msgpack
+
+from kvstore import __version__
+from kvstore.errors import FormatVersionError, StoreConfigError
+from kvstore.signature import parse_signature
+
+__all__ = [
+    "META_FORMAT",
+    "StoreSettings",
+    "FIXED_SETTINGS",
+    "MUTABLE_SETTINGS",
+    "SETTING_PARSERS",
+    "parse_block_size",
+    "parse_storage_policy",
+    "parse_byte_size",
+    "parse_optional_byte_size",
+    "parse_bool",
+    "parse_int",
+    "parse_fraction",
+    "parse_seconds",
+    "resolve_settings",
+    "encode_meta",
+    "decode_meta",
+]
+
+#: Version of the meta record (and of the ``kvstore/v1`` layout it describes).
+META_FORMAT = 1
+_LOSSY_KINDS = ("kv:quant", "kv:turboquant")
+
+
+@dataclass(frozen=True)
+class StoreSettings:
+    """What a store was created with, plus its budgets (see the module docstring)."""
+
+    block_size: int = 256
+    storage_policy: str = "lossless"
+    max_bytes: int | None = None
+    namespace_max_bytes: int | None = None
+    namespace_budgets: Mapping[str, int] = field(default_factory=dict)
+
+    def budget_for(self, namespace: str) -> int | None:
+        """The byte budget of ``namespace``: its own, else the per-namespace default."""
+        return self.namespace_budgets.get(namespace, self.namespace_max_bytes)
+
+
+FIXED_SETTINGS = ("block_size", "storage_policy")
+MUTABLE_SETTINGS = ("max_bytes", "namespace_max_bytes")
+
+
+def _config_error(name: str, rule: str, value: object) -> StoreConfigError:
+    return StoreConfigError(
+        f"[open_store] {name} must be {rule}; received {value!r}.", setting=name, found=value
+    )
+
+
+def parse_int(value: object, name: str = "value", lo: int = 0, hi: int | None = None) -> int:
+    if isinstance(value, str) and re.fullmatch(r"\d+", value.strip()):
+        value = int(value)
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int)
+        or value < lo
+        or (hi is not None and value > hi)
+    ):
+        rule = f"an integer in [{lo}, {hi}]" if hi is not None else f"an integer >= {lo}"
+        raise _config_error(name, rule, value)
+    return value
+
+
+def parse_block_size(value: object) -> int:
+    """Tokens per block: 1 to 65535 (256 by default)."""
+    return parse_int(value, "block_size", 1, 65535)
+
+
+def parse_storage_policy(value: object) -> str:
+    if value == "lossless":
+        return "lossless"
+    try:
+        sig = parse_signature(value)
+    except (ValueError, TypeError) as exc:
+        raise _config_error(
+            "storage_policy", "'lossless' or a lossy signature such as 'kv:quant:8:64'", value
+        ) from exc
+    if sig.kind not in _LOSSY_KINDS:
+        raise _config_error(
+            "storage_policy",
+            f"'lossless' or a signature of kind {' or '.join(_LOSSY_KINDS)}",
+            value,
+        )
+    return str(sig)
+
+
+_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+
+
+def parse_byte_size(value: object, name: str = "size") -> int:
+    """Bytes as an int or a string: ``"1048576"``, ``"512MiB"``, ``"10G"``, ``"2GB"``.
+
+    ``K/M/G/T`` and ``KiB/MiB/...`` are powers of 1024; ``KB/MB/...`` powers of 1000.
+    """
+    if isinstance(value, str):
+        m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*", value.lower())
+        if m:
+            number, unit, suffix = m.groups()
+            base = 1000 ** "_kmgt".index(unit) if suffix == "b" and unit else _UNITS[unit]
+            value = int(float(number) * base)
+    return parse_int(value, name, 1)
+
+
+def parse_optional_byte_size(name: str) -> Callable[[object], int | None]:
+    def parse(value: object) -> int | None:
+        if value is None or (isinstance(value, str) and value.lower() in ("", "none")):
+            return None
+        return parse_byte_size(value, name)
+
+    return parse
+
+
+def parse_bool(value: object, name: str = "flag") -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.lower() in (
+        "1",
+        "true",
+        "yes",
+        "on",
+        "0",
+        "false",
+        "no",
+        "off",
+    ):
+        return value.lower() in ("1", "true", "yes", "on")
+    raise _config_error(name, "a boolean (true/false)", value)
+
+
+def parse_fraction(value: object, name: str = "fraction") -> float:
+    try:
+        f = float(value)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        f = math.nan
+    if not 0.0 < f <= 1.0:
+        raise _config_error(name, "a number in (0, 1]", value)
+    return f
+
+
+def parse_seconds(value: object, name: str = "seconds") -> float:
+    try:
+        f = float(value)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        f = math.nan
+    if not f >= 0.0:
+        raise _config_error(name, "a number of seconds >= 0", value)
+    return f
+
+
+SETTING_PARSERS: dict[str, Callable[[object], Any]] = {
+    "block_size": parse_block_size,
+    "storage_policy": parse_storage_policy,
+    "max_bytes": parse_optional_byte_size("max_bytes"),
+    "namespace_max_bytes": parse_optional_byte_size("namespace_max_bytes"),
+}
+
+
+def resolve_settings(
+    stored: StoreSettings | None, explicit: Mapping[str, object]
+) -> tuple[StoreSettings, bool]:
+    """Settings after ``defaults < stored < explicit``, and whether the meta record changes.
+
+    Raises:
+        StoreConfigError: an explicit fixed setting differs from the stored one; the
+            message names the setting, the stored and the requested value.
+    """
+    parsed = {name: SETTING_PARSERS[name](value) for name, value in explicit.items()}
+    if stored is None:
+        return replace(StoreSettings(), **parsed), True
+    for name in FIXED_SETTINGS:
+        if name in parsed and parsed[name] != getattr(stored, name):
+            raise StoreConfigError(
+                f"[open_store] {name} was fixed when the store was created: stored "
+                f"{getattr(stored, name)!r}, requested {parsed[name]!r}. Omit {name} to use "
+                f"the stored value, or open a new store.",
+                setting=name,
+                stored=getattr(stored, name),
+                requested=parsed[name],
+            )
+    changed = {k: v for k, v in parsed.items() if k in MUTABLE_SETTINGS and v != getattr(stored, k)}
+    return replace(stored, **changed), bool(changed)
+
+
+def encode_meta(settings: StoreSettings, created: float | None = None) -> bytes:
+    body = asdict(settings)
+    body["namespace_budgets"] = dict(settings.namespace_budgets)
+    return msgpack.packb(
+        {
+            "format": META_FORMAT,
+            "writer": f"kvstore {__version__}",
+            "created": time.time() if created is None else created,
+            "settings": body,
+        }
+    )
+
+
+_META_FIELDS = {"format", "writer", "created", "settings"}
+
+
+def decode_meta(raw: bytes | memoryview, url: str) -> tuple[StoreSettings, float]:
+    """The settings and creation time in a meta record.
+
+    Raises:
+        FormatVersionError: written by a newer kvstore.
+        StoreConfigError: not a meta record this reader understands.
+    """
+    try:
+        meta = msgpack.unpackb(bytes(raw), max_str_len=1 << 16, max_map_len=1 << 12)
+    except Exception as exc:  # noqa: BLE001 - any decoding failure means "not ours"
+        raise StoreConfigError(
+            f"[open_store] {url} has a meta record that is not msgpack; it is not a kvstore "
+            f"store (or it is damaged).",
+            url=url,
+        ) from exc
+    if not isinstance(meta, dict) or not isinstance(meta.get("format"), int):
+        raise StoreConfigError(f"[open_store] {url} has a malformed meta record.", url=url)
+    if meta["format"] > META_FORMAT:
+        raise FormatVersionError(
+            f"[open_store] {url} is store format {meta['format']}, newer than this reader "
+            f"(reads 1-{META_FORMAT}). Upgrade kvstore.",
+            found=meta["format"],
+            supported=tuple(range(1, META_FORMAT + 1)),
+        )
+    unknown = set(meta) - _META_FIELDS | set(meta.get("settings", {})) - set(
+        StoreSettings.__dataclass_fields__
+    )
+    if unknown:
+        raise StoreConfigError(
+            f"[open_store] {url} has meta fields this reader does not know: "
+            f"{', '.join(sorted(map(str, unknown)))}. Upgrade kvstore.",
+            url=url,
+            found=sorted(map(str, unknown)),
+        )
+    try:
+        settings = StoreSettings(**meta["settings"])
+        for name, parse in SETTING_PARSERS.items():
+            parse(getattr(settings, name))
+    except (TypeError, StoreConfigError) as exc:
+        raise StoreConfigError(
+            f"[open_store] {url} has invalid settings in its meta record: {exc}", url=url
+        ) from exc
+    return settings, float(meta.get("created", 0.0))

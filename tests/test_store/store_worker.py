@@ -1,0 +1,112 @@
+"""Subprocess side of the multi-process store tests.
+
+Run as ``python -m tests.test_store.store_worker MODE ARGS...``.
+
+Prompts are drawn from :func:`prompt` so that the parent can rebuild any of
+them from ``(seed, i)`` and check what a worker acknowledged.
+"""
+
+from __future__ import annotations
+
+import random
+import sys
+
+from kvstore.errors import StoreFullError
+from kvstore.store import open_store
+from kvstore.testing.store import check_match, encoder_for, verify_record
+
+NS = "procs"
+BLOCK = 16
+
+
+def prompt(seed: int, i: int) -> list[int]:
+    """Prompt ``i`` of stream ``seed``: shares prefixes with others of any stream (alphabet 3)."""
+    rng = random.Random(seed * 100_003 + i)
+    shared = random.Random(i % 5).choices(range(3), k=40)  # five common system prompts
+    return shared[: rng.randrange(0, 41)] + rng.choices(range(3), k=rng.randrange(1, 60))
+
+
+def open_(path: str, **options):
+    options.setdefault("block_size", BLOCK)
+    return open_store(f"lmdb://{path}", verify=verify_record, touch_interval=0.05, **options)
+
+
+def save(store, tokens, filler: int = 0):
+    return store.put_blocks(NS, tokens, encoder_for(tokens, filler=filler))
+
+
+def say(*words: object) -> None:
+    print(*words, flush=True)
+
+
+def writer(path: str, seed: int, filler: str) -> None:
+    """Save prompts forever, acknowledging each once put_blocks returned (for the SIGKILL test)."""
+    store = open_(path, map_size=1 << 20)
+    say("READY")
+    for i in range(10**9):
+        save(store, prompt(int(seed), i), int(filler))
+        say("ACK", i)
+
+
+def worker(path: str, seed: str, count: str) -> None:
+    """Save ``count`` prompts and restore prompts of every stream (the 4-process test)."""
+    store = open_(path, map_size=1 << 20)
+    rng = random.Random(int(seed))
+    for i in range(int(count)):
+        tokens = prompt(int(seed), i)
+        save(store, tokens, filler=rng.randrange(0, 40_000))
+        check_match(store, store.lookup(NS, tokens), tokens)
+        other = prompt(rng.randrange(4), rng.randrange(int(count)))
+        match = store.lookup(NS, other)
+        if match.hit:  # whatever is found must be exactly right
+            check_match(store, match, other)
+    store.close()
+    say("DONE", seed)
+
+
+def hold(path: str) -> None:
+    """Hold the write lock (one open write transaction) until stdin closes."""
+    store = open_(path)
+
+    def wait(txn):
+        say("HOLDING")
+        sys.stdin.read()
+
+    store.backend.transact(wait)
+    store.close()
+
+
+def grow(path: str, megabytes: str) -> None:
+    """Write enough to make the map grow while another process has the store open."""
+    store = open_(path)
+    save(store, list(range(3 * BLOCK)), filler=int(megabytes) << 20)
+    say("GREW", store.backend.stats()["map_size"])
+    store.close()
+
+
+def fill(path: str) -> None:
+    """Save until the (small) filesystem is full; then check the store is intact."""
+    store = open_(path, map_size=1 << 30)
+    acked = []
+    try:
+        for i in range(10_000):
+            save(store, prompt(7, i), filler=1 << 20)
+            acked.append(i)
+    except StoreFullError as exc:
+        say("FULL", type(exc.__cause__).__name__, len(acked))
+    before = store.stats().blocks
+    report = store.verify()
+    assert report.clean, report
+    for i in acked:
+        check_match(store, store.lookup(NS, prompt(7, i)), prompt(7, i))
+    store.close()
+    store = open_(path)
+    assert store.stats().blocks == before and store.verify().clean
+    store.delete(NS)  # pages freed by deletes are reused
+    save(store, prompt(7, 0))
+    say("OK")
+
+
+if __name__ == "__main__":
+    mode, *args = sys.argv[1:]
+    {"writer": writer, "worker": worker, "hold": hold, "grow": grow, "fill": fill}[mode](*args)

@@ -1,0 +1,177 @@
+"""Model fingerprints and namespaces: content-addressed, cached, equal across processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+import pytest
+
+from kvstore.errors import CapabilityError, StoreConfigError
+from kvstore.store import fingerprint as F
+from kvstore.store import model_fingerprint, namespace_for
+from kvstore.testing.mlx_lm_models import build_mlx_lm_model
+
+PYCODE = Path("/work/shared/fixtures/pycode-lm")
+if not PYCODE.is_dir():
+    PYCODE = Path(__file__).resolve().parents[2] / "fixtures" / "pycode-lm"
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(autouse=True)
+def private_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("KVSTORE_CACHE_DIR", str(tmp_path / "cache"))
+
+
+@pytest.fixture
+def model_dir(tmp_path):
+    if not PYCODE.is_dir():
+        pytest.fail(f"the pycode-lm fixture is missing at {PYCODE}")
+    return Path(shutil.copytree(PYCODE, tmp_path / "pycode-lm"))
+
+
+def flip_weight_byte(model_dir: Path) -> None:
+    shard = sorted(model_dir.glob("*.safetensors"))[-1]
+    data = bytearray(shard.read_bytes())
+    data[-100] ^= 0x01  # inside the tensor data, after the header
+    shard.write_bytes(bytes(data))
+
+
+def test_a_directory_fingerprint_is_stable_and_location_free(model_dir, tmp_path):
+    fp = model_fingerprint(model_dir)
+    assert len(fp) == 64 and int(fp, 16) >= 0
+    assert model_fingerprint(str(model_dir)) == fp
+    elsewhere = shutil.copytree(model_dir, tmp_path / "copy")  # another host, another path
+    assert model_fingerprint(elsewhere) == fp
+
+
+def test_different_weights_give_a_different_fingerprint(model_dir):
+    before = model_fingerprint(model_dir)
+    flip_weight_byte(model_dir)
+    assert model_fingerprint(model_dir) != before
+
+
+def test_config_and_tokenizer_are_part_of_it(model_dir):
+    before = model_fingerprint(model_dir)
+    config = json.loads((model_dir / "config.json").read_text())
+    (model_dir / "config.json").write_text(json.dumps(config, indent=7))  # formatting only
+    assert model_fingerprint(model_dir) == before
+    config["rope_theta"] = 20000.0
+    (model_dir / "config.json").write_text(json.dumps(config))
+    changed = model_fingerprint(model_dir)
+    assert changed != before
+    (model_dir / "tokenizer.json").write_text('{"model": {"vocab": {}}}')
+    assert model_fingerprint(model_dir) != changed
+
+
+def test_repeats_are_served_from_the_digest_cache(model_dir, monkeypatch):
+    fp = model_fingerprint(model_dir)
+    assert F.digest_cache_path().is_file()
+    hashed = []
+    real = F._hash_file
+    monkeypatch.setattr(F, "_hash_file", lambda p: hashed.append(p) or real(p))
+    assert model_fingerprint(model_dir) == fp
+    assert hashed == []  # no weight file was read again
+    flip_weight_byte(model_dir)  # new mtime: that file (only) is hashed again
+    model_fingerprint(model_dir)
+    assert [p.name for p in hashed] == [sorted(model_dir.glob("*.safetensors"))[-1].name]
+
+
+def test_another_process_with_no_setup_agrees(model_dir, tmp_path):
+    env = {"PATH": os.environ.get("PATH", ""), "HOME": str(tmp_path / "fresh-home")}
+    code = (
+        "import sys; from kvstore.store import model_fingerprint; "
+        "print(model_fingerprint(sys.argv[1]))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code, str(model_dir)],
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == model_fingerprint(model_dir)
+
+
+def test_mlx_lm_models():
+    a = model_fingerprint(build_mlx_lm_model("llama", seed=1))
+    assert model_fingerprint(build_mlx_lm_model("llama", seed=1)) == a
+    assert model_fingerprint(build_mlx_lm_model("llama", seed=2)) != a  # same args, other weights
+    assert model_fingerprint(build_mlx_lm_model("llama", seed=1, rope_theta=500.0)) != a
+    assert model_fingerprint(build_mlx_lm_model("qwen3", seed=1)) != a
+    bf16 = build_mlx_lm_model("llama", seed=1)
+    bf16.set_dtype(mx.bfloat16)
+    assert model_fingerprint(bf16) != a
+
+
+class ReferenceModel(nn.Module):
+    """Stands in for kvstore.model.Model: config, source_path, layer_layout(), parameters."""
+
+    def __init__(self, source_path=None, seed=0):
+        super().__init__()
+        self._config = {"model_type": "llama", "hidden_size": 8}
+        self.source_path = source_path
+        self.proj = nn.Linear(8, 8, bias=False)
+        self.proj.weight = mx.random.normal((8, 8), key=mx.random.key(seed))
+
+    @property
+    def config(self):
+        return self._config
+
+    def layer_layout(self):
+        return [{"n_kv_heads": 2, "head_dim": 4, "sliding_window": None}]
+
+
+def test_reference_models(model_dir):
+    assert model_fingerprint(ReferenceModel(source_path=model_dir)) == model_fingerprint(model_dir)
+    a = model_fingerprint(ReferenceModel(seed=1))
+    assert model_fingerprint(ReferenceModel(seed=1)) == a
+    assert model_fingerprint(ReferenceModel(seed=2)) != a
+
+
+def test_a_tokenizer_can_join_an_object_fingerprint(model_dir):
+    model = build_mlx_lm_model("llama", seed=1)
+    plain = model_fingerprint(model)
+
+    class Tok:
+        def get_vocab(self):
+            return {"a": 0, "b": 1}
+
+    assert model_fingerprint(model, tokenizer=Tok()) not in (plain, None)
+    with pytest.raises(CapabilityError, match="tokenizer of type int"):
+        model_fingerprint(model, tokenizer=3)
+
+
+def test_what_cannot_be_fingerprinted(tmp_path, model_dir):
+    with pytest.raises(StoreConfigError, match="no config.json"):
+        model_fingerprint(tmp_path)
+    for shard in model_dir.glob("*.safetensors"):
+        shard.unlink()
+    with pytest.raises(StoreConfigError, match="no weight files .* would collide"):
+        model_fingerprint(model_dir)
+    with pytest.raises(CapabilityError, match="Cannot fingerprint a dict"):
+        model_fingerprint({"model_type": "llama"})
+
+
+def test_namespaces():
+    fp = "ab" * 32
+    layout = [{"n_kv_heads": 2, "head_dim": 64, "sliding_window": None}] * 2
+    ns = namespace_for(fp, layout)
+    assert len(ns) == 16 and int(ns, 16) >= 0 and ns == namespace_for(fp, tuple(layout))
+    assert namespace_for("cd" * 32, layout) != ns
+    assert namespace_for(fp, layout[:1]) != ns
+    windowed = [{**layout[0], "sliding_window": 1024}, layout[1]]
+    assert namespace_for(fp, windowed) != ns
+    assert namespace_for(fp, layout, tenant="acme") not in (ns, namespace_for(fp, layout, "other"))
+    with pytest.raises(StoreConfigError, match="layer_layout must be JSON-serialisable"):
+        namespace_for(fp, [object()])
+    with pytest.raises(StoreConfigError, match="fingerprint must be a non-empty str"):
+        namespace_for("", layout)

@@ -1,0 +1,129 @@
+"""The LMDB backend: every lmdb error mapped, the map growing by itself, a full disk."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import lmdb
+import pytest
+
+from kvstore.errors import KVStoreError, StoreError, StoreFullError, StoreUnavailableError
+from kvstore.store.boundary import translate_errors
+from kvstore.store.lmdb import LMDB_ERRORS
+from kvstore.testing.store import check_match
+
+from .store_worker import NS, open_, prompt, save
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def run_worker(*args, **kw):
+    return subprocess.run(
+        [sys.executable, "-m", "tests.test_store.store_worker", *map(str, args)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        **kw,
+    )
+
+
+def lmdb_error_classes():
+    found, todo = set(), [lmdb.Error]
+    while todo:
+        cls = todo.pop()
+        found.add(cls)
+        todo += cls.__subclasses__()
+    found |= {v for v in vars(lmdb).values() if isinstance(v, type) and issubclass(v, lmdb.Error)}
+    return found
+
+
+def test_every_lmdb_error_is_mapped():
+    classes = lmdb_error_classes()
+    assert len(classes) >= 30  # python-lmdb 3.0 defines 30
+    missing = sorted(c.__name__ for c in classes - set(LMDB_ERRORS))
+    assert not missing, f"unmapped lmdb errors: {missing}"
+    assert all(issubclass(t.error, KVStoreError) and t.hint for t in LMDB_ERRORS.values())
+
+
+@pytest.mark.parametrize(
+    "cls, ours",
+    [
+        (lmdb.MapFullError, StoreFullError),
+        (lmdb.DiskError, StoreFullError),
+        (lmdb.ReadersFullError, StoreUnavailableError),
+        (lmdb.CorruptedError, StoreError),
+    ],
+)
+def test_errors_are_translated_at_the_boundary(cls, ours):
+    with pytest.raises(ours, match=r"^\[write\] .* from the store at lmdb:///x") as info:
+        with translate_errors(LMDB_ERRORS, "write", "lmdb:///x"):
+            raise cls("mdb_put", 0)
+    assert isinstance(info.value.__cause__, cls)
+    assert info.value.cause == cls.__name__
+
+
+def test_the_map_grows_as_needed(tmp_path):
+    store = open_(tmp_path / "s", map_size=1 << 20)
+    tokens = list(range(64))
+    save(store, tokens, filler=3 << 20)  # 4 blocks of 3 MiB into a 1 MiB map
+    assert store.backend.stats()["map_size"] > 12 << 20
+    check_match(store, store.lookup(NS, tokens), tokens)
+    store.close()
+
+
+def test_a_full_map_raises_and_leaves_the_store_intact(tmp_path):
+    store = open_(tmp_path / "s", map_size=1 << 20, max_map_size=8 << 20)
+    kept = prompt(1, 0)
+    save(store, kept, filler=100_000)
+    before = store.stats()
+    with pytest.raises(StoreFullError, match="full at max_map_size"):
+        save(store, list(range(64)), filler=4 << 20)
+    after = store.stats()
+    assert (after.blocks, after.bytes) == (before.blocks, before.bytes)
+    assert store.verify().clean
+    check_match(store, store.lookup(NS, kept), kept)
+    save(store, prompt(1, 1))  # small saves still fit
+    store.close()
+
+
+def test_a_map_grown_by_another_process_is_adopted(tmp_path):
+    path = tmp_path / "s"
+    store = open_(path, map_size=1 << 20)
+    save(store, prompt(2, 0))
+    out = run_worker("grow", path, 8)
+    assert out.returncode == 0, out.stderr
+    check_match(store, store.lookup(NS, list(range(48)) + [0]), list(range(48)))
+    save(store, prompt(2, 1), filler=1 << 20)  # writes still work at the new size
+    assert store.verify().clean
+    store.close()
+
+
+def test_a_full_disk_raises_store_full_and_leaves_the_store_intact(tmp_path):
+    # A 12 MiB tmpfs in a private mount namespace (no root needed where user
+    # namespaces are enabled); the worker saves until the disk is full.
+    if shutil.which("unshare") is None:
+        pytest.skip("needs unshare(1) to mount a small tmpfs")
+    probe = subprocess.run(["unshare", "-rm", "true"], capture_output=True)
+    if probe.returncode:
+        pytest.skip(f"user+mount namespaces unavailable: {probe.stderr.decode().strip()}")
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    script = (
+        f"mount -t tmpfs -o size=12m tmpfs {mnt} && exec {sys.executable} "
+        f"-m tests.test_store.store_worker fill {mnt}/store"
+    )
+    out = subprocess.run(
+        ["unshare", "-rm", "sh", "-c", script],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.split("\n")
+    assert lines[0].startswith("FULL "), out.stdout  # DiskError, or EIO on a short write
+    assert int(lines[0].split()[2]) >= 3 and "OK" in lines
