@@ -9,6 +9,7 @@ catch, so ``except ValueError`` keeps working around our calls::
     ├── FormatVersionError(ValueError)        record/format newer (or older) than this reader
     ├── CorruptEntryError(ValueError)         bad magic, bounds, checksum, truncation
     ├── CapabilityError(TypeError)            a cache/store cannot do what was asked
+    ├── EncodingError(ValueError)             values a lossy encoder refuses (NaN/Inf, wrong shape)
     └── StoreError
         ├── StoreUnavailableError(ConnectionError)   backend unreachable or timed out
         ├── StoreFullError                           map, disk or quota exhausted
@@ -37,6 +38,7 @@ __all__ = [
     "FormatVersionError",
     "CorruptEntryError",
     "CapabilityError",
+    "EncodingError",
     "StoreError",
     "StoreUnavailableError",
     "StoreFullError",
@@ -78,6 +80,10 @@ class CorruptEntryError(KVStoreError, ValueError):
 
 class CapabilityError(KVStoreError, TypeError):
     """An object cannot do what was asked (unknown cache family, missing feature)."""
+
+
+class EncodingError(KVStoreError, ValueError):
+    """Tensors a lossy encoder cannot encode or decode (NaN/Inf, wrong shape)."""
 
 
 class StoreError(KVStoreError):

@@ -4,6 +4,7 @@ from kvstore.caches.base import BaseKVCache, GrowingKVCache
 from kvstore.caches.plain import KVCache, PlainKVCache
 from kvstore.caches.quantized import QuantizedKVCache
 from kvstore.caches.rotating import RingKVCache, RotatingKVCache, RotatingQuantizedKVCache
+from kvstore.caches.turboquant import RotatingTurboQuantKVCache, TurboQuantKVCache
 
 __all__ = [
     "BaseKVCache",
@@ -14,4 +15,6 @@ __all__ = [
     "QuantizedKVCache",
     "RotatingKVCache",
     "RotatingQuantizedKVCache",
+    "TurboQuantKVCache",
+    "RotatingTurboQuantKVCache",
 ]

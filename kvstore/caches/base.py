@@ -55,6 +55,11 @@ class BaseKVCache:
         """Turn new ``[B, H, S, D]`` rows into the family's stored row tree."""
         return x
 
+    def _encode_pair(self, keys: mx.array, values: mx.array) -> tuple[Tree, Tree]:
+        """Encode new key and value rows; a family whose keys and values differ
+        (bits, rotation, scale mode) overrides this instead of ``_encode``."""
+        return self._encode(keys), self._encode(values)
+
     def _present(self, keys: Tree, values: Tree) -> tuple[Tree, Tree]:
         """What attention receives for the stored rows ``keys``/``values``."""
         return keys, values
@@ -101,7 +106,7 @@ class GrowingKVCache(BaseKVCache):
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[Tree, Tree]:
         prev = self.offset
-        new_keys, new_values = self._encode(keys), self._encode(values)
+        new_keys, new_values = self._encode_pair(keys, values)
         num_steps = keys.shape[2]
         if self.keys is None or prev + num_steps > tree_length(self.keys):
             grow = (self.step + num_steps - 1) // self.step * self.step

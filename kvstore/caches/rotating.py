@@ -122,7 +122,7 @@ class RingKVCache(BaseKVCache):
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[Tree, Tree]:
         num_steps = keys.shape[2]
-        new_keys, new_values = self._encode(keys), self._encode(values)
+        new_keys, new_values = self._encode_pair(keys, values)
         if num_steps == 1:
             stored = self._update_in_place(new_keys, new_values, num_steps)
         else:

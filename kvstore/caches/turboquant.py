@@ -1,0 +1,278 @@
+"""``kv:turboquant:{kbits}:{vbits}`` and ``kv:rotating-turboquant:{kbits}:{vbits}``.
+
+Keys and values are held TurboQuant-encoded (``specs/turboquant.md``): packed
+uint32 codes ``[B, H, T, ceil(D*b/32)]`` and one scale per vector. Attention
+gets decoded rows in the cache's dtype through plain SDPA (dequant-on-fetch):
+the classes deliberately have no ``bits``/``group_size``, which would make
+mlx-lm route them into affine attention.
+
+Each row tree is ``(codes, scales [B, H, T, 1], decoded [B, H, T, D])``: the
+decoded rows ride along in the same tree, so the growing buffer and the ring
+(grow, trim, wrap, temporal reordering) move them in step with the codes,
+and each update decodes only the rows it adds. Only codes and scales count as
+stored bytes; ``state`` carries them (scales as ``[B, H, T]``) and
+``from_state`` rebuilds the decoded rows from them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+
+from kvstore.caches.base import GrowingKVCache, Tree, row_leaves
+from kvstore.caches.rotating import RingKVCache
+from kvstore.signature import make_signature
+from kvstore.turboquant.quantizer import (
+    DEFAULT_SCALE_MODE,
+    SCALE_MODES,
+    ScaleMode,
+    TurboQuantizer,
+    quantizer_for,
+)
+
+__all__ = [
+    "CENTER_PREFIX_TOKENS",
+    "RotatingTurboQuantKVCache",
+    "TurboQuantKVCache",
+    "TurboQuantRows",
+]
+
+#: Key mean-centering estimates mu from at most this many prefill tokens (spec option).
+CENTER_PREFIX_TOKENS = 512
+
+
+class TurboQuantRows:
+    """Row encoding shared by the growing and the windowed TurboQuant caches."""
+
+    kind: str = "kv:turboquant"
+    keys: Tree | None
+    values: Tree | None
+    kbits: int
+    vbits: int
+    seed: int
+    key_scale_mode: ScaleMode
+    value_scale_mode: ScaleMode
+    center: bool
+    mu: mx.array | None
+    dtype: mx.Dtype | None
+    head_dim: int | None
+
+    def _init_tq(
+        self,
+        kbits: int,
+        vbits: int,
+        seed: int = 0,
+        key_scale_mode: ScaleMode = DEFAULT_SCALE_MODE["k"],
+        value_scale_mode: ScaleMode = DEFAULT_SCALE_MODE["v"],
+        center: bool = False,
+        mu: mx.array | None = None,
+        dtype: mx.Dtype | None = None,
+        head_dim: int | None = None,
+    ) -> None:
+        make_signature(self.kind, kbits, vbits)  # ValueError naming the allowed values
+        for name, mode in (
+            ("key_scale_mode", key_scale_mode),
+            ("value_scale_mode", value_scale_mode),
+        ):
+            if mode not in SCALE_MODES:
+                raise ValueError(
+                    f"[{self.kind}] {name} must be one of {', '.join(SCALE_MODES)}; "
+                    f"received {mode!r}."
+                )
+        if not (isinstance(seed, int) and 0 <= seed < 1 << 64):
+            raise ValueError(f"[{self.kind}] seed must be a uint64 int; received {seed!r}.")
+        self.kbits, self.vbits, self.seed = kbits, vbits, seed
+        self.key_scale_mode, self.value_scale_mode = key_scale_mode, value_scale_mode
+        self.center = bool(center or mu is not None)
+        self.mu = mu
+        self.dtype = dtype
+        self.head_dim = head_dim
+
+    def signature(self) -> str:
+        return f"{self.kind}:{self.kbits}:{self.vbits}"
+
+    def quantizers(self, head_dim: int) -> tuple[TurboQuantizer, TurboQuantizer]:
+        """The key and value quantizers this cache uses at ``head_dim``."""
+        return (
+            quantizer_for(self.kbits, head_dim, "k", self.seed, self.key_scale_mode),
+            quantizer_for(self.vbits, head_dim, "v", self.seed, self.value_scale_mode),
+        )
+
+    # -- the hooks of the buffer/ring arithmetic ---------------------------------------
+    def _encode_pair(self, keys: mx.array, values: mx.array) -> tuple[Tree, Tree]:
+        if self.dtype is None:
+            self.dtype, self.head_dim = keys.dtype, keys.shape[-1]
+        if self.center and self.mu is None:
+            head = keys[..., :CENTER_PREFIX_TOKENS, :].astype(mx.float32)
+            self.mu = head.mean(axis=(0, 2))  # [H, D]
+        kq, vq = self.quantizers(keys.shape[-1])
+        mu = None if self.mu is None else self.mu[:, None, :]
+        new_keys = _encoded_rows(kq, keys, self.dtype, mu)
+        new_values = _encoded_rows(vq, values, self.dtype, None)
+        if self.keys is not None:
+            self.keys, new_keys = _same_scale_dtype(self.keys, new_keys)
+            self.values, new_values = _same_scale_dtype(self.values, new_values)
+        return new_keys, new_values
+
+    def _present(self, keys: Tree, values: Tree) -> tuple[mx.array, mx.array]:
+        return keys[2], values[2]
+
+    # -- what is stored --------------------------------------------------------------
+    def encoded_rows(self) -> tuple[tuple[mx.array, mx.array], tuple[mx.array, mx.array]]:
+        """``((codes, scales), (codes, scales))`` for keys and values, the whole
+        buffer (capacity padding and ring order included), scales ``[B, H, T]``."""
+        assert self.keys is not None and self.values is not None
+        return _stored(self.keys), _stored(self.values)
+
+    @property
+    def nbytes(self) -> int:
+        """Encoded bytes allocated (codes and scales), capacity padding included."""
+        if self.keys is None:
+            return 0
+        return sum(leaf.nbytes for leaf in row_leaves(self.encoded_rows()))
+
+    def bytes_per_token(self) -> int:
+        """Encoded bytes one more token costs: ``(b + 16/D) * D / 8`` per head and
+        kind with float16 scales. The decoded rows are a working copy, not storage."""
+        if self.keys is None:
+            return 0
+        return sum(leaf.nbytes // leaf.shape[2] for leaf in row_leaves(self.encoded_rows()))
+
+    def _options(self) -> tuple[Any, ...]:
+        dtype = None if self.dtype is None else str(self.dtype).removeprefix("mlx.core.")
+        return (
+            self.kbits,
+            self.vbits,
+            self.seed,
+            self.key_scale_mode,
+            self.value_scale_mode,
+            dtype,
+            self.head_dim,
+            self.mu,
+        )
+
+    def _restore(self, keys: Any, values: Any, options: tuple[Any, ...]) -> None:
+        kbits, vbits, seed, kmode, vmode, dtype, head_dim, mu = options
+        self._init_tq(
+            int(kbits),
+            int(vbits),
+            int(seed),
+            kmode,
+            vmode,
+            mu=mu,
+            dtype=None if dtype is None else getattr(mx, dtype),
+            head_dim=None if head_dim is None else int(head_dim),
+        )
+        self.keys = self.values = None
+        if keys is not None:
+            assert self.dtype is not None and self.head_dim is not None
+            kq, vq = self.quantizers(self.head_dim)
+            mu_b = None if self.mu is None else self.mu[:, None, :]
+            self.keys = _with_decoded(kq, keys, self.dtype, mu_b)
+            self.values = _with_decoded(vq, values, self.dtype, None)
+
+
+def _encoded_rows(
+    quantizer: TurboQuantizer, x: mx.array, dtype: mx.Dtype, mu: mx.array | None
+) -> tuple[mx.array, mx.array, mx.array]:
+    codes, scales = quantizer.encode(x, mu=mu)
+    return codes, scales[..., None], quantizer.decode(codes, scales, dtype, mu=mu)
+
+
+def _with_decoded(
+    quantizer: TurboQuantizer, stored: Any, dtype: mx.Dtype, mu: mx.array | None
+) -> tuple[mx.array, mx.array, mx.array]:
+    codes, scales = stored
+    return codes, scales[..., None], quantizer.decode(codes, scales, dtype, mu=mu)
+
+
+def _stored(tree: Tree) -> tuple[mx.array, mx.array]:
+    codes, scales, _ = tree
+    return codes, scales[..., 0]
+
+
+def _same_scale_dtype(stored: Tree, new: Tree) -> tuple[Tree, Tree]:
+    """Widen float16 scales to float32 on whichever side has them, so a chunk whose
+    scales needed float32 never gets squeezed into a float16 buffer."""
+    if stored[1].dtype == new[1].dtype:
+        return stored, new
+    widen = lambda t: (t[0], t[1].astype(mx.float32), t[2])  # noqa: E731
+    return widen(stored), widen(new)
+
+
+class TurboQuantKVCache(TurboQuantRows, GrowingKVCache):
+    """TurboQuant-encoded rows growing in steps of 256; attention gets decoded rows.
+
+    Args:
+        kbits: key index width (2, 3 or 4).
+        vbits: value index width (2, 3 or 4).
+        seed: rotation seed (uint64); sign vectors per spec SplitMix64.
+        key_scale_mode: ``"matched"`` (spec default), ``"l2"`` or ``"ls"``.
+        value_scale_mode: ``"ls"`` (spec default), ``"l2"`` or ``"matched"``.
+        center: subtract a per-head key mean estimated from the first
+            :data:`CENTER_PREFIX_TOKENS` prefill tokens (spec option ``center``).
+
+    Raises:
+        ValueError: a parameter outside the values above.
+    """
+
+    def __init__(
+        self,
+        kbits: int,
+        vbits: int,
+        seed: int = 0,
+        key_scale_mode: ScaleMode = DEFAULT_SCALE_MODE["k"],
+        value_scale_mode: ScaleMode = DEFAULT_SCALE_MODE["v"],
+        center: bool = False,
+    ) -> None:
+        GrowingKVCache.__init__(self)
+        self._init_tq(kbits, vbits, seed, key_scale_mode, value_scale_mode, center)
+
+    @property
+    def state(self) -> tuple[Any, ...]:
+        """``(keys, values, offset, kbits, vbits, seed, key_scale_mode,
+        value_scale_mode, dtype, head_dim, mu)``; keys/values are ``(codes, scales)``."""
+        stored = (None, None) if self.keys is None else self.encoded_rows()
+        return (*stored, self.offset, *self._options())
+
+    @state.setter
+    def state(self, v: tuple[Any, ...]) -> None:
+        keys, values, self.offset, *options = v
+        self._restore(keys, values, tuple(options))
+
+
+class RotatingTurboQuantKVCache(TurboQuantRows, RingKVCache):
+    """TurboQuant-encoded rows in a sliding window with ``keep`` sink tokens.
+
+    Args are those of :class:`TurboQuantKVCache` plus the ring's ``max_size``
+    (window) and ``keep`` (sink tokens never evicted).
+    """
+
+    kind = "kv:rotating-turboquant"
+
+    def __init__(
+        self,
+        max_size: int,
+        keep: int = 0,
+        kbits: int = 4,
+        vbits: int = 4,
+        seed: int = 0,
+        key_scale_mode: ScaleMode = DEFAULT_SCALE_MODE["k"],
+        value_scale_mode: ScaleMode = DEFAULT_SCALE_MODE["v"],
+        center: bool = False,
+    ) -> None:
+        RingKVCache.__init__(self, max_size, keep)
+        self._init_tq(kbits, vbits, seed, key_scale_mode, value_scale_mode, center)
+
+    @property
+    def state(self) -> tuple[Any, ...]:
+        """``(keys, values, offset, keep, max_size, idx, kbits, vbits, seed,
+        key_scale_mode, value_scale_mode, dtype, head_dim, mu)``."""
+        stored = (None, None) if self.keys is None else self.encoded_rows()
+        return (*stored, self.offset, self.keep, self.max_size, self._idx, *self._options())
+
+    @state.setter
+    def state(self, v: tuple[Any, ...]) -> None:
+        keys, values, self.offset, self.keep, self.max_size, self._idx, *options = v
+        self._restore(keys, values, tuple(options))

@@ -1,0 +1,116 @@
+"""b-bit indices in uint32 words, bit-identical to MLX's affine packing.
+
+Index j of a row occupies bits ``[j*b, (j+1)*b)`` of a little-endian stream
+of uint32 words; a value crossing a word boundary puts its low bits in word
+``w`` and its high bits in word ``w + 1``; padding bits are 0. Because this is
+exactly the layout ``mx.quantize`` writes, ``mx.dequantize`` with scale 1 and
+bias 0 unpacks it into exact small integers (rows whose length is a multiple
+of 32). 32 values of b bits fill exactly b words, so both directions work on
+blocks of 32 values with a static bit map.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import mlx.core as mx
+import numpy as np
+
+__all__ = ["packed_words", "pack_indices", "unpack_indices", "unpack_indices_reference"]
+
+_BLOCK = 32  # values per block; a block of b-bit values is exactly b words
+
+
+def packed_words(dim: int, bits: int) -> int:
+    """uint32 words per packed row: ``ceil(dim * bits / 32)``."""
+    return (dim * bits + 31) // 32
+
+
+@functools.cache
+def _word_plan(bits: int) -> tuple[tuple[int, int, mx.array, mx.array], ...]:
+    """For each of the ``bits`` words of a block: the range ``[j0, j1)`` of values
+    touching it, and per value the left and right shifts that put its bits in place
+    (a value carried over from the previous word has a negative offset, so it is
+    shifted right; one spilling into the next word loses its high bits to uint32)."""
+    start = np.arange(_BLOCK) * bits
+    plan = []
+    for w in range(bits):
+        js = np.nonzero((start < 32 * (w + 1)) & (start + bits > 32 * w))[0]
+        shift = start[js] - 32 * w
+        left = mx.array(np.maximum(shift, 0).astype(np.uint32))
+        right = mx.array(np.maximum(-shift, 0).astype(np.uint32))
+        plan.append((int(js[0]), int(js[-1]) + 1, left, right))
+    return tuple(plan)
+
+
+@functools.cache
+def _value_plan(bits: int) -> tuple[mx.array, mx.array, mx.array, mx.array]:
+    """For each of the 32 values of a block: its low word, the word after it, and the
+    shifts that read its bits from the pair (the inverse of :func:`_word_plan`)."""
+    start = np.arange(_BLOCK) * bits
+    word, offset = start // 32, start % 32
+    # Read as a 64-bit span, the next word lands at bit 32 - offset: above the value's
+    # mask unless the value crosses into it (the last word has no next: reuse it).
+    high_shift = (32 - offset).astype(np.uint64)
+    return (
+        mx.array(word.astype(np.int32)),
+        mx.array(np.minimum(word + 1, bits - 1).astype(np.int32)),
+        mx.array(offset.astype(np.uint64)),
+        mx.array(high_shift),
+    )
+
+
+def _to_blocks(a: mx.array, length: int) -> mx.array:
+    """Zero-pad the last axis of ``a`` to a multiple of ``length``, then split it into blocks."""
+    pad = -a.shape[-1] % length
+    if pad:
+        a = mx.concatenate([a, mx.zeros((*a.shape[:-1], pad), a.dtype)], axis=-1)
+    return a.reshape(*a.shape[:-1], -1, length)
+
+
+def pack_indices(idx: mx.array, bits: int) -> mx.array:
+    """Pack integer indices ``[..., D]`` (each < 2**bits) into uint32 ``[..., ceil(D*bits/32)]``."""
+    dim = idx.shape[-1]
+    blocks = _to_blocks(idx.astype(mx.uint32), _BLOCK)
+    # Bit ranges never overlap, so summing the shifted values is a bitwise OR.
+    if 32 % bits == 0:  # no value crosses a word: one word per 32/bits values
+        per_word = blocks.reshape(*blocks.shape[:-1], bits, 32 // bits)
+        words = (per_word << mx.arange(0, 32, bits, dtype=mx.uint32)).sum(-1)
+    else:
+        words = mx.stack(
+            [
+                ((blocks[..., j0:j1] << left) >> right).sum(-1)
+                for j0, j1, left, right in _word_plan(bits)
+            ],
+            axis=-1,
+        )
+    words = words.astype(mx.uint32)
+    return words.reshape(*words.shape[:-2], -1)[..., : packed_words(dim, bits)]
+
+
+def unpack_indices_reference(codes: mx.array, bits: int, dim: int) -> mx.array:
+    """The integer indices (uint32 ``[..., dim]``) of packed rows, any ``dim``."""
+    low, high, offset, high_shift = _value_plan(bits)
+    blocks = _to_blocks(codes.astype(mx.uint64), bits)  # [..., n, bits]
+    lo = mx.take(blocks, low, axis=-1)
+    hi = mx.take(blocks, high, axis=-1)
+    span = (lo >> offset) | (hi << high_shift)
+    values = span & ((1 << bits) - 1)
+    return values.reshape(*values.shape[:-2], -1)[..., :dim].astype(mx.uint32)
+
+
+def unpack_indices(codes: mx.array, bits: int, dim: int) -> mx.array:
+    """The indices of packed rows: through ``mx.dequantize`` (scale 1, bias 0)
+    where ``dim % 32 == 0``, else :func:`unpack_indices_reference`.
+
+    Returns float32 exact small integers on the ``mx.dequantize`` path and
+    uint32 otherwise; both index a table with ``mx.take`` after ``astype``.
+    """
+    if dim % _BLOCK:
+        return unpack_indices_reference(codes, bits, dim)
+    lead = codes.shape[:-1]
+    rows = codes.reshape(-1, codes.shape[-1])  # mx.dequantize wants a matrix
+    groups = (rows.shape[0], dim // _BLOCK)
+    one = mx.broadcast_to(mx.array(1.0, mx.float32), groups)
+    zero = mx.broadcast_to(mx.array(0.0, mx.float32), groups)
+    return mx.dequantize(rows, one, zero, group_size=_BLOCK, bits=bits).reshape(*lead, dim)
