@@ -55,8 +55,8 @@ class TurboQuantRows:
     value_scale_mode: ScaleMode
     center: bool
     mu: mx.array | None
-    dtype: mx.Dtype | None
     head_dim: int | None
+    _dtype_name: str | None  # a name, not an mx.Dtype: those cannot be deep-copied
 
     def _init_tq(
         self,
@@ -67,7 +67,7 @@ class TurboQuantRows:
         value_scale_mode: ScaleMode = DEFAULT_SCALE_MODE["v"],
         center: bool = False,
         mu: mx.array | None = None,
-        dtype: mx.Dtype | None = None,
+        dtype_name: str | None = None,
         head_dim: int | None = None,
     ) -> None:
         make_signature(self.kind, kbits, vbits)  # ValueError naming the allowed values
@@ -86,11 +86,16 @@ class TurboQuantRows:
         self.key_scale_mode, self.value_scale_mode = key_scale_mode, value_scale_mode
         self.center = bool(center or mu is not None)
         self.mu = mu
-        self.dtype = dtype
+        self._dtype_name = dtype_name
         self.head_dim = head_dim
 
     def signature(self) -> str:
         return f"{self.kind}:{self.kbits}:{self.vbits}"
+
+    @property
+    def dtype(self) -> mx.Dtype | None:
+        """The dtype of the rows attention gets (the model's), once known."""
+        return None if self._dtype_name is None else getattr(mx, self._dtype_name)
 
     def quantizers(self, head_dim: int) -> tuple[TurboQuantizer, TurboQuantizer]:
         """The key and value quantizers this cache uses at ``head_dim``."""
@@ -101,15 +106,18 @@ class TurboQuantRows:
 
     # -- the hooks of the buffer/ring arithmetic ---------------------------------------
     def _encode_pair(self, keys: mx.array, values: mx.array) -> tuple[Tree, Tree]:
-        if self.dtype is None:
-            self.dtype, self.head_dim = keys.dtype, keys.shape[-1]
+        if self._dtype_name is None:
+            self._dtype_name = str(keys.dtype).removeprefix("mlx.core.")
+            self.head_dim = keys.shape[-1]
+        dtype = self.dtype
+        assert dtype is not None
         if self.center and self.mu is None:
             head = keys[..., :CENTER_PREFIX_TOKENS, :].astype(mx.float32)
             self.mu = head.mean(axis=(0, 2))  # [H, D]
         kq, vq = self.quantizers(keys.shape[-1])
         mu = None if self.mu is None else self.mu[:, None, :]
-        new_keys = _encoded_rows(kq, keys, self.dtype, mu)
-        new_values = _encoded_rows(vq, values, self.dtype, None)
+        new_keys = _encoded_rows(kq, keys, dtype, mu)
+        new_values = _encoded_rows(vq, values, dtype, None)
         if self.keys is not None:
             self.keys, new_keys = _same_scale_dtype(self.keys, new_keys)
             self.values, new_values = _same_scale_dtype(self.values, new_values)
@@ -140,14 +148,13 @@ class TurboQuantRows:
         return sum(leaf.nbytes // leaf.shape[2] for leaf in row_leaves(self.encoded_rows()))
 
     def _options(self) -> tuple[Any, ...]:
-        dtype = None if self.dtype is None else str(self.dtype).removeprefix("mlx.core.")
         return (
             self.kbits,
             self.vbits,
             self.seed,
             self.key_scale_mode,
             self.value_scale_mode,
-            dtype,
+            self._dtype_name,
             self.head_dim,
             self.mu,
         )
@@ -161,23 +168,23 @@ class TurboQuantRows:
             kmode,
             vmode,
             mu=mu,
-            dtype=None if dtype is None else getattr(mx, dtype),
+            dtype_name=dtype,
             head_dim=None if head_dim is None else int(head_dim),
         )
         self.keys = self.values = None
         if keys is not None:
-            assert self.dtype is not None and self.head_dim is not None
+            dtype = self.dtype
+            assert dtype is not None and self.head_dim is not None
             kq, vq = self.quantizers(self.head_dim)
             mu_b = None if self.mu is None else self.mu[:, None, :]
-            self.keys = _with_decoded(kq, keys, self.dtype, mu_b)
-            self.values = _with_decoded(vq, values, self.dtype, None)
+            self.keys = _with_decoded(kq, keys, dtype, mu_b)
+            self.values = _with_decoded(vq, values, dtype, None)
 
 
 def _encoded_rows(
     quantizer: TurboQuantizer, x: mx.array, dtype: mx.Dtype, mu: mx.array | None
 ) -> tuple[mx.array, mx.array, mx.array]:
-    codes, scales = quantizer.encode(x, mu=mu)
-    return codes, scales[..., None], quantizer.decode(codes, scales, dtype, mu=mu)
+    return _with_decoded(quantizer, quantizer.encode(x, mu=mu), dtype, mu)
 
 
 def _with_decoded(
