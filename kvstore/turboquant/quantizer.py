@@ -61,8 +61,9 @@ def bits_per_value(bits: int, dim: int, scale_bytes: int = 2) -> float:
 
 
 @functools.cache
-def _cell_kernel(thresholds: tuple[float, ...]) -> Callable[[mx.array], mx.array]:
-    def cells(z: mx.array) -> mx.array:
+def _cell_kernel(thresholds: tuple[float, ...]) -> Callable[[mx.array, mx.array], mx.array]:
+    def cells(y: mx.array, inv: mx.array) -> mx.array:
+        z = y * inv
         # #{k : t_k < z}: strict, so a tie lands in the lower cell. Unrolled
         # compares fuse into one pass under mx.compile (a gather per element is slower).
         idx = (z > thresholds[0]).astype(mx.uint8)
@@ -73,11 +74,11 @@ def _cell_kernel(thresholds: tuple[float, ...]) -> Callable[[mx.array], mx.array
     return mx.compile(cells, shapeless=True)
 
 
-def cell_indices(z: mx.array, bits: int) -> mx.array:
-    """The cell of each unit-variance coordinate in the ``bits`` table (uint8):
-    ``#{k : t_k < z}``, ties to the lower cell."""
+def cell_indices(z: mx.array, bits: int, scale: mx.array | float = 1.0) -> mx.array:
+    """The cell of each coordinate ``z * scale`` in the unit-variance ``bits`` table
+    (uint8): ``#{k : t_k < z * scale}``, ties to the lower cell."""
     thresholds = codebook(bits).thresholds.astype(np.float32)
-    return _cell_kernel(tuple(float(t) for t in thresholds))(z)
+    return _cell_kernel(tuple(float(t) for t in thresholds))(z, mx.array(scale, mx.float32))
 
 
 def lookup(table: mx.array, idx: mx.array) -> mx.array:
@@ -134,7 +135,7 @@ class TurboQuantizer:
         self.scale_mode: ScaleMode = mode
         table = codebook(bits)
         self.centroids = mx.array(table.centroids.astype(np.float32))
-        self.thresholds = [float(t) for t in table.thresholds.astype(np.float32)]
+        self.squared_centroids = self.centroids * self.centroids
         self.words = packed_words(dim, bits)
 
     def __repr__(self) -> str:
@@ -155,15 +156,14 @@ class TurboQuantizer:
         n = mx.sqrt((x * x).sum(axis=-1, keepdims=True))
         y = self.rotation.forward(x)
         inv = mx.where(n > 0, math.sqrt(self.dim) / mx.where(n > 0, n, 1), 0)
-        idx = cell_indices(y * inv, self.bits)
+        idx = cell_indices(y, self.bits, inv)  # z = y * sqrt(D) / n, fused into the compares
         n = n[..., 0]
         if self.scale_mode == "l2":
             return idx, n / math.sqrt(self.dim), n
-        c = lookup(self.centroids, idx)
-        c2 = (c * c).sum(axis=-1)
         if self.scale_mode == "matched":
-            return idx, n / mx.sqrt(c2), n
-        return idx, (y * c).sum(axis=-1) / c2, n
+            return idx, n / mx.sqrt(lookup(self.squared_centroids, idx).sum(axis=-1)), n
+        c = lookup(self.centroids, idx)
+        return idx, (y * c).sum(axis=-1) / (c * c).sum(axis=-1), n
 
     def encode(self, x: mx.array, mu: mx.array | None = None) -> tuple[mx.array, mx.array]:
         """``(codes uint32 [..., W], scales [...])`` for vectors ``x [..., D]``.

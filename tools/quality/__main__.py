@@ -1,0 +1,3 @@
+from tools.quality.run import main
+
+raise SystemExit(main())

@@ -1,0 +1,63 @@
+"""The cache families the fidelity study compares, and K/V through a cache."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.core as mx
+
+from kvstore.abc.cache import affine_params, signature_string, uses_quantized_attention
+from kvstore.caches import QuantizedKVCache, TurboQuantKVCache
+
+__all__ = ["Family", "FAMILIES", "through_cache"]
+
+
+@dataclass(frozen=True)
+class Family:
+    """One row of the table: an affine or TurboQuant configuration."""
+
+    name: str
+    kbits: int
+    vbits: int
+    group: int = 0  # affine only
+    center: bool = False  # TurboQuant key mean-centering (spec option)
+
+    @property
+    def is_affine(self) -> bool:
+        return self.group > 0
+
+    def make(self, head_dim: int) -> Any:
+        """A fresh cache; affine groups shrink to head_dim where they do not fit (MiniLM, D=32)."""
+        if self.is_affine:
+            return QuantizedKVCache(group_size=min(self.group, head_dim), bits=self.kbits)
+        return TurboQuantKVCache(self.kbits, self.vbits, center=self.center)
+
+    def signature(self, head_dim: int) -> str:
+        return signature_string(self.make(head_dim)) + (" +center" if self.center else "")
+
+
+FAMILIES: tuple[Family, ...] = (
+    Family("quant 8/64", 8, 8, group=64),
+    Family("quant 4/64", 4, 4, group=64),
+    Family("quant 3/64", 3, 3, group=64),
+    Family("quant 2/64", 2, 2, group=64),
+    Family("turboquant 4/4", 4, 4),
+    Family("turboquant 4/3", 4, 3),
+    Family("turboquant 3/3", 3, 3),
+    Family("turboquant 2/2", 2, 2),
+    Family("turboquant 4/4 +center", 4, 4, center=True),
+    Family("turboquant 3/3 +center", 3, 3, center=True),
+    Family("turboquant 2/2 +center", 2, 2, center=True),
+)
+
+
+def through_cache(cache: Any, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+    """Keys and values ``[B, H, T, D]`` as attention sees them after ``cache`` stored
+    them: TurboQuant caches return decoded rows, affine ones packed rows to dequantize."""
+    k, v = cache.update_and_fetch(keys, values)
+    if uses_quantized_attention(cache):
+        bits, group = affine_params(cache)
+        k = mx.dequantize(*k, group_size=group, bits=bits)
+        v = mx.dequantize(*v, group_size=group, bits=bits)
+    return k.astype(mx.float32), v.astype(mx.float32)
