@@ -22,7 +22,12 @@ from kvstore.caches import (
     TurboQuantKVCache,
 )
 from kvstore.errors import CapabilityError, EncodingError
+from kvstore.testing.mlx_lm_models import build_mlx_lm_model
 from kvstore.turboquant.packing import packed_words
+
+# mlx-lm (a dev dependency) is the oracle here as in the parity suite, whose
+# teacher-forced run (64-token prefill, 16 single steps) and prompts we reuse.
+from tests.test_caches.test_parity_mlx_lm import prompt, run
 
 FAMILIES = {
     "tq-4-4": lambda: TurboQuantKVCache(4, 4),
@@ -252,18 +257,6 @@ def test_centring_mean_comes_from_the_first_prefill():
 
 
 # -- through mlx-lm models -------------------------------------------------------------------
-PREFILL, DECODE = 64, 16
-
-
-def run(model, caches, prompt):
-    out = [model(prompt[None, :PREFILL], cache=caches)[0]]
-    for i in range(PREFILL, PREFILL + DECODE):
-        out.append(model(prompt[None, i : i + 1], cache=caches)[0])
-    result = mx.concatenate(out, axis=0)
-    mx.eval(result)
-    return result
-
-
 class ReplayKVCache(KVCache):
     """A plain cache that ignores the model's rows and serves given ones, chunk by chunk."""
 
@@ -284,21 +277,9 @@ class ReplayRing(RotatingKVCache):
     _encode_pair = ReplayKVCache._encode_pair
 
 
-@pytest.fixture(scope="module")
-def mlx_lm_models():
-    pytest.importorskip("mlx_lm")
-    from kvstore.testing.mlx_lm_models import build_mlx_lm_model
-
-    return build_mlx_lm_model
-
-
-def prompt(seed=1):
-    return mx.random.randint(0, 256, (PREFILL + DECODE,), key=mx.random.key(seed))
-
-
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
-def test_logits_equal_a_model_fed_the_codes_decoded_by_hand(arch, mlx_lm_models):
-    model = mlx_lm_models(arch)
+def test_logits_equal_a_model_fed_the_codes_decoded_by_hand(arch):
+    model = build_mlx_lm_model(arch)
     p = prompt()
     caches = [TurboQuantKVCache(3, 4) for _ in model.layers]
     got = run(model, caches, p)
@@ -330,10 +311,10 @@ def arrivals_by_hand(cache):
     return by_hand(cache, [(codes, scales[..., 0]) for codes, scales in stored])
 
 
-def test_gemma3_ring_layers_equal_codes_decoded_by_hand(mlx_lm_models):
+def test_gemma3_ring_layers_equal_codes_decoded_by_hand():
     from mlx_lm.models import cache as lm_cache
 
-    model = mlx_lm_models("gemma3_text")
+    model = build_mlx_lm_model("gemma3_text")
     windows = [
         c.max_size if type(c) is lm_cache.RotatingKVCache else None for c in model.make_cache()
     ]
@@ -352,8 +333,8 @@ def test_gemma3_ring_layers_equal_codes_decoded_by_hand(mlx_lm_models):
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
-def test_logits_close_to_plain(arch, mlx_lm_models):
-    model = mlx_lm_models(arch)
+def test_logits_close_to_plain(arch):
+    model = build_mlx_lm_model(arch)
     n = len(model.layers)
     p = prompt(3)
     plain = run(model, [KVCache() for _ in range(n)], p)
@@ -367,10 +348,10 @@ def test_logits_close_to_plain(arch, mlx_lm_models):
     assert tq[4] < tq[3] < tq[2], tq
 
 
-def test_rotating_tq_within_tq_vs_plain_tolerance(mlx_lm_models):
+def test_rotating_tq_within_tq_vs_plain_tolerance():
     """Windowed semantics come from the model's mask without a ring, so the ring
     variant must be as close to a plain ring as the growing one is to plain."""
-    model = mlx_lm_models("llama")
+    model = build_mlx_lm_model("llama")
     n = len(model.layers)
     p = prompt(4)
     plain = run(model, [KVCache() for _ in range(n)], p)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -185,6 +186,34 @@ def _row(cells: list[str]) -> str:
     return "| " + " | ".join(cells) + " |"
 
 
+Column = tuple[str, Callable[[dict[str, Any]], str]]
+#: Columns every source has, then those only a causal LM has.
+KV_COLUMNS: list[Column] = [
+    ("signature", lambda f: f"`{f['signature']}`"),
+    ("relMSE K", lambda f: f"{f['relmse_k']:.5f}"),
+    ("relMSE V", lambda f: f"{f['relmse_v']:.5f}"),
+    ("attn cos median", lambda f: f"{f['cos_median']:.5f}"),
+    ("attn cos p5", lambda f: f"{f['cos_p5']:.5f}"),
+    ("attn KL", lambda f: f"{f['attn_kl_mean']:.5f}"),
+]
+NEXT_TOKEN_COLUMNS: list[Column] = [
+    ("next-token KL mean", lambda f: f"{f['kl_mean']:.4f}"),
+    ("KL p95", lambda f: f"{f['kl_p95']:.4f}"),
+    ("top-1", lambda f: f"{f['top1']:.2%}"),
+    ("ΔPPL", lambda f: f"{f['delta_ppl']:+.2%}"),
+    ("bytes/token", lambda f: str(f["bytes_per_token"])),
+    ("× bf16", lambda f: f"{f['x_bf16']:.3f}"),
+]
+
+
+def _table(families: dict[str, dict[str, Any]], columns: list[Column]) -> list[str]:
+    """A markdown table: one row per family, one column per ``(header, format)``."""
+    rows = [_row(["family", *(h for h, _ in columns)]), _row(["---"] * (1 + len(columns)))]
+    for name, f in families.items():
+        rows.append(_row([name, *(fmt(f) for _, fmt in columns)]))
+    return rows
+
+
 def render_markdown(report: dict[str, Any]) -> str:
     """The committed table: one section per source, then per-layer keys, then gates."""
     lines = [
@@ -208,45 +237,8 @@ def render_markdown(report: dict[str, Any]) -> str:
             "(post-RoPE keys, as the cache stores them). Bytes per token: all layers, K and V, "
             f"stored encoding (bf16: {py['bf16_bytes_per_token']} B).",
             "",
-            _row(
-                [
-                    "family",
-                    "signature",
-                    "relMSE K",
-                    "relMSE V",
-                    "attn cos median",
-                    "attn cos p5",
-                    "attn KL",
-                    "next-token KL mean",
-                    "KL p95",
-                    "top-1",
-                    "ΔPPL",
-                    "bytes/token",
-                    "× bf16",
-                ]
-            ),
-            _row(["---"] * 13),
+            *_table(py["families"], KV_COLUMNS + NEXT_TOKEN_COLUMNS),
         ]
-        for name, f in py["families"].items():
-            lines.append(
-                _row(
-                    [
-                        name,
-                        f"`{f['signature']}`",
-                        f"{f['relmse_k']:.5f}",
-                        f"{f['relmse_v']:.5f}",
-                        f"{f['cos_median']:.5f}",
-                        f"{f['cos_p5']:.5f}",
-                        f"{f['attn_kl_mean']:.5f}",
-                        f"{f['kl_mean']:.4f}",
-                        f"{f['kl_p95']:.4f}",
-                        f"{f['top1']:.2%}",
-                        f"{f['delta_ppl']:+.2%}",
-                        str(f["bytes_per_token"]),
-                        f"{f['x_bf16']:.3f}",
-                    ]
-                )
-            )
         lines += [
             "",
             "Per layer (keys, means over windows): channel outlier ratio (max/median mean |k|), "
@@ -282,33 +274,8 @@ def render_markdown(report: dict[str, Any]) -> str:
             "Encoder checked against "
             f"sentence-transformers: {_check_text(ml['reference_check'])}.",
             "",
-            _row(
-                [
-                    "family",
-                    "signature",
-                    "relMSE K",
-                    "relMSE V",
-                    "attn cos median",
-                    "attn cos p5",
-                    "attn KL",
-                ]
-            ),
-            _row(["---"] * 7),
+            *_table(ml["families"], KV_COLUMNS),
         ]
-        for name, f in ml["families"].items():
-            lines.append(
-                _row(
-                    [
-                        name,
-                        f"`{f['signature']}`",
-                        f"{f['relmse_k']:.5f}",
-                        f"{f['relmse_v']:.5f}",
-                        f"{f['cos_median']:.5f}",
-                        f"{f['cos_p5']:.5f}",
-                        f"{f['attn_kl_mean']:.5f}",
-                    ]
-                )
-            )
         lines += [
             "",
             "Key channel outlier ratio per layer: "
