@@ -218,7 +218,7 @@ class TurboQuantizer:
                 codes_shape=tuple(codes.shape),
                 scales_shape=tuple(scales.shape),
             )
-        idx = unpack_indices(codes, self.bits, self.dim).astype(mx.uint8)
+        idx = unpack_indices(codes, self.bits, self.dim)
         y = lookup(self.centroids, idx) * scales.astype(mx.float32)[..., None]
         x = self.rotation.inverse(y)
         if mu is not None:

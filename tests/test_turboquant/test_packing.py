@@ -10,6 +10,7 @@ from kvstore.turboquant.packing import (
     pack_indices,
     packed_words,
     unpack_indices,
+    unpack_indices_dequantize,
     unpack_indices_reference,
 )
 
@@ -41,7 +42,7 @@ def test_pack_is_the_spec_bitstream_and_round_trips(bits, dim, rows, seed):
     assert np.array_equal(np.array(codes), bitstream(idx, bits))
     assert np.array_equal(np.array(unpack_indices_reference(codes, bits, dim)), idx)
     unpacked = unpack_indices(codes, bits, dim)
-    assert np.array_equal(np.array(unpacked).astype(np.uint8), idx)
+    assert unpacked.dtype == mx.uint32 and np.array_equal(np.array(unpacked), idx)
 
 
 @pytest.mark.parametrize("bits", ALL_BITS)
@@ -49,11 +50,26 @@ def test_pack_is_the_spec_bitstream_and_round_trips(bits, dim, rows, seed):
 def test_dequantize_unpack_equals_reference(bits, dim):
     idx = mx.random.randint(0, 1 << bits, (2, 3, 5, dim)).astype(mx.uint8)
     codes = pack_indices(idx, bits)
-    via_mlx = unpack_indices(codes, bits, dim)
-    assert via_mlx.dtype == mx.float32  # the mx.dequantize path
-    assert mx.array_equal(
-        via_mlx.astype(mx.uint32), unpack_indices_reference(codes, bits, dim)
-    ).item()
+    via_mlx = unpack_indices_dequantize(codes, bits, dim)
+    assert via_mlx.dtype == mx.float32
+    reference = unpack_indices_reference(codes, bits, dim)
+    assert mx.array_equal(via_mlx.astype(mx.uint32), reference).item()
+    assert mx.array_equal(unpack_indices(codes, bits, dim), reference).item()
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4])
+def test_unpack_of_a_strided_slice(bits):
+    # Cache buffers are sliced along tokens; unpacking a view must read the right bytes.
+    idx = mx.random.randint(0, 1 << bits, (2, 3, 40, 128)).astype(mx.uint8)
+    codes = pack_indices(idx, bits)
+    part = codes[:, 1:, 5:29, :]
+    want = idx[:, 1:, 5:29, :].astype(mx.uint32)
+    assert mx.array_equal(unpack_indices(part, bits, 128), want).item()
+
+
+def test_dequantize_unpack_needs_whole_groups():
+    with pytest.raises(ValueError, match="multiple of 32 values; received dim 80"):
+        unpack_indices_dequantize(mx.zeros((1, 8), mx.uint32), 3, 80)
 
 
 @pytest.mark.parametrize("bits", ALL_BITS)
@@ -82,7 +98,7 @@ def test_single_bit_probes(bits):
     for bit in range(words * 32):
         probe = np.zeros((1, words), np.uint32)
         probe[0, bit // 32] = np.uint32(1 << (bit % 32))
-        idx = np.array(unpack_indices(mx.array(probe), bits, dim)).astype(np.int64)[0]
+        idx = np.array(unpack_indices_dequantize(mx.array(probe), bits, dim)).astype(np.int64)[0]
         expected = np.zeros(dim, np.int64)
         expected[bit // bits] = 1 << (bit % bits)
         assert np.array_equal(idx, expected), bit

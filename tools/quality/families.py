@@ -8,9 +8,9 @@ from typing import Any
 import mlx.core as mx
 
 from kvstore.abc.cache import affine_params, signature_string, uses_quantized_attention
-from kvstore.caches import QuantizedKVCache, TurboQuantKVCache
+from kvstore.caches import KVCache, QuantizedKVCache, TurboQuantKVCache
 
-__all__ = ["Family", "FAMILIES", "through_cache"]
+__all__ = ["ATTRIBUTED", "Family", "FAMILIES", "OneSidedKVCache", "through_cache"]
 
 
 @dataclass(frozen=True)
@@ -61,3 +61,23 @@ def through_cache(cache: Any, keys: mx.array, values: mx.array) -> tuple[mx.arra
         k = mx.dequantize(*k, group_size=group, bits=bits)
         v = mx.dequantize(*v, group_size=group, bits=bits)
     return k.astype(mx.float32), v.astype(mx.float32)
+
+
+#: Families whose error the study splits into its key and value parts.
+ATTRIBUTED: tuple[str, ...] = ("quant 4/64", "quant 3/64", "turboquant 4/4", "turboquant 3/3")
+
+
+class OneSidedKVCache(KVCache):
+    """A plain cache whose keys (``side="k"``) or values (``"v"``) go through a
+    family's encoding and back, the other side kept exact: which side the error
+    of a family comes from."""
+
+    def __init__(self, family: Family, side: str) -> None:
+        super().__init__()
+        self.family, self.side = family, side
+
+    def _encode_pair(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        kh, vh = through_cache(self.family.make(keys.shape[-1]), keys, values)
+        if self.side == "k":
+            return kh.astype(keys.dtype), values
+        return keys, vh.astype(values.dtype)

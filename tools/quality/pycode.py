@@ -22,7 +22,7 @@ import mlx.core as mx
 import numpy as np
 
 from kvstore.caches import KVCache
-from tools.quality.families import Family, through_cache
+from tools.quality.families import ATTRIBUTED, Family, OneSidedKVCache, through_cache
 from tools.quality.metrics import (
     Samples,
     attention,
@@ -112,6 +112,8 @@ def evaluate_pycode(
         samples.add(("plain", "nll"), nll0)
         exact = [attention(q, k, v, causal=True) for q, k, v in qkv]
         mx.eval(exact)
+        for _, alogp in exact:  # how peaked attention is: the largest weight per query
+            samples.add(("plain", "attn_peak"), np.array(mx.exp(alogp).max(axis=-1)))
         layer_stats["outlier_ratio"].append([channel_outlier_ratio(k) for _, k, _ in qkv])
         layer_stats["mean_to_spread"].append([mean_to_spread(k) for _, k, _ in qkv])
 
@@ -121,6 +123,11 @@ def evaluate_pycode(
             top = np.array(mx.argmax(logp, axis=-1) == mx.argmax(logp0, axis=-1))
             samples.add((fam.name, "top1"), top.astype(np.float64))
             samples.add((fam.name, "nll"), -np.array(logp)[np.arange(continuation), targets])
+            if fam.name in ATTRIBUTED:
+                for side in ("k", "v"):
+                    caches = [OneSidedKVCache(fam, side) for _ in range(layers)]
+                    one = _run(model, caches, pre, chunk)
+                    samples.add((fam.name, f"kl_{side}_only"), kl_divergence(logp0, one))
             for i, ((q, k, v), (out, alogp)) in enumerate(zip(qkv, exact)):
                 kh, vh = through_cache(fam.make(head_dim), k, v)
                 for key in ((fam.name, "k"), (fam.name, "k", str(i))):
@@ -136,6 +143,9 @@ def evaluate_pycode(
                 samples.add((fam.name, "cos"), cos)
                 samples.add((fam.name, "cos", str(i)), cos)
                 samples.add((fam.name, "attn_kl"), akl)
+                if fam.name in ATTRIBUTED:
+                    samples.add((fam.name, "cos_k_only"), cosine(out, attention(q, kh, v, True)[0]))
+                    samples.add((fam.name, "cos_v_only"), cosine(out, attention(q, k, vh, True)[0]))
         log(
             f"pycode-lm window {w + 1}/{len(starts)} (bytes {start}..{start + span}) "
             f"{time.perf_counter() - tick:.1f}s"
@@ -151,6 +161,7 @@ def evaluate_pycode(
         "prefill": prefill,
         "continuation": continuation,
         "bf16_bytes_per_token": bytes_plain,
+        "attention_peak_median": samples.quantile(("plain", "attn_peak"), 0.5),
         "layer_stats": {
             name: np.mean(np.array(v), axis=0).tolist() for name, v in layer_stats.items()
         },
@@ -190,7 +201,16 @@ def _summary(
 ) -> dict[str, Any]:
     nll, nll0 = samples.mean((fam.name, "nll")), samples.mean(("plain", "nll"))
     stored = _bytes_per_token(lambda: fam.make(head_dim), model, layers, head_dim, mx.bfloat16)
+    attribution = {}
+    if fam.name in ATTRIBUTED:
+        attribution = {
+            "kl_k_only": samples.mean((fam.name, "kl_k_only")),
+            "kl_v_only": samples.mean((fam.name, "kl_v_only")),
+            "cos_k_only_median": samples.quantile((fam.name, "cos_k_only"), 0.5),
+            "cos_v_only_median": samples.quantile((fam.name, "cos_v_only"), 0.5),
+        }
     return {
+        **attribution,
         "signature": fam.signature(head_dim),
         "bytes_per_token": stored,
         "x_bf16": stored / bytes_plain,

@@ -205,6 +205,15 @@ NEXT_TOKEN_COLUMNS: list[Column] = [
     ("× bf16", lambda f: f"{f['x_bf16']:.3f}"),
 ]
 
+ATTRIBUTION_COLUMNS: list[Column] = [
+    ("next-token KL, K only", lambda f: f"{f['kl_k_only']:.4f}"),
+    ("V only", lambda f: f"{f['kl_v_only']:.4f}"),
+    ("both", lambda f: f"{f['kl_mean']:.4f}"),
+    ("attn cos median, K only", lambda f: f"{f['cos_k_only_median']:.5f}"),
+    ("V only", lambda f: f"{f['cos_v_only_median']:.5f}"),
+    ("both", lambda f: f"{f['cos_median']:.5f}"),
+]
+
 
 def _table(families: dict[str, dict[str, Any]], columns: list[Column]) -> list[str]:
     """A markdown table: one row per family, one column per ``(header, format)``."""
@@ -263,6 +272,16 @@ def render_markdown(report: dict[str, Any]) -> str:
                 cells.append(f"{pl['relmse_k'][i]:.4f} [{pl['k_informative'][i]:.4f}]")
             lines.append(_row(cells))
         lines.append("")
+    if py and any("kl_k_only" in f for f in py["families"].values()):
+        attributed = {n: f for n, f in py["families"].items() if "kl_k_only" in f}
+        lines += [
+            "Where the error comes from: the same runs with only the keys, or only the values, "
+            "through the family (the other side exact). Median of the largest attention weight "
+            f"per query: {py['attention_peak_median']:.3f} (1 = all weight on one key).",
+            "",
+            *_table(attributed, ATTRIBUTION_COLUMNS),
+            "",
+        ]
     ml = report.get("minilm")
     if ml:
         lines += [

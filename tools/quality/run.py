@@ -37,7 +37,14 @@ def main(argv: list[str] | None = None) -> int:
         "--sources", default="pycode,minilm", help="comma-separated: pycode, minilm"
     )
     parser.add_argument("--out", type=Path, default=HERE / "results")
+    parser.add_argument(
+        "--render", action="store_true", help="only rewrite quality.md from quality.json"
+    )
     args = parser.parse_args(argv)
+    if args.render:
+        saved = json.loads((args.out / "quality.json").read_text())
+        (args.out / "quality.md").write_text(render_markdown(saved))
+        return 0
     mx.set_default_device(mx.cpu)
     sources = set(args.sources.split(","))
     started = time.perf_counter()
