@@ -154,19 +154,21 @@ class TurboQuantRows:
             self.seed,
             self.key_scale_mode,
             self.value_scale_mode,
+            self.center,
             self._dtype_name,
             self.head_dim,
             self.mu,
         )
 
     def _restore(self, keys: Any, values: Any, options: tuple[Any, ...]) -> None:
-        kbits, vbits, seed, kmode, vmode, dtype, head_dim, mu = options
+        kbits, vbits, seed, kmode, vmode, center, dtype, head_dim, mu = options
         self._init_tq(
             int(kbits),
             int(vbits),
             int(seed),
             kmode,
             vmode,
+            bool(center),
             mu=mu,
             dtype_name=dtype,
             head_dim=None if head_dim is None else int(head_dim),
@@ -239,7 +241,8 @@ class TurboQuantKVCache(TurboQuantRows, GrowingKVCache):
     @property
     def state(self) -> tuple[Any, ...]:
         """``(keys, values, offset, kbits, vbits, seed, key_scale_mode,
-        value_scale_mode, dtype, head_dim, mu)``; keys/values are ``(codes, scales)``."""
+        value_scale_mode, center, dtype, head_dim, mu)``; keys/values are
+        ``(codes, scales)``, dtype a name (``"bfloat16"``), mu the key mean or None."""
         stored = (None, None) if self.keys is None else self.encoded_rows()
         return (*stored, self.offset, *self._options())
 
@@ -275,7 +278,7 @@ class RotatingTurboQuantKVCache(TurboQuantRows, RingKVCache):
     @property
     def state(self) -> tuple[Any, ...]:
         """``(keys, values, offset, keep, max_size, idx, kbits, vbits, seed,
-        key_scale_mode, value_scale_mode, dtype, head_dim, mu)``."""
+        key_scale_mode, value_scale_mode, center, dtype, head_dim, mu)``."""
         stored = (None, None) if self.keys is None else self.encoded_rows()
         return (*stored, self.offset, self.keep, self.max_size, self._idx, *self._options())
 

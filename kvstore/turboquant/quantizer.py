@@ -181,12 +181,14 @@ class TurboQuantizer:
             x = x.astype(mx.float32) - mu
         idx, scale, norm = self.quantize(x)
         # One host sync per call decides both the error and the scale dtype.
-        bad_input, wide_scale = mx.stack(
+        flags = mx.stack(
             [
                 mx.any(~mx.isfinite(norm)),
                 mx.any(mx.abs(scale) > FLOAT16_SCALE_LIMIT),
             ]
         ).tolist()
+        assert isinstance(flags, list)
+        bad_input, wide_scale = flags
         if bad_input:
             raise EncodingError(
                 f"[turboquant.encode] {self.kind} vectors must be finite; received NaN or Inf "

@@ -190,18 +190,20 @@ def test_state_round_trip_continues_identically(family):
 
 
 def test_state_of_an_empty_cache_round_trips():
-    clone = TurboQuantKVCache.from_state(TurboQuantKVCache(3, 2, seed=9).state)
+    empty = TurboQuantKVCache(3, 2, seed=9, value_scale_mode="l2", center=True)
+    clone = TurboQuantKVCache.from_state(empty.state)
     assert clone.empty() and clone.signature() == "kv:turboquant:3:2" and clone.seed == 9
+    assert clone.center and clone.value_scale_mode == "l2"
     clone.update_and_fetch(rows(2), rows(2))
-    assert clone.offset == 2
+    assert clone.offset == 2 and clone.mu is not None
 
 
 def test_state_carries_scales_as_b_h_t_and_the_options():
     cache = TurboQuantKVCache(4, 4, center=True)
     cache.update_and_fetch(rows(6) + 3, rows(6))
-    (kc, ks), _, offset, kbits, vbits, seed, kmode, vmode, dtype, dim, mu = cache.state
+    (kc, ks), _, offset, kbits, vbits, seed, kmode, vmode, center, dtype, dim, mu = cache.state
     assert ks.shape == (1, 2, 256) and offset == 6 and (kbits, vbits, seed) == (4, 4, 0)
-    assert (kmode, vmode, dtype, dim) == ("matched", "ls", "float16", 64)
+    assert (kmode, vmode, center, dtype, dim) == ("matched", "ls", True, "float16", 64)
     assert mu.shape == (2, 64) and mu.dtype == mx.float32
 
 
@@ -360,3 +362,15 @@ def test_rotating_tq_within_tq_vs_plain_tolerance():
     rot_tq = run(model, [RotatingTurboQuantKVCache(24, 4, 4, 4) for _ in range(n)], p)
     tolerance = mx.abs(tq - plain).max().item()
     assert 0 < mx.abs(rot_tq - rot_plain).max().item() <= 2 * tolerance
+
+
+def test_stock_mlx_lm_generate_runs_them_through_plain_sdpa():
+    from mlx_lm.generate import generate_step
+
+    model = build_mlx_lm_model("llama")
+    caches = [TurboQuantKVCache(4, 3) for _ in model.layers]
+    tokens = [int(t) for t, _ in generate_step(prompt(5), model, prompt_cache=caches, max_tokens=6)]
+    assert len(tokens) == 6 and all(0 <= t < 256 for t in tokens)
+    # The prompt, then the generated tokens fed back (mlx-lm computes one step ahead).
+    offsets = {c.offset for c in caches}
+    assert len(offsets) == 1 and offsets <= {85, 86}
