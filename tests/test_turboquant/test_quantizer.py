@@ -224,3 +224,17 @@ def test_bits_per_value_is_the_p7_formula():
     assert bits_per_value(4, 128) == 4 + 16 / 128
     assert bits_per_value(3, 128) == 3.125 and bits_per_value(2, 128) == 2.125
     assert bits_per_value(4, 64, scale_bytes=4) == 4.5
+
+
+@pytest.mark.metal
+@pytest.mark.skipif(not mx.metal.is_available(), reason="needs the Metal GPU")
+@pytest.mark.parametrize("bits", [2, 3, 4])
+def test_cpu_and_gpu_decode_agree_within_one_fp16_ulp(bits):
+    q = TurboQuantizer(bits, 128, "v")
+    codes, scales = q.encode(mx.random.normal((64, 128)))
+    with mx.stream(mx.cpu):
+        cpu = q.decode(codes, scales, mx.float16)
+    with mx.stream(mx.gpu):
+        gpu = q.decode(codes, scales, mx.float16)
+    ulp = mx.abs(cpu.astype(mx.float32)) * 2.0**-10 + 2.0**-24
+    assert mx.all(mx.abs(cpu.astype(mx.float32) - gpu.astype(mx.float32)) <= ulp).item()
