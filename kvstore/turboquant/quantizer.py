@@ -52,6 +52,19 @@ DEFAULT_SCALE_MODE: dict[str, ScaleMode] = {"k": "matched", "v": "ls"}
 FLOAT16_SCALE_LIMIT = 60000.0
 #: Bit widths a TurboQuant code may use.
 TQ_BITS: tuple[int, ...] = (2, 3, 4)
+#: Encode and decode work on blocks of rows holding about this many values (2 MiB of
+#: float32): every pass over a block then stays in cache, which on CPU makes a large
+#: prefill ~1.7x faster than one pass per op over the whole tensor.
+BLOCK_VALUES = 1 << 19
+
+
+def _row_blocks(rows: int, dim: int) -> list[slice]:
+    step = max(1, BLOCK_VALUES // dim)
+    return [slice(i, i + step) for i in range(0, max(rows, 1), step)]
+
+
+def _join(parts: list[mx.array]) -> mx.array:
+    return parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=0)
 
 
 def bits_per_value(bits: int, dim: int, scale_bytes: int = 2) -> float:
@@ -179,16 +192,23 @@ class TurboQuantizer:
         self._check_dim(x.shape[-1], "encode")
         if mu is not None:
             x = x.astype(mx.float32) - mu
-        idx, scale, norm = self.quantize(x)
-        # One host sync per call decides both the error and the scale dtype.
-        flags = mx.stack(
-            [
-                mx.any(~mx.isfinite(norm)),
-                mx.any(mx.abs(scale) > FLOAT16_SCALE_LIMIT),
-            ]
-        ).tolist()
-        assert isinstance(flags, list)
-        bad_input, wide_scale = flags
+        lead = x.shape[:-1]
+        rows = x.reshape(-1, self.dim)
+        blocks, bad_input, wide_scale = [], False, False
+        for b in _row_blocks(rows.shape[0], self.dim):
+            idx, scale, norm = self.quantize(rows[b])
+            codes = pack_indices(idx, self.bits)
+            checks = mx.stack(
+                [mx.any(~mx.isfinite(norm)), mx.any(mx.abs(scale) > FLOAT16_SCALE_LIMIT)]
+            )
+            # Evaluating per block finishes one cache-sized block before the next is
+            # built; the checks decide the error and the scale dtype.
+            mx.eval(codes, scale, checks)
+            flags = checks.tolist()
+            assert isinstance(flags, list)
+            bad_input = bad_input or bool(flags[0])
+            wide_scale = wide_scale or bool(flags[1])
+            blocks.append((codes, scale))
         if bad_input:
             raise EncodingError(
                 f"[turboquant.encode] {self.kind} vectors must be finite; received NaN or Inf "
@@ -196,8 +216,10 @@ class TurboQuantizer:
                 f"model produced it; TurboQuant cannot encode it.",
                 shape=tuple(x.shape),
             )
+        scale = _join([b[1] for b in blocks])
         scales = scale.astype(mx.float32 if wide_scale else mx.float16)
-        return pack_indices(idx, self.bits), scales
+        codes = _join([b[0] for b in blocks])
+        return codes.reshape(*lead, self.words), scales.reshape(lead)
 
     # -- decode ------------------------------------------------------------------
     def decode(
@@ -220,9 +242,17 @@ class TurboQuantizer:
                 codes_shape=tuple(codes.shape),
                 scales_shape=tuple(scales.shape),
             )
-        idx = unpack_indices(codes, self.bits, self.dim)
-        y = lookup(self.centroids, idx) * scales.astype(mx.float32)[..., None]
-        x = self.rotation.inverse(y)
+        lead = codes.shape[:-1]
+        rows = codes.reshape(-1, self.words)
+        factors = scales.reshape(-1, 1).astype(mx.float32)
+        blocks = _row_blocks(rows.shape[0], self.dim)
+        parts = []
+        for b in blocks:
+            idx = unpack_indices(rows[b], self.bits, self.dim)
+            parts.append(self.rotation.inverse(lookup(self.centroids, idx) * factors[b]))
+            if len(blocks) > 1:  # finish each cache-sized block; small decodes stay lazy
+                mx.eval(parts[-1])
+        x = _join(parts).reshape(*lead, self.dim)
         if mu is not None:
             x = x + mu
         return x.astype(dtype)
