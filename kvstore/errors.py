@@ -9,6 +9,7 @@ catch, so ``except ValueError`` keeps working around our calls::
     ├── FormatVersionError(ValueError)        record/format newer (or older) than this reader
     ├── CorruptEntryError(ValueError)         bad magic, bounds, checksum, truncation
     ├── CapabilityError(TypeError)            a cache/store cannot do what was asked
+    ├── ModelLoadError(ValueError)            a model directory that cannot be loaded as it is
     └── StoreError
         ├── StoreUnavailableError(ConnectionError)   backend unreachable or timed out
         ├── StoreFullError                           map, disk or quota exhausted
@@ -37,6 +38,7 @@ __all__ = [
     "FormatVersionError",
     "CorruptEntryError",
     "CapabilityError",
+    "ModelLoadError",
     "StoreError",
     "StoreUnavailableError",
     "StoreFullError",
@@ -78,6 +80,11 @@ class CorruptEntryError(KVStoreError, ValueError):
 
 class CapabilityError(KVStoreError, TypeError):
     """An object cannot do what was asked (unknown cache family, missing feature)."""
+
+
+class ModelLoadError(KVStoreError, ValueError):
+    """A model directory without a readable config or weights, or whose weights do
+    not fit the architecture its config describes."""
 
 
 class StoreError(KVStoreError):
