@@ -247,8 +247,13 @@ _TINY_LLAMA: dict[str, Any] = dict(
 #: affine group size (32/64/128) fits.
 NAMED_CONFIGS: dict[str, dict[str, Any]] = {
     "tiny": _TINY_LLAMA,
-    "tiny-qwen3": {**_TINY_LLAMA, "model_type": "qwen3", "rms_norm_eps": 1e-6,
-                   "max_position_embeddings": 4096, "rope_theta": 1000000.0},
+    "tiny-qwen3": {
+        **_TINY_LLAMA,
+        "model_type": "qwen3",
+        "rms_norm_eps": 1e-6,
+        "max_position_embeddings": 4096,
+        "rope_theta": 1000000.0,
+    },
     # 2 of every 3 layers slide over a 32-token window: windows wrap in tests.
     "tiny-gemma3": dict(
         model_type="gemma3_text",

@@ -46,7 +46,7 @@ class FreqsRoPE(nn.Module):
 
 
 def llama3_freqs(dims: int, base: float, scaling: dict[str, Any]) -> mx.array:
-    """Llama 3.1 frequency table: long wavelengths stretched by ``factor``, a smooth ramp between."""
+    """Llama 3.1 frequencies: long wavelengths stretched by ``factor``, a smooth ramp between."""
     factor = scaling["factor"]
     low_freq_factor = scaling.get("low_freq_factor", 1.0)
     high_freq_factor = scaling.get("high_freq_factor", 4.0)

@@ -57,6 +57,15 @@ def _eos_ids(path: Path) -> list[int]:
     return ids
 
 
+def _eos_token_text(path: Path) -> str | None:
+    """``eos_token`` of tokenizer_config.json (a string or an ``{"content": ...}`` dict)."""
+    file = path / "tokenizer_config.json"
+    if not file.is_file():
+        return None
+    value = json.loads(file.read_text()).get("eos_token")
+    return value.get("content") if type(value) is dict else value
+
+
 def _import(name: str) -> Any | None:
     try:
         return importlib.import_module(name)
@@ -84,6 +93,9 @@ def load_tokenizer(
         eos = _eos_ids(path)
         if backend == "tokenizers":
             raw = module.Tokenizer.from_file(str(path / "tokenizer.json"))
+            eos_id = raw.token_to_id(_eos_token_text(path) or "")
+            if eos_id is not None:
+                eos.append(eos_id)
         else:
             raw = module.AutoTokenizer.from_pretrained(str(path))
             if raw.eos_token_id is not None:

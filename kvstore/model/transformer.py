@@ -70,7 +70,7 @@ class DecoderModel(nn.Module):
                 by_window[window] = (
                     create_attention_mask(n, offset=0, window_size=window)
                     if c is None
-                    else c.make_mask(n, window_size=window)
+                    else c.make_mask(n, return_array=False, window_size=window)
                 )
         return [by_window[w] for w in self.args.layer_windows]
 
