@@ -10,7 +10,13 @@ interleaved with global ones).
 """
 
 from kvstore.model.args import NAMED_CONFIGS, SUPPORTED_MODEL_TYPES, ModelArgs
-from kvstore.model.generate import GenerationStats, generate, generate_tokens, prefill_chunks
+from kvstore.model.generate import (
+    GenerationStats,
+    generate,
+    generate_tokens,
+    prefill,
+    prefill_chunks,
+)
 from kvstore.model.loader import load_model
 from kvstore.model.policy import CachePolicy, make_caches
 from kvstore.model.sampling import Sampler, greedy, make_sampler
@@ -33,5 +39,6 @@ __all__ = [
     "greedy",
     "generate",
     "generate_tokens",
+    "prefill",
     "prefill_chunks",
 ]

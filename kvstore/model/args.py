@@ -226,7 +226,7 @@ _READERS: dict[str, Callable[[dict[str, Any]], ModelArgs]] = {
 #: The ``model_type`` values :meth:`ModelArgs.from_config` reads.
 SUPPORTED_MODEL_TYPES: tuple[str, ...] = tuple(_READERS)
 
-_TINY_LLAMA: dict[str, Any] = dict(
+_TINY: dict[str, Any] = dict(
     model_type="llama",
     hidden_size=128,
     num_hidden_layers=2,
@@ -239,68 +239,46 @@ _TINY_LLAMA: dict[str, Any] = dict(
     rope_theta=10000.0,
     tie_word_embeddings=True,
 )
+_SMALL: dict[str, Any] = dict(
+    _TINY,
+    hidden_size=512,
+    num_hidden_layers=6,
+    intermediate_size=1408,
+    head_dim=128,
+    vocab_size=4096,
+    max_position_embeddings=8192,
+)
+
+
+def _gemma3_like(base: dict[str, Any], **changes: Any) -> dict[str, Any]:
+    return dict(base, model_type="gemma3_text", rms_norm_eps=1e-6, **changes)
+
 
 #: Named configs (mlx-lm ``config.json`` dicts). ``tiny*`` are for tests (a
-#: forward pass in milliseconds); ``small*`` for demos and benchmarks (prefill
-#: of 4096 tokens in seconds on a 2-core CPU with OpenBLAS, see the module
-#: ``tools/bench/model_speed.py``). Head dim 128 everywhere but tiny, so every
-#: affine group size (32/64/128) fits.
+#: forward pass in milliseconds); ``small*`` for demos and benchmarks: ``small``
+#: prefills 4096 tokens in ~5 s on this 2-core CPU with OpenBLAS preloaded
+#: (~60 s with MLX's bundled BLAS), see ``tools/bench/model_speed.py``. Head dim
+#: 128 in ``small*``, so every affine group size (32/64/128) fits.
 NAMED_CONFIGS: dict[str, dict[str, Any]] = {
-    "tiny": _TINY_LLAMA,
-    "tiny-qwen3": {
-        **_TINY_LLAMA,
-        "model_type": "qwen3",
-        "rms_norm_eps": 1e-6,
-        "max_position_embeddings": 4096,
-        "rope_theta": 1000000.0,
-    },
+    "tiny": _TINY,
+    "tiny-qwen3": dict(_TINY, model_type="qwen3", rms_norm_eps=1e-6, max_position_embeddings=4096),
     # 2 of every 3 layers slide over a 32-token window: windows wrap in tests.
-    "tiny-gemma3": dict(
-        model_type="gemma3_text",
-        hidden_size=128,
+    "tiny-gemma3": _gemma3_like(
+        _TINY,
         num_hidden_layers=3,
-        intermediate_size=256,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=64,
-        rms_norm_eps=1e-6,
-        vocab_size=256,
         query_pre_attn_scalar=64,
         sliding_window=32,
         sliding_window_pattern=3,
         max_position_embeddings=4096,
-        tie_word_embeddings=True,
     ),
-    "small": dict(
-        model_type="llama",
-        hidden_size=512,
-        num_hidden_layers=8,
-        intermediate_size=1408,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=128,
-        rms_norm_eps=1e-5,
-        vocab_size=4096,
-        rope_theta=10000.0,
-        max_position_embeddings=8192,
-        tie_word_embeddings=True,
-    ),
+    "small": _SMALL,
     # Gemma-3-like layout: 5 of every 6 layers slide over a 1024-token window.
-    "small-gemma3": dict(
-        model_type="gemma3_text",
-        hidden_size=512,
+    "small-gemma3": _gemma3_like(
+        _SMALL,
         num_hidden_layers=12,
-        intermediate_size=1408,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=128,
-        rms_norm_eps=1e-6,
-        vocab_size=4096,
         query_pre_attn_scalar=128,
         sliding_window=1024,
         sliding_window_pattern=6,
-        max_position_embeddings=8192,
-        tie_word_embeddings=True,
     ),
 }
 

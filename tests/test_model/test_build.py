@@ -78,7 +78,7 @@ def test_layer_layout_of_gemma3_interleaves_windows():
 
 def test_small_configs_have_the_documented_shape():
     small = ModelArgs.from_config(NAMED_CONFIGS["small"])
-    assert (small.num_hidden_layers, small.head_dim, small.num_key_value_heads) == (8, 128, 2)
+    assert (small.num_hidden_layers, small.head_dim, small.num_key_value_heads) == (6, 128, 2)
     gemma = ModelArgs.from_config(NAMED_CONFIGS["small-gemma3"])
     assert gemma.layer_windows == ((1024,) * 5 + (None,)) * 2
 

@@ -218,3 +218,14 @@ def test_argument_errors():
             generate_tokens(model, bad, max_tokens=1)
     with pytest.raises(CapabilityError, match="store= is not wired"):
         generate_tokens(model, [1], store=object(), max_tokens=1)
+
+
+def test_mlx_lm_generate_drives_our_model(model):
+    """mlx-lm compatible: stock ``generate_step`` (our make_cache, our caches) gives our tokens."""
+    pytest.importorskip("mlx_lm")
+    from mlx_lm.generate import generate_step
+
+    tokens = prompt_tokens()[:60]
+    ours, _ = generate_tokens(model, tokens, max_tokens=8)
+    theirs = [int(t) for t, _ in generate_step(tokens, model, max_tokens=8, prefill_step_size=16)]
+    assert theirs == ours
