@@ -14,9 +14,10 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import mlx.core as mx
+import numpy as np
 
 from kvstore.abc.cache import can_trim
 from kvstore.errors import CapabilityError
@@ -83,7 +84,10 @@ def prefill_chunks(
 
 
 def _as_tokens(prompt_tokens: Sequence[int] | mx.array) -> mx.array:
-    tokens = mx.array(prompt_tokens)
+    if type(prompt_tokens) is mx.array:
+        tokens = prompt_tokens
+    else:  # lists, ranges, numpy arrays
+        tokens = mx.array(np.asarray(prompt_tokens))
     if tokens.ndim != 1 or tokens.size == 0 or not mx.issubdtype(tokens.dtype, mx.integer):
         raise ValueError(
             f"[generate] prompt_tokens must be a non-empty 1-D sequence of token ids; "
@@ -217,7 +221,7 @@ def generate(
     chunks = prefill_chunks(start, n_prompt, chunk_size, block_size)
     logits = prefill(model, tokens, caches, chunks, on_prefill_chunk)
     y = sampler(_log_softmax(logits))
-    token = int(y.item())
+    token = cast(int, y.item())
     t_first = time.perf_counter()
 
     generated = 1
@@ -225,7 +229,7 @@ def generate(
     while generated < max_tokens and token not in stop:
         logits = model(y[:, None], cache=caches)[:, -1, :]
         y = sampler(_log_softmax(logits))
-        token = int(y.item())
+        token = cast(int, y.item())
         generated += 1
         yield token
     t_end = time.perf_counter()

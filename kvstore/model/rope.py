@@ -82,8 +82,8 @@ def yarn_freqs(dims: int, base: float, scaling: dict[str, Any]) -> tuple[mx.arra
     def get_mscale(scale: float, m: float) -> float:
         return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
 
-    low = max(math.floor(correction_dim(beta_fast)), 0)
-    high = min(math.ceil(correction_dim(beta_slow)), dims - 1)
+    low = float(max(math.floor(correction_dim(beta_fast)), 0))
+    high = float(min(math.ceil(correction_dim(beta_slow)), dims - 1))
     if low == high:
         high += 0.001  # prevent a singular ramp
     ramp = mx.clip((mx.arange(dims // 2, dtype=mx.float32) - low) / (high - low), 0, 1)

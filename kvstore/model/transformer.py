@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -145,7 +145,7 @@ def init_weights(model: nn.Module, seed: int) -> nn.Module:
     Each parameter draws from its own key, so the result depends only on
     ``seed`` and the architecture, not on the global random state.
     """
-    flat = tree_flatten(model.parameters())
+    flat = cast(list[tuple[str, Any]], tree_flatten(model.parameters()))
     keys = mx.random.split(mx.random.key(seed), len(flat))
     params = []
     for key, (name, value) in zip(keys, flat):

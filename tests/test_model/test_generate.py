@@ -229,3 +229,11 @@ def test_mlx_lm_generate_drives_our_model(model):
     ours, _ = generate_tokens(model, tokens, max_tokens=8)
     theirs = [int(t) for t, _ in generate_step(tokens, model, max_tokens=8, prefill_step_size=16)]
     assert theirs == ours
+
+
+def test_prompt_as_list_range_numpy_or_mlx_array():
+    import numpy as np
+
+    model = build_model("tiny")
+    runs = [list(range(12)), range(12), np.arange(12), mx.arange(12)]
+    assert len({tuple(generate_tokens(model, p, max_tokens=3)[0]) for p in runs}) == 1
