@@ -41,6 +41,10 @@ class Tokenizer:
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
         return str(self.raw.decode(list(ids), skip_special_tokens=skip_special_tokens))
 
+    def get_vocab(self) -> dict[str, int]:
+        """Token text to id (what a store fingerprints a tokenizer by)."""
+        return dict(self.raw.get_vocab())
+
     def __repr__(self) -> str:
         return f"Tokenizer(backend={self.backend!r}, eos_token_ids={sorted(self.eos_token_ids)})"
 

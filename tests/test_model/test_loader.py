@@ -188,6 +188,7 @@ def test_tokenizer_loaded_when_present(tiny_dir, tmp_path):
     assert ids == [2, 4, 3, 4]
     assert tokenizer.decode(ids) == "def x return x"
     assert tokenizer.eos_token_ids == {1}
+    assert tokenizer.get_vocab() == {"[UNK]": 0, "</s>": 1, "def": 2, "return": 3, "x": 4}
 
 
 def test_tokenizer_with_transformers_backend(tmp_path):
@@ -198,6 +199,7 @@ def test_tokenizer_with_transformers_backend(tmp_path):
     assert tokenizer.encode("return x") == [3, 4]
     assert tokenizer.decode([3, 4]) == "return x"
     assert 1 in tokenizer.eos_token_ids
+    assert tokenizer.get_vocab()["return"] == 3
 
 
 def test_no_tokenizer_backend_installed_means_none(tmp_path, monkeypatch):
