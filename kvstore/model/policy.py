@@ -106,14 +106,10 @@ def make_caches(layout: Sequence[LayerGeometry], policy: CachePolicy | None = No
         tq = _turboquant_module()
         kbits, vbits = policy.turboquant
         grow = partial(tq.TurboQuantKVCache, kbits, vbits)
-        ring = partial(_rotating_turboquant, tq.RotatingTurboQuantKVCache, keep, kbits, vbits)
+        ring = partial(tq.RotatingTurboQuantKVCache, keep=keep, kbits=kbits, vbits=vbits)
     else:
         grow, ring = KVCache, partial(RotatingKVCache, keep=keep)
     return [
         grow() if layer["sliding_window"] is None else ring(layer["sliding_window"])
         for layer in layout
     ]
-
-
-def _rotating_turboquant(cls: Any, keep: int, kbits: int, vbits: int, max_size: int) -> Any:
-    return cls(max_size, keep, kbits, vbits)
