@@ -8,7 +8,9 @@ interleaved, ``--repeats`` times, ours and mlx-lm's alternating first:
 - ``forward``: the same harness loop drives both models (chunked prefill of
   ``--prompt`` tokens, evaluating the caches after each chunk; then
   ``--decode`` greedy single-token steps), so only the model code differs;
-  each side uses its own cache classes of the family.
+  each side uses its own cache classes of the family. The two sides run
+  interleaved chunk by chunk (and 8 decode steps by 8), so the load of a
+  shared machine falls on both alike.
 - ``generate``: each library's own generation loop, ``kvstore.model.generate``
   vs ``mlx_lm.generate.generate_step`` (same chunk size, greedy).
 
@@ -38,7 +40,7 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 
 from kvstore.caches import RotatingQuantizedKVCache
-from kvstore.model import CachePolicy, Model, build_model, generate, prefill_chunks
+from kvstore.model import CachePolicy, Model, build_model, generate_tokens, prefill_chunks
 
 CacheFactory = Callable[[], list[Any]]
 
@@ -91,54 +93,71 @@ def cache_factories(ours: Model, theirs: Any, family: str) -> tuple[CacheFactory
     return lambda: ours.make_cache(policy), theirs_quant
 
 
-def forward_rates(
-    model: Any, make_caches: CacheFactory, tokens: mx.array, n_decode: int, chunk: int
-) -> tuple[float, float]:
-    """(prefill tok/s, decode tok/s) through one harness loop, whatever the model."""
-    caches = make_caches()
-    t0 = time.perf_counter()
+#: One side of the comparison: (name, model, cache factory).
+Side = tuple[str, Any, CacheFactory]
+Rates = dict[str, tuple[float, float]]  # side -> (prefill tok/s, decode tok/s)
+
+DECODE_BLOCK = 8  # decode steps per interleaved slice
+
+
+def forward_pair(sides: list[Side], tokens: mx.array, n_decode: int, chunk: int) -> Rates:
+    """One harness loop drives both models, interleaved slice by slice (each
+    prefill chunk, each block of decode steps) so that load on a shared
+    machine hits both sides alike; the side going first alternates."""
+    order = [(name, model, make()) for name, model, make in sides]
+    spent = {name: [0.0, 0.0] for name, _, _ in sides}
     for begin, end in prefill_chunks(0, tokens.size, chunk, None):
-        model(tokens[None, begin:end], cache=caches)
-        mx.eval([c.state for c in caches])
-    t1 = time.perf_counter()
-    y = tokens[-1:]
-    for _ in range(n_decode):
-        y = mx.argmax(model(y[None], cache=caches)[:, -1, :], axis=-1)
-        y.item()
-    t2 = time.perf_counter()
-    return tokens.size / (t1 - t0), n_decode / (t2 - t1)
+        for name, model, caches in order:
+            t0 = time.perf_counter()
+            model(tokens[None, begin:end], cache=caches)
+            mx.eval([c.state for c in caches])
+            spent[name][0] += time.perf_counter() - t0
+        order.reverse()
+    last = {name: tokens[-1:] for name, _, _ in sides}
+    for _ in range(0, n_decode, DECODE_BLOCK):
+        for name, model, caches in order:
+            t0 = time.perf_counter()
+            y = last[name]
+            for _ in range(DECODE_BLOCK):
+                y = mx.argmax(model(y[None], cache=caches)[:, -1, :], axis=-1)
+                y.item()
+            last[name] = y
+            spent[name][1] += time.perf_counter() - t0
+        order.reverse()
+    n_steps = -(-n_decode // DECODE_BLOCK) * DECODE_BLOCK
+    return {name: (tokens.size / p, n_steps / d) for name, (p, d) in spent.items()}
 
 
-def generate_rates_ours(
-    model: Model, make_caches: CacheFactory, tokens: mx.array, n_decode: int, chunk: int
-) -> tuple[float, float]:
-    *_, stats = generate(
-        model, tokens, make_caches(), max_tokens=n_decode + 1, chunk_size=chunk, block_size=None
+def generate_ours(model: Model, caches: list[Any], tokens: mx.array, n: int, chunk: int):
+    _, stats = generate_tokens(
+        model, tokens, caches=caches, max_tokens=n + 1, chunk_size=chunk, block_size=None
     )
     return stats.prefill_tps, stats.decode_tps
 
 
-def generate_rates_mlx_lm(
-    model: Any, make_caches: CacheFactory, tokens: mx.array, n_decode: int, chunk: int
-) -> tuple[float, float]:
+def generate_mlx_lm(model: Any, caches: list[Any], tokens: mx.array, n: int, chunk: int):
     from mlx_lm.generate import generate_step
 
     t0 = time.perf_counter()
     steps = generate_step(
-        tokens, model, max_tokens=n_decode + 1, prompt_cache=make_caches(), prefill_step_size=chunk
+        tokens, model, max_tokens=n + 1, prompt_cache=caches, prefill_step_size=chunk
     )
     next(steps)
     t1 = time.perf_counter()
     for _ in steps:
         pass
-    t2 = time.perf_counter()
-    return tokens.size / (t1 - t0), n_decode / (t2 - t1)
+    return tokens.size / (t1 - t0), n / (time.perf_counter() - t1)
 
 
-MODES = {
-    "forward": (forward_rates, forward_rates),
-    "generate": (generate_rates_ours, generate_rates_mlx_lm),
-}
+def generate_pair(sides: list[Side], tokens: mx.array, n_decode: int, chunk: int) -> Rates:
+    """Each library's own generation loop, one side after the other."""
+    loops = {"ours": generate_ours, "mlx-lm": generate_mlx_lm}
+    return {
+        name: loops[name](model, make(), tokens, n_decode, chunk) for name, model, make in sides
+    }
+
+
+MODES = {"forward": forward_pair, "generate": generate_pair}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -173,21 +192,16 @@ def main(argv: list[str] | None = None) -> int:
     summary: list[str] = []
     print(f"{'mode':<9}{'family':<12}{'side':<8}{'prefill tok/s':>15}{'decode tok/s':>14}")
     for mode in args.modes.split(","):
-        run_ours, run_theirs = MODES[mode]
+        run_pair = MODES[mode]
         for family in args.families.split(","):
             make_ours, make_theirs = cache_factories(ours, theirs, family)
-            sides = {
-                "ours": (run_ours, ours, make_ours),
-                "mlx-lm": (run_theirs, theirs, make_theirs),
-            }
-            for runner, model, make in sides.values():  # warm-up: compile, allocate
-                runner(model, make, tokens[:256], 4, args.chunk)
+            sides: list[Side] = [("ours", ours, make_ours), ("mlx-lm", theirs, make_theirs)]
+            run_pair(sides, tokens[:256], DECODE_BLOCK, args.chunk)  # warm-up: compile, allocate
             rates: dict[str, list[tuple[float, float]]] = {"ours": [], "mlx-lm": []}
             for rep in range(args.repeats):
-                order = ["ours", "mlx-lm"] if rep % 2 == 0 else ["mlx-lm", "ours"]
-                for side in order:
-                    runner, model, make = sides[side]
-                    prefill_tps, decode_tps = runner(model, make, tokens, args.decode, args.chunk)
+                for side, (prefill_tps, decode_tps) in run_pair(
+                    sides if rep % 2 == 0 else sides[::-1], tokens, args.decode, args.chunk
+                ).items():
                     rates[side].append((prefill_tps, decode_tps))
                     samples.append(
                         dict(
