@@ -40,6 +40,7 @@ from kvstore.abc.store import Backend, PrefixStore
 from kvstore.errors import StoreConfigError
 from kvstore.store.fingerprint import model_fingerprint, namespace_for
 from kvstore.store.prefix import STORE_OPTIONS, BlockPrefixStore
+from kvstore.store.redis import REDIS_OPTIONS, REDIS_SCHEMES
 from kvstore.store.settings import (
     SETTING_PARSERS,
     StoreSettings,
@@ -61,10 +62,10 @@ __all__ = [
 ]
 
 #: URL scheme -> ``"module:factory"``; ``factory(location, url, options) -> Backend``.
-#: The Redis backend adds ``redis``, ``rediss``, ``valkey`` and ``redis+cluster`` here.
 SCHEMES: dict[str, str] = {
     "lmdb": "kvstore.store.lmdb:open_lmdb_backend",
     "memory": "kvstore.store.memory:open_memory_backend",
+    **{scheme: "kvstore.store.redis:open_redis_backend" for scheme in REDIS_SCHEMES},
 }
 
 #: Options each scheme's backend accepts, with their parsers (URL values are strings).
@@ -78,6 +79,7 @@ BACKEND_OPTIONS: dict[str, dict[str, Callable[[Any], Any]]] = {
         "sync": lambda v: parse_bool(v, "sync"),
     },
     "memory": {},
+    **{scheme: REDIS_OPTIONS for scheme in REDIS_SCHEMES},
 }
 
 
