@@ -512,6 +512,13 @@ class PrefixStore(ABC):
     def flush(self) -> None:
         """Write batched recency updates now (they are otherwise written in the background)."""
 
+    def touch(self, keys: Sequence[bytes]) -> None:
+        """Count a use of the blocks ``keys`` for recency (batched, like a lookup's).
+
+        A tiered store calls it on the tiers a hit did not need to ask, so their
+        eviction still sees what is in use. Blocks not stored are ignored.
+        """
+
     def close(self) -> None:
         """Flush and release the backend; idempotent."""
         if self._closed:

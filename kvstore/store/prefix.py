@@ -795,6 +795,11 @@ class BlockPrefixStore(PrefixStore):
         if pending.removals:
             self._quarantine.difference_update(pending.removals)
 
+    def touch(self, keys: Sequence[bytes]) -> None:
+        self._check_open("touch")
+        if self._house is not None and keys:
+            self._house.touch(keys, self._clock())
+
     def flush(self) -> None:
         """Write batched recency updates and pending removals now."""
         self._check_open("flush")

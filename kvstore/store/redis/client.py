@@ -114,7 +114,7 @@ class Connector:
                 **common,
             )
         else:
-            (host, port), = target.nodes
+            ((host, port),) = target.nodes
             self.client = redis.Redis(host=host, port=port, db=target.db, **common)
 
     # ------------------------------------------------------------------ metadata node

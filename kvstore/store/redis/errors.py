@@ -23,7 +23,9 @@ from kvstore.store.boundary import Translation
 __all__ = ["REDIS_ERRORS"]
 
 _BUG = "This is a kvstore bug; please report it with the traceback."
-_RETRY = "The server or cluster is unreachable or busy; the store reconnects by itself, retry later."
+_RETRY = (
+    "The server or cluster is unreachable or busy; the store reconnects by itself, retry later."
+)
 _CLUSTER = "The cluster is failing over or resharding; retry when it is stable."
 _AUTH = "Check the user and password in the URL (redis://user:password@host:port/db)."
 

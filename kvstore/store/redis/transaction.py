@@ -57,7 +57,9 @@ class ChunkMemo:
     def __init__(self) -> None:
         self._by_key: dict[bytes, tuple[Any, Manifest]] = {}
 
-    def manifest(self, key: bytes, value: Any, nbytes: int, chunk_size: int) -> tuple[Manifest, bool]:
+    def manifest(
+        self, key: bytes, value: Any, nbytes: int, chunk_size: int
+    ) -> tuple[Manifest, bool]:
         """The manifest for ``value`` under ``key``, and whether its chunks must be written."""
         known = self._by_key.get(key)
         if known is not None and known[0] is value:
@@ -68,9 +70,7 @@ class ChunkMemo:
 
     def unused(self, committed: dict[bytes, Manifest]) -> list[tuple[bytes, Manifest]]:
         """Chunks written by attempts whose manifest was not committed."""
-        return [
-            (key, m) for key, (_, m) in self._by_key.items() if committed.get(key) is not m
-        ]
+        return [(key, m) for key, (_, m) in self._by_key.items() if committed.get(key) is not m]
 
 
 class RedisTransaction:
@@ -119,7 +119,9 @@ class RedisTransaction:
             return self._writes[key] is not _DELETED
         return self._load([key])[0] is not None
 
-    def _server_keys(self, prefix: bytes, start: bytes | None, reverse: bool) -> Iterator[list[bytes]]:
+    def _server_keys(
+        self, prefix: bytes, start: bytes | None, reverse: bool
+    ) -> Iterator[list[bytes]]:
         """Pages of stored keys in scan order (the key index is watched)."""
         if not self._index_watched:
             self._call([("WATCH", self._layout.index)])
