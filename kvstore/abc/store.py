@@ -512,6 +512,14 @@ class PrefixStore(ABC):
     def flush(self) -> None:
         """Write batched recency updates now (they are otherwise written in the background)."""
 
+    def activity(self) -> dict[str, Any]:
+        """This handle's activity counters (``lookups``, ``misses``...), read from memory.
+
+        The part of :meth:`stats` that needs no read of the backend; empty
+        for a store that keeps none.
+        """
+        return {}
+
     def touch(self, keys: Sequence[bytes]) -> None:
         """Count a use of the blocks ``keys`` for recency (batched, like a lookup's).
 

@@ -795,6 +795,9 @@ class BlockPrefixStore(PrefixStore):
         if pending.removals:
             self._quarantine.difference_update(pending.removals)
 
+    def activity(self) -> dict[str, Any]:
+        return self._counters.snapshot()
+
     def touch(self, keys: Sequence[bytes]) -> None:
         self._check_open("touch")
         if self._house is not None and keys:

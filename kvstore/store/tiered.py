@@ -21,9 +21,11 @@ memory tier and a large shared Redis simply hold different amounts.
   them. **Write back** (``write="back"``): the fastest tier now, the others
   in the background from the fastest tier's copy.
 
-Stats report the slowest tier's contents (the authoritative copy) with this
-store's lookups, hits and saves, and the read misses, evictions and
-corruptions of every tier; ``stats().backend["tiers"]`` has each tier's own.
+Stats report the slowest tier's contents and evictions (it holds the
+authoritative copy) and this store's activity as its callers saw it:
+lookups, hits, saves, and a read miss (with its reason, a corruption
+counted) only when no tier could serve a block; ``stats().backend["tiers"]``
+has each tier's own figures.
 """
 
 from __future__ import annotations
@@ -59,13 +61,6 @@ if TYPE_CHECKING:
 __all__ = ["TieredPrefixStore", "WRITE_MODES"]
 
 WRITE_MODES = ("through", "back")
-#: Read-time miss reasons, counted by the tier that served the read.
-_READ_MISSES = (
-    MissReason.CORRUPT,
-    MissReason.VERSION,
-    MissReason.VANISHED,
-    MissReason.SERVER_EVICTED,
-)
 _REMEMBERED = 4096  # blocks of recent lookups whose tier and tokens are kept for reads
 
 
@@ -137,6 +132,14 @@ def _owned(view: memoryview) -> Any:
     if isinstance(base, bytes) and len(base) == view.nbytes:
         return base
     return view.tobytes()
+
+
+def _new_miss(before: dict[str, int], after: dict[str, int]) -> str | None:
+    """The miss reason a tier counted between two activity snapshots."""
+    for reason, count in after.items():
+        if count > before.get(reason, 0):
+            return reason
+    return None
 
 
 def _known_stop(match: Match, ref: BlockRef) -> int | None:
@@ -284,32 +287,52 @@ class TieredPrefixStore(PrefixStore):
 
     @contextmanager
     def read(self, blocks: Sequence[BlockRef]) -> Iterator[list[memoryview]]:
-        """Verified views of ``blocks``, each from the fastest tier holding it."""
+        """Verified views of ``blocks``, each from the fastest tier holding a good copy.
+
+        A block a tier cannot serve (corrupt, vanished, evicted by its server)
+        is tried in the slower tiers holding it before the read stops short.
+        """
         self._check_open("read")
         plan = self._plan(blocks)
         views: list[memoryview] = []
         promoted: dict[bytes, Any] = {}
+        reason: str | None = None
         with ExitStack() as stack:
             i = 0
             while i < len(blocks):
                 tier = plan[i]
                 if tier is None:
-                    self._counters.miss(MissReason.VANISHED)
+                    reason = reason or MissReason.VANISHED
                     break
                 j = i
                 while j < len(blocks) and plan[j] == tier:
                     j += 1
                 run = blocks[i:j]
+                before = self.tiers[tier].activity().get("misses", {})
                 got = stack.enter_context(self.tiers[tier].read(run))
                 views += got
                 if tier and self.promote:
                     promoted.update((ref.key, (tier, _owned(v))) for ref, v in zip(run, got))
+                i += len(got)
                 if len(got) < len(run):
-                    break
-                i = j
+                    reason = _new_miss(before, self.tiers[tier].activity().get("misses", {}))
+                    plan[i] = self._slower_holder(blocks[i].key, tier)
+                    continue
+                reason = None
+            if i < len(blocks):
+                self._counters.miss(reason or MissReason.VANISHED)
+                if reason == MissReason.CORRUPT:
+                    self._counters.add(corruptions=1)
             yield views
         if promoted:
             self._schedule_promotion(promoted)
+
+    def _slower_holder(self, key: bytes, tier: int) -> int | None:
+        """The fastest tier slower than ``tier`` that holds ``key``."""
+        for t in range(tier + 1, len(self.tiers)):
+            if self.tiers[t].backend.contains_many([key])[0]:
+                return t
+        return None
 
     def _schedule_promotion(self, promoted: dict[bytes, tuple[int, Any]]) -> None:
         """Queue a save, into every tier faster than the slowest source, of the longest
@@ -402,8 +425,15 @@ class TieredPrefixStore(PrefixStore):
         return [t.delete(namespace, tokens) for t in self.tiers][-1]
 
     def evict(self, *, namespace: str | None = None, max_bytes: int | str | None = None) -> int:
+        """Evict in every tier; returns the bytes the slowest tier freed."""
         self._check_writable("evict")
-        return sum(t.evict(namespace=namespace, max_bytes=max_bytes) for t in self.tiers)
+        return [t.evict(namespace=namespace, max_bytes=max_bytes) for t in self.tiers][-1]
+
+    def set_budget(self, max_bytes: int | str | None, *, namespace: str | None = None) -> None:
+        """Set the byte budget of the store or of a namespace in every tier."""
+        self._check_writable("set_budget")
+        for tier in self.tiers:
+            tier.set_budget(max_bytes, namespace=namespace)  # type: ignore[attr-defined]
 
     def touch(self, keys: Sequence[bytes]) -> None:
         for tier in self.tiers:
@@ -419,17 +449,11 @@ class TieredPrefixStore(PrefixStore):
         self._check_open("stats")
         per_tier = [t.stats(by_family=by_family) for t in self.tiers]
         own = self._counters.snapshot()
-        misses = dict(own.pop("misses"))
-        for s in per_tier:
-            for reason in _READ_MISSES:
-                if s.misses.get(reason):
-                    misses[reason] = misses.get(reason, 0) + s.misses[reason]
-        for name in ("evictions", "evicted_bytes", "corruptions"):
-            own[name] = sum(getattr(s, name) for s in per_tier)
+        for name in ("evictions", "evicted_bytes"):
+            del own[name]  # the slowest tier's: it holds the authoritative copy
         last = per_tier[-1]
         return replace(
             last,
-            misses=misses,
             backend={
                 "engine": "tiered",
                 "write": self.write,

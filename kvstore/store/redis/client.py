@@ -100,7 +100,6 @@ class Connector:
             "socket_connect_timeout": connect_timeout,
             "socket_keepalive": True,
             "retry": Retry(ExponentialBackoff(cap=0.5, base=0.05), retries),
-            "retry_on_timeout": True,
             "ssl": target.tls,
             **(ssl or {}),
         }
