@@ -526,6 +526,7 @@ class PrefixStore(ABC):
         A tiered store calls it on the tiers a hit did not need to ask, so their
         eviction still sees what is in use. Blocks not stored are ignored.
         """
+        return None  # a store without recency has nothing to record
 
     def close(self) -> None:
         """Flush and release the backend; idempotent."""
