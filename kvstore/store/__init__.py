@@ -276,4 +276,3 @@ def _open_tiered(url: str, options: dict[str, Any]) -> PrefixStore:
         for store in opened:
             store.close()
         raise
-

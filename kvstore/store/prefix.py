@@ -815,7 +815,10 @@ class BlockPrefixStore(PrefixStore):
         try:
             if self._house is not None:
                 self._house.close()
-                self._house.flush()
+                try:
+                    self._house.flush()
+                except StoreUnavailableError:
+                    pass  # recency hints and removals are redone later; closing must work
         finally:
             self._closed = True
             self._backend.close()

@@ -435,6 +435,10 @@ class TieredPrefixStore(PrefixStore):
         for tier in self.tiers:
             tier.set_budget(max_bytes, namespace=namespace)  # type: ignore[attr-defined]
 
+    def activity(self) -> dict[str, Any]:
+        """This store's own activity (no tier is asked, so it works with one down)."""
+        return self._counters.snapshot()
+
     def touch(self, keys: Sequence[bytes]) -> None:
         for tier in self.tiers:
             tier.touch(keys)
@@ -486,8 +490,9 @@ class TieredPrefixStore(PrefixStore):
             self._background.close()
         finally:
             self._closed = True
-            for tier in self.tiers:
-                tier.close()
+            with ExitStack() as closing:  # every tier closes, even after one raised
+                for tier in self.tiers:
+                    closing.callback(tier.close)
 
     def __repr__(self) -> str:
         return f"TieredPrefixStore({self.url!r}, write={self.write!r})"
