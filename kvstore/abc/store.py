@@ -43,9 +43,11 @@ Contract for backend implementers:
   raises :class:`~kvstore.errors.CapabilityError` before doing anything.
 * ``stats()`` includes ``"entries"`` (keys stored): a store refuses to adopt
   a non-empty location that has no ``kvstore/v1/__meta__`` record.
-* Conformance: :mod:`kvstore.testing.conformance` holds the contract and
-  store suites; ``tests/test_store/`` runs them on every backend (memory,
-  LMDB, Redis, Redis Cluster, tiered); a new backend adds its URL there.
+* Conformance: ``tests/test_store/conftest.py`` parametrises the store
+  suite (``test_prefix``, ``test_eviction``, ``test_integrity``...) over
+  memory, LMDB, a real Redis, a real Redis Cluster and a tiered store, and
+  ``test_backends.py`` runs this contract on every backend; a new backend
+  adds its kind there.
 
 Compatibility: the key layout carries a schema version (``kvstore/v1``); a
 change to it takes a new version, never a new meaning for ``v1`` keys.

@@ -183,6 +183,16 @@ def open_backend(url: str, **options: Any) -> Backend:
     return factory(location, url, backend_options)
 
 
+def _refuse_twice(query: dict[str, str], options: dict[str, Any]) -> None:
+    twice = sorted(set(query) & set(options))
+    if twice:
+        raise StoreConfigError(
+            f"[open_store] {', '.join(twice)} given both in the URL and as an argument; "
+            f"give each option once.",
+            found=twice,
+        )
+
+
 def open_store(url: str, **options: Any) -> PrefixStore:
     """Open (creating when missing) the prefix store at ``url``.
 
@@ -216,13 +226,7 @@ def open_store(url: str, **options: Any) -> PrefixStore:
     if isinstance(url, str) and (url == "tiered" or url.lower().startswith("tiered:")):
         return _open_tiered(url, options)
     scheme, location, query = _split_url(url)
-    twice = sorted(set(query) & set(options))
-    if twice:
-        raise StoreConfigError(
-            f"[open_store] {', '.join(twice)} given both in the URL and as an argument; "
-            f"give each option once.",
-            found=twice,
-        )
+    _refuse_twice(query, options)
     factory = _scheme_factory(scheme, url)
     settings, store_options, backend_options = _split_options(scheme, url, {**query, **options})
     backend = factory(location, url, backend_options)
@@ -237,13 +241,7 @@ def _open_tiered(url: str, options: dict[str, Any]) -> PrefixStore:
     from kvstore.store.tiered import TieredPrefixStore
 
     query = dict(parse_qsl(urlsplit(url).query, keep_blank_values=True)) if "?" in url else {}
-    twice = sorted(set(query) & set(options))
-    if twice:
-        raise StoreConfigError(
-            f"[open_store] {', '.join(twice)} given both in the URL and as an argument; "
-            f"give each option once.",
-            found=twice,
-        )
+    _refuse_twice(query, options)
     merged = {**query, **options}
     tiers = merged.pop("tiers", None)
     if isinstance(tiers, str):

@@ -36,6 +36,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import asdict, replace
+from functools import partial
 from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
@@ -53,6 +54,7 @@ from kvstore.abc.store import (
 )
 from kvstore.errors import StoreConfigError, StoreUnavailableError
 from kvstore.store import keys as K
+from kvstore.store.settings import parse_byte_size
 from kvstore.store.stats import Counters
 
 if TYPE_CHECKING:
@@ -350,7 +352,7 @@ class TieredPrefixStore(PrefixStore):
         records.by_key.update((key, record) for key, (_, record) in promoted.items())
         for namespace, prefix in longest.items():
             self._background.submit(
-                lambda n=namespace, p=prefix: self._copy_into(self.tiers[:slowest], n, p, records)
+                partial(self._copy_into, self.tiers[:slowest], namespace, prefix, records)
             )
 
     @staticmethod
@@ -427,7 +429,8 @@ class TieredPrefixStore(PrefixStore):
     def evict(self, *, namespace: str | None = None, max_bytes: int | str | None = None) -> int:
         """Evict in every tier; returns the bytes the slowest tier freed."""
         self._check_writable("evict")
-        return [t.evict(namespace=namespace, max_bytes=max_bytes) for t in self.tiers][-1]
+        limit = None if max_bytes is None else parse_byte_size(max_bytes, "max_bytes")
+        return [t.evict(namespace=namespace, max_bytes=limit) for t in self.tiers][-1]
 
     def set_budget(self, max_bytes: int | str | None, *, namespace: str | None = None) -> None:
         """Set the byte budget of the store or of a namespace in every tier."""

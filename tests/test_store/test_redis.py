@@ -495,3 +495,15 @@ def test_layout_names():
     ]
     assert Manifest.decode(m.encode(), key) == m
     assert RedisTransaction is not None
+
+
+def test_without_redis_server_the_tests_skip_locally_but_fail_under_ci(monkeypatch):
+    from . import conftest
+
+    monkeypatch.setattr(conftest, "redis_binaries", lambda: None)
+    monkeypatch.setenv("CI", "true")
+    with pytest.raises(pytest.fail.Exception, match="must run, not skip"):
+        conftest.require_redis_server()
+    monkeypatch.delenv("CI")
+    with pytest.raises(pytest.skip.Exception, match="redis-server and redis-cli are needed"):
+        conftest.require_redis_server()

@@ -80,24 +80,29 @@ def _stores(ctx: BenchContext, name: str, server_url: str) -> Iterator[tuple[Any
         redis.delete(NS)
 
 
+def _records(size: int, count: int, rng: np.random.Generator) -> list[bytes]:
+    return [_checksummed(rng.bytes(size)) for _ in range(count)]
+
+
+def _fill(stores: tuple[Any, ...], tokens: np.ndarray, records: list[bytes]) -> int:
+    """Save ``records`` as the blocks of ``tokens`` in every store; returns their bytes."""
+    for store in stores:
+        store.put_blocks(NS, tokens, lambda spans: records[: len(spans)])
+    return sum(len(r) for r in records)
+
+
 def measure(ctx: BenchContext, workload: str, server_url: str) -> Row:
-    shape = WORKLOADS[workload]
     block = ctx.sizes.block_tokens
     rng = np.random.default_rng(9)
-    records = [
-        _checksummed(rng.bytes(block * shape.bytes_per_token)) for _ in range(TOKENS // block)
-    ]
-    nbytes = sum(len(r) for r in records)
     tokens = rng.integers(0, 150_000, TOKENS + 1, dtype=np.uint32)
     with _stores(ctx, workload, server_url) as (lmdb, redis):
-        for store in (lmdb, redis):
-            store.put_blocks(NS, tokens[:TOKENS], lambda spans: records[: len(spans)])
-        del records
+        records = _records(block * WORKLOADS[workload].bytes_per_token, TOKENS // block, rng)
+        nbytes = _fill((lmdb, redis), tokens[:TOKENS], records)
+        del records  # the stores hold them now
         backend = redis.backend
         keys = [b.key for b in redis.lookup(NS, tokens).blocks]
         manifests = [
-            (k, backend.manifest(k, backend.connector.meta().get(backend.layout.meta(k))))
-            for k in keys
+            (k, backend.manifest(k, raw)) for k, raw in zip(keys, backend.raw_values(keys))
         ]
 
         def get_only() -> None:

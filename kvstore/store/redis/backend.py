@@ -6,7 +6,7 @@ import random
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 from urllib.parse import urlsplit, urlunsplit
 
 from redis import exceptions as rx
@@ -14,11 +14,17 @@ from redis import exceptions as rx
 from kvstore.abc.store import Backend, Buffer
 from kvstore.errors import CorruptEntryError, FormatVersionError, StoreConfigError, StoreError
 from kvstore.store.boundary import translate_errors
-from kvstore.store.redis.client import DEFAULT_TIMEOUTS, Command, Connector
+from kvstore.store.redis.client import (
+    DEFAULT_CONNECT_TIMEOUT,
+    DEFAULT_RETRIES,
+    DEFAULT_SOCKET_TIMEOUT,
+    Command,
+    Connector,
+)
 from kvstore.store.redis.errors import REDIS_ERRORS
 from kvstore.store.redis.layout import Layout, Manifest
 from kvstore.store.redis.options import parse_redis_url
-from kvstore.store.redis.transaction import ChunkMemo, RedisTransaction, lex_range
+from kvstore.store.redis.transaction import ChunkMemo, RedisTransaction, lex_pages
 
 __all__ = ["RedisBackend", "DEFAULT_CHUNK_SIZE"]
 
@@ -94,9 +100,9 @@ class RedisBackend(Backend):
         self,
         url: str,
         *,
-        socket_timeout: float = DEFAULT_TIMEOUTS["socket_timeout"],
-        connect_timeout: float = DEFAULT_TIMEOUTS["connect_timeout"],
-        retries: int = DEFAULT_TIMEOUTS["retries"],
+        socket_timeout: float = DEFAULT_SOCKET_TIMEOUT,
+        connect_timeout: float = DEFAULT_CONNECT_TIMEOUT,
+        retries: int = DEFAULT_RETRIES,
         chunk_size: int = DEFAULT_CHUNK_SIZE,
         ttl: float | None = None,
         server_eviction: bool = False,
@@ -248,28 +254,25 @@ class RedisBackend(Backend):
         """Values of ``keys`` in two round trips: manifests and values, then every chunk."""
         if not keys:
             return []
+        return self.resolve(keys, self.raw_values(keys))
+
+    def raw_values(self, keys: Sequence[bytes]) -> list[bytes | None]:
+        """The metadata values of ``keys`` (manifests for records): one ``MGET``, one slot."""
         raws = self.connector.meta().mget([self.layout.meta(k) for k in keys])
-        return self.resolve(keys, raws)
+        return cast("list[bytes | None]", raws)  # decode_responses is off: bytes
 
     def key_pages(self, prefix: bytes, start: bytes | None, reverse: bool) -> Iterator[list[bytes]]:
         """Stored keys under ``prefix`` in scan order, a page per round trip (pages grow)."""
-        meta = self.connector.meta()
-        lo, hi = lex_range(prefix, start, reverse)
-        page = 8
-        while True:
+        meta, index = self.connector.meta(), self.layout.index
+
+        def query(lo: bytes, hi: bytes, count: int) -> list[bytes]:
             if reverse:
-                keys = meta.zrevrangebylex(self.layout.index, hi, lo, start=0, num=page)
+                keys = meta.zrevrangebylex(index, hi, lo, start=0, num=count)
             else:
-                keys = meta.zrangebylex(self.layout.index, lo, hi, start=0, num=page)
-            if keys:
-                yield keys
-            if len(keys) < page:
-                return
-            if reverse:
-                hi = b"(" + keys[-1]
-            else:
-                lo = b"(" + keys[-1]
-            page = min(4 * page, 512)
+                keys = meta.zrangebylex(index, lo, hi, start=0, num=count)
+            return cast("list[bytes]", keys)
+
+        return lex_pages(query, prefix, start, reverse)
 
     @contextmanager
     def reader(self) -> Iterator[_ReadView]:
@@ -288,7 +291,7 @@ class RedisBackend(Backend):
         if not keys:
             return []
         with self.boundary("read"):
-            scores = self.connector.meta().zmscore(self.layout.index, list(keys))
+            scores = self.connector.meta().zmscore(self.layout.index, list(keys))  # type: ignore[arg-type]
         return [s is not None for s in scores]
 
     def scan(self, prefix: bytes, *, keys_only: bool = False) -> list[tuple[bytes, bytes | None]]:
@@ -359,7 +362,7 @@ class RedisBackend(Backend):
             )
         ms = max(1, round(seconds * 1000))
         with self.boundary("set_ttl"):
-            raws = self.connector.meta().mget([self.layout.meta(k) for k in keys])
+            raws = self.raw_values(keys)
             commands: list[Command] = []
             for key, raw in zip(keys, raws):
                 m = None if raw is None else self.manifest(key, raw)

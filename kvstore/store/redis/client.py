@@ -32,10 +32,20 @@ from redis.retry import Retry
 
 from kvstore.store.redis.options import RedisTarget
 
-__all__ = ["Connector", "pack_commands", "DEFAULT_TIMEOUTS"]
+__all__ = [
+    "Connector",
+    "pack_commands",
+    "DEFAULT_SOCKET_TIMEOUT",
+    "DEFAULT_CONNECT_TIMEOUT",
+    "DEFAULT_RETRIES",
+]
 
-#: socket_timeout, connect_timeout (seconds) and retries when not given.
-DEFAULT_TIMEOUTS = {"socket_timeout": 10.0, "connect_timeout": 2.0, "retries": 1}
+#: Seconds a socket read or write may block, when not given.
+DEFAULT_SOCKET_TIMEOUT = 10.0
+#: Seconds a connection attempt may take, when not given.
+DEFAULT_CONNECT_TIMEOUT = 2.0
+#: Further attempts after a connection error or a timeout, when not given.
+DEFAULT_RETRIES = 1
 # Arguments at least this big are sent from their own buffer (no copy into the command).
 _ZERO_COPY = 1 << 16
 _TRANSIENT = (rx.ConnectionError, rx.TimeoutError, rx.ClusterDownError, rx.TryAgainError)

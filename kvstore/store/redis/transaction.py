@@ -21,7 +21,7 @@ writes the same value, and deleted when the transaction ends without them.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from kvstore.abc.store import Buffer
@@ -31,7 +31,7 @@ from kvstore.store.redis.layout import Manifest
 if TYPE_CHECKING:
     from kvstore.store.redis.backend import RedisBackend
 
-__all__ = ["RedisTransaction", "ChunkMemo", "lex_range", "PENDING_TTL_MS"]
+__all__ = ["RedisTransaction", "ChunkMemo", "lex_range", "lex_pages", "PENDING_TTL_MS"]
 
 #: Expiry of chunks written before their commit (milliseconds).
 PENDING_TTL_MS = 3_600_000
@@ -49,6 +49,33 @@ def lex_range(prefix: bytes, start: bytes | None, reverse: bool) -> tuple[bytes,
     if start is not None and (hi == b"+" or b"(" + start < hi):
         hi = b"(" + start
     return b"[" + prefix, hi
+
+
+def lex_pages(
+    query: Callable[[bytes, bytes, int], list[bytes]],
+    prefix: bytes,
+    start: bytes | None,
+    reverse: bool,
+) -> Iterator[list[bytes]]:
+    """Pages of the keys a ``scan`` covers, in scan order, a query per page.
+
+    ``query(min, max, count)`` runs ``ZRANGEBYLEX`` (``ZREVRANGEBYLEX`` when
+    ``reverse``) with ``LIMIT 0 count``; pages grow from 8 to 512 keys, so a
+    scan the caller leaves after one key costs one small round trip.
+    """
+    lo, hi = lex_range(prefix, start, reverse)
+    page = 8
+    while True:
+        keys = query(lo, hi, page)
+        if keys:
+            yield keys
+        if len(keys) < page:
+            return
+        if reverse:
+            hi = b"(" + keys[-1]
+        else:
+            lo = b"(" + keys[-1]
+        page = min(4 * page, 512)
 
 
 class ChunkMemo:
@@ -126,23 +153,14 @@ class RedisTransaction:
         if not self._index_watched:
             self._call([("WATCH", self._layout.index)])
             self._index_watched = True
-        lo, hi = lex_range(prefix, start, reverse)
-        page = 8
-        while True:
+        index = self._layout.index
+
+        def query(lo: bytes, hi: bytes, count: int) -> list[bytes]:
             if reverse:
-                cmd: Command = ("ZREVRANGEBYLEX", self._layout.index, hi, lo, "LIMIT", 0, page)
-            else:
-                cmd = ("ZRANGEBYLEX", self._layout.index, lo, hi, "LIMIT", 0, page)
-            keys = self._call([cmd])[0]
-            if keys:
-                yield keys
-            if len(keys) < page:
-                return
-            if reverse:
-                hi = b"(" + keys[-1]
-            else:
-                lo = b"(" + keys[-1]
-            page = min(4 * page, 512)
+                return self._call([("ZREVRANGEBYLEX", index, hi, lo, "LIMIT", 0, count)])[0]
+            return self._call([("ZRANGEBYLEX", index, lo, hi, "LIMIT", 0, count)])[0]
+
+        return lex_pages(query, prefix, start, reverse)
 
     def _merged(
         self, prefix: bytes, start: bytes | None, reverse: bool, with_values: bool
