@@ -308,7 +308,7 @@ class RedisBackend(Backend):
 
     def _transact(self, fn: Callable[[RedisTransaction], T], size_hint: int) -> T:
         memo = ChunkMemo()
-        committed: dict[bytes, Manifest] = {}
+        txn: RedisTransaction | None = None
         try:
             with self.boundary("write"):
                 for attempt in range(_ATTEMPTS):
@@ -323,7 +323,6 @@ class RedisBackend(Backend):
                                 continue
                             raise
                         if txn.commit():
-                            committed = txn.committed
                             return result
                     time.sleep(random.uniform(0, min(0.05, 0.001 * 2**attempt)))
                 raise StoreError(
@@ -332,7 +331,9 @@ class RedisBackend(Backend):
                     url=self.url,
                 )
         finally:
-            self._drop_unused(memo, committed)
+            # Only chunks no committed manifest names; committed is set before any
+            # post-commit step can fail.
+            self._drop_unused(memo, txn.committed if txn is not None else {})
 
     def _drop_unused(self, memo: ChunkMemo, committed: dict[bytes, Manifest]) -> None:
         """Delete chunks no committed manifest names (best effort: they expire anyway)."""
