@@ -20,6 +20,7 @@ explicit table keyed by the exact class path, so caches that stock
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any, Protocol, runtime_checkable
 
@@ -70,21 +71,32 @@ MLX_LM_ALIASES: dict[str, Callable[[Any], str]] = {
 }
 
 
+def _call_signature(cache: Any) -> str:
+    return cache.signature()  # type: ignore[no-any-return]
+
+
+@functools.lru_cache(maxsize=128)
+def _reporter_for(cls: type) -> Callable[[Any], str] | None:
+    """How instances of ``cls`` report their signature, decided once per class
+    (the model asks per layer per step, and a runtime Protocol check is slow)."""
+    alias = MLX_LM_ALIASES.get(f"{cls.__module__}.{cls.__qualname__}")
+    if alias is not None:
+        return alias
+    if callable(getattr(cls, "signature", None)):
+        return _call_signature
+    return None
+
+
 def signature_of(cache: object) -> Signature | None:
     """The parsed signature of ``cache``, or ``None`` when it has none we know.
 
     Never raises: a missing, failing or unparsable signature is ``None``.
     """
-    cls = type(cache)
-    alias = MLX_LM_ALIASES.get(f"{cls.__module__}.{cls.__qualname__}")
     try:
-        if alias is not None:
-            text = alias(cache)
-        elif isinstance(cache, SupportsSignature):
-            text = cache.signature()
-        else:
+        report = _reporter_for(type(cache))
+        if report is None:
             return None
-        return parse_signature(text)
+        return parse_signature(report(cache))
     except Exception:  # fail closed: a broken signature is an unknown one
         return None
 
