@@ -93,7 +93,7 @@ def signature_of(cache: object) -> Signature | None:
     Never raises: a missing, failing or unparsable signature is ``None``.
     """
     try:
-        report = _reporter_for(type(cache))
+        report = _reporter_for(type(cache))  # type: ignore[arg-type]
         if report is None:
             return None
         return parse_signature(report(cache))
