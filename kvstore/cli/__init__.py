@@ -19,7 +19,17 @@ from kvstore.errors import KVStoreError
 __all__ = ["main", "build_parser", "SUBCOMMANDS", "EXIT_USAGE"]
 
 #: Subcommand modules under kvstore.cli, in help order.
-SUBCOMMANDS: tuple[str, ...] = ("demo", "bench")
+SUBCOMMANDS: tuple[str, ...] = (
+    "demo",
+    "ls",
+    "stats",
+    "inspect",
+    "verify",
+    "gc",
+    "delete",
+    "migrate",
+    "bench",
+)
 
 #: Exit status for bad input (missing store, bad URL, corrupt file, ...).
 EXIT_USAGE = 2

@@ -68,6 +68,7 @@ __all__ = [
     "decode_record",
     "decode_record_to_mlx",
     "read_header",
+    "verify_record",
     "snapshot_to_mlx",
 ]
 
@@ -230,6 +231,19 @@ def decode_record(buffer: Any, *, verify: bool = True) -> Record:
     if verify:
         _verify(header, xxhash.xxh3_64_intdigest(payload), "decode_record")
     return Record(header, _snapshots(header, lambda t: _numpy_view(payload, t)))
+
+
+def verify_record(buffer: Any) -> None:
+    """Check a whole record -- header and payload checksums, length, padding --
+    without decoding its tensors; the ``verify`` a prefix store is opened with.
+
+    Raises:
+        CorruptEntryError, FormatVersionError: as :func:`decode_record`.
+    """
+    view = _bytes_view(buffer, "verify_record")
+    header = _read_header(view, "verify_record")
+    payload = _payload(view, header, "verify_record")
+    _verify(header, xxhash.xxh3_64_intdigest(payload), "verify_record")
 
 
 def decode_record_to_mlx(buffer: Any) -> Record:

@@ -1,0 +1,91 @@
+"""``kvstore stats URL``: blocks and bytes by family and by namespace, settings, engine.
+
+Hit and miss counters (with miss reasons) belong to an open store handle and
+are not persisted -- persisting them would put a write on every lookup. This
+command opens the store just now, so it has none to show; a serving process
+reads its own with ``store.stats()``. It says so rather than print zeros.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from kvstore.abc.store import MissReason
+from kvstore.cli.options import add_json, command_parser
+from kvstore.cli.output import human_bytes, print_fields, print_json, print_table
+from kvstore.store.inventory import open_existing
+
+ACTIVITY_NOTE = (
+    "hit/miss counters belong to each open store handle and are not persisted; this command "
+    "opened the store just now, so it has none. A process reads its own with store.stats() "
+    f"(lookups, hits, misses by reason: {', '.join(MissReason.ALL)})."
+)
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = command_parser(sub, "stats", "blocks and bytes by family and namespace", __doc__)
+    add_json(p)
+    p.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    with open_existing(args.url, operation="stats") as store:
+        stats = store.stats(by_family=True)
+        settings = store.settings
+    families = dict(sorted((stats.by_family or {}).items(), key=lambda kv: -kv[1]))
+    if args.json:
+        print_json(
+            {
+                "store": store.url,
+                "blocks": stats.blocks,
+                "bytes": stats.bytes,
+                "max_bytes": stats.max_bytes,
+                "settings": settings,
+                "by_family": families,
+                "namespaces": stats.namespaces,
+                "backend": stats.backend,
+                "activity": None,
+                "activity_note": ACTIVITY_NOTE,
+            }
+        )
+        return 0
+    engine = stats.backend
+    print_fields(
+        [
+            ("store", store.url),
+            ("engine", engine.get("engine", "-")),
+            ("blocks", stats.blocks),
+            ("bytes", f"{human_bytes(stats.bytes)} ({stats.bytes} B)"),
+            ("budget", human_bytes(stats.max_bytes) if stats.max_bytes else "none"),
+            ("block size", f"{settings.block_size} tokens"),
+            ("storage policy", settings.storage_policy),
+            *(
+                (name, human_bytes(engine[key]))
+                for name, key in (("file size", "file_bytes"), ("map size", "map_size"))
+                if key in engine
+            ),
+        ]
+    )
+    print()
+    print_table(
+        ["family", "bytes", "share"],
+        [
+            [
+                fam or "(unlabelled)",
+                human_bytes(n),
+                f"{100 * n / stats.bytes:.1f}%" if stats.bytes else "-",
+            ]
+            for fam, n in families.items()
+        ],
+    )
+    print()
+    print_table(
+        ["namespace", "blocks", "bytes", "budget"],
+        [
+            [ns, s.blocks, human_bytes(s.bytes), human_bytes(s.max_bytes)]
+            for ns, s in sorted(stats.namespaces.items())
+        ],
+    )
+    print()
+    print(f"activity: {ACTIVITY_NOTE}")
+    return 0

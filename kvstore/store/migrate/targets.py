@@ -1,0 +1,196 @@
+"""What a migration converts: the target family of each layer, and which layers.
+
+``--to`` names one family; each selected layer goes to that family or, for a
+layer of the other window kind, to its counterpart: ``--to kv:quant:8:64``
+sends ``kv:plain`` layers to ``kv:quant:8:64`` and ``kv:rotating-plain``
+(sliding-window) layers to ``kv:rotating-quant:8:64``. ``--layers`` selects
+layers by index (``0-3,7``) or by kind (``global``: full attention,
+``sliding``: sliding window); ``all`` is the default.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from kvstore.codecs.header import FORMAT_VERSION, SUPPORTED_VERSIONS
+from kvstore.codecs.registry import get_codec
+from kvstore.errors import FormatVersionError, StoreConfigError, UnknownSignatureError
+from kvstore.signature import KINDS, Signature, parse_signature
+
+__all__ = [
+    "ROTATING_COUNTERPART",
+    "GROWING_COUNTERPART",
+    "parse_target",
+    "is_sliding",
+    "target_for",
+    "is_lossy",
+    "LayerSelection",
+    "parse_layer_spec",
+    "check_format_version",
+]
+
+#: Growing (full-attention) kind -> its sliding-window kind, same parameters.
+ROTATING_COUNTERPART = {
+    "kv:plain": "kv:rotating-plain",
+    "kv:quant": "kv:rotating-quant",
+    "kv:turboquant": "kv:rotating-turboquant",
+}
+#: Sliding-window kind -> its growing kind.
+GROWING_COUNTERPART = {rot: grow for grow, rot in ROTATING_COUNTERPART.items()}
+
+
+def parse_target(text: str, operation: str = "migrate") -> str:
+    """The canonical signature ``text`` names, checked against the codec registry.
+
+    Raises:
+        UnknownSignatureError: ``text`` does not parse as a signature, or no codec
+            is registered for its kind (the message lists the kinds known).
+    """
+    try:
+        sig = parse_signature(text)
+    except (ValueError, TypeError) as exc:  # UnknownSignatureError is a LookupError
+        raise UnknownSignatureError(
+            f"[{operation}] --to {text!r} is not a signature: {_rule(exc)} Write one such as "
+            f"kv:plain, kv:quant:8:64, kv:quant:4:64 or kv:turboquant:4:4.",
+            found=text,
+            supported=list(KINDS),
+        ) from exc
+    except UnknownSignatureError as exc:
+        raise _unknown(operation, text, exc) from exc
+    if sig.inner is not None:
+        raise UnknownSignatureError(
+            f"[{operation}] --to {text!r} is a wrapper signature; stored layers are families. "
+            f"Give the family itself ({sig.inner}).",
+            found=text,
+        )
+    try:
+        get_codec(str(sig))
+    except UnknownSignatureError as exc:  # a kind the grammar knows but no codec serves
+        raise _unknown(operation, text, exc) from exc
+    return str(sig)
+
+
+def _unknown(operation: str, text: str, exc: UnknownSignatureError) -> UnknownSignatureError:
+    return UnknownSignatureError(
+        f"[{operation}] --to {text!r}: {_rule(exc)}",
+        found=text,
+        supported=getattr(exc, "supported", list(KINDS)),
+    )
+
+
+def _rule(exc: Exception) -> str:
+    """An error message without its ``[operation]`` prefix."""
+    return re.sub(r"^\[[^\]]*\]\s*", "", str(exc))
+
+
+def is_sliding(signature: str) -> bool:
+    """A sliding-window (rotating) family."""
+    return parse_signature(signature).kind in GROWING_COUNTERPART
+
+
+def target_for(source: str, to: str) -> str:
+    """The family a layer stored as ``source`` becomes when migrating ``--to to``:
+    ``to`` itself, or its counterpart of the source's window kind."""
+    target = parse_signature(to)
+    table = ROTATING_COUNTERPART if is_sliding(source) else GROWING_COUNTERPART
+    kind = table.get(target.kind, target.kind)
+    return str(Signature(kind, target.params))
+
+
+def is_lossy(source: str, target: str) -> bool:
+    """Whether re-encoding ``source`` rows as ``target`` can change them."""
+    return source != target and get_codec(target).lossy
+
+
+@dataclass(frozen=True)
+class LayerSelection:
+    """Which layers of each record to convert.
+
+    Attributes:
+        spec: the canonical text (``all``, ``global``, ``sliding`` or ``0-3,7``).
+        indices: the layer indices, for an index spec.
+    """
+
+    spec: str = "all"
+    indices: frozenset[int] | None = None
+
+    def selects(self, index: int, signature: str) -> bool:
+        if self.indices is not None:
+            return index in self.indices
+        if self.spec == "global":
+            return not is_sliding(signature)
+        if self.spec == "sliding":
+            return is_sliding(signature)
+        return True
+
+    @property
+    def everything(self) -> bool:
+        return self.spec == "all"
+
+    def check(self, layers: int, operation: str = "migrate") -> None:
+        """Raise if an index is past the ``layers`` layers records hold."""
+        if self.indices and max(self.indices) >= layers:
+            raise StoreConfigError(
+                f"[{operation}] --layers {self.spec} names layer {max(self.indices)}, but the "
+                f"store's records hold {layers} layers (0-{layers - 1}).",
+                found=self.spec,
+                layers=layers,
+            )
+
+
+_RANGE = re.compile(r"(\d+)(?:-(\d+))?")
+
+
+def parse_layer_spec(text: str | None, operation: str = "migrate") -> LayerSelection:
+    """``None``/``all``, ``global``, ``sliding``, or indices and ranges (``0-3,7``).
+
+    Raises:
+        StoreConfigError: anything else, or a range that runs backwards.
+    """
+    if text is None or text.strip().lower() in ("", "all"):
+        return LayerSelection()
+    word = text.strip().lower()
+    if word in ("global", "sliding"):
+        return LayerSelection(word)
+    indices: set[int] = set()
+    for part in word.replace(" ", "").split(","):
+        m = _RANGE.fullmatch(part)
+        lo, hi = (int(m[1]), int(m[2] or m[1])) if m else (1, 0)
+        if hi < lo:
+            raise StoreConfigError(
+                f"[{operation}] --layers takes 'all', 'global', 'sliding' or layer indices and "
+                f"ranges such as 0-3,7; received {text!r}.",
+                found=text,
+            )
+        indices.update(range(lo, hi + 1))
+    return LayerSelection(_canonical(indices), frozenset(indices))
+
+
+def _canonical(indices: set[int]) -> str:
+    """``{0, 1, 2, 3, 7}`` -> ``"0-3,7"``."""
+    runs: list[list[int]] = []
+    for i in sorted(indices):
+        if runs and i == runs[-1][1] + 1:
+            runs[-1][1] = i
+        else:
+            runs.append([i, i])
+    return ",".join(f"{a}" if a == b else f"{a}-{b}" for a, b in runs)
+
+
+def check_format_version(version: int | None, operation: str = "migrate") -> int | None:
+    """``version`` if records can be written in it (only the current format can).
+
+    Raises:
+        FormatVersionError: a version this kvstore does not write; lists the known ones.
+    """
+    if version is None or version == FORMAT_VERSION:
+        return version
+    known = ", ".join(map(str, SUPPORTED_VERSIONS))
+    raise FormatVersionError(
+        f"[{operation}] --format-version {version} is not a record format this kvstore "
+        f"writes; known record formats: {known} (it writes {FORMAT_VERSION}). Use "
+        f"--format-version {FORMAT_VERSION}, or a newer kvstore for a newer format.",
+        found=version,
+        supported=SUPPORTED_VERSIONS,
+    )
