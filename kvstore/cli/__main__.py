@@ -6,4 +6,5 @@ import sys
 
 from kvstore.cli import main
 
-sys.exit(main())
+if __name__ == "__main__":  # importing the module (tools walk packages) must not run it
+    sys.exit(main())
