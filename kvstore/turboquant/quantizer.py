@@ -269,7 +269,14 @@ class TurboQuantizer:
 
 @functools.lru_cache(maxsize=128)
 def quantizer_for(
-    bits: int, dim: int, kind: str = "k", seed: int = 0, scale_mode: ScaleMode | None = None
+    bits: int,
+    dim: int,
+    kind: str = "k",
+    seed: int = 0,
+    scale_mode: ScaleMode | None = None,
+    rotation: Rotation | None = None,
 ) -> TurboQuantizer:
-    """A shared :class:`TurboQuantizer` (they are immutable; one per configuration)."""
-    return TurboQuantizer(bits, dim, kind=kind, seed=seed, scale_mode=scale_mode)
+    """A shared :class:`TurboQuantizer` (they are immutable; one per configuration).
+
+    ``rotation`` (compared by identity) replaces the seed's one-round rotation."""
+    return TurboQuantizer(bits, dim, kind=kind, seed=seed, scale_mode=scale_mode, rotation=rotation)
