@@ -94,10 +94,10 @@ def _pack_bytes(idx: mx.array, bits: int) -> mx.array:
     values = [groups[..., i] for i in range(8)]
     stream = []
     for touching in _byte_plan(bits):
-        byte = None
-        for i, shift in touching:
-            part = values[i] << shift if shift >= 0 else values[i] >> -shift
-            byte = part if byte is None else byte | part
+        parts = [values[i] << s if s >= 0 else values[i] >> -s for i, s in touching]
+        byte = parts[0]
+        for part in parts[1:]:
+            byte = byte | part
         stream.append(byte)
     return mx.stack(stream, axis=-1).reshape(*lead, -1).view(mx.uint32)
 
