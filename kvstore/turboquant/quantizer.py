@@ -151,7 +151,8 @@ class TurboQuantizer:
         self.scale_mode: ScaleMode = mode
         if scale_dtype not in ("float16", "float32"):
             raise ValueError(
-                f"[turboquant] scale_dtype must be 'float16' or 'float32'; received {scale_dtype!r}."
+                f"[turboquant] scale_dtype must be 'float16' or 'float32'; "
+                f"received {scale_dtype!r}."
             )
         self.scale_dtype = scale_dtype
         table = codebook(bits)
@@ -190,8 +191,9 @@ class TurboQuantizer:
         """``(codes uint32 [..., W], scales [...])`` for vectors ``x [..., D]``.
 
         Scales are float16 unless one exceeds :data:`FLOAT16_SCALE_LIMIT` in
-        magnitude or is not finite (or ``scale_dtype`` is float32); then all are float32. ``mu`` (broadcastable
-        to ``x``) is subtracted first (key mean-centering).
+        magnitude or is not finite (or ``scale_dtype`` is float32); then all are
+        float32. ``mu`` (broadcastable to ``x``) is subtracted first (key
+        mean-centering).
 
         Raises:
             EncodingError: ``x`` has NaN or Inf (seen as a non-finite norm, which

@@ -18,7 +18,6 @@ Writes ``results/options.json`` and ``results/options.md``. OpenBLAS makes it
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import os
 import sys
@@ -32,7 +31,7 @@ import numpy as np
 from kvstore.caches import KVCache
 from tools.quality.families import Family, OneSidedKVCache, through_cache
 from tools.quality.metrics import Samples, kl_divergence, relmse
-from tools.quality.pycode import _log_softmax, _run, recording_attention
+from tools.quality.pycode import _log_softmax, _run, load_pycode, recording_attention
 from tools.quality.run import DEFAULT_MODEL, HERE
 
 __all__ = ["OPTION_FAMILIES", "evaluate_options", "main"]
@@ -67,16 +66,9 @@ def evaluate_options(
     log: Any = print,
 ) -> dict[str, Any]:
     """Next-token KL (all and values only) and values' relMSE of each family on pycode-lm."""
-    from mlx_lm.utils import load_model
-
-    model, config = load_model(Path(model_dir))
-    model.set_dtype(mx.float32)
-    module = importlib.import_module(type(model).__module__)
-    head_dim = int(config["head_dim"])
-    layers = len(model.layers)
-    data = np.frombuffer((Path(model_dir) / "heldout.txt").read_bytes(), np.uint8)
+    model, config, module, data, starts = load_pycode(model_dir, windows, prefill + continuation)
+    head_dim, layers = int(config["head_dim"]), len(model.layers)
     span = prefill + continuation + 1
-    starts = np.linspace(0, len(data) - span, windows).astype(int).tolist()
     samples = Samples()
     for w, start in enumerate(starts):
         tick = time.perf_counter()
