@@ -72,6 +72,41 @@ FIXTURES: dict[str, dict[str, Any]] = {
             ),
         ],
     },
+    "kv-turboquant": {
+        "description": (
+            "kv:turboquant 4/3 (bfloat16, head_dim 128, RHT) and 2/2 seed 7 with key "
+            "mean-centering (float16, head_dim 96: the dense rotation, carried by record 0)"
+        ),
+        "layers": [
+            ("TurboQuantKVCache", {"kbits": 4, "vbits": 3}, "bfloat16", 128),
+            (
+                "TurboQuantKVCache",
+                {"kbits": 2, "vbits": 2, "seed": 7, "center": True},
+                "float16",
+                96,
+            ),
+        ],
+    },
+    "kv-rotating-turboquant": {
+        "description": (
+            "kv:rotating-turboquant 3/3 window 32 keep 4 (head_dim 96) and 4/2 window 16 "
+            "keep 0 with 2 RHT rounds (head_dim 64), wrapped"
+        ),
+        "layers": [
+            (
+                "RotatingTurboQuantKVCache",
+                {"max_size": 32, "keep": 4, "kbits": 3, "vbits": 3},
+                "bfloat16",
+                96,
+            ),
+            (
+                "RotatingTurboQuantKVCache",
+                {"max_size": 16, "keep": 0, "kbits": 4, "vbits": 2, "rounds": 2},
+                "float16",
+                64,
+            ),
+        ],
+    },
     "mixed": {
         "description": "a gemma-like layer stack: sliding and global layers in one record",
         "layers": [
@@ -147,7 +182,9 @@ def build(
                 "head_dim": head_dim,
                 "signature": cache.signature(),
                 "tensors": list(held[0].tensors),
-                "held": [[s.start, s.stop, dict(s.meta)] for s in held],
+                # Each held snapshot's own tensor names: a TurboQuant snapshot starting
+                # at token 0 also carries a dense rotation.
+                "held": [[s.start, s.stop, dict(s.meta), list(s.tensors)] for s in held],
             }
         )
     config = {

@@ -78,6 +78,9 @@ class KVCodec(ABC):
     reads: ClassVar[frozenset[int]] = frozenset({1})
     #: True when :meth:`from_dense` loses information (quantisation).
     lossy: ClassVar[bool] = False
+    #: Meta keys only this family's snapshots carry (how its rows were encoded);
+    #: a transcode to another family leaves them behind.
+    own_meta: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, signature: str) -> None:
         self.signature = self.parse_signature(signature)

@@ -30,12 +30,14 @@ from kvstore.turboquant.quantizer import (
     TurboQuantizer,
     quantizer_for,
 )
+from kvstore.turboquant.rotation import Rotation, rotation_for
 
 __all__ = [
     "CENTER_PREFIX_TOKENS",
     "RotatingTurboQuantKVCache",
     "TurboQuantKVCache",
     "TurboQuantRows",
+    "stored_rows",
 ]
 
 #: Key mean-centering estimates mu from at most this many prefill tokens (spec option).
@@ -56,6 +58,8 @@ class TurboQuantRows:
     center: bool
     mu: mx.array | None
     head_dim: int | None
+    rounds: int
+    _rotations: dict[str, Rotation] | None
     _dtype_name: str | None  # a name, not an mx.Dtype: those cannot be deep-copied
 
     def _init_tq(
@@ -69,8 +73,11 @@ class TurboQuantRows:
         mu: mx.array | None = None,
         dtype_name: str | None = None,
         head_dim: int | None = None,
+        rounds: int = 1,
     ) -> None:
         make_signature(self.kind, kbits, vbits)  # ValueError naming the allowed values
+        if rounds not in (1, 2):
+            raise ValueError(f"[{self.kind}] rounds must be 1 or 2; received {rounds!r}.")
         for name, mode in (
             ("key_scale_mode", key_scale_mode),
             ("value_scale_mode", value_scale_mode),
@@ -88,6 +95,8 @@ class TurboQuantRows:
         self.mu = mu
         self._dtype_name = dtype_name
         self.head_dim = head_dim
+        self.rounds = rounds
+        self._rotations = None
 
     def signature(self) -> str:
         return f"{self.kind}:{self.kbits}:{self.vbits}"
@@ -97,11 +106,46 @@ class TurboQuantRows:
         """The dtype of the rows attention gets (the model's), once known."""
         return None if self._dtype_name is None else getattr(mx, self._dtype_name)
 
+    def rotation(self, kind: str, head_dim: int) -> Rotation:
+        """The rotation of keys (``kind="k"``) or values (``"v"``) at ``head_dim``:
+        the stored one after :meth:`use_rotations`, else the seed's."""
+        if self._rotations is not None:
+            return self._rotations[kind]
+        return rotation_for(head_dim, kind, self.seed, self.rounds)
+
+    def use_rotations(self, keys: Rotation, values: Rotation) -> None:
+        """Decode and encode with these rotations instead of the seed's (a reader's
+        path: the spec makes a stored dense matrix normative, never a regenerated one).
+
+        Raises:
+            ValueError: the two rotations differ in dimension.
+        """
+        if keys.dim != values.dim:
+            raise ValueError(
+                f"[{self.kind}] key and value rotations must have one dimension; "
+                f"received {keys.dim} and {values.dim}."
+            )
+        self._rotations = {"k": keys, "v": values}
+
     def quantizers(self, head_dim: int) -> tuple[TurboQuantizer, TurboQuantizer]:
         """The key and value quantizers this cache uses at ``head_dim``."""
         return (
-            quantizer_for(self.kbits, head_dim, "k", self.seed, self.key_scale_mode),
-            quantizer_for(self.vbits, head_dim, "v", self.seed, self.value_scale_mode),
+            quantizer_for(
+                self.kbits,
+                head_dim,
+                "k",
+                self.seed,
+                self.key_scale_mode,
+                rotation=self.rotation("k", head_dim),
+            ),
+            quantizer_for(
+                self.vbits,
+                head_dim,
+                "v",
+                self.seed,
+                self.value_scale_mode,
+                rotation=self.rotation("v", head_dim),
+            ),
         )
 
     # -- the hooks of the buffer/ring arithmetic ---------------------------------------
@@ -131,7 +175,7 @@ class TurboQuantRows:
         """``((codes, scales), (codes, scales))`` for keys and values, the whole
         buffer (capacity padding and ring order included), scales ``[B, H, T]``."""
         assert self.keys is not None and self.values is not None
-        return _stored(self.keys), _stored(self.values)
+        return stored_rows(self.keys), stored_rows(self.values)
 
     @property
     def nbytes(self) -> int:
@@ -158,10 +202,11 @@ class TurboQuantRows:
             self._dtype_name,
             self.head_dim,
             self.mu,
+            self.rounds,
         )
 
     def _restore(self, keys: Any, values: Any, options: tuple[Any, ...]) -> None:
-        kbits, vbits, seed, kmode, vmode, center, dtype, head_dim, mu = options
+        kbits, vbits, seed, kmode, vmode, center, dtype, head_dim, mu, rounds = options
         self._init_tq(
             int(kbits),
             int(vbits),
@@ -172,15 +217,44 @@ class TurboQuantRows:
             mu=mu,
             dtype_name=dtype,
             head_dim=None if head_dim is None else int(head_dim),
+            rounds=int(rounds),
         )
         self.keys = self.values = None
         if keys is not None:
-            dtype = self.dtype
-            assert dtype is not None and self.head_dim is not None
-            kq, vq = self.quantizers(self.head_dim)
-            mu_b = None if self.mu is None else self.mu[:, None, :]
-            self.keys = _with_decoded(kq, keys, dtype, mu_b)
-            self.values = _with_decoded(vq, values, dtype, None)
+            assert self.head_dim is not None
+            self._hold(keys, values)
+
+    def load_encoded(
+        self,
+        keys: tuple[mx.array, mx.array],
+        values: tuple[mx.array, mx.array],
+        *,
+        dtype_name: str,
+        head_dim: int,
+        mu: mx.array | None = None,
+        rotations: tuple[Rotation, Rotation] | None = None,
+        rows: int | None = None,
+    ) -> None:
+        """Hold stored ``(codes, scales [B, H, T])`` key and value rows (a reader's path).
+
+        The rows must have been encoded with this cache's bits and scale modes,
+        ``rotations`` (default: the seed's) and key mean ``mu``. Only the first
+        ``rows`` buffer rows (default: all) are decoded for attention; the rest of
+        the buffer is capacity, decoded as zeros.
+        """
+        self._dtype_name, self.head_dim = dtype_name, head_dim
+        self.mu, self.center = mu, self.center or mu is not None
+        if rotations is not None:
+            self.use_rotations(*rotations)
+        self._hold(keys, values, rows)
+
+    def _hold(self, keys: Any, values: Any, rows: int | None = None) -> None:
+        dtype = self.dtype
+        assert dtype is not None and self.head_dim is not None
+        kq, vq = self.quantizers(self.head_dim)
+        mu = None if self.mu is None else self.mu[:, None, :]
+        self.keys = _with_decoded(kq, keys, dtype, mu, rows)
+        self.values = _with_decoded(vq, values, dtype, None, rows)
 
 
 def _encoded_rows(
@@ -190,13 +264,23 @@ def _encoded_rows(
 
 
 def _with_decoded(
-    quantizer: TurboQuantizer, stored: Any, dtype: mx.Dtype, mu: mx.array | None
+    quantizer: TurboQuantizer,
+    stored: Any,
+    dtype: mx.Dtype,
+    mu: mx.array | None,
+    rows: int | None = None,
 ) -> tuple[mx.array, mx.array, mx.array]:
     codes, scales = stored
-    return codes, scales[..., None], quantizer.decode(codes, scales, dtype, mu=mu)
+    total = codes.shape[2]
+    if rows is None or rows >= total:
+        return codes, scales[..., None], quantizer.decode(codes, scales, dtype, mu=mu)
+    held = quantizer.decode(codes[:, :, :rows], scales[:, :, :rows], dtype, mu=mu)
+    pad = mx.zeros((*held.shape[:2], total - rows, held.shape[3]), dtype)
+    return codes, scales[..., None], mx.concatenate([held, pad], axis=2)
 
 
-def _stored(tree: Tree) -> tuple[mx.array, mx.array]:
+def stored_rows(tree: Tree) -> tuple[mx.array, mx.array]:
+    """The stored part of a TurboQuant row tree: ``(codes, scales [B, H, T])``."""
     codes, scales, _ = tree
     return codes, scales[..., 0]
 
@@ -221,6 +305,8 @@ class TurboQuantKVCache(TurboQuantRows, GrowingKVCache):
         value_scale_mode: ``"ls"`` (spec default), ``"l2"`` or ``"matched"``.
         center: subtract a per-head key mean estimated from the first
             :data:`CENTER_PREFIX_TOKENS` prefill tokens (spec option ``center``).
+        rounds: RHT rounds, 1 (spec default) or 2 (power-of-two head_dim; a
+            dense rotation has no rounds).
 
     Raises:
         ValueError: a parameter outside the values above.
@@ -234,15 +320,18 @@ class TurboQuantKVCache(TurboQuantRows, GrowingKVCache):
         key_scale_mode: ScaleMode = DEFAULT_SCALE_MODE["k"],
         value_scale_mode: ScaleMode = DEFAULT_SCALE_MODE["v"],
         center: bool = False,
+        rounds: int = 1,
     ) -> None:
         GrowingKVCache.__init__(self)
-        self._init_tq(kbits, vbits, seed, key_scale_mode, value_scale_mode, center)
+        self._init_tq(kbits, vbits, seed, key_scale_mode, value_scale_mode, center, rounds=rounds)
 
     @property
     def state(self) -> tuple[Any, ...]:
         """``(keys, values, offset, kbits, vbits, seed, key_scale_mode,
-        value_scale_mode, center, dtype, head_dim, mu)``; keys/values are
-        ``(codes, scales)``, dtype a name (``"bfloat16"``), mu the key mean or None."""
+        value_scale_mode, center, dtype, head_dim, mu, rounds)``; keys/values are
+        ``(codes, scales)``, dtype a name (``"bfloat16"``), mu the key mean or None.
+        Rotations are regenerated from seed and rounds (a stored dense matrix set by
+        :meth:`use_rotations` is not part of it)."""
         stored = (None, None) if self.keys is None else self.encoded_rows()
         return (*stored, self.offset, *self._options())
 
@@ -271,14 +360,15 @@ class RotatingTurboQuantKVCache(TurboQuantRows, RingKVCache):
         key_scale_mode: ScaleMode = DEFAULT_SCALE_MODE["k"],
         value_scale_mode: ScaleMode = DEFAULT_SCALE_MODE["v"],
         center: bool = False,
+        rounds: int = 1,
     ) -> None:
         RingKVCache.__init__(self, max_size, keep)
-        self._init_tq(kbits, vbits, seed, key_scale_mode, value_scale_mode, center)
+        self._init_tq(kbits, vbits, seed, key_scale_mode, value_scale_mode, center, rounds=rounds)
 
     @property
     def state(self) -> tuple[Any, ...]:
         """``(keys, values, offset, keep, max_size, idx, kbits, vbits, seed,
-        key_scale_mode, value_scale_mode, center, dtype, head_dim, mu)``."""
+        key_scale_mode, value_scale_mode, center, dtype, head_dim, mu, rounds)``."""
         stored = (None, None) if self.keys is None else self.encoded_rows()
         return (*stored, self.offset, self.keep, self.max_size, self._idx, *self._options())
 

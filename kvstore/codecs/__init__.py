@@ -9,7 +9,11 @@ temporal order, logical rows only):
 
 * raw rows (``kv:plain``, ``kv:rotating-plain``): ``keys``, ``values``;
 * affine rows (``kv:quant``, ``kv:rotating-quant``): ``keys.q`` (packed
-  uint32 words), ``keys.scales``, ``keys.biases``, and the same for ``values``.
+  uint32 words), ``keys.scales``, ``keys.biases``, and the same for ``values``;
+* TurboQuant rows (``kv:turboquant``, ``kv:rotating-turboquant``):
+  ``keys.codes`` (packed uint32 indices), ``keys.scales`` (``[B, H, T]``), the
+  same for ``values``, plus ``meta["tq"]`` and side tensors saying how they were
+  encoded (:mod:`kvstore.codecs.turboquant_params`).
 
 Snapshot ``meta``: ``dtype`` and ``offset`` always; windowed families add
 ``max_size``, ``keep`` and, for a rotated ring, ``ring_idx``.
@@ -40,6 +44,7 @@ from kvstore.codecs.registry import (
 )
 from kvstore.codecs.ring import RingKVCodec, RotatingKVCodec, RotatingQuantizedKVCodec
 from kvstore.codecs.transcode import Transcoded, transcode, transcode_measured
+from kvstore.codecs.turboquant import RotatingTurboQuantKVCodec, TurboQuantKVCodec
 
 __all__ = [
     "KVCodec",
@@ -50,6 +55,8 @@ __all__ = [
     "QuantizedKVCodec",
     "RotatingKVCodec",
     "RotatingQuantizedKVCodec",
+    "TurboQuantKVCodec",
+    "RotatingTurboQuantKVCodec",
     "ENTRY_POINT_GROUP",
     "register_codec",
     "get_codec",
@@ -74,6 +81,8 @@ register_codec(PlainKVCodec)
 register_codec(QuantizedKVCodec)
 register_codec(RotatingKVCodec)
 register_codec(RotatingQuantizedKVCodec)
+register_codec(TurboQuantKVCodec)
+register_codec(RotatingTurboQuantKVCodec)
 
 
 def snapshot(cache: Any, start: int = 0, stop: int | None = None) -> Snapshot:

@@ -167,7 +167,8 @@ class RowCodec(KVCodec):
             return f"snapshot of '{snap.signature}' given to the '{self.signature}' codec"
         if sorted(snap.tensors) != sorted(self.tensor_names()):
             return f"tensors {sorted(snap.tensors)} where {self.tensor_names()} belong"
-        if snap.meta.get("dtype") not in MLX_DTYPES:
+        dtype = snap.meta.get("dtype")
+        if not isinstance(dtype, str) or dtype not in MLX_DTYPES:
             return f"meta dtype {snap.meta.get('dtype')!r} is not a known dtype"
         lead = None
         for name in self.tensor_names():
@@ -178,6 +179,10 @@ class RowCodec(KVCodec):
                 lead = shape[:2]
             elif shape[:2] != lead:
                 return f"tensor '{name}' has batch/heads {shape[:2]}, not {lead}"
+        return self._rows_dtype_problem(snap)
+
+    def _rows_dtype_problem(self, snap: Snapshot) -> str | None:
+        """What is wrong with the dtypes of ``snap``'s rows against its meta ``dtype``."""
         keys, _ = self.rows_from_tensors(snap.tensors)
         if self.rows_dtype(keys) != snap.meta["dtype"]:
             return f"rows of dtype {self.rows_dtype(keys)} but meta dtype {snap.meta['dtype']}"

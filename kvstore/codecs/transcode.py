@@ -106,7 +106,9 @@ def _target_meta(
     max_size: int | None,
     keep: int | None,
 ) -> dict[str, Any]:
-    meta = {k: v for k, v in snapshot.meta.items() if k not in _WINDOW_KEYS}
+    source_only = () if source == target else source.own_meta
+    carried = {k: v for k, v in snapshot.meta.items() if k not in source_only}
+    meta = {k: v for k, v in carried.items() if k not in _WINDOW_KEYS}
     if not isinstance(target, RingKVCodec):
         return meta
     windowed = isinstance(source, RingKVCodec)
@@ -120,7 +122,7 @@ def _target_meta(
         )
     )
     if same_window:
-        return dict(snapshot.meta)
+        return carried
     if max_size is None and not windowed:
         raise ValueError(
             f"[transcode] A windowed target '{target.signature}' needs max_size (and keep); "

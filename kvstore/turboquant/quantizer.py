@@ -116,6 +116,8 @@ class TurboQuantizer:
         rounds: RHT rounds, 1 or 2 (power-of-two D only).
         scale_mode: ``"l2"``, ``"matched"`` or ``"ls"``; the kind's default if None.
         rotation: a stored rotation to use instead of generating one (a reader's path).
+        scale_dtype: ``"float16"`` (spec default; float32 anyway when a scale
+            needs it) or ``"float32"`` (always).
 
     Raises:
         ValueError: a parameter outside the values above.
@@ -130,6 +132,7 @@ class TurboQuantizer:
         rounds: int = 1,
         scale_mode: ScaleMode | None = None,
         rotation: Rotation | None = None,
+        scale_dtype: str = "float16",
     ) -> None:
         if bits not in TQ_BITS:
             raise ValueError(f"[turboquant] bits must be one of 2, 3, 4; received {bits!r}.")
@@ -146,6 +149,12 @@ class TurboQuantizer:
             )
         self.bits, self.dim, self.kind, self.seed = bits, dim, kind, seed
         self.scale_mode: ScaleMode = mode
+        if scale_dtype not in ("float16", "float32"):
+            raise ValueError(
+                f"[turboquant] scale_dtype must be 'float16' or 'float32'; "
+                f"received {scale_dtype!r}."
+            )
+        self.scale_dtype = scale_dtype
         table = codebook(bits)
         self.centroids = mx.array(table.centroids.astype(np.float32))
         self.squared_centroids = self.centroids * self.centroids
@@ -182,8 +191,9 @@ class TurboQuantizer:
         """``(codes uint32 [..., W], scales [...])`` for vectors ``x [..., D]``.
 
         Scales are float16 unless one exceeds :data:`FLOAT16_SCALE_LIMIT` in
-        magnitude or is not finite; then all are float32. ``mu`` (broadcastable
-        to ``x``) is subtracted first (key mean-centering).
+        magnitude or is not finite (or ``scale_dtype`` is float32); then all are
+        float32. ``mu`` (broadcastable to ``x``) is subtracted first (key
+        mean-centering).
 
         Raises:
             EncodingError: ``x`` has NaN or Inf (seen as a non-finite norm, which
@@ -194,7 +204,7 @@ class TurboQuantizer:
             x = x.astype(mx.float32) - mu
         lead = x.shape[:-1]
         rows = x.reshape(-1, self.dim)
-        blocks, bad_input, wide_scale = [], False, False
+        blocks, bad_input, wide_scale = [], False, self.scale_dtype == "float32"
         for b in _row_blocks(rows.shape[0], self.dim):
             idx, scale, norm = self.quantize(rows[b])
             codes = pack_indices(idx, self.bits)
@@ -269,7 +279,14 @@ class TurboQuantizer:
 
 @functools.lru_cache(maxsize=128)
 def quantizer_for(
-    bits: int, dim: int, kind: str = "k", seed: int = 0, scale_mode: ScaleMode | None = None
+    bits: int,
+    dim: int,
+    kind: str = "k",
+    seed: int = 0,
+    scale_mode: ScaleMode | None = None,
+    rotation: Rotation | None = None,
 ) -> TurboQuantizer:
-    """A shared :class:`TurboQuantizer` (they are immutable; one per configuration)."""
-    return TurboQuantizer(bits, dim, kind=kind, seed=seed, scale_mode=scale_mode)
+    """A shared :class:`TurboQuantizer` (they are immutable; one per configuration).
+
+    ``rotation`` (compared by identity) replaces the seed's one-round rotation."""
+    return TurboQuantizer(bits, dim, kind=kind, seed=seed, scale_mode=scale_mode, rotation=rotation)

@@ -8,9 +8,16 @@ from pathlib import Path
 
 import pytest
 
-from kvstore.bench.figures import FIGURES, decode, restore, save, stored_bytes
+from kvstore.bench.figures import (
+    FIGURES,
+    decode,
+    restore,
+    save,
+    stored_bytes,
+    turboquant_speed,
+)
 from kvstore.bench.harness import Case, Sizes, evaluate, figure_status
-from kvstore.bench.results import MET, NOT_MEASURED
+from kvstore.bench.results import MET, MISSED, NOT_MEASURED
 from kvstore.bench.workloads import WORKLOADS
 from kvstore.codecs import registered_kinds
 from kvstore.signature import parse_signature
@@ -38,7 +45,7 @@ def test_the_table_lists_the_figures_benchmarks_md_defines():
 
 def test_figures_without_their_parts_say_why_and_measure_nothing(tmp_path):
     ctx = context(tmp_path)
-    for fid in ("P3", "P4", "P5", "P6", "P8", "P10", "P11"):
+    for fid in ("P3", "P4", "P5", "P6", "P8", "P10"):
         figure = FIGURES[fid]
         result = figure.run(ctx)
         assert result.rows == [] and "issue" in result.pending
@@ -74,6 +81,23 @@ def test_p7_measures_real_records_of_every_registered_family(p7_result):
         if row.params["family"] == "kv:plain":
             # the rows themselves, plus the record's header and padding
             assert shape.bytes_per_token < per_token < shape.bytes_per_token * 1.01
+        # Rows cost exactly their family's formula. The header adds a few percent at most:
+        # TurboQuant's description (signs, codebook) is ~0.4 KB per layer, 4% of a block of
+        # qwen0.5b's 2 heads x 64 dims at 2 bits.
+        assert row.values["rows/formula"] == 1.0
+        assert row.values["formula vs bf16"] < ratio < row.values["formula vs bf16"] * 1.05
+
+
+def test_p7_turboquant_bars_follow_from_b_plus_16_over_d(p7_result):
+    # tq 3/3 and 2/2 cost 3 + 16/D and 2 + 16/D bits per value: within the 0.20x and
+    # 0.14x bars at head_dim 128 (llama8b) and 256 (gemma-swa), above them at 64 (qwen0.5b).
+    checks = evaluate(stored_bytes.FIGURE, p7_result)
+    statuses = {(c.bar, c.row.split()[0]): c.status for c in checks if "turboquant" in c.bar}
+    for bar in ("vs bf16 <= 0.2x [kv:turboquant:3:3]", "vs bf16 <= 0.14x [kv:turboquant:2:2]"):
+        assert statuses[(bar, "llama8b")] == statuses[(bar, "gemma-swa")] == MET
+        assert statuses[(bar, "qwen0.5b")] == MISSED
+    assert stored_bytes.formula_bits_per_value("kv:turboquant:3:3", 64) / 16 > 0.20
+    assert stored_bytes.formula_bits_per_value("kv:turboquant:2:2", 64) / 16 > 0.14
 
 
 def test_p7_quantized_families_meet_their_size_bars(p7_result):
@@ -178,3 +202,18 @@ def test_p9_reads_the_same_records_from_redis_and_lmdb(tmp_path):
     assert set(row.samples) == {"redis", "lmdb", "redis GET only"}
     assert set(row.ratios) == {"vs lmdb", "store overhead"}
     assert {c.metric for c in evaluate(FIGURES["P9"], result)} == {"vs lmdb"}
+
+
+def test_p11_times_turboquant_against_mx_affine_on_the_same_rows(tmp_path):
+    result = turboquant_speed.FIGURE.run(context(tmp_path, sizes=Sizes(("qwen0.5b",), (64, 128))))
+    *rows, _, _, _ = result.rows  # one scaling row per width
+    assert [(r.params["tokens"], r.params["config"]) for r in rows] == [
+        (t, c) for t in (64, 128) for c in ("tq4/4", "tq3/3", "tq2/2")
+    ]
+    for row in rows:
+        ours = ["encode", "decode"] + (["fwht"] if row.params["config"] == "tq4/4" else [])
+        assert list(row.samples) == ["mx.quantize 4/64", "mx.dequantize 4/64", *ours]
+        assert {turboquant_speed.ENCODE, turboquant_speed.DECODE} <= set(row.ratios)
+        assert row.params["mib"] == pytest.approx(row.params["tokens"] * 2 * 2 * 64 * 2 / 2**20)
+    checks = evaluate(turboquant_speed.FIGURE, result)
+    assert len(checks) == 2 * len(rows) and all(c.value is not None for c in checks)

@@ -201,10 +201,12 @@ def test_state_of_an_empty_cache_round_trips():
 def test_state_carries_scales_as_b_h_t_and_the_options():
     cache = TurboQuantKVCache(4, 4, center=True)
     cache.update_and_fetch(rows(6) + 3, rows(6))
-    (kc, ks), _, offset, kbits, vbits, seed, kmode, vmode, center, dtype, dim, mu = cache.state
+    (kc, ks), _, offset, kbits, vbits, seed, kmode, vmode, center, dtype, dim, mu, rounds = (
+        cache.state
+    )
     assert ks.shape == (1, 2, 256) and offset == 6 and (kbits, vbits, seed) == (4, 4, 0)
     assert (kmode, vmode, center, dtype, dim) == ("matched", "ls", True, "float16", 64)
-    assert mu.shape == (2, 64) and mu.dtype == mx.float32
+    assert mu.shape == (2, 64) and mu.dtype == mx.float32 and rounds == 1
 
 
 @pytest.mark.parametrize("family", ["tq-3-2", "rot-tq-4-3"])

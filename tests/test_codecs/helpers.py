@@ -9,7 +9,14 @@ from typing import Any
 import msgpack
 import xxhash
 
-from kvstore.caches import KVCache, QuantizedKVCache, RotatingKVCache, RotatingQuantizedKVCache
+from kvstore.caches import (
+    KVCache,
+    QuantizedKVCache,
+    RotatingKVCache,
+    RotatingQuantizedKVCache,
+    RotatingTurboQuantKVCache,
+    TurboQuantKVCache,
+)
 from kvstore.codecs import encode_record, snapshot_held
 from kvstore.testing.codec import fill_cache
 
@@ -23,7 +30,24 @@ FAMILIES: dict[str, Callable[[], Any]] = {
     "rotating-keep4": lambda: RotatingKVCache(32, keep=4),
     "rotating-quant-4-64-keep4": lambda: RotatingQuantizedKVCache(32, 4, group_size=64, bits=4),
     "rotating-quant-5-32-keep0": lambda: RotatingQuantizedKVCache(32, 0, group_size=32, bits=5),
+    "tq-4-3": lambda: TurboQuantKVCache(4, 3),
+    "tq-2-2-seed5-centred": lambda: TurboQuantKVCache(2, 2, seed=5, center=True),
+    "rotating-tq-3-3-keep4": lambda: RotatingTurboQuantKVCache(32, 4, kbits=3, vbits=3),
+    "rotating-tq-4-2-keep0-2rounds": lambda: RotatingTurboQuantKVCache(
+        32, 0, kbits=4, vbits=2, rounds=2
+    ),
 }
+
+#: Head dims the round trips cover: 96 is not a power of two (TurboQuant's dense rotation).
+HEAD_DIMS = (64, 128, 256, 96)
+
+
+def head_dim_fits(family: str, head_dim: int) -> bool:
+    """False where the family cannot encode rows of ``head_dim`` (an affine group
+    that does not divide it)."""
+    group = getattr(FAMILIES[family](), "group_size", None)
+    return group is None or head_dim % group == 0
+
 
 #: Update sizes: a prefill, then decode steps or chunks.
 HISTORIES: dict[str, list[int]] = {
@@ -69,10 +93,17 @@ def payload_of(record: bytes) -> bytes:
     return record[start:]
 
 
+#: The layer of :func:`small_record` holding TurboQuant rows.
+SMALL_RECORD_TQ_LAYER = 3
+
+
 def small_record(**shape: Any) -> bytes:
-    """A tiny two-layer record (plain + 4-bit affine) for exhaustive corruption tests."""
+    """A tiny record (plain, absent, 4-bit affine, TurboQuant 2/3 with centred keys)
+    for exhaustive corruption tests."""
     shape = {"heads": 1, "head_dim": 32, **shape}
     plain, quant = KVCache(), QuantizedKVCache(32, 4)
-    for cache in (plain, quant):
+    tq = TurboQuantKVCache(2, 3, center=True)
+    for cache in (plain, quant, tq):
         fill_cache(cache, [3], **shape)
-    return encode_record([*snapshot_held(plain), None, *snapshot_held(quant)], meta={"t": [1, 2]})
+    layers = [*snapshot_held(plain), None, *snapshot_held(quant), *snapshot_held(tq)]
+    return encode_record(layers, meta={"t": [1, 2]})

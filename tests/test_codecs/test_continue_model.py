@@ -12,6 +12,8 @@ from kvstore.caches import (  # noqa: E402
     QuantizedKVCache,
     RotatingKVCache,
     RotatingQuantizedKVCache,
+    RotatingTurboQuantKVCache,
+    TurboQuantKVCache,
 )
 from kvstore.codecs import (  # noqa: E402
     decode_record,
@@ -34,6 +36,9 @@ FAMILIES = {
     # window 24, keep 4: the prefill overflows it and decoding wraps it
     "rotating": lambda: RotatingKVCache(24, keep=4),
     "rotating-quant-8-64": lambda: RotatingQuantizedKVCache(24, keep=4, bits=8),
+    "tq-4-3": lambda: TurboQuantKVCache(4, 3),
+    "tq-2-2-centred": lambda: TurboQuantKVCache(2, 2, seed=3, center=True),
+    "rotating-tq-3-3": lambda: RotatingTurboQuantKVCache(24, keep=4, kbits=3, vbits=3),
     "mlx-lm-plain": lm_cache.KVCache,
     "mlx-lm-quant-4-64": lambda: lm_cache.QuantizedKVCache(64, 4),
     "mlx-lm-rotating": lambda: lm_cache.RotatingKVCache(24, keep=4),
@@ -82,9 +87,14 @@ def continue_both(model, a, b):
 
 @pytest.mark.parametrize("to_mlx", [False, True], ids=["numpy-views", "to-mlx"])
 @pytest.mark.parametrize("dtype", [None, mx.float16, mx.bfloat16], ids=["fp32", "fp16", "bf16"])
-@pytest.mark.parametrize("family", list(FAMILIES))
-def test_restored_cache_continues_with_identical_logits(family, dtype, to_mlx):
-    model = build_mlx_lm_model("llama")
+@pytest.mark.parametrize(
+    "family, head_dim",
+    [(f, 64) for f in FAMILIES]
+    # head_dim 96: TurboQuant's dense rotation, restored from the matrix the records carry
+    + [("tq-4-3", 96), ("rotating-tq-3-3", 96)],
+)
+def test_restored_cache_continues_with_identical_logits(family, head_dim, dtype, to_mlx):
+    model = build_mlx_lm_model("llama", head_dim=head_dim)
     if dtype is not None:
         model.set_dtype(dtype)
     original = [FAMILIES[family]() for _ in model.layers]

@@ -12,11 +12,17 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvstore.codecs import decode_record, decode_record_to_mlx, read_header
+from kvstore.codecs import decode_record, decode_record_to_mlx, read_header, restore
 from kvstore.codecs.header import BOUNDS
-from kvstore.errors import CorruptEntryError, FormatVersionError, KVStoreError
+from kvstore.errors import (
+    CapabilityError,
+    CorruptEntryError,
+    FormatVersionError,
+    KVStoreError,
+    UnknownSignatureError,
+)
 
-from .helpers import craft_record, header_of, payload_of, small_record
+from .helpers import SMALL_RECORD_TQ_LAYER, craft_record, header_of, payload_of, small_record
 
 FUZZ = settings(
     max_examples=2000 if os.environ.get("HYPOTHESIS_PROFILE") == "ci" else 200,
@@ -48,7 +54,9 @@ def decode_or_reject(data):
 
 
 def test_the_sample_record_is_valid():
-    assert len(decode_record(RECORD).layers) == 3 and len(PAYLOAD) > 0
+    layers = decode_record(RECORD).layers
+    assert len(layers) == 4 and len(PAYLOAD) > 0
+    assert layers[SMALL_RECORD_TQ_LAYER].signature == "kv:turboquant:2:3"
 
 
 def test_every_truncation_is_rejected():
@@ -171,6 +179,27 @@ def test_headers_with_one_field_replaced_decode_or_are_rejected(path, value):
         for layer in record.layers:
             for array in layer.tensors.values() if layer else ():
                 assert array.base is not None  # a view into `data`, within its bounds
+
+
+TQ_PATHS = [p for p in ALL_PATHS if p[:2] == ("layers", SMALL_RECORD_TQ_LAYER)]
+
+
+@FUZZ
+@given(st.sampled_from(TQ_PATHS), JSONISH)
+def test_turboquant_layers_with_one_field_replaced_restore_or_are_rejected(path, value):
+    # Decoding checks the record; restoring checks what the TurboQuant codec
+    # records about its encoding (codebook, rotation, scale modes, key mean).
+    record = decode_or_reject(craft_record(replaced(HEADER, path, value), PAYLOAD))
+    layer = record.layers[SMALL_RECORD_TQ_LAYER] if record is not None else None
+    if layer is None:
+        return
+    try:
+        cache = restore(layer)
+    except (CorruptEntryError, UnknownSignatureError, CapabilityError, ValueError) as exc:
+        # A replaced signature may name another kind, or bad parameters of this one.
+        assert isinstance(exc, KVStoreError) or path[-1] == "signature"
+    else:
+        assert cache.offset == 3
 
 
 @FUZZ

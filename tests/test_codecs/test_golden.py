@@ -8,7 +8,15 @@ import pytest
 from kvstore.testing.codec import check_golden
 
 GOLDEN = Path(__file__).parent.parent / "fixtures" / "golden"
-EXPECTED = {"kv-plain", "kv-quant", "kv-rotating-plain", "kv-rotating-quant", "mixed"}
+EXPECTED = {
+    "kv-plain",
+    "kv-quant",
+    "kv-rotating-plain",
+    "kv-rotating-quant",
+    "kv-turboquant",
+    "kv-rotating-turboquant",
+    "mixed",
+}
 FIXTURES = sorted(GOLDEN.glob("*/format-*"))
 
 

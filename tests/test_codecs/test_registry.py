@@ -11,12 +11,21 @@ import pytest
 import kvstore
 import kvstore.codecs
 from kvstore.abc.codec import KVCodec
-from kvstore.caches import KVCache, QuantizedKVCache, RotatingKVCache, RotatingQuantizedKVCache
+from kvstore.caches import (
+    KVCache,
+    QuantizedKVCache,
+    RotatingKVCache,
+    RotatingQuantizedKVCache,
+    RotatingTurboQuantKVCache,
+    TurboQuantKVCache,
+)
 from kvstore.codecs import (
     PlainKVCodec,
     QuantizedKVCodec,
     RotatingKVCodec,
     RotatingQuantizedKVCodec,
+    RotatingTurboQuantKVCodec,
+    TurboQuantKVCodec,
     codec_for,
     get_codec,
     register_codec,
@@ -56,9 +65,14 @@ def all_codec_classes():
 
 def test_every_codec_class_is_registered():
     classes = all_codec_classes()
-    assert {PlainKVCodec, QuantizedKVCodec, RotatingKVCodec, RotatingQuantizedKVCodec} <= set(
-        classes
-    )
+    assert {
+        PlainKVCodec,
+        QuantizedKVCodec,
+        RotatingKVCodec,
+        RotatingQuantizedKVCodec,
+        TurboQuantKVCodec,
+        RotatingTurboQuantKVCodec,
+    } <= set(classes)
     unregistered = [c.__name__ for c in classes if registry_module._CODECS.get(c.kind) is not c]
     assert not unregistered, (
         f"codec classes not registered in kvstore/codecs/__init__.py: {unregistered}"
@@ -66,14 +80,28 @@ def test_every_codec_class_is_registered():
 
 
 def test_builtin_kinds():
-    assert {"kv:plain", "kv:quant", "kv:rotating-plain", "kv:rotating-quant"} <= set(
-        registered_kinds()
-    )
+    builtin = {
+        "kv:plain",
+        "kv:quant",
+        "kv:rotating-plain",
+        "kv:rotating-quant",
+        "kv:turboquant",
+        "kv:rotating-turboquant",
+    }
+    assert builtin <= set(registered_kinds())
 
 
 @pytest.mark.parametrize(
     "signature",
-    ["kv:plain", "kv:quant:4:64", "kv:quant:3:32", "kv:rotating-plain", "kv:rotating-quant:8:128"],
+    [
+        "kv:plain",
+        "kv:quant:4:64",
+        "kv:quant:3:32",
+        "kv:rotating-plain",
+        "kv:rotating-quant:8:128",
+        "kv:turboquant:4:3",
+        "kv:rotating-turboquant:2:2",
+    ],
 )
 def test_signatures_resolve_to_bound_codecs(signature):
     codec = check_signature(signature)
@@ -94,6 +122,8 @@ def test_unknown_kind_lists_registered_kinds():
 def test_bad_parameters_of_a_known_kind_are_a_value_error():
     with pytest.raises(ValueError, match="bits must be one of"):
         get_codec("kv:quant:7:64")
+    with pytest.raises(ValueError, match="kv:turboquant"):
+        get_codec("kv:turboquant:5:4")
 
 
 @pytest.mark.parametrize(
@@ -103,6 +133,8 @@ def test_bad_parameters_of_a_known_kind_are_a_value_error():
         (lambda: QuantizedKVCache(32, 5), QuantizedKVCodec),
         (lambda: RotatingKVCache(16, keep=2), RotatingKVCodec),
         (lambda: RotatingQuantizedKVCache(16, bits=4), RotatingQuantizedKVCodec),
+        (lambda: TurboQuantKVCache(3, 2), TurboQuantKVCodec),
+        (lambda: RotatingTurboQuantKVCache(16, kbits=2, vbits=4), RotatingTurboQuantKVCodec),
     ],
 )
 def test_codec_for_our_caches(make, codec):

@@ -4,7 +4,7 @@ and consecutive ranges restoring what one whole snapshot restores."""
 import mlx.core as mx
 import pytest
 
-from kvstore.caches import RotatingKVCache, RotatingQuantizedKVCache
+from kvstore.caches import RotatingKVCache, RotatingQuantizedKVCache, RotatingTurboQuantKVCache
 from kvstore.codecs import restore, snapshot, snapshot_held
 from kvstore.codecs.ring import RingView
 from kvstore.errors import CapabilityError, CorruptEntryError
@@ -16,20 +16,17 @@ from kvstore.testing.codec import (
     fill_cache,
 )
 
-from .helpers import FAMILIES, HISTORIES
+from .helpers import FAMILIES, HEAD_DIMS, HISTORIES, head_dim_fits
 
 CONTINUE = [1, 1, 5, 1, 40, 1, 1]
 
 
-def groups_fit(family, head_dim):
-    group = getattr(FAMILIES[family](), "group_size", None)
-    return group is None or head_dim % group == 0
-
-
 @pytest.mark.parametrize("history", list(HISTORIES))
-@pytest.mark.parametrize("head_dim", [64, 128, 256])
 @pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16], ids=["fp16", "bf16"])
-@pytest.mark.parametrize("family", list(FAMILIES))
+@pytest.mark.parametrize(
+    "family, head_dim",
+    [(f, d) for f in FAMILIES for d in HEAD_DIMS if head_dim_fits(f, d)],
+)
 def test_roundtrip_bit_exact_then_continue(family, dtype, head_dim, history):
     shape = {"dtype": dtype, "head_dim": head_dim}
     cache = FAMILIES[family]()
@@ -66,7 +63,9 @@ def test_consecutive_ranges_restore_the_whole(family, cuts):
     check_continue(whole, parts, CONTINUE)
 
 
-@pytest.mark.parametrize("cls", [RotatingKVCache, RotatingQuantizedKVCache])
+@pytest.mark.parametrize(
+    "cls", [RotatingKVCache, RotatingQuantizedKVCache, RotatingTurboQuantKVCache]
+)
 @pytest.mark.parametrize("chunks", [[16] * 6, [16] * 5 + [7], [20, 16, 16, 16, 1, 1]])
 def test_ring_restores_from_blocks_covering_keep_and_window(cls, chunks):
     # Blocks are captured right after each chunk, while the ring still holds them

@@ -3,7 +3,14 @@
 import mlx.core as mx
 import pytest
 
-from kvstore.caches import KVCache, QuantizedKVCache, RotatingKVCache, RotatingQuantizedKVCache
+from kvstore.caches import (
+    KVCache,
+    QuantizedKVCache,
+    RotatingKVCache,
+    RotatingQuantizedKVCache,
+    RotatingTurboQuantKVCache,
+    TurboQuantKVCache,
+)
 from kvstore.codecs import restore, snapshot, snapshot_held, transcode, transcode_measured
 from kvstore.errors import UnknownSignatureError
 from kvstore.testing.codec import assert_snapshots_equal, check_continue, fill_cache
@@ -88,3 +95,59 @@ def test_rotating_plain_to_rotating_quant_keeps_the_window():
 def test_unknown_target():
     with pytest.raises(UnknownSignatureError):
         transcode(snapshot(filled(KVCache())), "kv:nope")
+
+
+# -- TurboQuant: lossy from dense, lossless to dense -------------------------------------
+
+#: Level-0 relative MSE of TurboQuant at each width (spec), with room for 42 short rows.
+TQ_RELMSE = {4: (0.006, 0.013), 3: (0.025, 0.045), 2: (0.09, 0.14)}
+
+
+@pytest.mark.parametrize("kbits, vbits", [(4, 3), (2, 2)])
+@pytest.mark.parametrize("head_dim", [64, 96])
+@pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16], ids=["fp16", "bf16"])
+def test_plain_to_turboquant_equals_a_turboquant_cache_of_the_same_rows(
+    kbits, vbits, head_dim, dtype
+):
+    shape = {"dtype": dtype, "head_dim": head_dim}
+    plain = filled(KVCache(), **shape)
+    tq = filled(TurboQuantKVCache(kbits, vbits), **shape)
+    result = transcode_measured(snapshot(plain), f"kv:turboquant:{kbits}:{vbits}")
+    assert_snapshots_equal([snapshot(tq)], [result.snapshot])
+    assert not result.lossless
+    for side, bits in (("keys", kbits), ("values", vbits)):
+        low, high = TQ_RELMSE[bits]
+        assert low < result.relative_mse[side] < high, (side, result.relative_mse)
+    check_continue(tq, restore(result.snapshot), [1, 3, 1], **shape)
+
+
+def test_turboquant_to_plain_decodes_losslessly_and_leaves_its_meta_behind():
+    tq = filled(TurboQuantKVCache(3, 4, seed=9, center=True))
+    snap = snapshot(tq)
+    result = transcode_measured(snap, "kv:plain")
+    assert result.lossless and result.relative_mse == {"keys": 0.0, "values": 0.0}
+    keys, values = tq.keys_and_values()
+    assert mx.array_equal(result.snapshot.tensors["keys"], keys[2][:, :, :42]).item()
+    assert mx.array_equal(result.snapshot.tensors["values"], values[2][:, :, :42]).item()
+    assert result.snapshot.meta == without(snap.meta, "tq")
+
+
+@pytest.mark.parametrize("source", ["kv:quant:4:64", "kv:turboquant:4:4"])
+def test_affine_and_turboquant_convert_through_dense_rows(source):
+    plain = snapshot(filled(KVCache()))
+    start = transcode(plain, source)
+    target = "kv:turboquant:3:3" if source.startswith("kv:quant") else "kv:quant:4:64"
+    result = transcode_measured(start, target)
+    assert result.snapshot.signature == target and not result.lossless
+    assert 0 < result.relative_mse["keys"] < 0.05
+    # Through dense rows: the same as converting the source's dense rows directly.
+    direct = transcode(transcode(start, "kv:plain"), target)
+    assert_snapshots_equal([direct], [result.snapshot])
+
+
+def test_rotating_plain_to_rotating_turboquant_keeps_the_window():
+    ring = filled(RotatingKVCache(32, keep=4), (40, 1, 1, 1))
+    tq_ring = filled(RotatingTurboQuantKVCache(32, keep=4, kbits=3, vbits=2), (40, 1, 1, 1))
+    out = [transcode(s, "kv:rotating-turboquant:3:2") for s in snapshot_held(ring)]
+    assert_snapshots_equal(snapshot_held(tq_ring), out)
+    check_continue(tq_ring, restore(out), [1, 3, 1])

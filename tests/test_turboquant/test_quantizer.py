@@ -174,6 +174,15 @@ def test_large_scales_switch_to_float32():
     assert q.encode(x / 1e6)[1].dtype == mx.float16
 
 
+def test_float32_scale_dtype_keeps_the_codes_and_unrounded_scales():
+    x = mx.random.normal((4, 128), key=mx.random.key(3))
+    wide = TurboQuantizer(3, 128, "v", scale_dtype="float32")
+    codes, scale = wide.encode(x)
+    narrow_codes, narrow = TurboQuantizer(3, 128, "v").encode(x)
+    assert scale.dtype == mx.float32 and mx.array_equal(codes, narrow_codes).item()
+    assert mx.array_equal(scale.astype(mx.float16), narrow).item()
+
+
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
 def test_non_finite_input_raises(bad):
     x = mx.random.normal((2, 5, 64))
@@ -198,6 +207,7 @@ def test_shape_errors():
     [
         (dict(bits=5, dim=64), "bits must be one of 2, 3, 4"),
         (dict(bits=4, dim=64, scale_mode="rms"), "scale_mode must be one of l2, matched, ls"),
+        (dict(bits=4, dim=64, scale_dtype="bfloat16"), "scale_dtype must be 'float16' or"),
     ],
 )
 def test_bad_parameters(kwargs, match):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -9,6 +10,7 @@ import mlx.core as mx
 
 from kvstore.abc.cache import affine_params, signature_string, uses_quantized_attention
 from kvstore.caches import KVCache, QuantizedKVCache, TurboQuantKVCache
+from kvstore.turboquant.quantizer import TurboQuantizer
 
 __all__ = ["ATTRIBUTED", "Family", "FAMILIES", "OneSidedKVCache", "through_cache"]
 
@@ -22,6 +24,10 @@ class Family:
     vbits: int
     group: int = 0  # affine only
     center: bool = False  # TurboQuant key mean-centering (spec option)
+    # TurboQuant spec options measured against their defaults (tools/quality/options.py)
+    value_scale_mode: str = "ls"
+    rounds: int = 1
+    scale_dtype: str = "float16"
 
     @property
     def is_affine(self) -> bool:
@@ -31,10 +37,45 @@ class Family:
         """A fresh cache; affine groups shrink to head_dim where they do not fit (MiniLM, D=32)."""
         if self.is_affine:
             return QuantizedKVCache(group_size=min(self.group, head_dim), bits=self.kbits)
-        return TurboQuantKVCache(self.kbits, self.vbits, center=self.center)
+        cls = TurboQuantKVCache if self.scale_dtype == "float16" else Float32ScalesKVCache
+        return cls(
+            self.kbits,
+            self.vbits,
+            center=self.center,
+            value_scale_mode=self.value_scale_mode,  # type: ignore[arg-type]
+            rounds=self.rounds,
+        )
 
     def signature(self, head_dim: int) -> str:
-        return signature_string(self.make(head_dim)) + (" +center" if self.center else "")
+        options = [
+            "+center" if self.center else "",
+            f"V {self.value_scale_mode}" if self.value_scale_mode != "ls" else "",
+            f"{self.rounds} rounds" if self.rounds != 1 else "",
+            "fp32 scales" if self.scale_dtype != "float16" else "",
+        ]
+        return " ".join([signature_string(self.make(head_dim)), *filter(None, options)])
+
+
+class Float32ScalesKVCache(TurboQuantKVCache):
+    """A TurboQuant cache storing every scale as float32 (spec ``scale_dtype``), to
+    measure what float16 scales cost; the codecs do not persist this option."""
+
+    def quantizers(self, head_dim: int) -> tuple[TurboQuantizer, TurboQuantizer]:
+        kq, vq = super().quantizers(head_dim)
+        return _float32_scales(kq), _float32_scales(vq)
+
+
+@functools.cache
+def _float32_scales(q: TurboQuantizer) -> TurboQuantizer:
+    return TurboQuantizer(
+        q.bits,
+        q.dim,
+        q.kind,
+        q.seed,
+        scale_mode=q.scale_mode,
+        rotation=q.rotation,
+        scale_dtype="float32",
+    )
 
 
 FAMILIES: tuple[Family, ...] = (

@@ -33,7 +33,7 @@ from tools.quality.metrics import (
     relmse,
 )
 
-__all__ = ["evaluate_pycode", "recording_attention"]
+__all__ = ["evaluate_pycode", "load_pycode", "recording_attention"]
 
 
 @contextlib.contextmanager
@@ -65,6 +65,23 @@ def _run(model: Any, caches: list[Any], prefill: mx.array, chunk: mx.array) -> m
     return logp
 
 
+def load_pycode(
+    model_dir: Path, windows: int, tokens: int
+) -> tuple[Any, dict[str, Any], Any, np.ndarray, list[int]]:
+    """``(model in float32, config, its mlx-lm module, held-out bytes, window starts)``:
+    ``windows`` evenly spaced starts of ``tokens + 1`` held-out bytes (the last one a target)."""
+    import importlib
+
+    from mlx_lm.utils import load_model
+
+    model, config = load_model(Path(model_dir))
+    model.set_dtype(mx.float32)
+    module = importlib.import_module(type(model).__module__)
+    data = np.frombuffer((Path(model_dir) / "heldout.txt").read_bytes(), np.uint8)
+    starts = np.linspace(0, len(data) - tokens - 1, windows).astype(int).tolist()
+    return model, config, module, data, starts
+
+
 def evaluate_pycode(
     model_dir: Path,
     families: Sequence[Family],
@@ -74,18 +91,10 @@ def evaluate_pycode(
     log: Any = print,
 ) -> dict[str, Any]:
     """Measure every family on pycode-lm; returns the summary (JSON-ready)."""
-    import importlib
-
-    from mlx_lm.utils import load_model
-
-    model, config = load_model(Path(model_dir))
-    model.set_dtype(mx.float32)
-    module = importlib.import_module(type(model).__module__)
+    model, config, module, data, starts = load_pycode(model_dir, windows, prefill + continuation)
     head_dim = int(config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"])
     layers = len(model.layers)
-    data = np.frombuffer((Path(model_dir) / "heldout.txt").read_bytes(), np.uint8)
     span = prefill + continuation + 1
-    starts = np.linspace(0, len(data) - span, windows).astype(int).tolist()
 
     samples = Samples()
     layer_stats: dict[str, list[list[float]]] = {

@@ -7,8 +7,15 @@ Adding one is a module with a ``Figure`` and its line here.
 
 from __future__ import annotations
 
-from kvstore.bench.figures import decode, redis_restore, restore, save, stored_bytes
-from kvstore.bench.figures.pending import P4, P5, P6, P8, P10, P11
+from kvstore.bench.figures import (
+    decode,
+    redis_restore,
+    restore,
+    save,
+    stored_bytes,
+    turboquant_speed,
+)
+from kvstore.bench.figures.pending import P4, P5, P6, P8, P10
 from kvstore.bench.harness import Figure
 
 __all__ = ["FIGURES"]
@@ -25,6 +32,6 @@ FIGURES: dict[str, Figure] = {
     "P8": P8,
     "P9": redis_restore.FIGURE,
     "P10": P10,
-    "P11": P11,
+    "P11": turboquant_speed.FIGURE,
     "D1": decode.FIGURE,
 }

@@ -9,7 +9,7 @@ from __future__ import annotations
 from kvstore.bench.figures.common import pending_figure
 from kvstore.bench.harness import at_least, at_most
 
-__all__ = ["P4", "P5", "P6", "P8", "P10", "P11"]
+__all__ = ["P4", "P5", "P6", "P8", "P10"]
 
 _STORE = "needs the LMDB prefix store (kvstore.store, issue 5)"
 
@@ -47,11 +47,4 @@ P10 = pending_figure(
     "open with 10 blocks stored",
     (at_most("open 100k vs 10", 2.0),),
     _STORE,
-)
-P11 = pending_figure(
-    "P11",
-    "TurboQuant encode / decode throughput",
-    "mx.quantize / mx.dequantize 4-bit g64 on the same tensors",
-    (at_least("encode vs mx.quantize", 0.5), at_least("decode vs mx.dequantize", 0.5)),
-    "needs the TurboQuant family (issue 7)",
 )

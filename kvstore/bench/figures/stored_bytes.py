@@ -8,9 +8,15 @@ variant) and every layer is encoded into one record with
 bytes a store would hold. The figure is those bytes per token over the
 workload's bfloat16 bytes per token.
 
-A family whose codec is not registered (TurboQuant until issue 7 lands)
-is listed as not measured yet, with the registry's message; it is measured
-as soon as its codec registers, with no change here.
+Each row also gives the family's formula (bits per value: 16 raw; ``b + 32/g``
+affine with bfloat16 scales and biases; ``b + 16/D`` TurboQuant with float16
+scales, spec ``specs/turboquant.md``) and the record's row tensors over it,
+which is exactly 1 when the stored rows cost what the formula says; the rest
+of a record is its header and padding.
+
+A family whose codec is not registered is listed as not measured yet, with
+the registry's message; it is measured as soon as its codec registers, with
+no change here.
 """
 
 from __future__ import annotations
@@ -19,8 +25,10 @@ from kvstore.bench.harness import BenchContext, Figure, at_most
 from kvstore.bench.results import FigureResult, Row
 from kvstore.bench.workloads import WORKLOADS, synthetic_kv, windowed_signature
 from kvstore.errors import CapabilityError, UnknownSignatureError
+from kvstore.signature import parse_signature
+from kvstore.turboquant.quantizer import bits_per_value
 
-__all__ = ["FIGURE", "FAMILIES", "METRIC"]
+__all__ = ["FIGURE", "FAMILIES", "METRIC", "formula_bits_per_value"]
 
 #: Each family measured and its bar: the largest stored/bf16 ratio allowed (None: reported).
 FAMILIES: dict[str, float | None] = {
@@ -31,6 +39,32 @@ FAMILIES: dict[str, float | None] = {
     "kv:turboquant:2:2": 0.14,
 }
 METRIC = "vs bf16"
+_RAW_BITS = 16
+
+
+def formula_bits_per_value(signature: str, head_dim: int) -> float:
+    """Stored bits per key/value element of a family's rows, from its layout:
+    16 raw; ``b + 32/g`` affine (bfloat16 scales and biases per group of g);
+    the mean of keys' and values' ``b + 16/D`` for TurboQuant (float16 scales)."""
+    sig = parse_signature(signature)
+    if sig.kind in ("kv:quant", "kv:rotating-quant"):
+        return sig.bits + 2 * _RAW_BITS / sig.group_size
+    if sig.kind in ("kv:turboquant", "kv:rotating-turboquant"):
+        return (bits_per_value(sig.kbits, head_dim) + bits_per_value(sig.vbits, head_dim)) / 2
+    return float(_RAW_BITS)
+
+
+def _row_bytes(record: bytes, tokens: int) -> int:
+    """Bytes of the record's row tensors ``[B, H, tokens, ...]`` (not its side tensors)."""
+    from kvstore.codecs import read_header
+
+    return sum(
+        t.nbytes
+        for layer in read_header(record).layers
+        if layer is not None
+        for t in layer.tensors
+        if len(t.shape) >= 3 and t.shape[2] == tokens
+    )
 
 
 def measure(workload: str, tokens: int) -> list[Row]:
@@ -62,7 +96,14 @@ def measure(workload: str, tokens: int) -> list[Row]:
             continue
         record = encode_record(layers, meta={"workload": workload, "family": family})
         per_token = len(record) / tokens
-        values = {"bytes/token": per_token, METRIC: per_token / kv.shape.bytes_per_token}
+        bf16_per_token = kv.shape.bytes_per_token
+        formula = formula_bits_per_value(family, kv.shape.head_dim) / _RAW_BITS
+        values = {
+            "bytes/token": per_token,
+            METRIC: per_token / bf16_per_token,
+            "formula vs bf16": formula,
+            "rows/formula": _row_bytes(record, tokens) / (tokens * bf16_per_token * formula),
+        }
         rows.append(Row(label, params, values=values))
     return rows
 
@@ -74,7 +115,8 @@ def run(ctx: BenchContext) -> FigureResult:
         rows += measure(workload, ctx.sizes.block_tokens)
     notes = [
         f"one record of a {ctx.sizes.block_tokens}-token block, header and padding included",
-        "a family is measured as soon as its codec registers (TurboQuant: issue 7)",
+        "formula: bits per value of the family's layout (TurboQuant b + 16/D: above the "
+        "bars at head_dim 64); rows/formula = the record's row tensors over it (1 = exact)",
     ]
     return FigureResult(rows, notes=notes)
 
