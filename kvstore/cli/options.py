@@ -29,6 +29,10 @@ def command_parser(
     """A subcommand's parser: ``help`` in the command list, the first paragraph of the
     module docstring ``doc`` as its description, and the store URL argument."""
     p = sub.add_parser(name, help=help, description=doc.split("\n\n")[0] if doc else None)
+    # Also after the subcommand (kvstore ls URL --debug); SUPPRESS keeps the global value.
+    p.add_argument(
+        "--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks"
+    )
     if store:
         add_store(p)
     return p

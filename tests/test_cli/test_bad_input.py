@@ -160,6 +160,8 @@ def test_other_bad_options(make_store, tmp_path, capsys):
 def test_debug_shows_the_traceback(tmp_path):
     with pytest.raises(KVStoreError, match="No store at"):
         main(["--debug", "ls", str(tmp_path / "nowhere")])
+    with pytest.raises(KVStoreError, match="No store at"):
+        main(["ls", str(tmp_path / "nowhere"), "--debug"])
 
 
 def test_bad_input_as_a_subprocess(tmp_path):

@@ -107,8 +107,10 @@ class MigrationPlan:
         )
 
 
-@dataclass
+@dataclass(frozen=True)
 class Inputs:
+    """A migration's parsed parameters (what its journal is checked against)."""
+
     to: str | None
     layers: LayerSelection
     format_version: int | None

@@ -330,18 +330,22 @@ class _Run:
         pending = _Pending()
         for walk in walks(src.backend):
             for block in walk:
-                record, use = src.backend.get_many([block.record_key, block.use_key])
-                if record is None:  # removed from SRC since the walk listed it
-                    walk.skip_after(block)
-                    continue
-                if dst.backend.contains_many([block.record_key])[0]:
-                    if use is not None:
+                if dst.backend.contains_many([block.record_key])[0]:  # an earlier run's
+                    use = src.backend.get_many([block.use_key])[0]
+                    if use is not None:  # SRC's last use may be newer than the copy's
                         pending.uses.append((block.use_key, use))
-                elif not self._queue(pending, block, record, use):
-                    walk.skip_after(block)
-                    self.left_out += _subtree_size(src.backend, block)
+                    nbytes = block.entry.nbytes
+                else:
+                    record, use = src.backend.get_many([block.record_key, block.use_key])
+                    if record is None:  # removed from SRC since the walk listed it
+                        walk.skip_after(block)
+                        continue
+                    if not self._queue(pending, block, record, use):
+                        walk.skip_after(block)
+                        self.left_out += _subtree_size(src.backend, block)
+                    nbytes = len(record)
                 if self.progress is not None:
-                    self.progress(1, len(record))
+                    self.progress(1, nbytes)
                 if pending.nbytes >= self.batch_bytes or len(pending.uses) >= 4096:
                     self._commit(dst, pending)
                     pending = _Pending()
