@@ -40,7 +40,7 @@ __all__ = ["LMDB_ERRORS", "LMDBBackend", "open_lmdb_backend"]
 
 T = TypeVar("T")
 
-_DAMAGED = "The LMDB file is damaged; run `kvstore inspect --fix` on a copy or restore a backup."
+_DAMAGED = "The LMDB file is damaged; run `kvstore verify --fix` on a copy or restore a backup."
 _BUG = "This is a kvstore bug; please report it with the traceback."
 
 #: Every python-lmdb exception class and what it becomes (tests check none is missing).
