@@ -10,6 +10,7 @@ catch, so ``except ValueError`` keeps working around our calls::
     ├── CorruptEntryError(ValueError)         bad magic, bounds, checksum, truncation
     ├── CapabilityError(TypeError)            a cache/store cannot do what was asked
     ├── EncodingError(ValueError)             values a lossy encoder refuses (NaN/Inf, wrong shape)
+    ├── ModelLoadError(ValueError)            a model directory that cannot be loaded as it is
     └── StoreError
         ├── StoreUnavailableError(ConnectionError)   backend unreachable or timed out
         ├── StoreFullError                           map, disk or quota exhausted
@@ -39,6 +40,7 @@ __all__ = [
     "CorruptEntryError",
     "CapabilityError",
     "EncodingError",
+    "ModelLoadError",
     "StoreError",
     "StoreUnavailableError",
     "StoreFullError",
@@ -84,6 +86,11 @@ class CapabilityError(KVStoreError, TypeError):
 
 class EncodingError(KVStoreError, ValueError):
     """Tensors a lossy encoder cannot encode or decode (NaN/Inf, wrong shape)."""
+
+
+class ModelLoadError(KVStoreError, ValueError):
+    """A model directory without a readable config or weights, or whose weights do
+    not fit the architecture its config describes."""
 
 
 class StoreError(KVStoreError):

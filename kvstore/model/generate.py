@@ -1,0 +1,257 @@
+"""Streaming generation with chunked, block-aligned prefill.
+
+:func:`generate` prefills the prompt in chunks whose ends fall on multiples of
+``block_size`` (absolute token positions), calls ``on_prefill_chunk`` after
+each chunk is evaluated — the moment a prefix store captures the blocks of
+that chunk, while a sliding window still holds them — then samples and
+streams tokens. Caches that already hold a prefix (offset > 0, e.g. restored
+from a store) are continued: only the rest of the prompt is prefilled, and
+always at least one token, so the first sampled token has fresh logits.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Collection, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, cast
+
+import mlx.core as mx
+import numpy as np
+
+from kvstore.abc.cache import can_trim
+from kvstore.errors import CapabilityError
+from kvstore.model.sampling import Sampler, make_sampler
+from kvstore.model.transformer import Model
+
+__all__ = ["GenerationStats", "generate", "generate_tokens", "prefill_chunks", "prefill"]
+
+#: ``on_prefill_chunk(offset_end, caches)``: called after each prefill chunk is evaluated.
+ChunkCallback = Callable[[int, list[Any]], None]
+
+
+@dataclass(frozen=True)
+class GenerationStats:
+    """What one :func:`generate` call did and how fast.
+
+    Attributes:
+        prompt_tokens: length of the prompt.
+        reused_tokens: prompt tokens already in the caches when generation began.
+        prefilled_tokens: prompt tokens the model processed (``prompt - reused``).
+        generated_tokens: tokens streamed.
+        ttft_s: seconds from the call's first step to the first token.
+        prefill_s: seconds spent prefilling (first token's logits and sample included).
+        decode_s: seconds from the first token to the last.
+        prefill_tps: ``prefilled_tokens / prefill_s``.
+        decode_tps: tokens after the first per second of ``decode_s`` (0 if fewer than 2).
+    """
+
+    prompt_tokens: int
+    reused_tokens: int
+    prefilled_tokens: int
+    generated_tokens: int
+    ttft_s: float
+    prefill_s: float
+    decode_s: float
+    prefill_tps: float
+    decode_tps: float
+
+
+def prefill_chunks(
+    start: int, stop: int, chunk_size: int, block_size: int | None
+) -> list[tuple[int, int]]:
+    """The ``[begin, end)`` chunks covering prompt positions ``start..stop``.
+
+    Every chunk but the last ends on a multiple of ``block_size``, so a chunk
+    is at most ``chunk_size`` tokens and whole blocks never straddle chunks.
+    ``block_size=None`` cuts plain ``chunk_size`` chunks.
+
+    Raises:
+        ValueError: ``chunk_size`` < 1 or smaller than ``block_size``.
+    """
+    block = block_size or 1
+    if block < 1 or chunk_size < block:
+        raise ValueError(
+            f"[generate] chunk_size must be >= block_size >= 1 (chunks end on block "
+            f"boundaries); received chunk_size={chunk_size}, block_size={block_size}."
+        )
+    chunks, pos = [], start
+    while pos < stop:
+        end = min(stop, (pos + chunk_size) // block * block)
+        chunks.append((pos, end))
+        pos = end
+    return chunks
+
+
+def _as_tokens(prompt_tokens: Sequence[int] | mx.array) -> mx.array:
+    if type(prompt_tokens) is mx.array:
+        tokens = prompt_tokens
+    else:  # lists, ranges, numpy arrays
+        tokens = mx.array(np.asarray(prompt_tokens))
+    if tokens.ndim != 1 or tokens.size == 0 or not mx.issubdtype(tokens.dtype, mx.integer):
+        raise ValueError(
+            f"[generate] prompt_tokens must be a non-empty 1-D sequence of token ids; "
+            f"received shape {tuple(tokens.shape)} of {tokens.dtype}."
+        )
+    return tokens
+
+
+def _start_offset(caches: list[Any], n_prompt: int, prefix_len: int | None) -> int:
+    """Where prefill starts: the caches' common offset, leaving at least one token."""
+    offsets = sorted({int(c.offset) for c in caches})
+    if len(offsets) != 1:
+        raise ValueError(
+            f"[generate] Every layer's cache must hold the same number of tokens; "
+            f"received offsets {offsets}. Restore all layers to the same prefix."
+        )
+    start = offsets[0]
+    if prefix_len is not None and prefix_len != start:
+        raise ValueError(
+            f"[generate] prefix_len={prefix_len} but the caches hold {start} tokens; "
+            f"pass caches restored to exactly the prefix (or omit prefix_len)."
+        )
+    if start < n_prompt:
+        return start
+    # A fully cached prompt still needs one token through the model for fresh logits.
+    excess = start - (n_prompt - 1)
+    if not all(can_trim(c) for c in caches):
+        raise CapabilityError(
+            f"[generate] The caches hold {start} tokens of a {n_prompt}-token prompt and "
+            f"cannot drop the last {excess} (a sliding window wrapped); restore a shorter "
+            f"prefix so at least one prompt token is left to process.",
+            offset=start,
+            prompt_tokens=n_prompt,
+        )
+    for c in caches:
+        c.trim(excess)
+    return n_prompt - 1
+
+
+def prefill(
+    model: Model,
+    tokens: mx.array,
+    caches: list[Any],
+    chunks: Sequence[tuple[int, int]],
+    on_prefill_chunk: ChunkCallback | None = None,
+) -> mx.array:
+    """Run ``tokens[begin:end]`` of each chunk through the model; the last
+    position's logits ``[1, vocab]``. The output head runs only on that position."""
+    logits = None
+    for i, (begin, end) in enumerate(chunks):
+        hidden = model.model(tokens[None, begin:end], cache=caches)
+        if i == len(chunks) - 1:
+            logits = model.logits(hidden[:, -1, :])
+            mx.eval(logits, [c.state for c in caches])
+        else:
+            mx.eval([c.state for c in caches])
+        if on_prefill_chunk is not None:
+            on_prefill_chunk(end, caches)
+    assert logits is not None
+    return logits
+
+
+def _log_softmax(logits: mx.array) -> mx.array:
+    return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+
+
+def generate(
+    model: Model,
+    prompt_tokens: Sequence[int] | mx.array,
+    caches: list[Any] | None = None,
+    store: Any = None,
+    *,
+    max_tokens: int,
+    sampler: Sampler | None = None,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    seed: int | None = None,
+    chunk_size: int = 512,
+    block_size: int | None = 256,
+    prefix_len: int | None = None,
+    stop_tokens: Collection[int] = (),
+    on_prefill_chunk: ChunkCallback | None = None,
+) -> Iterator[int | GenerationStats]:
+    """Stream tokens for ``prompt_tokens``; the last item yielded is a :class:`GenerationStats`.
+
+    Args:
+        model: the model.
+        prompt_tokens: token ids.
+        caches: per-layer caches, updated in place; ``model.make_cache()`` by
+            default. Caches holding a prefix (offset > 0) are continued.
+        store: a prefix store (wired by the prefix-store work; must be ``None`` here).
+        max_tokens: tokens to generate at most (>= 1).
+        sampler: a sampler (:func:`~kvstore.model.sampling.make_sampler`); or
+            give ``temperature``/``top_p``/``top_k``/``seed``. Greedy by default.
+        chunk_size: prefill chunk length at most.
+        block_size: chunk ends fall on multiples of it (``None``: plain chunks).
+        prefix_len: tokens the caches already hold, checked against their offset.
+        stop_tokens: generation ends after streaming one of these.
+        on_prefill_chunk: ``f(offset_end, caches)`` after each chunk is evaluated.
+
+    After generation the caches hold the prompt and every streamed token but the last.
+
+    Raises:
+        ValueError: bad arguments, or caches that disagree on their offset.
+        CapabilityError: a cache family the model cannot attend over; a fully
+            cached prompt whose caches cannot drop a token; ``store`` given.
+    """
+    if store is not None:
+        # Hook for the prefix store: restore the longest stored prefix into
+        # `caches` here, and capture blocks through `on_prefill_chunk`.
+        raise CapabilityError(
+            "[generate] store= is not wired in this build; restore the caches yourself and "
+            "pass them as caches= (generation continues from their offset).",
+        )
+    if max_tokens < 1:
+        raise ValueError(f"[generate] max_tokens must be >= 1; received {max_tokens}.")
+    if sampler is None:
+        sampler = make_sampler(temperature, top_p, top_k, seed)
+    elif (temperature, top_p, top_k, seed) != (0.0, 1.0, 0, None):
+        raise ValueError(
+            "[generate] Pass either sampler= or temperature/top_p/top_k/seed, not both."
+        )
+    tokens = _as_tokens(prompt_tokens)
+    n_prompt = tokens.size
+    caches = model.make_cache() if caches is None else caches
+    stop = frozenset(stop_tokens)
+
+    t0 = time.perf_counter()
+    start = _start_offset(caches, n_prompt, prefix_len)
+    chunks = prefill_chunks(start, n_prompt, chunk_size, block_size)
+    logits = prefill(model, tokens, caches, chunks, on_prefill_chunk)
+    y = sampler(_log_softmax(logits))
+    token = cast(int, y.item())
+    t_first = time.perf_counter()
+
+    generated = 1
+    yield token
+    while generated < max_tokens and token not in stop:
+        logits = model(y[:, None], cache=caches)[:, -1, :]
+        y = sampler(_log_softmax(logits))
+        token = cast(int, y.item())
+        generated += 1
+        yield token
+    t_end = time.perf_counter()
+
+    prefill_s, decode_s = t_first - t0, t_end - t_first
+    yield GenerationStats(
+        prompt_tokens=n_prompt,
+        reused_tokens=start,
+        prefilled_tokens=n_prompt - start,
+        generated_tokens=generated,
+        ttft_s=prefill_s,
+        prefill_s=prefill_s,
+        decode_s=decode_s,
+        prefill_tps=(n_prompt - start) / prefill_s if prefill_s > 0 else 0.0,
+        decode_tps=(generated - 1) / decode_s if generated > 1 and decode_s > 0 else 0.0,
+    )
+
+
+def generate_tokens(
+    model: Model, prompt_tokens: Sequence[int] | mx.array, **kwargs: Any
+) -> tuple[list[int], GenerationStats]:
+    """Run :func:`generate` to the end: ``(tokens, stats)``."""
+    items = list(generate(model, prompt_tokens, **kwargs))
+    stats = items.pop()
+    return items, stats  # type: ignore[return-value]

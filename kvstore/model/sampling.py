@@ -1,0 +1,82 @@
+"""Token samplers: greedy, temperature, top-p, top-k, reproducible with a seed.
+
+A sampler maps log-probabilities ``[B, vocab]`` to token ids ``[B]``. The
+filters are mlx-lm's (``sample_utils``); a seeded sampler draws from its own
+key chain, so its tokens depend only on the seed and the logits, never on
+the global random state or on other samplers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import mlx.core as mx
+
+__all__ = ["Sampler", "greedy", "make_sampler", "apply_top_k", "apply_top_p"]
+
+Sampler = Callable[[mx.array], mx.array]
+
+
+def greedy(logprobs: mx.array) -> mx.array:
+    """The most likely token."""
+    return mx.argmax(logprobs, axis=-1)
+
+
+def apply_top_k(logprobs: mx.array, top_k: int) -> mx.array:
+    """Keep the ``top_k`` most likely tokens (the others get ``-inf``)."""
+    drop = mx.argpartition(-logprobs, kth=top_k - 1, axis=-1)[..., top_k:]
+    return mx.put_along_axis(logprobs, drop, mx.array(-float("inf"), logprobs.dtype), axis=-1)
+
+
+def apply_top_p(logprobs: mx.array, top_p: float) -> mx.array:
+    """Keep the smallest set of most likely tokens whose mass reaches ``top_p``."""
+    sorted_logprobs = mx.sort(logprobs, axis=-1)
+    sorted_probs = mx.exp(sorted_logprobs.astype(mx.float32))
+    mass_above = mx.cumsum(sorted_probs, axis=-1, reverse=True, inclusive=False)
+    total_mass = mass_above[..., :1] + sorted_probs[..., :1]
+    num_dropped = (mass_above >= top_p * total_mass).sum(axis=-1, keepdims=True)
+    threshold = mx.take_along_axis(sorted_logprobs, num_dropped, axis=-1)
+    return mx.where(logprobs < threshold, -float("inf"), logprobs)
+
+
+def make_sampler(
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    seed: int | None = None,
+) -> Sampler:
+    """A sampler; ``temperature == 0`` is greedy (the other settings are then unused).
+
+    Args:
+        temperature: softmax temperature (> 0 samples).
+        top_p: nucleus mass in (0, 1]; 1 keeps every token.
+        top_k: keep the k most likely tokens; 0 keeps every token.
+        seed: seeds the sampler's own key chain (reproducible); ``None`` draws
+            from MLX's global random state.
+
+    Raises:
+        ValueError: a setting out of range.
+    """
+    if temperature < 0:
+        raise ValueError(f"[sampler] temperature must be >= 0; received {temperature}.")
+    if not 0 < top_p <= 1:
+        raise ValueError(f"[sampler] top_p must be in (0, 1]; received {top_p}.")
+    if type(top_k) is not int or top_k < 0:
+        raise ValueError(f"[sampler] top_k must be an int >= 0 (0: off); received {top_k!r}.")
+    if temperature == 0:
+        return greedy
+
+    inv_temp = 1.0 / temperature
+    key = [mx.random.key(seed)] if seed is not None else None
+
+    def sample(logprobs: mx.array) -> mx.array:
+        if top_p < 1:
+            logprobs = apply_top_p(logprobs, top_p)
+        if 0 < top_k < logprobs.shape[-1]:
+            logprobs = apply_top_k(logprobs, top_k)
+        if key is None:
+            return mx.random.categorical(logprobs * inv_temp)
+        key[0], sub = mx.random.split(key[0])
+        return mx.random.categorical(logprobs * inv_temp, key=sub)
+
+    return sample
