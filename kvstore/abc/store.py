@@ -4,7 +4,8 @@ Two layers, so that a storage engine is a small thing to add:
 
 * :class:`Backend` is an ordered byte-key/byte-value store with atomic
   read-modify-write transactions. LMDB (:mod:`kvstore.store.lmdb`) and memory
-  (:mod:`kvstore.store.memory`) implement it; Redis/Valkey will.
+  (:mod:`kvstore.store.memory`) and Redis/Valkey (:mod:`kvstore.store.redis`)
+  implement it.
 * :class:`PrefixStore` is what callers use: chained block keys, token-exact
   lookup, save bookkeeping, zero-copy reads, eviction, stats and integrity.
   One implementation (:class:`kvstore.store.prefix.BlockPrefixStore`) runs
@@ -24,7 +25,16 @@ Contract for backend implementers:
   conflict), so it must have no effect outside the view.
 * ``scan`` is ordered by key bytes and never called with an empty prefix;
   a backend without ordered keys keeps a sorted index of its keys
-  (a Redis ``ZSET`` and ``ZRANGEBYLEX`` serve).
+  (a Redis ``ZSET`` and ``ZRANGEBYLEX`` serve). ``keys`` lists keys
+  without reading values (records can be large and remote).
+* A backend whose server may drop record values by itself (Redis
+  ``maxmemory`` eviction, TTLs) may return ``None`` from ``get`` for a key
+  that ``contains`` still reports; the store counts that read as a miss
+  ``evicted_by_server`` and removes the block from its index.
+* A backend where every read is a network round trip says so with
+  ``supports_pipelining`` and overrides ``get_many``/``view_many``/
+  ``contains_many`` to batch; the store then asks for a lookup's whole chain
+  and a restore's blocks in one call each.
 * Engine exceptions are translated to :mod:`kvstore.errors` at the boundary
   with one context manager (:func:`kvstore.store.boundary.translate_errors`);
   a full map, disk or quota is :class:`~kvstore.errors.StoreFullError` and
@@ -33,8 +43,11 @@ Contract for backend implementers:
   raises :class:`~kvstore.errors.CapabilityError` before doing anything.
 * ``stats()`` includes ``"entries"`` (keys stored): a store refuses to adopt
   a non-empty location that has no ``kvstore/v1/__meta__`` record.
-* Conformance: ``tests/test_store/test_backends.py`` runs the contract on
-  every backend; a new backend adds its URL there.
+* Conformance: ``tests/test_store/conftest.py`` parametrises the store
+  suite (``test_prefix``, ``test_eviction``, ``test_integrity``...) over
+  memory, LMDB, a real Redis, a real Redis Cluster and a tiered store, and
+  ``test_backends.py`` runs this contract on every backend; a new backend
+  adds its kind there.
 
 Compatibility: the key layout carries a schema version (``kvstore/v1``); a
 change to it takes a new version, never a new meaning for ``v1`` keys.
@@ -96,6 +109,9 @@ class ReadView(Protocol):
         ascending. Reverse: keys ``< start`` (all when ``None``), descending.
         """
 
+    def keys(self, prefix: bytes) -> Iterator[bytes]:
+        """Keys starting with ``prefix``, ascending, without reading their values."""
+
 
 class WriteView(ReadView, Protocol):
     """A read view that also writes; everything commits together or not at all."""
@@ -139,6 +155,11 @@ class Backend(ABC):
     def supports_writes(self) -> bool:
         """False when opened read-only: every write raises ReadOnlyStoreError."""
         return True
+
+    @property
+    def supports_pipelining(self) -> bool:
+        """Reads are round trips to a server: batch them (``contains_many``, ``view_many``)."""
+        return False
 
     @abstractmethod
     def reader(self) -> AbstractContextManager[ReadView]:
@@ -255,8 +276,11 @@ class MissReason:
     VANISHED = "vanished"
     #: The backend could not be reached (StoreUnavailableError).
     UNAVAILABLE = "unavailable"
+    #: The server dropped a block's record by itself (Redis ``maxmemory`` eviction
+    #: or an expired TTL) while the index still listed it; the block is removed.
+    SERVER_EVICTED = "evicted_by_server"
 
-    ALL = (COLD, SHORT_PROMPT, CORRUPT, VERSION, VANISHED, UNAVAILABLE)
+    ALL = (COLD, SHORT_PROMPT, CORRUPT, VERSION, VANISHED, UNAVAILABLE, SERVER_EVICTED)
 
 
 @dataclass(frozen=True)
@@ -489,6 +513,22 @@ class PrefixStore(ABC):
     @abstractmethod
     def flush(self) -> None:
         """Write batched recency updates now (they are otherwise written in the background)."""
+
+    def activity(self) -> dict[str, Any]:
+        """This handle's activity counters (``lookups``, ``misses``...), read from memory.
+
+        The part of :meth:`stats` that needs no read of the backend; empty
+        for a store that keeps none.
+        """
+        return {}
+
+    def touch(self, keys: Sequence[bytes]) -> None:
+        """Count a use of the blocks ``keys`` for recency (batched, like a lookup's).
+
+        A tiered store calls it on the tiers a hit did not need to ask, so their
+        eviction still sees what is in use. Blocks not stored are ignored.
+        """
+        return None  # a store without recency has nothing to record
 
     def close(self) -> None:
         """Flush and release the backend; idempotent."""

@@ -256,8 +256,8 @@ def _gemma3_like(base: dict[str, Any], **changes: Any) -> dict[str, Any]:
 
 #: Named configs (mlx-lm ``config.json`` dicts). ``tiny*`` are for tests (a
 #: forward pass in milliseconds); ``small*`` for demos and benchmarks: ``small``
-#: prefills 4096 tokens in ~5 s on this 2-core CPU with OpenBLAS preloaded
-#: (~60 s with MLX's bundled BLAS), see ``tools/bench/model_speed.py``. Head dim
+#: prefills 4096 tokens in ~6 s on this 2-core CPU with OpenBLAS preloaded
+#: (~64 s with MLX's bundled BLAS), see ``tools/bench/model_speed.py``. Head dim
 #: 128 in ``small*``, so every affine group size (32/64/128) fits.
 NAMED_CONFIGS: dict[str, dict[str, Any]] = {
     "tiny": _TINY,

@@ -16,7 +16,25 @@ URL                                what it opens
 ``/var/cache/kvstore``             a bare path is an LMDB store
 ``memory://``                      a private in-process store (tests, L1 tier)
 ``memory://shared``                the in-process store called ``shared``
+``redis://[user:pw@]host:6379/0``  a Redis or Valkey server (``pip install
+                                   'mlx-kvstore[redis]'``); many hosts share it
+``rediss://host:6380/0``           the same over TLS
+``valkey://host:6379/0``           the same as ``redis://`` (``valkeys://``: TLS)
+``redis+cluster://h1:7000,h2:7000``  a Redis Cluster, any reachable nodes
+                                   (``rediss+cluster://``, ``valkey+cluster://``)
+``tiered://?tiers=URL,URL[,URL]``  stores stacked fastest first, e.g.
+                                   ``tiered://?tiers=memory://,lmdb:///var/kv,``
+                                   ``redis://cache:6379/0`` (see below)
 =================================  ================================================
+
+A tiered store (:mod:`kvstore.store.tiered`) is also opened with
+``open_store("tiered", tiers=[...])``, the tiers being URLs or open stores,
+fastest first. Tier URLs in the query are separated by commas; one with its
+own options (``?`` and ``&``) is percent-encoded
+(``lmdb:///var/kv%3Fmap_size%3D4GiB``). Tiered options: ``write``
+(``"through"``, the default, or ``"back"``) and ``promote`` (default true);
+settings and store options given to the tiered store go to every tier
+opened from a URL.
 
 Options go as keyword arguments or URL query parameters
 (``lmdb:///var/kv?map_size=1GiB&block_size=128``):
@@ -26,7 +44,11 @@ Options go as keyword arguments or URL query parameters
   :mod:`kvstore.store.settings`;
 * store options: ``verify``, ``touch_interval``, ``clock``, ``low_water``;
 * backend options (LMDB: ``map_size``, ``max_map_size``, ``readonly``,
-  ``create``, ``max_readers``, ``sync``).
+  ``create``, ``max_readers``, ``sync``; Redis: ``socket_timeout``,
+  ``connect_timeout``, ``retries``, ``chunk_size``, ``ttl``,
+  ``server_eviction``, ``readonly``, ``key_prefix``, ``max_connections``,
+  ``ssl_ca_certs``, ``ssl_certfile``, ``ssl_keyfile``, ``ssl_cert_reqs``;
+  see :class:`kvstore.store.redis.backend.RedisBackend`).
 """
 
 from __future__ import annotations
@@ -40,6 +62,7 @@ from kvstore.abc.store import Backend, PrefixStore
 from kvstore.errors import StoreConfigError
 from kvstore.store.fingerprint import model_fingerprint, namespace_for
 from kvstore.store.prefix import STORE_OPTIONS, BlockPrefixStore
+from kvstore.store.redis import REDIS_OPTIONS, REDIS_SCHEMES
 from kvstore.store.settings import (
     SETTING_PARSERS,
     StoreSettings,
@@ -61,10 +84,10 @@ __all__ = [
 ]
 
 #: URL scheme -> ``"module:factory"``; ``factory(location, url, options) -> Backend``.
-#: The Redis backend adds ``redis``, ``rediss``, ``valkey`` and ``redis+cluster`` here.
 SCHEMES: dict[str, str] = {
     "lmdb": "kvstore.store.lmdb:open_lmdb_backend",
     "memory": "kvstore.store.memory:open_memory_backend",
+    **{scheme: "kvstore.store.redis:open_redis_backend" for scheme in REDIS_SCHEMES},
 }
 
 #: Options each scheme's backend accepts, with their parsers (URL values are strings).
@@ -78,6 +101,7 @@ BACKEND_OPTIONS: dict[str, dict[str, Callable[[Any], Any]]] = {
         "sync": lambda v: parse_bool(v, "sync"),
     },
     "memory": {},
+    **{scheme: REDIS_OPTIONS for scheme in REDIS_SCHEMES},
 }
 
 
@@ -159,19 +183,35 @@ def open_backend(url: str, **options: Any) -> Backend:
     return factory(location, url, backend_options)
 
 
+def _refuse_twice(query: dict[str, str], options: dict[str, Any]) -> None:
+    twice = sorted(set(query) & set(options))
+    if twice:
+        raise StoreConfigError(
+            f"[open_store] {', '.join(twice)} given both in the URL and as an argument; "
+            f"give each option once.",
+            found=twice,
+        )
+
+
 def open_store(url: str, **options: Any) -> PrefixStore:
     """Open (creating when missing) the prefix store at ``url``.
 
     Args:
         url: where the store lives; every form is in the module docstring:
             ``lmdb:///var/cache/kvstore``, ``lmdb:relative/dir``, ``lmdb:~/kv``,
-            a bare path, ``memory://``, ``memory://name``.
+            a bare path, ``memory://``, ``memory://name``,
+            ``redis://[user:password@]host:6379/0``, ``rediss://...`` (TLS),
+            ``valkey://...``, ``redis+cluster://host:7000,host:7001``,
+            ``tiered://?tiers=memory://,lmdb:///var/kv,redis://cache:6379/0``
+            or ``"tiered"`` with ``tiers=[...]``.
         **options: settings (``block_size=256``, ``storage_policy="lossless"``,
             ``max_bytes``, ``namespace_max_bytes``), store options (``verify``,
             ``touch_interval``, ``clock``, ``low_water``) and backend options
             (``map_size``, ``max_map_size``, ``readonly``, ``create``,
-            ``max_readers``, ``sync`` for LMDB). URL query parameters count as
-            explicit options too.
+            ``max_readers``, ``sync`` for LMDB; ``socket_timeout``, ``ttl``,
+            ``chunk_size``, ``server_eviction``, ``key_prefix``... for Redis).
+            URL query parameters count as explicit options too. A tiered
+            store takes ``tiers``, ``write`` and ``promote``.
 
     Returns:
         A :class:`~kvstore.abc.store.PrefixStore`; use it as a context manager.
@@ -183,15 +223,54 @@ def open_store(url: str, **options: Any) -> PrefixStore:
             both values).
         FormatVersionError: the store was written by a newer kvstore.
     """
+    if isinstance(url, str) and (url == "tiered" or url.lower().startswith("tiered:")):
+        return _open_tiered(url, options)
     scheme, location, query = _split_url(url)
-    twice = sorted(set(query) & set(options))
-    if twice:
-        raise StoreConfigError(
-            f"[open_store] {', '.join(twice)} given both in the URL and as an argument; "
-            f"give each option once.",
-            found=twice,
-        )
+    _refuse_twice(query, options)
     factory = _scheme_factory(scheme, url)
     settings, store_options, backend_options = _split_options(scheme, url, {**query, **options})
     backend = factory(location, url, backend_options)
     return BlockPrefixStore(backend, **store_options, **settings)
+
+
+_TIERED_OPTIONS = ("tiers", "write", "promote")
+
+
+def _open_tiered(url: str, options: dict[str, Any]) -> PrefixStore:
+    """``open_store("tiered", tiers=[...])`` and ``tiered://?tiers=a,b,c&write=back``."""
+    from kvstore.store.tiered import TieredPrefixStore
+
+    query = dict(parse_qsl(urlsplit(url).query, keep_blank_values=True)) if "?" in url else {}
+    _refuse_twice(query, options)
+    merged = {**query, **options}
+    tiers = merged.pop("tiers", None)
+    if isinstance(tiers, str):
+        tiers = [t for t in tiers.split(",") if t]
+    if not tiers or isinstance(tiers, (str, bytes)) or not isinstance(tiers, (list, tuple)):
+        raise StoreConfigError(
+            "[open_store] A tiered store needs tiers, fastest first: "
+            "open_store('tiered', tiers=['memory://', 'lmdb:///var/kv', 'redis://h:6379/0']) "
+            f"or tiered://?tiers=memory://,lmdb:///var/kv; received {tiers!r}.",
+            found=tiers,
+        )
+    write = merged.pop("write", "through")
+    promote = parse_bool(merged.pop("promote", True), "promote")
+    backend_options = sorted(set(merged) - set(SETTING_PARSERS) - set(STORE_OPTIONS))
+    if backend_options:
+        raise StoreConfigError(
+            f"[open_store] {', '.join(backend_options)} are not options of a tiered store "
+            f"(tiers, write, promote, settings and store options are); put a tier's own "
+            f"options in its URL.",
+            found=backend_options,
+        )
+    opened: list[PrefixStore] = []
+    try:
+        for tier in tiers:
+            opened.append(tier if isinstance(tier, PrefixStore) else open_store(tier, **merged))
+        return TieredPrefixStore(
+            opened, write=write, promote=promote, url=url if url != "tiered" else None
+        )
+    except BaseException:
+        for store in opened:
+            store.close()
+        raise

@@ -257,6 +257,16 @@ class _LMDBView:
             yield key, cursor.value()
             positioned = cursor.prev()
 
+    def keys(self, prefix: bytes) -> Iterator[bytes]:
+        cursor = self._txn.cursor()
+        if not cursor.set_range(prefix):
+            return
+        for key in cursor.iternext(keys=True, values=False):
+            key = bytes(key)
+            if not key.startswith(prefix):
+                return
+            yield key
+
     def put(self, key: bytes, value: Any, *, if_absent: bool = False) -> bool:
         return self._txn.put(key, value, overwrite=not if_absent)
 

@@ -71,6 +71,13 @@ class _MemoryView:
             if value is not None:
                 yield key, memoryview(value)
 
+    def keys(self, prefix: bytes) -> Iterator[bytes]:
+        with self._s.lock:
+            keys = self._s.keys
+            lo = bisect.bisect_left(keys, prefix)
+            picked = keys[lo : bisect.bisect_left(keys, prefix_successor(prefix))]
+        yield from picked
+
     def put(self, key: bytes, value: Any, *, if_absent: bool = False) -> bool:
         s = self._s
         old = s.data.get(key, _MISSING)

@@ -31,7 +31,7 @@ import math
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, replace
 from functools import partial
 from typing import Any
@@ -60,6 +60,7 @@ from kvstore.errors import (
     StoreConfigError,
     StoreError,
     StoreFullError,
+    StoreUnavailableError,
 )
 from kvstore.store import keys as K
 from kvstore.store.eviction import Block, evict_in
@@ -289,10 +290,10 @@ class BlockPrefixStore(PrefixStore):
         quarantine = self._quarantine
         refs: list[BlockRef] = []
         parent = K.ROOT
-        with self._backend.reader() as view:
-            for i, digest in enumerate(K.iter_chain_digests(ns, toks, bsize)):
+        with self._unavailable_is_a_miss(), self._backend.reader() as view:
+            for i, digest in enumerate(self._stored_chain(view, ns, toks)):
                 key = K.record_key(ns, digest)
-                if key in quarantine or not view.contains(key):
+                if key in quarantine:
                     break
                 refs.append(BlockRef(key, i, i * bsize, bsize, bsize))
                 parent = digest
@@ -320,6 +321,35 @@ class BlockPrefixStore(PrefixStore):
             self._house.touch([r.key for r in refs], self._clock())
         return Match(namespace, n, size, bsize, tuple(refs))
 
+    def _stored_chain(self, view: ReadView, ns: bytes, toks: np.ndarray) -> Iterator[bytes]:
+        """Digests of the prompt's leading full blocks that are stored, in order.
+
+        Hashes lazily and stops at the first missing block; a backend where
+        each read is a round trip is asked about the whole chain at once.
+        """
+        chain = K.iter_chain_digests(ns, toks, self._settings.block_size)
+        if not self._backend.supports_pipelining:
+            for digest in chain:
+                if not view.contains(K.record_key(ns, digest)):
+                    return
+                yield digest
+            return
+        digests = list(chain)
+        stored = self._backend.contains_many([K.record_key(ns, d) for d in digests])
+        for digest, present in zip(digests, stored):
+            if not present:
+                return
+            yield digest
+
+    @contextmanager
+    def _unavailable_is_a_miss(self) -> Iterator[None]:
+        """Count StoreUnavailableError as a miss of that reason (and let it propagate)."""
+        try:
+            yield
+        except StoreUnavailableError:
+            self._counters.miss(MissReason.UNAVAILABLE)
+            raise
+
     # ------------------------------------------------------------------ read
 
     @contextmanager
@@ -336,27 +366,35 @@ class BlockPrefixStore(PrefixStore):
         self._check_open("read")
         corrupt: list[bytes] = []
         views: list[memoryview] = []
-        with self._backend.reader() as view:
-            for ref in blocks:
-                value = None if ref.key in self._quarantine else view.get(ref.key)
-                if value is None:
-                    reason = (
-                        MissReason.CORRUPT if ref.key in self._quarantine else MissReason.VANISHED
-                    )
-                    self._counters.miss(reason)
-                    break
-                mv = memoryview(value)
-                try:
-                    self._verify(mv)
-                except CorruptEntryError:
-                    corrupt.append(ref.key)
-                    self._counters.miss(MissReason.CORRUPT)
-                    self._counters.add(corruptions=1)
-                    break
-                except FormatVersionError:
-                    self._counters.miss(MissReason.VERSION)
-                    break
-                views.append(mv)
+        keys: list[bytes] = []
+        for ref in blocks:
+            if ref.key in self._quarantine:
+                break
+            keys.append(ref.key)
+        # One call for every block: a network backend fetches them in one round trip.
+        with ExitStack() as stack:
+            with self._unavailable_is_a_miss():
+                values = stack.enter_context(self._backend.view_many(keys))
+                for i, ref in enumerate(blocks):
+                    value = values[i] if i < len(values) else None
+                    if value is None:
+                        reason = self._absent(ref.key)
+                        self._counters.miss(reason)
+                        if reason == MissReason.SERVER_EVICTED:
+                            corrupt.append(ref.key)  # removed like a corrupt block
+                        break
+                    mv = memoryview(value)
+                    try:
+                        self._verify(mv)
+                    except CorruptEntryError:
+                        corrupt.append(ref.key)
+                        self._counters.miss(MissReason.CORRUPT)
+                        self._counters.add(corruptions=1)
+                        break
+                    except FormatVersionError:
+                        self._counters.miss(MissReason.VERSION)
+                        break
+                    views.append(mv)
             try:
                 yield views
             finally:
@@ -365,6 +403,14 @@ class BlockPrefixStore(PrefixStore):
             self._quarantine.update(corrupt)
             if self._house is not None:
                 self._house.remove(corrupt)
+
+    def _absent(self, key: bytes) -> str:
+        """Why a matched block's record could not be read."""
+        if key in self._quarantine:
+            return MissReason.CORRUPT
+        if self._backend.contains_many([key])[0]:
+            return MissReason.SERVER_EVICTED  # indexed, but the server dropped its record
+        return MissReason.VANISHED
 
     @staticmethod
     def _release(views: list[memoryview]) -> None:
@@ -749,6 +795,14 @@ class BlockPrefixStore(PrefixStore):
         if pending.removals:
             self._quarantine.difference_update(pending.removals)
 
+    def activity(self) -> dict[str, Any]:
+        return self._counters.snapshot()
+
+    def touch(self, keys: Sequence[bytes]) -> None:
+        self._check_open("touch")
+        if self._house is not None and keys:
+            self._house.touch(keys, self._clock())
+
     def flush(self) -> None:
         """Write batched recency updates and pending removals now."""
         self._check_open("flush")
@@ -761,7 +815,10 @@ class BlockPrefixStore(PrefixStore):
         try:
             if self._house is not None:
                 self._house.close()
-                self._house.flush()
+                try:
+                    self._house.flush()
+                except StoreUnavailableError:
+                    pass  # recency hints and removals are redone later; closing must work
         finally:
             self._closed = True
             self._backend.close()

@@ -22,27 +22,46 @@ def delete_block(txn: WriteView, ns: bytes, index_key: bytes, digest: bytes) -> 
 
 
 def delete_subtree(txn: WriteView, ns: bytes, index_key: bytes, digest: bytes) -> tuple[int, int]:
-    """Remove a block and every block stored after it; returns (blocks, record bytes)."""
+    """Remove a block and every block stored after it; returns (blocks, record bytes).
+
+    Bytes are the index entries' (what the totals counted when the blocks were
+    saved), so removing a block whose record the server already dropped (Redis
+    eviction) still gives back exactly what it held in the totals, and no
+    record is read: they can be large and remote.
+    """
     count = nbytes = 0
-    stack = [(index_key, digest)]
+    stack = [(index_key, digest, _entry_bytes(txn, ns, index_key, digest))]
     while stack:
-        key, d = stack.pop()
+        key, d, size = stack.pop()
         for directory in (K.children_dir(ns, d), K.tails_dir(ns, d)):
             for child_key, value in list(txn.scan(directory)):
                 try:
-                    stack.append((child_key, decode_entry(value, with_tokens=False).digest))
+                    entry = decode_entry(value, with_tokens=False)
                 except (CorruptEntryError, FormatVersionError):
                     txn.delete(child_key)  # unreadable: its subtree is left to verify()
-        record = txn.get(K.record_key(ns, d))
-        nbytes += 0 if record is None else len(record)
+                    continue
+                stack.append((child_key, entry.digest, entry.nbytes))
+        nbytes += size
         delete_block(txn, ns, key, d)
         count += 1
     return count, nbytes
 
 
+def _entry_bytes(txn: WriteView, ns: bytes, index_key: bytes, digest: bytes) -> int:
+    """Record bytes of a block by its index entry (by its record if the entry is unreadable)."""
+    raw = txn.get(index_key)
+    if raw is not None:
+        try:
+            return decode_entry(raw, with_tokens=False).nbytes
+        except (CorruptEntryError, FormatVersionError):
+            pass
+    record = txn.get(K.record_key(ns, digest))
+    return 0 if record is None else len(record)
+
+
 def delete_namespace(txn: WriteView, ns: bytes) -> int:
     """Remove every key of a namespace and its totals; returns the blocks removed."""
-    keys = [key for key, _ in txn.scan(K.namespace_dir(ns))]
+    keys = list(txn.keys(K.namespace_dir(ns)))
     for key in keys:
         txn.delete(key)
     txn.delete(K.totals_key(ns))

@@ -12,9 +12,11 @@ the prompt.
 from __future__ import annotations
 
 import math
+import os
 import shutil
 import tempfile
 
+import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
@@ -104,6 +106,7 @@ class Model:
 
 class StoreMachine(RuleBasedStateMachine):
     backend = "memory"
+    server_url = ""  # the Redis machine's server (set by a fixture)
     prompts = Bundle("prompts")
 
     def __init__(self) -> None:
@@ -111,11 +114,14 @@ class StoreMachine(RuleBasedStateMachine):
         self.model = Model()
         self.now = 0.0
         self.dir = tempfile.mkdtemp(prefix="kvstore-machine-")
-        self.url = f"lmdb://{self.dir}/s" if self.backend == "lmdb" else "memory://"
+        if self.backend == "redis":  # a fresh key prefix on the session's server
+            self.url = f"{self.server_url}?key_prefix={os.path.basename(self.dir)}/&chunk_size=48"
+        else:
+            self.url = f"lmdb://{self.dir}/s" if self.backend == "lmdb" else "memory://"
         self.store = None
 
     def open(self):
-        if self.backend != "lmdb":  # a private memory store, for this run only
+        if self.backend == "memory":  # a private memory store, for this run only
             assert self.store is None
         options = {"map_size": 1 << 20, "sync": False} if self.backend == "lmdb" else {}
         return open_store(
@@ -223,7 +229,7 @@ class StoreMachine(RuleBasedStateMachine):
         gone = self.model.evict_to(max(limit, 1), set())
         assert freed == sum(map(nbytes, gone))
 
-    @precondition(lambda self: self.backend == "lmdb")
+    @precondition(lambda self: self.backend in ("lmdb", "redis"))
     @rule()
     def reopen(self):
         self.store.close()
@@ -254,6 +260,15 @@ class LMDBStoreMachine(StoreMachine):
     backend = "lmdb"
 
 
+class RedisStoreMachine(StoreMachine):
+    backend = "redis"
+
+
+@pytest.fixture
+def machine_redis(redis_server):
+    RedisStoreMachine.server_url = redis_server.url
+
+
 # A third of the profile's examples (100 by default, more under HYPOTHESIS_PROFILE=ci).
 MACHINE_SETTINGS = settings(
     max_examples=max(40, settings.default.max_examples // 3), stateful_step_count=30
@@ -262,3 +277,6 @@ TestMemoryStore = StoreMachine.TestCase
 TestMemoryStore.settings = MACHINE_SETTINGS
 TestLMDBStore = LMDBStoreMachine.TestCase
 TestLMDBStore.settings = MACHINE_SETTINGS
+# Every step is a few round trips to a real server: fewer, shorter runs.
+TestRedisStore = pytest.mark.usefixtures("machine_redis")(RedisStoreMachine.TestCase)
+TestRedisStore.settings = settings(max_examples=30, stateful_step_count=25)

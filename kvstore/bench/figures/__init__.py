@@ -7,8 +7,8 @@ Adding one is a module with a ``Figure`` and its line here.
 
 from __future__ import annotations
 
-from kvstore.bench.figures import decode, restore, save, stored_bytes
-from kvstore.bench.figures.pending import P4, P5, P6, P8, P9, P10, P11
+from kvstore.bench.figures import decode, redis_restore, restore, save, stored_bytes
+from kvstore.bench.figures.pending import P4, P5, P6, P8, P10, P11
 from kvstore.bench.harness import Figure
 
 __all__ = ["FIGURES"]
@@ -23,7 +23,7 @@ FIGURES: dict[str, Figure] = {
     "P6": P6,
     "P7": stored_bytes.FIGURE,
     "P8": P8,
-    "P9": P9,
+    "P9": redis_restore.FIGURE,
     "P10": P10,
     "P11": P11,
     "D1": decode.FIGURE,

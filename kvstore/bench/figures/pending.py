@@ -9,7 +9,7 @@ from __future__ import annotations
 from kvstore.bench.figures.common import pending_figure
 from kvstore.bench.harness import at_least, at_most
 
-__all__ = ["P4", "P5", "P6", "P8", "P9", "P10", "P11"]
+__all__ = ["P4", "P5", "P6", "P8", "P10", "P11"]
 
 _STORE = "needs the LMDB prefix store (kvstore.store, issue 5)"
 
@@ -40,13 +40,6 @@ P8 = pending_figure(
     "1 process",
     (at_least("aggregate vs 1 process", 1.6),),
     _STORE,
-)
-P9 = pending_figure(
-    "P9",
-    "restore throughput from a local redis-server",
-    "LMDB restore of the same data",
-    (at_least("vs lmdb", 0.25),),
-    "needs the Redis backend (issue 8)",
 )
 P10 = pending_figure(
     "P10",
