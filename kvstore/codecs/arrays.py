@@ -24,6 +24,7 @@ __all__ = [
     "as_mlx",
     "as_numpy",
     "contiguous_chunks",
+    "owned_array",
 ]
 
 #: numpy's stand-in for bfloat16: the raw words, tagged.
@@ -140,3 +141,28 @@ def _contiguous_split(array: np.ndarray) -> int | None:
             return axis + 1 if axis + 1 < array.ndim else None
         expected *= array.shape[axis]
     return 0
+
+
+def owned_array(shape: tuple[int, ...], name: str) -> tuple[mx.array, np.ndarray]:
+    """A fresh, evaluated MLX array of ``shape`` and dtype ``name``, zero-filled, and a
+    writable numpy view of its memory: fill the view, and the array holds what was written.
+
+    This is MLX's documented NumPy interop ("writing to the view is reflected in the
+    original array", usage/numpy in the MLX docs). It is safe here because the array
+    is new (no other array shares its buffer), already evaluated (MLX will not run
+    its fill again) and nothing reads it before the caller is done writing. It is
+    how a restore copies rows from store pages into MLX memory exactly once: MLX has
+    no uninitialised allocation and building from numpy pieces would copy twice.
+    """
+    dtype = MLX_DTYPES[name]
+    nbytes = dtype.size * int(np.prod(shape, dtype=np.int64))
+    # MLX fills element by element: 8-byte zeros fill several times faster than 2-byte.
+    if nbytes % 8 == 0:
+        array = mx.zeros((nbytes // 8,), mx.uint64).view(dtype).reshape(shape)
+    else:
+        array = mx.zeros(shape, dtype)
+    mx.eval(array)
+    view = as_numpy(array)
+    if not (view.flags.writeable and view.flags.c_contiguous):  # pragma: no cover - MLX contract
+        raise RuntimeError("[owned_array] MLX did not expose a writable contiguous buffer.")
+    return array, view

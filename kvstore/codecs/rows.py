@@ -18,10 +18,11 @@ from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
 
 import mlx.core as mx
+import numpy as np
 
 from kvstore.abc.codec import KVCodec, Snapshot
 from kvstore.caches.quantized import QuantizedKVCache
-from kvstore.codecs.arrays import MLX_DTYPES, as_mlx, dtype_name
+from kvstore.codecs.arrays import MLX_DTYPES, as_mlx, as_numpy, dtype_name, owned_array
 from kvstore.codecs.registry import reported_signature
 from kvstore.errors import CapabilityError, CorruptEntryError
 from kvstore.signature import parse_signature
@@ -54,23 +55,39 @@ def slice_rows(tree: Tree, start: int, stop: int) -> Tree:
 
 def join_rows(pieces: Sequence[Tree], capacity: int) -> Tree:
     """The pieces concatenated along tokens into owned MLX arrays of
-    ``capacity`` rows, zero-padded after the last piece."""
+    ``capacity`` rows, zero-padded after the last piece.
+
+    Each leaf is allocated once and every piece copied straight into it: one
+    copy from wherever the pieces live (numpy views into store pages, or MLX
+    arrays), no intermediate arrays.
+    """
+    lazy = [leaf for piece in pieces for leaf in row_leaves_of(piece) if isinstance(leaf, mx.array)]
+    mx.eval(lazy)
 
     def join(leaves: Sequence[Any]) -> mx.array:
-        parts = [as_mlx(leaf) for leaf in leaves]
-        first = parts[0]
-        tokens = sum(int(p.shape[2]) for p in parts)
-        if capacity > tokens:
-            pad = (*first.shape[:2], capacity - tokens, *first.shape[3:])
-            parts.append(mx.zeros(pad, first.dtype))
-        if len(parts) > 1:
-            return mx.concatenate(parts, axis=2)
-        # A lone part may be the caller's own array (or a view of it): copy it.
-        return parts[0] if parts[0] is not leaves[0] else mx.array(parts[0])
+        views = [as_numpy(leaf) for leaf in leaves]
+        first = views[0]
+        tokens = sum(int(v.shape[2]) for v in views)
+        if tokens > capacity:
+            raise ValueError(f"[join_rows] {tokens} rows do not fit a capacity of {capacity}.")
+        out, target = owned_array(
+            (*first.shape[:2], capacity, *first.shape[3:]), dtype_name(leaves[0])
+        )
+        pos = 0
+        for view in views:
+            rows = int(view.shape[2])
+            np.copyto(target[:, :, pos : pos + rows], view, casting="no")
+            pos += rows
+        return out
 
     if isinstance(pieces[0], tuple):
         return tuple(join([p[i] for p in pieces]) for i in range(len(pieces[0])))
     return join(pieces)
+
+
+def row_leaves_of(tree: Tree) -> tuple[Any, ...]:
+    """The arrays of a row tree (a bare array or a tuple of them)."""
+    return tree if isinstance(tree, tuple) else (tree,)
 
 
 class RowCodec(KVCodec):
@@ -86,7 +103,7 @@ class RowCodec(KVCodec):
     def tensors_from_rows(self, keys: Tree, values: Tree) -> dict[str, Any]:
         out: dict[str, Any] = {}
         for side, tree in (("keys", keys), ("values", values)):
-            leaves = tree if isinstance(tree, tuple) else (tree,)
+            leaves = row_leaves_of(tree)
             for part, leaf in zip(self.parts, leaves, strict=True):
                 out[f"{side}{part}"] = leaf
         return out
@@ -100,7 +117,7 @@ class RowCodec(KVCodec):
 
     def rows_dtype(self, keys: Tree) -> str:
         """The float dtype of the rows (raw rows, or affine scales)."""
-        leaves = keys if isinstance(keys, tuple) else (keys,)
+        leaves = row_leaves_of(keys)
         return dtype_name(leaves[-1])
 
     # -- validation --------------------------------------------------------------
