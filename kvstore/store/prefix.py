@@ -124,6 +124,10 @@ def verify_kv_record(record: memoryview) -> None:
     verify_record(record)
 
 
+def _accept(record: memoryview) -> None:
+    """``verify=None``: records are opaque bytes; nothing to check."""
+
+
 class _Stale(Exception):
     """A block seen stored before the write transaction is gone inside it: encode it too."""
 
@@ -159,7 +163,8 @@ class BlockPrefixStore(PrefixStore):
         backend: the engine (LMDB, memory...).
         verify: ``verify(record)`` raises CorruptEntryError for a bad record;
             called on every record read, and by :meth:`verify`. Default:
-            :func:`verify_kv_record` (kvstore's record format, checksums included).
+            :func:`verify_kv_record` (kvstore's record format, checksums
+            included); ``None``: records are opaque, nothing is checked.
         touch_interval: seconds between background writes of recency updates
             (``0``: only when the store writes anyway, or on :meth:`flush`).
         clock: the time source for recency (seconds; tests pass a counter).
@@ -171,7 +176,7 @@ class BlockPrefixStore(PrefixStore):
         self,
         backend: Backend,
         *,
-        verify: RecordVerifier | None = None,
+        verify: RecordVerifier | None = verify_kv_record,
         touch_interval: float = 1.0,
         clock: Callable[[], float] | None = None,
         low_water: float = 0.9,
@@ -186,7 +191,7 @@ class BlockPrefixStore(PrefixStore):
                 f"{', '.join(SETTING_PARSERS)}.",
                 found=sorted(unknown),
             )
-        self._verify = verify or verify_kv_record
+        self._verify = verify or _accept
         self._clock = clock or time.time
         self._low_water = parse_fraction(low_water, "low_water")
         self._counters = Counters()

@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 
 from kvstore.abc.store import PrefixStore
-from kvstore.errors import CorruptEntryError, FormatVersionError, StoreError
+from kvstore.errors import CapabilityError, CorruptEntryError, FormatVersionError, StoreError
 from kvstore.store.kv_save import BlockCapture
 
 __all__ = ["StoreSession", "RESTORE_FAULTS"]
@@ -52,6 +52,12 @@ class StoreSession:
     """
 
     def __init__(self, store: PrefixStore, namespace: str) -> None:
+        if not isinstance(store, PrefixStore):
+            raise CapabilityError(
+                f"[generate] store= takes a prefix store (kvstore.store.open_store(url)); "
+                f"received {type(store).__name__}.",
+                found=type(store).__name__,
+            )
         self.store = store
         self.namespace = namespace
         self.capture = BlockCapture(store.block_size)
