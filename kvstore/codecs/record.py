@@ -40,7 +40,13 @@ import numpy as np
 import xxhash
 
 from kvstore.abc.codec import Snapshot
-from kvstore.codecs.arrays import MLX_DTYPES, as_mlx, as_numpy, contiguous_chunks, numpy_dtype
+from kvstore.codecs.arrays import (
+    MLX_DTYPES,
+    as_mlx,
+    as_numpy_all,
+    contiguous_chunks,
+    numpy_dtype,
+)
 from kvstore.codecs.header import (
     BOUNDS,
     FORMAT_VERSION,
@@ -144,14 +150,9 @@ def encode_record(
             msgpack cannot encode.
         ValueError: the header would exceed the format's bounds.
     """
-    mx_arrays = [
-        a
-        for snap in layers
-        if snap is not None
-        for a in snap.tensors.values()
-        if isinstance(a, mx.array)
-    ]
-    mx.eval(mx_arrays)
+    views = iter(
+        as_numpy_all([a for snap in layers if snap is not None for a in snap.tensors.values()])
+    )
     entries: list[dict[str, Any] | None] = []
     chunks: list[Any] = []
     end = 0
@@ -160,11 +161,11 @@ def encode_record(
             entries.append(None)
             continue
         manifest = tensor_manifest(snap)
-        for entry, array in zip(manifest, snap.tensors.values(), strict=True):
+        for entry in manifest:
             start = _align(end)
             if start > end:
                 chunks.append(bytes(start - end))
-            words = as_numpy(array)
+            words = next(views)
             entry.update(offset=start, nbytes=int(words.nbytes))
             chunks.extend(contiguous_chunks(words))
             end = start + words.nbytes

@@ -18,11 +18,11 @@ from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
 
 import mlx.core as mx
-import numpy as np
 
 from kvstore.abc.codec import KVCodec, Snapshot
 from kvstore.caches.quantized import QuantizedKVCache
-from kvstore.codecs.arrays import MLX_DTYPES, as_mlx, as_numpy, dtype_name, owned_array
+from kvstore.codecs.arrays import MLX_DTYPES, as_mlx, dtype_name, owned_arrays
+from kvstore.codecs.plans import RowsJoin, row_leaves_of
 from kvstore.codecs.registry import reported_signature
 from kvstore.errors import CapabilityError, CorruptEntryError
 from kvstore.signature import parse_signature
@@ -55,39 +55,11 @@ def slice_rows(tree: Tree, start: int, stop: int) -> Tree:
 
 def join_rows(pieces: Sequence[Tree], capacity: int) -> Tree:
     """The pieces concatenated along tokens into owned MLX arrays of
-    ``capacity`` rows, zero-padded after the last piece.
-
-    Each leaf is allocated once and every piece copied straight into it: one
-    copy from wherever the pieces live (numpy views into store pages, or MLX
-    arrays), no intermediate arrays.
-    """
-    lazy = [leaf for piece in pieces for leaf in row_leaves_of(piece) if isinstance(leaf, mx.array)]
-    mx.eval(lazy)
-
-    def join(leaves: Sequence[Any]) -> mx.array:
-        views = [as_numpy(leaf) for leaf in leaves]
-        first = views[0]
-        tokens = sum(int(v.shape[2]) for v in views)
-        if tokens > capacity:
-            raise ValueError(f"[join_rows] {tokens} rows do not fit a capacity of {capacity}.")
-        out, target = owned_array(
-            (*first.shape[:2], capacity, *first.shape[3:]), dtype_name(leaves[0])
-        )
-        pos = 0
-        for view in views:
-            rows = int(view.shape[2])
-            np.copyto(target[:, :, pos : pos + rows], view, casting="no")
-            pos += rows
-        return out
-
-    if isinstance(pieces[0], tuple):
-        return tuple(join([p[i] for p in pieces]) for i in range(len(pieces[0])))
-    return join(pieces)
-
-
-def row_leaves_of(tree: Tree) -> tuple[Any, ...]:
-    """The arrays of a row tree (a bare array or a tuple of them)."""
-    return tree if isinstance(tree, tuple) else (tree,)
+    ``capacity`` rows, zero-padded after the last piece (one copy of each piece;
+    see :class:`~kvstore.codecs.plans.RowsJoin`)."""
+    join = RowsJoin(pieces, capacity)
+    mx.eval(join.lazy())
+    return join.fill(owned_arrays(join.leaves()))
 
 
 class RowCodec(KVCodec):

@@ -31,9 +31,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvstore.abc.cache import SLIDING_WINDOW_KINDS, is_sliding_window_cache, signature_of
-from kvstore.abc.codec import Snapshot
+from kvstore.abc.codec import RestorePlan, Snapshot
 from kvstore.abc.store import BlockRef, Match, PrefixStore
 from kvstore.codecs import decode_record, get_codec, read_header, transcode
+from kvstore.codecs.plans import run_plans
 from kvstore.codecs.record import RecordHeader
 from kvstore.errors import (
     CapabilityError,
@@ -119,7 +120,10 @@ def restore_caches(store: PrefixStore, match: Match, caches: Sequence[Any]) -> l
                     ref.key: decode_record(view, verify=False).layers
                     for ref, view in zip(wanted, views)
                 }
-                return [_restore_layer(cut, i, need, records) for i, need in enumerate(needs)]
+                # Every layer planned first, then all arrays allocated in one evaluation.
+                return run_plans(
+                    [_plan_layer(cut, i, need, records) for i, need in enumerate(needs)]
+                )
         tokens = best
     return list(caches)
 
@@ -189,9 +193,9 @@ def _convertible(stored: str, wanted: str) -> bool:
     return (kinds[0] in SLIDING_WINDOW_KINDS) == (kinds[1] in SLIDING_WINDOW_KINDS)
 
 
-def _restore_layer(
+def _plan_layer(
     match: Match, layer: int, need: LayerNeed, records: Mapping[bytes, list[Snapshot | None]]
-) -> Any:
+) -> RestorePlan:
     snaps = []
     for ref in blocks_needed(match, need):
         snap = records[ref.key][layer]
@@ -199,7 +203,7 @@ def _restore_layer(
         snaps.append(_first_rows(snap, ref.rows))
     if snaps[0].signature != need.signature:
         snaps = [transcode(s, need.signature) for s in snaps]
-    return get_codec(need.signature).restore(snaps)
+    return get_codec(need.signature).plan_restore(snaps)
 
 
 def _first_rows(snap: Snapshot, rows: int) -> Snapshot:

@@ -7,8 +7,18 @@ Adding one is a module with a ``Figure`` and its line here.
 
 from __future__ import annotations
 
-from kvstore.bench.figures import decode, redis_restore, restore, save, stored_bytes
-from kvstore.bench.figures.pending import P4, P5, P6, P8, P10, P11
+from kvstore.bench.figures import (
+    concurrent,
+    decode,
+    dedup_bytes,
+    lookup,
+    redis_restore,
+    restore,
+    save,
+    stored_bytes,
+    ttft,
+)
+from kvstore.bench.figures.pending import P11
 from kvstore.bench.harness import Figure
 
 __all__ = ["FIGURES"]
@@ -18,13 +28,13 @@ FIGURES: dict[str, Figure] = {
     "P1": restore.FIGURE,
     "P2": save.P2,
     "P3": save.P3,
-    "P4": P4,
-    "P5": P5,
-    "P6": P6,
+    "P4": lookup.P4,
+    "P5": ttft.FIGURE,
+    "P6": dedup_bytes.FIGURE,
     "P7": stored_bytes.FIGURE,
-    "P8": P8,
+    "P8": concurrent.FIGURE,
     "P9": redis_restore.FIGURE,
-    "P10": P10,
+    "P10": lookup.P10,
     "P11": P11,
     "D1": decode.FIGURE,
 }
