@@ -246,8 +246,7 @@ def generate(
     if store is not None:
         session = StoreSession(store, namespace or namespace_for_model(model, caches=caches))
         block_size = session.block_size
-        if all(int(c.offset) == 0 for c in caches):
-            caches[:] = session.restore(np.asarray(tokens), caches)
+        caches[:] = session.restore(np.asarray(tokens), caches)
         callback = _both(session.on_prefill_chunk, on_prefill_chunk)
     start = _start_offset(caches, n_prompt, prefix_len)
     chunks = prefill_chunks(start, n_prompt, chunk_size, block_size)

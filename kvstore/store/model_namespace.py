@@ -12,7 +12,6 @@ only changes how the same K/V is kept.
 
 from __future__ import annotations
 
-import json
 import os
 import threading
 import weakref
@@ -81,8 +80,9 @@ def namespace_for_model(
         tenant: an optional salt keeping tenants of a shared store apart.
 
     Raises:
-        StoreConfigError: both ``policy`` and ``caches``, a ``policy`` for an
-            mlx-lm model, or a directory without a readable config.json.
+        StoreConfigError: both ``policy`` and ``caches``, or a ``policy`` for an
+            mlx-lm model.
+        ModelLoadError: a directory without a readable config.json.
         CapabilityError: a model of no supported kind (from the fingerprint).
     """
     if policy is not None and caches is not None:
@@ -100,16 +100,9 @@ def _geometry(
     """(per-layer geometry, the caches the model fills) for each kind of model."""
     if isinstance(model, (str, os.PathLike)):
         from kvstore.model import ModelArgs, make_caches
+        from kvstore.model.loader import read_config
 
-        config = Path(model).expanduser() / "config.json"
-        try:
-            args = ModelArgs.from_config(json.loads(config.read_text(encoding="utf-8")))
-        except (OSError, ValueError) as exc:
-            raise StoreConfigError(
-                f"[namespace_for_model] Cannot read {config}: {exc}. Pass an mlx-lm model "
-                f"directory.",
-                path=str(config),
-            ) from exc
+        args = ModelArgs.from_config(read_config(Path(model).expanduser()))
         geometry = args.layer_layout()
         return geometry, caches if caches is not None else make_caches(geometry, policy)
     if callable(getattr(model, "layer_layout", None)):  # a kvstore model

@@ -27,19 +27,17 @@ from typing import Any
 import numpy as np
 
 from kvstore.abc.store import PrefixStore
-from kvstore.errors import CapabilityError, CorruptEntryError, FormatVersionError, StoreError
+from kvstore.errors import CapabilityError, KVStoreError
 from kvstore.store.kv_save import BlockCapture
 
-__all__ = ["StoreSession", "RESTORE_FAULTS"]
+__all__ = ["StoreSession", "STORE_FAULTS"]
 
 log = logging.getLogger("kvstore.store")
 
-#: What a lookup or restore may raise that means "nothing reused, recompute".
-RESTORE_FAULTS: tuple[type[Exception], ...] = (
-    StoreError,  # StoreUnavailableError above all (a server gone mid-restore)
-    CorruptEntryError,
-    FormatVersionError,
-)
+#: What a lookup, restore or save may raise that generation survives: every kvstore
+#: error (StoreUnavailableError above all: a server gone mid-restore; also a corrupt
+#: or too-new record, a full store, a storage policy whose codec is not installed).
+STORE_FAULTS: tuple[type[Exception], ...] = (KVStoreError,)
 
 
 class StoreSession:
@@ -72,8 +70,13 @@ class StoreSession:
     def restore(self, tokens: Sequence[int] | np.ndarray, caches: list[Any]) -> list[Any]:
         """``caches`` (fresh, offset 0) replaced by the longest stored prefix of ``tokens``.
 
+        Caches that already hold a prefix are kept (and captured from there on).
         On a fault the fresh caches come back untouched and :attr:`error` says why.
         """
+        held = max(int(c.offset) for c in caches)
+        if held:
+            self.capture = BlockCapture(self.block_size, held)
+            return caches
         t0 = time.perf_counter()
         try:
             match = self.store.lookup(self.namespace, tokens)
@@ -81,7 +84,7 @@ class StoreSession:
             self.lookup_s = t1 - t0
             restored = self.store.restore(match, caches) if match.hit else caches
             self.restore_s = time.perf_counter() - t1
-        except RESTORE_FAULTS as exc:
+        except STORE_FAULTS as exc:
             self.error = f"{type(exc).__name__}: {exc}"
             log.warning("kvstore: restore failed, recomputing the prompt: %s", self.error)
             return caches
@@ -99,7 +102,7 @@ class StoreSession:
         t0 = time.perf_counter()
         try:
             self.store.save(self.namespace, tokens, caches, captured=self.capture.snapshots)
-        except RESTORE_FAULTS as exc:
+        except STORE_FAULTS as exc:
             self.error = self.error or f"{type(exc).__name__}: {exc}"
             log.warning("kvstore: saving the prompt failed (generation unaffected): %s", exc)
         finally:

@@ -50,7 +50,9 @@ def test_p4_and_p10_fill_a_store_and_time_lookups_and_opens(tmp_path, monkeypatc
     (check,) = evaluate(lookup.P4, p4)  # the bar judges the stored 32k prompt only
     assert check.row == "32k tokens"
     p10 = lookup.P10.run(context(tmp_path))
-    assert set(p10.rows[0].samples) == {"big", "small"} and "open big vs small" in p10.rows[0].values
+    assert (
+        set(p10.rows[0].samples) == {"big", "small"} and "open big vs small" in p10.rows[0].values
+    )
     assert list(tmp_path.iterdir()) == []
 
 

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from kvstore.abc.store import BlockRef, Match
-from kvstore.errors import StoreConfigError
+from kvstore.errors import ModelLoadError, StoreConfigError
 from kvstore.model import CachePolicy, build_model, load_model
 from kvstore.store import namespace_for_model
 from kvstore.store.model_namespace import cache_layout
@@ -64,7 +64,7 @@ def test_namespace_errors_say_what_to_pass(tmp_path):
         namespace_for_model(model, policy=CachePolicy(), caches=model.make_cache())
     (tmp_path / "bad").mkdir()
     (tmp_path / "bad" / "config.json").write_text(json.dumps({"model_type": "llama"}) + "{")
-    with pytest.raises(StoreConfigError, match="Cannot read"):
+    with pytest.raises(ModelLoadError, match="not readable JSON"):
         namespace_for_model(tmp_path / "bad")
 
 
