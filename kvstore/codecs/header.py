@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 from kvstore.abc.codec import Snapshot
@@ -269,6 +270,10 @@ def _parse_tensor(op: str, obj: Any, where: Callable[[], str], located: bool) ->
     return TensorEntry(f["name"], f["dtype"], shape, f.get("offset", 0), f.get("nbytes", size))
 
 
+def _tensor_where(layer: str, index: int) -> str:
+    return f"{layer}.tensors[{index}]"
+
+
 def parse_layers(op: str, obj: Any, located: bool) -> tuple[LayerEntry | None, ...]:
     """The ``layers`` array of a header. ``located``: tensors carry offset/nbytes."""
     if not isinstance(obj, list) or len(obj) > BOUNDS.layers:
@@ -283,7 +288,7 @@ def parse_layers(op: str, obj: Any, located: bool) -> tuple[LayerEntry | None, .
         if f["start"] > f["stop"]:
             raise corrupt(op, f"{where} covers [{f['start']}, {f['stop']}): start after stop.")
         tensors = tuple(
-            _parse_tensor(op, t, lambda j=j, w=where: f"{w}.tensors[{j}]", located)
+            _parse_tensor(op, t, partial(_tensor_where, where, j), located)
             for j, t in enumerate(f["tensors"])
         )
         if len({t.name for t in tensors}) != len(tensors):

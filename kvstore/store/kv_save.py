@@ -70,9 +70,7 @@ def save_caches(
     if short:
         raise ValueError(
             f"[save] {len(toks)} tokens were given but a cache holds only {short[0]}; pass "
-            f"the tokens whose KV the caches hold (prompt plus generated tokens fed back).",
-            tokens=len(toks),
-            offset=short[0],
+            f"the tokens whose KV the caches hold (prompt plus generated tokens fed back)."
         )
     encoder = BlockEncoder(caches, store.settings.storage_policy, captured or {})
     return store.put_blocks(namespace, toks, encoder, family=encoder.family)

@@ -286,6 +286,16 @@ def test_generate_reports_store_time_and_reused_tokens(lmdb_url):
     assert again.lookup_s > 0 and again.restore_s > 0 and len(seen) == 3
 
 
+def test_save_needs_caches_holding_the_tokens(lmdb_url):
+    model, _, ns = setup("plain")
+    caches = prefilled(model, prompt(14, 20))
+    with open_(lmdb_url) as store:
+        with pytest.raises(ValueError, match="21 tokens were given but a cache holds only 20"):
+            store.save(ns, prompt(14, 21), caches)
+        with pytest.raises(ValueError, match="No caches"):
+            store.save(ns, [1, 2], [])
+
+
 def test_generate_rejects_caches_and_policy_together():
     model, _, _ = setup("plain")
     with pytest.raises(ValueError, match="caches= or policy="):

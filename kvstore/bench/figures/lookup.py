@@ -20,6 +20,7 @@ from __future__ import annotations
 import shutil
 from collections.abc import Iterator
 from contextlib import contextmanager
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -88,7 +89,7 @@ def _lookup_rows(
         for n, tokens in prompts.items():
             if store.lookup(NS, tokens).tokens != n - 1:
                 raise AssertionError(f"[bench] the {n}-token prompt is not stored whole")
-        cases = [Case(f"{n}", "ours", lambda t=t: store.lookup(NS, t)) for n, t in prompts.items()]
+        cases = [Case(f"{n}", "ours", partial(store.lookup, NS, t)) for n, t in prompts.items()]
         cases.append(Case("cold", "ours", lambda: store.lookup(NS, cold)))
         repeats = max(ctx.repeats, 50)  # each call is a millisecond: many are cheap
         ctx.log(f"  lookups of {', '.join(c.name for c in cases)} tokens x {repeats}")

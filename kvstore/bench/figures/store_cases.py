@@ -32,9 +32,9 @@ def fresh_caches(kv: SyntheticKV) -> list[Any]:
     """Empty caches of the workload's families (what ``model.make_cache()`` gives)."""
     from kvstore.caches import KVCache, RotatingKVCache
 
-    shape = kv.shape
+    shape, window = kv.shape, kv.shape.window or 0
     return [
-        RotatingKVCache(max_size=shape.window) if shape.is_sliding(i) else KVCache()
+        RotatingKVCache(max_size=window) if shape.is_sliding(i) else KVCache()
         for i in range(shape.layers)
     ]
 
