@@ -160,7 +160,7 @@ def _restorable(match: Match, needs: Sequence[LayerNeed], headers: Sequence[Reco
     for tokens in dict.fromkeys(c for c in candidates if c <= match.tokens):
         cut = match.truncated(tokens)
         if all(
-            _usable(by_key.get(ref.key), ref, i, need)
+            _usable(by_key.get(ref.key), ref, i, need, len(needs))
             for i, need in enumerate(needs)
             for ref in blocks_needed(cut, need)
         ):
@@ -168,10 +168,14 @@ def _restorable(match: Match, needs: Sequence[LayerNeed], headers: Sequence[Reco
     return 0
 
 
-def _usable(header: RecordHeader | None, ref: BlockRef, layer: int, need: LayerNeed) -> bool:
+def _usable(
+    header: RecordHeader | None, ref: BlockRef, layer: int, need: LayerNeed, layers: int
+) -> bool:
     if header is None:
         return True  # not read yet
-    entry = header.layers[layer] if layer < len(header.layers) else None
+    if len(header.layers) != layers:  # not a record of this model's caches
+        return False
+    entry = header.layers[layer]
     if entry is None or entry.start != ref.start or entry.stop != ref.start + ref.stored_rows:
         return False
     if need.window is not None:

@@ -123,6 +123,8 @@ class BlockCapture:
     def __init__(self, block_size: int, start: int = 0) -> None:
         self.block_size = block_size
         self.snapshots: dict[tuple[int, int], Snapshot] = {}
+        #: Set when a capture raised: the rest of the prefill is not captured.
+        self.failed = False
         self._done = start // block_size * block_size
 
     def __call__(self, offset_end: int, caches: Sequence[Any]) -> None:

@@ -93,7 +93,13 @@ class StoreSession:
         return restored
 
     def on_prefill_chunk(self, offset_end: int, caches: list[Any]) -> None:
-        self.capture(offset_end, caches)
+        if self.capture.failed:
+            return
+        try:
+            self.capture(offset_end, caches)
+        except STORE_FAULTS as exc:  # a cache no codec serves: the save will say so too
+            self.capture.failed = True
+            log.warning("kvstore: capturing prefill blocks failed: %s", exc)
 
     def save(self, tokens: Sequence[int] | np.ndarray, caches: list[Any]) -> None:
         """Store ``tokens`` (those the caches hold KV for); a failure is logged, not raised."""
