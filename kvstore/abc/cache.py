@@ -21,7 +21,7 @@ explicit table keyed by the exact class path, so caches that stock
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol, cast, runtime_checkable
 
 from kvstore.errors import CapabilityError
 from kvstore.signature import UNKNOWN, Signature, parse_signature
@@ -81,8 +81,10 @@ def signature_of(cache: object) -> Signature | None:
     try:
         if alias is not None:
             text = alias(cache)
-        elif isinstance(cache, SupportsSignature):
-            text = cache.signature()
+        # SupportsSignature, checked as the protocol would but without typing's
+        # slow runtime isinstance: this runs per layer on every model step.
+        elif callable(getattr(cls, "signature", None)):
+            text = cast(SupportsSignature, cache).signature()
         else:
             return None
         return parse_signature(text)

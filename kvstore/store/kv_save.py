@@ -22,11 +22,12 @@ from typing import Any
 
 import mlx.core as mx
 
-from kvstore.abc.cache import is_sliding_window_cache
+from kvstore.abc.cache import is_sliding_window_cache, signature_string
 from kvstore.abc.codec import KVCodec, Snapshot
 from kvstore.abc.store import BlockSpan, PrefixStore, SaveResult
 from kvstore.codecs import codec_for, encode_record
 from kvstore.errors import CapabilityError
+from kvstore.signature import UNKNOWN
 from kvstore.store import keys as K
 from kvstore.store.storage_policy import apply_policy, stored_signature
 
@@ -82,12 +83,12 @@ class BlockEncoder:
 
     def __init__(self, caches: Sequence[Any], policy: str, captured: Captured) -> None:
         self._caches = list(caches)
-        self._codecs: list[KVCodec] = [codec_for(cache) for cache in self._caches]
+        self._codecs: list[KVCodec] | None = None  # looked up when a block is encoded
         self._policy = policy
         self._captured = captured
         #: The stored families, joined: the label ``stats(by_family=True)`` counts bytes by.
         self.family = "+".join(
-            sorted({stored_signature(c.signature, policy) for c in self._codecs})
+            sorted({stored_signature(_signature(c), policy) for c in self._caches})
         )
 
     def __call__(self, spans: Sequence[BlockSpan]) -> list[bytes]:
@@ -95,6 +96,8 @@ class BlockEncoder:
 
     def layers(self, start: int, stop: int) -> list[Snapshot | None]:
         """Every layer's snapshot of the tokens ``[start, stop)``, as stored (or ``None``)."""
+        if self._codecs is None:
+            self._codecs = [codec_for(cache) for cache in self._caches]
         out: list[Snapshot | None] = []
         for i, (cache, codec) in enumerate(zip(self._caches, self._codecs, strict=True)):
             snap = self._captured.get((i, start))
@@ -105,6 +108,14 @@ class BlockEncoder:
                     snap = None
             out.append(None if snap is None else apply_policy(snap, self._policy))
         return out
+
+
+def _signature(cache: Any) -> str:
+    """``cache``'s signature; a cache kvstore does not know raises codec_for's CapabilityError."""
+    signature = signature_string(cache)
+    if signature == UNKNOWN:
+        codec_for(cache)
+    return signature
 
 
 class BlockCapture:

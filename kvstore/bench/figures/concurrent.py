@@ -1,7 +1,7 @@
 """P8: two processes restoring concurrently from one LMDB store, against one process.
 
 A 2048-token prompt of the workload is saved into an LMDB store. Worker
-processes (``python -m kvstore.bench.figures.concurrent``) open the store,
+processes (:mod:`kvstore.bench.figures.concurrent_worker`) open the store,
 restore the prompt once (warm: imports, page cache, header parses as a
 serving process would have them) and wait; that part is untimed. Timed:
 from the "go" to the last worker's end, each worker doing ``RESTORES``
@@ -21,10 +21,9 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
 
 from kvstore.bench.figures.common import MIB
-from kvstore.bench.figures.store_cases import NS, fresh_caches, open_bench_store, prompt_tokens
+from kvstore.bench.figures.store_cases import NS, open_bench_store, prompt_tokens
 from kvstore.bench.harness import BenchContext, Case, Figure, Ratio, at_least
 from kvstore.bench.results import FigureResult, Row
 from kvstore.bench.workloads import cache_nbytes, synthetic_kv
@@ -46,7 +45,7 @@ class _Workers:
 
     def spawn(self) -> None:
         self.stop()
-        command = [sys.executable, "-m", "kvstore.bench.figures.concurrent", *self.args]
+        command = [sys.executable, "-m", "kvstore.bench.figures.concurrent_worker", *self.args]
         self.procs = [
             subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
             for _ in range(self.count)
@@ -115,27 +114,6 @@ def run(ctx: BenchContext) -> FigureResult:
     return FigureResult(rows, notes=notes)
 
 
-def worker(url: str, workload: str, tokens: str, block_size: str, restores: str) -> None:
-    """Open the store, restore once, say READY, wait for a line, restore ``restores`` times."""
-    from kvstore.store import open_store
-
-    kv = synthetic_kv(workload, int(tokens))
-    prompt = prompt_tokens(kv)
-    with open_store(url, block_size=int(block_size), touch_interval=0) as store:
-
-        def restore() -> Any:
-            restored = store.restore(store.lookup(NS, prompt), fresh_caches(kv))
-            if restored[0].offset != kv.tokens:
-                raise AssertionError("[bench] a P8 worker restored less than stored")
-
-        restore()
-        print("READY", flush=True)
-        sys.stdin.readline()
-        for _ in range(int(restores)):
-            restore()
-    print("DONE", flush=True)
-
-
 FIGURE = Figure(
     "P8",
     "2 processes restoring concurrently from one LMDB store",
@@ -143,6 +121,3 @@ FIGURE = Figure(
     (at_least(AGGREGATE, 1.6),),
     run,
 )
-
-if __name__ == "__main__":
-    worker(*sys.argv[1:])
