@@ -39,6 +39,7 @@ __all__ = [
     "is_rotating_quantized_cache",
     "is_turboquant_cache",
     "is_sliding_window_cache",
+    "SLIDING_WINDOW_KINDS",
     "uses_quantized_attention",
     "uses_dense_attention",
     "affine_params",
@@ -137,9 +138,15 @@ def is_turboquant_cache(cache: object) -> bool:
     return _kind(cache) in ("kv:turboquant", "kv:rotating-turboquant")
 
 
+#: Kinds of the families that keep only a window (plus ``keep`` sink tokens).
+SLIDING_WINDOW_KINDS = frozenset(
+    ("kv:rotating-plain", "kv:rotating-quant", "kv:rotating-turboquant")
+)
+
+
 def is_sliding_window_cache(cache: object) -> bool:
     """A cache that keeps only a window (plus ``keep`` sink tokens)."""
-    return _kind(cache) in ("kv:rotating-plain", "kv:rotating-quant", "kv:rotating-turboquant")
+    return _kind(cache) in SLIDING_WINDOW_KINDS
 
 
 def uses_quantized_attention(cache: object) -> bool:

@@ -33,12 +33,12 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Protocol
 
 from kvstore.errors import CapabilityError
 from kvstore.signature import parse_signature
 
-__all__ = ["Snapshot", "KVCodec"]
+__all__ = ["Snapshot", "KVCodec", "RestorePlan"]
 
 
 @dataclass(frozen=True)
@@ -62,6 +62,33 @@ class Snapshot:
     @property
     def tokens(self) -> int:
         return self.stop - self.start
+
+
+class RestorePlan(Protocol):
+    """A restore checked and laid out, its arrays not allocated yet
+    (:func:`kvstore.codecs.plans.run_plans` allocates every plan's at once).
+
+    ``leaves`` lists the arrays to allocate as ``(shape, dtype name)``;
+    ``finish(buffers)`` gets one ``(mx.array, writable numpy view)`` per leaf,
+    zero-filled, and returns the live cache.
+    """
+
+    @property
+    def leaves(self) -> Sequence[tuple[tuple[int, ...], str]]: ...
+
+    def finish(self, buffers: Sequence[Any]) -> Any: ...
+
+
+@dataclass(frozen=True)
+class _RestoreLater:
+    """The plan of a codec that does not plan: its ``restore`` runs at ``finish``."""
+
+    codec: KVCodec
+    snapshots: Snapshot | Sequence[Snapshot]
+    leaves: tuple[tuple[tuple[int, ...], str], ...] = ()
+
+    def finish(self, buffers: Sequence[Any]) -> Any:
+        return self.codec.restore(self.snapshots)
 
 
 class KVCodec(ABC):
@@ -111,6 +138,12 @@ class KVCodec(ABC):
     @abstractmethod
     def restore(self, snapshots: Snapshot | Sequence[Snapshot]) -> Any:
         """A live cache rebuilt from one snapshot or from ranges sorted by start."""
+
+    def plan_restore(self, snapshots: Snapshot | Sequence[Snapshot]) -> RestorePlan:
+        """:meth:`restore` split in two: check and lay out now, allocate and fill
+        later with other layers' plans (one MLX evaluation for a whole model).
+        A codec that does not override it restores when the plan finishes."""
+        return _RestoreLater(self, snapshots)
 
     def snapshot_held(self, cache: Any) -> list[Snapshot]:
         """Snapshots of every position ``cache`` will still attend to;

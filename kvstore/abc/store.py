@@ -361,6 +361,21 @@ class Match:
         }
         return tuple(b for b in self.blocks if b.key in wanted)
 
+    def truncated(self, tokens: int) -> Match:
+        """This match cut back to its first ``tokens`` tokens (the last block trimmed).
+
+        Raises:
+            ValueError: ``tokens`` is negative or more than the match holds.
+        """
+        if not 0 <= tokens <= self.tokens:
+            raise ValueError(
+                f"[Match.truncated] tokens must be in [0, {self.tokens}]; received {tokens}."
+            )
+        blocks = tuple(
+            replace(b, rows=min(b.rows, tokens - b.start)) for b in self.blocks if b.start < tokens
+        )
+        return replace(self, tokens=tokens, blocks=blocks)
+
     def untrimmed(self) -> Match:
         """This match cut back to whole records, for a family that cannot drop rows.
 
@@ -513,6 +528,36 @@ class PrefixStore(ABC):
     @abstractmethod
     def flush(self) -> None:
         """Write batched recency updates now (they are otherwise written in the background)."""
+
+    # KV caches in and out: built on lookup/put_blocks/read, so every store has them.
+    def save(
+        self,
+        namespace: str,
+        tokens: Any,
+        caches: Sequence[Any],
+        *,
+        captured: Mapping[tuple[int, int], Any] | None = None,
+    ) -> SaveResult:
+        """Store the KV the live ``caches`` hold for ``tokens``: one record per block
+        (every layer in it), only the blocks not stored yet, in one atomic write.
+
+        See :func:`kvstore.store.kv_save.save_caches`.
+        """
+        from kvstore.store.kv_save import save_caches
+
+        return save_caches(self, namespace, tokens, caches, captured=captured)
+
+    def restore(self, match: Match, caches: Sequence[Any]) -> list[Any]:
+        """Live caches holding the KV of ``match``, in the families of ``caches``
+        (fresh templates: ``model.make_cache(policy)``).
+
+        The result may hold fewer tokens than ``match`` (a block vanished, or a
+        layer's rows were never stored): read ``offset`` of any returned cache.
+        See :func:`kvstore.store.kv_restore.restore_caches`.
+        """
+        from kvstore.store.kv_restore import restore_caches
+
+        return restore_caches(self, match, caches)
 
     def activity(self) -> dict[str, Any]:
         """This handle's activity counters (``lookups``, ``misses``...), read from memory.

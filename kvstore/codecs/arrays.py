@@ -9,7 +9,7 @@ into ``mx.bfloat16`` with one copy and a free reinterpretation.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import mlx.core as mx
@@ -23,7 +23,10 @@ __all__ = [
     "numpy_dtype",
     "as_mlx",
     "as_numpy",
+    "as_numpy_all",
     "contiguous_chunks",
+    "owned_array",
+    "owned_arrays",
 ]
 
 #: numpy's stand-in for bfloat16: the raw words, tagged.
@@ -100,12 +103,26 @@ def as_numpy(array: Any) -> np.ndarray:
 
     Evaluates a lazy ``mx.array`` first.
     """
-    if isinstance(array, np.ndarray):
-        return array
-    name = dtype_name(array)
-    if name == "bfloat16":
-        return np.asarray(array.view(mx.uint16)).view(BFLOAT16_WORDS)
-    return np.asarray(array)
+    return as_numpy_all([array])[0]
+
+
+def as_numpy_all(arrays: Sequence[Any]) -> list[np.ndarray]:
+    """:func:`as_numpy` of each of ``arrays``, evaluating the MLX ones in one go
+    (an evaluation per array is a round trip to MLX's worker thread)."""
+    ready = [
+        a.view(mx.uint16) if isinstance(a, mx.array) and a.dtype == mx.bfloat16 else a
+        for a in arrays
+    ]
+    mx.eval([a for a in ready if isinstance(a, mx.array)])
+    out = []
+    for original, array in zip(arrays, ready, strict=True):
+        if isinstance(array, np.ndarray):
+            out.append(array)
+            continue
+        dtype_name(array)  # a dtype snapshots do not carry raises here
+        view = np.asarray(array)
+        out.append(view.view(BFLOAT16_WORDS) if array is not original else view)
+    return out
 
 
 def contiguous_chunks(array: np.ndarray) -> Iterator[memoryview]:
@@ -140,3 +157,41 @@ def _contiguous_split(array: np.ndarray) -> int | None:
             return axis + 1 if axis + 1 < array.ndim else None
         expected *= array.shape[axis]
     return 0
+
+
+def owned_arrays(specs: Sequence[tuple[tuple[int, ...], str]]) -> list[tuple[mx.array, np.ndarray]]:
+    """Fresh, evaluated MLX arrays of the given ``(shape, dtype name)``, zero-filled,
+    each with a writable numpy view of its memory: fill the view, and the array
+    holds what was written. All are allocated in one evaluation.
+
+    This is MLX's documented NumPy interop ("writing to the view is reflected in the
+    original array", usage/numpy in the MLX docs). It is safe here because each array
+    is new (no other array shares its buffer), already evaluated (MLX will not run
+    its fill again) and nothing reads it before the caller is done writing. It is
+    how a restore copies rows from store pages into MLX memory exactly once: MLX has
+    no uninitialised allocation, and building from numpy pieces would copy twice.
+    bfloat16 arrays are allocated as their 16-bit words and handed out as a
+    bfloat16 view of them (numpy has no bfloat16; the view shares the buffer).
+    """
+    words = [mx.zeros(shape, _WORDS.get(name, MLX_DTYPES[name])) for shape, name in specs]
+    arrays = [
+        w.view(MLX_DTYPES[name]) if name in _WORDS else w
+        for w, (_, name) in zip(words, specs, strict=True)
+    ]
+    mx.eval(words, arrays)
+    out = []
+    for w, array in zip(words, arrays, strict=True):
+        view = np.asarray(w)
+        if not (view.flags.writeable and view.flags.c_contiguous):  # pragma: no cover
+            raise RuntimeError("[owned_arrays] MLX did not expose a writable contiguous buffer.")
+        out.append((array, view))
+    return out
+
+
+def owned_array(shape: tuple[int, ...], name: str) -> tuple[mx.array, np.ndarray]:
+    """One array of :func:`owned_arrays`."""
+    return owned_arrays([(shape, name)])[0]
+
+
+#: Dtypes numpy lacks, allocated as words of the same width.
+_WORDS = {"bfloat16": mx.uint16}

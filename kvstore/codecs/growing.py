@@ -11,16 +11,14 @@ from abc import abstractmethod
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-import mlx.core as mx
-
 from kvstore.abc.codec import Snapshot
 from kvstore.caches import KVCache, QuantizedKVCache
+from kvstore.codecs.plans import CachePlan, RowsJoin, run_plans
 from kvstore.codecs.rows import (
     AffineRowCodec,
     RawRowCodec,
     RowCodec,
     growth_capacity,
-    join_rows,
     slice_rows,
 )
 from kvstore.errors import CapabilityError
@@ -44,6 +42,9 @@ class GrowingKVCodec(RowCodec):
         return Snapshot(self.signature, start, stop, self.tensors_from_rows(keys, values), meta)
 
     def restore(self, snapshots: Snapshot | Sequence[Snapshot]) -> Any:
+        return run_plans([self.plan_restore(snapshots)])[0]
+
+    def plan_restore(self, snapshots: Snapshot | Sequence[Snapshot]) -> CachePlan:
         snaps = self.as_snapshots(snapshots)
         expected = 0
         for snap in snaps:
@@ -60,11 +61,14 @@ class GrowingKVCodec(RowCodec):
         cache = self.make_cache(snaps[-1].meta)
         capacity = growth_capacity(expected, cache.step)
         rows = [self.rows_from_tensors(s.tensors) for s in snaps]
-        cache.keys = join_rows([k for k, _ in rows], capacity)
-        cache.values = join_rows([v for _, v in rows], capacity)
-        cache.offset = expected
-        mx.eval(cache.keys, cache.values)
-        return cache
+
+        def build(trees: list[Any]) -> Any:
+            cache.keys, cache.values = trees
+            cache.offset = expected
+            return cache
+
+        joins = [RowsJoin([r[side] for r in rows], capacity) for side in (0, 1)]
+        return CachePlan(joins, build)
 
 
 class PlainKVCodec(RawRowCodec, GrowingKVCodec):

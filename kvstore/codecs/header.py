@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 from kvstore.abc.codec import Snapshot
@@ -124,43 +125,55 @@ def check_format(op: str, version: Any) -> None:
 
 
 def check_bounds(op: str, value: Any, bounds: Bounds = BOUNDS) -> None:
-    """Walk ``value`` (iteratively) and raise ``CorruptEntryError`` past any bound.
+    """Walk ``value`` (iteratively, a level at a time) and raise ``CorruptEntryError``
+    past any bound.
 
     Also rejects anything but the msgpack/JSON data model (dict with str
     keys, list, str, bytes, int, float, bool, None).
     """
-    stack: list[tuple[Any, int]] = [(value, 1)]
-    while stack:
-        item, depth = stack.pop()
+    # Exact types, not isinstance: decoders produce exactly these, and type()
+    # dispatch keeps this walk cheap on every record read.
+    level, depth = [value], 1
+    while level:
         if depth > bounds.depth:
             raise corrupt(op, f"Header nesting is deeper than {bounds.depth} levels.")
-        if isinstance(item, dict):
-            if len(item) > bounds.map_len:
-                raise corrupt(
-                    op, f"A header map has {len(item)} entries (at most {bounds.map_len})."
-                )
-            for key, sub in item.items():
-                if not isinstance(key, str) or len(key) > bounds.str_len:
-                    raise corrupt(op, f"A header map key is not a short str: {str(key)[:40]!r}.")
-                stack.append((sub, depth + 1))
-        elif isinstance(item, list):
-            if len(item) > bounds.array_len:
-                raise corrupt(
-                    op, f"A header array has {len(item)} items (at most {bounds.array_len})."
-                )
-            stack.extend((sub, depth + 1) for sub in item)
-        elif isinstance(item, str):
-            if len(item) > bounds.str_len:
-                raise corrupt(
-                    op, f"A header string has {len(item)} chars (at most {bounds.str_len})."
-                )
-        elif isinstance(item, bytes):
-            if len(item) > bounds.bin_len:
-                raise corrupt(
-                    op, f"A header byte string has {len(item)} bytes (at most {bounds.bin_len})."
-                )
-        elif not (item is None or isinstance(item, (bool, int, float))):
-            raise corrupt(op, f"A header value of type {type(item).__name__} is not data.")
+        deeper: list[Any] = []
+        for item in level:
+            kind = type(item)
+            if kind is dict:
+                if len(item) > bounds.map_len:
+                    raise corrupt(
+                        op, f"A header map has {len(item)} entries (at most {bounds.map_len})."
+                    )
+                for key in item:
+                    if type(key) is not str or len(key) > bounds.str_len:
+                        raise corrupt(
+                            op, f"A header map key is not a short str: {str(key)[:40]!r}."
+                        )
+                deeper.extend(item.values())
+            elif kind is list:
+                if len(item) > bounds.array_len:
+                    raise corrupt(
+                        op, f"A header array has {len(item)} items (at most {bounds.array_len})."
+                    )
+                deeper.extend(item)
+            elif kind is str:
+                if len(item) > bounds.str_len:
+                    raise corrupt(
+                        op, f"A header string has {len(item)} chars (at most {bounds.str_len})."
+                    )
+            elif kind is bytes:
+                if len(item) > bounds.bin_len:
+                    raise corrupt(
+                        op,
+                        f"A header byte string has {len(item)} bytes (at most {bounds.bin_len}).",
+                    )
+            elif kind not in _SCALARS:
+                raise corrupt(op, f"A header value of type {kind.__name__} is not data.")
+        level, depth = deeper, depth + 1
+
+
+_SCALARS = (int, float, bool, type(None))
 
 
 # -- field validation ------------------------------------------------------------------
@@ -188,6 +201,11 @@ def parse_fields(op: str, obj: Any, where: str, fields: Mapping[str, Check]) -> 
         FormatVersionError: a field this reader does not know (unless it is a
             map marked ``"must_understand": false``).
     """
+    if type(obj) is dict and obj.keys() == fields.keys():  # the usual case: exactly the fields
+        for key, check in fields.items():
+            if not check(obj[key]):
+                raise corrupt(op, f"{where}.{key} is invalid: {str(obj[key])[:80]!r}.")
+        return obj
     if not isinstance(obj, dict):
         raise corrupt(op, f"{where} must be a map; found {type(obj).__name__}.")
     for key, value in obj.items():
@@ -212,17 +230,34 @@ def parse_fields(op: str, obj: Any, where: str, fields: Mapping[str, Check]) -> 
     return out
 
 
-def _parse_tensor(op: str, obj: Any, where: str, located: bool) -> TensorEntry:
-    fields: dict[str, Check] = {
-        "name": is_str,
-        "dtype": lambda v: isinstance(v, str) and v in DTYPES,
-        "shape": lambda v: (
-            isinstance(v, list) and 0 < len(v) <= BOUNDS.rank and all(map(is_int, v))
-        ),
-    }
-    if located:
-        fields.update(offset=is_int, nbytes=is_int)
-    f = parse_fields(op, obj, where, fields)
+def _is_dtype(value: Any) -> bool:
+    return type(value) is str and value in DTYPES
+
+
+def _is_shape(value: Any) -> bool:
+    return type(value) is list and 0 < len(value) <= BOUNDS.rank and all(map(is_int, value))
+
+
+_TENSOR_FIELDS: dict[str, Check] = {"name": is_str, "dtype": _is_dtype, "shape": _is_shape}
+_LOCATED_TENSOR_FIELDS: dict[str, Check] = {**_TENSOR_FIELDS, "offset": is_int, "nbytes": is_int}
+_LAYER_FIELDS: dict[str, Check] = {
+    "signature": is_str,
+    "codec": is_str,
+    "codec_version": is_int,
+    "start": is_int,
+    "stop": is_int,
+    "meta": is_map,
+    "tensors": lambda v: type(v) is list and len(v) <= BOUNDS.tensors_per_layer,
+}
+
+
+def _parse_tensor(op: str, obj: Any, where: Callable[[], str], located: bool) -> TensorEntry:
+    try:
+        f = parse_fields(op, obj, "", _LOCATED_TENSOR_FIELDS if located else _TENSOR_FIELDS)
+    except (CorruptEntryError, FormatVersionError):
+        # Parse again for the message: where it is costs a format on every tensor.
+        parse_fields(op, obj, where(), _LOCATED_TENSOR_FIELDS if located else _TENSOR_FIELDS)
+        raise
     shape = tuple(f["shape"])
     size = DTYPES[f["dtype"]].itemsize
     for dim in shape:
@@ -230,9 +265,13 @@ def _parse_tensor(op: str, obj: Any, where: str, located: bool) -> TensorEntry:
     if located and size != f["nbytes"]:
         raise corrupt(
             op,
-            f"{where} has {f['nbytes']} bytes; shape {list(shape)} of {f['dtype']} needs {size}.",
+            f"{where()} has {f['nbytes']} bytes; shape {list(shape)} of {f['dtype']} needs {size}.",
         )
     return TensorEntry(f["name"], f["dtype"], shape, f.get("offset", 0), f.get("nbytes", size))
+
+
+def _tensor_where(layer: str, index: int) -> str:
+    return f"{layer}.tensors[{index}]"
 
 
 def parse_layers(op: str, obj: Any, located: bool) -> tuple[LayerEntry | None, ...]:
@@ -245,24 +284,11 @@ def parse_layers(op: str, obj: Any, located: bool) -> tuple[LayerEntry | None, .
             layers.append(None)
             continue
         where = f"layers[{i}]"
-        f = parse_fields(
-            op,
-            item,
-            where,
-            {
-                "signature": is_str,
-                "codec": is_str,
-                "codec_version": is_int,
-                "start": is_int,
-                "stop": is_int,
-                "meta": is_map,
-                "tensors": lambda v: isinstance(v, list) and len(v) <= BOUNDS.tensors_per_layer,
-            },
-        )
+        f = parse_fields(op, item, where, _LAYER_FIELDS)
         if f["start"] > f["stop"]:
             raise corrupt(op, f"{where} covers [{f['start']}, {f['stop']}): start after stop.")
         tensors = tuple(
-            _parse_tensor(op, t, f"{where}.tensors[{j}]", located)
+            _parse_tensor(op, t, partial(_tensor_where, where, j), located)
             for j, t in enumerate(f["tensors"])
         )
         if len({t.name for t in tensors}) != len(tensors):

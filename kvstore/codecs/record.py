@@ -40,7 +40,13 @@ import numpy as np
 import xxhash
 
 from kvstore.abc.codec import Snapshot
-from kvstore.codecs.arrays import MLX_DTYPES, as_mlx, as_numpy, contiguous_chunks, numpy_dtype
+from kvstore.codecs.arrays import (
+    MLX_DTYPES,
+    as_mlx,
+    as_numpy_all,
+    contiguous_chunks,
+    numpy_dtype,
+)
 from kvstore.codecs.header import (
     BOUNDS,
     FORMAT_VERSION,
@@ -68,8 +74,9 @@ __all__ = [
     "decode_record",
     "decode_record_to_mlx",
     "read_header",
-    "verify_record",
     "snapshot_to_mlx",
+    "verify_record",
+    "forget_parsed_headers",
 ]
 
 MAGIC = b"KVST"
@@ -83,6 +90,12 @@ _PARALLEL_CHECKSUM_BYTES = 4 << 20
 # 8 MiB pieces land in reused heap memory, while one 512 MiB piece faults every
 # page fresh (4x slower).
 _SEGMENT_BYTES = 8 << 20
+# Parsed headers by their exact bytes (prefix included): a record verified by the
+# store and then decoded by a restore is parsed once, and a prefix restored again
+# and again (a shared system prompt) not at all. Parsing is a pure function of
+# these bytes, so a hit is exactly what a parse would return.
+_PARSED: dict[bytes, RecordHeader] = {}
+_PARSED_LIMIT = 512
 
 
 def _align(n: int) -> int:
@@ -137,14 +150,9 @@ def encode_record(
             msgpack cannot encode.
         ValueError: the header would exceed the format's bounds.
     """
-    mx_arrays = [
-        a
-        for snap in layers
-        if snap is not None
-        for a in snap.tensors.values()
-        if isinstance(a, mx.array)
-    ]
-    mx.eval(mx_arrays)
+    views = iter(
+        as_numpy_all([a for snap in layers if snap is not None for a in snap.tensors.values()])
+    )
     entries: list[dict[str, Any] | None] = []
     chunks: list[Any] = []
     end = 0
@@ -153,11 +161,11 @@ def encode_record(
             entries.append(None)
             continue
         manifest = tensor_manifest(snap)
-        for entry, array in zip(manifest, snap.tensors.values(), strict=True):
+        for entry in manifest:
             start = _align(end)
             if start > end:
                 chunks.append(bytes(start - end))
-            words = as_numpy(array)
+            words = next(views)
             entry.update(offset=start, nbytes=int(words.nbytes))
             chunks.extend(contiguous_chunks(words))
             end = start + words.nbytes
@@ -234,16 +242,21 @@ def decode_record(buffer: Any, *, verify: bool = True) -> Record:
 
 
 def verify_record(buffer: Any) -> None:
-    """Check a whole record -- header and payload checksums, length, padding --
-    without decoding its tensors; the ``verify`` a prefix store is opened with.
+    """Raise unless ``buffer`` is an intact record this reader reads.
+
+    Checks what :func:`decode_record` checks (prefix, header checksum, header
+    schema and bounds, codec versions, layout, payload checksum) without
+    building snapshots: the ``verify`` a prefix store of records is opened with
+    (:func:`kvstore.store.open_store` uses it by default). The parsed header is
+    remembered, so decoding the record next costs no second parse.
 
     Raises:
-        CorruptEntryError, FormatVersionError: as :func:`decode_record`.
+        CorruptEntryError: anything wrong with the bytes.
+        FormatVersionError: a format (or codec version) this reader does not read.
     """
-    view = _bytes_view(buffer, "verify_record")
-    header = _read_header(view, "verify_record")
-    payload = _payload(view, header, "verify_record")
-    _verify(header, xxhash.xxh3_64_intdigest(payload), "verify_record")
+    view = _bytes_view(buffer, "verify")
+    header = _read_header(view, "verify")
+    _verify(header, xxhash.xxh3_64_intdigest(_payload(view, header, "verify")), "verify")
 
 
 def decode_record_to_mlx(buffer: Any) -> Record:
@@ -317,6 +330,11 @@ def _segments(header: RecordHeader) -> list[tuple[int, int]]:
     return segments
 
 
+def forget_parsed_headers() -> None:
+    """Drop the remembered header parses (benchmarks measuring a first read call this)."""
+    _PARSED.clear()
+
+
 def snapshot_to_mlx(snapshot: Snapshot) -> Snapshot:
     """``snapshot`` with every tensor an ``mx.array``: one copy of each numpy
     view (bfloat16 words reinterpreted for free); MLX tensors pass as they are."""
@@ -361,9 +379,22 @@ def _read_header(view: memoryview, op: str) -> RecordHeader:
         )
     if flags != 0:
         raise corrupt(op, f"Flags {flags:#06x} are set; format 1 defines none.")
+    raw = bytes(view[:end])
+    parsed = _PARSED.get(raw)
+    if parsed is None:
+        parsed = _parse_header(op, view[_PREFIX.size : end], version, flags, _align(end))
+        if len(_PARSED) >= _PARSED_LIMIT:
+            _PARSED.clear()  # crude, but lock-free and bounded
+        _PARSED[raw] = parsed
+    return parsed
+
+
+def _parse_header(
+    op: str, packed: memoryview, version: int, flags: int, payload_offset: int
+) -> RecordHeader:
     try:
         obj = msgpack.unpackb(
-            view[_PREFIX.size : end],
+            packed,
             raw=False,
             strict_map_key=True,
             use_list=True,
@@ -393,7 +424,7 @@ def _read_header(view: memoryview, op: str) -> RecordHeader:
         f["writer"],
         layers,
         f["meta"],
-        _align(end),
+        payload_offset,
         f["payload_nbytes"],
         check["value"],
     )

@@ -33,13 +33,13 @@ import mlx.core as mx
 from kvstore.abc.codec import Snapshot
 from kvstore.caches import RotatingKVCache, RotatingQuantizedKVCache
 from kvstore.caches.base import tree_length
+from kvstore.codecs.plans import CachePlan, RowsJoin, run_plans
 from kvstore.codecs.rows import (
     AffineRowCodec,
     RawRowCodec,
     RowCodec,
     Tree,
     growth_capacity,
-    join_rows,
     slice_rows,
 )
 from kvstore.errors import CapabilityError
@@ -211,6 +211,16 @@ class RingKVCodec(RowCodec):
                 positions the ring needs (the message lists them).
             CorruptEntryError: the snapshots are malformed or of different rings.
         """
+        return run_plans([self.plan_restore(snapshots)])[0]
+
+    def plan_restore(self, snapshots: Snapshot | Sequence[Snapshot]) -> CachePlan:
+        """:meth:`restore`, checked and laid out (see :mod:`kvstore.codecs.plans`).
+
+        Raises:
+            CapabilityError: the ranges overlap, are unsorted, or leave out
+                positions the ring needs (the message lists them).
+            CorruptEntryError: the snapshots are malformed or of different rings.
+        """
         snaps = self.as_snapshots(snapshots)
         for prev, snap in zip(snaps, snaps[1:], strict=False):
             self.check_compatible(snaps[0], snap, ("dtype", "max_size", "keep"))
@@ -240,11 +250,14 @@ class RingKVCodec(RowCodec):
             pieces = [self.rows_from_tensors(last.tensors)]
         cache = self.make_cache(last.meta)
         capacity = min(growth_capacity(n, cache.step), max_size) if n < max_size else max_size
-        cache.keys = join_rows([k for k, _ in pieces], capacity)
-        cache.values = join_rows([v for _, v in pieces], capacity)
-        cache.offset, cache._idx = n, idx
-        mx.eval(cache.keys, cache.values)
-        return cache
+
+        def build(trees: list[Any]) -> Any:
+            cache.keys, cache.values = trees
+            cache.offset, cache._idx = n, idx
+            return cache
+
+        joins = [RowsJoin([p[side] for p in pieces], capacity) for side in (0, 1)]
+        return CachePlan(joins, build)
 
     @staticmethod
     def _layout(n: int, max_size: int, keep: int, last: Snapshot) -> tuple[list[Interval], int]:

@@ -21,7 +21,8 @@ import mlx.core as mx
 
 from kvstore.abc.codec import KVCodec, Snapshot
 from kvstore.caches.quantized import QuantizedKVCache
-from kvstore.codecs.arrays import MLX_DTYPES, as_mlx, dtype_name
+from kvstore.codecs.arrays import MLX_DTYPES, as_mlx, dtype_name, owned_arrays
+from kvstore.codecs.plans import RowsJoin, row_leaves_of
 from kvstore.codecs.registry import reported_signature
 from kvstore.errors import CapabilityError, CorruptEntryError
 from kvstore.signature import parse_signature
@@ -54,23 +55,11 @@ def slice_rows(tree: Tree, start: int, stop: int) -> Tree:
 
 def join_rows(pieces: Sequence[Tree], capacity: int) -> Tree:
     """The pieces concatenated along tokens into owned MLX arrays of
-    ``capacity`` rows, zero-padded after the last piece."""
-
-    def join(leaves: Sequence[Any]) -> mx.array:
-        parts = [as_mlx(leaf) for leaf in leaves]
-        first = parts[0]
-        tokens = sum(int(p.shape[2]) for p in parts)
-        if capacity > tokens:
-            pad = (*first.shape[:2], capacity - tokens, *first.shape[3:])
-            parts.append(mx.zeros(pad, first.dtype))
-        if len(parts) > 1:
-            return mx.concatenate(parts, axis=2)
-        # A lone part may be the caller's own array (or a view of it): copy it.
-        return parts[0] if parts[0] is not leaves[0] else mx.array(parts[0])
-
-    if isinstance(pieces[0], tuple):
-        return tuple(join([p[i] for p in pieces]) for i in range(len(pieces[0])))
-    return join(pieces)
+    ``capacity`` rows, zero-padded after the last piece (one copy of each piece;
+    see :class:`~kvstore.codecs.plans.RowsJoin`)."""
+    join = RowsJoin(pieces, capacity)
+    mx.eval(join.lazy())
+    return join.fill(owned_arrays(join.leaves()))
 
 
 class RowCodec(KVCodec):
@@ -86,7 +75,7 @@ class RowCodec(KVCodec):
     def tensors_from_rows(self, keys: Tree, values: Tree) -> dict[str, Any]:
         out: dict[str, Any] = {}
         for side, tree in (("keys", keys), ("values", values)):
-            leaves = tree if isinstance(tree, tuple) else (tree,)
+            leaves = row_leaves_of(tree)
             for part, leaf in zip(self.parts, leaves, strict=True):
                 out[f"{side}{part}"] = leaf
         return out
@@ -100,7 +89,7 @@ class RowCodec(KVCodec):
 
     def rows_dtype(self, keys: Tree) -> str:
         """The float dtype of the rows (raw rows, or affine scales)."""
-        leaves = keys if isinstance(keys, tuple) else (keys,)
+        leaves = row_leaves_of(keys)
         return dtype_name(leaves[-1])
 
     # -- validation --------------------------------------------------------------

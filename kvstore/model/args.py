@@ -95,6 +95,14 @@ class ModelArgs:
             )
         return reader(_with_rope_parameters(config))
 
+    def layer_layout(self) -> list[dict[str, Any]]:
+        """Per layer: ``{"n_kv_heads", "head_dim", "sliding_window"}`` (window ``None``
+        for full attention): the cache geometry, known from the config alone."""
+        return [
+            {"n_kv_heads": self.num_key_value_heads, "head_dim": self.head_dim, "sliding_window": w}
+            for w in self.layer_windows
+        ]
+
     def to_dict(self) -> dict[str, Any]:
         """A plain dict of every field (JSON-friendly: tuples become lists)."""
         out = asdict(self)

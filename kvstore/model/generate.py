@@ -21,8 +21,11 @@ import numpy as np
 
 from kvstore.abc.cache import can_trim
 from kvstore.errors import CapabilityError
+from kvstore.model.policy import CachePolicy
 from kvstore.model.sampling import Sampler, make_sampler
 from kvstore.model.transformer import Model
+from kvstore.store.model_namespace import namespace_for_model
+from kvstore.store.session import StoreSession
 
 __all__ = ["GenerationStats", "generate", "generate_tokens", "prefill_chunks", "prefill"]
 
@@ -44,6 +47,11 @@ class GenerationStats:
         decode_s: seconds from the first token to the last.
         prefill_tps: ``prefilled_tokens / prefill_s``.
         decode_tps: tokens after the first per second of ``decode_s`` (0 if fewer than 2).
+        lookup_s, restore_s, save_s: seconds spent looking the prompt up in the
+            store, rebuilding the caches from it, and saving after generation
+            (0 without a store; lookup and restore are part of ``ttft_s``).
+        store_error: why the store served or saved nothing, when it failed
+            (generation recomputed or went on without it), else ``None``.
     """
 
     prompt_tokens: int
@@ -55,6 +63,10 @@ class GenerationStats:
     decode_s: float
     prefill_tps: float
     decode_tps: float
+    lookup_s: float = 0.0
+    restore_s: float = 0.0
+    save_s: float = 0.0
+    store_error: str | None = None
 
 
 def prefill_chunks(
@@ -161,6 +173,8 @@ def generate(
     store: Any = None,
     *,
     max_tokens: int,
+    policy: CachePolicy | None = None,
+    namespace: str | None = None,
     sampler: Sampler | None = None,
     temperature: float = 0.0,
     top_p: float = 1.0,
@@ -177,14 +191,24 @@ def generate(
     Args:
         model: the model.
         prompt_tokens: token ids.
-        caches: per-layer caches, updated in place; ``model.make_cache()`` by
-            default. Caches holding a prefix (offset > 0) are continued.
-        store: a prefix store (wired by the prefix-store work; must be ``None`` here).
+        caches: per-layer caches, updated in place; ``model.make_cache(policy)``
+            by default. Caches holding a prefix (offset > 0) are continued.
+        store: a prefix store (:func:`kvstore.store.open_store`). Fresh caches
+            are replaced by the longest stored prefix of the prompt; prefill
+            captures each block (sliding windows included); after generation
+            the prompt and the generated tokens that have KV are saved. A
+            store fault means recomputing (lookup/restore) or a logged warning
+            (save); ``stats.store_error`` says what happened.
         max_tokens: tokens to generate at most (>= 1).
+        policy: the cache families :meth:`Model.make_cache` makes (plain by
+            default); not with ``caches``.
+        namespace: the store namespace; default
+            :func:`~kvstore.store.namespace_for_model` of the model and its caches.
         sampler: a sampler (:func:`~kvstore.model.sampling.make_sampler`); or
             give ``temperature``/``top_p``/``top_k``/``seed``. Greedy by default.
         chunk_size: prefill chunk length at most.
-        block_size: chunk ends fall on multiples of it (``None``: plain chunks).
+        block_size: chunk ends fall on multiples of it (``None``: plain chunks);
+            with a store, the store's block size is used.
         prefix_len: tokens the caches already hold, checked against their offset.
         stop_tokens: generation ends after streaming one of these.
         on_prefill_chunk: ``f(offset_end, caches)`` after each chunk is evaluated.
@@ -194,17 +218,17 @@ def generate(
     Raises:
         ValueError: bad arguments, or caches that disagree on their offset.
         CapabilityError: a cache family the model cannot attend over; a fully
-            cached prompt whose caches cannot drop a token; ``store`` given.
+            cached prompt whose caches cannot drop a token.
     """
-    if store is not None:
-        # Hook for the prefix store: restore the longest stored prefix into
-        # `caches` here, and capture blocks through `on_prefill_chunk`.
-        raise CapabilityError(
-            "[generate] store= is not wired in this build; restore the caches yourself and "
-            "pass them as caches= (generation continues from their offset).",
-        )
     if max_tokens < 1:
         raise ValueError(f"[generate] max_tokens must be >= 1; received {max_tokens}.")
+    if caches is not None and policy is not None:
+        raise ValueError("[generate] Pass caches= or policy=, not both.")
+    if store is not None and prefix_len is not None:
+        raise ValueError(
+            "[generate] prefix_len checks caches you restored yourself; with store= the "
+            "store restores them. Pass one or the other."
+        )
     if sampler is None:
         sampler = make_sampler(temperature, top_p, top_k, seed)
     elif (temperature, top_p, top_k, seed) != (0.0, 1.0, 0, None):
@@ -213,28 +237,43 @@ def generate(
         )
     tokens = _as_tokens(prompt_tokens)
     n_prompt = tokens.size
-    caches = model.make_cache() if caches is None else caches
+    caches = model.make_cache(policy) if caches is None else caches
     stop = frozenset(stop_tokens)
 
     t0 = time.perf_counter()
+    session = None
+    callback = on_prefill_chunk
+    if store is not None:
+        session = StoreSession(store, namespace or namespace_for_model(model, caches=caches))
+        block_size = session.block_size
+        caches[:] = session.restore(np.asarray(tokens), caches)
+        callback = _both(session.on_prefill_chunk, on_prefill_chunk)
     start = _start_offset(caches, n_prompt, prefix_len)
     chunks = prefill_chunks(start, n_prompt, chunk_size, block_size)
-    logits = prefill(model, tokens, caches, chunks, on_prefill_chunk)
+    logits = prefill(model, tokens, caches, chunks, callback)
     y = sampler(_log_softmax(logits))
     token = cast(int, y.item())
     t_first = time.perf_counter()
 
-    generated = 1
-    yield token
-    while generated < max_tokens and token not in stop:
-        logits = model(y[:, None], cache=caches)[:, -1, :]
-        y = sampler(_log_softmax(logits))
-        token = cast(int, y.item())
-        generated += 1
+    streamed = [token]
+    try:
         yield token
+        while len(streamed) < max_tokens and token not in stop:
+            logits = model(y[:, None], cache=caches)[:, -1, :]
+            y = sampler(_log_softmax(logits))
+            token = cast(int, y.item())
+            streamed.append(token)
+            yield token
+    except GeneratorExit:  # the caller stopped early: what has KV is still worth keeping
+        if session is not None:
+            session.save(_with_kv(tokens, streamed), caches)
+        raise
     t_end = time.perf_counter()
+    if session is not None:
+        session.save(_with_kv(tokens, streamed), caches)
 
     prefill_s, decode_s = t_first - t0, t_end - t_first
+    generated = len(streamed)
     yield GenerationStats(
         prompt_tokens=n_prompt,
         reused_tokens=start,
@@ -245,7 +284,27 @@ def generate(
         decode_s=decode_s,
         prefill_tps=(n_prompt - start) / prefill_s if prefill_s > 0 else 0.0,
         decode_tps=(generated - 1) / decode_s if generated > 1 and decode_s > 0 else 0.0,
+        lookup_s=session.lookup_s if session else 0.0,
+        restore_s=session.restore_s if session else 0.0,
+        save_s=session.save_s if session else 0.0,
+        store_error=session.error if session else None,
     )
+
+
+def _with_kv(prompt: mx.array, streamed: list[int]) -> np.ndarray:
+    """The tokens the caches hold KV for: the prompt and every streamed token but the last."""
+    return np.concatenate([np.asarray(prompt), np.asarray(streamed[:-1], dtype=np.int64)])
+
+
+def _both(first: ChunkCallback, second: ChunkCallback | None) -> ChunkCallback:
+    if second is None:
+        return first
+
+    def both(offset_end: int, caches: list[Any]) -> None:
+        first(offset_end, caches)
+        second(offset_end, caches)
+
+    return both
 
 
 def generate_tokens(

@@ -126,11 +126,7 @@ class Model(nn.Module):
     def layer_layout(self) -> list[LayerGeometry]:
         """Per layer: ``{"n_kv_heads", "head_dim", "sliding_window"}`` (window ``None``
         for full attention). What a store needs to know about the cache geometry."""
-        a = self.args
-        return [
-            {"n_kv_heads": a.num_key_value_heads, "head_dim": a.head_dim, "sliding_window": w}
-            for w in a.layer_windows
-        ]
+        return self.args.layer_layout()
 
     def make_cache(self, policy: CachePolicy | None = None) -> list[Any]:
         """Fresh per-layer caches of the family ``policy`` asks for (plain by default)."""

@@ -1,7 +1,11 @@
 """The prefix store: open one by URL, name models by namespace, save and look up prompts.
 
 >>> store = open_store("memory://")
->>> ns = namespace_for(model_fingerprint("/models/llama"), model.layer_layout())  # doctest: +SKIP
+>>> ns = namespace_for_model(model)  # doctest: +SKIP
+>>> store.save(ns, tokens, caches)  # doctest: +SKIP
+>>> caches = store.restore(store.lookup(ns, tokens), model.make_cache())  # doctest: +SKIP
+
+(``kvstore.model.generate(..., store=store)`` does all of this itself.)
 
 URL schemes (the table :data:`SCHEMES` maps each to the module that opens it,
 imported only when used):
@@ -61,6 +65,7 @@ from urllib.parse import parse_qsl, unquote, urlsplit
 from kvstore.abc.store import Backend, PrefixStore
 from kvstore.errors import StoreConfigError
 from kvstore.store.fingerprint import model_fingerprint, namespace_for
+from kvstore.store.model_namespace import namespace_for_model
 from kvstore.store.prefix import STORE_OPTIONS, BlockPrefixStore
 from kvstore.store.redis import REDIS_OPTIONS, REDIS_SCHEMES
 from kvstore.store.settings import (
@@ -79,6 +84,7 @@ __all__ = [
     "open_backend",
     "model_fingerprint",
     "namespace_for",
+    "namespace_for_model",
     "BlockPrefixStore",
     "StoreSettings",
 ]

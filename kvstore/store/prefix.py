@@ -87,7 +87,7 @@ from kvstore.store.settings import (
 )
 from kvstore.store.stats import Counters, add_totals, all_totals, read_totals
 
-__all__ = ["BlockPrefixStore", "STORE_OPTIONS"]
+__all__ = ["BlockPrefixStore", "STORE_OPTIONS", "verify_kv_record"]
 
 
 def _parse_callable(name: str) -> Callable[[Any], Any]:
@@ -114,8 +114,18 @@ STORE_OPTIONS: dict[str, Callable[[Any], Any]] = {
 _SAVE_ATTEMPTS = 8
 
 
+def verify_kv_record(record: memoryview) -> None:
+    """The default ``verify``: an intact kvstore record (:mod:`kvstore.codecs.record`).
+
+    Imported on first use, so a store that is only looked up never loads MLX.
+    """
+    from kvstore.codecs.record import verify_record
+
+    verify_record(record)
+
+
 def _accept(record: memoryview) -> None:
-    """The default verifier: records are opaque until a codec is wired in."""
+    """``verify=None``: records are opaque bytes; nothing to check."""
 
 
 class _Stale(Exception):
@@ -152,7 +162,9 @@ class BlockPrefixStore(PrefixStore):
     Args:
         backend: the engine (LMDB, memory...).
         verify: ``verify(record)`` raises CorruptEntryError for a bad record;
-            called on every record read, and by :meth:`verify`.
+            called on every record read, and by :meth:`verify`. Default:
+            :func:`verify_kv_record` (kvstore's record format, checksums
+            included); ``None``: records are opaque, nothing is checked.
         touch_interval: seconds between background writes of recency updates
             (``0``: only when the store writes anyway, or on :meth:`flush`).
         clock: the time source for recency (seconds; tests pass a counter).
@@ -164,7 +176,7 @@ class BlockPrefixStore(PrefixStore):
         self,
         backend: Backend,
         *,
-        verify: RecordVerifier | None = None,
+        verify: RecordVerifier | None = verify_kv_record,
         touch_interval: float = 1.0,
         clock: Callable[[], float] | None = None,
         low_water: float = 0.9,

@@ -216,7 +216,7 @@ def test_argument_errors():
     for bad in ([], [[1, 2]], [0.5, 1.5]):
         with pytest.raises(ValueError, match="non-empty 1-D sequence of token ids"):
             generate_tokens(model, bad, max_tokens=1)
-    with pytest.raises(CapabilityError, match="store= is not wired"):
+    with pytest.raises(CapabilityError, match="store= takes a prefix store"):
         generate_tokens(model, [1], store=object(), max_tokens=1)
 
 

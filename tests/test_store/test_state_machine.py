@@ -15,6 +15,8 @@ import math
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 from hypothesis import settings
@@ -28,6 +30,7 @@ from hypothesis.stateful import (
     rule,
 )
 
+from kvstore.abc.store import Match, SaveResult
 from kvstore.errors import StoreFullError
 from kvstore.store import keys as K
 from kvstore.store import open_store
@@ -49,11 +52,15 @@ def _start(block: tuple[int, ...]) -> int:
 
 
 class Model:
-    """Stored blocks as ``prefix tuple -> last use``; the spec of the store, executable."""
+    """Stored blocks as ``prefix tuple -> last use``; the spec of the store, executable.
 
-    def __init__(self) -> None:
+    ``nbytes(block)``: the size of a block's record (synthetic records by default).
+    """
+
+    def __init__(self, nbytes: Callable[[tuple[int, ...]], int] = nbytes) -> None:
         self.blocks: dict[tuple[int, ...], float] = {}
         self.ns = K.parse_namespace(NS)
+        self.nbytes = nbytes
 
     # What a block is.
     @staticmethod
@@ -70,7 +77,7 @@ class Model:
         return [b for b in self.blocks if len(b) > len(p) and self.parent(b) == p]
 
     def total(self) -> int:
-        return sum(nbytes(b) for b in self.blocks)
+        return sum(self.nbytes(b) for b in self.blocks)
 
     # The rules.
     def lookup(self, q: tuple[int, ...]) -> tuple[int, list[tuple[int, ...]]]:
@@ -100,18 +107,26 @@ class Model:
             victim = min(leaves, key=lambda b: (self.blocks[b], -(_start(b) // B), self.key(b)))
             del self.blocks[victim]
             gone.append(victim)
-            total -= nbytes(victim)
+            total -= self.nbytes(victim)
         return gone
 
 
 class StoreMachine(RuleBasedStateMachine):
+    """The store against :class:`Model`, with synthetic records.
+
+    A subclass with other records overrides :meth:`record_bytes`,
+    :meth:`put`, :meth:`check` and :meth:`store_options`, and ``budget_unit``
+    (budgets drawn are none, one or two units: a few blocks' worth).
+    """
+
     backend = "memory"
     server_url = ""  # the Redis machine's server (set by a fixture)
     prompts = Bundle("prompts")
+    budget_unit = 200
 
     def __init__(self) -> None:
         super().__init__()
-        self.model = Model()
+        self.model = Model(self.record_bytes)
         self.now = 0.0
         self.dir = tempfile.mkdtemp(prefix="kvstore-machine-")
         if self.backend == "redis":  # a fresh key prefix on the session's server
@@ -120,6 +135,21 @@ class StoreMachine(RuleBasedStateMachine):
             self.url = f"lmdb://{self.dir}/s" if self.backend == "lmdb" else "memory://"
         self.store = None
 
+    # -- what the records are (synthetic here) -------------------------------------
+    def record_bytes(self, block: tuple[int, ...]) -> int:
+        return nbytes(block)
+
+    def put(self, q: tuple[int, ...]) -> SaveResult:
+        return self.store.put_blocks(NS, list(q), encoder_for(list(q)))
+
+    def check(self, match: Match, q: tuple[int, ...]) -> None:
+        """Reading ``match`` gives exactly the rows of ``q``'s first ``match.tokens`` tokens."""
+        check_match(self.store, match, list(q), row_bytes=16)
+
+    def store_options(self) -> dict[str, Any]:
+        return {"verify": verify_record}
+
+    # -- the machine ------------------------------------------------------------------
     def open(self):
         if self.backend == "memory":  # a private memory store, for this run only
             assert self.store is None
@@ -128,16 +158,16 @@ class StoreMachine(RuleBasedStateMachine):
             self.url,
             block_size=B,
             namespace_max_bytes=self.budget,
-            verify=verify_record,
             clock=lambda: self.now,
             touch_interval=0,
             low_water=LOW_WATER,
             **options,
+            **self.store_options(),
         )
 
-    @initialize(budget=st.sampled_from([None, None, 200, 400]))
+    @initialize(budget=st.sampled_from([None, None, 1, 2]))
     def start(self, budget):
-        self.budget = budget
+        self.budget = None if budget is None else budget * self.budget_unit
         self.store = self.open()
 
     def tick(self) -> None:
@@ -157,7 +187,7 @@ class StoreMachine(RuleBasedStateMachine):
         spans = [q[:j] for j in range(B, len(q) + 1, B)] + ([q] if len(q) % B else [])
         existing = [s for s in spans if s in m.blocks]
         try:
-            result = self.store.put_blocks(NS, list(q), encoder_for(list(q)))
+            result = self.put(q)
         except StoreFullError:
             result = None
         cover = None
@@ -174,7 +204,7 @@ class StoreMachine(RuleBasedStateMachine):
             for t in m.children(m.parent(s))
             if len(t) % B and len(t) < len(s) and s[: len(t)] == t
         ]
-        delta = sum(map(nbytes, new)) - sum(map(nbytes, superseded))
+        delta = sum(map(m.nbytes, new)) - sum(map(m.nbytes, superseded))
         before = dict(m.blocks)
         if self.budget is not None and delta > 0 and m.total() + delta > self.budget:
             m.evict_to(math.floor(self.budget * LOW_WATER) - delta, {*existing, *superseded})
@@ -201,7 +231,7 @@ class StoreMachine(RuleBasedStateMachine):
         expected, ties = self.model.lookup(q)
         assert match.tokens == expected, (q, match, expected)
         if match.hit:
-            check_match(self.store, match, list(q), row_bytes=16)
+            self.check(match, q)
             keys = {r.key for r in match.blocks}
             used = [b for b in self.model.blocks if self.model.key(b) in keys]
             assert len(used) == len(match.blocks)
@@ -227,7 +257,7 @@ class StoreMachine(RuleBasedStateMachine):
         limit = int(self.model.total() * fraction)
         freed = self.store.evict(max_bytes=max(limit, 1))
         gone = self.model.evict_to(max(limit, 1), set())
-        assert freed == sum(map(nbytes, gone))
+        assert freed == sum(map(self.model.nbytes, gone))
 
     @precondition(lambda self: self.backend in ("lmdb", "redis"))
     @rule()

@@ -1,21 +1,24 @@
 """Every figure of BENCHMARKS.md, in one table.
 
-A figure whose part is not on main yet is listed (from :mod:`.pending`)
-with its bars, and the table shows it as not measured yet with the reason.
-Adding one is a module with a ``Figure`` and its line here.
+Adding one is a module with a ``Figure`` and its line here. A figure whose
+parts do not exist yet can be listed with ``common.pending_figure`` (the table
+then shows it as not measured yet, with the reason).
 """
 
 from __future__ import annotations
 
 from kvstore.bench.figures import (
+    concurrent,
     decode,
+    dedup_bytes,
+    lookup,
     redis_restore,
     restore,
     save,
     stored_bytes,
+    ttft,
     turboquant_speed,
 )
-from kvstore.bench.figures.pending import P4, P5, P6, P8, P10
 from kvstore.bench.harness import Figure
 
 __all__ = ["FIGURES"]
@@ -25,13 +28,13 @@ FIGURES: dict[str, Figure] = {
     "P1": restore.FIGURE,
     "P2": save.P2,
     "P3": save.P3,
-    "P4": P4,
-    "P5": P5,
-    "P6": P6,
+    "P4": lookup.P4,
+    "P5": ttft.FIGURE,
+    "P6": dedup_bytes.FIGURE,
     "P7": stored_bytes.FIGURE,
-    "P8": P8,
+    "P8": concurrent.FIGURE,
     "P9": redis_restore.FIGURE,
-    "P10": P10,
+    "P10": lookup.P10,
     "P11": turboquant_speed.FIGURE,
     "D1": decode.FIGURE,
 }

@@ -3,8 +3,7 @@
 Per workload and prompt length, side by side on the same cache:
 
 * ``ours``: lookup + read + checksum + live caches built and evaluated,
-  from an LMDB prefix store (plugged in as :data:`OURS` when the store is
-  on main; until then the figure reports the peers alone);
+  from an LMDB prefix store (:func:`~.store_cases.restore`);
 * ``mlx-lm load``: ``load_prompt_cache`` + ``mx.eval`` of the file mlx-lm's
   ``save_prompt_cache`` wrote for the same cache, read from the page cache;
 * ``memcpy``: ``numpy.copyto`` of as many bytes into an already-touched buffer.
@@ -17,6 +16,7 @@ from __future__ import annotations
 
 from contextlib import ExitStack
 
+from kvstore.bench.figures import store_cases
 from kvstore.bench.figures.common import (
     OursCase,
     per_prompt,
@@ -30,8 +30,8 @@ from kvstore.bench.workloads import SyntheticKV, cache_nbytes, memcpy_case, mlx_
 
 __all__ = ["FIGURE", "OURS", "PENDING"]
 
-#: Our restore, once the prefix store can serve it (see :data:`~.common.OursCase`).
-OURS: OursCase | None = None
+#: Our restore (see :data:`~.common.OursCase`).
+OURS: OursCase | None = store_cases.restore
 PENDING = (
     "ours (lookup + read + checksum + caches built) needs the LMDB prefix store "
     "(kvstore.store, issue 5); the peers below are measured"

@@ -3,22 +3,22 @@
 P2, per workload and prompt length, side by side:
 
 * ``ours``: a new prefix saved into an LMDB prefix store and committed
-  durably (plugged in as :data:`OURS_NEW` when the store is on main);
+  durably (:func:`~.store_cases.save`);
 * ``mlx-lm save``: ``save_prompt_cache`` to a fresh file (the bar's peer);
 * ``mlx-lm save+fsync``: the same, then ``fsync``: what a durable commit
   costs mlx-lm (context for the bar, not the bar).
 
-P3 saves a prefix the store already holds (dedup) against the same peer;
-it needs the store and is listed until then.
+P3 saves a prefix the store already holds (dedup: hashing and one read,
+:func:`~.store_cases.resave`) against the same peer.
 """
 
 from __future__ import annotations
 
 from contextlib import ExitStack
 
+from kvstore.bench.figures import store_cases
 from kvstore.bench.figures.common import (
     OursCase,
-    pending_figure,
     per_prompt,
     prompt_params,
     scaling_metric,
@@ -27,10 +27,12 @@ from kvstore.bench.harness import BenchContext, Figure, Ratio, at_least, at_most
 from kvstore.bench.results import FigureResult, Row
 from kvstore.bench.workloads import SyntheticKV, cache_nbytes, mlx_lm_save_case
 
-__all__ = ["P2", "P3", "OURS_NEW"]
+__all__ = ["P2", "P3", "OURS_NEW", "OURS_DEDUP"]
 
-#: Our durable save of a new prefix, once the prefix store exists (see :data:`~.common.OursCase`).
-OURS_NEW: OursCase | None = None
+#: Our durable save of a new prefix (see :data:`~.common.OursCase`).
+OURS_NEW: OursCase | None = store_cases.save
+#: Our save of a prefix already stored.
+OURS_DEDUP: OursCase = store_cases.resave
 PENDING = (
     "ours (save of a new prefix, committed durably) needs the LMDB prefix store "
     "(kvstore.store, issue 5); the peers below are measured"
@@ -43,7 +45,7 @@ RATIOS = (
 )
 
 
-def measure(ctx: BenchContext, kv: SyntheticKV) -> Row:
+def measure(ctx: BenchContext, kv: SyntheticKV, ours: OursCase | None = None) -> Row:
     with ExitStack() as stack:
         caches = kv.mlx_lm()
         plain, durable = (
@@ -56,14 +58,18 @@ def measure(ctx: BenchContext, kv: SyntheticKV) -> Row:
             mlx_lm_save_case(caches, plain),
             mlx_lm_save_case(caches, durable, durable=True),
         ]
-        if OURS_NEW is not None:
-            cases.insert(0, stack.enter_context(OURS_NEW(ctx, kv)))
+        if ours is not None:
+            cases.insert(0, stack.enter_context(ours(ctx, kv)))
         return ctx.measure(kv.label, prompt_params(kv, cache_nbytes(caches)), cases, RATIOS)
 
 
 def run(ctx: BenchContext) -> FigureResult:
-    rows = per_prompt(ctx, lambda kv: measure(ctx, kv))
+    rows = per_prompt(ctx, lambda kv: measure(ctx, kv, OURS_NEW))
     return FigureResult(rows, pending=None if OURS_NEW is not None else PENDING)
+
+
+def run_dedup(ctx: BenchContext) -> FigureResult:
+    return FigureResult(per_prompt(ctx, lambda kv: measure(ctx, kv, OURS_DEDUP)))
 
 
 P2 = Figure(
@@ -74,10 +80,10 @@ P2 = Figure(
     run,
 )
 
-P3 = pending_figure(
+P3 = Figure(
     "P3",
     "save of an already-stored prefix (dedup)",
     PEER,
     (at_least("vs mlx-lm save", 20.0),),
-    "needs the LMDB prefix store (kvstore.store, issue 5); its peer is P2's mlx-lm save",
+    run_dedup,
 )

@@ -1,0 +1,116 @@
+"""Restores in two steps: plan every layer, then allocate all arrays at once and fill them.
+
+An MLX evaluation is a round trip to the stream's worker thread, tens of
+microseconds on a busy CPU: allocating each layer's arrays with its own
+evaluation costs more than copying a small model's rows. So a codec first
+*plans* a restore (:meth:`~kvstore.abc.codec.KVCodec.plan_restore`: checks the
+snapshots, lays out the rows, names the arrays it needs), then
+:func:`run_plans` allocates the arrays of every plan in one evaluation and
+each plan copies its rows in and builds its cache.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+
+from kvstore.abc.codec import RestorePlan
+from kvstore.codecs.arrays import as_numpy_all, dtype_name, owned_arrays
+
+__all__ = ["Tree", "LeafSpec", "row_leaves_of", "RowsJoin", "CachePlan", "run_plans"]
+
+Tree = Any  # mx.array | tuple[mx.array, ...]; numpy views before restore
+#: One array to allocate: ``(shape, dtype name)``.
+LeafSpec = tuple[tuple[int, ...], str]
+
+
+def row_leaves_of(tree: Tree) -> tuple[Any, ...]:
+    """The arrays of a row tree (a bare array or a tuple of them)."""
+    return tree if isinstance(tree, tuple) else (tree,)
+
+
+class RowsJoin:
+    """Row pieces to concatenate along tokens into fresh arrays of ``capacity`` rows.
+
+    Each leaf of the result is allocated once (zero-filled past the pieces)
+    and every piece is copied straight into it: one copy from wherever the
+    pieces live (numpy views into store pages, or MLX arrays).
+
+    Raises:
+        ValueError: the pieces hold more rows than ``capacity``.
+    """
+
+    def __init__(self, pieces: Sequence[Tree], capacity: int) -> None:
+        self.is_tuple = isinstance(pieces[0], tuple)
+        #: One list per leaf (``keys`` or ``q``/``scales``/``biases``): its pieces in order.
+        self.columns = [list(column) for column in zip(*map(row_leaves_of, pieces), strict=True)]
+        rows = sum(int(p.shape[2]) for p in self.columns[0])
+        if rows > capacity:
+            raise ValueError(f"[join_rows] {rows} rows do not fit a capacity of {capacity}.")
+        self.capacity = capacity
+
+    def leaves(self) -> list[LeafSpec]:
+        return [
+            ((*c[0].shape[:2], self.capacity, *c[0].shape[3:]), dtype_name(c[0]))
+            for c in self.columns
+        ]
+
+    def lazy(self) -> list[mx.array]:
+        """Pieces that are unevaluated MLX arrays (to evaluate before :meth:`fill`)."""
+        return [leaf for column in self.columns for leaf in column if isinstance(leaf, mx.array)]
+
+    def fill(self, buffers: Sequence[tuple[mx.array, np.ndarray]]) -> Tree:
+        """Copy the pieces into ``buffers`` (from :func:`owned_arrays` of :meth:`leaves`)."""
+        out = []
+        for column, (array, target) in zip(self.columns, buffers, strict=True):
+            pos = 0
+            for view in as_numpy_all(column):
+                rows = int(view.shape[2])
+                np.copyto(target[:, :, pos : pos + rows], view, casting="no")
+                pos += rows
+            out.append(array)
+        return tuple(out) if self.is_tuple else out[0]
+
+
+@dataclass(frozen=True)
+class CachePlan:
+    """A restore checked and laid out: the joins of its rows and how to build the cache.
+
+    Attributes:
+        joins: the row trees to assemble (keys, values...).
+        build: ``build(trees)`` -> the live cache, given each join's result.
+    """
+
+    joins: Sequence[RowsJoin]
+    build: Callable[[list[Tree]], Any]
+
+    @property
+    def leaves(self) -> list[LeafSpec]:
+        return [leaf for join in self.joins for leaf in join.leaves()]
+
+    def lazy(self) -> list[mx.array]:
+        return [a for join in self.joins for a in join.lazy()]
+
+    def finish(self, buffers: Sequence[tuple[mx.array, np.ndarray]]) -> Any:
+        trees, at = [], 0
+        for join in self.joins:
+            n = len(join.columns)
+            trees.append(join.fill(buffers[at : at + n]))
+            at += n
+        return self.build(trees)
+
+
+def run_plans(plans: Sequence[RestorePlan]) -> list[Any]:
+    """The caches of ``plans``: every array allocated in one evaluation, then filled."""
+    mx.eval([a for plan in plans if isinstance(plan, CachePlan) for a in plan.lazy()])
+    buffers = owned_arrays([leaf for plan in plans for leaf in plan.leaves])
+    caches, at = [], 0
+    for plan in plans:
+        n = len(plan.leaves)
+        caches.append(plan.finish(buffers[at : at + n]))
+        at += n
+    return caches

@@ -1,0 +1,218 @@
+"""Stored blocks -> live caches, in the families the model asks for.
+
+A restore gets a :class:`~kvstore.abc.store.Match` (from ``lookup``) and one
+fresh cache per layer (``model.make_cache(policy)``) that says what each
+layer needs:
+
+* a layer that keeps every token is rebuilt from every block of the match;
+* a sliding-window layer only from the blocks covering its ``keep`` sink
+  tokens and its window at the match's end (``Match.for_window``), so a
+  windowed model reuses any stored prefix, not only one saved at that length;
+* a match ending inside a block uses that block's first rows only;
+* a layer stored in another encoding (a lossy storage policy) is transcoded
+  into the family of its cache.
+
+When a block a layer needs cannot serve it -- unreadable (corrupt, vanished),
+or the layer is ``None`` in it (a window had moved on when it was saved) --
+the match is cut back to the longest prefix every layer can be restored to.
+A restore never returns a cache that differs from what the model's own
+prefill of those tokens would hold; at worst it returns the templates
+untouched (nothing reused).
+
+Each layer's rows go from the store's pages into one MLX buffer per tensor,
+in one copy (:func:`kvstore.codecs.rows.join_rows`); the records were
+verified by the store's ``verify`` as they were read.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from kvstore.abc.cache import SLIDING_WINDOW_KINDS, is_sliding_window_cache, signature_of
+from kvstore.abc.codec import RestorePlan, Snapshot
+from kvstore.abc.store import BlockRef, Match, PrefixStore
+from kvstore.codecs import decode_record, get_codec, read_header, transcode
+from kvstore.codecs.plans import run_plans
+from kvstore.codecs.record import RecordHeader
+from kvstore.errors import (
+    CapabilityError,
+    CorruptEntryError,
+    FormatVersionError,
+    UnknownSignatureError,
+)
+from kvstore.signature import parse_signature
+
+__all__ = ["LayerNeed", "layer_needs", "restore_caches", "blocks_needed"]
+
+
+@dataclass(frozen=True)
+class LayerNeed:
+    """What one layer's live cache needs from the stored blocks.
+
+    Attributes:
+        signature: the family of the layer's cache (what to restore into).
+        window: ``(max_size, keep)`` of a sliding-window cache, else ``None``.
+    """
+
+    signature: str
+    window: tuple[int, int] | None = None
+
+
+def layer_needs(caches: Sequence[Any]) -> list[LayerNeed]:
+    """What each of ``caches`` (fresh templates) needs.
+
+    Raises:
+        CapabilityError: a cache with no signature kvstore knows.
+    """
+    needs = []
+    for i, cache in enumerate(caches):
+        sig = signature_of(cache)
+        if sig is None:
+            raise CapabilityError(
+                f"[restore] Layer {i}'s cache ({type(cache).__name__}) has no signature "
+                f"kvstore knows; pass model.make_cache(policy) caches.",
+                layer=i,
+            )
+        window = (int(cache.max_size), int(cache.keep)) if is_sliding_window_cache(cache) else None
+        needs.append(LayerNeed(str(sig), window))
+    return needs
+
+
+def blocks_needed(match: Match, need: LayerNeed) -> tuple[BlockRef, ...]:
+    """The blocks of ``match`` that ``need``'s layer is rebuilt from."""
+    return match.blocks if need.window is None else match.for_window(*need.window)
+
+
+def restore_caches(store: PrefixStore, match: Match, caches: Sequence[Any]) -> list[Any]:
+    """Live caches holding the longest prefix of ``match`` every layer can be restored to.
+
+    Args:
+        store: the store ``match`` came from.
+        match: from ``store.lookup``.
+        caches: one fresh cache per layer, of the families wanted
+            (``model.make_cache(policy)``); returned as they are when nothing
+            can be restored.
+
+    Returns:
+        One cache per layer, all at the same ``offset`` (the tokens restored,
+        at most ``match.tokens``), with owned MLX arrays.
+
+    Raises:
+        CapabilityError: a template cache kvstore does not know.
+        StoreUnavailableError: the store could not be reached (a miss it counted).
+    """
+    needs = layer_needs(caches)
+    tokens = match.tokens
+    while tokens > 0:
+        cut = match.truncated(tokens)
+        wanted = _union(cut, needs)
+        with store.read(wanted) as views:
+            headers = _headers(wanted, views)
+            if len(headers) < len(wanted):  # the rest of the prefix is unreadable
+                tokens = wanted[len(headers)].start
+                continue
+            best = _restorable(cut, needs, headers)
+            if best == tokens:
+                # The store verified every view it handed out; the header parse is remembered.
+                records = {
+                    ref.key: decode_record(view, verify=False).layers
+                    for ref, view in zip(wanted, views)
+                }
+                # Every layer planned first, then all arrays allocated in one evaluation.
+                return run_plans(
+                    [_plan_layer(cut, i, need, records) for i, need in enumerate(needs)]
+                )
+        tokens = best
+    return list(caches)
+
+
+def _union(match: Match, needs: Sequence[LayerNeed]) -> list[BlockRef]:
+    """Every block some layer needs, in chain order."""
+    keys = {ref.key for need in set(needs) for ref in blocks_needed(match, need)}
+    return [ref for ref in match.blocks if ref.key in keys]
+
+
+def _headers(wanted: Sequence[BlockRef], views: Sequence[memoryview]) -> list[RecordHeader]:
+    """The headers of the leading run of records that parse (the store verified them
+    with its own ``verify``, which may be weaker than the record format's)."""
+    headers = []
+    for view in views[: len(wanted)]:
+        try:
+            headers.append(read_header(view))
+        except (CorruptEntryError, FormatVersionError):
+            break
+    return headers
+
+
+def _restorable(match: Match, needs: Sequence[LayerNeed], headers: Sequence[RecordHeader]) -> int:
+    """The longest prefix of ``match`` every layer can be rebuilt to from what is stored.
+
+    Candidates: the whole match, then each block start going back. A block
+    not read yet (a window at a shorter prefix reaches further back) counts as
+    usable; the caller reads and checks it next.
+    """
+    by_key: dict[bytes, RecordHeader] = {}
+    for ref, header in zip(_union(match, needs), headers):
+        by_key[ref.key] = header
+    candidates = [match.tokens, *(b.start for b in reversed(match.blocks) if b.start)]
+    for tokens in dict.fromkeys(c for c in candidates if c <= match.tokens):
+        cut = match.truncated(tokens)
+        if all(
+            _usable(by_key.get(ref.key), ref, i, need, len(needs))
+            for i, need in enumerate(needs)
+            for ref in blocks_needed(cut, need)
+        ):
+            return tokens
+    return 0
+
+
+def _usable(
+    header: RecordHeader | None, ref: BlockRef, layer: int, need: LayerNeed, layers: int
+) -> bool:
+    if header is None:
+        return True  # not read yet
+    if len(header.layers) != layers:  # not a record of this model's caches
+        return False
+    entry = header.layers[layer]
+    if entry is None or entry.start != ref.start or entry.stop != ref.start + ref.stored_rows:
+        return False
+    if need.window is not None:
+        meta = entry.meta
+        if (meta.get("max_size"), meta.get("keep")) != need.window:
+            return False
+    return _convertible(entry.signature, need.signature)
+
+
+def _convertible(stored: str, wanted: str) -> bool:
+    """Whether a layer stored as ``stored`` can be restored into a ``wanted`` cache."""
+    if stored == wanted:
+        return True
+    try:
+        kinds = [parse_signature(sig).kind for sig in (stored, wanted)]
+        get_codec(stored), get_codec(wanted)
+    except (UnknownSignatureError, ValueError, TypeError):
+        return False
+    return (kinds[0] in SLIDING_WINDOW_KINDS) == (kinds[1] in SLIDING_WINDOW_KINDS)
+
+
+def _plan_layer(
+    match: Match, layer: int, need: LayerNeed, records: Mapping[bytes, list[Snapshot | None]]
+) -> RestorePlan:
+    snaps = []
+    for ref in blocks_needed(match, need):
+        snap = records[ref.key][layer]
+        assert snap is not None  # _usable checked it
+        snaps.append(_first_rows(snap, ref.rows))
+    if snaps[0].signature != need.signature:
+        snaps = [transcode(s, need.signature) for s in snaps]
+    return get_codec(need.signature).plan_restore(snaps)
+
+
+def _first_rows(snap: Snapshot, rows: int) -> Snapshot:
+    """``snap`` cut to its first ``rows`` tokens (a match ending inside the block)."""
+    if rows == snap.tokens:
+        return snap
+    tensors = {name: array[:, :, :rows] for name, array in snap.tensors.items()}
+    return Snapshot(snap.signature, snap.start, snap.start + rows, tensors, snap.meta)

@@ -1,0 +1,162 @@
+"""Live caches -> stored blocks: one record per block, every layer of the model in it.
+
+A save asks the store which blocks of the prompt are missing
+(:meth:`~kvstore.abc.store.PrefixStore.put_blocks` deduplicates) and encodes
+only those. A block's record holds one snapshot per layer
+(:func:`kvstore.codecs.encode_record`), each the layer's rows for the
+block's tokens, in the encoding the store's storage policy chooses
+(:mod:`kvstore.store.storage_policy`). A sliding-window layer that no longer
+holds a block's rows is stored as ``None`` in that block: a restore then
+reuses the block only where that layer does not need it.
+
+A sliding window forgets rows as prefill moves on, so :class:`BlockCapture`
+(an ``on_prefill_chunk`` callback) snapshots each completed block of such
+layers while the window still holds it; the save takes those snapshots
+instead of asking the live cache.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import mlx.core as mx
+
+from kvstore.abc.cache import is_sliding_window_cache, signature_string
+from kvstore.abc.codec import KVCodec, Snapshot
+from kvstore.abc.store import BlockSpan, PrefixStore, SaveResult
+from kvstore.codecs import codec_for, encode_record
+from kvstore.errors import CapabilityError
+from kvstore.signature import UNKNOWN
+from kvstore.store import keys as K
+from kvstore.store.storage_policy import apply_policy, stored_signature
+
+__all__ = ["save_caches", "BlockEncoder", "BlockCapture", "Captured"]
+
+#: Snapshots taken during prefill: ``(layer, block start) -> Snapshot`` of a whole block.
+Captured = Mapping[tuple[int, int], Snapshot]
+
+
+def save_caches(
+    store: PrefixStore,
+    namespace: str,
+    tokens: Any,
+    caches: Sequence[Any],
+    *,
+    captured: Captured | None = None,
+) -> SaveResult:
+    """Store the KV of ``tokens`` that ``caches`` hold, block by block.
+
+    Args:
+        store: any prefix store.
+        namespace: from :func:`kvstore.store.namespace_for_model`.
+        tokens: the token ids whose KV the caches hold, from position 0 (the
+            caches may hold more: only ``len(tokens)`` positions are saved).
+        caches: the model's live caches, one per layer (ours or mlx-lm's).
+        captured: snapshots of whole blocks taken while a sliding window held
+            them (:class:`BlockCapture`); they replace what the caches lost.
+
+    Returns:
+        What :meth:`~kvstore.abc.store.PrefixStore.put_blocks` did.
+
+    Raises:
+        ValueError: no caches, or a cache holding fewer tokens than ``tokens``.
+        CapabilityError: a cache no codec serves.
+        StoreFullError, StoreUnavailableError, ReadOnlyStoreError: from the store.
+    """
+    toks = K.as_tokens(tokens, "save")
+    if not caches:
+        raise ValueError("[save] No caches: pass the model's caches, one per layer.")
+    short = sorted({int(c.offset) for c in caches if int(c.offset) < len(toks)})
+    if short:
+        raise ValueError(
+            f"[save] {len(toks)} tokens were given but a cache holds only {short[0]}; pass "
+            f"the tokens whose KV the caches hold (prompt plus generated tokens fed back)."
+        )
+    encoder = BlockEncoder(caches, store.settings.storage_policy, captured or {})
+    return store.put_blocks(namespace, toks, encoder, family=encoder.family)
+
+
+class BlockEncoder:
+    """``encode(spans)`` for :meth:`~kvstore.abc.store.PrefixStore.put_blocks`:
+    the record of each span, built from live caches (and captured snapshots)."""
+
+    def __init__(self, caches: Sequence[Any], policy: str, captured: Captured) -> None:
+        self._caches = list(caches)
+        self._codecs: list[KVCodec] | None = None  # looked up when a block is encoded
+        self._policy = policy
+        self._captured = captured
+        #: The stored families, joined: the label ``stats(by_family=True)`` counts bytes by.
+        self.family = "+".join(
+            sorted({stored_signature(_signature(c), policy) for c in self._caches})
+        )
+
+    def __call__(self, spans: Sequence[BlockSpan]) -> list[bytes]:
+        return [encode_record(self.layers(span.start, span.stop)) for span in spans]
+
+    def layers(self, start: int, stop: int) -> list[Snapshot | None]:
+        """Every layer's snapshot of the tokens ``[start, stop)``, as stored (or ``None``)."""
+        if self._codecs is None:
+            self._codecs = [codec_for(cache) for cache in self._caches]
+        out: list[Snapshot | None] = []
+        for i, (cache, codec) in enumerate(zip(self._caches, self._codecs, strict=True)):
+            snap = self._captured.get((i, start))
+            if snap is None or snap.stop != stop:
+                try:
+                    snap = codec.snapshot(cache, start, stop)
+                except CapabilityError:  # a window that moved on: the layer sits this block out
+                    snap = None
+            out.append(None if snap is None else apply_policy(snap, self._policy))
+        return out
+
+
+def _signature(cache: Any) -> str:
+    """``cache``'s signature; a cache kvstore does not know raises codec_for's CapabilityError."""
+    signature = signature_string(cache)
+    if signature == UNKNOWN:
+        codec_for(cache)
+    return signature
+
+
+class BlockCapture:
+    """An ``on_prefill_chunk`` callback keeping sliding-window layers' blocks.
+
+    After each prefill chunk, every whole block that ended inside the chunk
+    is snapshotted from each sliding-window cache while the window still holds
+    it, and copied (a snapshot is a view into the ring, which the next chunk
+    replaces). Layers that keep every token are read at save time instead.
+
+    Args:
+        block_size: the store's block size.
+        start: tokens the caches held before prefill (a restored prefix).
+    """
+
+    def __init__(self, block_size: int, start: int = 0) -> None:
+        self.block_size = block_size
+        self.snapshots: dict[tuple[int, int], Snapshot] = {}
+        #: Set when a capture raised: the rest of the prefill is not captured.
+        self.failed = False
+        self._done = start // block_size * block_size
+
+    def __call__(self, offset_end: int, caches: Sequence[Any]) -> None:
+        bsize = self.block_size
+        starts = range(self._done, offset_end // bsize * bsize, bsize)
+        if not starts:
+            return
+        arrays: list[mx.array] = []
+        for i, cache in enumerate(caches):
+            if not is_sliding_window_cache(cache):
+                continue
+            codec = codec_for(cache)
+            for start in starts:
+                try:
+                    snap = codec.snapshot(cache, start, start + bsize)
+                except CapabilityError:  # gone already (a window shorter than the chunk's lag)
+                    continue
+                owned = {name: mx.array(a) for name, a in snap.tensors.items()}
+                arrays.extend(owned.values())
+                self.snapshots[(i, start)] = Snapshot(
+                    snap.signature, snap.start, snap.stop, owned, snap.meta
+                )
+        mx.eval(arrays)
+        self._done = starts[-1] + bsize

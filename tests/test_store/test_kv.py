@@ -1,0 +1,322 @@
+"""Saving live caches into a prefix store and restoring them, in one process.
+
+Real tiny models (``kvstore.model``), real LMDB. What a restore returns is
+compared with what the model's own prefill of the same tokens holds: bit for
+bit where the rows were computed the same way.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from kvstore.abc.store import MissReason
+from kvstore.caches import KVCache, QuantizedKVCache
+from kvstore.codecs import snapshot, transcode
+from kvstore.codecs.rows import growth_capacity
+from kvstore.model import CachePolicy, generate_tokens
+from kvstore.store import keys as K
+from kvstore.store import open_backend, open_store
+from kvstore.store.kv_save import BlockEncoder
+from kvstore.store.model_namespace import namespace_for_model
+
+from .kv_helpers import (
+    BLOCK,
+    CHUNK,
+    FAMILIES,
+    assert_same_caches,
+    held_rows,
+    log_probs_recorder,
+    model_for,
+    prefilled,
+    prompt,
+)
+
+
+@pytest.fixture
+def lmdb_url(tmp_path):
+    return f"lmdb://{tmp_path / 'store'}"
+
+
+def open_(url, **options):
+    options.setdefault("block_size", BLOCK)
+    options.setdefault("touch_interval", 0)
+    return open_store(url, **options)
+
+
+def setup(family):
+    config, policy = FAMILIES[family]
+    model = model_for(config)
+    return model, policy, namespace_for_model(model, policy=policy)
+
+
+def capture_save(store, model, tokens, policy):
+    """Save ``tokens`` the way generate does (prefill capture); returns the prefill's caches."""
+    generate_tokens(model, tokens, store=store, policy=policy, max_tokens=1, chunk_size=CHUNK)
+    return prefilled(model, tokens, policy)
+
+
+# ---------------------------------------------------------------- round trips
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_a_saved_prompt_restores_bit_exactly_and_continues_alike(family, lmdb_url):
+    model, policy, ns = setup(family)
+    tokens = prompt(1, 70)
+    with open_(lmdb_url) as store:
+        expected = capture_save(store, model, tokens, policy)
+        match = store.lookup(ns, tokens + [3])
+        assert match.tokens == 70 and len(match.blocks) == 5
+        restored = store.restore(match, model.make_cache(policy))
+    assert_same_caches(restored, expected)
+    more = mx.array([prompt(2, 5)])
+    assert mx.array_equal(model(more, cache=restored), model(more, cache=expected)).item()
+
+
+@pytest.mark.parametrize("family", ["plain", "quant"])
+def test_prompts_diverging_mid_block_reuse_exactly_their_common_prefix(family, lmdb_url):
+    model, policy, ns = setup(family)
+    first = prompt(3, 60)
+    second = first[:37] + [(t + 1) % 256 for t in first[37:50]]
+    with open_(lmdb_url) as store:
+        saved = capture_save(store, model, first, policy)
+        match = store.lookup(ns, second)
+        assert match.tokens == 37
+        restored = store.restore(match, model.make_cache(policy))
+    assert {c.offset for c in restored} == {37}
+    for c in saved:
+        c.trim(60 - 37)
+    assert_same_caches(restored, saved)
+
+
+@pytest.mark.parametrize("keep", [0, 2])
+def test_a_window_restores_at_a_prefix_that_is_not_the_saved_length(keep, lmdb_url):
+    model = model_for("tiny-gemma3")  # window 32, blocks 16: layers 0-1 slide, 2 is global
+    policy = CachePolicy(keep=keep)  # keep: sink tokens, restored from the first block
+    ns = namespace_for_model(model, policy=policy)
+    first = prompt(4, 100)
+    second = first[:70] + prompt(5, 9)
+    with open_(lmdb_url) as store:
+        capture_save(store, model, first, policy)
+        match = store.lookup(ns, second)
+        assert match.tokens == 70
+        restored = store.restore(match, model.make_cache(policy))
+    # The sliding layers were rebuilt from the blocks covering their sinks and 38..70 only.
+    expected = prefilled(model, first[:70], policy)
+    for got, want in zip(restored, expected, strict=True):
+        assert got.offset == want.offset == 70
+        for (a0, a1, a), (b0, b1, b) in zip(held_rows(got), held_rows(want), strict=True):
+            assert (a0, a1) == (b0, b1)
+            # Rows before 64 came from the same chunks in both prefills: identical.
+            stop = max(min(a1, 64) - a0, 0)
+            for name in a:
+                assert np.array_equal(a[name][:, :, :stop], b[name][:, :, :stop])
+                assert np.allclose(a[name], b[name], atol=1e-5)
+
+
+def test_a_layer_missing_from_stored_blocks_cuts_the_match_back(lmdb_url):
+    model, policy, ns = setup("window")
+    tokens = prompt(6, 96)
+    caches = prefilled(model, tokens, policy)  # the windows now hold positions 33..96
+    with open_(lmdb_url) as store:
+        store.save(ns, tokens, caches)  # no capture: early blocks lack the sliding layers
+        whole = store.restore(store.lookup(ns, tokens + [1]), model.make_cache(policy))
+        assert_same_caches(whole, caches)
+        short = tokens[:70] + [7, 7]
+        templates = model.make_cache(policy)
+        restored = store.restore(store.lookup(ns, short), templates)
+    # A window at any prefix of 70 needs a block the save could not fill: nothing is reused.
+    assert restored == templates and all(c.offset == 0 for c in restored)
+
+
+def test_the_encoder_stores_none_for_rows_a_window_no_longer_holds():
+    model, policy, _ = setup("window")
+    caches = prefilled(model, prompt(7, 96), policy)
+    encoder = BlockEncoder(caches, "lossless", {})
+    assert [s is None for s in encoder.layers(0, BLOCK)] == [True, True, False]
+    assert [s is None for s in encoder.layers(80, 96)] == [False, False, False]
+    assert encoder.family == "kv:plain+kv:rotating-plain"
+
+
+# ---------------------------------------------------------------- encodings
+
+
+@pytest.mark.parametrize("policy_sig", ["kv:quant:8:64", "kv:quant:4:64"])
+@pytest.mark.parametrize("family", ["plain", "window"])
+def test_a_lossy_storage_policy_stores_quantized_and_restores_the_live_family(
+    family, policy_sig, lmdb_url
+):
+    model, policy, ns = setup(family)
+    tokens = prompt(8, 50)
+    with open_(lmdb_url, storage_policy=policy_sig) as store:
+        capture_save(store, model, tokens, policy)
+        families = set(store.stats(by_family=True).by_family)
+        restored = store.restore(store.lookup(ns, tokens + [1]), model.make_cache(policy))
+    windowed = policy_sig.replace("kv:quant", "kv:rotating-quant")
+    assert families == ({policy_sig} if family == "plain" else {f"{policy_sig}+{windowed}"})
+    expected = prefilled(model, tokens, policy)
+    for got, want in zip(restored, expected, strict=True):
+        assert got.signature() == want.signature() and got.offset == 50
+        for (_, _, a), (_, _, b) in zip(held_rows(got), held_rows(want), strict=True):
+            for name in a:  # quantised once, dequantised into the live family
+                err = np.abs(a[name].astype(np.float32) - b[name].astype(np.float32)).max()
+                assert 0 < err < (0.02 if policy_sig.endswith(":8:64") else 0.3)
+
+
+def test_a_layer_is_transcoded_into_the_family_of_its_cache(lmdb_url):
+    model, _, _ = setup("plain")
+    tokens = prompt(9, 40)
+    caches = prefilled(model, tokens)
+    with open_(lmdb_url) as store:
+        store.save("shared", tokens, caches)
+        quant = [QuantizedKVCache(group_size=64, bits=8) for _ in caches]
+        restored = store.restore(store.lookup("shared", tokens + [0]), quant)
+    for got, plain in zip(restored, caches, strict=True):
+        want = transcode(snapshot(plain, 0, 40), "kv:quant:8:64")
+        got_snap = snapshot(got)
+        for name, array in want.tensors.items():
+            assert mx.array_equal(got_snap.tensors[name], array).item(), name
+
+
+def test_restored_arrays_are_owned_and_have_room_for_the_next_token(lmdb_url):
+    model, _, ns = setup("plain")
+    tokens = prompt(10, 40)
+    caches = prefilled(model, tokens)
+    store = open_(lmdb_url)
+    store.save(ns, tokens, caches)
+    restored = store.restore(store.lookup(ns, tokens + [0]), model.make_cache())
+    store.close()  # the store's pages are unmapped: nothing restored may point there
+    assert_same_caches(restored, caches)
+    for cache in restored:
+        assert cache.keys.shape[2] == growth_capacity(40, cache.step)
+        cache.update_and_fetch(*(mx.ones((1, 2, 1, 64)),) * 2)
+        assert cache.keys.shape[2] == growth_capacity(40, cache.step)
+
+
+def test_restored_arrays_share_no_memory_with_stored_values():
+    model, _, ns = setup("plain")
+    tokens = prompt(11, 40)
+    with open_("memory://owned") as store:
+        store.save(ns, tokens, prefilled(model, tokens))
+        restored = store.restore(store.lookup(ns, tokens + [0]), model.make_cache())
+        raw = open_backend("memory://owned")
+        values = [np.frombuffer(v, np.uint8) for k, v in raw.scan(K.SCHEMA) if v is not None]
+        raw.close()
+    for cache in restored:
+        for array in (cache.keys, cache.values):
+            assert not any(np.shares_memory(np.asarray(array), v) for v in values)
+
+
+# ---------------------------------------------------------------- corruption
+
+
+def test_bit_flips_in_stored_values_are_counted_misses_never_wrong_kv(lmdb_url):
+    model, _, ns = setup("plain")
+    prompts = [prompt(20 + i, 30 + 9 * i) for i in range(4)]
+    expected = {tuple(p): prefilled(model, p) for p in prompts}
+    rng = random.Random(5)
+    flips = 0
+    for round_ in range(6):
+        with open_(lmdb_url) as store:
+            for p in prompts:
+                store.save(ns, p, expected[tuple(p)])
+        raw = open_backend(lmdb_url)
+        records = [
+            (k, bytearray(v))
+            for k, v in raw.scan(K.SCHEMA + ns.encode() + b"/")
+            if K.split_record_key(k)
+        ]
+        damaged = rng.sample(records, 2)
+        for _, value in damaged:
+            bit = rng.randrange(8 * len(value))
+            value[bit // 8] ^= 1 << (bit % 8)
+        raw.put_many([(k, bytes(v)) for k, v in damaged])
+        raw.close()
+        flips += len(damaged)
+        with open_(lmdb_url) as store:
+            for p in prompts:
+                match = store.lookup(ns, p + [1])
+                restored = store.restore(match, model.make_cache())
+                n = restored[0].offset
+                assert n <= len(p), round_
+                if n:
+                    want = prefilled(model, p)
+                    for c in want:
+                        c.trim(len(p) - n)
+                    assert_same_caches(restored, want)
+            stats = store.stats()
+            assert stats.corruptions >= 1 and stats.misses.get(MissReason.CORRUPT, 0) >= 1
+            store.flush()  # the corrupt blocks are removed in the background: now
+        with open_(lmdb_url) as store:
+            assert store.verify().clean, round_
+    assert flips == 12
+
+
+# ---------------------------------------------------------------- generate's faults
+
+
+def test_a_failed_save_is_logged_and_generation_goes_on(lmdb_url, caplog):
+    model, _, _ = setup("plain")
+    tokens = prompt(12, 40)
+    want, _ = generate_tokens(model, tokens, max_tokens=4, chunk_size=CHUNK, block_size=BLOCK)
+    with open_(lmdb_url, max_bytes=1000) as store, caplog.at_level(logging.WARNING, "kvstore"):
+        got, stats = generate_tokens(model, tokens, store=store, max_tokens=4, chunk_size=CHUNK)
+    assert got == want
+    assert stats.store_error is not None and stats.store_error.startswith("StoreFullError")
+    assert "saving the prompt failed" in caplog.text
+
+
+def test_generate_reports_store_time_and_reused_tokens(lmdb_url):
+    model, _, _ = setup("plain")
+    tokens = prompt(13, 64)
+    with open_(lmdb_url) as store:
+        out, first = generate_tokens(model, tokens, store=store, max_tokens=3, chunk_size=CHUNK)
+        seen, sampler = log_probs_recorder()
+        turn = tokens + out + [5]  # a follow-up turn extends the conversation
+        _, again = generate_tokens(
+            model, turn, store=store, max_tokens=3, chunk_size=CHUNK, sampler=sampler
+        )
+    assert (first.reused_tokens, first.save_s > 0, first.store_error) == (0, True, None)
+    # Every token that had KV is reused: the prompt and the first two generated.
+    assert again.reused_tokens == 64 + 2 and again.prefilled_tokens == 2
+    assert again.lookup_s > 0 and again.restore_s > 0 and len(seen) == 3
+
+
+def test_save_needs_caches_holding_the_tokens(lmdb_url):
+    model, _, ns = setup("plain")
+    caches = prefilled(model, prompt(14, 20))
+    with open_(lmdb_url) as store:
+        with pytest.raises(ValueError, match="21 tokens were given but a cache holds only 20"):
+            store.save(ns, prompt(14, 21), caches)
+        with pytest.raises(ValueError, match="No caches"):
+            store.save(ns, [1, 2], [])
+
+
+def test_generate_rejects_caches_and_policy_together():
+    model, _, _ = setup("plain")
+    with pytest.raises(ValueError, match="caches= or policy="):
+        generate_tokens(
+            model, [1, 2], caches=[KVCache(), KVCache()], policy=CachePolicy(), max_tokens=1
+        )
+
+
+def test_a_family_without_a_codec_only_costs_the_store(lmdb_url, caplog):
+    """TurboQuant caches before their codec is registered: generation is unaffected."""
+    from kvstore.codecs import registered_kinds
+
+    model = model_for("tiny-gemma3")
+    policy = CachePolicy(turboquant=(3, 3))
+    tokens = prompt(15, 70)
+    options = {"policy": policy, "max_tokens": 3, "chunk_size": CHUNK}
+    want, _ = generate_tokens(model, tokens, block_size=BLOCK, **options)
+    with open_(lmdb_url) as store, caplog.at_level(logging.WARNING, "kvstore"):
+        got, stats = generate_tokens(model, tokens, store=store, **options)
+        again, _ = generate_tokens(model, tokens, store=store, **options)
+    assert got == want == again
+    if "kv:turboquant" not in registered_kinds():
+        assert stats.store_error is not None and "No codec serves" in stats.store_error
+        assert "capturing prefill blocks failed" in caplog.text
