@@ -55,7 +55,7 @@ class RowsJoin:
 
     def leaves(self) -> list[LeafSpec]:
         return [
-            ((*c[0].shape[:2], self.capacity, *c[0].shape[3:]), dtype_name(c[0]))
+            ((*c[0].shape[:2], self.capacity, *c[0].shape[3:]), _joined_dtype(c))
             for c in self.columns
         ]
 
@@ -70,10 +70,26 @@ class RowsJoin:
             pos = 0
             for view in as_numpy_all(column):
                 rows = int(view.shape[2])
-                np.copyto(target[:, :, pos : pos + rows], view, casting="no")
+                # "safe": pieces of one column differ only by widening (float16
+                # TurboQuant scales next to float32 ones); anything else raises.
+                np.copyto(target[:, :, pos : pos + rows], view, casting="safe")
                 pos += rows
             out.append(array)
         return tuple(out) if self.is_tuple else out[0]
+
+
+def _joined_dtype(column: Sequence[Any]) -> str:
+    """The dtype a column's pieces join into: theirs, or float32 for float16 + float32.
+
+    Raises:
+        ValueError: pieces of dtypes that do not widen into one another.
+    """
+    names = {dtype_name(piece) for piece in column}
+    if len(names) == 1:
+        return names.pop()
+    if names == {"float16", "float32"}:
+        return "float32"
+    raise ValueError(f"[join_rows] Row pieces of dtypes {sorted(names)} do not join.")
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ from __future__ import annotations
 from abc import abstractmethod
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
-from typing import Any
+from typing import Any, cast
 
 import mlx.core as mx
 
@@ -28,6 +28,7 @@ from kvstore.caches import RotatingTurboQuantKVCache, TurboQuantKVCache
 from kvstore.caches.turboquant import stored_rows
 from kvstore.codecs.arrays import MLX_DTYPES, as_mlx, dtype_name
 from kvstore.codecs.growing import GrowingKVCodec
+from kvstore.codecs.plans import CachePlan
 from kvstore.codecs.ring import RingKVCodec
 from kvstore.codecs.rows import RowCodec, Tree
 from kvstore.codecs.turboquant_params import SIDES, TurboQuantParams, Unreadable, read_params
@@ -121,21 +122,28 @@ class TurboQuantRowCodec(RowCodec):
             raise self._corrupt(str(exc)) from exc
 
     # -- restore ----------------------------------------------------------------------------
-    def restore(self, snapshots: Snapshot | Sequence[Snapshot]) -> Any:
+    def plan_restore(self, snapshots: Snapshot | Sequence[Snapshot]) -> CachePlan:
+        """The layout base's plan, whose cache then adopts the codes: the store
+        restores through plans, so the decode must happen in the plan's build."""
         snaps = self.as_snapshots(snapshots)  # checks each; remembers carried matrices
         params = self.params(snaps[0])
-        cache = super().restore(snaps)  # type: ignore[safe-super]
-        cache.load_encoded(
-            cache.keys,
-            cache.values,
-            dtype_name=snaps[0].meta["dtype"],
-            head_dim=params.head_dim,
-            mu=params.mu,
-            rotations=(params.keys.rotation, params.values.rotation),
-            rows=self.filled_rows(cache),
-        )
-        mx.eval(cache.keys, cache.values)
-        return cache
+        plan = cast(CachePlan, super().plan_restore(snaps))  # type: ignore[safe-super]
+
+        def build(trees: list[Any]) -> Any:
+            cache = plan.build(trees)
+            cache.load_encoded(
+                cache.keys,
+                cache.values,
+                dtype_name=snaps[0].meta["dtype"],
+                head_dim=params.head_dim,
+                mu=params.mu,
+                rotations=(params.keys.rotation, params.values.rotation),
+                rows=self.filled_rows(cache),
+            )
+            mx.eval(cache.keys, cache.values)
+            return cache
+
+        return CachePlan(plan.joins, build)
 
     def filled_rows(self, cache: Any) -> int:
         """Buffer rows of a restored cache that hold tokens (the rest is capacity)."""
