@@ -25,6 +25,8 @@ FAMILIES: dict[str, tuple[str, CachePolicy | None]] = {
     "quant": ("tiny", CachePolicy(kv_bits=8, kv_group_size=64)),
     "window": ("tiny-gemma3", None),
     "window-quant": ("tiny-gemma3", CachePolicy(kv_bits=8, kv_group_size=64)),
+    "turboquant": ("tiny", CachePolicy(turboquant=(3, 3))),
+    "window-turboquant": ("tiny-gemma3", CachePolicy(turboquant=(4, 4))),
 }
 _MODELS: dict[str, Any] = {}
 

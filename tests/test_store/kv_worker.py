@@ -50,11 +50,14 @@ def e2e_cases(
         ("quant", "quant", "lossless", p96, p96 + prompt(102, 5)),
         ("window", "window", "lossless", _LONG, _LONG[:64] + prompt(103, 9)),
         ("window-quant", "window-quant", "lossless", _LONG, _LONG[:64] + prompt(104, 9)),
+        ("turboquant", "turboquant", "lossless", p96, p96 + prompt(108, 5)),
+        ("window-turboquant", "window-turboquant", "lossless", _LONG, _LONG[:64] + prompt(109, 9)),
         # Chunked differently (A decoded token by token what B's reference prefills).
         ("plain-turn", "plain", "lossless", _LONG, _LONG + turn + prompt(105, 3)),
         ("window-70", "window", "lossless", _LONG, _LONG[:70] + prompt(106, 9)),
         # A lossy storage policy.
         ("lossy", "plain", "kv:quant:8:64", p96, p96 + prompt(107, 5)),
+        ("lossy-turboquant", "plain", "kv:turboquant:4:4", p96, p96 + prompt(110, 5)),
     ]
 
 
