@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from kvstore.cli import main
-from kvstore.codecs import decode_record_to_mlx, registered_kinds
+from kvstore.codecs import decode_record_to_mlx
 from kvstore.codecs.transcode import relative_mse
 from kvstore.errors import CapabilityError, StoreError
 from kvstore.store import keys as K
@@ -375,10 +375,6 @@ def test_migrate_between_other_backends(make_store):
         migrate(str(src), "tiered://?tiers=memory://a,memory://b", to=Q8)
 
 
-@pytest.mark.skipif(
-    "kv:turboquant" not in registered_kinds(),
-    reason="the TurboQuant codec is not registered in this build",
-)
 def test_plain_to_turboquant_through_the_registry(make_store, tmp_path, capsys):
     src, dst = make_store("gemma"), tmp_path / "tq"
     status, out, err = run_cli(capsys, "migrate", str(src), str(dst), "--to", "kv:turboquant:4:4")
