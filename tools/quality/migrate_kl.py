@@ -128,7 +128,8 @@ def write(rows: list[dict], windows: int) -> None:
         "larger KL). The source holds float32 rows (the model runs in float32), so bytes are "
         "relative to float32.",
         "",
-        "| stored family | bytes (× source) | relMSE K | relMSE V | next-token KL mean | KL p95 | top-1 |",
+        "| stored family | bytes (× source) | relMSE K | relMSE V "
+        "| next-token KL mean | KL p95 | top-1 |",
         "| --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in rows:
