@@ -15,7 +15,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from kvstore.cli.options import add_json, command_parser
+from kvstore.cli.options import DEFAULT_STORE, add_json, command_parser
 
 
 def _positive(text: str) -> int:
@@ -29,8 +29,6 @@ def _positive(text: str) -> int:
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    from kvstore.demo.runner import DEFAULT_STORE
-
     p = command_parser(
         sub, "demo", "sessions in fresh processes reuse a shared context", __doc__, store=False
     )
@@ -64,8 +62,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--blas",
         choices=("auto", "bundled"),
         default="auto",
-        help="auto: preload Debian's OpenBLAS for the sessions when installed; bundled: "
-        "MLX's own",
+        help="auto: preload Debian's OpenBLAS for the sessions when installed; bundled: MLX's own",
     )
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     add_json(p)

@@ -76,6 +76,7 @@ def print_report(report: DemoReport, out: TextIO | None = None) -> None:
     added = report.bytes_after - report.bytes_before
     files = report.mlx_lm_files_bytes
     ratio = f"{files / report.bytes_after:.1f}x the store" if report.bytes_after else "-"
+    hits = sum(r.hits for r in results)
     miss_text = ", ".join(f"{reason} {n}" for reason, n in sorted(misses.items())) or "none"
     print_fields(
         [
@@ -91,7 +92,7 @@ def print_report(report: DemoReport, out: TextIO | None = None) -> None:
             ),
             (
                 "lookups",
-                f"{sum(r.lookups for r in results)}: {_count(sum(r.hits for r in results), 'hit')}, "
+                f"{sum(r.lookups for r in results)}: {_count(hits, 'hit')}, "
                 f"{_count(sum(misses.values()), 'miss')} ({miss_text})",
             ),
             ("BLAS", "; ".join(report.blas_ran) + " (as the session processes reported)"),

@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import kvstore
+from kvstore.cli.options import DEFAULT_STORE
 from kvstore.demo.blas import BlasChoice, choose_blas
 from kvstore.demo.script import TURNS, TextCodec, Turn, document_text, question_text
 from kvstore.demo.session import SessionResult, SessionSpec
@@ -49,10 +50,9 @@ __all__ = [
     "SessionFailed",
     "run_demo",
     "prepare_model",
+    "plan_context",
 ]
 
-#: The embedded default store: an LMDB directory under the working directory.
-DEFAULT_STORE = "kvstore-demo"
 #: Shared-context tokens by BLAS speed: a few seconds of prefill either way.
 CONTEXT_TOKENS = {"fast": 4096, "slow": 1024}
 
@@ -195,10 +195,14 @@ def prepare_model(options: DemoOptions) -> DemoModel:
     )
 
 
-def _context(
+def plan_context(
     options: DemoOptions, blas: BlasChoice, model: DemoModel, reserve: int
 ) -> tuple[list[int], str | None]:
-    """The shared context's tokens, and why it is not the default size, if it is not."""
+    """The shared context's tokens, and why it is not the default size, if it is not.
+
+    ``reserve`` is the room the questions and answers need after the context
+    (a model with a position limit gets a shorter context).
+    """
     document = model.codec.encode(document_text(), first=True)
     note = None
     if options.context_tokens is not None:
@@ -291,7 +295,7 @@ def run_demo(options: DemoOptions, say: Callable[[str], None] = print) -> DemoRe
     codec = model.codec
     questions = [codec.encode(question_text(turn)) for turn in TURNS]
     reserve = 2 * max(len(q) for q in questions) + 2 * options.answer_tokens
-    context, note = _context(options, blas, model, reserve)
+    context, note = plan_context(options, blas, model, reserve)
     before = _stored(url, model.namespace)
     warm = bool(before and before[0])
 
@@ -413,4 +417,3 @@ def _session_line(row: SessionRow) -> str:
         f"session {row.index + 1} ({how}, pid {r.pid}): {r.reused_tokens} of "
         f"{r.prompt_tokens} prompt tokens reused, TTFT {seconds(r.ttft_s)}; answer {answer}{error}"
     )
-

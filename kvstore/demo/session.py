@@ -109,28 +109,32 @@ def _bar(show: bool, **kwargs: Any) -> Any:
 
 @contextmanager
 def _save_progress(store: Any, show: bool, label: str) -> Iterator[None]:
-    """A progress bar over the blocks each save encodes and commits.
+    """A progress bar over the blocks each save encodes, open until it commits.
 
     Saves run inside ``generate`` through ``store.put_blocks``; wrapping this
     handle's ``put_blocks`` shows them without a hook in the store (the
     encoder is called one block at a time, as it would encode them in turn).
+    A save of blocks all stored already encodes nothing and shows no bar.
     """
     put_blocks = store.put_blocks
 
     def with_bar(namespace: str, tokens: Any, encode: Any, *, family: str = "") -> Any:
-        with _bar(show, desc=f"session {label} save", unit="block") as bar:
+        bars: list[Any] = []
 
-            def encode_each(spans: Sequence[Any]) -> list[Any]:
-                bar.reset(total=len(spans))
-                records = []
-                for span in spans:
-                    records.extend(encode([span]))
-                    bar.update()
-                return records
+        def encode_each(spans: Sequence[Any]) -> list[Any]:
+            bar = _bar(show, total=len(spans), desc=f"session {label} save", unit="block")
+            bars.append(bar)
+            records = []
+            for span in spans:
+                records.extend(encode([span]))
+                bar.update()
+            return records
 
-            result = put_blocks(namespace, tokens, encode_each, family=family)
-            bar.set_postfix_str(f"{len(result.written)} written, {result.deduplicated} stored")
-            return result
+        try:
+            return put_blocks(namespace, tokens, encode_each, family=family)
+        finally:
+            for bar in bars:
+                bar.close()
 
     store.put_blocks = with_bar
     try:
@@ -167,27 +171,30 @@ def run_session(spec: SessionSpec) -> SessionResult:
     caches = model.make_cache()
     store = None if spec.store is None else open_store(spec.store)
     n = len(spec.prompt)
+    bar = _bar(spec.progress, total=n, desc=f"session {spec.label} prefill", unit="tok")
+
+    def on_chunk(end: int, _caches: list[Any]) -> None:
+        bar.update(end - bar.n)  # the first chunk starts after the restored prefix
+        if end == n:
+            bar.close()  # before the save's bar opens
+
+    kwargs: dict[str, Any] = dict(
+        caches=caches,
+        max_tokens=spec.max_tokens,
+        stop_tokens=spec.stop_tokens,
+        on_prefill_chunk=on_chunk,
+    )
     try:
-        with _bar(spec.progress, total=n, desc=f"session {spec.label} prefill", unit="tok") as bar:
-
-            def on_chunk(end: int, _caches: list[Any]) -> None:
-                bar.update(end - bar.n)  # the first chunk starts after the restored prefix
-
-            kwargs: dict[str, Any] = dict(
-                caches=caches,
-                max_tokens=spec.max_tokens,
-                stop_tokens=spec.stop_tokens,
-                on_prefill_chunk=on_chunk,
-            )
-            if store is None:
-                answer, stats = generate_tokens(model, spec.prompt, **kwargs)
-            else:
-                with _save_progress(store, spec.progress, spec.label):
-                    answer, stats = generate_tokens(
-                        model, spec.prompt, store=store, namespace=spec.namespace, **kwargs
-                    )
+        if store is None:
+            answer, stats = generate_tokens(model, spec.prompt, **kwargs)
+        else:
+            with _save_progress(store, spec.progress, spec.label):
+                answer, stats = generate_tokens(
+                    model, spec.prompt, store=store, namespace=spec.namespace, **kwargs
+                )
         activity = store.activity() if store is not None else {}
     finally:
+        bar.close()
         if store is not None:
             store.close()
     file_bytes = writer = None
