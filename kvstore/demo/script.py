@@ -128,9 +128,11 @@ class TextCodec:
         return list(self.tokenizer.encode(text, add_special_tokens=first))
 
     def decode(self, ids: Sequence[int]) -> str | None:
-        """``ids`` as text, or ``None`` when the answers are not text (seeded weights)."""
+        """``ids`` as text without end-of-text tokens, or ``None`` when the answers
+        are not text (seeded weights)."""
         if not self.readable:
             return None
+        ids = [i for i in ids if i not in self.stop_tokens]
         if self.tokenizer is None:
             return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
         return str(self.tokenizer.decode(list(ids), skip_special_tokens=True))

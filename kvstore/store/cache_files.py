@@ -340,7 +340,14 @@ def export_cache_file(
         out = out.with_name(out.name + ".safetensors")
     meta = {"kvstore_namespace": namespace, "kvstore_tokens": str(covered)}
     if format == "mlx-lm":
-        export_prompt_cache(out, caches, meta)
+        try:
+            export_prompt_cache(out, caches, meta)
+        except CapabilityError as exc:
+            raise CapabilityError(
+                f"[export] {_reason(exc)}. Use --format kvstore (a kvstore snapshot file holds "
+                f"every family).",
+                signature=getattr(exc, "signature", None),
+            ) from exc
     else:
         save_snapshots(out, [_one_range(i, c) for i, c in enumerate(caches)], meta=meta)
     families = [signature_string(c) for c in caches]

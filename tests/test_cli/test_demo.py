@@ -11,6 +11,7 @@ from __future__ import annotations
 import io
 import json
 import re
+import sys
 from contextlib import redirect_stdout
 from pathlib import Path
 
@@ -19,8 +20,15 @@ import pytest
 from kvstore.cli import main
 from kvstore.demo.blas import OPENBLAS, BlasChoice, choose_blas
 from kvstore.demo.report import TABLE_HEADERS
-from kvstore.demo.runner import CONTEXT_TOKENS, DemoModel, DemoOptions, plan_context
+from kvstore.demo.runner import (
+    CONTEXT_TOKENS,
+    DemoModel,
+    DemoOptions,
+    plan_context,
+    prepare_model,
+)
 from kvstore.demo.script import TURNS, TextCodec
+from kvstore.errors import ModelLoadError
 
 from .conftest import kvstore_cli
 from .test_bad_input import check_one_line
@@ -174,6 +182,29 @@ def test_the_context_is_sized_to_the_blas_and_the_model():
     assert len(tokens) == 2048 - 100 and "2048 positions" in note
     tokens, note = plan_context(DemoOptions(context_tokens=500), slow, model, reserve=100)
     assert len(tokens) == 500 and note is None
+
+
+def test_a_model_directory_with_a_tokenizer(tmp_path, monkeypatch):
+    """Text goes through the directory's tokenizer; its end-of-text ids stop answers."""
+    pytest.importorskip("mlx_lm")
+    from kvstore.testing.mlx_lm_models import TINY_ARGS, build_mlx_lm_model
+
+    from ..test_model.conftest import save_mlx_lm_dir
+    from ..test_model.test_loader import write_tokenizer
+
+    path = save_mlx_lm_dir(
+        tmp_path / "m", build_mlx_lm_model("llama"), {**TINY_ARGS["llama"], "eos_token_id": 1}
+    )
+    write_tokenizer(path)
+    model = prepare_model(DemoOptions(model_dir=str(path)))
+    assert model.codec.kind == "tokenizer (tokenizers)" and model.codec.stop_tokens == [1]
+    assert model.codec.encode("def x return") == [2, 4, 3]
+    assert model.codec.decode([2, 4, 1]) == "def x"  # the end-of-text id dropped
+    assert model.spec == {"dir": str(path.resolve())}
+    for backend in ("tokenizers", "transformers"):
+        monkeypatch.setitem(sys.modules, backend, None)  # not installed
+    with pytest.raises(ModelLoadError, match="no tokenizer backend is installed"):
+        prepare_model(DemoOptions(model_dir=str(path)))
 
 
 def test_demo_bad_input(tmp_path, capsys):

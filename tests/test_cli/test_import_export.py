@@ -16,7 +16,7 @@ from mlx_lm.models import cache as lm_cache  # noqa: E402
 
 from kvstore.cli import main  # noqa: E402
 from kvstore.codecs.prompt_cache import import_prompt_cache  # noqa: E402
-from kvstore.model import CachePolicy, generate_tokens, load_model  # noqa: E402
+from kvstore.model import CachePolicy, build_model, generate_tokens, load_model  # noqa: E402
 from kvstore.store import keys as K  # noqa: E402
 from kvstore.store import namespace_for_model, open_store  # noqa: E402
 from kvstore.testing.codec import assert_arrays_equal, assert_snapshots_equal  # noqa: E402
@@ -228,6 +228,35 @@ def test_import_of_the_older_mlx_lm_layout(llama, tmp_path, capsys):
     loaded = lm_cache.load_prompt_cache(str(exported))
     for want, got in zip(next_logits(model, original), next_logits(model, loaded), strict=True):
         assert_arrays_equal(want, got, "next-token logits")
+
+
+def test_families_mlx_lm_lacks_export_as_snapshot_files(tmp_path, capsys):
+    """TurboQuant caches: no mlx-lm class, so only --format kvstore, which imports back."""
+    model = build_model("tiny", seed=0)
+    tokens = prompt_ids(40)
+    store = tmp_path / "store"
+    with open_store(store_url(store)) as opened:
+        generate_tokens(
+            model, tokens, store=opened, policy=CachePolicy(turboquant=(4, 4)), max_tokens=1
+        )
+    namespace = only_namespace(capsys, store)
+    tokens_file = tmp_path / "tokens.json"
+    tokens_file.write_text(json.dumps(tokens))
+    out = tmp_path / "tq.safetensors"
+    argv = ["export", str(store), "-n", namespace, "--tokens", str(tokens_file), "--out", str(out)]
+    check_one_line(
+        capsys, argv, "kv:turboquant:4:4", "mlx-lm has no cache class", "--format kvstore"
+    )
+    assert not out.exists()
+    report = json.loads(run_ok(capsys, [*argv, "--format", "kvstore", "--json"]))
+    assert report["tokens"] == 40 and set(report["families"]) == {"kv:turboquant:4:4"}
+    before = records(store)
+    again = run_ok(
+        capsys,
+        ["import", str(out), "-n", namespace, "--tokens", str(tokens_file), "--store", str(store)],
+    )
+    assert "(kvstore snapshot file: 40 tokens" in again and "0 blocks written" in again
+    assert records(store) == before
 
 
 # ---------------------------------------------------------------- bad input
