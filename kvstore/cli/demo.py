@@ -56,7 +56,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="shared-context length (default 4096 with OpenBLAS or on macOS, else 1024)",
     )
     p.add_argument(
-        "--answer-tokens", type=_positive, default=48, metavar="N", help="answer length at most"
+        "--answer-tokens",
+        type=_positive,
+        default=48,
+        metavar="N",
+        help="answer length at most (default 48)",
     )
     p.add_argument(
         "--blas",

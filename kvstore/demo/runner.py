@@ -299,25 +299,8 @@ def run_demo(options: DemoOptions, say: Callable[[str], None] = print) -> DemoRe
     before = _stored(url, model.namespace)
     warm = bool(before and before[0])
 
-    say(f"kvstore demo: {len(TURNS)} sessions, each a fresh process, sharing one context")
-    say(f"  model    {model.description}")
-    say(f"  text     {codec.kind}")
-    say(f"  context  {len(context)} tokens: a system prompt and standard-library sources")
-    if note:
-        say(f"           ({note})")
-    say(f"  BLAS     {blas.description}")
-    if before is None:
-        say(f"  store    {url}: new, created by the first save")
-    elif warm:
-        assert before is not None
-        say(
-            f"  store    {url}: WARM, it already holds {before[0]} blocks of this model "
-            f"(namespace {model.namespace}) from an earlier run, so even session 1 reuses"
-        )
-    else:
-        say(f"  store    {url}: no blocks of this model yet (namespace {model.namespace})")
-    say("")
-
+    for line in _preamble(model, context, note, blas, url, before):
+        say(line)
     env = _session_env(blas)
     prompts: list[list[int]] = []
     rows: list[SessionRow] = []
@@ -383,6 +366,36 @@ def run_demo(options: DemoOptions, say: Callable[[str], None] = print) -> DemoRe
         mlx_lm_writer=rows[0].result.mlx_lm_writer or "-",
         seconds=time.perf_counter() - started,
     )
+
+
+def _preamble(
+    model: DemoModel,
+    context: list[int],
+    note: str | None,
+    blas: BlasChoice,
+    url: str,
+    before: tuple[int, int] | None,
+) -> list[str]:
+    """What the demo is about to do, and whether the store makes it a warm start."""
+    if before is None:
+        store = "new, created by the first save"
+    elif before[0]:
+        store = (
+            f"WARM, it already holds {before[0]} blocks of this model (namespace "
+            f"{model.namespace}) from an earlier run, so even session 1 reuses"
+        )
+    else:
+        store = f"no blocks of this model yet (namespace {model.namespace})"
+    return [
+        f"kvstore demo: {len(TURNS)} sessions, each a fresh process, sharing one context",
+        f"  model    {model.description}",
+        f"  text     {model.codec.kind}",
+        f"  context  {len(context)} tokens: a system prompt and standard-library sources",
+        *([f"           ({note})"] if note else []),
+        f"  BLAS     {blas.description}",
+        f"  store    {url}: {store}",
+        "",
+    ]
 
 
 def _prompt(
