@@ -154,15 +154,16 @@ def prepare_model(options: DemoOptions) -> DemoModel:
         ModelLoadError: an unknown config, a directory that is not a model, or
             tokenizer files no installed backend reads.
     """
-    from kvstore.model import NAMED_CONFIGS, ModelArgs, build_model
-    from kvstore.model.loader import read_config
-    from kvstore.model.tokenizer import TOKENIZER_BACKENDS, load_tokenizer
+    from kvstore.model import NAMED_CONFIGS, build_model, load_model
+    from kvstore.model.tokenizer import TOKENIZER_BACKENDS
     from kvstore.store import namespace_for_model
 
     if options.model_dir is not None:
         path = Path(options.model_dir).expanduser().resolve()
-        args = ModelArgs.from_config(read_config(path))
-        tokenizer = load_tokenizer(path)
+        # Lazy: the weights' names and shapes are checked here (a bad directory is
+        # one line of error, not a failed session), their data is read by sessions.
+        loaded, tokenizer = load_model(path, lazy=True)
+        args = loaded.args
         if tokenizer is None and any(path.glob("tokenizer*")):
             raise ModelLoadError(
                 f"[demo] {path} has tokenizer files but no tokenizer backend is installed "

@@ -29,6 +29,7 @@ from kvstore.demo.runner import (
 )
 from kvstore.demo.script import TURNS, TextCodec
 from kvstore.errors import ModelLoadError
+from kvstore.model import NAMED_CONFIGS
 
 from .conftest import kvstore_cli
 from .test_bad_input import check_one_line
@@ -213,6 +214,10 @@ def test_demo_bad_input(tmp_path, capsys):
     check_one_line(
         capsys, ["demo", "--model", str(tmp_path / "none")], "does not exist", "model directory"
     )
+    no_weights = tmp_path / "no-weights"
+    no_weights.mkdir()
+    (no_weights / "config.json").write_text(json.dumps(NAMED_CONFIGS["tiny"]))
+    check_one_line(capsys, ["demo", "--model", str(no_weights)], "No model*.safetensors")
     file = tmp_path / "file"
     file.write_text("x")
     check_one_line(capsys, ["demo", *TINY, "--store", str(file)], "is a file")
