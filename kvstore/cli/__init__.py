@@ -18,7 +18,8 @@ from kvstore.errors import KVStoreError
 
 __all__ = ["main", "build_parser", "SUBCOMMANDS", "EXIT_USAGE"]
 
-#: Subcommand modules under kvstore.cli, in help order.
+#: Subcommand modules under kvstore.cli, in help order (a module registers its
+#: command's name: import_cache is ``kvstore import``, as ``import`` is a keyword).
 SUBCOMMANDS: tuple[str, ...] = (
     "demo",
     "ls",
@@ -28,6 +29,8 @@ SUBCOMMANDS: tuple[str, ...] = (
     "gc",
     "delete",
     "migrate",
+    "import_cache",
+    "export_cache",
     "bench",
 )
 

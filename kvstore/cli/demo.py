@@ -1,31 +1,102 @@
-"""``kvstore demo``: a smoke demo of what exists so far (the cache families)."""
+"""``kvstore demo [--store URL] [--model DIR]``: sessions in fresh processes share a long
+context through a prefix store; a table shows what each reused and how much sooner its
+first token came.
+
+A first session prefills a system prompt and a document of a few thousand tokens
+plus a question, answers and saves; further sessions, each a fresh process, ask
+other questions over the same context, and one follows up an earlier turn. The
+store (by default the LMDB directory ./kvstore-demo) is kept, so a second run
+starts warm. Model runs use Debian's OpenBLAS when it is installed (LD_PRELOAD
+in the sessions' environment) and a smaller context on MLX's bundled BLAS.
+"""
 
 from __future__ import annotations
 
 import argparse
+import sys
 
-import mlx.core as mx
+from kvstore.cli.options import DEFAULT_STORE, add_json, command_parser
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"takes a whole number >= 1; received {text!r}")
+    return value
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("demo", help="run the demo")
+    p = command_parser(
+        sub, "demo", "sessions in fresh processes reuse a shared context", __doc__, store=False
+    )
+    p.add_argument(
+        "--store",
+        metavar="URL",
+        default=DEFAULT_STORE,
+        help=f"the store (default: the LMDB directory ./{DEFAULT_STORE}, created on first use)",
+    )
+    p.add_argument(
+        "--model",
+        metavar="DIR",
+        help="an mlx-lm model directory (its tokenizer, or UTF-8 bytes for a byte-level "
+        "model) instead of seeded weights",
+    )
+    p.add_argument(
+        "--config",
+        default="small",
+        help="the seeded model's named config (default small; tiny for tests)",
+    )
+    p.add_argument(
+        "--context-tokens",
+        type=_positive,
+        metavar="N",
+        help="shared-context length (default 4096 with OpenBLAS or on macOS, else 1024)",
+    )
+    p.add_argument(
+        "--answer-tokens",
+        type=_positive,
+        default=48,
+        metavar="N",
+        help="answer length at most (default 48)",
+    )
+    p.add_argument(
+        "--blas",
+        choices=("auto", "bundled"),
+        default="auto",
+        help="auto: preload Debian's OpenBLAS for the sessions when installed; bundled: MLX's own",
+    )
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    add_json(p)
     p.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvstore.abc.cache import signature_string
-    from kvstore.caches import KVCache, QuantizedKVCache, RotatingKVCache, RotatingQuantizedKVCache
+    from kvstore.cli.output import print_json
+    from kvstore.demo.report import print_report
+    from kvstore.demo.runner import DemoOptions, SessionFailed, run_demo
 
-    mx.random.seed(0)
-    keys = mx.random.normal((1, 8, 512, 128)).astype(mx.bfloat16)
-    print(f"{'family':<28}{'bytes/token':>12}{'nbytes':>12}")
-    for cache in (
-        KVCache(),
-        QuantizedKVCache(64, 8),
-        QuantizedKVCache(64, 4),
-        RotatingKVCache(256, keep=4),
-        RotatingQuantizedKVCache(256, keep=4, bits=4),
-    ):
-        cache.update_and_fetch(keys, keys)
-        print(f"{signature_string(cache):<28}{cache.bytes_per_token():>12}{cache.nbytes:>12}")
+    options = DemoOptions(
+        store=args.store,
+        model_dir=args.model,
+        config=args.config,
+        context_tokens=args.context_tokens,
+        answer_tokens=args.answer_tokens,
+        blas=args.blas,
+        progress=not args.no_progress,
+    )
+    # With --json, stdout carries only the JSON document; the running commentary goes to stderr.
+    say = (lambda line: print(line, file=sys.stderr)) if args.json else print
+    try:
+        report = run_demo(options, say=say)
+    except SessionFailed as exc:
+        print(f"kvstore demo: {exc}", file=sys.stderr)
+        return 1
+    if args.json:
+        print_json(report)
+    else:
+        print(flush=True)
+        print_report(report)
     return 0

@@ -18,7 +18,18 @@ from kvstore.errors import CorruptEntryError, StoreConfigError
 from kvstore.store.keys import as_tokens
 from kvstore.store.settings import parse_byte_size
 
-__all__ = ["URL_HELP", "command_parser", "add_store", "add_json", "parse_size", "read_tokens"]
+__all__ = [
+    "URL_HELP",
+    "DEFAULT_STORE",
+    "command_parser",
+    "add_store",
+    "add_json",
+    "parse_size",
+    "read_tokens",
+]
+
+#: The embedded default store (demo, import): the LMDB directory ./kvstore-demo.
+DEFAULT_STORE = "kvstore-demo"
 
 URL_HELP = "the store: lmdb:///path, a directory path, redis://host:6379/0, memory://name"
 

@@ -1,0 +1,239 @@
+"""One demo session, in a process of its own: ``python -m kvstore.demo.session SPEC OUT``.
+
+A session is what an inference process does with a prefix store: load the
+model, answer one prompt with ``generate(..., store=)`` (restore the longest
+stored prefix, prefill the rest, generate, save), and exit. It reads its
+:class:`SessionSpec` from the JSON file SPEC and writes a
+:class:`SessionResult` to OUT; progress bars go to stderr.
+
+Besides the store's own figures, a session writes the mlx-lm prompt-cache
+file the same session would keep without a store (the caches after
+generation, through the installed ``mlx_lm.models.cache.save_prompt_cache``,
+or kvstore's exporter of the same layout without mlx-lm) and reports its size.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import sys
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+__all__ = ["SessionSpec", "SessionResult", "run_session", "main", "load_model_for"]
+
+#: Prompt tokens of the untimed run that warms up a fresh process.
+WARMUP_TOKENS = 8
+
+
+@dataclass(frozen=True)
+class SessionSpec:
+    """What one session does.
+
+    Attributes:
+        label: the session's name in the demo ("1", "baseline").
+        model: ``{"config": name, "seed": n}`` (seeded weights) or ``{"dir": path}``.
+        prompt: token ids.
+        max_tokens: answer length at most.
+        stop_tokens: token ids that end the answer.
+        store: the store URL; ``None`` runs without a store (the baseline).
+        namespace: the model's namespace in the store.
+        mlx_lm_file: where to write the session's mlx-lm prompt-cache file (``None``: not).
+        progress: show progress bars on stderr.
+    """
+
+    label: str
+    model: dict[str, Any]
+    prompt: list[int]
+    max_tokens: int
+    stop_tokens: list[int] = field(default_factory=list)
+    store: str | None = None
+    namespace: str | None = None
+    mlx_lm_file: str | None = None
+    progress: bool = True
+
+
+@dataclass(frozen=True)
+class SessionResult:
+    """What one session measured (times in seconds, sizes in bytes).
+
+    ``lookups``/``hits``/``misses`` are the session's store handle's activity
+    counters; ``saved_*`` what its save added to the store.
+    """
+
+    label: str
+    pid: int
+    blas: str
+    prompt_tokens: int
+    reused_tokens: int
+    ttft_s: float
+    lookup_s: float
+    restore_s: float
+    decode_tps: float
+    save_s: float
+    answer: list[int]
+    lookups: int = 0
+    hits: int = 0
+    misses: dict[str, int] = field(default_factory=dict)
+    saved_blocks: int = 0
+    saved_bytes: int = 0
+    deduplicated_blocks: int = 0
+    mlx_lm_file_bytes: int | None = None
+    mlx_lm_writer: str | None = None
+    store_error: str | None = None
+
+    @classmethod
+    def from_json(cls, obj: dict[str, Any]) -> SessionResult:
+        return cls(**obj)
+
+
+def load_model_for(spec_model: dict[str, Any]) -> tuple[Any, Any]:
+    """``(model, tokenizer or None)`` for a session's ``model`` entry."""
+    from kvstore.model import build_model, load_model
+
+    if "dir" in spec_model:
+        return load_model(spec_model["dir"])
+    return build_model(spec_model["config"], seed=int(spec_model.get("seed", 0))), None
+
+
+def _bar(show: bool, **kwargs: Any) -> Any:
+    from tqdm import tqdm
+
+    # disable=None: no bar when stderr is not a terminal (logs, tests).
+    return tqdm(file=sys.stderr, disable=None if show else True, leave=False, **kwargs)
+
+
+@contextmanager
+def _save_progress(store: Any, show: bool, label: str) -> Iterator[None]:
+    """A progress bar over the blocks each save encodes, open until it commits.
+
+    Saves run inside ``generate`` through ``store.put_blocks``; wrapping this
+    handle's ``put_blocks`` shows them without a hook in the store (the
+    encoder is called one block at a time, as it would encode them in turn).
+    A save of blocks all stored already encodes nothing and shows no bar.
+    """
+    put_blocks = store.put_blocks
+
+    def with_bar(namespace: str, tokens: Any, encode: Any, *, family: str = "") -> Any:
+        bars: list[Any] = []
+
+        def encode_each(spans: Sequence[Any]) -> list[Any]:
+            bar = _bar(show, total=len(spans), desc=f"session {label} save", unit="block")
+            bars.append(bar)
+            records = []
+            for span in spans:
+                records.extend(encode([span]))
+                bar.update()
+            return records
+
+        try:
+            return put_blocks(namespace, tokens, encode_each, family=family)
+        finally:
+            for bar in bars:
+                bar.close()
+
+    store.put_blocks = with_bar
+    try:
+        yield
+    finally:
+        del store.put_blocks
+
+
+def _write_mlx_lm_file(path: str, caches: list[Any]) -> tuple[int, str]:
+    """Write ``caches`` as an mlx-lm prompt-cache file; ``(bytes, which writer)``."""
+    try:
+        from mlx_lm.models.cache import save_prompt_cache
+    except ImportError:  # mlx-lm is an optional extra; ours writes the same layout
+        from kvstore.codecs.prompt_cache import export_prompt_cache
+
+        export_prompt_cache(path, caches)
+        writer = "kvstore export_prompt_cache (mlx-lm not installed)"
+    else:
+        save_prompt_cache(path, caches)
+        writer = "mlx_lm save_prompt_cache"
+    return os.path.getsize(path), writer
+
+
+def run_session(spec: SessionSpec) -> SessionResult:
+    """Run one session in this process (see the module docstring)."""
+    from kvstore.bench.machine import blas_info
+    from kvstore.model import generate_tokens
+    from kvstore.store import open_store
+
+    model, _ = load_model_for(spec.model)
+    # A fresh process's first model call pays one-time set-up (thread pools,
+    # BLAS init): keep it out of the measured TTFT, with or without a store.
+    generate_tokens(model, list(range(WARMUP_TOKENS)), max_tokens=2)
+    caches = model.make_cache()
+    store = None if spec.store is None else open_store(spec.store)
+    n = len(spec.prompt)
+    bar = _bar(spec.progress, total=n, desc=f"session {spec.label} prefill", unit="tok")
+
+    def on_chunk(end: int, _caches: list[Any]) -> None:
+        bar.update(end - bar.n)  # the first chunk starts after the restored prefix
+        if end == n:
+            bar.close()  # before the save's bar opens
+
+    kwargs: dict[str, Any] = dict(
+        caches=caches,
+        max_tokens=spec.max_tokens,
+        stop_tokens=spec.stop_tokens,
+        on_prefill_chunk=on_chunk,
+    )
+    try:
+        if store is None:
+            answer, stats = generate_tokens(model, spec.prompt, **kwargs)
+        else:
+            with _save_progress(store, spec.progress, spec.label):
+                answer, stats = generate_tokens(
+                    model, spec.prompt, store=store, namespace=spec.namespace, **kwargs
+                )
+        activity = store.activity() if store is not None else {}
+    finally:
+        bar.close()
+        if store is not None:
+            store.close()
+    file_bytes = writer = None
+    if spec.mlx_lm_file is not None:
+        file_bytes, writer = _write_mlx_lm_file(spec.mlx_lm_file, caches)
+    return SessionResult(
+        label=spec.label,
+        pid=os.getpid(),
+        blas=blas_info()["mlx"],
+        prompt_tokens=n,
+        reused_tokens=stats.reused_tokens,
+        ttft_s=stats.ttft_s,
+        lookup_s=stats.lookup_s,
+        restore_s=stats.restore_s,
+        decode_tps=stats.decode_tps,
+        save_s=stats.save_s,
+        answer=[int(t) for t in answer],
+        lookups=int(activity.get("lookups", 0)),
+        hits=int(activity.get("hits", 0)),
+        misses={str(k): int(v) for k, v in dict(activity.get("misses", {})).items()},
+        saved_blocks=int(activity.get("saved_blocks", 0)),
+        saved_bytes=int(activity.get("saved_bytes", 0)),
+        deduplicated_blocks=int(activity.get("deduplicated_blocks", 0)),
+        mlx_lm_file_bytes=file_bytes,
+        mlx_lm_writer=writer,
+        store_error=stats.store_error,
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if len(args) != 2:
+        print("usage: python -m kvstore.demo.session SPEC.json RESULT.json", file=sys.stderr)
+        return 2
+    spec = SessionSpec(**json.loads(Path(args[0]).read_text()))
+    result = run_session(spec)
+    Path(args[1]).write_text(json.dumps(dataclasses.asdict(result)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

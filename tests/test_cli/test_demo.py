@@ -1,0 +1,223 @@
+"""``kvstore demo``: sessions in fresh processes reuse a shared context through the store.
+
+The demo runs for real with the ``tiny`` config and a 300-token context: in
+process (cold), then as a subprocess on the same store (warm). Tests assert on
+the table's content -- what was reused, hits, the follow-up turn, warm -- never
+on times.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import re
+import sys
+from contextlib import redirect_stdout
+from pathlib import Path
+
+import pytest
+
+from kvstore.cli import main
+from kvstore.demo.blas import OPENBLAS, BlasChoice, choose_blas
+from kvstore.demo.report import TABLE_HEADERS
+from kvstore.demo.runner import (
+    CONTEXT_TOKENS,
+    DemoModel,
+    DemoOptions,
+    plan_context,
+    prepare_model,
+)
+from kvstore.demo.script import TURNS, TextCodec
+from kvstore.errors import ModelLoadError
+from kvstore.model import NAMED_CONFIGS
+
+from .conftest import kvstore_cli
+from .test_bad_input import check_one_line
+
+PYCODE = Path("/work/shared/fixtures/pycode-lm")
+ANSWER = 8
+TINY = ["--config", "tiny", "--context-tokens", "300", "--answer-tokens", str(ANSWER)]
+FOLLOW_UP = next(i for i, turn in enumerate(TURNS) if turn.follows is not None)
+
+
+def table(text: str) -> list[dict[str, str]]:
+    """The rows of the demo's table, by column header."""
+    lines = text.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("session  turn"))
+    assert re.split(r"\s{2,}", lines[start].strip()) == list(TABLE_HEADERS)
+    rows = []
+    for line in lines[start + 1 :]:
+        if not line.strip():
+            break
+        cells = re.split(r"\s{2,}", line.strip())
+        assert len(cells) == len(TABLE_HEADERS), line
+        rows.append(dict(zip(TABLE_HEADERS, cells)))
+    return rows
+
+
+def field(text: str, name: str) -> str:
+    """The value of a ``name  value`` summary line."""
+    return next(line for line in text.splitlines() if line.startswith(f"{name} ")).split(None, 1)[1]
+
+
+@pytest.fixture(scope="module")
+def cold(tmp_path_factory) -> tuple[Path, str]:
+    """A first run on a new store, in process: (store, what it printed)."""
+    store = tmp_path_factory.mktemp("demo") / "store"
+    out = io.StringIO()
+    with redirect_stdout(out):
+        assert main(["demo", *TINY, "--store", str(store), "--no-progress"]) == 0
+    return store, out.getvalue()
+
+
+def test_cold_run_reuses_the_shared_context(cold):
+    store, text = cold
+    assert "new, created by the first save" in text
+    rows = table(text)
+    assert [r["session"] for r in rows] == [str(i + 1) for i in range(len(TURNS))]
+    first, *later = rows
+    assert first["reused"] == "0" and first["lookup"] == "miss (cold)"
+    for row in later:
+        # every later session reuses at least the whole 300-token context
+        assert int(row["reused"]) >= 300 and row["lookup"] == "hit", row
+        assert row["speed-up"].endswith("x") and row["TTFT no store"] == first["TTFT no store"]
+    assert field(text, "lookups") == f"{len(TURNS)}: {len(TURNS) - 1} hits, 1 miss (cold 1)"
+    assert "Run it again (make demo)" in text
+
+
+def test_the_follow_up_reuses_the_previous_turn(cold):
+    _, text = cold
+    rows = table(text)
+    follow_up = rows[FOLLOW_UP]
+    earlier = rows[TURNS[FOLLOW_UP].follows]
+    assert follow_up["turn"] == f"follows {TURNS[FOLLOW_UP].follows + 1}"
+    # the earlier prompt and its answer, but the answer's last token (it has no KV yet)
+    assert int(follow_up["reused"]) == int(earlier["prompt"]) + ANSWER - 1
+
+
+def test_bytes_are_measured_against_mlx_lm_files(cold):
+    _, text = cold
+    rows = table(text)
+    assert all(r["mlx-lm file"].endswith(("KiB", "MiB")) for r in rows)
+    stored = field(text, "stored")
+    assert re.match(r"[\d.]+ (KiB|MiB) in \d+ blocks for this model", stored), stored
+    mlx_lm = field(text, "mlx-lm")
+    assert f"for the {len(TURNS)} sessions' prompt-cache files" in mlx_lm
+    assert "written by mlx_lm save_prompt_cache and measured" in mlx_lm
+    # sessions sharing a context store it once; each mlx-lm file holds all of it
+    assert float(re.search(r"\(([\d.]+)x the store", mlx_lm)[1]) > 1.5
+
+
+def test_a_second_run_as_a_subprocess_starts_warm(cold):
+    store, _ = cold
+    done = kvstore_cli("demo", *TINY, "--store", str(store), "--no-progress")
+    assert done.returncode == 0, done.stderr
+    text = done.stdout
+    assert "WARM, it already holds" in text and "This run started warm" in text
+    rows = table(text)
+    for row in rows:  # every prompt was stored whole: all but its last token reused
+        assert int(row["reused"]) == int(row["prompt"]) - 1 and row["lookup"] == "hit", row
+        assert row["saved"] == "0 B"  # the answers are the same: nothing new to store
+    assert "(0 B added by this run)" in field(text, "stored")
+
+
+@pytest.mark.skipif(not PYCODE.is_dir(), reason="pycode-lm fixture not present")
+def test_a_model_directory_with_text(tmp_path):
+    """pycode-lm: a trained byte-level model without tokenizer files; --json output."""
+    done = kvstore_cli(
+        "demo",
+        "--model",
+        str(PYCODE),
+        "--context-tokens",
+        "300",
+        "--answer-tokens",
+        str(ANSWER),
+        "--store",
+        str(tmp_path / "store"),
+        "--json",
+    )
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout)
+    assert report["text"] == "bytes (UTF-8)" and report["model"].startswith("pycode-lm (llama")
+    sessions = report["sessions"]
+    assert all(isinstance(s["answer_text"], str) for s in sessions)
+    assert [s["result"]["reused_tokens"] > 0 for s in sessions] == [False] + [True] * (
+        len(TURNS) - 1
+    )
+    assert "session 2 (new conversation" in done.stderr  # the commentary went to stderr
+
+
+# ---------------------------------------------------------------- planning
+
+
+def test_blas_choice():
+    lib = OPENBLAS["x86_64"]
+    found = choose_blas(environ={}, platform_name="linux", machine="x86_64", exists=lambda p: True)
+    assert found.fast and found.env["LD_PRELOAD"] == lib
+    missing = choose_blas(
+        environ={}, platform_name="linux", machine="x86_64", exists=lambda p: False
+    )
+    assert not missing.fast and "LD_PRELOAD" not in missing.env
+    assert "apt-get install libopenblas0-pthread" in missing.description
+    already = choose_blas(
+        environ={"LD_PRELOAD": "/opt/x/libopenblas.so"}, platform_name="linux", machine="x86_64"
+    )
+    assert already.fast and already.env["LD_PRELOAD"] == "/opt/x/libopenblas.so"
+    bundled = choose_blas(
+        "bundled", environ={"LD_PRELOAD": f"{lib}:/lib/other.so"}, platform_name="linux"
+    )
+    assert not bundled.fast and bundled.env["LD_PRELOAD"] == "/lib/other.so"
+    assert choose_blas(environ={}, platform_name="darwin").fast
+
+
+def test_the_context_is_sized_to_the_blas_and_the_model():
+    model = DemoModel({}, "m", "ns", TextCodec(None, 256, readable=False), None)
+    slow = BlasChoice(False, "bundled", {})
+    fast = BlasChoice(True, "openblas", {})
+    tokens, note = plan_context(DemoOptions(), fast, model, reserve=100)
+    assert len(tokens) == CONTEXT_TOKENS["fast"] and note is None
+    tokens, note = plan_context(DemoOptions(), slow, model, reserve=100)
+    assert len(tokens) == CONTEXT_TOKENS["slow"] and "sized down" in note
+    limited = DemoModel({}, "m", "ns", model.codec, 2048)
+    tokens, note = plan_context(DemoOptions(), fast, limited, reserve=100)
+    assert len(tokens) == 2048 - 100 and "2048 positions" in note
+    tokens, note = plan_context(DemoOptions(context_tokens=500), slow, model, reserve=100)
+    assert len(tokens) == 500 and note is None
+
+
+def test_a_model_directory_with_a_tokenizer(tmp_path, monkeypatch):
+    """Text goes through the directory's tokenizer; its end-of-text ids stop answers."""
+    pytest.importorskip("mlx_lm")
+    from kvstore.testing.mlx_lm_models import TINY_ARGS, build_mlx_lm_model
+
+    from ..test_model.conftest import save_mlx_lm_dir
+    from ..test_model.test_loader import write_tokenizer
+
+    path = save_mlx_lm_dir(
+        tmp_path / "m", build_mlx_lm_model("llama"), {**TINY_ARGS["llama"], "eos_token_id": 1}
+    )
+    write_tokenizer(path)
+    model = prepare_model(DemoOptions(model_dir=str(path)))
+    assert model.codec.kind == "tokenizer (tokenizers)" and model.codec.stop_tokens == [1]
+    assert model.codec.encode("def x return") == [2, 4, 3]
+    assert model.codec.decode([2, 4, 1]) == "def x"  # the end-of-text id dropped
+    assert model.spec == {"dir": str(path.resolve())}
+    for backend in ("tokenizers", "transformers"):
+        monkeypatch.setitem(sys.modules, backend, None)  # not installed
+    with pytest.raises(ModelLoadError, match="no tokenizer backend is installed"):
+        prepare_model(DemoOptions(model_dir=str(path)))
+
+
+def test_demo_bad_input(tmp_path, capsys):
+    check_one_line(capsys, ["demo", "--store", "memory://x"], "lives only as long as its process")
+    check_one_line(capsys, ["demo", "--config", "huge"], "Unknown --config 'huge'", "tiny")
+    check_one_line(
+        capsys, ["demo", "--model", str(tmp_path / "none")], "does not exist", "model directory"
+    )
+    no_weights = tmp_path / "no-weights"
+    no_weights.mkdir()
+    (no_weights / "config.json").write_text(json.dumps(NAMED_CONFIGS["tiny"]))
+    check_one_line(capsys, ["demo", "--model", str(no_weights)], "No model*.safetensors")
+    file = tmp_path / "file"
+    file.write_text("x")
+    check_one_line(capsys, ["demo", *TINY, "--store", str(file)], "is a file")
