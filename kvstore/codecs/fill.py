@@ -148,9 +148,9 @@ class LeafStream:
         view = np.frombuffer(buffer, dtype=numpy_dtype(name)).reshape(shape)
         self._fill(i, view)
         with self._lock:
-            if self._filled[i]:
-                self._fail(f"array {i} was read twice")
-            self._filled[i] = True
+            twice, self._filled[i] = self._filled[i], True
+        if twice:
+            self._fail(f"array {i} was read twice")
 
     def _fail(self, problem: str) -> None:
         with self._lock:
