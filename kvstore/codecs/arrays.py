@@ -54,6 +54,7 @@ DTYPES: dict[str, np.dtype] = {
 }
 
 _NAME_OF_MLX = {dtype: name for name, dtype in MLX_DTYPES.items()}
+_NAME_OF_NUMPY = {np.dtype(name): name for name in MLX_DTYPES if name != "bfloat16"}
 
 # At most this many contiguous pieces per tensor before a strided one is
 # compacted first (thousands of tiny writes cost more than one copy).
@@ -69,8 +70,11 @@ def dtype_name(array: Any) -> str:
     if isinstance(array, mx.array):
         name = _NAME_OF_MLX.get(array.dtype)
     elif isinstance(array, np.ndarray):
-        meta = array.dtype.metadata or {}
-        name = meta.get("dtype", array.dtype.name)
+        dtype = array.dtype
+        # Tagged words first: dtype equality (and so the table) ignores the tag.
+        # The table spares numpy's ``dtype.name``, slow enough to show on every restore.
+        tag = dtype.metadata.get("dtype") if dtype.metadata else None
+        name = tag or _NAME_OF_NUMPY.get(dtype) or dtype.name
     else:
         raise TypeError(
             f"[codecs] A snapshot tensor must be an mx.array or a numpy array; "

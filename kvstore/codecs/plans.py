@@ -20,12 +20,11 @@ import numpy as np
 
 from kvstore.abc.codec import RestorePlan
 from kvstore.codecs.arrays import as_numpy_all, dtype_name, owned_arrays
+from kvstore.codecs.fill import LeafSpec, filled_arrays
 
 __all__ = ["Tree", "LeafSpec", "row_leaves_of", "RowsJoin", "CachePlan", "run_plans"]
 
 Tree = Any  # mx.array | tuple[mx.array, ...]; numpy views before restore
-#: One array to allocate: ``(shape, dtype name)``.
-LeafSpec = tuple[tuple[int, ...], str]
 
 
 def row_leaves_of(tree: Tree) -> tuple[Any, ...]:
@@ -52,30 +51,41 @@ class RowsJoin:
         if rows > capacity:
             raise ValueError(f"[join_rows] {rows} rows do not fit a capacity of {capacity}.")
         self.capacity = capacity
+        self._leaves: list[LeafSpec] | None = None
 
     def leaves(self) -> list[LeafSpec]:
-        return [
-            ((*c[0].shape[:2], self.capacity, *c[0].shape[3:]), _joined_dtype(c))
-            for c in self.columns
-        ]
+        if self._leaves is None:
+            self._leaves = [
+                ((*c[0].shape[:2], self.capacity, *c[0].shape[3:]), _joined_dtype(c))
+                for c in self.columns
+            ]
+        return self._leaves
 
     def lazy(self) -> list[mx.array]:
         """Pieces that are unevaluated MLX arrays (to evaluate before :meth:`fill`)."""
         return [leaf for column in self.columns for leaf in column if isinstance(leaf, mx.array)]
 
+    def fill_leaf(self, column: int, target: np.ndarray) -> None:
+        """Write leaf ``column`` into ``target`` (uninitialised memory of
+        :meth:`leaves`' shape): the pieces in order, then zeros up to capacity."""
+        pos = 0
+        for view in as_numpy_all(self.columns[column]):
+            rows = int(view.shape[2])
+            # "safe": pieces of one column differ only by widening (float16
+            # TurboQuant scales next to float32 ones); anything else raises.
+            np.copyto(target[:, :, pos : pos + rows], view, casting="safe")
+            pos += rows
+        target[:, :, pos:] = 0
+
+    def tree(self, arrays: Sequence[mx.array]) -> Tree:
+        """The joined row tree, given the filled arrays of :meth:`leaves`."""
+        return tuple(arrays) if self.is_tuple else arrays[0]
+
     def fill(self, buffers: Sequence[tuple[mx.array, np.ndarray]]) -> Tree:
         """Copy the pieces into ``buffers`` (from :func:`owned_arrays` of :meth:`leaves`)."""
-        out = []
-        for column, (array, target) in zip(self.columns, buffers, strict=True):
-            pos = 0
-            for view in as_numpy_all(column):
-                rows = int(view.shape[2])
-                # "safe": pieces of one column differ only by widening (float16
-                # TurboQuant scales next to float32 ones); anything else raises.
-                np.copyto(target[:, :, pos : pos + rows], view, casting="safe")
-                pos += rows
-            out.append(array)
-        return tuple(out) if self.is_tuple else out[0]
+        for column, (_, target) in enumerate(buffers):
+            self.fill_leaf(column, target)
+        return self.tree([array for array, _ in buffers])
 
 
 def _joined_dtype(column: Sequence[Any]) -> str:
@@ -121,12 +131,35 @@ class CachePlan:
 
 
 def run_plans(plans: Sequence[RestorePlan]) -> list[Any]:
-    """The caches of ``plans``: every array allocated in one evaluation, then filled."""
+    """The caches of ``plans``: every array of every plan allocated and filled in one go.
+
+    A :class:`CachePlan`'s arrays are written once, straight from the row
+    pieces into MLX's memory (:func:`~kvstore.codecs.fill.filled_arrays`);
+    any other plan gets zero-filled buffers of its ``leaves``.
+    """
     mx.eval([a for plan in plans if isinstance(plan, CachePlan) for a in plan.lazy()])
-    buffers = owned_arrays([leaf for plan in plans for leaf in plan.leaves])
+    writers = [
+        (join, column)
+        for plan in plans
+        if isinstance(plan, CachePlan)
+        for join in plan.joins
+        for column in range(len(join.columns))
+    ]
+
+    def fill(i: int, target: np.ndarray) -> None:
+        join, column = writers[i]
+        join.fill_leaf(column, target)
+
+    arrays = filled_arrays([join.leaves()[column] for join, column in writers], fill)
     caches, at = [], 0
     for plan in plans:
-        n = len(plan.leaves)
-        caches.append(plan.finish(buffers[at : at + n]))
-        at += n
+        if not isinstance(plan, CachePlan):
+            caches.append(plan.finish(owned_arrays(list(plan.leaves))))
+            continue
+        trees = []
+        for join in plan.joins:
+            n = len(join.columns)
+            trees.append(join.tree(arrays[at : at + n]))
+            at += n
+        caches.append(plan.build(trees))
     return caches

@@ -63,6 +63,7 @@ from kvstore.errors import (
     StoreUnavailableError,
 )
 from kvstore.store import keys as K
+from kvstore.store.checks import check_records
 from kvstore.store.eviction import Block, evict_in
 from kvstore.store.housekeeping import Housekeeper, Pending
 from kvstore.store.index import (
@@ -387,26 +388,30 @@ class BlockPrefixStore(PrefixStore):
         with ExitStack() as stack:
             with self._unavailable_is_a_miss():
                 values = stack.enter_context(self._backend.view_many(keys))
+                stored: list[memoryview] = []
+                gone: BlockRef | None = None  # the first block whose record is not there
                 for i, ref in enumerate(blocks):
                     value = values[i] if i < len(values) else None
                     if value is None:
-                        reason = self._absent(ref.key)
-                        self._counters.miss(reason)
-                        if reason == MissReason.SERVER_EVICTED:
-                            corrupt.append(ref.key)  # removed like a corrupt block
+                        gone = ref
                         break
-                    mv = memoryview(value)
-                    try:
-                        self._verify(mv)
-                    except CorruptEntryError:
+                    stored.append(memoryview(value))
+                # Records before a missing one are checked first, as if read one by one.
+                for ref, mv, verdict in zip(blocks, stored, check_records(self._verify, stored)):
+                    if isinstance(verdict, CorruptEntryError):
                         corrupt.append(ref.key)
                         self._counters.miss(MissReason.CORRUPT)
                         self._counters.add(corruptions=1)
                         break
-                    except FormatVersionError:
+                    if isinstance(verdict, FormatVersionError):
                         self._counters.miss(MissReason.VERSION)
                         break
                     views.append(mv)
+                if gone is not None and len(views) == len(stored):
+                    reason = self._absent(gone.key)
+                    self._counters.miss(reason)
+                    if reason == MissReason.SERVER_EVICTED:
+                        corrupt.append(gone.key)  # removed like a corrupt block
             try:
                 yield views
             finally:

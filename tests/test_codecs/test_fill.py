@@ -1,0 +1,123 @@
+"""Arrays written straight into MLX's loader buffers (``kvstore.codecs.fill``)."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from kvstore.codecs import fill as fill_module
+from kvstore.codecs.arrays import numpy_dtype
+from kvstore.codecs.fill import LeafStream, filled_arrays
+
+SPECS = [
+    ((1, 2, 37, 64), "float16"),
+    ((1, 2, 37, 64), "bfloat16"),
+    ((3, 5), "float32"),
+    ((1, 2, 37, 8), "uint32"),
+    ((4,), "int8"),
+]
+
+
+def sources(specs=SPECS, seed=0):
+    rng = np.random.default_rng(seed)
+    out = []
+    for shape, name in specs:
+        words = rng.integers(0, 256, int(np.prod(shape)) * numpy_dtype(name).itemsize, np.uint8)
+        out.append(words.view(numpy_dtype(name)).reshape(shape))
+    return out
+
+
+def writer(values):
+    def fill(i, view):
+        np.copyto(view, values[i])
+
+    return fill
+
+
+def as_bytes(array: mx.array) -> bytes:
+    return bytes(memoryview(array))
+
+
+@pytest.mark.parametrize("direct", [True, False])
+def test_arrays_hold_every_byte_written_in_their_shape_and_dtype(direct):
+    values = sources()
+    arrays = filled_arrays(SPECS, writer(values), direct=direct)
+    assert [(tuple(a.shape), str(a.dtype).removeprefix("mlx.core.")) for a in arrays] == SPECS
+    assert [as_bytes(a) for a in arrays] == [v.tobytes() for v in values]
+
+
+def test_arrays_are_owned_copies_of_what_was_written():
+    values = sources()
+    arrays = filled_arrays(SPECS, writer(values), direct=True)
+    before = [as_bytes(a) for a in arrays]
+    for v in values:
+        v.view(np.uint8)[...] ^= 0xFF
+    assert [as_bytes(a) for a in arrays] == before
+
+
+def test_a_write_that_fails_once_falls_back_and_still_fills_every_array():
+    values = sources()
+    failed = []
+
+    def flaky(i, view):
+        if i == 2 and not failed:
+            failed.append(i)
+            raise OSError("page went away")
+        np.copyto(view, values[i])
+
+    arrays = filled_arrays(SPECS, flaky, direct=True)
+    assert failed == [2]
+    assert [as_bytes(a) for a in arrays] == [v.tobytes() for v in values]
+
+
+def test_a_write_that_always_fails_raises_to_the_caller():
+    def broken(i, view):
+        raise OSError(f"array {i} cannot be read")
+
+    with pytest.raises(OSError, match="array 0 cannot be read"):
+        filled_arrays(SPECS, broken, direct=True)
+
+
+def test_a_stream_read_not_covering_one_whole_array_is_a_problem_not_a_fill():
+    stream = LeafStream(SPECS[:2], writer(sources()))
+    header = int.from_bytes(_read(stream, 0, 8), "little") + 8
+    _read(stream, header + 16, 64)
+    assert not stream.complete
+    assert "is not one array" in stream.problem
+
+
+def test_an_array_read_twice_is_a_problem():
+    specs = SPECS[2:3]
+    stream = LeafStream(specs, writer(sources(specs)))
+    header = int.from_bytes(_read(stream, 0, 8), "little") + 8
+    nbytes = 3 * 5 * 4
+    _read(stream, header, nbytes)
+    assert stream.complete
+    _read(stream, header, nbytes)
+    assert not stream.complete and "read twice" in stream.problem
+
+
+def test_the_default_uses_the_loader_only_for_large_restores(monkeypatch):
+    calls = []
+    real_load = mx.load
+
+    def counting_load(*args, **kwargs):
+        calls.append(args)
+        return real_load(*args, **kwargs)
+
+    monkeypatch.setattr(fill_module.mx, "load", counting_load)
+    values = sources()
+    filled_arrays(SPECS, writer(values))
+    assert calls == []
+    monkeypatch.setattr(fill_module, "DIRECT_MIN_BYTES", 0)
+    arrays = filled_arrays(SPECS, writer(values))
+    assert len(calls) == 1
+    assert [as_bytes(a) for a in arrays] == [v.tobytes() for v in values]
+
+
+def _read(stream: LeafStream, offset: int, n: int) -> bytes:
+    stream.seek(offset)
+    buffer = bytearray(n)
+    assert stream.readinto(memoryview(buffer)) == n
+    return bytes(buffer)

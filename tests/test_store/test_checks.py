@@ -1,0 +1,89 @@
+"""Checking many records at once (``kvstore.store.checks``), and restores through the
+paths large reads take (records checked on two threads, arrays filled by MLX's loader)."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvstore.caches import KVCache
+from kvstore.codecs import fill, snapshot
+from kvstore.codecs.record import encode_record, forget_parsed_headers, verify_record
+from kvstore.errors import CorruptEntryError, FormatVersionError
+from kvstore.store import checks
+from kvstore.store.checks import check_records
+from kvstore.testing.codec import fill_cache
+
+from .kv_helpers import assert_same_caches, prompt
+from .test_kv import capture_save, lmdb_url, open_, setup
+
+__all__ = ["lmdb_url"]  # the fixture, shared with test_kv
+
+
+@pytest.fixture(params=["one thread", "two threads"])
+def threads(request, monkeypatch):
+    if request.param == "two threads":
+        monkeypatch.setattr(checks, "PARALLEL_MIN_BYTES", 0)
+    return request.param
+
+
+def records(n: int) -> list[memoryview]:
+    out = []
+    for i in range(n):
+        cache = KVCache()
+        fill_cache(cache, [4], seed=i)
+        out.append(memoryview(bytearray(encode_record([snapshot(cache)]))))
+    return out
+
+
+def flip_last_byte(record: memoryview) -> None:
+    record[-1] ^= 0x01
+
+
+def test_intact_records_all_pass(threads):
+    assert check_records(verify_record, records(6)) == [None] * 6
+
+
+def test_checks_stop_at_the_first_bad_record_and_report_it(threads):
+    found = records(6)
+    flip_last_byte(found[3])
+    flip_last_byte(found[5])
+    forget_parsed_headers()
+    verdicts = check_records(verify_record, found)
+    assert len(verdicts) == 4 and verdicts[:3] == [None] * 3
+    assert isinstance(verdicts[3], CorruptEntryError)
+
+
+def test_a_newer_format_is_a_verdict_and_other_errors_propagate(threads):
+    def verify(record: memoryview) -> None:
+        if record[0] == 1:
+            raise FormatVersionError("[verify] format 9 is newer than this reader")
+        if record[0] == 2:
+            raise RuntimeError("disk on fire")
+
+    ones = [memoryview(bytes([0])), memoryview(bytes([1])), memoryview(bytes([0]))]
+    verdicts = check_records(verify, ones)
+    assert len(verdicts) == 2 and isinstance(verdicts[1], FormatVersionError)
+    with pytest.raises(RuntimeError, match="disk on fire"):
+        check_records(verify, [memoryview(bytes([0])), memoryview(bytes([2]))])
+
+
+@pytest.mark.parametrize("family", ["plain", "quant", "window"])
+def test_restores_through_the_large_read_paths_are_bit_exact(family, lmdb_url, monkeypatch):
+    monkeypatch.setattr(checks, "PARALLEL_MIN_BYTES", 0)
+    monkeypatch.setattr(fill, "DIRECT_MIN_BYTES", 0)
+    streams = []
+
+    class Recorded(fill.LeafStream):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            streams.append(self)
+
+    monkeypatch.setattr(fill, "LeafStream", Recorded)
+    model, policy, ns = setup(family)
+    tokens = prompt(31, 70)
+    with open_(lmdb_url) as store:
+        expected = capture_save(store, model, tokens, policy)
+        restored = store.restore(store.lookup(ns, tokens + [1]), model.make_cache(policy))
+    assert restored[0].offset == 70
+    assert len(streams) == 1 and streams[0].complete  # filled by the loader, no fallback
+    assert_same_caches(restored, expected)
