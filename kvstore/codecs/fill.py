@@ -28,6 +28,7 @@ import json
 import struct
 import threading
 from collections.abc import Callable, Sequence
+from typing import BinaryIO, cast
 
 import mlx.core as mx
 import numpy as np
@@ -183,7 +184,7 @@ def filled_arrays(
     if direct:
         stream = LeafStream(specs, fill)
         try:
-            loaded = mx.load(stream, format="safetensors")
+            loaded = mx.load(cast(BinaryIO, stream), format="safetensors")  # duck-typed file
         except (RuntimeError, ValueError):  # MLX refused the stream: make them the plain way
             loaded = {}
         if stream.complete and isinstance(loaded, dict) and len(loaded) == len(specs):
