@@ -26,7 +26,9 @@ from __future__ import annotations
 
 import json
 import struct
+import sys
 import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import BinaryIO, cast
 
@@ -43,6 +45,9 @@ DIRECT_FILL = True
 #: than the loader's evaluation per array (measured on a 2-core x86 CPU: 27 MiB in 48
 #: arrays is a tie, 96 MiB in 64 arrays saves a third).
 DIRECT_MIN_BYTES = 32 << 20
+
+#: How long :func:`filled_arrays` waits for MLX to drop its reader (it takes microseconds).
+_RELEASE_TIMEOUT_S = 5.0
 
 #: One array to allocate: ``(shape, dtype name)``.
 LeafSpec = tuple[tuple[int, ...], str]
@@ -183,10 +188,18 @@ def filled_arrays(
         direct = DIRECT_FILL and sum(map(_nbytes, specs)) >= DIRECT_MIN_BYTES
     if direct:
         stream = LeafStream(specs, fill)
+        unshared = sys.getrefcount(stream)
         try:
             loaded = mx.load(cast(BinaryIO, stream), format="safetensors")  # duck-typed file
         except (RuntimeError, ValueError):  # MLX refused the stream: make them the plain way
             loaded = {}
+        # MLX's reader of the stream takes the GIL in its destructor, which now and then
+        # runs on an MLX thread just after mx.load returned. At interpreter exit that
+        # thread could not take the GIL and the process would abort ("terminate called
+        # without an active exception"), so wait here until the reader is gone.
+        deadline = time.monotonic() + _RELEASE_TIMEOUT_S
+        while sys.getrefcount(stream) > unshared and time.monotonic() < deadline:
+            time.sleep(0)  # hands the GIL to MLX's thread
         if stream.complete and isinstance(loaded, dict) and len(loaded) == len(specs):
             return [loaded[str(i)] for i in range(len(specs))]
         del loaded  # an array not filled completely is never handed out

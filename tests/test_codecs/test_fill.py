@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -121,3 +123,21 @@ def _read(stream: LeafStream, offset: int, n: int) -> bytes:
     buffer = bytearray(n)
     assert stream.readinto(memoryview(buffer)) == n
     return bytes(buffer)
+
+
+def test_mlx_has_dropped_its_reader_when_the_arrays_are_returned(monkeypatch):
+    # A reader dropped later, on an MLX thread, aborts the process at exit.
+    streams = []
+
+    class Recorded(LeafStream):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            streams.append(self)
+
+    monkeypatch.setattr(fill_module, "LeafStream", Recorded)
+    specs = [((1, 8, 64, 128), "float16")] * 32
+    held = []
+    for _ in range(300):
+        filled_arrays(specs, lambda i, view: view.fill(1), direct=True)
+        held.append(sys.getrefcount(streams.pop()))
+    assert set(held) == {1}  # getrefcount's own: nothing else holds the stream

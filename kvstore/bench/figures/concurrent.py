@@ -63,7 +63,9 @@ class _Workers:
         for proc in self.procs:
             out, _ = proc.communicate(timeout=600)
             if proc.returncode or not out.startswith("DONE"):
-                raise RuntimeError(f"[bench] a P8 worker failed: {out!r}")
+                raise RuntimeError(
+                    f"[bench] a P8 worker failed (exit status {proc.returncode}): {out!r}"
+                )
         self.procs = []
 
     def stop(self) -> None:
