@@ -37,10 +37,8 @@ import numpy as np
 
 from kvstore.codecs.arrays import numpy_dtype, owned_arrays
 
-__all__ = ["DIRECT_FILL", "LeafSpec", "Fill", "LeafStream", "filled_arrays"]
+__all__ = ["DIRECT_MIN_BYTES", "LeafSpec", "Fill", "LeafStream", "filled_arrays"]
 
-#: Whether :func:`filled_arrays` may use the loader (tests turn it off to run the fallback).
-DIRECT_FILL = True
 #: Below this many bytes in all, zero-filling every array in one evaluation costs less
 #: than the loader's evaluation per array (measured on a 2-core x86 CPU: 27 MiB in 48
 #: arrays is a tie, 96 MiB in 64 arrays saves a third).
@@ -176,8 +174,8 @@ def filled_arrays(
             threads, possibly for several arrays at once, so it may only
             write its own array.
         direct: let MLX's loader allocate without a zero fill (False: always
-            ``mx.zeros`` first, the fallback); default: :data:`DIRECT_FILL` for
-            at least :data:`DIRECT_MIN_BYTES` in all.
+            ``mx.zeros`` first, the fallback); default: for at least
+            :data:`DIRECT_MIN_BYTES` in all.
 
     Returns:
         The arrays, owned (no other array shares their memory), in order.
@@ -185,7 +183,7 @@ def filled_arrays(
     if not specs:
         return []
     if direct is None:
-        direct = DIRECT_FILL and sum(map(_nbytes, specs)) >= DIRECT_MIN_BYTES
+        direct = sum(map(_nbytes, specs)) >= DIRECT_MIN_BYTES
     if direct:
         stream = LeafStream(specs, fill)
         unshared = sys.getrefcount(stream)
