@@ -79,6 +79,12 @@ class Signature:
     inner: Signature | None = None
 
     def __str__(self) -> str:
+        return self._text
+
+    @functools.cached_property
+    def _text(self) -> str:
+        # Parses are cached, so one Signature serves every cache of a kind; its string is
+        # asked for per layer on every save (the stored-family label), so it is kept too.
         return format_signature(self)
 
     def param(self, name: str) -> int:
