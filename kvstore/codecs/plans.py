@@ -121,13 +121,23 @@ class CachePlan:
     def lazy(self) -> list[mx.array]:
         return [a for join in self.joins for a in join.lazy()]
 
-    def finish(self, buffers: Sequence[tuple[mx.array, np.ndarray]]) -> Any:
+    def columns(self) -> list[tuple[RowsJoin, int]]:
+        """``(join, column)`` of each array of :attr:`leaves`, in order."""
+        return [(join, column) for join in self.joins for column in range(len(join.columns))]
+
+    def assemble(self, arrays: Sequence[mx.array]) -> Any:
+        """The cache, given the filled arrays of :attr:`leaves`, in order."""
         trees, at = [], 0
         for join in self.joins:
             n = len(join.columns)
-            trees.append(join.fill(buffers[at : at + n]))
+            trees.append(join.tree(arrays[at : at + n]))
             at += n
         return self.build(trees)
+
+    def finish(self, buffers: Sequence[tuple[mx.array, np.ndarray]]) -> Any:
+        for (join, column), (_, target) in zip(self.columns(), buffers, strict=True):
+            join.fill_leaf(column, target)
+        return self.assemble([array for array, _ in buffers])
 
 
 def run_plans(plans: Sequence[RestorePlan]) -> list[Any]:
@@ -138,13 +148,7 @@ def run_plans(plans: Sequence[RestorePlan]) -> list[Any]:
     any other plan gets zero-filled buffers of its ``leaves``.
     """
     mx.eval([a for plan in plans if isinstance(plan, CachePlan) for a in plan.lazy()])
-    writers = [
-        (join, column)
-        for plan in plans
-        if isinstance(plan, CachePlan)
-        for join in plan.joins
-        for column in range(len(join.columns))
-    ]
+    writers = [w for plan in plans if isinstance(plan, CachePlan) for w in plan.columns()]
 
     def fill(i: int, target: np.ndarray) -> None:
         join, column = writers[i]
@@ -156,10 +160,7 @@ def run_plans(plans: Sequence[RestorePlan]) -> list[Any]:
         if not isinstance(plan, CachePlan):
             caches.append(plan.finish(owned_arrays(list(plan.leaves))))
             continue
-        trees = []
-        for join in plan.joins:
-            n = len(join.columns)
-            trees.append(join.tree(arrays[at : at + n]))
-            at += n
-        caches.append(plan.build(trees))
+        n = len(plan.leaves)
+        caches.append(plan.assemble(arrays[at : at + n]))
+        at += n
     return caches

@@ -9,8 +9,13 @@ import numpy as np
 import pytest
 
 from kvstore.codecs import fill as fill_module
-from kvstore.codecs.arrays import numpy_dtype
+from kvstore.codecs import get_codec, snapshot_held
+from kvstore.codecs.arrays import numpy_dtype, owned_arrays
 from kvstore.codecs.fill import LeafStream, filled_arrays
+from kvstore.codecs.plans import run_plans
+from kvstore.testing.codec import fill_cache
+
+from .helpers import FAMILIES
 
 SPECS = [
     ((1, 2, 37, 64), "float16"),
@@ -141,3 +146,22 @@ def test_mlx_has_dropped_its_reader_when_the_arrays_are_returned(monkeypatch):
         filled_arrays(specs, lambda i, view: view.fill(1), direct=True)
         held.append(sys.getrefcount(streams.pop()))
     assert set(held) == {1}  # getrefcount's own: nothing else holds the stream
+
+
+@pytest.mark.parametrize("family", ["plain", "quant-4-64", "rotating-keep4", "tq-4-3"])
+def test_a_plan_finished_on_zeroed_buffers_equals_the_direct_fill(family):
+    # CachePlan.finish (the RestorePlan protocol) and run_plans (filled_arrays) must agree.
+    cache = FAMILIES[family]()
+    fill_cache(cache, [20, 1, 30])
+    snapshots = snapshot_held(cache)
+    codec = get_codec(snapshots[0].signature)
+    plan = codec.plan_restore(snapshots)
+    by_finish = plan.finish(owned_arrays(list(plan.leaves)))
+    (by_run,) = run_plans([codec.plan_restore(snapshots)])
+    for a, b in zip(
+        (x for s in snapshot_held(by_finish) for x in s.tensors.values()),
+        (x for s in snapshot_held(by_run) for x in s.tensors.values()),
+        strict=True,
+    ):
+        assert mx.array_equal(a, b).item()
+    assert by_finish.offset == by_run.offset == cache.offset
