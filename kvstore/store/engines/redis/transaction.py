@@ -27,11 +27,11 @@ from typing import TYPE_CHECKING, Any
 from redis import exceptions as rx
 
 from kvstore.abc.store import Buffer
-from kvstore.store.redis.client import Command, Connector
-from kvstore.store.redis.layout import Manifest
+from kvstore.store.engines.redis.client import Command, Connector
+from kvstore.store.engines.redis.layout import Manifest
 
 if TYPE_CHECKING:
-    from kvstore.store.redis.backend import RedisBackend
+    from kvstore.store.engines.redis.backend import RedisBackend
 
 __all__ = ["RedisTransaction", "ChunkMemo", "lex_range", "lex_pages", "PENDING_TTL_MS"]
 
