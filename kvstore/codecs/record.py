@@ -17,8 +17,13 @@ Layout (little-endian; DESIGN.md section 3)::
               "meta": {...}, "payload_nbytes": N,
               "checksum": {"algorithm": "xxh3-64", "value": <u64 of the payload>}}
 
-Both checksums are verified on every decode (the header's before it is
-parsed), so a flipped bit anywhere is a ``CorruptEntryError``, never data.
+Both checksums are verified on every decode, the header's before any field
+it covers is interpreted (the version and flags included), so a flipped bit
+anywhere is a ``CorruptEntryError``, never data, and never a "newer format":
+only an intact record of a higher version is a ``FormatVersionError``. The
+20-byte prefix (magic, version, flags, header length, header checksum) is the
+same in every format version, so a reader can check a newer record's checksum
+before it refuses the record's version.
 Tensors come back as numpy views into the caller's buffer (zero copy; the
 buffer must outlive them); :func:`snapshot_to_mlx` and
 :func:`decode_record_to_mlx` then copy into MLX memory exactly once.
@@ -50,6 +55,7 @@ from kvstore.codecs.arrays import (
 from kvstore.codecs.header import (
     BOUNDS,
     FORMAT_VERSION,
+    SUPPORTED_VERSIONS,
     LayerEntry,
     check_bounds,
     check_format,
@@ -361,8 +367,10 @@ def _read_header(view: memoryview, op: str) -> RecordHeader:
     magic, version, flags, length, header_sum = _PREFIX.unpack_from(view)
     if magic != MAGIC:
         raise corrupt(op, f"Not a kvstore record: magic {bytes(magic)!r}, expected {MAGIC!r}.")
-    check_format(op, version)
-    if length > BOUNDS.header_bytes:
+    # The checksum covers the version: it is checked first, so a flipped version
+    # is damage (a corrupt miss), and only an intact record can be "newer" (#18).
+    # The prefix is the same in every format version; a newer header may be larger.
+    if version in SUPPORTED_VERSIONS and length > BOUNDS.header_bytes:
         raise corrupt(op, f"Header length {length} exceeds the bound {BOUNDS.header_bytes}.")
     end = _PREFIX.size + length
     if len(view) < end:
@@ -377,6 +385,9 @@ def _read_header(view: memoryview, op: str) -> RecordHeader:
             stored=header_sum,
             computed=hasher.intdigest(),
         )
+    check_format(op, version)
+    if length > BOUNDS.header_bytes:
+        raise corrupt(op, f"Header length {length} exceeds the bound {BOUNDS.header_bytes}.")
     if flags != 0:
         raise corrupt(op, f"Flags {flags:#06x} are set; format 1 defines none.")
     raw = bytes(view[:end])

@@ -3,6 +3,7 @@
 import struct
 
 import mlx.core as mx
+import msgpack
 import numpy as np
 import pytest
 import xxhash
@@ -134,8 +135,8 @@ def test_checksum_mismatch_names_stored_and_computed():
 
 @pytest.mark.parametrize("version", [2, 7, 65535])
 def test_newer_format_is_a_format_version_error(version):
-    record = bytearray(small_record())
-    record[4:6] = struct.pack("<H", version)
+    header, payload = valid_header()
+    record = craft_record({**header, "format": version}, payload, version=version)
     with pytest.raises(FormatVersionError) as info:
         decode_record(record)
     assert str(info.value) == (
@@ -145,9 +146,28 @@ def test_newer_format_is_a_format_version_error(version):
     assert info.value.found == version and info.value.supported == (1,)
 
 
-def test_format_zero_is_not_read():
+@pytest.mark.parametrize("bit", range(16))
+def test_a_flipped_version_field_is_corrupt_not_newer(bit):
+    # The header checksum covers the version (issue 18: a flip read as "newer" was kept
+    # and re-saves deduplicated against it).
     record = bytearray(small_record())
-    record[4:6] = b"\x00\x00"
+    record[4 + bit // 8] ^= 1 << (bit % 8)
+    with pytest.raises(CorruptEntryError, match="Header checksum mismatch"):
+        decode_record(record)
+
+
+def test_a_newer_record_may_have_a_larger_header_than_this_reader_allows():
+    header, payload = valid_header()
+    header = {**header, "format": 2, "meta": {"big": "x" * BOUNDS.str_len}}
+    packed = msgpack.packb(header, use_bin_type=True)
+    big = packed + bytes(BOUNDS.header_bytes + 1 - len(packed))
+    with pytest.raises(FormatVersionError):
+        decode_record(craft_record(None, payload, version=2, raw_header=big))
+
+
+def test_format_zero_is_not_read():
+    header, payload = valid_header()
+    record = craft_record({**header, "format": 0}, payload, version=0)
     with pytest.raises(FormatVersionError, match="Format 0 is not read by this reader"):
         decode_record(record)
 
