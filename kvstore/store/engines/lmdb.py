@@ -34,13 +34,15 @@ from kvstore.errors import (
     StoreUnavailableError,
 )
 from kvstore.store.engines.boundary import Translation, translate_errors
+from kvstore.store.engines.lmdb_file import check_file
+from kvstore.store.engines.lmdb_guard import DAMAGED, NodeGuard
 from kvstore.store.keys import prefix_successor
 
 __all__ = ["LMDB_ERRORS", "LMDBBackend", "open_lmdb_backend"]
 
 T = TypeVar("T")
 
-_DAMAGED = "The LMDB file is damaged; run `kvstore verify --fix` on a copy or restore a backup."
+_DAMAGED = "The LMDB file is damaged; run `kvstore verify URL --fix`, which rebuilds it."
 _BUG = "This is a kvstore bug; please report it with the traceback."
 
 #: Every python-lmdb exception class and what it becomes (tests check none is missing).
@@ -105,6 +107,8 @@ LMDB_ERRORS: dict[type[BaseException], Translation] = {
 }
 
 _MiB = 1 << 20
+# LMDB errors about one value's pages: that value is damaged, the rest still reads.
+_UNREADABLE = (lmdb.PageNotFoundError, lmdb.CorruptedError)
 
 
 class _Gate:
@@ -179,6 +183,15 @@ class _SharedEnv:
         self.readonly = readonly
         self.gate = _Gate()
         self.refs = 0
+        self.guard = NodeGuard(env.stat()["psize"])
+        self._data = Path(key) / "data.mdb"
+
+    def file_size(self) -> int:
+        """Bytes of ``data.mdb`` now (it only grows while open)."""
+        try:
+            return self._data.stat().st_size
+        except OSError:
+            return 0
 
     @classmethod
     def acquire(cls, path: Path, url: str, **options: Any) -> _SharedEnv:
@@ -211,38 +224,80 @@ class _SharedEnv:
 
 
 class _LMDBView:
-    """A read (or write) view over one LMDB transaction opened with ``buffers=True``."""
+    """A read (or write) view over one LMDB transaction opened with ``buffers=True``.
 
-    __slots__ = ("_txn", "_cursor")
+    Values are read through a cursor whose node is checked first
+    (:mod:`kvstore.store.engines.lmdb_guard`): a value that would run past the
+    file is returned as :data:`~kvstore.store.engines.lmdb_guard.DAMAGED`, a
+    key that would run past its page is skipped, and LMDB's own "damaged page"
+    errors on one value make that value damaged, never a dead process.
+    """
 
-    def __init__(self, txn: lmdb.Transaction) -> None:
+    __slots__ = ("_txn", "_cursor", "_guard", "_end", "_shared", "_mapped")
+
+    def __init__(self, txn: lmdb.Transaction, shared: _SharedEnv, write: bool) -> None:
         self._txn = txn
         self._cursor: lmdb.Cursor | None = None
+        self._shared = shared
+        self._guard = shared.guard
+        self._mapped = not write
+        self._end = 0  # measured when the first value is read
 
     def _cur(self) -> lmdb.Cursor:
         if self._cursor is None:
             self._cursor = self._txn.cursor()
         return self._cursor
 
+    def _committed(self) -> int:
+        # Bytes of committed pages: LMDB writes a page to the file before the meta
+        # page that makes it visible, and the file only grows.
+        if not self._end:
+            info = self._shared.env.info()
+            pages = (info["last_pgno"] + 1) * self._guard.psize
+            self._end = min(self._shared.file_size(), info["map_size"], pages)
+        return self._end
+
+    def _value(self, cursor: lmdb.Cursor) -> Buffer:
+        if not self._guard.value_ok(cursor.key(), self._committed(), mapped=self._mapped):
+            return DAMAGED
+        return cursor.value()
+
     def get(self, key: bytes) -> Buffer | None:
-        return self._txn.get(key)
+        cursor = self._cur()
+        try:
+            if not cursor.set_key(key):
+                return None
+        except _UNREADABLE:
+            return DAMAGED  # LMDB found the node but not its overflow pages
+        return self._value(cursor)
 
     def contains(self, key: bytes) -> bool:
         # set_key positions the cursor without materialising the value.
         return self._cur().set_key(key)
+
+    def _items(
+        self, cursor: lmdb.Cursor, prefix: bytes, step: Callable[[], bool], ascending: bool
+    ) -> Iterator[tuple[bytes, Buffer]]:
+        mapped = self._mapped
+        while True:
+            raw = cursor.key()
+            if self._guard.key_ok(raw, mapped=mapped):
+                key = bytes(raw)
+                if ascending and not key.startswith(prefix):
+                    return
+                if not ascending and (key < prefix or not key.startswith(prefix)):
+                    return
+                yield key, self._value(cursor)
+            if not step():
+                return
 
     def scan(
         self, prefix: bytes, *, start: bytes | None = None, reverse: bool = False
     ) -> Iterator[tuple[bytes, Buffer]]:
         cursor = self._txn.cursor()
         if not reverse:
-            if not cursor.set_range(max(prefix, start) if start is not None else prefix):
-                return
-            for key, value in cursor:
-                key = bytes(key)
-                if not key.startswith(prefix):
-                    return
-                yield key, value
+            if cursor.set_range(max(prefix, start) if start is not None else prefix):
+                yield from self._items(cursor, prefix, cursor.next, True)
             return
         if start is not None and cursor.set_range(start):
             positioned = cursor.prev()
@@ -250,22 +305,23 @@ class _LMDBView:
             positioned = cursor.prev()
         else:
             positioned = cursor.last()
-        while positioned:
-            key = bytes(cursor.key())
-            if key < prefix or not key.startswith(prefix):
-                return
-            yield key, cursor.value()
-            positioned = cursor.prev()
+        if positioned:
+            yield from self._items(cursor, prefix, cursor.prev, False)
 
     def keys(self, prefix: bytes) -> Iterator[bytes]:
         cursor = self._txn.cursor()
         if not cursor.set_range(prefix):
             return
-        for key in cursor.iternext(keys=True, values=False):
-            key = bytes(key)
-            if not key.startswith(prefix):
+        mapped = self._mapped
+        while True:
+            raw = cursor.key()
+            if self._guard.key_ok(raw, mapped=mapped):
+                key = bytes(raw)
+                if not key.startswith(prefix):
+                    return
+                yield key
+            if not cursor.next():
                 return
-            yield key
 
     def put(self, key: bytes, value: Any, *, if_absent: bool = False) -> bool:
         return self._txn.put(key, value, overwrite=not if_absent)
@@ -404,14 +460,14 @@ class LMDBBackend(Backend):
     def reader(self) -> Iterator[_LMDBView]:
         with self._begin("read", write=False) as txn:
             with translate_errors(LMDB_ERRORS, "read", self.url):
-                yield _LMDBView(txn)
+                yield _LMDBView(txn, self._shared, write=False)  # type: ignore[arg-type]
 
     def _transact(self, fn: Callable[[_LMDBView], T], size_hint: int) -> T:
         while True:
             with self._begin("write", write=True) as txn:
                 with translate_errors(LMDB_ERRORS, "write", self.url):
                     try:
-                        result = fn(_LMDBView(txn))
+                        result = fn(_LMDBView(txn, self._shared, write=True))  # type: ignore[arg-type]
                         txn.commit()
                         return result
                     except lmdb.MapFullError:
@@ -476,6 +532,13 @@ class LMDBBackend(Backend):
             "readers": info["num_readers"],
             "max_readers": info["max_readers"],
         }
+
+    def check(self) -> tuple[str, ...]:
+        """Damage in ``data.mdb``'s B-trees, free list or meta pages, read without LMDB
+        (:func:`~kvstore.store.engines.lmdb_file.check_file`); ``kvstore verify --fix``
+        rebuilds a damaged file."""
+        with translate_errors(LMDB_ERRORS, "verify", self.url):
+            return tuple(check_file(self.path).problems)
 
     def close(self) -> None:
         shared, self._shared = getattr(self, "_shared", None), None

@@ -1,0 +1,119 @@
+"""An LMDB node checked before python-lmdb touches its value (issue 18, damage 2).
+
+python-lmdb faults in every page of a value as it hands the value out (its
+``preload``, in ``Transaction.get``, ``Cursor.value`` and iteration with
+values), so a node whose data size was damaged -- one flipped high bit of an
+overflow node -- makes the value run past the end of ``data.mdb`` and the
+process dies of SIGBUS inside that call, before any check of ours could run.
+
+So values are read through a cursor: positioning it (``set_key``,
+``set_range``, ``next``) reads no value, and its key is a view into the node,
+which lies right after the node's 8-byte header (``mdb.c``)::
+
+    u16 lo | u16 hi | u16 flags | u16 ksize | key | data (or, F_BIGDATA: u64 overflow page)
+
+:meth:`NodeGuard.value_ok` reads that header through the key's address and
+checks what the value would span before the value is asked for:
+
+* the header agrees with the key (``ksize``), has no flag but ``F_BIGDATA``
+  (this store has no duplicate or nested databases) and a key of at most 511
+  bytes (LMDB's own limit);
+* an inline value fits in its node (LMDB's ``nodemax``) and, in a read
+  transaction, in its page;
+* an overflow value lies inside the pages a read transaction can see (the
+  file) or, in a write transaction, inside the map.
+
+What it cannot defend: LMDB itself follows damaged branch pointers and
+compares damaged keys while it searches, and a write transaction may reuse
+damaged free-list pages. Those are what ``kvstore verify`` finds with its
+own reading of the file (:mod:`kvstore.store.engines.lmdb_file`) and repairs
+by rebuilding it; the README's reliability section says so.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import struct
+from typing import Any
+
+import numpy as np
+
+__all__ = ["NodeGuard", "MAX_KEY", "DAMAGED"]
+
+#: LMDB's default largest key (``mdb_env_get_maxkeysize``).
+MAX_KEY = 511
+#: What a read returns for a value that cannot be delivered safely: no kvstore
+#: value is empty, so every reader classifies it as damage (a corrupt record,
+#: an unreadable index entry, damaged totals or settings).
+DAMAGED = b""
+
+_PAGE_HEADER = 16
+_NODE = struct.Struct("<HHHH")
+_PGNO = struct.Struct("<Q")
+_F_BIGDATA = 0x01
+
+
+def _address(buffer: Any) -> int:
+    """The address of a (read-only) buffer's first byte."""
+    return int(np.frombuffer(buffer, dtype=np.uint8).__array_interface__["data"][0])
+
+
+class NodeGuard:
+    """Checks of the node behind a cursor's current key, for one environment.
+
+    Args:
+        psize: the environment's page size.
+    """
+
+    def __init__(self, psize: int) -> None:
+        self.psize = psize
+        # ((psize - page header) / MDB_MINKEYS, even) - sizeof(indx_t), as mdb.c sets me_nodemax.
+        self.nodemax = (((psize - _PAGE_HEADER) // 2) & ~1) - 2
+        # Map pages sit at page-aligned addresses when LMDB's page divides the OS's
+        # (mmap returns OS-page-aligned maps); then a node's offset in its page is known.
+        self.aligned = mmap.PAGESIZE % psize == 0
+
+    def key_ok(self, key: Any, *, mapped: bool) -> bool:
+        """Whether ``key`` (a cursor's key view) can be copied: a sane length inside its page."""
+        size = len(key)
+        if not 0 < size <= MAX_KEY:
+            return False
+        if mapped and self.aligned:
+            return _address(key) % self.psize + size <= self.psize
+        return True
+
+    def value_ok(self, key: Any, end: int, *, mapped: bool) -> bool:
+        """Whether the value of the node whose key view is ``key`` can be read safely.
+
+        Args:
+            key: the cursor's current key (a view into the node).
+            end: bytes of the pages the transaction found committed (a read
+                transaction: the file; every page it sees lies below).
+            mapped: a read transaction: every page it sees is in the map, at
+                page-aligned addresses. A write transaction's own pages are in
+                heap memory instead; an overflow run starting at or past
+                ``end`` is one it wrote (LMDB hands out its in-memory copy).
+        """
+        ksize = len(key)
+        if not 0 < ksize <= MAX_KEY:
+            return False
+        addr = _address(key)
+        lo, hi, flags, node_ksize = _NODE.unpack(ctypes.string_at(addr - _NODE.size, _NODE.size))
+        if node_ksize != ksize or flags & ~_F_BIGDATA:
+            return False
+        size = lo | hi << 16
+        offset = addr % self.psize if mapped and self.aligned else None
+        if not flags & _F_BIGDATA:
+            if _NODE.size + ksize + size > self.nodemax:
+                return False
+            return offset is None or offset + ksize + size <= self.psize
+        if offset is not None and offset + ksize + _PGNO.size > self.psize:
+            return False
+        (pgno,) = _PGNO.unpack(ctypes.string_at(addr + ksize, _PGNO.size))
+        start = pgno * self.psize
+        if pgno < 2:
+            return False
+        if not mapped and start >= end:
+            return True  # written by this transaction: in memory, its size is LMDB's own
+        return start + _PAGE_HEADER + size <= end
