@@ -231,6 +231,15 @@ class Backend(ABC):
         keys = list(keys)
         return self.transact(lambda txn: sum(txn.delete(k) for k in keys))
 
+    def check(self) -> tuple[str, ...]:
+        """Damage in the engine's own structures (what ``verify`` reports as ``engine``).
+
+        Empty for an intact engine, and for engines that have nothing to check
+        beyond their values (memory, Redis). LMDB reads its file without LMDB
+        (:mod:`kvstore.store.engines.lmdb_file`).
+        """
+        return ()
+
     def set_ttl(self, keys: Sequence[bytes], seconds: float) -> None:
         """Let ``keys`` expire after ``seconds``."""
         self.require("supports_ttl", "set_ttl")
@@ -466,10 +475,22 @@ class VerifyReport:
     dangling: tuple[builtins.bytes, ...] = ()
     totals_mismatch: tuple[str, ...] = ()
     repaired: bool = False
+    #: Damage in the storage engine's own structures (``Backend.check``): an LMDB
+    #: B-tree or free list; ``kvstore verify --fix`` rebuilds the file.
+    engine: tuple[str, ...] = ()
+    #: Damage in the settings record or its copy (repair rewrites both).
+    settings: tuple[str, ...] = ()
 
     @property
     def clean(self) -> bool:
-        return not (self.corrupt or self.orphans or self.dangling or self.totals_mismatch)
+        return not (
+            self.corrupt
+            or self.orphans
+            or self.dangling
+            or self.totals_mismatch
+            or self.engine
+            or self.settings
+        )
 
 
 #: ``encode(spans) -> records``: one bytes-like record per span, in order.

@@ -6,16 +6,27 @@ namespace totals that disagree with the blocks. Only ``--fix`` changes the
 store: it removes corrupt blocks and orphans with everything stored after
 them, removes dangling keys and rewrites the totals, in one transaction.
 Exit status 0 when the store is clean (after ``--fix``), 1 when problems remain.
+
+The scan runs in a child process: a damaged LMDB page that LMDB itself reads
+can still fault the process that reads it (the README's reliability notes),
+and a crash of the scan is then reported as damage, in one line with exit
+status 2, instead of killing the command.
 """
 
 from __future__ import annotations
 
 import argparse
+import signal
+import subprocess
+import sys
 
 from kvstore.abc.store import VerifyReport
 from kvstore.cli.options import add_json, command_parser
 from kvstore.cli.output import human_bytes, print_json, print_table
-from kvstore.store.maintenance.inventory import open_existing
+from kvstore.errors import CorruptEntryError
+from kvstore.store.maintenance.repair import verify_store
+
+__all__ = ["add_parser", "run"]
 
 EXIT_PROBLEMS = 1
 
@@ -25,12 +36,16 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--fix", action="store_true", help="remove corrupt blocks, orphans and dangling keys"
     )
+    # The child process the command runs the scan in (see the module docstring).
+    p.add_argument("--in-process", action="store_true", help=argparse.SUPPRESS)
     add_json(p)
     p.set_defaults(run=run)
 
 
 def _problems(report: VerifyReport) -> list[tuple[str, tuple[object, ...]]]:
     return [
+        ("engine", report.engine),
+        ("settings", report.settings),
         ("corrupt", report.corrupt),
         ("orphans", report.orphans),
         ("dangling", report.dangling),
@@ -39,14 +54,18 @@ def _problems(report: VerifyReport) -> list[tuple[str, tuple[object, ...]]]:
 
 
 def run(args: argparse.Namespace) -> int:
-    with open_existing(args.url, writable=args.fix, operation="verify") as store:
-        found = store.verify(repair=args.fix)
-        after = store.verify() if found.repaired else found
+    if not args.in_process:
+        return _run_child(args)
+    result = verify_store(args.url, repair=args.fix)
+    found, after = result.found, result.after
     status = 0 if after.clean else EXIT_PROBLEMS
     if args.json:
-        print_json({"store": store.url, "found": found, "after": after, "clean": after.clean})
+        print_json(
+            {"store": result.store, "found": found, "after": after, "clean": result.clean}
+            | ({"rebuilt": result.rebuilt} if result.rebuilt else {})
+        )
         return status
-    print(f"checked {found.blocks} records ({human_bytes(found.bytes)}) in {store.url}")
+    print(f"checked {found.blocks} records ({human_bytes(found.bytes)}) in {result.store}")
     rows = [
         [
             name,
@@ -62,6 +81,12 @@ def run(args: argparse.Namespace) -> int:
             f"are kept (this reader serves them as misses)."
         )
     count = sum(len(items) for _, items in _problems(found))
+    if result.rebuilt is not None:
+        r = result.rebuilt
+        print(
+            f"rebuilt the damaged file: kept {r.keys} keys ({human_bytes(r.bytes)}) that read "
+            f"intact; what the damage made unreadable is recomputed when next needed."
+        )
     if found.repaired:
         state = "the store is clean." if after.clean else "problems remain."
         print(f"fixed: removed or rewrote {count} problems; {state}")
@@ -70,6 +95,33 @@ def run(args: argparse.Namespace) -> int:
     else:
         print("clean.")
     return status
+
+
+def _run_child(args: argparse.Namespace) -> int:
+    """Run this command again with ``--in-process`` in a child; its crash is damage."""
+    argv = [sys.executable, "-m", "kvstore.cli"]
+    argv += ["--debug"] if getattr(args, "debug", False) else []
+    argv += ["verify", args.url, "--in-process"]
+    argv += ["--fix"] if args.fix else []
+    argv += ["--json"] if args.json else []
+    # Output is relayed through this process's streams (they may not be its fds).
+    child = subprocess.run(argv, capture_output=True, text=True)
+    sys.stdout.write(child.stdout)
+    sys.stderr.write(child.stderr)
+    code = child.returncode
+    if code >= 0:
+        return code
+    try:
+        name = signal.Signals(-code).name
+    except ValueError:
+        name = f"signal {-code}"
+    raise CorruptEntryError(
+        f"[verify] Reading {args.url} crashed the scan ({name}): its file is damaged where "
+        f"the storage engine itself reads it. Move the store aside and start a new one, or "
+        f"restore a backup (it is a cache: nothing in it is lost that cannot be recomputed).",
+        url=args.url,
+        signal=name,
+    )
 
 
 def _text(item: object) -> str:

@@ -1,0 +1,124 @@
+"""Rebuilding an LMDB store whose file is damaged: every intact key copied into a fresh
+file, swapped in whole (``kvstore verify --fix``, issue 18).
+
+A damaged B-tree or free list cannot be repaired through LMDB: its writes
+follow the damaged pointers and reuse the pages the free list wrongly names.
+So the keys are read with :func:`kvstore.store.engines.lmdb_file.salvage`
+(plain bounded reads of the file, no LMDB), written into a new environment
+beside the store, and the two directories are exchanged atomically
+(:func:`~kvstore.store.maintenance.migrate.swap.exchange_paths`). What the
+damage made unreadable is gone -- a cache recomputes it -- and the store-level
+repair (checksums, index, totals) runs on the rebuilt file next.
+
+Other processes must not have the store open: they would go on using the old
+file. The rebuild refuses while LMDB's reader table lists another process.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import lmdb
+
+from kvstore.errors import CapabilityError, StoreError
+from kvstore.store.engines.lmdb_file import salvage
+from kvstore.store.maintenance.migrate.swap import exchange_paths
+
+__all__ = ["Rebuilt", "rebuild_lmdb"]
+
+_BATCH_BYTES = 64 << 20
+
+
+@dataclass(frozen=True)
+class Rebuilt:
+    """What a rebuild copied: keys and bytes kept, and the file's size before."""
+
+    keys: int
+    bytes: int
+    old_file_bytes: int
+
+
+def _other_readers(env: lmdb.Environment) -> list[int]:
+    """Pids in the reader table other than this process (dead ones cleared first)."""
+    env.reader_check()
+    pids = set()
+    for line in env.readers().splitlines()[1:]:
+        fields = line.split()
+        if fields and fields[0].isdigit():
+            pids.add(int(fields[0]))
+    pids.discard(os.getpid())
+    return sorted(pids)
+
+
+def rebuild_lmdb(path: str | os.PathLike[str], *, url: str | None = None) -> Rebuilt:
+    """Replace the LMDB store at ``path`` by a fresh file holding every key that reads intact.
+
+    Raises:
+        StoreError: another process has the store open (the message lists them),
+            or the new file could not be written (nothing was swapped).
+    """
+    store = Path(path)
+    name = url or f"lmdb://{store}"
+    old_bytes = (store / "data.mdb").stat().st_size
+    env = lmdb.open(str(store), subdir=True, readonly=False, create=False, max_dbs=0, lock=True)
+    try:
+        others = _other_readers(env)
+        if others:
+            raise StoreError(
+                f"[verify] {name} is open in {len(others)} other process(es) (pids "
+                f"{', '.join(map(str, others))}); its damaged file can only be rebuilt while "
+                f"nothing else uses it. Stop them and run 'kvstore verify {name} --fix' again.",
+                url=name,
+                pids=others,
+            )
+        with env.begin(write=True):  # holds the writer lock: nothing commits meanwhile
+            fresh = store.with_name(f"{store.name}.rebuild-{os.getpid()}")
+            shutil.rmtree(fresh, ignore_errors=True)
+            try:
+                keys, nbytes = _copy_into(store, fresh, old_bytes)
+                _swap(store, fresh)
+            except BaseException:
+                shutil.rmtree(fresh, ignore_errors=True)
+                raise
+    finally:
+        env.close()
+    shutil.rmtree(fresh, ignore_errors=True)  # the old, damaged store now
+    return Rebuilt(keys, nbytes, old_bytes)
+
+
+def _copy_into(store: Path, fresh: Path, size_hint: int) -> tuple[int, int]:
+    fresh.mkdir()
+    out = lmdb.open(str(fresh), map_size=max(2 * size_hint, 16 << 20), max_dbs=0, subdir=True)
+    keys = nbytes = 0
+    try:
+        items = salvage(store)
+        done = False
+        while not done:
+            with out.begin(write=True) as txn:
+                batch = 0
+                for key, value in items:
+                    txn.put(key, value)
+                    keys, nbytes, batch = keys + 1, nbytes + len(value), batch + len(value)
+                    if batch >= _BATCH_BYTES:
+                        break
+                else:
+                    done = True
+        out.sync(True)
+    finally:
+        out.close()
+    return keys, nbytes
+
+
+def _swap(store: Path, fresh: Path) -> None:
+    """``fresh`` at ``store``'s path, the old store at ``fresh``'s."""
+    try:
+        exchange_paths(store, fresh)
+    except CapabilityError:
+        # No atomic exchange here: two renames (nothing else has the store open).
+        aside = fresh.with_name(fresh.name + ".old")
+        os.rename(store, aside)
+        os.rename(fresh, store)
+        os.rename(aside, fresh)

@@ -1,0 +1,58 @@
+"""``verify`` with every repair there is: the library call behind ``kvstore verify [--fix]``.
+
+The store's own :meth:`~kvstore.abc.store.PrefixStore.verify` finds damage in
+its records, index, totals and settings, and in the engine's structures
+(``Backend.check``), and repairs what a transaction can. A damaged LMDB file
+is repaired first, by rebuilding it (:mod:`kvstore.store.maintenance.rebuild`):
+its B-tree or free list cannot be trusted with a write.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, replace
+
+from kvstore.abc.store import VerifyReport
+from kvstore.store.engines.lmdb_file import check_file
+from kvstore.store.maintenance.inventory import lmdb_path, open_existing
+from kvstore.store.maintenance.rebuild import Rebuilt, rebuild_lmdb
+
+__all__ = ["Verified", "verify_store"]
+
+
+@dataclass(frozen=True)
+class Verified:
+    """What :func:`verify_store` found, and the store after its repairs."""
+
+    store: str
+    found: VerifyReport
+    after: VerifyReport
+    rebuilt: Rebuilt | None = None
+
+    @property
+    def clean(self) -> bool:
+        return self.after.clean
+
+
+def verify_store(url: str, *, repair: bool = False) -> Verified:
+    """Verify the store at ``url`` (which must exist); with ``repair``, fix what was found.
+
+    An LMDB file with structural damage is rebuilt before the store is opened
+    (its keys that read intact are kept), then the store-level repair runs.
+
+    Raises:
+        KVStoreError: the store cannot be opened or repaired (the message says why).
+    """
+    path = lmdb_path(url)
+    engine: tuple[str, ...] = ()
+    rebuilt = None
+    if path is not None and os.path.exists(os.path.join(path, "data.mdb")):
+        engine = tuple(check_file(path).problems)
+        if engine and repair:
+            rebuilt = rebuild_lmdb(path, url=url)
+    with open_existing(url, writable=repair, operation="verify") as store:
+        found = store.verify(repair=repair)
+        after = store.verify() if found.repaired else found
+    if engine:
+        found = replace(found, engine=engine, repaired=repair)
+    return Verified(store.url, found, after, rebuilt)
