@@ -23,16 +23,18 @@ from __future__ import annotations
 
 import math
 import re
+import struct
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, replace
 from typing import Any
 
 import msgpack
+import xxhash
 
 from kvstore import __version__
 from kvstore.abc.store import StoreSettings
-from kvstore.errors import FormatVersionError, StoreConfigError
+from kvstore.errors import CorruptEntryError, FormatVersionError, StoreConfigError
 from kvstore.signature import parse_signature
 
 __all__ = [
@@ -52,10 +54,14 @@ __all__ = [
     "resolve_settings",
     "encode_meta",
     "decode_meta",
+    "damaged_meta",
 ]
 
-#: Version of the meta record (and of the ``kvstore/v1`` layout it describes).
-META_FORMAT = 1
+#: Version of the meta record (the ``kvstore/v1`` layout it describes is unchanged).
+#:
+#: .. versionchanged:: 0.1 meta format 2 frames the record with a checksum (issue 18);
+#:    format 1 (a bare msgpack map) is still read.
+META_FORMAT = 2
 _LOSSY_KINDS = ("kv:quant", "kv:turboquant")
 
 
@@ -203,10 +209,20 @@ def resolve_settings(
     return replace(stored, **changed), bool(changed)
 
 
+# Meta record format 2 (framed like a record, kvstore.codecs.record): the checksum
+# covers the version, so a flipped bit is damage, never "newer". Format 1 was the
+# bare msgpack map that is now the body; it is still read.
+_META_MAGIC = b"KVSM"
+_META_PREFIX = struct.Struct("<4sHHIQ")
+_META_FIXED = 12  # magic, version, flags, body length: what the checksum covers with the body
+_META_BODY_BYTES = 1 << 20
+
+
 def encode_meta(settings: StoreSettings, created: float | None = None) -> bytes:
+    """The meta record of ``settings`` (format 2: framed and checksummed)."""
     body = asdict(settings)
     body["namespace_budgets"] = dict(settings.namespace_budgets)
-    return msgpack.packb(
+    packed = msgpack.packb(
         {
             "format": META_FORMAT,
             "writer": f"kvstore {__version__}",
@@ -214,51 +230,98 @@ def encode_meta(settings: StoreSettings, created: float | None = None) -> bytes:
             "settings": body,
         }
     )
+    fixed = _META_PREFIX.pack(_META_MAGIC, META_FORMAT, 0, len(packed), 0)[:_META_FIXED]
+    checksum = xxhash.xxh3_64_intdigest(fixed + packed)
+    return _META_PREFIX.pack(_META_MAGIC, META_FORMAT, 0, len(packed), checksum) + packed
 
 
 _META_FIELDS = {"format", "writer", "created", "settings"}
 
 
+def damaged_meta(url: str, problem: str) -> CorruptEntryError:
+    """The error for a damaged settings record: it names the one command that repairs it."""
+    return CorruptEntryError(
+        f"[open_store] The settings record of {url} (kvstore/v1/__meta__) is damaged: "
+        f"{problem}. Run 'kvstore verify {url} --fix' to repair it.",
+        url=url,
+        problem=problem,
+    )
+
+
 def decode_meta(raw: bytes | memoryview, url: str) -> tuple[StoreSettings, float]:
-    """The settings and creation time in a meta record.
+    """The settings and creation time in a meta record (format 2, or format 1's bare map).
 
     Raises:
-        FormatVersionError: written by a newer kvstore.
-        StoreConfigError: not a meta record this reader understands.
+        FormatVersionError: an intact record written by a newer kvstore.
+        CorruptEntryError: a damaged record (checksum, framing, fields or values);
+            the message says to run ``kvstore verify --fix``.
     """
+    data = bytes(raw)
+    if data[:4] == _META_MAGIC:
+        meta = _framed_body(data, url)
+    else:
+        # Format 1 had no checksum: whatever does not parse as exactly its fields is
+        # damage (every later writer frames its record).
+        meta = _unpack(data, url)
+        if meta.get("format") != 1:
+            raise damaged_meta(url, f"an unframed record of format {meta.get('format')!r}")
+    unknown = set(meta) - _META_FIELDS
+    settings = meta.get("settings")
+    if not isinstance(settings, dict):
+        raise damaged_meta(url, "no settings map")
+    unknown |= set(settings) - set(StoreSettings.__dataclass_fields__)
+    if unknown:
+        names = ", ".join(sorted(map(str, unknown)))[:200]
+        raise damaged_meta(url, f"fields this kvstore never wrote ({names})")
     try:
-        meta = msgpack.unpackb(bytes(raw), max_str_len=1 << 16, max_map_len=1 << 12)
-    except Exception as exc:  # noqa: BLE001 - any decoding failure means "not ours"
-        raise StoreConfigError(
-            f"[open_store] {url} has a meta record that is not msgpack; it is not a kvstore "
-            f"store (or it is damaged).",
-            url=url,
-        ) from exc
-    if not isinstance(meta, dict) or not isinstance(meta.get("format"), int):
-        raise StoreConfigError(f"[open_store] {url} has a malformed meta record.", url=url)
-    if meta["format"] > META_FORMAT:
+        parsed = StoreSettings(**settings)
+        for name, parse in SETTING_PARSERS.items():
+            parse(getattr(parsed, name))
+        budgets = parsed.namespace_budgets
+        if not isinstance(budgets, dict) or not all(
+            isinstance(k, str) and parse_byte_size(v, "namespace budget")
+            for k, v in budgets.items()
+        ):
+            raise TypeError(f"namespace_budgets {str(budgets)[:80]}")
+        created = float(meta.get("created", 0.0))
+    except (TypeError, ValueError, StoreConfigError) as exc:
+        raise damaged_meta(url, f"invalid settings ({exc})") from exc
+    return parsed, created
+
+
+def _framed_body(data: bytes, url: str) -> dict[str, Any]:
+    if len(data) < _META_PREFIX.size:
+        raise damaged_meta(url, f"{len(data)} bytes, shorter than its header")
+    _, version, flags, length, checksum = _META_PREFIX.unpack_from(data)
+    if len(data) != _META_PREFIX.size + length:
+        raise damaged_meta(url, f"{len(data)} bytes where its header says {length + 20}")
+    computed = xxhash.xxh3_64_intdigest(
+        data[:_META_FIXED] + data[_META_PREFIX.size : _META_PREFIX.size + length]
+    )
+    if computed != checksum:
+        raise damaged_meta(
+            url, f"checksum mismatch (stored {checksum:#018x}, computed {computed:#018x})"
+        )
+    if version > META_FORMAT:
         raise FormatVersionError(
-            f"[open_store] {url} is store format {meta['format']}, newer than this reader "
+            f"[open_store] {url} is store format {version}, newer than this reader "
             f"(reads 1-{META_FORMAT}). Upgrade kvstore.",
-            found=meta["format"],
+            found=version,
             supported=tuple(range(1, META_FORMAT + 1)),
         )
-    unknown = set(meta) - _META_FIELDS | set(meta.get("settings", {})) - set(
-        StoreSettings.__dataclass_fields__
-    )
-    if unknown:
-        raise StoreConfigError(
-            f"[open_store] {url} has meta fields this reader does not know: "
-            f"{', '.join(sorted(map(str, unknown)))}. Upgrade kvstore.",
-            url=url,
-            found=sorted(map(str, unknown)),
-        )
+    if version != META_FORMAT or flags or length > _META_BODY_BYTES:
+        raise damaged_meta(url, f"format {version}, flags {flags:#x}")
+    meta = _unpack(data[_META_PREFIX.size :], url)
+    if meta.get("format") != version:
+        raise damaged_meta(url, f"body format {meta.get('format')!r} in a format {version} frame")
+    return meta
+
+
+def _unpack(data: bytes, url: str) -> dict[str, Any]:
     try:
-        settings = StoreSettings(**meta["settings"])
-        for name, parse in SETTING_PARSERS.items():
-            parse(getattr(settings, name))
-    except (TypeError, StoreConfigError) as exc:
-        raise StoreConfigError(
-            f"[open_store] {url} has invalid settings in its meta record: {exc}", url=url
-        ) from exc
-    return settings, float(meta.get("created", 0.0))
+        meta = msgpack.unpackb(data, max_str_len=1 << 16, max_map_len=1 << 12, max_ext_len=0)
+    except Exception as exc:  # noqa: BLE001 - any decoding failure is damage here
+        raise damaged_meta(url, f"not msgpack ({type(exc).__name__})") from exc
+    if not isinstance(meta, dict):
+        raise damaged_meta(url, f"a {type(meta).__name__}, not a map")
+    return meta
