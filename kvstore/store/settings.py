@@ -15,8 +15,9 @@ namespace_budgets      {}          with ``store.set_budget(..., namespace=)``
 =====================  ==========  ========================================
 
 ``storage_policy`` is ``"lossless"`` (each layer in its own family's
-encoding) or the signature plain layers are stored as (``"kv:quant:8:64"``,
-``"kv:quant:4:64"``, ``"kv:turboquant:3:3"``...).
+encoding) or the signature plain layers are stored as, of a family that
+declares ``storage_policy=True`` (``"kv:quant:8:64"``, ``"kv:quant:4:64"``,
+``"kv:turboquant:3:3"``, ``"kv:mxfp4"``...).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ import xxhash
 from kvstore import __version__
 from kvstore.abc.store import StoreSettings
 from kvstore.errors import CorruptEntryError, FormatVersionError, StoreConfigError
+from kvstore.family import families
 from kvstore.signature import parse_signature
 
 __all__ = [
@@ -62,7 +64,6 @@ __all__ = [
 #: .. versionchanged:: 0.1 meta format 2 frames the record with a checksum (issue 18);
 #:    format 1 (a bare msgpack map) is still read.
 META_FORMAT = 2
-_LOSSY_KINDS = ("kv:quant", "kv:turboquant")
 
 
 FIXED_SETTINGS = ("block_size", "storage_policy")
@@ -103,11 +104,10 @@ def parse_storage_policy(value: object) -> str:
         raise _config_error(
             "storage_policy", "'lossless' or a lossy signature such as 'kv:quant:8:64'", value
         ) from exc
-    if sig.kind not in _LOSSY_KINDS:
+    if not sig.family.storage_policy:
+        kinds = [f.kind for f in families() if f.storage_policy]
         raise _config_error(
-            "storage_policy",
-            f"'lossless' or a signature of kind {' or '.join(_LOSSY_KINDS)}",
-            value,
+            "storage_policy", f"'lossless' or a signature of kind {' or '.join(kinds)}", value
         )
     return str(sig)
 
