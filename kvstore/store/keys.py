@@ -13,7 +13,8 @@ vectors in ``tests/test_store/test_keys.py`` pin this down.
 
 Layout (``<ns>`` a namespace, ``<h>`` a digest in hex)::
 
-    kvstore/v1/__meta__                    store settings (msgpack)
+    kvstore/v1/__meta__                    store settings (:mod:`kvstore.store.settings`)
+    kvstore/v1/!meta                       their copy, sorted first: another B-tree page
     kvstore/v1/__ns__/<ns>                 namespace totals: blocks, bytes
     kvstore/v1/<ns>/<h>                    the block's record (opaque bytes)
     kvstore/v1/<ns>/.c/<parent h>/<order>  index entry of a full child block
@@ -47,6 +48,8 @@ __all__ = [
     "MAX_TOKEN",
     "ORDER_TOKENS",
     "META_KEY",
+    "META_COPY_KEY",
+    "META_KEYS",
     "NS_TOTALS_DIR",
     "as_tokens",
     "parse_namespace",
@@ -67,6 +70,10 @@ __all__ = [
 
 SCHEMA = b"kvstore/v1/"
 META_KEY = SCHEMA + b"__meta__"
+#: The settings record's copy. ``!`` sorts before every namespace (and ``__meta__``
+#: after digits), so in LMDB the two lie on different pages of any but a tiny store.
+META_COPY_KEY = SCHEMA + b"!meta"
+META_KEYS = (META_KEY, META_COPY_KEY)
 NS_TOTALS_DIR = SCHEMA + b"__ns__/"
 DIGEST_SIZE = 32
 ROOT = bytes(DIGEST_SIZE)

@@ -65,7 +65,7 @@ def raw_items(path: Path) -> dict[bytes, bytes]:
 
 def content(path: Path) -> dict[bytes, bytes]:
     """:func:`raw_items` without the meta record (it carries its creation time)."""
-    return {k: v for k, v in raw_items(path).items() if k != K.META_KEY}
+    return {k: v for k, v in raw_items(path).items() if k not in K.META_KEYS}
 
 
 def kvstore_cli(*args: str, check: bool = False, **kw) -> subprocess.CompletedProcess:

@@ -349,8 +349,8 @@ def test_in_place_refuses_to_swap_a_store_written_meanwhile(make_store, tmp_path
     with pytest.raises(StoreError, match="was written to during the migration"):
         migrate(str(src), to=Q8, in_place=True, progress=progress)
     after = raw_items(src)
-    assert {k: v for k, v in after.items() if k != K.META_KEY} == content(src)
-    assert content(src) == {k: v for k, v in before.items() if k != K.META_KEY}  # not swapped
+    assert {k: v for k, v in after.items() if k not in K.META_KEYS} == content(src)
+    assert content(src) == {k: v for k, v in before.items() if k not in K.META_KEYS}  # not swapped
     copy_dir = tmp_path / (src.name + IN_PLACE_SUFFIX)
     assert journal_blocks(copy_dir) == len(records(src))  # the copy is there, resumable
     report = migrate(str(src), to=Q8, in_place=True)  # idle now: it resumes and swaps
@@ -365,7 +365,7 @@ def test_migrate_between_other_backends(make_store):
         open_store("memory://mig-src", block_size=16) as mem,
     ):
         items = list(lmdb_store.backend.scan(b"kvstore/v1/"))
-        mem.backend.put_many([(k, v) for k, v in items if k != K.META_KEY])
+        mem.backend.put_many([(k, v) for k, v in items if k not in K.META_KEYS])
         report = migrate("memory://mig-src", "memory://mig-dst", to=Q8)
         assert report.blocks == len(records(src))
         with open_store("memory://mig-dst") as dst:

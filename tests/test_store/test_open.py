@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import struct
+
 import msgpack
 import pytest
+import xxhash
 
 from kvstore.errors import (
     CapabilityError,
+    CorruptEntryError,
     FormatVersionError,
     ReadOnlyStoreError,
     StoreConfigError,
@@ -14,7 +18,7 @@ from kvstore.errors import (
 from kvstore.store import keys as K
 from kvstore.store import open_backend, open_store
 from kvstore.store.settings import StoreSettings, parse_byte_size
-from kvstore.testing.store import encoder_for
+from kvstore.testing.store import encoder_for, verify_record
 
 
 def test_url_forms(tmp_path, monkeypatch):
@@ -112,19 +116,90 @@ def test_settings_precedence_and_conflicts(tmp_path):
         assert store.settings.max_bytes == 2 << 30
 
 
-def test_meta_from_a_newer_or_unknown_writer(tmp_path):
+def _framed(body: dict, version: int = 2) -> bytes:
+    packed = msgpack.packb({**body, "format": version})
+    fixed = struct.pack("<4sHHI", b"KVSM", version, 0, len(packed))
+    return fixed + struct.pack("<Q", xxhash.xxh3_64_intdigest(fixed + packed)) + packed
+
+
+def _body(url):
+    raw = open_backend(url)
+    try:
+        record = raw.get_many([K.META_KEY])[0]
+    finally:
+        raw.close()
+    return msgpack.unpackb(record[20:])
+
+
+def test_meta_from_a_newer_writer_is_a_format_error(tmp_path):
     url = f"lmdb://{tmp_path}/s"
     open_store(url).close()
+    body = _body(url)
     raw = open_backend(url)
-    meta = msgpack.unpackb(raw.get_many([K.META_KEY])[0])
-    raw.put_many([(K.META_KEY, msgpack.packb({**meta, "format": 2}))])
+    raw.put_many([(key, _framed(body, version=3)) for key in K.META_KEYS])
+    raw.close()
     with pytest.raises(FormatVersionError, match="newer than this reader") as info:
         open_store(url)
-    assert info.value.found == 2
-    raw.put_many([(K.META_KEY, msgpack.packb({**meta, "settings": {"colour": 1}}))])
-    with pytest.raises(StoreConfigError, match="does not know: colour"):
-        open_store(url)
+    assert info.value.found == 3
+
+
+def test_a_format_1_meta_record_still_opens_and_is_upgraded(tmp_path):
+    url = f"lmdb://{tmp_path}/s"
+    open_store(url, block_size=16).close()
+    legacy = msgpack.packb({**_body(url), "format": 1})
+    raw = open_backend(url)
+    raw.delete_many([K.META_COPY_KEY])
+    raw.put_many([(K.META_KEY, legacy)])
     raw.close()
+    with open_store(url, readonly=True) as store:  # read as it is
+        assert store.settings.block_size == 16
+        assert any("format 1" in p for p in store.verify().settings)
+    with open_store(url) as store:  # a writable open rewrites both copies, checksummed
+        assert store.settings.block_size == 16 and not store.verify().settings
+    raw = open_backend(url)
+    assert raw.get_many(list(K.META_KEYS)) == [raw.get_many([K.META_KEY])[0]] * 2
+    assert raw.get_many([K.META_KEY])[0][:4] == b"KVSM"
+    raw.close()
+
+
+@pytest.mark.parametrize(
+    "damage",
+    ["unknown field", "flipped version", "flipped byte", "not msgpack", "truncated"],
+)
+def test_a_damaged_meta_record_says_run_verify_fix_not_upgrade(tmp_path, damage):
+    url = f"lmdb://{tmp_path}/s"
+    with open_store(url, block_size=16, verify=verify_record) as store:
+        store.put_blocks("ns", list(range(40)), encoder_for(list(range(40))))
+    body = _body(url)
+    good = _framed(body)
+    bad = {
+        "unknown field": msgpack.packb({**body, "format": 1, "settings": {"colour": 1}}),
+        "flipped version": good[:4] + bytes([good[4] ^ 1]) + good[5:],
+        "flipped byte": good[:30] + bytes([good[30] ^ 8]) + good[31:],
+        "not msgpack": b"\xc1\xc1\xc1",
+        "truncated": good[:-3],
+    }[damage]
+    raw = open_backend(url)
+    raw.put_many([(K.META_KEY, bad)])
+    raw.close()
+    with open_store(url, readonly=True, verify=verify_record) as store:  # the copy serves
+        assert store.settings.block_size == 16
+        assert store.verify().settings and not store.verify().clean
+    raw = open_backend(url)
+    raw.put_many([(K.META_COPY_KEY, bad)])  # now both copies are damaged
+    raw.close()
+    for options in ({}, {"readonly": True}):
+        with pytest.raises(CorruptEntryError) as info:
+            open_store(url, **options)
+        message = str(info.value)
+        assert "is damaged" in message and f"kvstore verify {url} --fix" in message
+        assert "Upgrade" not in message
+    with open_store(url, recover=True, verify=verify_record) as store:  # as verify --fix does
+        report = store.verify(repair=True)
+        assert report.settings and store.settings.block_size == 16  # rebuilt from the blocks
+    with open_store(url, verify=verify_record) as store:
+        assert store.settings.block_size == 16 and store.verify().clean
+        assert store.lookup("ns", list(range(40))).tokens == 39
 
 
 def test_read_only(tmp_path):

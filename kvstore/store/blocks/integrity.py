@@ -34,7 +34,7 @@ class Survey:
     def run(self, view: ReadView, verify: RecordVerifier) -> None:
         self.totals = all_totals(view)
         for key, value in view.scan(K.SCHEMA):
-            if key == K.META_KEY or key.startswith(K.NS_TOTALS_DIR):
+            if key in K.META_KEYS or key.startswith(K.NS_TOTALS_DIR):
                 continue
             parts = K.split_record_key(key)
             if parts is not None:

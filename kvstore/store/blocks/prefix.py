@@ -72,6 +72,7 @@ from kvstore.store.kv import CacheMethods
 from kvstore.store.settings import (
     SETTING_PARSERS,
     StoreSettings,
+    parse_bool,
     parse_byte_size,
     parse_fraction,
     parse_seconds,
@@ -99,6 +100,7 @@ STORE_OPTIONS: dict[str, Callable[[Any], Any]] = {
     "touch_interval": lambda v: parse_seconds(v, "touch_interval"),
     "clock": _parse_callable("clock"),
     "low_water": lambda v: parse_fraction(v, "low_water"),
+    "recover": lambda v: parse_bool(v, "recover"),
 }
 
 _SAVE_ATTEMPTS = 8
@@ -133,6 +135,10 @@ class BlockPrefixStore(CacheMethods, PrefixStore):
             (``0``: only when the store writes anyway, or on :meth:`flush`).
         clock: the time source for recency (seconds; tests pass a counter).
         low_water: a save over budget evicts down to this fraction of it.
+        recover: open a store whose settings record is damaged (both copies) with
+            settings rebuilt from its blocks, for :meth:`verify` to report and repair
+            (``kvstore verify`` does); otherwise such a store refuses to open and
+            says to run ``kvstore verify --fix``.
         **settings: store settings (:class:`~kvstore.store.settings.StoreSettings`).
     """
 
@@ -146,6 +152,7 @@ class BlockPrefixStore(CacheMethods, PrefixStore):
         touch_interval: float = 1.0,
         clock: Callable[[], float] | None = None,
         low_water: float = 0.9,
+        recover: bool = False,
         **settings: Any,
     ) -> None:
         super().__init__(backend)
@@ -163,7 +170,7 @@ class BlockPrefixStore(CacheMethods, PrefixStore):
         self._counters = Counters()
         self._quarantine: set[bytes] = set()
         try:
-            self._settings = meta.open_settings(backend, settings)
+            self._settings = meta.open_settings(backend, settings, recover=recover)
         except BaseException:
             backend.close()
             raise
@@ -191,7 +198,7 @@ class BlockPrefixStore(CacheMethods, PrefixStore):
 
         with self._meta_lock:
             self._settings = self._backend.transact(
-                lambda txn: meta.write_budget(txn, self.url, value, namespace)
+                lambda txn: meta.write_budget(txn, self.url, value, namespace, self._settings)
             )
 
     # ------------------------------------------------------------------ lookup
@@ -588,10 +595,18 @@ class BlockPrefixStore(CacheMethods, PrefixStore):
         found = Survey()
         with self._backend.reader() as view:
             found.run(view, self._verify)
-        report = found.report(repaired=False)
+            settings = meta.settings_problems(view, self.url)
+        report = replace(
+            found.report(repaired=False), settings=settings, engine=self._backend.check()
+        )
         if repair and not report.clean:
             self._check_writable("verify")
-            self._backend.transact(found.repair)
+
+            def fix(txn: WriteView) -> None:
+                found.repair(txn)
+                meta.repair_settings(txn, self.url, self._settings)
+
+            self._backend.transact(fix)
             self._counters.add(corruptions=len(report.corrupt))
             report = replace(report, repaired=True)
         return report
