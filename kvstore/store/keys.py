@@ -62,6 +62,7 @@ __all__ = [
     "children_dir",
     "tails_dir",
     "child_key",
+    "split_child_key",
     "order_prefix",
     "use_key",
     "totals_key",
@@ -225,6 +226,19 @@ def child_key(
     """The index key of a block under its parent (``.c`` for full blocks, ``.t`` for tails)."""
     base = children_dir if full else tails_dir
     return base(namespace, parent) + order_prefix(tokens, pad=True) + digest[:_ORDER_DIGEST]
+
+
+def split_child_key(key: bytes) -> tuple[bytes, bool, bytes, bytes, bytes] | None:
+    """``(namespace, full, parent digest hex, order bytes, digest prefix)`` of an index
+    key (:func:`child_key`), or ``None`` if ``key`` is not one."""
+    if not key.startswith(SCHEMA):
+        return None
+    ns, _, rest = key[len(SCHEMA) :].partition(b"/")
+    kind, _, rest = rest.partition(b"/")
+    parent, sep, order = rest.partition(b"/")
+    if kind not in (b".c", b".t") or not sep or len(order) <= _ORDER_DIGEST:
+        return None
+    return ns, kind == b".c", parent, order[:-_ORDER_DIGEST], order[-_ORDER_DIGEST:]
 
 
 def use_key(namespace: bytes, digest: bytes) -> bytes:

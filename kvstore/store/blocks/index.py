@@ -21,13 +21,14 @@ import numpy as np
 
 from kvstore.abc.store import Buffer, ReadView
 from kvstore.errors import CorruptEntryError, FormatVersionError
-from kvstore.store.keys import ORDER_TOKENS, order_prefix
+from kvstore.store.keys import ORDER_TOKENS, block_digest, order_prefix, split_child_key
 
 __all__ = [
     "IndexEntry",
     "encode_entry",
     "decode_entry",
     "iter_entries",
+    "entry_matches_key",
     "encode_use",
     "decode_use",
     "common_prefix",
@@ -124,9 +125,35 @@ def iter_entries(
     (``verify()`` reports them), so one damaged entry never fails a lookup or a save."""
     for key, value in view.scan(prefix, start=start, reverse=reverse):
         try:
-            yield key, decode_entry(value, with_tokens=with_tokens)
+            entry = decode_entry(value, with_tokens=with_tokens)
         except (CorruptEntryError, FormatVersionError):
             continue
+        if entry_matches_key(key, entry):
+            yield key, entry
+
+
+def entry_matches_key(key: bytes, entry: IndexEntry) -> bool:
+    """Whether ``entry`` is the one its key names (issue 18: entries carry no checksum).
+
+    The key holds the parent's digest, the order prefix of the tokens and the
+    first bytes of the block's digest; the digest is the hash of parent,
+    namespace and tokens. So a damaged entry (a flipped token could make a
+    lookup serve rows for tokens they were not computed from) fails here and is
+    skipped like one that does not decode; ``verify`` removes it.
+    """
+    parts = split_child_key(key)
+    if parts is None:
+        return False
+    ns, full, parent_hex, order, digest = parts
+    if full != entry.full or parent_hex != entry.parent.hex().encode():
+        return False
+    if not entry.digest.startswith(digest):
+        return False
+    if entry.tokens is None:
+        return True
+    if order != order_prefix(entry.tokens, pad=True):
+        return False
+    return block_digest(entry.parent, ns, entry.tokens.data) == entry.digest
 
 
 def encode_use(last_use: float, index_key: bytes) -> bytes:

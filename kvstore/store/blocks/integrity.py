@@ -9,10 +9,12 @@ that are none of these) and namespace totals that disagree with the blocks.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from kvstore.abc.store import ReadView, RecordVerifier, VerifyReport, WriteView
 from kvstore.errors import CorruptEntryError, FormatVersionError
 from kvstore.store import keys as K
-from kvstore.store.blocks.index import IndexEntry, decode_entry, iter_entries
+from kvstore.store.blocks.index import IndexEntry, decode_entry, entry_matches_key, iter_entries
 from kvstore.store.blocks.removal import delete_subtree
 from kvstore.store.blocks.stats import add_totals, all_totals
 
@@ -49,11 +51,14 @@ class Survey:
             ns, _, rest = key[len(K.SCHEMA) :].partition(b"/")
             if rest.startswith((b".c/", b".t/")):
                 try:
-                    entry = decode_entry(value, with_tokens=False)
+                    entry = decode_entry(value)
                 except (CorruptEntryError, FormatVersionError):
                     self.bad_entries.append(key)
                     continue
-                self.entries[K.record_key(ns, entry.digest)] = (key, entry)
+                if not entry_matches_key(key, entry):  # damaged: not the block its key names
+                    self.bad_entries.append(key)
+                    continue
+                self.entries[K.record_key(ns, entry.digest)] = (key, replace(entry, tokens=None))
             elif rest.startswith(b".u/"):
                 self.uses.append((key, K.SCHEMA + ns + b"/" + rest[3:]))
             else:

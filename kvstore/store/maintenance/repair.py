@@ -50,7 +50,7 @@ def verify_store(url: str, *, repair: bool = False) -> Verified:
         engine = tuple(check_file(path).problems)
         if engine and repair:
             rebuilt = rebuild_lmdb(path, url=url)
-    with open_existing(url, writable=repair, operation="verify") as store:
+    with open_existing(url, writable=repair, operation="verify", recover=True) as store:
         found = store.verify(repair=repair)
         after = store.verify() if found.repaired else found
     if engine:
