@@ -16,7 +16,7 @@ from kvstore.errors import CorruptEntryError, FormatVersionError
 from kvstore.store import keys as K
 from kvstore.store.blocks.index import IndexEntry, decode_entry, entry_matches_key, iter_entries
 from kvstore.store.blocks.removal import delete_subtree
-from kvstore.store.blocks.stats import add_totals, all_totals
+from kvstore.store.blocks.stats import add_totals, stored_totals
 
 __all__ = ["Survey"]
 
@@ -31,10 +31,10 @@ class Survey:
         self.uses: list[tuple[bytes, bytes]] = []  # (use key, record key)
         self.corrupt: list[bytes] = []
         self.newer: list[bytes] = []
-        self.totals: dict[bytes, tuple[int, int]] = {}
+        self.totals: dict[bytes, tuple[int, int] | None] = {}
 
     def run(self, view: ReadView, verify: RecordVerifier) -> None:
-        self.totals = all_totals(view)
+        self.totals = stored_totals(view)
         for key, value in view.scan(K.SCHEMA):
             if key in K.META_KEYS or key.startswith(K.NS_TOTALS_DIR):
                 continue
@@ -89,7 +89,9 @@ class Survey:
         mismatch = []
         for ns in sorted(set(self.totals) | set(counted)):
             stored, found = self.totals.get(ns, (0, 0)), counted.get(ns, (0, 0))
-            if stored != found:
+            if stored is None:
+                mismatch.append(f"{ns.decode()}: stored totals damaged, counted {found}")
+            elif stored != found:
                 mismatch.append(f"{ns.decode()}: stored {stored}, counted {found}")
         return sorted(orphans), sorted(dangling), mismatch, sorted({*self.corrupt, *orphans})
 

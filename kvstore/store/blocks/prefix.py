@@ -67,7 +67,7 @@ from kvstore.store.blocks.housekeeping import Housekeeper, Pending, apply_pendin
 from kvstore.store.blocks.index import best_child, iter_entries
 from kvstore.store.blocks.integrity import Survey
 from kvstore.store.blocks.removal import delete_extending
-from kvstore.store.blocks.stats import Counters, all_totals
+from kvstore.store.blocks.stats import Counters, all_totals, take_repairs
 from kvstore.store.kv import CacheMethods
 from kvstore.store.settings import (
     SETTING_PARSERS,
@@ -496,8 +496,17 @@ class BlockPrefixStore(CacheMethods, PrefixStore):
     # ------------------------------------------------------------------ housekeeping
 
     def _write_pending(self, pending: Pending) -> None:
-        self._backend.transact(lambda txn: apply_pending(txn, pending))
+        self._transact(lambda txn: apply_pending(txn, pending))
         self._forget_quarantined(pending)
+
+    def _transact(self, fn: Callable[[WriteView], Any], size_hint: int = 0) -> Any:
+        """``backend.transact``, counting the namespace totals it found damaged and
+        rewrote from the blocks (:func:`~kvstore.store.blocks.stats.add_totals`) as
+        corruptions."""
+        take_repairs()  # a failed attempt's repairs were rolled back with it
+        result = self._backend.transact(fn, size_hint=size_hint)
+        self._counters.add(corruptions=take_repairs())
+        return result
 
     def _write_with_pending(
         self, fn: Callable[[WriteView, Pending], Any], size_hint: int = 0
@@ -506,7 +515,7 @@ class BlockPrefixStore(CacheMethods, PrefixStore):
         batched touches and removals into it (they go back to the buffer on failure)."""
         pending = self._house.take() if self._house is not None else Pending()
         try:
-            result = self._backend.transact(lambda txn: fn(txn, pending), size_hint=size_hint)
+            result = self._transact(lambda txn: fn(txn, pending), size_hint=size_hint)
         except BaseException:
             self._give_back(pending)
             raise
@@ -606,8 +615,7 @@ class BlockPrefixStore(CacheMethods, PrefixStore):
                 found.repair(txn)
                 meta.repair_settings(txn, self.url, self._settings)
 
-            self._backend.transact(fix)
+            self._transact(fix)
             self._counters.add(corruptions=len(report.corrupt))
             report = replace(report, repaired=True)
         return report
-

@@ -3,6 +3,10 @@
 Totals (blocks and bytes per namespace) are stored under
 ``kvstore/v1/__ns__/<ns>`` and changed in the same transaction as the blocks
 they count, so they are exact across processes and cost no scan on open.
+Each value carries a checksum; totals that are damaged, or that a removal
+would take below zero, are counted again from the index (and the repair
+counted as a corruption), so bookkeeping that disagrees with the blocks never
+fails a write.
 Activity counters (hits, misses by reason, evictions, corruptions) belong to
 the open store and are not persisted: persisting them would put a write on
 the read path.
@@ -15,39 +19,109 @@ import threading
 from collections import Counter
 from typing import Any
 
-from kvstore.abc.store import ReadView, WriteView
+import xxhash
+
+from kvstore.abc.store import Buffer, ReadView, WriteView
 from kvstore.store import keys as K
+from kvstore.store.blocks.index import iter_entries
 
-__all__ = ["Counters", "read_totals", "add_totals", "all_totals"]
+__all__ = [
+    "Counters",
+    "read_totals",
+    "add_totals",
+    "all_totals",
+    "stored_totals",
+    "count_totals",
+    "take_repairs",
+]
 
+# A totals value: blocks, bytes and an xxh3-64 of those 16 bytes (issue 18: one flipped
+# bit in an unchecked count made budgets evict everything, or removals assert). Values
+# of 16 bytes, without the checksum, are read too; the next change rewrites them.
 _TOTALS = struct.Struct("<QQ")
+_CHECKED = struct.Struct("<QQQ")
+# Totals this thread found damaged and rewrote from the blocks (take_repairs() reads it).
+_repairs = threading.local()
+
+
+def _decode(raw: Buffer) -> tuple[int, int] | None:
+    """``(blocks, bytes)`` of a stored value, or ``None`` if it is damaged."""
+    if len(raw) == _CHECKED.size:
+        blocks, nbytes, check = _CHECKED.unpack(raw)
+        intact = xxhash.xxh3_64_intdigest(bytes(raw[: _TOTALS.size])) == check
+        return (blocks, nbytes) if intact else None
+    if len(raw) == _TOTALS.size:
+        return _TOTALS.unpack(raw)
+    return None
+
+
+def _encode(blocks: int, nbytes: int) -> bytes:
+    head = _TOTALS.pack(blocks, nbytes)
+    return head + struct.pack("<Q", xxhash.xxh3_64_intdigest(head))
+
+
+def count_totals(view: ReadView, namespace: bytes) -> tuple[int, int]:
+    """``(blocks, bytes)`` of ``namespace`` counted from its index entries (a scan)."""
+    blocks = nbytes = 0
+    for sub in (b".c/", b".t/"):
+        for _, entry in iter_entries(view, K.namespace_dir(namespace) + sub, with_tokens=False):
+            blocks += 1
+            nbytes += entry.nbytes
+    return blocks, nbytes
 
 
 def read_totals(view: ReadView, namespace: bytes) -> tuple[int, int]:
-    """``(blocks, bytes)`` stored in ``namespace``."""
+    """``(blocks, bytes)`` stored in ``namespace`` (counted from the blocks where the
+    stored value is damaged)."""
     raw = view.get(K.totals_key(namespace))
-    return (0, 0) if raw is None else _TOTALS.unpack(raw)
+    if raw is None:
+        return (0, 0)
+    found = _decode(raw)
+    return count_totals(view, namespace) if found is None else found
 
 
 def add_totals(txn: WriteView, namespace: bytes, blocks: int, nbytes: int) -> None:
+    """Add to ``namespace``'s totals, in the transaction that changed its blocks.
+
+    Totals that are damaged or that the change would take below zero disagree
+    with the blocks: they are counted again from the index instead (which, in
+    this transaction, already holds the change), and the repair is counted
+    (:func:`take_repairs`). Never an assertion: a removal must go through.
+    """
     if not (blocks or nbytes):
         return
-    old_blocks, old_bytes = read_totals(txn, namespace)
-    new = (old_blocks + blocks, old_bytes + nbytes)
-    if new[0] < 0 or new[1] < 0:
-        raise AssertionError(f"namespace totals went negative: {new}")
+    raw = txn.get(K.totals_key(namespace))
+    old = (0, 0) if raw is None else _decode(raw)
+    new = None if old is None else (old[0] + blocks, old[1] + nbytes)
+    if new is None or new[0] < 0 or new[1] < 0:
+        new = count_totals(txn, namespace)
+        _repairs.count = getattr(_repairs, "count", 0) + 1
     if new == (0, 0):
         txn.delete(K.totals_key(namespace))
     else:
-        txn.put(K.totals_key(namespace), _TOTALS.pack(*new))
+        txn.put(K.totals_key(namespace), _encode(*new))
+
+
+def take_repairs() -> int:
+    """How many totals this thread rewrote from the blocks since the last call."""
+    count = getattr(_repairs, "count", 0)
+    _repairs.count = 0
+    return int(count)
+
+
+def stored_totals(view: ReadView) -> dict[bytes, tuple[int, int] | None]:
+    """Totals of every namespace as stored (``None``: a damaged value), for ``verify``."""
+    return {
+        key[len(K.NS_TOTALS_DIR) :]: _decode(value) for key, value in view.scan(K.NS_TOTALS_DIR)
+    }
 
 
 def all_totals(view: ReadView) -> dict[bytes, tuple[int, int]]:
-    """Totals of every namespace that holds blocks."""
-    out = {}
-    for key, value in view.scan(K.NS_TOTALS_DIR):
-        out[key[len(K.NS_TOTALS_DIR) :]] = _TOTALS.unpack(value)
-    return out
+    """Totals of every namespace that holds blocks (damaged ones counted from the blocks)."""
+    return {
+        ns: count_totals(view, ns) if found is None else found
+        for ns, found in stored_totals(view).items()
+    }
 
 
 class Counters:
