@@ -153,6 +153,16 @@ class KVCodec(ABC):
         A codec that does not override it restores when the plan finishes."""
         return _RestoreLater(self, snapshots)
 
+    def description_problem(self, snapshot: Snapshot) -> str | None:
+        """What is wrong with ``snapshot`` as a record header describes it -- its meta,
+        and tensors that have shapes and dtypes but no data -- or ``None``.
+
+        Decoding a record calls it for every layer (``CorruptEntryError`` naming the
+        field), so a snapshot that restore would refuse never gets that far. A codec
+        checks here what its restore relies on; the default checks nothing.
+        """
+        return None
+
     def snapshot_held(self, cache: Any) -> list[Snapshot]:
         """Snapshots of every position ``cache`` will still attend to;
         ``restore`` of them rebuilds it. One snapshot for a growing cache; a

@@ -27,6 +27,7 @@ from typing import Any
 
 from kvstore.abc.codec import Snapshot
 from kvstore.codecs.arrays import DTYPES, dtype_name
+from kvstore.codecs.snapshot_meta import check_layers
 from kvstore.errors import CorruptEntryError, FormatVersionError, UnknownSignatureError
 
 __all__ = [
@@ -328,6 +329,7 @@ def parse_header(
     f = parse_fields(op, obj, "header", fields)
     layers = parse_layers(op, f["layers"], located=located)
     check_codec_versions(op, layers)
+    check_layers(op, layers)
     return f, layers
 
 

@@ -42,6 +42,7 @@ from kvstore.codecs.rows import (
     growth_capacity,
     slice_rows,
 )
+from kvstore.codecs.snapshot_meta import MAX_WINDOW
 from kvstore.errors import CapabilityError
 
 __all__ = [
@@ -191,12 +192,14 @@ class RingKVCodec(RowCodec):
         problem = super()._snapshot_problem(snap)
         if problem:
             return problem
-        state = {k: snap.meta.get(k) for k in ("max_size", "keep", "offset")}
-        max_size, keep, offset = state.values()
-        if not (type(max_size) is int and type(keep) is int and type(offset) is int):
-            return f"meta max_size/keep/offset must be ints; received {state}"
-        if not (0 <= keep < max_size and offset >= snap.stop):
-            return f"meta {state} is not a ring's state for [{snap.start}, {snap.stop})"
+        state = {k: snap.meta.get(k) for k in ("max_size", "keep")}
+        max_size, keep = state.values()
+        if not (type(max_size) is int and type(keep) is int):
+            return f"meta max_size/keep must be ints; received {state}"
+        if not 0 < max_size <= MAX_WINDOW:
+            return f"meta max_size {max_size} is outside [1, {MAX_WINDOW}]"
+        if not 0 <= keep < max_size:
+            return f"meta keep {keep} is outside [0, max_size {max_size})"
         idx = snap.meta.get("ring_idx")
         if idx is not None and not (type(idx) is int and keep <= idx < max_size):
             return f"meta ring_idx {idx!r} is outside [keep, max_size)"

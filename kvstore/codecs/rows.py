@@ -28,6 +28,7 @@ from kvstore.caches.packed import quantize_rows
 from kvstore.codecs.arrays import MLX_DTYPES, as_mlx, dtype_name, owned_arrays
 from kvstore.codecs.plans import RowsJoin, row_leaves_of
 from kvstore.codecs.registry import reported_signature
+from kvstore.codecs.snapshot_meta import position_problem
 from kvstore.errors import CapabilityError, CorruptEntryError
 from kvstore.family import Quantization
 from kvstore.signature import parse_signature
@@ -160,6 +161,10 @@ class RowCodec(KVCodec):
                 signature=snap.signature,
             )
 
+    def description_problem(self, snapshot: Snapshot) -> str | None:
+        # The checks of restore: they read shapes, dtypes and meta only.
+        return self._snapshot_problem(snapshot)
+
     def _snapshot_problem(self, snap: Snapshot) -> str | None:
         if snap.signature != self.signature:
             return f"snapshot of '{snap.signature}' given to the '{self.signature}' codec"
@@ -168,6 +173,9 @@ class RowCodec(KVCodec):
         dtype = snap.meta.get("dtype")
         if not isinstance(dtype, str) or dtype not in MLX_DTYPES:
             return f"meta dtype {snap.meta.get('dtype')!r} is not a known dtype"
+        offset = position_problem(snap.meta, "offset", snap.stop)  # abc.codec: always there
+        if offset:
+            return offset
         lead = None
         for name in self.tensor_names():
             shape = tuple(snap.tensors[name].shape)

@@ -36,7 +36,13 @@ from kvstore.codecs.growing import GrowingKVCodec
 from kvstore.codecs.plans import CachePlan
 from kvstore.codecs.ring import RingKVCodec
 from kvstore.codecs.rows import RowCodec
-from kvstore.codecs.turboquant_params import SIDES, TurboQuantParams, Unreadable, read_params
+from kvstore.codecs.turboquant_params import (
+    SIDES,
+    TurboQuantParams,
+    Unreadable,
+    check_described,
+    read_params,
+)
 from kvstore.errors import CorruptEntryError
 from kvstore.signature import parse_signature
 
@@ -83,6 +89,19 @@ class TurboQuantRowCodec(RowCodec):
             return problem
         try:
             read_params(snap, self.kbits, self.vbits)
+        except Unreadable as exc:
+            return str(exc)
+        return None
+
+    def description_problem(self, snapshot: Snapshot) -> str | None:
+        # As on restore, but a dense rotation's matrix and the key mean's values are
+        # checked when restored (a described snapshot has no values).
+        rows = {n: snapshot.tensors[n] for n in self.tensor_names() if n in snapshot.tensors}
+        problem = super()._snapshot_problem(replace(snapshot, tensors=rows))
+        if problem:
+            return problem
+        try:
+            check_described(snapshot, self.kbits, self.vbits)
         except Unreadable as exc:
             return str(exc)
         return None

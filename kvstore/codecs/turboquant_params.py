@@ -70,6 +70,7 @@ __all__ = [
     "Unreadable",
     "matrix_digest",
     "read_params",
+    "check_described",
 ]
 
 #: The largest head_dim a reader accepts (real models stop at 256); it bounds the
@@ -225,6 +226,25 @@ def read_params(snap: Snapshot, kbits: int, vbits: int) -> TurboQuantParams:
             match its id, side tensors that do not fit, or a dense rotation
             this host cannot obtain.
     """
+    params = _read_params(snap, kbits, vbits, values=True)
+    assert params is not None
+    return params
+
+
+def check_described(snap: Snapshot, kbits: int, vbits: int) -> None:
+    """:func:`read_params`'s checks of what a record header describes (``snap``'s tensors
+    are shapes and dtypes, not values): everything but a dense rotation's matrix and the
+    key mean's values, which the restore checks (issue 18: meta validated on decode).
+
+    Raises:
+        Unreadable: as :func:`read_params`.
+    """
+    _read_params(snap, kbits, vbits, values=False)
+
+
+def _read_params(
+    snap: Snapshot, kbits: int, vbits: int, *, values: bool
+) -> TurboQuantParams | None:
     tq = snap.meta.get("tq")
     if not isinstance(tq, Mapping):
         raise Unreadable(f"meta 'tq' must be a map; received {type(tq).__name__}")
@@ -243,8 +263,8 @@ def read_params(snap: Snapshot, kbits: int, vbits: int) -> TurboQuantParams:
     sides = []
     for (name, kind), bits in zip(SIDES, (kbits, vbits), strict=True):
         _check_rows(snap, name, bits, dim)
-        sides.append(_read_side(snap, name, kind, bits, dim, seed))
-    mu = _read_mean(snap, dim) if center else None
+        sides.append(_read_side(snap, name, kind, bits, dim, seed, values))
+    mu = _read_mean(snap, dim, values) if center else None
     allowed = {f"{n}.{p}" for n, _ in SIDES for p in ("codes", "scales", "rotation")}
     allowed |= {"keys.mu"} if center else set()
     stray = sorted(set(snap.tensors) - allowed)
@@ -253,10 +273,12 @@ def read_params(snap: Snapshot, kbits: int, vbits: int) -> TurboQuantParams:
     rounds = {s.rotation.rounds for s in sides}
     if len(rounds) != 1:
         raise Unreadable(f"keys and values use RHT rounds {sorted(rounds)}; one cache has one")
-    return TurboQuantParams(dim, seed, sides[0], sides[1], mu)
+    return TurboQuantParams(dim, seed, sides[0], sides[1], mu) if values else None
 
 
-def _read_side(snap: Snapshot, name: str, kind: str, bits: int, dim: int, seed: int) -> SideParams:
+def _read_side(
+    snap: Snapshot, name: str, kind: str, bits: int, dim: int, seed: int, values: bool
+) -> SideParams:
     desc = snap.meta["tq"][kind]
     fields = {"bits", "scale_mode", "centroids", "rotation"}
     if not isinstance(desc, Mapping) or set(desc) != fields:
@@ -274,17 +296,21 @@ def _read_side(snap: Snapshot, name: str, kind: str, bits: int, dim: int, seed: 
             f"{CODEBOOK_ID} table"
         )
     carried = snap.tensors.get(f"{name}.rotation")
-    rotation = _read_rotation(desc["rotation"], kind, dim, seed, carried, name)
+    rotation = _read_rotation(desc["rotation"], kind, dim, seed, carried, name, values)
     return SideParams(bits, desc["scale_mode"], rotation)
 
 
-def _read_rotation(desc: Any, kind: str, dim: int, seed: int, carried: Any, name: str) -> Rotation:
+def _read_rotation(
+    desc: Any, kind: str, dim: int, seed: int, carried: Any, name: str, values: bool = True
+) -> Rotation:
     method = desc.get("method") if isinstance(desc, Mapping) else None
     if method == "rht" and set(desc) == {"method", "signs"}:
         if carried is not None:
             raise Unreadable(f"tensor '{name}.rotation' given with an RHT rotation")
         return _rht_rotation(desc["signs"], kind, dim, seed)
     if method == "dense" and set(desc) == {"method", "sha256"}:
+        if not values:
+            return _described_dense(desc["sha256"], kind, dim, carried, name)
         return _dense_rotation(desc["sha256"], kind, dim, seed, carried, name)
     raise Unreadable(
         f"tq '{kind}' rotation {desc!r} is neither {{method: rht, signs}} nor "
@@ -305,6 +331,26 @@ def _rht_rotation(signs: Any, kind: str, dim: int, seed: int) -> Rotation:
             f"tq '{kind}' signs are not SplitMix64's for seed {seed} (D={dim}, {len(want)} rounds)"
         )
     return rotation
+
+
+def _described_dense(digest: Any, kind: str, dim: int, carried: Any, name: str) -> Rotation:
+    """A dense rotation's description checked (its matrix is checked at restore); a
+    stand-in rotation for the rest of the checks."""
+    if not (isinstance(digest, str) and len(digest) == 64):
+        raise Unreadable(f"tq '{kind}' sha256 {digest!r} is not 64 hex digits")
+    if carried is not None and (
+        dtype_name(carried) != "float32" or tuple(carried.shape) != (dim, dim)
+    ):
+        raise Unreadable(
+            f"tensor '{name}.rotation' is {dtype_name(carried)} {tuple(carried.shape)}, "
+            f"not float32 ({dim}, {dim})"
+        )
+    return _stand_in(dim)
+
+
+@functools.lru_cache(maxsize=16)
+def _stand_in(dim: int) -> Rotation:
+    return Rotation(dim, matrix=np.eye(dim, dtype=np.float32))
 
 
 def _dense_rotation(
@@ -353,10 +399,10 @@ def _check_rows(snap: Snapshot, name: str, bits: int, dim: int) -> None:
         raise Unreadable(f"{name}.scales is {tuple(scales.shape)}, not {tuple(codes.shape[:3])}")
 
 
-def _read_mean(snap: Snapshot, dim: int) -> mx.array:
+def _read_mean(snap: Snapshot, dim: int, values: bool = True) -> mx.array | None:
     mu = snap.tensors.get("keys.mu")
     heads = int(snap.tensors["keys.codes"].shape[1])
     if mu is None or dtype_name(mu) != "float32" or tuple(mu.shape) != (heads, dim):
         found = None if mu is None else (dtype_name(mu), tuple(mu.shape))
         raise Unreadable(f"centred keys need keys.mu float32 ({heads}, {dim}); received {found}")
-    return as_mlx(mu)
+    return as_mlx(mu) if values else None

@@ -1,0 +1,93 @@
+"""Snapshot metadata checked on decode, before anything restores it (issue 18, damage 6).
+
+A record's checksums say its bytes are the ones written, not that the writer
+was right: a buggy or hostile writer can store ``max_size = 2**64 - 1`` (a
+window that never slides), ``keep = 2**31``, an ``offset`` that is a string
+or a map, or ``dtype = "float64"`` over float32 rows, and recompute the
+checksums. So every layer of a record header is checked by its own codec as
+the header is parsed (:func:`check_layers`, called by
+:func:`kvstore.codecs.header.parse_header`), against the tensors the header
+describes and against the bounds here; a problem is a ``CorruptEntryError``
+naming the layer and the field -- in a store, a counted miss, removed by
+``verify --fix``.
+
+Each fact has one home: the codecs own their meta (``dtype`` and ``offset``:
+:class:`kvstore.codecs.rows.RowCodec`; ``max_size``, ``keep``, ``ring_idx``:
+:class:`kvstore.codecs.ring.RingKVCodec`; ``tq``:
+:mod:`kvstore.codecs.turboquant_params`), and check it in their
+``description_problem``, the same code that checks a snapshot on restore;
+this module holds the bounds and builds the described snapshot they check.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from kvstore.abc.codec import Snapshot
+from kvstore.codecs.arrays import DTYPES
+from kvstore.errors import CorruptEntryError, UnknownSignatureError
+
+__all__ = [
+    "MAX_POSITION",
+    "MAX_WINDOW",
+    "described",
+    "position_problem",
+    "check_layers",
+]
+
+#: Largest token position a snapshot may name (``offset``, ``start``, ``stop``):
+#: far past any context a model has, and small enough that no size computed from
+#: it overflows.
+MAX_POSITION = 1 << 32
+#: Largest sliding window (``max_size``) a snapshot may name: 16M tokens.
+MAX_WINDOW = 1 << 24
+
+
+def position_problem(meta: Mapping[str, Any], field: str, at_least: int) -> str | None:
+    """What is wrong with ``meta[field]`` as a token position ``>= at_least``, if anything."""
+    value = meta.get(field)
+    if type(value) is not int:
+        return f"meta {field} must be an int; received {type(value).__name__} {str(value)[:40]!r}"
+    if not at_least <= value <= MAX_POSITION:
+        return f"meta {field} {value} is outside [{at_least}, {MAX_POSITION}]"
+    return None
+
+
+def _described_tensor(dtype: str, shape: Sequence[int]) -> np.ndarray:
+    # Shape and dtype without data: a zero-stride view of one element.
+    return np.lib.stride_tricks.as_strided(
+        np.zeros(1, dtype=DTYPES[dtype]), shape=tuple(shape), strides=(0,) * len(shape)
+    )
+
+
+def described(entry: Any) -> Snapshot:
+    """The snapshot a header's layer entry describes (a
+    :class:`kvstore.codecs.header.LayerEntry`): its tensors have the described shapes
+    and dtypes and no data (zero-stride arrays), for the codecs' checks."""
+    tensors = {t.name: _described_tensor(t.dtype, t.shape) for t in entry.tensors}
+    return Snapshot(entry.signature, entry.start, entry.stop, tensors, entry.meta)
+
+
+def check_layers(op: str, layers: Sequence[Any]) -> None:
+    """Raise ``CorruptEntryError`` for the first layer whose codec finds its meta or
+    tensors wrong. Layers of kinds no installed codec serves are not checked here
+    (their restore needs the codec anyway)."""
+    from kvstore.codecs.registry import get_codec
+
+    for i, layer in enumerate(layers):
+        if layer is None:
+            continue
+        if layer.stop > MAX_POSITION:
+            raise CorruptEntryError(
+                f"[{op}] layers[{i}] ends at {layer.stop}, past {MAX_POSITION}."
+            )
+        try:
+            codec = get_codec(layer.signature)
+        except (UnknownSignatureError, ValueError, TypeError):
+            continue  # not installed here (a malformed signature failed the version check)
+        problem = codec.description_problem(described(layer))
+        if problem:
+            raise CorruptEntryError(f"[{op}] layers[{i}] ({layer.signature}): {problem}.", layer=i)

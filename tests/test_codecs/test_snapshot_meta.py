@@ -1,0 +1,75 @@
+"""Snapshot metadata checked on decode (issue 18, damage 6): a record whose checksums a
+buggy or hostile writer recomputed after tampering is corrupt, and the message names
+the field."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+
+from kvstore.caches import KVCache, RotatingKVCache, TurboQuantKVCache
+from kvstore.codecs import decode_record, encode_record, snapshot
+from kvstore.codecs.snapshot_meta import MAX_POSITION, MAX_WINDOW
+from kvstore.errors import CorruptEntryError
+from kvstore.testing.codec import fill_cache
+
+from .helpers import craft_record, header_of, payload_of
+
+
+def record_of(cache_factory, tokens=20):
+    cache = cache_factory()
+    fill_cache(cache, [tokens], head_dim=64, heads=2)
+    return encode_record([snapshot(cache, 0, tokens)])
+
+
+def tampered(record, change):
+    header = copy.deepcopy(header_of(record))
+    change(header["layers"][0])
+    return craft_record(header, payload_of(record))  # checksums recomputed
+
+
+def set_meta(field, value):
+    return lambda layer: layer["meta"].__setitem__(field, value)
+
+
+WINDOW = lambda: RotatingKVCache(32, keep=4)  # noqa: E731
+
+
+@pytest.mark.parametrize(
+    "factory, change, field",
+    [
+        (WINDOW, set_meta("max_size", 2**64 - 1), "max_size"),
+        (WINDOW, set_meta("max_size", MAX_WINDOW + 1), "max_size"),
+        (WINDOW, set_meta("max_size", 0), "max_size"),
+        (WINDOW, set_meta("keep", 2**31), "keep"),
+        (WINDOW, set_meta("keep", -1), "keep"),
+        (WINDOW, set_meta("ring_idx", 99), "ring_idx"),
+        (KVCache, set_meta("offset", "20"), "offset"),
+        (KVCache, set_meta("offset", {"a": 1}), "offset"),
+        (KVCache, set_meta("offset", 3), "offset"),  # fewer tokens than the rows it holds
+        (KVCache, set_meta("offset", MAX_POSITION + 1), "offset"),
+        (WINDOW, set_meta("offset", 1.5), "offset"),
+        (KVCache, set_meta("dtype", "float64"), "dtype"),
+        (KVCache, set_meta("dtype", "int8"), "dtype"),  # a dtype, but not the rows'
+        (lambda: TurboQuantKVCache(4, 3), set_meta("tq", {"head_dim": 64}), "tq"),
+    ],
+)
+def test_tampered_snapshot_meta_is_corrupt_naming_the_field(factory, change, field):
+    record = record_of(factory)
+    decode_record(record)  # intact
+    with pytest.raises(CorruptEntryError) as info:
+        decode_record(tampered(record, change))
+    assert "layers[0]" in str(info.value) and field in str(info.value)
+
+
+def test_a_layer_past_the_largest_position_is_corrupt():
+    record = record_of(KVCache)
+
+    def far(layer):
+        layer["start"] = MAX_POSITION
+        layer["stop"] = MAX_POSITION + 20
+        layer["meta"]["offset"] = MAX_POSITION + 20
+
+    with pytest.raises(CorruptEntryError, match="past"):
+        decode_record(tampered(record, far))
