@@ -390,24 +390,72 @@ def test_server_eviction_needs_a_volatile_policy(redis_server):
 # ---------------------------------------------------------------- faults
 
 
-def test_a_hung_server_is_unavailable_within_the_timeout(tmp_path):
+@pytest.mark.parametrize(
+    "socket_timeout, connect_timeout, retries", [(1.0, 0.5, 1), (0.6, 0.6, 0), (0.5, 0.2, 2)]
+)
+def test_a_hung_server_is_unavailable_at_the_documented_deadline(
+    tmp_path, socket_timeout, connect_timeout, retries
+):
+    # Issue 18: redis-py's own retry of the reconnect handshake stacked on ours (3.16 s
+    # where 2 s was documented). One deadline now covers the call, retries included.
     require_redis_server()
+    deadline = (retries + 1) * max(connect_timeout, socket_timeout)
     with RedisServer(tmp_path / "hung") as server:
-        store = open_(server.url, socket_timeout=0.3, connect_timeout=0.3, retries=1)
+        store = open_(
+            server.url,
+            socket_timeout=socket_timeout,
+            connect_timeout=connect_timeout,
+            retries=retries,
+        )
+        assert store.backend.connector.deadline_s == deadline
         tokens = list(range(20))
         save(store, tokens)
-        server.pause()
-        try:
-            started = time.monotonic()
-            with pytest.raises(StoreUnavailableError, match=r"\[lookup\]|\[read\]"):
-                store.lookup(NS, tokens)
-            # Bounded: (retries + 1) x socket_timeout plus backoff, far below this.
-            assert time.monotonic() - started < 10
-        finally:
-            server.resume()
-        check_match(store, store.lookup(NS, tokens), tokens)
-        assert store.stats().misses[MissReason.UNAVAILABLE] == 1
+        match = store.lookup(NS, tokens)
+
+        def restore():
+            with store.read(match.blocks):
+                pass
+
+        for call in (lambda: store.lookup(NS, tokens), restore):
+            server.pause()
+            try:
+                started = time.monotonic()
+                with pytest.raises(StoreUnavailableError, match="deadline"):
+                    call()
+                took = time.monotonic() - started
+            finally:
+                server.resume()
+            assert 0.9 * deadline <= took <= 1.1 * deadline, (took, deadline)
+            check_match(store, store.lookup(NS, tokens), tokens)  # serves again at once
+        assert store.stats().misses[MissReason.UNAVAILABLE] == 2
         store.close()
+
+
+def test_redis_py_retries_are_off_and_ours_are_counted(redis_server):
+    store = open_(redis_server.url, retries=3)
+    connector = store.backend.connector
+    pool = connector.client.connection_pool
+    assert pool.connection_kwargs["retry"].get_retries() == 0
+    assert getattr(pool.connection_class, "_kvstore_bounded", False)
+    failures = []
+
+    def flaky():
+        failures.append(1)
+        if len(failures) <= 3:
+            raise redis.ConnectionError("down")
+        return "up"
+
+    assert connector.run(flaky) == "up" and len(failures) == 4  # 1 + retries attempts
+    attempts = []
+
+    def down():
+        attempts.append(1)
+        raise redis.ConnectionError("down")
+
+    with pytest.raises(redis.ConnectionError):
+        connector.run(down)
+    assert len(attempts) == 4
+    store.close()
 
 
 def test_a_server_killed_mid_read_is_unavailable_then_reconnected(tmp_path):

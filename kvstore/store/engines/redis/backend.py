@@ -6,6 +6,7 @@ import random
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from functools import partial
 from typing import Any, TypeVar, cast
 from urllib.parse import urlsplit, urlunsplit
 
@@ -145,7 +146,7 @@ class RedisBackend(Backend):
     def _probe(self) -> dict[str, Any]:
         """Reach the server (fail now, not at the first lookup) and check the eviction policy."""
         meta = self.connector.meta()
-        info = meta.info("server")
+        info = self.connector.run(lambda: meta.info("server"), "open")
         engine = (
             f"valkey {info['valkey_version']}"
             if "valkey_version" in info
@@ -158,7 +159,8 @@ class RedisBackend(Backend):
     def _check_policy(self) -> None:
         for node in self.connector.nodes():
             try:
-                policy = node.config_get("maxmemory-policy").get("maxmemory-policy", "")
+                reply = self.connector.run(partial(node.config_get, "maxmemory-policy"), "open")
+                policy = reply.get("maxmemory-policy", "")
             except rx.ResponseError:
                 return  # CONFIG is disabled (managed services): trust the operator
             if not str(policy).startswith("volatile-"):
@@ -258,7 +260,8 @@ class RedisBackend(Backend):
 
     def raw_values(self, keys: Sequence[bytes]) -> list[bytes | None]:
         """The metadata values of ``keys`` (manifests for records): one ``MGET``, one slot."""
-        raws = self.connector.meta().mget([self.layout.meta(k) for k in keys])
+        meta = self.connector.meta()
+        raws = self.connector.run(lambda: meta.mget([self.layout.meta(k) for k in keys]), "read")
         return cast("list[bytes | None]", raws)  # decode_responses is off: bytes
 
     def key_pages(self, prefix: bytes, start: bytes | None, reverse: bool) -> Iterator[list[bytes]]:
@@ -267,10 +270,10 @@ class RedisBackend(Backend):
 
         def query(lo: bytes, hi: bytes, count: int) -> list[bytes]:
             if reverse:
-                keys = meta.zrevrangebylex(index, hi, lo, start=0, num=count)
+                page = lambda: meta.zrevrangebylex(index, hi, lo, start=0, num=count)  # noqa: E731
             else:
-                keys = meta.zrangebylex(index, lo, hi, start=0, num=count)
-            return cast("list[bytes]", keys)
+                page = lambda: meta.zrangebylex(index, lo, hi, start=0, num=count)  # noqa: E731
+            return cast("list[bytes]", self.connector.run(page, "scan"))
 
         return lex_pages(query, prefix, start, reverse)
 
@@ -279,7 +282,8 @@ class RedisBackend(Backend):
         yield _ReadView(self)
 
     def get_many(self, keys: Sequence[bytes]) -> list[bytes | None]:
-        with self.boundary("read"):
+        # One deadline for both round trips (manifests, then chunks).
+        with self.boundary("read"), self.connector.deadline("read"):
             return self.fetch(list(keys))
 
     @contextmanager
@@ -290,8 +294,12 @@ class RedisBackend(Backend):
     def contains_many(self, keys: Sequence[bytes]) -> list[bool]:
         if not keys:
             return []
+        meta = self.connector.meta()
         with self.boundary("read"):
-            scores = self.connector.meta().zmscore(self.layout.index, list(keys))  # type: ignore[arg-type]
+            scores = self.connector.run(
+                lambda: meta.zmscore(self.layout.index, list(keys)),  # type: ignore[arg-type]
+                "read",
+            )
         return [s is not None for s in scores]
 
     def scan(self, prefix: bytes, *, keys_only: bool = False) -> list[tuple[bytes, bytes | None]]:
@@ -362,7 +370,7 @@ class RedisBackend(Backend):
                 found=others[0],
             )
         ms = max(1, round(seconds * 1000))
-        with self.boundary("set_ttl"):
+        with self.boundary("set_ttl"), self.connector.deadline("set_ttl"):
             raws = self.raw_values(keys)
             commands: list[Command] = []
             for key, raw in zip(keys, raws):
@@ -375,12 +383,13 @@ class RedisBackend(Backend):
 
     def stats(self) -> dict[str, Any]:
         with self.boundary("stats"):
-            entries = self.connector.meta().zcard(self.layout.index)
+            meta = self.connector.meta()
+            entries = self.connector.run(lambda: meta.zcard(self.layout.index), "stats")
             used = evicted = expired = maxmemory = 0
             policies = set()
             nodes = self.connector.nodes()
             for node in nodes:
-                info = node.info()
+                info = self.connector.run(node.info, "stats")
                 used += int(info.get("used_memory", 0))
                 maxmemory += int(info.get("maxmemory", 0))
                 policies.add(info.get("maxmemory_policy", "?"))

@@ -9,28 +9,42 @@
   is read, so nodes work in parallel. Large arguments are sent from the
   caller's buffer without being copied into a command buffer.
 
-Timeouts bound every call: ``connect_timeout`` (default 2 s) per connection
-attempt, ``socket_timeout`` (default 10 s) per socket read or write, and
-``retries`` (default 1) further attempts after a connection error or
-timeout, with a short backoff; so a call against a dead server fails within
-about ``(retries + 1) * max(connect_timeout, socket_timeout)``. Pooled
-connections reconnect by themselves once the server is back.
+Timeouts bound every call (issue 18): ``connect_timeout`` (default 2 s) per
+connection attempt, ``socket_timeout`` (default 10 s) per socket read or
+write, and ``retries`` (default 1) further attempts after a connection error
+or timeout, with a short backoff. redis-py's own retries are turned off (they
+stacked on ours: a reconnect's handshake was retried inside each attempt), so
+``retries`` counts every attempt there is, and each call runs under one
+deadline (:mod:`kvstore.store.engines.redis.deadline`) of
+
+    (retries + 1) * max(connect_timeout, socket_timeout)
+
+seconds -- 20 s with the defaults -- that every connect, handshake, send, read
+and backoff of the call shares: a call against a server that stopped
+answering raises ``StoreUnavailableError`` when it runs out, not later. A call
+is one backend operation: a read of many keys (``get_many``, ``view_many``,
+``contains_many``), one read of a view, one page of a scan, one round trip of
+a transaction. Pooled connections reconnect by themselves once the server is
+back.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
-from typing import Any
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager, contextmanager
+from typing import Any, TypeVar
 
 import redis
 from redis import exceptions as rx
-from redis.backoff import ExponentialBackoff
+from redis.backoff import NoBackoff
 from redis.cluster import ClusterNode, RedisCluster
 from redis.retry import Retry
 
+from kvstore.store.engines.redis.deadline import bounded_connection_class, deadline, remaining
 from kvstore.store.engines.redis.options import RedisTarget
+
+T = TypeVar("T")
 
 __all__ = [
     "Connector",
@@ -102,6 +116,8 @@ class Connector:
         self.target = target
         self.cluster = target.cluster
         self.retries = retries
+        #: Seconds one call may take, retries and reconnects included (module docstring).
+        self.deadline_s = (retries + 1) * max(connect_timeout, socket_timeout)
         self._meta_key = meta_key
         common: dict[str, Any] = {
             "username": target.username,
@@ -109,8 +125,6 @@ class Connector:
             "socket_timeout": socket_timeout,
             "socket_connect_timeout": connect_timeout,
             "socket_keepalive": True,
-            "retry": Retry(ExponentialBackoff(cap=0.5, base=0.05), retries),
-            "ssl": target.tls,
             **(ssl or {}),
         }
         if max_connections is not None:
@@ -120,11 +134,65 @@ class Connector:
             self.client = RedisCluster(
                 startup_nodes=[ClusterNode(h, p) for h, p in target.nodes],
                 require_full_coverage=True,
+                retry=Retry(NoBackoff(), 0),  # the cluster client's; its nodes' are off too
+                ssl=target.tls,
                 **common,
             )
+            self._bound_cluster(self.client)
         else:
             ((host, port),) = target.nodes
-            self.client = redis.Redis(host=host, port=port, db=target.db, **common)
+            cls = redis.SSLConnection if target.tls else redis.Connection
+            pool = redis.ConnectionPool(
+                connection_class=bounded_connection_class(cls),
+                host=host,
+                port=port,
+                db=target.db,
+                retry=Retry(NoBackoff(), 0),
+                **common,
+            )
+            self.client = redis.Redis(connection_pool=pool)
+
+    @staticmethod
+    def _bound_cluster(client: RedisCluster) -> None:
+        """Give every node's pool (now, and as topology changes add nodes) bounded
+        connections; connections made before are dropped, to be made again bounded."""
+        manager = client.nodes_manager
+        create = manager.create_redis_node
+
+        def bound(node: redis.Redis) -> redis.Redis:
+            pool = node.connection_pool
+            if not getattr(pool.connection_class, "_kvstore_bounded", False):
+                pool.connection_class = bounded_connection_class(pool.connection_class)
+                pool.disconnect()
+            return node
+
+        def create_bounded(*args: Any, **kwargs: Any) -> redis.Redis:
+            return bound(create(*args, **kwargs))
+
+        manager.create_redis_node = create_bounded  # type: ignore[method-assign]
+        for node in client.get_nodes():
+            if node.redis_connection is not None:
+                bound(node.redis_connection)
+
+    # ------------------------------------------------------------------ deadlines
+
+    def deadline(self, what: str = "call") -> AbstractContextManager[float]:
+        """A deadline of :attr:`deadline_s` for the calls in the ``with`` body (or the
+        one already running on this thread)."""
+        return deadline(self.deadline_s, what)
+
+    def run(self, fn: Callable[[], T], what: str = "call") -> T:
+        """``fn()`` -- idempotent round trips to the server -- under one deadline, tried
+        again after a connection error or timeout, ``retries`` times at most."""
+        with self.deadline(what):
+            for attempt in range(self.retries + 1):
+                try:
+                    return fn()
+                except _TRANSIENT + _MOVED:
+                    if attempt == self.retries:
+                        raise
+                    self._recover(attempt)
+            raise AssertionError("unreachable")  # the loop returns or raises
 
     # ------------------------------------------------------------------ metadata node
 
@@ -139,7 +207,8 @@ class Connector:
     def transaction_connection(self) -> Iterator[Any]:
         """A raw connection to the metadata node, returned clean (no WATCH left) or closed."""
         pool = self.meta().connection_pool
-        conn = pool.get_connection()
+        with self.deadline("connect"):
+            conn = pool.get_connection()
         clean = False
         try:
             yield conn
@@ -149,15 +218,16 @@ class Connector:
                 conn.disconnect()  # a WATCH or a half-read reply must not reach the next user
             pool.release(conn)
 
-    @staticmethod
-    def call(conn: Any, commands: Sequence[Command]) -> list[Any]:
-        """Send ``commands`` on ``conn`` in one write and read every reply.
+    def call(self, conn: Any, commands: Sequence[Command]) -> list[Any]:
+        """Send ``commands`` on ``conn`` in one write and read every reply, under one
+        deadline (a transaction's round trip is not tried again: the caller decides).
 
         Error replies are returned as exception objects (every reply is read,
         so the connection stays in step); connection errors raise.
         """
-        conn.send_packed_command(pack_commands(commands), check_health=False)
-        return [_read_reply(conn) for _ in commands]
+        with self.deadline("transaction"):
+            conn.send_packed_command(pack_commands(commands), check_health=False)
+            return [_read_reply(conn) for _ in commands]
 
     # ------------------------------------------------------------------ batches
 
@@ -170,26 +240,33 @@ class Connector:
         """
         if not commands:
             return []
-        for attempt in range(self.retries + 1):
-            try:
-                replies = self._batch_once(commands, key_index)
-            except _TRANSIENT + _MOVED:
-                if attempt == self.retries:
-                    raise
-                self._recover(attempt)
-                continue
-            # A slot that moved (resharding, failover) answers MOVED: ask the cluster again.
-            if attempt < self.retries and any(isinstance(r, _TRANSIENT + _MOVED) for r in replies):
-                self._recover(attempt)
-                continue
-            break
+        with self.deadline("batch"):
+            for attempt in range(self.retries + 1):
+                try:
+                    replies = self._batch_once(commands, key_index)
+                except _TRANSIENT + _MOVED:
+                    if attempt == self.retries:
+                        raise
+                    self._recover(attempt)
+                    continue
+                # A slot that moved (resharding, failover) answers MOVED: ask the cluster again.
+                moved = any(isinstance(r, _TRANSIENT + _MOVED) for r in replies)
+                if attempt < self.retries and moved:
+                    self._recover(attempt)
+                    continue
+                break
         for reply in replies:
             if isinstance(reply, Exception):
                 raise reply
         return replies
 
     def _recover(self, attempt: int) -> None:
-        time.sleep(min(0.5, 0.05 * 2**attempt))
+        """Back off before the next attempt (within the deadline), then refresh a
+        cluster's slot map."""
+        pause = min(0.5, 0.05 * 2**attempt)
+        left = remaining()
+        time.sleep(pause if left is None else min(pause, left))
+        remaining()  # raises when the deadline is spent: no attempt starts without time
         if isinstance(self.client, RedisCluster):
             self.client.nodes_manager.initialize()
 
@@ -233,6 +310,8 @@ class Connector:
 
     def close(self) -> None:
         self.client.close()
+        if isinstance(self.client, redis.Redis):
+            self.client.connection_pool.disconnect()  # ours: Redis.close() leaves it open
 
 
 def _read_reply(conn: Any) -> Any:

@@ -35,7 +35,8 @@ REDIS_ERRORS: dict[type[BaseException], Translation] = {
     rx.ConnectionError: Translation(StoreUnavailableError, _RETRY),
     rx.TimeoutError: Translation(
         StoreUnavailableError,
-        "The server did not answer within socket_timeout; it may be down or overloaded.",
+        "The server did not answer within the call's deadline, (retries + 1) x "
+        "max(connect_timeout, socket_timeout); it may be down or overloaded.",
     ),
     rx.BusyLoadingError: Translation(
         StoreUnavailableError, "The server is loading its dataset; retry in a moment."

@@ -130,7 +130,7 @@ class RedisTransaction:
     # ------------------------------------------------------------------ reads
 
     def _call(self, commands: Sequence[Command]) -> list[Any]:
-        replies = Connector.call(self._conn, commands)
+        replies = self._b.connector.call(self._conn, commands)
         for reply in replies:
             if isinstance(reply, Exception):
                 raise reply
@@ -286,7 +286,7 @@ class RedisTransaction:
         if removed:
             multi.append(("ZREM", layout.index, *removed))
         multi.append(("EXEC",))
-        replies = Connector.call(self._conn, multi)
+        replies = self._b.connector.call(self._conn, multi)
         for reply in replies:  # a command refused while queued (OOM...) aborts the EXEC
             if isinstance(reply, Exception):
                 raise reply
