@@ -125,4 +125,4 @@ def _run_child(args: argparse.Namespace) -> int:
 
 
 def _text(item: object) -> str:
-    return item.decode() if isinstance(item, bytes) else str(item)
+    return item.decode("utf-8", "backslashreplace") if isinstance(item, bytes) else str(item)

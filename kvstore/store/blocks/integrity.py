@@ -78,7 +78,10 @@ class Survey:
                 if K.record_key(ns, entry.parent) not in self.entries:
                     orphans.append(rkey)
         dangling = list(self.bad_entries)
-        dangling += [ikey for rkey, (ikey, _) in self.entries.items() if rkey not in self.records]
+        # An entry without its record: reported as dangling, removed with everything
+        # stored after it (no lookup can reach past it; their last uses go with them).
+        missing = [rkey for rkey in self.entries if rkey not in self.records]
+        dangling += [self.entries[rkey][0] for rkey in missing]
         dangling += [rkey for rkey in self.records if rkey not in self.entries]
         dangling += [ukey for ukey, rkey in self.uses if rkey not in self.entries]
         counted: dict[bytes, tuple[int, int]] = {}
@@ -93,7 +96,12 @@ class Survey:
                 mismatch.append(f"{ns.decode()}: stored totals damaged, counted {found}")
             elif stored != found:
                 mismatch.append(f"{ns.decode()}: stored {stored}, counted {found}")
-        return sorted(orphans), sorted(dangling), mismatch, sorted({*self.corrupt, *orphans})
+        return (
+            sorted(orphans),
+            sorted(dangling),
+            mismatch,
+            sorted({*self.corrupt, *orphans, *missing}),
+        )
 
     def report(self, repaired: bool) -> VerifyReport:
         orphans, dangling, mismatch, _ = self._classify()

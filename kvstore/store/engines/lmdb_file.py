@@ -364,17 +364,36 @@ def check_file(path: str | os.PathLike[str]) -> FileCheck:
 
 
 def salvage(path: str | os.PathLike[str]) -> Iterator[tuple[bytes, bytes]]:
-    """Every intact ``(key, value)`` of the main tree, in key order, from the newest
-    meta page whose tree reads (the other one's when the newest has no readable root)."""
+    """Every intact ``(key, value)`` of the main tree, in key order.
+
+    The tree is walked from the newest meta page whose root reads (the other
+    one's otherwise); a damaged page's subtree is skipped there, but its
+    leaves are usually intact: every leaf page that neither tree reaches nor
+    the free list holds (so it was cut off by the damage, not freed) gives the
+    keys the walk did not find.
+    """
     f, metas = _open(path)
     try:
         for meta in metas:
-            check = FileCheck()
-            walk = _Walk(check, f, meta.last_pg, "main tree", {})
-            items = list(_walk(walk, meta.root[1], meta.depth[1], values=True, main=True))
-            if items or meta.root[1] == _INVALID:
-                items.sort()
-                yield from items
-                return
+            used: dict[int, str] = {}
+            walk = _Walk(FileCheck(), f, meta.last_pg, "main tree", used)
+            found = dict(_walk(walk, meta.root[1], meta.depth[1], values=True, main=True))
+            if not found and meta.root[1] != _INVALID and meta is not metas[-1]:
+                continue  # this meta's tree does not read at all: try the other one
+            free = _Walk(FileCheck(), f, meta.last_pg, "free list", used)
+            if meta.root[0] != _INVALID:
+                for _, value in _walk(free, meta.root[0], meta.depth[0], values=True, main=False):
+                    for (pgno,) in struct.iter_unpack(
+                        "<Q", value[8 : 8 + (len(value) // 8 - 1) * 8]
+                    ):
+                        used.setdefault(pgno, "free")
+            for pgno in range(2, min(meta.last_pg + 1, f.size // f.psize)):
+                if pgno in used or _HEADER.unpack_from(f.page(pgno))[2] != _P_LEAF:
+                    continue
+                cut_off = _Walk(FileCheck(), f, meta.last_pg, "main tree", used)
+                for key, value in _walk(cut_off, pgno, 1, values=True, main=True):
+                    found.setdefault(key, value)
+            yield from sorted(found.items())
+            return
     finally:
         f.close()

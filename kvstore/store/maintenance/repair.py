@@ -13,6 +13,7 @@ import os
 from dataclasses import dataclass, replace
 
 from kvstore.abc.store import VerifyReport
+from kvstore.errors import KVStoreError
 from kvstore.store.engines.lmdb_file import check_file
 from kvstore.store.maintenance.inventory import lmdb_path, open_existing
 from kvstore.store.maintenance.rebuild import Rebuilt, rebuild_lmdb
@@ -50,7 +51,16 @@ def verify_store(url: str, *, repair: bool = False) -> Verified:
         engine = tuple(check_file(path).problems)
         if engine and repair:
             rebuilt = rebuild_lmdb(path, url=url)
-    with open_existing(url, writable=repair, operation="verify", recover=True) as store:
+    try:
+        store = open_existing(url, writable=repair, operation="verify", recover=True)
+    except KVStoreError as exc:
+        if not engine:
+            raise
+        # The damage LMDB trips over stops the store from opening: report what the
+        # file's own reading found (``--fix`` rebuilds it before opening).
+        report = VerifyReport(engine=(*engine, f"the store does not open: {exc}"))
+        return Verified(url, report, report)
+    with store:
         found = store.verify(repair=repair)
         after = store.verify() if found.repaired else found
     if engine:
