@@ -20,7 +20,7 @@ from kvstore.cli.output import human_bytes, print_fields, print_json, print_tabl
 from kvstore.codecs.record import RecordHeader, read_header, verify_record
 from kvstore.errors import CorruptEntryError, FormatVersionError, StoreConfigError
 from kvstore.store import keys as K
-from kvstore.store.blocks.index import decode_use
+from kvstore.store.blocks.index import read_use
 from kvstore.store.maintenance.inventory import find_block, open_existing, require_namespace
 from kvstore.store.maintenance.transfer import namespaces_of
 
@@ -78,7 +78,7 @@ def run(args: argparse.Namespace) -> int:
         "bytes": len(record),
         "index_bytes": entry.nbytes,
         "created": entry.created,
-        "last_use": None if use is None else decode_use(use)[0],
+        "last_use": None if (found := read_use(use)) is None else found[0],
         "check": state,
         "check_error": reason,
         "header": None if header is None else _header(header),

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from kvstore.abc.store import ReadView, StoreSettings, WriteView
 from kvstore.errors import StoreFullError
 from kvstore.store import keys as K
-from kvstore.store.blocks.index import decode_use, iter_entries
+from kvstore.store.blocks.index import iter_entries, read_use
 from kvstore.store.blocks.removal import delete_block
 from kvstore.store.blocks.stats import add_totals, all_totals, read_totals
 
@@ -60,8 +60,9 @@ def load_blocks(view: ReadView, namespaces: Iterable[bytes]) -> dict[bytes, Bloc
         uses = base + b".u/"
         for key, value in view.scan(uses):
             record = base + key[len(uses) :]
-            if record in blocks:
-                blocks[record].last_use = decode_use(value)[0]
+            found = read_use(value)
+            if record in blocks and found is not None:
+                blocks[record].last_use = found[0]
     for block in blocks.values():
         parent = blocks.get(K.record_key(block.namespace, block.parent))
         if parent is not None:

@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterable
 
 from kvstore.abc.store import WriteView
 from kvstore.store import keys as K
-from kvstore.store.blocks.index import decode_use, encode_use
+from kvstore.store.blocks.index import encode_use, find_index_key, read_use
 from kvstore.store.blocks.removal import delete_subtree
 from kvstore.store.blocks.stats import add_totals
 
@@ -148,9 +148,10 @@ def touch_in(txn: WriteView, record_key: bytes, when: float) -> None:
     """Record a use of a block at ``when`` (recency is a max; a gone block is skipped)."""
     parts = K.split_record_key(record_key)
     old = None if parts is None else txn.get(K.use_key(*parts))
-    if old is None:
-        return  # the block is gone since it was used: nothing to keep recent
-    last, index_key = decode_use(old)
+    found = read_use(old)
+    if found is None:
+        return  # the block is gone since it was used (or its use is damaged: verify's)
+    last, index_key = found
     if last < when:
         txn.put(K.use_key(*parts), encode_use(when, index_key))  # type: ignore[misc]
 
@@ -165,5 +166,9 @@ def apply_pending(txn: WriteView, pending: Pending) -> None:
         if parts is None or use is None or not txn.contains(key):
             continue
         ns, digest = parts
-        count, nbytes = delete_subtree(txn, ns, decode_use(use)[1], digest)
+        found = read_use(use)
+        index_key = found[1] if found is not None else find_index_key(txn, ns, digest)
+        if index_key is None:
+            continue  # no index entry names it: verify removes the record
+        count, nbytes = delete_subtree(txn, ns, index_key, digest)
         add_totals(txn, ns, -count, -nbytes)

@@ -13,6 +13,7 @@ transaction as their record.
 
 from __future__ import annotations
 
+import math
 import struct
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -21,6 +22,7 @@ import numpy as np
 
 from kvstore.abc.store import Buffer, ReadView
 from kvstore.errors import CorruptEntryError, FormatVersionError
+from kvstore.store import keys as K
 from kvstore.store.keys import ORDER_TOKENS, block_digest, order_prefix, split_child_key
 
 __all__ = [
@@ -31,6 +33,8 @@ __all__ = [
     "entry_matches_key",
     "encode_use",
     "decode_use",
+    "read_use",
+    "find_index_key",
     "common_prefix",
     "best_child",
 ]
@@ -160,6 +164,28 @@ def encode_use(last_use: float, index_key: bytes) -> bytes:
     """The ``.u/`` value: last use (float64 seconds), then the block's index key,
     so a block named only by its record key can be found in the index."""
     return _USE.pack(last_use) + index_key
+
+
+def read_use(value: Buffer | None) -> tuple[float, bytes] | None:
+    """``(last use, index key)`` of a ``.u/`` value; ``None`` where it is missing or
+    damaged (too short, a time that is not a finite number, or not an index key):
+    uses carry no checksum, and a damaged one must never stop a removal or a touch."""
+    if value is None or len(value) < _USE.size:
+        return None
+    last, index_key = decode_use(value)
+    if not math.isfinite(last) or K.split_child_key(index_key) is None:
+        return None
+    return last, index_key
+
+
+def find_index_key(view: ReadView, namespace: bytes, digest: bytes) -> bytes | None:
+    """The index key of block ``digest``, searched for in the whole namespace (a scan:
+    for when its last use, which names it, is missing or damaged)."""
+    for sub in (b".c/", b".t/"):
+        for key, entry in iter_entries(view, K.namespace_dir(namespace) + sub, with_tokens=False):
+            if entry.digest == digest:
+                return key
+    return None
 
 
 def decode_use(value: Buffer) -> tuple[float, bytes]:

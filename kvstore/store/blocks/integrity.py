@@ -14,7 +14,13 @@ from dataclasses import replace
 from kvstore.abc.store import ReadView, RecordVerifier, VerifyReport, WriteView
 from kvstore.errors import CorruptEntryError, FormatVersionError
 from kvstore.store import keys as K
-from kvstore.store.blocks.index import IndexEntry, decode_entry, entry_matches_key, iter_entries
+from kvstore.store.blocks.index import (
+    IndexEntry,
+    decode_entry,
+    entry_matches_key,
+    iter_entries,
+    read_use,
+)
 from kvstore.store.blocks.removal import delete_subtree
 from kvstore.store.blocks.stats import add_totals, stored_totals
 
@@ -28,7 +34,8 @@ class Survey:
         self.records: dict[bytes, int] = {}
         self.entries: dict[bytes, tuple[bytes, IndexEntry]] = {}  # record key -> (index key, entry)
         self.bad_entries: list[bytes] = []
-        self.uses: list[tuple[bytes, bytes]] = []  # (use key, record key)
+        # (use key, record key, the index key it names: None if damaged)
+        self.uses: list[tuple[bytes, bytes, bytes | None]] = []
         self.corrupt: list[bytes] = []
         self.newer: list[bytes] = []
         self.totals: dict[bytes, tuple[int, int] | None] = {}
@@ -60,7 +67,9 @@ class Survey:
                     continue
                 self.entries[K.record_key(ns, entry.digest)] = (key, replace(entry, tokens=None))
             elif rest.startswith(b".u/"):
-                self.uses.append((key, K.SCHEMA + ns + b"/" + rest[3:]))
+                found = read_use(value)
+                rkey = K.SCHEMA + ns + b"/" + rest[3:]
+                self.uses.append((key, rkey, None if found is None else found[1]))
             else:
                 self.bad_entries.append(key)
 
@@ -83,7 +92,11 @@ class Survey:
         missing = [rkey for rkey in self.entries if rkey not in self.records]
         dangling += [self.entries[rkey][0] for rkey in missing]
         dangling += [rkey for rkey in self.records if rkey not in self.entries]
-        dangling += [ukey for ukey, rkey in self.uses if rkey not in self.entries]
+        dangling += [  # a last use of no block, or damaged, or naming another index key
+            ukey
+            for ukey, rkey, ikey in self.uses
+            if rkey not in self.entries or ikey != self.entries[rkey][0]
+        ]
         counted: dict[bytes, tuple[int, int]] = {}
         for rkey, (_, entry) in self.entries.items():
             ns = K.split_record_key(rkey)[0]  # type: ignore[index]

@@ -19,7 +19,7 @@ from kvstore.codecs.record import verify_record
 from kvstore.errors import StoreConfigError
 from kvstore.store import BACKEND_OPTIONS, _split_url, open_store
 from kvstore.store import keys as K
-from kvstore.store.blocks.index import decode_entry, decode_use, iter_entries
+from kvstore.store.blocks.index import decode_entry, iter_entries, read_use
 from kvstore.store.maintenance.transfer import StoredBlock, namespaces_of
 
 __all__ = [
@@ -156,7 +156,8 @@ def list_blocks(store: PrefixStore, namespace: bytes) -> list[BlockInfo]:
                 view, K.namespace_dir(namespace) + sub, with_tokens=False
             ):
                 use = view.get(K.use_key(namespace, entry.digest))
-                rows.append((key, entry, None if use is None else decode_use(use)[0]))
+                found = read_use(use)
+                rows.append((key, entry, None if found is None else found[0]))
     parents = {entry.parent for _, entry, _ in rows}
     ns = namespace.decode()
     out = [
@@ -232,7 +233,8 @@ def find_block(store: PrefixStore, text: str, operation: str = "inspect") -> Sto
             )
         ns, digest = K.split_record_key(found[0])  # type: ignore[misc]
         use = view.get(K.use_key(ns, digest))
-        index_key = None if use is None else decode_use(use)[1]
+        found_use = read_use(use)
+        index_key = None if found_use is None else found_use[1]
         raw = None if index_key is None else view.get(index_key)
         if raw is None:  # no last use: look for the entry in the index itself
             for sub in (b".c/", b".t/"):

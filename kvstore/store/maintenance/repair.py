@@ -13,7 +13,6 @@ import os
 from dataclasses import dataclass, replace
 
 from kvstore.abc.store import VerifyReport
-from kvstore.errors import KVStoreError
 from kvstore.store.engines.lmdb_file import check_file
 from kvstore.store.maintenance.inventory import lmdb_path, open_existing
 from kvstore.store.maintenance.rebuild import Rebuilt, rebuild_lmdb
@@ -38,8 +37,9 @@ class Verified:
 def verify_store(url: str, *, repair: bool = False) -> Verified:
     """Verify the store at ``url`` (which must exist); with ``repair``, fix what was found.
 
-    An LMDB file with structural damage is rebuilt before the store is opened
-    (its keys that read intact are kept), then the store-level repair runs.
+    An LMDB file with structural damage is not opened through LMDB at all: the
+    report lists what reading the file found, and ``repair`` rebuilds it first
+    (the keys that read intact are kept), then the store-level repair runs.
 
     Raises:
         KVStoreError: the store cannot be opened or repaired (the message says why).
@@ -49,18 +49,14 @@ def verify_store(url: str, *, repair: bool = False) -> Verified:
     rebuilt = None
     if path is not None and os.path.exists(os.path.join(path, "data.mdb")):
         engine = tuple(check_file(path).problems)
-        if engine and repair:
+        if engine and not repair:
+            # LMDB itself would follow the damage (and may abort the process, or fault):
+            # report what the file's own reading found; --fix rebuilds it first.
+            report = VerifyReport(engine=engine)
+            return Verified(url, report, report)
+        if engine:
             rebuilt = rebuild_lmdb(path, url=url)
-    try:
-        store = open_existing(url, writable=repair, operation="verify", recover=True)
-    except KVStoreError as exc:
-        if not engine:
-            raise
-        # The damage LMDB trips over stops the store from opening: report what the
-        # file's own reading found (``--fix`` rebuilds it before opening).
-        report = VerifyReport(engine=(*engine, f"the store does not open: {exc}"))
-        return Verified(url, report, report)
-    with store:
+    with open_existing(url, writable=repair, operation="verify", recover=True) as store:
         found = store.verify(repair=repair)
         after = store.verify() if found.repaired else found
     if engine:
