@@ -22,7 +22,9 @@ Which errors a caller may treat as a cache miss (recompute and carry on):
 ``StoreUnavailableError`` (the backend is down; reconnects later) and
 ``FormatVersionError`` raised while *reading* an entry written by a newer
 kvstore. Everything else is a programming or configuration error and should
-propagate.
+propagate. A store whose own bookkeeping is damaged (its settings record, its
+LMDB file) raises ``CorruptEntryError`` or ``StoreError`` when opened or used,
+with a message that names the repair: ``kvstore verify URL --fix``.
 
 Messages follow one shape: ``[operation] rule; what was received; the fix``.
 The values involved are also attributes of the exception (``exc.found``,

@@ -18,7 +18,11 @@ Contract for backend implementers:
   values are opaque ``bytes``. Nothing read from a backend is ever unpickled.
 * :meth:`Backend.reader` yields a :class:`ReadView`. Values it returns may be
   ``memoryview`` objects into the engine's pages (LMDB); they are valid only
-  inside the ``with`` block, so callers copy what they keep.
+  inside the ``with`` block, so callers copy what they keep. A value the
+  engine cannot hand out safely (its stored length runs past its pages: a
+  damaged file) is returned empty; no kvstore value is empty, so every reader
+  counts it as damage. ``check()`` reports damage in the engine's own
+  structures, which ``verify`` lists as ``engine``.
 * :meth:`Backend.transact` runs ``fn(WriteView)`` atomically: every put and
   delete it made commits together, or none does. ``fn`` may run more than
   once (LMDB grows its map and retries; Redis retries on a ``WATCH``

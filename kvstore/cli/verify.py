@@ -6,6 +6,9 @@ namespace totals that disagree with the blocks. Only ``--fix`` changes the
 store: it removes corrupt blocks and orphans with everything stored after
 them, removes dangling keys and rewrites the totals, in one transaction.
 Exit status 0 when the store is clean (after ``--fix``), 1 when problems remain.
+An LMDB file with damage in its own structures (B-trees, free list) is
+reported without being opened through LMDB, and ``--fix`` rebuilds it from
+every key that reads intact (``--rebuild``: even where none is found).
 
 The scan runs in a child process: a damaged LMDB page that LMDB itself reads
 can still fault the process that reads it (the README's reliability notes),
@@ -36,6 +39,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--fix", action="store_true", help="remove corrupt blocks, orphans and dangling keys"
     )
+    p.add_argument(
+        "--rebuild",
+        action="store_true",
+        help="with --fix (LMDB): rebuild the file from every key that reads intact, even "
+        "where no damage is found (after a crashed scan)",
+    )
     # The child process the command runs the scan in (see the module docstring).
     p.add_argument("--in-process", action="store_true", help=argparse.SUPPRESS)
     add_json(p)
@@ -56,7 +65,7 @@ def _problems(report: VerifyReport) -> list[tuple[str, tuple[object, ...]]]:
 def run(args: argparse.Namespace) -> int:
     if not args.in_process:
         return _run_child(args)
-    result = verify_store(args.url, repair=args.fix)
+    result = verify_store(args.url, repair=args.fix, rebuild=args.rebuild)
     found, after = result.found, result.after
     status = 0 if after.clean else EXIT_PROBLEMS
     if args.json:
@@ -103,6 +112,7 @@ def _run_child(args: argparse.Namespace) -> int:
     argv += ["--debug"] if getattr(args, "debug", False) else []
     argv += ["verify", args.url, "--in-process"]
     argv += ["--fix"] if args.fix else []
+    argv += ["--rebuild"] if args.rebuild else []
     argv += ["--json"] if args.json else []
     # Output is relayed through this process's streams (they may not be its fds).
     child = subprocess.run(argv, capture_output=True, text=True)
@@ -117,8 +127,9 @@ def _run_child(args: argparse.Namespace) -> int:
         name = f"signal {-code}"
     raise CorruptEntryError(
         f"[verify] Reading {args.url} crashed the scan ({name}): its file is damaged where "
-        f"the storage engine itself reads it. Move the store aside and start a new one, or "
-        f"restore a backup (it is a cache: nothing in it is lost that cannot be recomputed).",
+        f"the storage engine itself reads it. Run 'kvstore verify {args.url} --fix "
+        f"--rebuild', which rebuilds the file from what reads intact without the engine "
+        f"(or move the store aside: it is a cache, and what it held is recomputed).",
         url=args.url,
         signal=name,
     )

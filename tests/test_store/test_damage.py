@@ -377,3 +377,33 @@ def _error(url):
 
 def _root():
     return Path(__file__).resolve().parents[2]
+
+
+def test_a_crash_of_verify_s_scan_is_reported_as_damage(url, path, capsys, monkeypatch):
+    import kvstore.cli.verify as verify_cli
+
+    def crashed(argv, **kwargs):
+        assert "--in-process" in argv  # the scan runs in a child
+        return subprocess.CompletedProcess(argv, -7, "", "")
+
+    monkeypatch.setattr(verify_cli.subprocess, "run", crashed)
+    status, out, err = run_cli(capsys, "verify", path)
+    assert status == 2 and len(err.strip().splitlines()) == 1
+    assert "crashed the scan (SIGBUS)" in err and "damaged" in err
+
+
+def test_rebuild_keeps_an_intact_store_whole(url, path, capsys):
+    before = raw_items(url)
+    status, out, _ = run_cli(capsys, "verify", path, "--fix", "--rebuild")
+    assert status == 0 and f"kept {len(before)} keys" in out
+    assert raw_items(url) == before
+    with open_store(url, readonly=True) as store:
+        assert restore(store)[0].offset == len(TOKENS)
+
+
+def raw_items(url):
+    backend = open_backend(url)
+    try:
+        return dict(backend.scan(b"kvstore/"))
+    finally:
+        backend.close()

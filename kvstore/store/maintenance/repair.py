@@ -34,12 +34,18 @@ class Verified:
         return self.after.clean
 
 
-def verify_store(url: str, *, repair: bool = False) -> Verified:
+def verify_store(url: str, *, repair: bool = False, rebuild: bool = False) -> Verified:
     """Verify the store at ``url`` (which must exist); with ``repair``, fix what was found.
 
     An LMDB file with structural damage is not opened through LMDB at all: the
     report lists what reading the file found, and ``repair`` rebuilds it first
     (the keys that read intact are kept), then the store-level repair runs.
+
+    Args:
+        url: the store.
+        repair: fix what was found.
+        rebuild: (LMDB, with ``repair``) rebuild the file even where reading it finds
+            no damage: for damage that only LMDB trips over (a crashed scan).
 
     Raises:
         KVStoreError: the store cannot be opened or repaired (the message says why).
@@ -54,7 +60,7 @@ def verify_store(url: str, *, repair: bool = False) -> Verified:
             # report what the file's own reading found; --fix rebuilds it first.
             report = VerifyReport(engine=engine)
             return Verified(url, report, report)
-        if engine:
+        if engine or (repair and rebuild):
             rebuilt = rebuild_lmdb(path, url=url)
     with open_existing(url, writable=repair, operation="verify", recover=True) as store:
         found = store.verify(repair=repair)
