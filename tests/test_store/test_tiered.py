@@ -176,3 +176,17 @@ def test_a_tiered_store_uses_its_tiers_through_the_store_contract(tmp_path):
         assert store.holds([key]) == [True]
         store.set_budget(1 << 20, namespace=NS)
         assert [t.settings.budget_for(NS) for t in store.tiers] == [1 << 20, 1 << 20]
+
+
+def test_verify_reports_damaged_settings_in_any_tier(tmp_path, request):
+    # The report is the slowest tier's with every tier's findings joined: a damaged
+    # settings copy of the fast tier was dropped before engine/settings were joined.
+    urls = [backend_url("lmdb", request, tmp_path), backend_url("lmdb", request, tmp_path)]
+    with open_store("tiered", tiers=urls, **OPTIONS) as store:
+        save(store, list(range(18)))
+        fast = store.tiers[0]
+        fast._backend.put_many([(K.META_KEY, b"\x00")])  # the copy still holds them
+        report = store.verify()
+        assert report.settings and not report.clean
+        assert store.verify(repair=True).repaired
+        assert store.verify().clean

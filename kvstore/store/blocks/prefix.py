@@ -595,10 +595,14 @@ class BlockPrefixStore(CacheMethods, PrefixStore):
 
         Finds corrupt records, records written by a newer kvstore (kept), orphans
         (blocks whose parent is gone), dangling keys (an index entry without its
-        record, a record without its entry, a last use without a block) and
-        namespace totals that disagree with the blocks. With ``repair``, removes
-        corrupt blocks and orphans with everything stored after them, removes
-        dangling keys and rewrites the totals, in one transaction.
+        record, a record without its entry, a last use without a block), namespace
+        totals that disagree with the blocks, a damaged or missing copy of the
+        settings record, and damage in the engine's own structures
+        (``Backend.check``: an LMDB file's B-trees and free list). With ``repair``,
+        removes corrupt blocks and orphans with everything stored after them,
+        removes dangling keys, rewrites the totals and both copies of the settings,
+        in one transaction; engine damage is repaired by ``kvstore verify --fix``,
+        which rebuilds the file (:mod:`kvstore.store.maintenance.repair`).
         """
         self._check_open("verify")
         found = Survey()

@@ -497,6 +497,8 @@ class TieredPrefixStore(CacheMethods, PrefixStore):
             orphans=union("orphans"),
             dangling=union("dangling"),
             totals_mismatch=union("totals_mismatch"),
+            engine=union("engine"),
+            settings=union("settings"),
             repaired=any(r.repaired for r in reports),
         )
 
