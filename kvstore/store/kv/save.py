@@ -23,7 +23,9 @@ from typing import Any
 from kvstore.abc.cache import signature_string
 from kvstore.abc.codec import KVCodec, Snapshot
 from kvstore.abc.store import BlockSpan, PrefixStore, SaveResult
-from kvstore.codecs import codec_for, encode_record
+from kvstore.codecs import codec_for
+from kvstore.codecs.arena import write_records
+from kvstore.codecs.record import plan_record
 from kvstore.errors import CapabilityError
 from kvstore.signature import UNKNOWN
 from kvstore.store import keys as K
@@ -89,8 +91,9 @@ class BlockEncoder:
             sorted({stored_signature(_signature(c), policy) for c in self._caches})
         )
 
-    def __call__(self, spans: Sequence[BlockSpan]) -> list[bytes]:
-        return [encode_record(self.layers(span.start, span.stop)) for span in spans]
+    def __call__(self, spans: Sequence[BlockSpan]) -> list[memoryview]:
+        # Into this thread's arena: reused pages, several threads (pinned memory on a GPU).
+        return write_records([plan_record(self.layers(s.start, s.stop)) for s in spans])
 
     def layers(self, start: int, stop: int) -> list[Snapshot | None]:
         """Every layer's snapshot of the tokens ``[start, stop)``, as stored (or ``None``)."""
