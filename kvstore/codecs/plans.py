@@ -26,6 +26,7 @@ import mlx.core as mx
 import numpy as np
 
 from kvstore.abc.codec import RestorePlan, Snapshot
+from kvstore.caches.base import Tree
 from kvstore.codecs import cuda
 from kvstore.codecs.arrays import MLX_DTYPES, as_numpy_all, dtype_name, owned_arrays
 from kvstore.codecs.fill import LeafSpec, filled_arrays
@@ -40,8 +41,6 @@ __all__ = [
     "run_plans",
     "join_runs",
 ]
-
-Tree = Any  # mx.array | tuple[mx.array, ...]; numpy views before restore
 
 
 def row_leaves_of(tree: Tree) -> tuple[Any, ...]:
