@@ -31,7 +31,7 @@ from kvstore.signature import UNKNOWN
 from kvstore.store import keys as K
 from kvstore.store.kv.policy import apply_policy, stored_signature
 
-__all__ = ["save_caches", "BlockEncoder", "Captured"]
+__all__ = ["save_caches", "check_caches", "BlockEncoder", "Captured"]
 
 #: Snapshots taken during prefill: ``(layer, block start) -> Snapshot`` of a whole block.
 Captured = Mapping[tuple[int, int], Snapshot]
@@ -65,16 +65,21 @@ def save_caches(
         StoreFullError, StoreUnavailableError, ReadOnlyStoreError: from the store.
     """
     toks = K.as_tokens(tokens, "save")
-    if not caches:
-        raise ValueError("[save] No caches: pass the model's caches, one per layer.")
-    short = sorted({int(c.offset) for c in caches if int(c.offset) < len(toks)})
-    if short:
-        raise ValueError(
-            f"[save] {len(toks)} tokens were given but a cache holds only {short[0]}; pass "
-            f"the tokens whose KV the caches hold (prompt plus generated tokens fed back)."
-        )
+    check_caches(toks, caches)
     encoder = BlockEncoder(caches, store.settings.storage_policy, captured or {})
     return store.put_blocks(namespace, toks, encoder, family=encoder.family)
+
+
+def check_caches(tokens: Any, caches: Sequence[Any]) -> None:
+    """Raise ValueError unless every one of ``caches`` holds KV for all of ``tokens``."""
+    if not caches:
+        raise ValueError("[save] No caches: pass the model's caches, one per layer.")
+    short = sorted({int(c.offset) for c in caches if int(c.offset) < len(tokens)})
+    if short:
+        raise ValueError(
+            f"[save] {len(tokens)} tokens were given but a cache holds only {short[0]}; pass "
+            f"the tokens whose KV the caches hold (prompt plus generated tokens fed back)."
+        )
 
 
 class BlockEncoder:
@@ -107,8 +112,12 @@ class BlockEncoder:
                     snap = codec.snapshot(cache, start, stop)
                 except CapabilityError:  # a window that moved on: the layer sits this block out
                     snap = None
-            out.append(None if snap is None else apply_policy(snap, self._policy))
+            out.append(None if snap is None else self._apply(snap))
         return out
+
+    def _apply(self, snap: Snapshot) -> Snapshot:
+        """``snap`` in the encoding the storage policy stores its family as."""
+        return apply_policy(snap, self._policy)
 
 
 def _signature(cache: Any) -> str:
