@@ -110,14 +110,26 @@ class PinnedBuffer:
         )
         self.nbytes = size
 
+    def __del__(self) -> None:
+        # An arena dropped while records still refer to it: unlock; the pages go with them.
+        if getattr(self, "_map", None) is not None and self._driver is not None:
+            try:
+                self._driver.unregister(self.array)
+            except Exception:  # noqa: BLE001 - at exit the driver may be gone already
+                pass
+
     def release(self) -> None:
         """Unlock and unmap (nothing may use the buffer afterwards)."""
         if self._map is None:
             return
         if self._driver is not None:
             self._driver.unregister(self.array)
+            self._driver = None
         del self.array
-        self._map.close()
+        try:
+            self._map.close()
+        except BufferError:  # a view is still alive somewhere: the pages go with it
+            pass
         self._map = None
 
 
@@ -215,8 +227,11 @@ class KernelTransport:
 
     def to_host(self, array: mx.array, slot: PinnedBuffer, offset: int) -> None:
         nbytes = int(array.nbytes)
-        if offset + nbytes > slot.nbytes:
-            raise ValueError(f"[cuda] {nbytes} bytes at {offset} overflow a {slot.nbytes}-byte slot.")
+        if offset + nbytes > slot.nbytes or (slot.device_pointer + offset) % 16:
+            raise ValueError(
+                f"[cuda] {nbytes} bytes at {offset} do not fit a {slot.nbytes}-byte slot at a "
+                f"16-byte boundary."
+            )
         params = mx.array(np.array([slot.device_pointer + offset, nbytes], np.uint64))
         (done,) = self._download(
             inputs=[params, array],
@@ -259,10 +274,25 @@ def available() -> bool:
     with _LOCK:
         if TRANSPORT is None:
             try:
-                TRANSPORT = KernelTransport() if on_cuda else False
+                TRANSPORT = _checked(KernelTransport()) if on_cuda else False
             except (OSError, RuntimeError, ValueError, AttributeError):
                 TRANSPORT = False
     return TRANSPORT is not False
+
+
+def _checked(transport: KernelTransport) -> KernelTransport | bool:
+    """``transport`` if a round trip through it returns every byte (its kernels compile
+    and read and write pinned memory here), else False: staging is then not used."""
+    data = np.random.default_rng(0).integers(0, 256, (1 << 20) + 13, dtype=np.uint8)
+    back = -(-data.nbytes // 64) * 64
+    slot = transport.slot(back + data.nbytes)
+    np.copyto(slot.array[: data.nbytes], data)
+    device = transport.to_device(slot, data.nbytes)
+    transport.to_host(device, slot, back)
+    ok = bool(np.array_equal(slot.array[back : back + data.nbytes], data))
+    del device
+    slot.release()
+    return transport if ok else False
 
 
 def _transport() -> Transport:
@@ -314,11 +344,12 @@ def upload(specs: Sequence[LeafSpec], fill: Fill) -> list[mx.array]:
         view = slot.array[:nbytes].view(numpy_dtype(name)).reshape(shape)
         fill(i, view)
         flat = transport.to_device(slot, nbytes)
-        return flat.view(MLX_DTYPES[name]).reshape(shape)
+        # Evaluated here: MLX evaluates a graph only on the thread whose stream built it.
+        array = flat.view(MLX_DTYPES[name]).reshape(shape)
+        mx.eval(array)
+        return array
 
-    arrays = list(_pool().map(one, range(len(specs))))
-    mx.eval(arrays)
-    return arrays
+    return list(_pool().map(one, range(len(specs))))
 
 
 def download(arrays: Sequence[mx.array], slot: PinnedBuffer, offsets: Sequence[int]) -> None:
