@@ -30,7 +30,7 @@ SMALL = Sizes(("qwen0.5b",), (256, 512))
 
 
 def test_every_figure_of_benchmarks_md_is_in_the_table_under_its_own_id():
-    assert list(FIGURES) == [f"P{i}" for i in range(1, 12)] + ["D1"]
+    assert list(FIGURES) == [f"P{i}" for i in range(1, 12)] + ["D1"] + [f"G{i}" for i in range(1, 5)]
     for fid, figure in FIGURES.items():
         assert figure.id == fid and figure.title and figure.peer
     assert all(FIGURES[f"P{i}"].bars for i in range(1, 12))  # every P-figure has its bar(s)

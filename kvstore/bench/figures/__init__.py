@@ -11,6 +11,9 @@ from kvstore.bench.figures import (
     concurrent,
     decode,
     dedup_bytes,
+    gpu_namespace,
+    gpu_save,
+    gpu_ttft,
     lookup,
     redis_restore,
     restore,
@@ -37,4 +40,9 @@ FIGURES: dict[str, Figure] = {
     "P10": lookup.P10,
     "P11": turboquant_speed.FIGURE,
     "D1": decode.FIGURE,
+    # On a GPU (BENCHMARKS.md "On a GPU"; tools/bench/gpu/run.sh runs them there).
+    "G1": gpu_ttft.G1,
+    "G2": gpu_ttft.G2,
+    "G3": gpu_save.G3,
+    "G4": gpu_namespace.G4,
 }
