@@ -140,14 +140,15 @@ _BODY = """
     out[2 * r + 1] = kvs_avalanche(hi);
 """
 
-_LOCK = threading.Lock()
+_KERNEL_LOCK = threading.Lock()
+_POOL_LOCK = threading.Lock()
 _KERNEL: Any = None  # None: not tried yet; False: not usable here
 _POOL: ThreadPoolExecutor | None = None
 
 
 def _pool() -> ThreadPoolExecutor:
     global _POOL
-    with _LOCK:
+    with _POOL_LOCK:
         if _POOL is None:
             _POOL = ThreadPoolExecutor(
                 max(1, min(16, os.cpu_count() or 1)), thread_name_prefix="kvstore-digest"
@@ -184,29 +185,40 @@ def _host_digests(views: Sequence[memoryview]) -> list[str]:
 def _kernel() -> Any:
     """The CUDA row-digest kernel, checked against ``xxhash`` once; False if unusable."""
     global _KERNEL
-    with _LOCK:
-        if _KERNEL is not None:
-            return _KERNEL
-        _KERNEL = False
-        try:
-            import mlx.core as mx
-
-            if not (mx.cuda.is_available() and mx.default_device() == mx.gpu):
-                return _KERNEL
-            secret = ", ".join(f"0x{_SECRET[i:i + 2]}" for i in range(0, len(_SECRET), 2))
-            kernel = mx.fast.cuda_kernel(
-                name="kvstore_row_digests",
-                input_names=["params", "inp"],
-                output_names=["out"],
-                source=_BODY,
-                header=_HEADER % {"row": ROW_BYTES, "secret": secret},
-            )
-            probe = np.random.default_rng(0).integers(0, 256, 3 * ROW_BYTES + 4099, dtype=np.uint8)
-            if _device_digests(kernel, [mx.array(probe)]) == _host_digests([memoryview(probe)]):
-                _KERNEL = kernel
-        except Exception:  # noqa: BLE001 - any failure means: hash on the host
+    with _KERNEL_LOCK:
+        if _KERNEL is None:
             _KERNEL = False
+            try:
+                import mlx.core as mx
+
+                if mx.cuda.is_available() and mx.default_device() == mx.gpu:
+                    _KERNEL = checked_kernel(_build_kernel())
+            except Exception:  # noqa: BLE001 - any failure means: hash on the host
+                _KERNEL = False
         return _KERNEL
+
+
+def _build_kernel() -> Any:
+    import mlx.core as mx
+
+    secret = ", ".join(f"0x{_SECRET[i:i + 2]}" for i in range(0, len(_SECRET), 2))
+    return mx.fast.cuda_kernel(
+        name="kvstore_row_digests",
+        input_names=["params", "inp"],
+        output_names=["out"],
+        source=_BODY,
+        header=_HEADER % {"row": ROW_BYTES, "secret": secret},
+    )
+
+
+def checked_kernel(kernel: Any) -> Any:
+    """``kernel`` if it hashes random rows (a partial last one too) as ``xxhash`` does,
+    else False. Computed here on one thread: the caller may hold a lock."""
+    import mlx.core as mx
+
+    probe = np.random.default_rng(0).integers(0, 256, 3 * ROW_BYTES + 4099, dtype=np.uint8)
+    want = xxhash.xxh3_128_hexdigest(row_digests_host(memoryview(probe)))
+    return kernel if _device_digests(kernel, [mx.array(probe)]) == [want] else False
 
 
 def _device_digests(kernel: Any, arrays: Sequence[Any]) -> list[str]:
