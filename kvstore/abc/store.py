@@ -278,7 +278,6 @@ class StoreSettings:
         return self.namespace_budgets.get(namespace, self.namespace_max_bytes)
 
 
-
 class MissReason:
     """Why a lookup or a read served nothing (keys of ``StoreStats.misses``)."""
 

@@ -160,9 +160,10 @@ def git_revision(directory: str | os.PathLike[str] | None = None) -> dict[str, A
         import kvstore
 
         directory = Path(kvstore.__file__).resolve().parent
-    revision = _git(directory, "rev-parse", "HEAD")
-    if revision is None:
+    head = _git(directory, "rev-parse", "HEAD")
+    if head is None:
         return None
+    revision = head
     status = _git(directory, "status", "--porcelain", "--untracked-files=no")
     return {
         "revision": revision,

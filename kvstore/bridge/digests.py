@@ -22,7 +22,7 @@ import os
 import threading
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import xxhash
@@ -133,8 +133,9 @@ _BODY = """
     unsigned long long hi = ~(KVS_ROW * KVS_P64_2);
     #pragma unroll
     for (int i = 0; i < 4; ++i) {
-        lo += kvs_fold(acc[2 * i] ^ kvs_sec64(11 + 16 * i), acc[2 * i + 1] ^ kvs_sec64(19 + 16 * i));
-        hi += kvs_fold(acc[2 * i] ^ kvs_sec64(117 + 16 * i), acc[2 * i + 1] ^ kvs_sec64(125 + 16 * i));
+        unsigned long long a = acc[2 * i], b = acc[2 * i + 1];
+        lo += kvs_fold(a ^ kvs_sec64(11 + 16 * i), b ^ kvs_sec64(19 + 16 * i));
+        hi += kvs_fold(a ^ kvs_sec64(117 + 16 * i), b ^ kvs_sec64(125 + 16 * i));
     }
     out[2 * r] = kvs_avalanche(lo);
     out[2 * r + 1] = kvs_avalanche(hi);
@@ -201,7 +202,7 @@ def _kernel() -> Any:
 def _build_kernel() -> Any:
     import mlx.core as mx
 
-    secret = ", ".join(f"0x{_SECRET[i:i + 2]}" for i in range(0, len(_SECRET), 2))
+    secret = ", ".join(f"0x{_SECRET[i : i + 2]}" for i in range(0, len(_SECRET), 2))
     return mx.fast.cuda_kernel(
         name="kvstore_row_digests",
         input_names=["params", "inp"],
@@ -217,7 +218,7 @@ def checked_kernel(kernel: Any) -> Any:
     import mlx.core as mx
 
     probe = np.random.default_rng(0).integers(0, 256, 3 * ROW_BYTES + 4099, dtype=np.uint8)
-    want = xxhash.xxh3_128_hexdigest(row_digests_host(memoryview(probe)))
+    want = xxhash.xxh3_128_hexdigest(row_digests_host(memoryview(cast(Any, probe))))
     return kernel if _device_digests(kernel, [mx.array(probe)]) == [want] else False
 
 
@@ -265,5 +266,6 @@ def array_digests(arrays: Sequence[Any]) -> list[str]:
     for array in arrays:
         contiguous = mx.contiguous(array)
         mx.eval(contiguous)
-        views.append(memoryview(contiguous).cast("B"))  # MLX arrays export the buffer protocol
+        # MLX arrays export the buffer protocol (the stubs do not say so).
+        views.append(memoryview(cast(Any, contiguous)).cast("B"))
     return _host_digests(views)

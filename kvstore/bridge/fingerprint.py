@@ -16,12 +16,12 @@
 
 Weight files are hashed with xxh3-128 (about 10 GB/s a core, files on
 several cores at once, so the first fingerprint of a multi-GB model costs
-about what reading it from the page cache does) and the per-file digests are cached by file identity (path,
-size, mtime_ns, inode, device) in ``$XDG_CACHE_HOME/kvstore/file-digests.json``
-(``~/.cache/...`` by default), so a repeat costs a few ``stat`` calls. A
-non-cryptographic hash is enough here: namespaces separate models that
-differ by accident; anyone able to write into a shared store can write any
-key anyway. Block keys, which address content, use BLAKE2b.
+about what reading it from the page cache does) and the per-file digests
+are cached by file identity (path, size, mtime_ns, inode, device) in
+``$XDG_CACHE_HOME/kvstore/file-digests.json`` (``~/.cache/...`` by default),
+so a repeat costs a few ``stat`` calls. A non-cryptographic hash is enough
+here: namespaces separate models that differ by accident; anyone able to
+write into a shared store can write any key anyway. Block keys, which address content, use BLAKE2b.
 
 ``namespace_for(fingerprint, layer_layout, tenant=None)`` folds the
 fingerprint, the cache geometry and an optional tenant salt into 16 hex

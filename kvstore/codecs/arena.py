@@ -23,7 +23,7 @@ import sys
 import threading
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, cast
 
 import mlx.core as mx
 import numpy as np
@@ -65,7 +65,12 @@ class _Arena:
         array = self.array
         # Held by this arena and the getrefcount argument only: no record of it is alive.
         free = array is not None and sys.getrefcount(array) <= 2 + (self.pinned is not None)
-        if not free or array is None or array.nbytes < nbytes or (self.pinned is not None) != pinned:
+        if (
+            not free
+            or array is None
+            or array.nbytes < nbytes
+            or (self.pinned is not None) != pinned
+        ):
             size = max(nbytes, int(1.25 * array.nbytes) if free and array is not None else 0)
             self.array = None
             if pinned:
@@ -101,7 +106,9 @@ def write_records(plans: Sequence[RecordPlan]) -> list[memoryview]:
         heads = [len(plan.head((1 << 64) - 1)) for plan in plans]
         payloads = [device_payload(plan) for plan in plans]
         cuda.download(
-            payloads, _arena().pinned, [start + head for start, head in zip(starts, heads, strict=True)]
+            payloads,
+            _arena().pinned,
+            [start + head for start, head in zip(starts, heads, strict=True)],
         )
         del payloads
 
@@ -112,5 +119,5 @@ def write_records(plans: Sequence[RecordPlan]) -> list[memoryview]:
         lengths = [one(i) for i in range(len(plans))]
     else:
         lengths = list(_pool().map(one, range(len(plans))))
-    view = memoryview(buffer)
+    view = memoryview(cast(Any, buffer))
     return [view[start : start + n] for start, n in zip(starts, lengths, strict=True)]

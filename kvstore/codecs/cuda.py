@@ -40,7 +40,7 @@ import os
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Protocol
+from typing import Any, Protocol
 
 import mlx.core as mx
 import numpy as np
@@ -194,6 +194,9 @@ class Transport(Protocol):
 
 class KernelTransport:
     """The real one: the driver for pinned memory, MLX CUDA kernels for the copies."""
+
+    _upload: Any
+    _download: Any
 
     def __init__(self) -> None:
         self.driver = Driver()
@@ -364,4 +367,3 @@ def download(arrays: Sequence[mx.array], slot: PinnedBuffer, offsets: Sequence[i
 def new_buffer(nbytes: int) -> PinnedBuffer:
     """A pinned buffer of at least ``nbytes`` (a save's record arena)."""
     return _transport().slot(nbytes)
-

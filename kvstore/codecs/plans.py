@@ -178,7 +178,8 @@ def as_device(piece: Any) -> mx.array:
     if cuda.available():
         view = np.ascontiguousarray(piece)
         name = dtype_name(view)
-        return cuda.upload([(tuple(view.shape), name)], lambda _, target: np.copyto(target, view))[0]
+        spec = [(tuple(view.shape), name)]
+        return cuda.upload(spec, lambda _, target: np.copyto(target, view))[0]
     from kvstore.codecs.arrays import as_mlx
 
     return as_mlx(piece)
@@ -195,8 +196,11 @@ def run_plans(plans: Sequence[RestorePlan]) -> list[Any]:
     mx.eval([a for plan in plans if isinstance(plan, CachePlan) for a in plan.lazy()])
     on_gpu = cuda.available()
     columns = [c for plan in plans if isinstance(plan, CachePlan) for c in plan.columns()]
-    joined = {i: join.join_on_device(col) for i, (join, col) in enumerate(columns)
-              if on_gpu and join.holds_mlx(col)}
+    joined = {
+        i: join.join_on_device(col)
+        for i, (join, col) in enumerate(columns)
+        if on_gpu and join.holds_mlx(col)
+    }
     writers = [(i, c) for i, c in enumerate(columns) if i not in joined]
 
     def fill(k: int, target: np.ndarray) -> None:
@@ -263,11 +267,11 @@ def join_runs(layers: Sequence[Sequence[Snapshot]]) -> list[list[Snapshot]]:
     for grouped in runs:
         layer = []
         for run in grouped:
-            rows = joined.get(id(run))
-            if rows is None:
+            cut = joined.get(id(run))
+            if cut is None:
                 layer.extend(run)
                 continue
-            tensors = {**run[0].tensors, **rows}
+            tensors = {**run[0].tensors, **cut}
             first, last = run[0], run[-1]
             layer.append(Snapshot(first.signature, first.start, last.stop, tensors, last.meta))
         out.append(layer)
@@ -285,7 +289,8 @@ def _row_names(run: Sequence[Snapshot]) -> list[str]:
         name
         for name in run[0].tensors
         if all(
-            name in s.tensors and len(s.tensors[name].shape) >= 3
+            name in s.tensors
+            and len(s.tensors[name].shape) >= 3
             and int(s.tensors[name].shape[2]) == s.tokens
             for s in run
         )

@@ -209,9 +209,9 @@ def plan_record(
         manifest = tensor_manifest(snap)
         for entry, array in zip(manifest, snap.tensors.values(), strict=True):
             start = _align(end)
-            nbytes = int(np.prod(entry["shape"], dtype=np.int64)) * numpy_dtype(
-                entry["dtype"]
-            ).itemsize
+            nbytes = (
+                int(np.prod(entry["shape"], dtype=np.int64)) * numpy_dtype(entry["dtype"]).itemsize
+            )
             entry.update(offset=start, nbytes=nbytes)
             tensors.append((array, start))
             end = start + nbytes
@@ -271,7 +271,7 @@ def write_record(plan: RecordPlan, out: np.ndarray, *, payload_written: bool = F
             np.copyto(target, view, casting="no")
             end = offset + view.nbytes
         payload[end:] = 0
-    head = plan.head(xxhash.xxh3_64_intdigest(payload))
+    head = plan.head(xxhash.xxh3_64_intdigest(payload.data))
     if len(head) != planned:  # a checksum that packs shorter moved the payload: rare
         out[len(head) : len(head) + plan.payload_nbytes] = payload.copy()
     out[: len(head)] = np.frombuffer(head, np.uint8)

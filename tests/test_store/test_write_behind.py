@@ -31,9 +31,10 @@ def tiny():
 def test_a_save_handed_off_stores_the_records_a_save_would(tmp_path, tiny, policy):
     model, tokens, caches = tiny
     kw = {} if policy == "lossless" else {"storage_policy": policy}
-    with open_store(f"lmdb://{tmp_path / 'a'}", block_size=BLOCK, **kw) as a, open_store(
-        f"lmdb://{tmp_path / 'b'}", block_size=BLOCK, **kw
-    ) as b:
+    with (
+        open_store(f"lmdb://{tmp_path / 'a'}", block_size=BLOCK, **kw) as a,
+        open_store(f"lmdb://{tmp_path / 'b'}", block_size=BLOCK, **kw) as b,
+    ):
         handle = a.save_behind("ns", tokens, caches)
         assert handle.held_s >= 0
         got, want = handle.result(timeout=60), b.save("ns", tokens, caches)
@@ -125,7 +126,9 @@ def test_the_hand_off_copies_the_rows_the_cache_may_overwrite(tmp_path):
         for cache in caches:  # overwrite the live rows before the writer reads anything
             cache.trim(len(tokens))
             shape = (1, cache.keys.shape[1], len(tokens), cache.keys.shape[3])
-            cache.update_and_fetch(mx.ones(shape, cache.keys.dtype), mx.ones(shape, cache.keys.dtype))
+            cache.update_and_fetch(
+                mx.ones(shape, cache.keys.dtype), mx.ones(shape, cache.keys.dtype)
+            )
         mx.eval([c.keys for c in caches])
         gate.set()
         store.flush()

@@ -220,6 +220,7 @@ class GpuSetup:
         options: dict[str, Any] = {"map_size": 3 * self.kv_bytes + (256 << 20)}
         if policy != "lossless":
             options["storage_policy"] = policy
+        assert self.caches is not None
         with open_store(url, **options) as store:
             store.save(self.namespace, self.prompt, self.caches)
             store.flush()

@@ -63,8 +63,10 @@ def _save_case(setup: G.GpuSetup, name: str, policy: str, held: list[float]) -> 
     store = open_store(f"lmdb://{setup.directory / ('g3-' + slug)}", touch_interval=0, **kw)
     assert setup.caches is not None and setup.prompt is not None
 
+    caches = setup.caches
+
     def run() -> None:
-        handle = store.save_behind(setup.namespace, setup.prompt, setup.caches)
+        handle = store.save_behind(setup.namespace, setup.prompt, caches)
         held.append(handle.held_s)
         store.flush()
         if not handle.result().written:
@@ -75,6 +77,21 @@ def _save_case(setup: G.GpuSetup, name: str, policy: str, held: list[float]) -> 
         store.flush()
 
     return Case(name, "ours", run, reset=reset), store
+
+
+def _peer_case(setup: G.GpuSetup, path: Any, save_prompt_cache: Any) -> Case:
+    """mlx-lm's save of the same KV, into caches made fresh on the device before each call."""
+    state: dict[str, Any] = {}
+    assert setup.caches is not None
+
+    def peer() -> None:
+        save_prompt_cache(str(path), state["caches"])
+
+    def fresh() -> None:
+        path.unlink(missing_ok=True)
+        state["caches"] = _mlx_lm_caches(setup.caches, setup.tokens)  # type: ignore[arg-type]
+
+    return Case(PEER, "peer", peer, reset=fresh)
 
 
 def _steps(setup: G.GpuSetup, store: Any) -> tuple[float, float]:
@@ -125,17 +142,10 @@ def run(ctx: BenchContext) -> FigureResult:
                 cases.append(case)
                 stores.append(other)
         path = setup.directory / "g3-mlx-lm.safetensors"
-        state: dict[str, Any] = {}
-
-        def peer() -> None:
-            save_prompt_cache(str(path), state["caches"])
-
-        def fresh() -> None:
-            path.unlink(missing_ok=True)
-            state["caches"] = _mlx_lm_caches(setup.caches, tokens)  # type: ignore[arg-type]
-
-        cases.append(Case(PEER, "peer", peer, reset=fresh))
-        ratios = [Ratio(f"{c.name} vs mlx-lm save", c.name, PEER) for c in cases if c.role == "ours"]
+        cases.append(_peer_case(setup, path, save_prompt_cache))
+        ratios = [
+            Ratio(f"{c.name} vs mlx-lm save", c.name, PEER) for c in cases if c.role == "ours"
+        ]
         row = ctx.measure(
             f"llama8b {tokens}", {"tokens": tokens, "mib": setup.kv_bytes / MIB}, cases, ratios
         )

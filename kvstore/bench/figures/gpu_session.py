@@ -48,14 +48,21 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         cache.update_and_fetch(mx.zeros(shape, dtype), mx.zeros(shape, dtype))
     mx.eval(model(last, caches))
     store = None
-    from mlx_lm.models.cache import load_prompt_cache  # imported before the clock, as a server has it
+    from mlx_lm.models.cache import (
+        load_prompt_cache,
+    )  # imported before the clock, as a server has it
 
     if spec["case"] == "ours":
         from kvstore.store import open_store
 
         store = open_store(spec["url"], readonly=True)
         head = prompt[: min(n, store.block_size + 1)]
-        mx.eval([c.keys for c in store.restore(store.lookup(spec["namespace"], head), model.make_cache())])
+        mx.eval(
+            [
+                c.keys
+                for c in store.restore(store.lookup(spec["namespace"], head), model.make_cache())
+            ]
+        )
     del caches
     gc.collect()
     mx.clear_cache()

@@ -76,7 +76,11 @@ def run_g1(ctx: BenchContext) -> FigureResult:
         ours = setup.run_sessions("lossless", "ours")
         peer = setup.run_sessions("mlx-lm", "mlx-lm")
         _check(ours, tokens)
-        samples = {COLD: setup.cold, WARM: [s.total_s for s in ours], PEER: [s.total_s for s in peer]}
+        samples = {
+            COLD: setup.cold,
+            WARM: [s.total_s for s in ours],
+            PEER: [s.total_s for s in peer],
+        }
         cold = _median(setup.cold)
         values = {
             RATIO: _median(samples[WARM]) / cold,

@@ -680,4 +680,3 @@ class BlockPrefixStore(CacheMethods, PrefixStore):
             self._counters.add(corruptions=len(report.corrupt))
             report = replace(report, repaired=True)
         return report
-

@@ -34,8 +34,8 @@ from __future__ import annotations
 import atexit
 import logging
 import threading
-import weakref
 import time
+import weakref
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -144,10 +144,14 @@ class WriteBehind:
         job = _Job(namespace, np.array(toks), encoder, pending)
         with self._cond:
             if self._closed:
-                raise StoreError(f"[save] The store {self._store.url} is closed.", url=self._store.url)
+                raise StoreError(
+                    f"[save] The store {self._store.url} is closed.", url=self._store.url
+                )
             self._queue.append(job)
             if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="kvstore-writer", daemon=True)
+                self._thread = threading.Thread(
+                    target=self._run, name="kvstore-writer", daemon=True
+                )
                 self._thread.start()
                 # A process that exits without closing its store still commits what it handed off.
                 atexit.register(_close_at_exit, weakref.ref(self))
@@ -288,7 +292,7 @@ class HandedOff(BlockEncoder):
     def layers(self, start: int, stop: int) -> list[Snapshot | None]:
         out: list[Snapshot | None] = []
         assert self._codecs is not None
-        for i, codec in enumerate(self._codecs):
+        for i in range(len(self._codecs)):
             whole = self._ranges.get(i)
             if whole is not None and whole.start <= start and stop <= whole.stop:
                 # The policy's encoding of the whole range once, then cut (one encode a layer).

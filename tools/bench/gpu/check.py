@@ -44,7 +44,9 @@ def main() -> int:
 
     sizes = [int(np.prod(s)) * (2 if n == "bfloat16" else np.dtype(n).itemsize) for s, n in specs]
     # Finite float bit patterns (a NaN's bits need not survive a float view).
-    want = [np.random.default_rng(i).integers(0, 64, n, dtype=np.uint8) for i, n in enumerate(sizes)]
+    want = [
+        np.random.default_rng(i).integers(0, 64, n, dtype=np.uint8) for i, n in enumerate(sizes)
+    ]
 
     def fill(i: int, view: np.ndarray) -> None:
         view.reshape(-1).view(np.uint8)[:] = want[i]
@@ -64,7 +66,8 @@ def main() -> int:
     host = digests._host_digests([memoryview(np.asarray(probe))])
     ok = device == host
     failed += not ok
-    print(f"row digests here == host: {ok} (kernel {digests._kernel() is not False}, {elapsed * 1e3:.0f} ms)", flush=True)
+    kernel = digests._kernel() is not False
+    print(f"row digests here == host: {ok} (kernel {kernel}, {elapsed * 1e3:.0f} ms)", flush=True)
     return 1 if failed else 0
 
 

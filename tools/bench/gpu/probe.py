@@ -1,3 +1,4 @@
+# ruff: noqa: B023, E501, E731 - a one-off diagnostic, kept as it ran on the device
 """One call's worth of measurements on the GPU machine, to choose the data path by.
 
     python3 tools/bench/gpu/probe.py [OUT_DIR]
@@ -102,7 +103,9 @@ def host() -> None:
         def par(target: np.ndarray) -> None:
             list(
                 pool.map(
-                    lambda i: np.copyto(target[i * step : (i + 1) * step], src[i * step : (i + 1) * step]),
+                    lambda i: np.copyto(
+                        target[i * step : (i + 1) * step], src[i * step : (i + 1) * step]
+                    ),
                     range(threads),
                 )
             )
@@ -224,7 +227,7 @@ def pinned_section() -> None:
     # register an existing numpy buffer
     cu = cuda_driver()
     other = np.zeros(256 * MiB, np.uint8)
-    other[:: 4096] = 1
+    other[::4096] = 1
     t = time.perf_counter()
     code = cu.cuMemHostRegister_v2(
         ctypes.c_void_p(other.ctypes.data), ctypes.c_size_t(other.nbytes), ctypes.c_uint(0x02)
@@ -243,7 +246,9 @@ def kernels() -> None:
     n = 256 * MiB
     src = np.random.default_rng(1).integers(0, 255, n, dtype=np.uint8)
     np.copyto(host_view, src)
-    h2d = mx.fast.cuda_kernel(name="kv_h2d", input_names=["params"], output_names=["out"], source=_H2D)
+    h2d = mx.fast.cuda_kernel(
+        name="kv_h2d", input_names=["params"], output_names=["out"], source=_H2D
+    )
     params = mx.array(np.array([ptr, n // 16], np.uint64))
 
     def run_h2d(blocks: int = 1024, threads: int = 256) -> mx.array:
@@ -304,15 +309,22 @@ def kernels() -> None:
     target = mx.zeros((n // 4,), mx.uint32)
     mx.eval(target)
     (addr,) = addr_k(
-        inputs=[target], output_shapes=[(1,)], output_dtypes=[mx.uint64], grid=(1, 1, 1),
+        inputs=[target],
+        output_shapes=[(1,)],
+        output_dtypes=[mx.uint64],
+        grid=(1, 1, 1),
         threadgroup=(1, 1, 1),
     )
     dptr = int(addr.item())
 
     def dma_h2d() -> None:
         cu_check(
-            cu.cuMemcpyHtoDAsync_v2(ctypes.c_uint64(dptr), ctypes.c_void_p(host_view.ctypes.data),
-                                    ctypes.c_size_t(n), stream),
+            cu.cuMemcpyHtoDAsync_v2(
+                ctypes.c_uint64(dptr),
+                ctypes.c_void_p(host_view.ctypes.data),
+                ctypes.c_size_t(n),
+                stream,
+            ),
             "cuMemcpyHtoDAsync",
         )
         cu_check(cu.cuStreamSynchronize(stream), "cuStreamSynchronize")
@@ -322,15 +334,24 @@ def kernels() -> None:
     report("dma h2d bit-exact", ok=bool(np.array_equal(np.asarray(target.view(mx.uint8)), src)))
     target = mx.zeros((n // 4,), mx.uint32)
     mx.eval(target)
-    (addr,) = addr_k(inputs=[target], output_shapes=[(1,)], output_dtypes=[mx.uint64],
-                     grid=(1, 1, 1), threadgroup=(1, 1, 1))
+    (addr,) = addr_k(
+        inputs=[target],
+        output_shapes=[(1,)],
+        output_dtypes=[mx.uint64],
+        grid=(1, 1, 1),
+        threadgroup=(1, 1, 1),
+    )
     dptr = int(addr.item())
     report("dma h2d 256MiB (cuMemcpyHtoDAsync pinned)", timed(dma_h2d), n)
 
     def dma_d2h() -> None:
         cu_check(
-            cu.cuMemcpyDtoHAsync_v2(ctypes.c_void_p(host_view.ctypes.data), ctypes.c_uint64(dptr),
-                                    ctypes.c_size_t(n), stream),
+            cu.cuMemcpyDtoHAsync_v2(
+                ctypes.c_void_p(host_view.ctypes.data),
+                ctypes.c_uint64(dptr),
+                ctypes.c_size_t(n),
+                stream,
+            ),
             "cuMemcpyDtoHAsync",
         )
         cu_check(cu.cuStreamSynchronize(stream), "cuStreamSynchronize")
@@ -341,8 +362,12 @@ def kernels() -> None:
 
     def dma_pageable() -> None:
         cu_check(
-            cu.cuMemcpyHtoDAsync_v2(ctypes.c_uint64(dptr), ctypes.c_void_p(pageable.ctypes.data),
-                                    ctypes.c_size_t(n), stream),
+            cu.cuMemcpyHtoDAsync_v2(
+                ctypes.c_uint64(dptr),
+                ctypes.c_void_p(pageable.ctypes.data),
+                ctypes.c_size_t(n),
+                stream,
+            ),
             "cuMemcpyHtoDAsync pageable",
         )
         cu_check(cu.cuStreamSynchronize(stream), "cuStreamSynchronize")
@@ -358,7 +383,9 @@ def pipeline() -> None:
 
     leaves, size = 64, 8 * MiB
     source = np.random.default_rng(8).integers(0, 255, leaves * size, dtype=np.uint8)
-    h2d = mx.fast.cuda_kernel(name="kv_h2d", input_names=["params"], output_names=["out"], source=_H2D)
+    h2d = mx.fast.cuda_kernel(
+        name="kv_h2d", input_names=["params"], output_names=["out"], source=_H2D
+    )
     for workers in (1, 4, 8, 12):
         slots = [pinned(size) for _ in range(workers)]
         lock = threading.Lock()
@@ -374,8 +401,13 @@ def pipeline() -> None:
                 if i is None:
                     return
                 np.copyto(view, source[i * size : (i + 1) * size])
-                (out,) = h2d(inputs=[params], output_shapes=[(size // 4,)], output_dtypes=[mx.uint32],
-                             grid=(1024 * 256, 1, 1), threadgroup=(256, 1, 1))
+                (out,) = h2d(
+                    inputs=[params],
+                    output_shapes=[(size // 4,)],
+                    output_dtypes=[mx.uint32],
+                    grid=(1024 * 256, 1, 1),
+                    threadgroup=(256, 1, 1),
+                )
                 mx.eval(out)
                 outs[i] = out
 
@@ -389,8 +421,13 @@ def pipeline() -> None:
                 t.join()
 
         run()
-        ok = all(np.array_equal(np.asarray(outs[i].view(mx.uint8)), source[i * size : (i + 1) * size]) for i in (0, leaves // 2, leaves - 1))
-        report(f"pipeline 64x8MiB pinned+kernel {workers} workers", timed(run, 3), leaves * size, ok=ok)
+        ok = all(
+            np.array_equal(np.asarray(outs[i].view(mx.uint8)), source[i * size : (i + 1) * size])
+            for i in (0, leaves // 2, leaves - 1)
+        )
+        report(
+            f"pipeline 64x8MiB pinned+kernel {workers} workers", timed(run, 3), leaves * size, ok=ok
+        )
 
 
 # -- MLX's own ways in and out --------------------------------------------------------------
@@ -443,12 +480,20 @@ def mlx_io() -> None:
     RESULTS.pop("_d2h")
     for _ in range(3):
         to_numpy()
-    report("np.asarray(gpu array) 16x8MiB (raw_ptr migration)", statistics.median(RESULTS.pop("_d2h")), 128 * MiB)
+    report(
+        "np.asarray(gpu array) 16x8MiB (raw_ptr migration)",
+        statistics.median(RESULTS.pop("_d2h")),
+        128 * MiB,
+    )
     # a GPU op on an array that was migrated to managed memory
     migrated = dev[0] + mx.array(2, mx.uint16)
     mx.eval(migrated)
     np.asarray(migrated)
-    report("gpu op on migrated 8MiB", timed(lambda: mx.eval(migrated * mx.array(3, mx.uint16))), 8 * MiB)
+    report(
+        "gpu op on migrated 8MiB",
+        timed(lambda: mx.eval(migrated * mx.array(3, mx.uint16))),
+        8 * MiB,
+    )
     fresh = dev[1] + mx.array(2, mx.uint16)
     mx.eval(fresh)
     report("gpu op on device 8MiB", timed(lambda: mx.eval(fresh * mx.array(3, mx.uint16))), 8 * MiB)
@@ -475,7 +520,10 @@ def device_hash() -> None:
     def row_hash(w: mx.array) -> mx.array:
         rows = w.reshape(-1, width)
         r = mx.arange(rows.shape[0], dtype=mx.uint32)[:, None] * mx.array(0x9E3779B9, mx.uint32)
-        lanes = [mx.sum(mix(mx.bitwise_xor(rows, k * mx.array(2 * j + 1, mx.uint32)) + r), axis=1) for j in range(4)]
+        lanes = [
+            mx.sum(mix(mx.bitwise_xor(rows, k * mx.array(2 * j + 1, mx.uint32)) + r), axis=1)
+            for j in range(4)
+        ]
         return mx.stack(lanes, axis=1)
 
     t = time.perf_counter()
@@ -520,15 +568,26 @@ def turboquant() -> None:
         report(f"tq{bits} encode 1 layer 4096", timed(enc), nbytes)
         codes = [kq.encode(keys), vq.encode(values)]
         mx.eval(codes)
-        dec = lambda: mx.eval([kq.decode(*codes[0], mx.bfloat16), vq.decode(*codes[1], mx.bfloat16)])  # noqa: E731
+        dec = lambda: mx.eval(
+            [kq.decode(*codes[0], mx.bfloat16), vq.decode(*codes[1], mx.bfloat16)]
+        )  # noqa: E731
         report(f"tq{bits} decode 1 layer 4096", timed(dec), nbytes)
 
 
 def llama8b_config() -> dict[str, Any]:
     if SMALL:
-        return {"model_type": "llama", "hidden_size": 256, "num_hidden_layers": 2,
-                "intermediate_size": 512, "num_attention_heads": 4, "num_key_value_heads": 2,
-                "head_dim": 64, "vocab_size": 1000, "rms_norm_eps": 1e-5, "rope_theta": 1e4}
+        return {
+            "model_type": "llama",
+            "hidden_size": 256,
+            "num_hidden_layers": 2,
+            "intermediate_size": 512,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "head_dim": 64,
+            "vocab_size": 1000,
+            "rms_norm_eps": 1e-5,
+            "rope_theta": 1e4,
+        }
     return {
         "model_type": "llama",
         "hidden_size": 4096,
@@ -554,7 +613,9 @@ def model_section() -> None:
     model = build_model(llama8b_config(), seed=0, dtype=mx.bfloat16)
     report("build llama8b bf16 (seeded)", time.perf_counter() - t)
     RESULTS["_model"] = model
-    prompt = mx.array(np.random.default_rng(7).integers(0, 1000 if SMALL else 128256, (1, 4096)), mx.int32)
+    prompt = mx.array(
+        np.random.default_rng(7).integers(0, 1000 if SMALL else 128256, (1, 4096)), mx.int32
+    )
 
     def prefill() -> list[Any]:
         caches = model.make_cache()
@@ -607,12 +668,20 @@ def kvstore_main() -> None:
         logits = model(mx.array([[1]], mx.int32), restored)
         mx.eval(logits)
         t3 = time.perf_counter()
-        report(f"main restore 4096 #{i}", t2 - t1, lookup_ms=round((t1 - t) * 1e3, 2), forward_ms=round((t3 - t2) * 1e3, 2))
+        report(
+            f"main restore 4096 #{i}",
+            t2 - t1,
+            lookup_ms=round((t1 - t) * 1e3, 2),
+            forward_ms=round((t3 - t2) * 1e3, 2),
+        )
     store.close()
     shutil.rmtree(path, ignore_errors=True)
     from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
 
-    report("mlx-lm save_prompt_cache 4096", timed(lambda: save_prompt_cache("/tmp/probe.safetensors", caches), 2))
+    report(
+        "mlx-lm save_prompt_cache 4096",
+        timed(lambda: save_prompt_cache("/tmp/probe.safetensors", caches), 2),
+    )
     for i in range(2):
         t = time.perf_counter()
         loaded = load_prompt_cache("/tmp/probe.safetensors")
@@ -637,11 +706,28 @@ def main() -> None:
     print("mlx", mx.__version__, mx.default_device(), "cores", os.cpu_count(), flush=True)
     try:
         q = subprocess.run(["nvidia-smi", "-q"], capture_output=True, text=True).stdout
-        print("\n".join(line for line in q.splitlines() if "Link" in line or "Gen" in line or "Width" in line)[:800])
+        print(
+            "\n".join(
+                line
+                for line in q.splitlines()
+                if "Link" in line or "Gen" in line or "Width" in line
+            )[:800]
+        )
     except OSError as exc:
         print("nvidia-smi:", exc)
-    for fn in (host, disk, pinned_section, kernels, pipeline, mlx_io, device_hash, turboquant, model_section,
-               kvstore_main, fresh_process):
+    for fn in (
+        host,
+        disk,
+        pinned_section,
+        kernels,
+        pipeline,
+        mlx_io,
+        device_hash,
+        turboquant,
+        model_section,
+        kvstore_main,
+        fresh_process,
+    ):
         fn()
     clean = {k: v for k, v in RESULTS.items() if not k.startswith("_")}
     with open(os.path.join(out, "probe.json"), "w") as f:
