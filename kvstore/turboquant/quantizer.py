@@ -162,6 +162,9 @@ class TurboQuantizer:
         table = codebook(bits)
         self.centroids = mx.array(table.centroids.astype(np.float32))
         self.squared_centroids = self.centroids * self.centroids
+        # Quantizers are shared across threads (quantizer_for caches them, a writer thread
+        # may build one first); MLX evaluates a graph only on the thread that built it.
+        mx.eval(self.squared_centroids)
         self.words = packed_words(dim, bits)
 
     def __repr__(self) -> str:
