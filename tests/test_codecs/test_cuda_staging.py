@@ -80,7 +80,7 @@ def test_a_restore_through_staging_is_the_cpu_restore(tmp_path, staged):
     assert_same_caches(restored, token_by_token(model, tokens[:-1]))
 
 
-@pytest.mark.parametrize("policy", ["kv:quant:8:64", "kv:turboquant:4:4"])
+@pytest.mark.parametrize("policy", ["kv:quant:8:64", "kv:turboquant:4:4", "kv:mxfp8", "kv:nvfp4"])
 def test_a_lossy_restore_through_staging_decodes_on_the_device_as_the_cpu_does(
     tmp_path, staged, monkeypatch, policy
 ):

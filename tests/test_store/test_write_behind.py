@@ -17,7 +17,7 @@ from kvstore.store.engines.lmdb import LMDBBackend
 
 from .kv_helpers import BLOCK, assert_same_caches, model_for, prompt, token_by_token
 
-POLICIES = ["lossless", "kv:quant:8:64", "kv:turboquant:4:4"]
+POLICIES = ["lossless", "kv:quant:8:64", "kv:turboquant:4:4", "kv:mxfp8"]
 
 
 @pytest.fixture(scope="module")
