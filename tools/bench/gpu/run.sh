@@ -22,7 +22,13 @@ timeout "${CHECK_TIMEOUT:-90}" python3 tools/bench/gpu/check.py 2>&1 | tee "$out
 timeout "${BENCH_TIMEOUT:-540}" python3 -m kvstore.cli bench --only "$figures" \
   --repeats "${REPEATS:-5}" --out "$out" > "$out/bench-table.txt" 2> "$out/bench-log.txt"
 status=$?
-[ "$status" = 124 ] && echo "run.sh: the bench ran out of time; bench-results.json has the figures done"
-cat "$out/bench-table.txt"
+if [ "$status" = 124 ] && [ -s "$out/bench-results.json" ]; then
+  echo "run.sh: the bench ran out of time; the figures done, from bench-results.json:"
+  python3 -c "import sys; from kvstore.bench.report import format_table; from kvstore.bench.results \
+import BenchResults; print(format_table(BenchResults.load(sys.argv[1])))" "$out/bench-results.json" \
+    | tee "$out/bench-table.txt"
+else
+  cat "$out/bench-table.txt"
+fi
 tail -5 "$out/bench-log.txt"
 exit "$status"
