@@ -86,11 +86,19 @@ def test_sync_commits_each_save_on_its_own(tmp_path, tiny, monkeypatch):
     with open_store(f"lmdb://{tmp_path / 's'}", block_size=BLOCK, durability="sync") as store:
         commits = []
         real = store.put_blocks_many
-        monkeypatch.setattr(store, "put_blocks_many", lambda s: commits.append(len(s)) or real(s))
+        gate = threading.Event()
+
+        def counted(saves):
+            gate.wait(30)  # the three saves queue up behind the first commit
+            commits.append(len(saves))
+            return real(saves)
+
+        monkeypatch.setattr(store, "put_blocks_many", counted)
         for i in range(3):
             store.save_behind(f"ns{i}", tokens, caches)
+        gate.set()
         store.flush()
-        assert commits and max(commits) >= 1 and sum(commits) == 3
+        assert commits == [1, 1, 1]
 
 
 def test_a_failing_save_reaches_its_handle_and_the_others_commit(tmp_path, tiny):

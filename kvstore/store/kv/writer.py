@@ -118,7 +118,8 @@ class WriteBehind:
     def __init__(self, store: PrefixStore, durability: str, group_window: float) -> None:
         assert durability in DURABILITY_MODES
         self._store = store
-        self._window = group_window if durability == "group" else 0.0
+        self._group = durability == "group"
+        self._window = group_window if self._group else 0.0
         self._queue: deque[_Job] = deque()
         self._cond = threading.Condition()
         self._busy: list[_Job] = []
@@ -217,19 +218,18 @@ class WriteBehind:
 
     def _commit(self, jobs: list[_Job]) -> None:
         saves = [BlockSave(j.namespace, j.tokens, j.encoder, j.encoder.family) for j in jobs]
-        results: list[SaveResult | BaseException]
+        results: list[SaveResult | BaseException] = []
         try:
-            results = list(self._store.put_blocks_many(saves))
-        except Exception as exc:
-            if len(saves) == 1:
-                results = [exc]
-            else:  # the group's one write failed: each save on its own, with its own error
-                results = []
-                for save in saves:
-                    try:
-                        results.extend(self._store.put_blocks_many([save]))
-                    except Exception as one:
-                        results.append(one)
+            if not self._group or len(saves) == 1:
+                raise _OneByOne
+            results = list(self._store.put_blocks_many(saves))  # a group: one transaction
+        except Exception:  # not grouped, or the group's one write failed: one save at a time
+            results = []
+            for save in saves:
+                try:
+                    results.extend(self._store.put_blocks_many([save]))
+                except Exception as one:  # this save's own error, for its handle
+                    results.append(one)
         for job, result in zip(jobs, results, strict=True):
             job.encoder.release()
             if isinstance(result, BaseException):
@@ -316,6 +316,10 @@ class HandedOff(BlockEncoder):
         self._ranges.clear()
         self._stored.clear()
         self._blocks.clear()
+
+
+class _OneByOne(Exception):
+    """Commit these saves one transaction each (``durability="sync"``, or a single save)."""
 
 
 def _close_at_exit(ref: weakref.ReferenceType[WriteBehind]) -> None:
