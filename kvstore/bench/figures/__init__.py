@@ -10,6 +10,7 @@ from __future__ import annotations
 from kvstore.bench.figures import (
     concurrent,
     decode,
+    decode_speed,
     dedup_bytes,
     lookup,
     redis_restore,
@@ -37,4 +38,5 @@ FIGURES: dict[str, Figure] = {
     "P10": lookup.P10,
     "P11": turboquant_speed.FIGURE,
     "D1": decode.FIGURE,
+    "G5": decode_speed.FIGURE,
 }
