@@ -86,7 +86,7 @@ class BlockEncoder:
         self._captured = captured
         #: The stored families, joined: the label ``stats(by_family=True)`` counts bytes by.
         self.family = "+".join(
-            sorted({stored_signature(_signature(c), policy) for c in self._caches})
+            sorted({stored_signature(_signature(c), policy, i) for i, c in enumerate(caches)})
         )
 
     def __call__(self, spans: Sequence[BlockSpan]) -> list[bytes]:
@@ -104,7 +104,7 @@ class BlockEncoder:
                     snap = codec.snapshot(cache, start, stop)
                 except CapabilityError:  # a window that moved on: the layer sits this block out
                     snap = None
-            out.append(None if snap is None else apply_policy(snap, self._policy))
+            out.append(None if snap is None else apply_policy(snap, self._policy, i))
         return out
 
 
