@@ -50,14 +50,32 @@ class DecoderModel(nn.Module):
                 f"[model] Expected one cache per layer ({len(self.layers)}); received "
                 f"{len(caches)}. Use model.make_cache()."
             )
-        # Every cache is checked before any is updated: an unknown family fails closed.
-        attends = [attention_for(c, i) for i, c in enumerate(caches)]
+        return self.norm(self.run_layers(self.embed(inputs, input_embeddings), caches))
 
-        h = self.embed(inputs, input_embeddings)
-        masks = self.masks(h.shape[1], caches)
-        for layer, c, attend, mask in zip(self.layers, caches, attends, masks):
-            h = layer(h, mask, c, attend)
-        return self.norm(h)
+    def run_layers(
+        self,
+        h: mx.array,
+        caches: Sequence[Any],
+        *,
+        start: int = 0,
+        stop: int | None = None,
+        masks: Sequence[Any] | None = None,
+    ) -> mx.array:
+        """Blocks ``start`` to ``stop - 1`` over hidden states ``h``, block ``i`` over
+        ``caches[i]`` (one entry per layer; the others are not touched).
+
+        ``masks``: per layer, as :meth:`masks` gives them before any cache is
+        updated (computed now from ``caches`` by default). A caller running the
+        layers in pieces computes them once, first.
+        """
+        stop = len(self.layers) if stop is None else stop
+        # Every cache is checked before any is updated: an unknown family fails closed.
+        attends = [attention_for(caches[i], i) for i in range(start, stop)]
+        if masks is None:
+            masks = self.masks(h.shape[1], list(caches))
+        for i, attend in zip(range(start, stop), attends):
+            h = self.layers[i](h, masks[i], caches[i], attend)
+        return h
 
     def embed(self, inputs: mx.array, input_embeddings: mx.array | None = None) -> mx.array:
         """The first block's input: ``inputs`` embedded (or ``input_embeddings``), scaled

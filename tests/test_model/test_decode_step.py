@@ -8,6 +8,7 @@ generic path.
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 import pytest
 
 from kvstore.caches import (
@@ -83,7 +84,29 @@ LAYOUTS = {
         "tiny-llama3-rope-4bit-weights",
         lambda m: per_layer(m, mixed_quant),
     ),
+    "tuned": ("tiny-gemma3", lambda m: m.make_cache(tuned_policy(m))),
 }
+
+
+def tuned_policy(model, cached={}):  # noqa: B006 - one sweep per model, shared by both runs
+    """The layout ``kvstore tune`` picks for ``model`` at 4 bits per value."""
+    from kvstore.model.tune import Budget, tune
+
+    if id(model) not in cached:
+        text = np.random.default_rng(0).integers(0, 256, 300).tolist()
+        candidates = ["kv:quant:4:64", "kv:quant:8:64", "kv:turboquant:3:3", "kv:turboquant:2:4"]
+        result = tune(
+            model,
+            text,
+            Budget(4.0, "bits"),
+            candidates=candidates,
+            windows=2,
+            prefill=48,
+            continuation=16,
+        )
+        assert len(set(result.choice.values())) > 1, result.choice  # a mixed layout
+        cached[id(model)] = result.policy
+    return cached[id(model)]
 
 
 def quantized(model):
