@@ -9,7 +9,9 @@ with the least summed KL (an exact multiple-choice knapsack), measured as a
 whole beside uniform layouts of the same budget. Prints the table and writes
 the layout to ``--out`` (a layout file: ``CachePolicy.from_file`` for generate,
 ``kvstore migrate --to FILE``). ``--budget 4.5`` is average bits per value;
-``--budget 1152B`` bytes per token over all layers.
+``--budget 1152B`` bytes per token over all layers; ``--budget 3.5,4.5`` chooses
+for each budget from one sweep, into ``layout-3.5.json`` and ``layout-4.5.json``
+(``--out``'s name with the budget).
 """
 
 from __future__ import annotations
@@ -34,7 +36,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--budget",
         required=True,
         metavar="BITS|BYTES",
-        help="average bits per value (4.5) or bytes per token over all layers (1152B)",
+        help="average bits per value (4.5) or bytes per token over all layers (1152B); "
+        "several, comma-separated, share one sweep",
     )
     p.add_argument("--text", required=True, metavar="FILE", help="the text to measure on")
     p.add_argument(
@@ -105,86 +108,96 @@ def _run(args: argparse.Namespace) -> int:
     import mlx.core as mx
 
     from kvstore.model import load_model
-    from kvstore.model.tune import parse_budget, tune
+    from kvstore.model.tune import Sweep, parse_budget
 
-    budget = parse_budget(args.budget)
+    budgets = [parse_budget(b) for b in _split(args.budget) or [args.budget]]
     text = Path(args.text)
     if not text.is_file():
         raise FileNotFoundError(f"[tune] No text file at {text}.")
     model, tokenizer = load_model(args.model, dtype=mx.float32)  # the protocol's dtype
     tokens = text_tokens(text, tokenizer, model.args.vocab_size)
+    sweep = Sweep.plan(model, _split(args.candidates))
+    for budget in budgets:
+        sweep.check(budget)  # before the sweep, which takes minutes
     bar: Any = None
     if not args.no_progress:
         from tqdm import tqdm
 
-        bar = tqdm(unit="run", desc="tune", disable=None, file=sys.stderr)
+        bar = tqdm(total=sweep.runs, unit="run", desc="tune", disable=None, file=sys.stderr)
 
     def progress(done: int, total: int) -> None:
         if bar is not None:
-            bar.total = total
             bar.update(done - bar.n)
 
     try:
-        result = tune(
-            model,
+        sweep.measure(
             tokens,
-            budget,
-            candidates=_split(args.candidates),
             windows=args.windows,
             prefill=args.prefill,
             continuation=args.continuation,
-            compare=_split(args.compare),
             progress=progress,
         )
     finally:
         if bar is not None:
             bar.close()
-    record = {
+    results = [sweep.choose(budget, _split(args.compare)) for budget in budgets]
+    run_info = {
         "model": str(Path(args.model).resolve()),
         "text": str(text.resolve()),
         "windows": args.windows,
         "prefill": args.prefill,
         "continuation": args.continuation,
-        **result.to_dict(),
     }
-    result.policy.to_file(args.out, tune=record)
+    documents = []
+    for result in results:
+        out = _out_path(args.out, result.budget, len(results))
+        record = {**run_info, **result.to_dict()}
+        result.policy.to_file(out, tune=record)
+        documents.append({"layout": result.policy.to_layout().text(), "out": str(out), **record})
     if args.json:
-        print_json({"layout": result.policy.to_layout().text(), "out": str(args.out), **record})
+        print_json(documents[0] if len(documents) == 1 else documents)
         return 0
-    _print(result, args.out)
+    _print_table(results[0])
+    for result, doc in zip(results, documents):
+        print()
+        _print_choice(result, Path(doc["out"]))
+    for (i, s), why in sweep.skipped.items():
+        print(f"note: layer {i} {s} skipped: {why}", file=sys.stderr)
     return 0
+
+
+def _out_path(out: Path, budget: Any, count: int) -> Path:
+    if count == 1:
+        return out
+    unit = "" if budget.unit == "bits" else "B"
+    return out.with_name(f"{out.stem}-{budget.value:g}{unit}{out.suffix or '.json'}")
 
 
 def _split(text: str | None) -> list[str] | None:
     return None if text is None else [t.strip() for t in text.split(",") if t.strip()]
 
 
-def _print(result: Any, out: Path) -> None:
+def _print_table(result: Any) -> None:
     sweep = result.sweep
     layers = sweep.layers
     rows = []
     for s in sorted(
         {s for i in layers for s in sweep.kl[i]}, key=lambda s: (result.uniform_bits(s), s)
     ):
-        cells = []
-        for i in layers:
-            if s not in sweep.kl[i]:
-                cells.append("-")
-                continue
-            mark = "*" if result.choice[i] == s else ""
-            cells.append(f"{sweep.kl[i][s]:.4f}{mark}")
+        cells = [f"{sweep.kl[i][s]:.4f}" if s in sweep.kl[i] else "-" for i in layers]
         rows.append([s, f"{result.uniform_bits(s):.3f}", *cells])
-    print("next-token KL of each family on one layer alone (* chosen)")
+    print("next-token KL of each family on one layer alone")
     print_table(["family", "bits/value", *(f"layer {i}" for i in layers)], rows)
-    print()
+
+
+def _print_choice(result: Any, out: Path) -> None:
     measured = result.measured
     fields = [
         ("budget", str(result.budget)),
         ("layout", result.policy.to_layout().text()),
         (
             "cost",
-            f"{result.bits_per_value():.3f} bits per value, "
-            f"{sum(result.costs[i][s] for i, s in result.choice.items())} B/token",
+            f"{result.bits_per_value():.3f} bits per value, {result.bytes_per_token()} B/token",
         ),
         (
             "KL",
@@ -193,16 +206,9 @@ def _print(result: Any, out: Path) -> None:
         ),
     ]
     for s, m in result.uniform.items():
-        fields.append(
-            (
-                f"uniform {s}",
-                f"KL {m.kl:.4f} (top-1 {m.top1:.2%}) at {result.uniform_bits(s):.3f} bits "
-                f"per value; the layout's KL is {1 - measured.kl / m.kl:+.0%} lower"
-                if m.kl > 0
-                else f"KL 0 at {result.uniform_bits(s):.3f} bits per value",
-            )
-        )
+        line = f"KL {m.kl:.4f} (top-1 {m.top1:.2%}) at {result.uniform_bits(s):.3f} bits per value"
+        if m.kl > 0:
+            line += f"; the layout's KL is {1 - measured.kl / m.kl:.0%} lower"
+        fields.append((f"uniform {s}", line))
     fields.append(("wrote", str(out)))
     print_fields(fields)
-    for (i, s), why in sweep.skipped.items():
-        print(f"note: layer {i} {s} skipped: {why}", file=sys.stderr)

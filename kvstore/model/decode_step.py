@@ -119,6 +119,17 @@ class DecodeStep:
                 h, q, k, v = self._segments[i + 1](h, attended, offset)
         return self._segments[-1](h, attended)  # type: ignore[no-any-return]
 
+    def warm_up(self) -> None:
+        """Trace and evaluate every segment once, on zeros and no cache, so a segment
+        MLX cannot compile here fails now, before any cache is touched."""
+        offset = mx.array(0)
+        h, q, _, _ = self._segments[0](mx.zeros((1, 1), mx.uint32), offset)
+        outputs = [h]
+        for segment in self._segments[1:-1]:
+            outputs.extend(segment(h, mx.zeros_like(q), offset))
+        outputs.append(self._segments[-1](h, mx.zeros_like(q)))
+        mx.eval(outputs)
+
     def __repr__(self) -> str:
         return f"DecodeStep({', '.join(self.signatures)})"
 
@@ -135,7 +146,7 @@ class _Shapeless:
         if self._compiled is not None:
             try:
                 return self._compiled(queries, keys, values, scale, mask)
-            except ValueError:  # tracing is side-effect free: run it eagerly from now on
+            except Exception:  # noqa: BLE001 - tracing is side-effect free: run it eagerly now
                 self._compiled = None
         return self._attend(queries, keys, values, scale, mask)
 
@@ -225,4 +236,9 @@ def _build(model: Model, layout: tuple[str, ...], caches: list[Any]) -> DecodeSt
             attends.append(attention_for(cache, i))
         except CapabilityError as exc:  # the generic path raises it, with its message
             return GenericStep(model, str(exc))
-    return DecodeStep(model, layout, attends)
+    step = DecodeStep(model, layout, attends)
+    try:
+        step.warm_up()
+    except Exception as exc:  # noqa: BLE001 - MLX cannot compile it here: the generic path runs
+        return GenericStep(model, f"the specialised step failed to compile: {exc}")
+    return step

@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from kvstore.caches.packed import fitting_groups
 from kvstore.caches.plain import PLAIN_FAMILY
@@ -129,7 +129,8 @@ class CachePolicy:
 
     def layout_spec(self) -> LayerLayout:
         """The per-layer layout (empty when the policy gives every layer one family)."""
-        return self.layout if isinstance(self.layout, LayerLayout) else LayerLayout()
+        # __post_init__ made any layout given a LayerLayout.
+        return LayerLayout() if self.layout is None else cast(LayerLayout, self.layout)
 
     def signature(self) -> Signature:
         """The growing family's signature: what a full-attention layer the layout does

@@ -36,7 +36,7 @@ import itertools
 import math
 import re
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
@@ -213,23 +213,6 @@ class _Reference:
         return kl, same
 
 
-@dataclass
-class Sweep:
-    """Per layer and candidate family, the KL of encoding that layer alone.
-
-    Attributes:
-        kl: ``kl[layer][signature]`` (mean over windows and positions).
-        top1: same shape, top-1 agreement.
-        skipped: ``(layer, signature) -> why`` for a candidate that failed to run.
-    """
-
-    signatures: list[str]
-    layers: list[int]
-    kl: dict[int, dict[str, float]] = field(default_factory=dict)
-    top1: dict[int, dict[str, float]] = field(default_factory=dict)
-    skipped: dict[tuple[int, str], str] = field(default_factory=dict)
-
-
 def measure_policy(
     model: Any, references: Sequence[_Reference], policy: CachePolicy, start: int = 0
 ) -> Measured:
@@ -275,11 +258,10 @@ class TuneResult:
     """What :func:`tune` measured and chose.
 
     Attributes:
-        policy: the chosen :class:`CachePolicy` (every tuned layer by index,
-            the most common family as default).
+        sweep: the measurements it was chosen from (costs, KL per layer).
         choice: per tuned layer, the family chosen.
-        costs: ``costs[layer][signature]``: bytes per token.
-        values_per_token: stored values one token adds across the tuned layers.
+        policy: the chosen :class:`CachePolicy` (the most common family as
+            default, the others by layer index).
         predicted_kl: the summed single-layer KL of the choice.
         measured: the chosen layout measured as a whole.
         uniform: uniform layouts measured as a whole, by signature.
@@ -287,17 +269,22 @@ class TuneResult:
 
     budget: Budget
     sweep: Sweep
-    costs: dict[int, dict[str, int]]
-    values_per_token: int
     choice: dict[int, str]
     policy: CachePolicy
     predicted_kl: float
     measured: Measured
     uniform: dict[str, Measured]
 
-    def bits_per_value(self, choice: dict[int, str] | None = None) -> float:
+    @property
+    def costs(self) -> dict[int, dict[str, int]]:
+        return self.sweep.costs
+
+    def bytes_per_token(self, choice: dict[int, str] | None = None) -> int:
         chosen = self.choice if choice is None else choice
-        return sum(self.costs[i][s] for i, s in chosen.items()) * 8 / self.values_per_token
+        return sum(self.costs[i][s] for i, s in chosen.items())
+
+    def bits_per_value(self, choice: dict[int, str] | None = None) -> float:
+        return self.bytes_per_token(choice) * 8 / self.sweep.values_per_token
 
     def uniform_bits(self, signature: str) -> float:
         return self.bits_per_value({i: signature for i in self.choice})
@@ -307,7 +294,7 @@ class TuneResult:
         return {
             "budget": {"value": self.budget.value, "unit": self.budget.unit},
             "bits_per_value": self.bits_per_value(),
-            "bytes_per_token": sum(self.costs[i][s] for i, s in self.choice.items()),
+            "bytes_per_token": self.bytes_per_token(),
             "choice": {str(i): s for i, s in self.choice.items()},
             "predicted_kl": self.predicted_kl,
             "measured": vars(self.measured),
@@ -339,6 +326,146 @@ def _layout_of(choice: dict[int, str]) -> LayerLayout:
     return LayerLayout(default, (), tuple((i, s) for i, s in choice.items() if s != default))
 
 
+class Sweep:
+    """Per layer and candidate family, the KL of encoding that layer alone; then
+    the layout of least summed KL within a budget (:meth:`choose`, as often as wanted).
+
+    Build with :meth:`plan` (costs only, cheap: a budget can be checked before
+    anything runs), then :meth:`measure`.
+
+    Attributes:
+        signatures: the candidates.
+        layers: the layers tuned (every layer but recurrent ones).
+        costs: ``costs[layer][signature]``: bytes per token (what its cache reports).
+        values_per_token: stored values one token adds across the tuned layers.
+        kl: ``kl[layer][signature]`` (mean over windows and positions).
+        top1: same shape, top-1 agreement.
+        skipped: ``(layer, signature) -> why`` for a candidate that failed to run.
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        signatures: list[str],
+        layers: list[int],
+        costs: dict[int, dict[str, int]],
+        values_per_token: int,
+    ) -> None:
+        self.model = model
+        self.signatures = signatures
+        self.layers = layers
+        self.costs = costs
+        self.values_per_token = values_per_token
+        self.kl: dict[int, dict[str, float]] = {}
+        self.top1: dict[int, dict[str, float]] = {}
+        self.skipped: dict[tuple[int, str], str] = {}
+        self._refs: list[_Reference] = []
+        self._uniform: dict[str, Measured] = {}  # measured once, whatever the budget
+
+    @classmethod
+    def plan(cls, model: Any, candidates: Sequence[str] | None = None) -> Sweep:
+        """The candidates of every layer and their costs; nothing measured yet."""
+        geometry = model.layer_layout()
+        layers = [i for i, g in enumerate(geometry) if kind_of_layer(g) != "recurrent"]
+        signatures = candidate_signatures(candidates)
+        if "kv:plain" not in signatures:
+            signatures.insert(0, "kv:plain")
+        costs: dict[int, dict[str, int]] = {}
+        for i in layers:
+            sliding = kind_of_layer(geometry[i]) == "sliding"
+            costs[i] = {}
+            for s in signatures:
+                if sliding and windowed_family(parse_signature(s).kind) is None:
+                    continue
+                cost = layer_bytes_per_token(s, geometry[i])
+                if cost is not None:
+                    costs[i][s] = cost
+        values = sum(2 * geometry[i]["n_kv_heads"] * geometry[i]["head_dim"] for i in layers)
+        return cls(model, signatures, layers, costs, values)
+
+    @property
+    def runs(self) -> int:
+        """Measured runs :meth:`measure` makes (plain needs none)."""
+        return sum(len(c) - ("kv:plain" in c) for c in self.costs.values())
+
+    def check(self, budget: Budget) -> None:
+        """Raise unless some layout of the candidates meets ``budget``.
+
+        Raises:
+            ValueError: the cheapest layout costs more (the message says how much).
+        """
+        least = sum(min(self.costs[i].values()) for i in self.layers)
+        if least > budget.bytes_per_token(self.values_per_token) * (1 + 1e-12):
+            raise ValueError(
+                f"[tune] No layout meets {budget}: the cheapest candidates cost {least} "
+                f"B/token ({least * 8 / self.values_per_token:.3f} bits per value). Raise the "
+                f"budget or add candidates."
+            )
+
+    def measure(
+        self,
+        tokens: Sequence[int],
+        *,
+        windows: int = WINDOWS,
+        prefill: int = PREFILL,
+        continuation: int = CONTINUATION,
+        progress: Callable[[int, int], None] | None = None,
+    ) -> Sweep:
+        """Measure every candidate on every layer over ``windows`` of ``tokens``; returns self.
+
+        Raises:
+            ValueError: a text too short for one window.
+        """
+        texts = text_windows(tokens, windows, prefill + continuation)
+        self._refs = [_Reference(self.model, t, prefill) for t in texts]
+        total, done = self.runs, 0
+        for i in self.layers:
+            self.kl[i], self.top1[i] = {"kv:plain": 0.0}, {"kv:plain": 1.0}
+            for s in list(self.costs[i]):
+                if s == "kv:plain":
+                    continue
+                try:
+                    policy = CachePolicy(layout=LayerLayout(layers=((i, s),)))
+                    got = measure_policy(self.model, self._refs, policy, start=i)
+                except Exception as exc:  # noqa: BLE001 - a family that cannot run is skipped
+                    self.skipped[(i, s)] = f"{type(exc).__name__}: {exc}"
+                    del self.costs[i][s]
+                else:
+                    self.kl[i][s], self.top1[i][s] = got.kl, got.top1
+                done += 1
+                if progress is not None:
+                    progress(done, total)
+        return self
+
+    def choose(self, budget: Budget, compare: Sequence[str] | None = None) -> TuneResult:
+        """The layout of least summed KL within ``budget``, measured as a whole, and the
+        uniform layouts ``compare`` names (default: the best of each kind within it).
+
+        Raises:
+            ValueError: no layout meets the budget.
+        """
+        self.check(budget)
+        limit = budget.bytes_per_token(self.values_per_token)
+        costs = self.costs
+        options = [sorted(costs[i], key=lambda s: (costs[i][s], s)) for i in self.layers]
+        picked = choose_layout(
+            [[costs[i][s] for s in opts] for i, opts in zip(self.layers, options)],
+            [[self.kl[i][s] for s in opts] for i, opts in zip(self.layers, options)],
+            limit,
+        )
+        assert picked is not None  # check() passed: the cheapest layout fits
+        choice = {i: opts[j] for i, opts, j in zip(self.layers, options, picked)}
+        policy = CachePolicy(layout=_layout_of(choice))
+        measured = measure_policy(self.model, self._refs, policy)
+        uniform = {}
+        for s in _comparisons(compare, choice, costs, self, limit):
+            if s not in self._uniform:
+                self._uniform[s] = measure_policy(self.model, self._refs, CachePolicy(family=s))
+            uniform[s] = self._uniform[s]
+        predicted = sum(self.kl[i][s] for i, s in choice.items())
+        return TuneResult(budget, self, choice, policy, predicted, measured, uniform)
+
+
 def tune(
     model: Any,
     tokens: Sequence[int],
@@ -351,7 +478,8 @@ def tune(
     compare: Sequence[str] | None = None,
     progress: Callable[[int, int], None] | None = None,
 ) -> TuneResult:
-    """Measure each layer's sensitivity to each candidate family and choose a layout.
+    """Measure each layer's sensitivity to each candidate family and choose a layout
+    (:class:`Sweep` for several budgets over one sweep).
 
     Args:
         model: a :class:`~kvstore.model.Model` (float32 for the protocol).
@@ -369,75 +497,12 @@ def tune(
         ValueError: a text too short, a bad candidate, or a budget no layout meets
             (the message says the least one can).
     """
-    geometry = model.layer_layout()
-    layers = [i for i, g in enumerate(geometry) if kind_of_layer(g) != "recurrent"]
-    signatures = candidate_signatures(candidates)
-    if "kv:plain" not in signatures:
-        signatures.insert(0, "kv:plain")
-    costs: dict[int, dict[str, int]] = {}
-    for i in layers:
-        sliding = kind_of_layer(geometry[i]) == "sliding"
-        costs[i] = {}
-        for s in signatures:
-            if sliding and windowed_family(parse_signature(s).kind) is None:
-                continue
-            cost = layer_bytes_per_token(s, geometry[i])
-            if cost is not None:
-                costs[i][s] = cost
-    values = sum(2 * geometry[i]["n_kv_heads"] * geometry[i]["head_dim"] for i in layers)
-    limit = budget.bytes_per_token(values)
-
-    texts = text_windows(tokens, windows, prefill + continuation)
-    refs = [_Reference(model, t, prefill) for t in texts]
-    runs = sum(len(c) - 1 for c in costs.values())
-    sweep = Sweep(signatures, layers)
-    done = 0
-    for i in layers:
-        sweep.kl[i], sweep.top1[i] = {"kv:plain": 0.0}, {"kv:plain": 1.0}
-        for s in list(costs[i]):
-            if s == "kv:plain":
-                continue
-            try:
-                policy = CachePolicy(layout=LayerLayout(layers=((i, s),)))
-                got = measure_policy(model, refs, policy, start=i)
-            except Exception as exc:  # noqa: BLE001 - one family that cannot run is skipped
-                sweep.skipped[(i, s)] = f"{type(exc).__name__}: {exc}"
-                del costs[i][s]
-            else:
-                sweep.kl[i][s], sweep.top1[i][s] = got.kl, got.top1
-            done += 1
-            if progress is not None:
-                progress(done, runs)
-
-    options = [sorted(costs[i], key=lambda s: (costs[i][s], s)) for i in layers]
-    picked = choose_layout(
-        [[costs[i][s] for s in opts] for i, opts in zip(layers, options)],
-        [[sweep.kl[i][s] for s in opts] for i, opts in zip(layers, options)],
-        limit,
+    sweep = Sweep.plan(model, candidates)
+    sweep.check(budget)
+    sweep.measure(
+        tokens, windows=windows, prefill=prefill, continuation=continuation, progress=progress
     )
-    if picked is None:
-        least = sum(min(costs[i].values()) for i in layers)
-        raise ValueError(
-            f"[tune] No layout meets {budget}: the cheapest candidates cost {least} B/token "
-            f"({least * 8 / values:.3f} bits per value). Raise the budget or add candidates."
-        )
-    choice = {i: opts[j] for i, opts, j in zip(layers, options, picked)}
-    policy = CachePolicy(layout=_layout_of(choice))
-    measured = measure_policy(model, refs, policy)
-    uniform = {}
-    for s in _comparisons(compare, choice, costs, sweep, limit):
-        uniform[s] = measure_policy(model, refs, CachePolicy(family=s))
-    return TuneResult(
-        budget,
-        sweep,
-        costs,
-        values,
-        choice,
-        policy,
-        sum(sweep.kl[i][s] for i, s in choice.items()),
-        measured,
-        uniform,
-    )
+    return sweep.choose(budget, compare)
 
 
 def _comparisons(
@@ -447,6 +512,8 @@ def _comparisons(
     sweep: Sweep,
     limit: float,
 ) -> list[str]:
+    """The uniform layouts to compare with: ``compare``, or per kind the one within
+    the budget of least summed single-layer KL."""
     if compare is not None:
         return [str(parse_signature(s)) for s in compare]
     best: dict[str, tuple[float, str]] = {}

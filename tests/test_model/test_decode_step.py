@@ -236,3 +236,17 @@ def test_a_kernel_mlx_cannot_compile_shapeless_runs_as_it_is():
     q, k = mx.ones((1, 2, 1, 8)), mx.arange(2 * 5 * 8, dtype=mx.float32).reshape(1, 2, 5, 8)
     assert mx.array_equal(kernel(q, k, k, 0.5, None), sliced(q, k, k, 0.5, None)).item()
     assert kernel._compiled is None
+
+
+def test_a_step_mlx_cannot_compile_is_never_used(monkeypatch):
+    from kvstore.model.decode_step import DecodeStep
+
+    def fails(self):
+        raise RuntimeError("no kernel for this")
+
+    monkeypatch.setattr(DecodeStep, "warm_up", fails)
+    model = build_model("tiny")
+    model.decode_steps.build_after = 0
+    step = model.decode_step(model.make_cache())
+    assert step.path == "generic" and "failed to compile: no kernel" in step.reason
+    assert model.decode_step(model.make_cache()) is step  # decided once per layout

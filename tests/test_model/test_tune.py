@@ -167,3 +167,10 @@ def test_kvstore_tune_prints_the_table_and_writes_a_layout_file(tmp_path, capsys
     assert len(loaded.make_cache(policy)) == 2
     assert main([*argv[:3], "7 apples", *argv[4:]]) == 2
     assert "--budget takes" in capsys.readouterr().err
+    # Several budgets share one sweep, each into its own file.
+    assert main([*argv[:3], "3.5,600B", *argv[4:]]) == 0
+    printed = capsys.readouterr().out
+    assert printed.count("next-token KL") == 1 and printed.count("wrote") == 2
+    assert (tmp_path / "layout-3.5.json").is_file() and (tmp_path / "layout-600B.json").is_file()
+    assert main([*argv[:3], "1.0", *argv[4:]]) == 2  # refused before the sweep
+    assert "No layout meets" in capsys.readouterr().err

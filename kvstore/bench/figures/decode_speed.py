@@ -9,7 +9,11 @@ two copies of the same caches:
 
 * ``specialised``: ``model.decode_step(caches)`` picks the step built for the
   caches' signatures (:mod:`kvstore.model.decode_step`);
-* ``generic``: the same loop with specialised steps disabled (``model(...)``).
+* ``generic``: the same loop with specialised steps disabled (``model(...)``);
+* ``specialised, pipelined`` and ``generic, pipelined``: both again in mlx-lm's
+  loop, which builds step ``n + 1``'s graph (``mx.async_eval``) before reading
+  token ``n`` -- what the Python side of a step costs once it overlaps the
+  device's work (information: ``generate`` reads each token first).
 
 Layouts: plain caches (the model's dtype) and a mixed quantized layout
 (``kv:quant:4:64`` and ``kv:quant:8:64`` on alternate layers). Where MLX's
@@ -54,18 +58,12 @@ RATIO = "specialised vs generic"
 
 
 def _mixed_quant(model: Any) -> list[Any]:
-    from kvstore.caches import QuantizedKVCache, RotatingQuantizedKVCache
+    from kvstore.layout import LayerLayout
+    from kvstore.model import CachePolicy
 
-    caches: list[Any] = []
-    for i, layer in enumerate(model.layer_layout()):
-        bits = (4, 8)[i % 2]
-        window = layer["sliding_window"]
-        caches.append(
-            QuantizedKVCache(64, bits)
-            if window is None
-            else RotatingQuantizedKVCache(window, 0, 64, bits)
-        )
-    return caches
+    bits = [(4, 8)[i % 2] for i in range(len(model.layers))]
+    layout = LayerLayout(layers=tuple((i, f"kv:quant:{b}:64") for i, b in enumerate(bits)))
+    return model.make_cache(CachePolicy(layout=layout))
 
 
 #: Layout name -> fresh caches for a model.
@@ -99,6 +97,26 @@ def decode_tokens(model: Any, caches: list[Any], token: int, n: int) -> list[int
         logits = model.decode_step(caches)(y[:, None], caches)[:, -1, :]
         y = mx.argmax(logits, axis=-1)
         out.append(cast(int, y.item()))
+    return out
+
+
+def decode_tokens_pipelined(model: Any, caches: list[Any], token: int, n: int) -> list[int]:
+    """:func:`decode_tokens` in mlx-lm's loop: step ``n + 1`` is built and queued before
+    token ``n`` is read (one step more is computed, and waited for)."""
+    import mlx.core as mx
+
+    def step(y: mx.array) -> mx.array:
+        return mx.argmax(model.decode_step(caches)(y[:, None], caches)[:, -1, :], axis=-1)
+
+    y = step(mx.array([token]))
+    mx.async_eval(y)
+    out = []
+    for _ in range(n):
+        following = step(y)
+        mx.async_eval(following)
+        out.append(cast(int, y.item()))
+        y = following
+    mx.eval(y)
     return out
 
 
@@ -168,18 +186,22 @@ def measure(
     model.decode_steps.build_after = 0
     first = cast(int, prompt[0, -1].item())
     paths = {"specialised": True, "generic": False}
-    caches = {path: _prefilled(model, layout, prompt) for path in paths}
+    loops = {"": decode_tokens, ", pipelined": decode_tokens_pipelined}
+    names = [f"{path}{loop}" for loop in loops for path in paths]
+    caches = {name: _prefilled(model, layout, prompt) for name in names}
 
-    def case(path: str) -> Case:
+    def case(path: str, loop: str) -> Case:
+        name, decode = f"{path}{loop}", loops[loop]
+
         def run() -> None:
             model.decode_steps.enabled = paths[path]
-            decode_tokens(model, caches[path], first, TOKENS_PER_CALL)
+            decode(model, caches[name], first, TOKENS_PER_CALL)
 
         def reset() -> None:
-            for c in caches[path]:
+            for c in caches[name]:
                 c.trim(c.offset - (context - 1))
 
-        return Case(path, "ours" if paths[path] else "peer", run, reset)
+        return Case(name, "ours" if paths[path] else "peer", run, reset)
 
     params: dict[str, Any] = {"device": device, "model": name, "layout": layout, "context": context}
     if device == "cpu":
@@ -187,11 +209,18 @@ def measure(
     row = ctx.measure(
         f"{name} {layout} @{context}",
         params,
-        [case("specialised"), case("generic")],
-        [Ratio(RATIO, "specialised", "generic")],
+        [case(path, loop) for loop in loops for path in paths],
+        [
+            Ratio(RATIO, "specialised", "generic"),
+            Ratio(
+                "pipelined: specialised vs generic", "specialised, pipelined", "generic, pipelined"
+            ),
+            Ratio("specialised pipelined vs generic", "specialised, pipelined", "generic"),
+        ],
     )
+    for case_name in names:
+        row.values[f"{case_name} tokens/s"] = TOKENS_PER_CALL / row.spread(case_name).median
     for path, enabled in paths.items():
-        row.values[f"{path} tokens/s"] = TOKENS_PER_CALL / row.spread(path).median
         graph_ms, eval_ms = _profile(model, caches[path], first, enabled, TOKENS_PER_CALL)
         row.values[f"{path} graph ms/token"] = graph_ms
         row.values[f"{path} eval ms/token"] = eval_ms
