@@ -123,3 +123,13 @@ def test_a_per_layer_storage_policy_picks_each_layers_encoding(family, index, st
     policy = "default=kv:turboquant:3:3;sliding=kv:quant:8:64;0=kv:quant:4:64;2=lossless"
     assert stored_signature(family, policy, index) == stored
     assert stored_signature(family, "2=kv:quant:8:64", 0) == family  # named nowhere: lossless
+
+
+def test_a_cache_layout_becomes_the_storage_policy_storing_it():
+    from kvstore.store.kv.policy import storage_policy_for
+
+    assert storage_policy_for("default=kv:turboquant:3:3;1=kv:plain") == (
+        "default=kv:turboquant:3:3;1=lossless"
+    )
+    assert storage_policy_for("kv:plain") == "lossless"
+    assert storage_policy_for("default=kv:quant:8:64") == "kv:quant:8:64"

@@ -32,7 +32,14 @@ from kvstore.family import families, windowed_family
 from kvstore.layout import LayerLayout, is_layout_text, kind_of_signature, parse_layout
 from kvstore.signature import parse_signature
 
-__all__ = ["LOSSLESS", "policy_kinds", "layer_policy", "stored_signature", "apply_policy"]
+__all__ = [
+    "LOSSLESS",
+    "policy_kinds",
+    "layer_policy",
+    "storage_policy_for",
+    "stored_signature",
+    "apply_policy",
+]
 
 LOSSLESS = "lossless"
 
@@ -55,6 +62,30 @@ def layer_policy(policy: str, index: int, signature: str) -> str:
 def policy_kinds() -> list[str]:
     """The kinds a store's ``storage_policy`` may name (registered families that declare it)."""
     return [f.kind for f in families() if f.storage_policy]
+
+
+def storage_policy_for(layout: LayerLayout | str) -> str:
+    """The storage policy that stores layers as a cache layout names them (``kvstore
+    tune``'s files): ``lossless`` for a lossless family (``kv:plain``), the family
+    itself for a storage policy; canonical text.
+
+    Raises:
+        StoreConfigError: a family a store cannot take as its policy.
+    """
+    from kvstore.store.settings import parse_storage_policy
+
+    def policy_of(value: str) -> str:
+        family = parse_signature(value).family
+        if not family.lossy and family.holds_kv and not family.windowed:
+            return LOSSLESS
+        return value
+
+    spec = (
+        parse_layout(layout) if is_layout_text(layout) or isinstance(layout, LayerLayout) else None
+    )
+    if spec is None:
+        return parse_storage_policy(policy_of(str(layout)))
+    return parse_storage_policy(spec.map_values(policy_of))
 
 
 def stored_signature(signature: str, policy: str, index: int | None = None) -> str:
