@@ -10,6 +10,7 @@ from __future__ import annotations
 from kvstore.bench.figures import (
     concurrent,
     decode,
+    decode_speed,
     dedup_bytes,
     gpu_namespace,
     gpu_save,
@@ -45,4 +46,5 @@ FIGURES: dict[str, Figure] = {
     "G2": gpu_ttft.G2,
     "G3": gpu_save.G3,
     "G4": gpu_namespace.G4,
+    "G5": decode_speed.FIGURE,
 }

@@ -93,7 +93,7 @@ class BlockEncoder:
         self._captured = captured
         #: The stored families, joined: the label ``stats(by_family=True)`` counts bytes by.
         self.family = "+".join(
-            sorted({stored_signature(_signature(c), policy) for c in self._caches})
+            sorted({stored_signature(_signature(c), policy, i) for i, c in enumerate(caches)})
         )
 
     def __call__(self, spans: Sequence[BlockSpan]) -> list[memoryview]:
@@ -112,12 +112,12 @@ class BlockEncoder:
                     snap = codec.snapshot(cache, start, stop)
                 except CapabilityError:  # a window that moved on: the layer sits this block out
                     snap = None
-            out.append(None if snap is None else self._apply(snap))
+            out.append(None if snap is None else self._apply(snap, i))
         return out
 
-    def _apply(self, snap: Snapshot) -> Snapshot:
-        """``snap`` in the encoding the storage policy stores its family as."""
-        return apply_policy(snap, self._policy)
+    def _apply(self, snap: Snapshot, layer: int) -> Snapshot:
+        """``snap`` in the encoding the storage policy stores layer ``layer``'s family as."""
+        return apply_policy(snap, self._policy, layer)
 
 
 def _signature(cache: Any) -> str:

@@ -298,7 +298,7 @@ class HandedOff(BlockEncoder):
                 # The policy's encoding of the whole range once, then cut (one encode a layer).
                 stored = self._stored.get(i)
                 if stored is None:
-                    stored = self._stored[i] = self._apply(whole)
+                    stored = self._stored[i] = self._apply(whole, i)
                 out.append(get_codec(stored.signature).slice(stored, start, stop))
                 continue
             if (i, start) in self._blocks:
@@ -308,7 +308,7 @@ class HandedOff(BlockEncoder):
                     f"[save] Block [{start}, {stop}) was evicted between the hand-off and the "
                     f"commit, and its rows were not copied; save again."
                 )
-            out.append(None if snap is None else self._apply(snap))
+            out.append(None if snap is None else self._apply(snap, i))
         return out
 
     def release(self) -> None:
