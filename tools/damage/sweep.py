@@ -403,6 +403,47 @@ def summarise(results: list[dict[str, Any]], seconds: float, base: Path) -> dict
     }
 
 
+ROWS = (
+    "positions",
+    "opened and used",
+    "refused with a KVStoreError",
+    "verify found damage",
+    "repaired, fully reusable",
+    "wrong values",
+    "foreign exceptions",
+    "crashes",
+    "not repairable",
+)
+
+
+def table(summary: dict[str, Any]) -> str:
+    """The summary as a text table: one row per outcome, one column per page kind."""
+    kinds = list(summary["by_page_kind"])
+    columns = [*kinds, "total"]
+    counts = {**summary["by_page_kind"], "total": summary["total"]}
+    width = max(len(r) for r in ROWS)
+    lines = [" ".join([" " * width, *(f"{c:>13}" for c in columns)])]
+    for row in ROWS:
+        cells = (f"{counts[c].get(row, 0):>13}" for c in columns)
+        lines.append(" ".join([f"{row:<{width}}", *cells]))
+    return "\n".join(lines)
+
+
+def write_summary(out: Path, summary: dict[str, Any], args: Any, complete: bool) -> None:
+    summary = {**summary, "complete": complete, "seed": args.seed, "workers": args.workers}
+    (out / "sweep-summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    command = (
+        f".venv/bin/python tools/damage/sweep.py --positions {args.positions} "
+        f"--workers {args.workers} --seed {args.seed}"
+    )
+    state = "" if complete else f" (stopped early: {summary['positions']} done)"
+    head = (
+        f"{command}{state}\n{summary['positions']} positions in {summary['seconds']} s, "
+        f"store {summary['store_bytes']} bytes\n\n"
+    )
+    (out / "sweep-summary.txt").write_text(head + table(summary) + "\n")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--positions", type=int, default=20_000)
@@ -422,10 +463,15 @@ def main() -> int:
         results: list[dict[str, Any]] = []
         t0 = time.perf_counter()
 
+        args.out.mkdir(parents=True, exist_ok=True)
+
         def sink(result: dict[str, Any]) -> None:
             results.append(result)
             if len(results) % 500 == 0:
                 print(f"{len(results)}/{len(todo)} positions", file=sys.stderr, flush=True)
+                # A long run that is stopped still leaves what it measured.
+                partial = summarise(results, time.perf_counter() - t0, base)
+                write_summary(args.out, partial, args, complete=False)
 
         pool = Pool(base, args.workers)
         try:
@@ -433,12 +479,11 @@ def main() -> int:
         finally:
             pool.close()
         summary = summarise(results, time.perf_counter() - t0, base)
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "sweep-summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        write_summary(args.out, summary, args, complete=True)
         with gzip.open(args.out / "sweep-positions.jsonl.gz", "wt") as f:
             for r in sorted(results, key=lambda r: (r["pos"], r["bit"])):
                 f.write(json.dumps(r) + "\n")
-        print(json.dumps(summary, indent=2))
+        print(table(summary))
         bad = summary["total"]
         failed = any(bad.get(k) for k in ("wrong values", "foreign exceptions", "crashes"))
         return 1 if failed or bad.get("not repairable") else 0
