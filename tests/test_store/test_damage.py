@@ -407,3 +407,55 @@ def raw_items(url):
         return dict(backend.scan(b"kvstore/"))
     finally:
         backend.close()
+
+
+# ---------------------------------------------------------------- written behind
+
+
+def test_records_written_behind_get_every_check(tmp_path, capsys):
+    # save_behind's records are built on the writer thread into an arena
+    # (kvstore.codecs.arena.write_records): damaged or tampered, they are misses
+    # like any other record, and verify --fix repairs them.
+    url = f"lmdb://{tmp_path / 'store'}"
+    with open_store(url, block_size=BLOCK, touch_interval=0, durability="group") as store:
+        store.save_behind(ns(), TOKENS, prefilled(model(), TOKENS)).result()
+    first, second = record_keys(url)[1:3]
+    record = bytearray(raw_get(url, first))
+    record[5] ^= 0x01  # a flipped format version: damage, not "newer"
+    raw_put(url, first, bytes(record))
+
+    def offset_as_text(header):
+        for layer in header["layers"]:
+            layer["meta"]["offset"] = str(layer["meta"]["offset"])
+
+    raw_put(url, second, refreshed(raw_get(url, second), offset_as_text))
+    status, report = verify_json(capsys, str(tmp_path / "store"))
+    assert status == 1 and sorted(report["found"]["corrupt"]) == sorted(
+        k.decode() for k in (first, second)
+    )
+    with open_store(url, touch_interval=0) as store:
+        assert restore(store)[0].offset == BLOCK
+        assert store.stats().misses[MissReason.CORRUPT] == 1
+    status, report = verify_json(capsys, str(tmp_path / "store"), "--fix")
+    assert status == 0 and report["clean"]
+    with open_store(url, touch_interval=0) as store:
+        store.save_behind(ns(), TOKENS, prefilled(model(), TOKENS))
+        caches = restore(store)  # the lookup waits for the namespace's save
+    assert caches[0].offset == len(TOKENS)
+    assert_same_caches(caches, prefilled(model(), TOKENS))
+
+
+@pytest.mark.parametrize("durability", ["group", "sync"])
+def test_a_commit_written_behind_counts_damaged_totals_again(url, durability):
+    # The writer thread's commit adds to damaged totals: they are counted again from
+    # the blocks in that transaction and the repair counted, as on the caller's thread.
+    totals = K.totals_key(ns().encode())
+    good = raw_get(url, totals)
+    raw_put(url, totals, good[:8] + bytes([good[8] ^ 0x80]) + good[9:])
+    more = prompt(13, 40)
+    with open_store(url, touch_interval=0, durability=durability) as store:
+        store.save_behind(ns(), more, prefilled(model(), more)).result()
+        assert store.stats().corruptions == 1
+    with open_store(url, readonly=True, touch_interval=0) as store:
+        report = store.verify()
+        assert report.clean and store.stats().bytes == report.bytes
