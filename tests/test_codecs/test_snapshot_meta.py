@@ -14,7 +14,7 @@ from kvstore.codecs.snapshot_meta import MAX_POSITION, MAX_WINDOW
 from kvstore.errors import CorruptEntryError
 from kvstore.testing.codec import fill_cache
 
-from .helpers import craft_record, header_of, payload_of
+from .helpers import FAMILIES, craft_record, header_of, payload_of
 
 
 def record_of(cache_factory, tokens=20):
@@ -73,3 +73,17 @@ def test_a_layer_past_the_largest_position_is_corrupt():
 
     with pytest.raises(CorruptEntryError, match="past"):
         decode_record(tampered(record, far))
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+@pytest.mark.parametrize(
+    "field, value", [("offset", "20"), ("offset", 3), ("dtype", "float64"), ("dtype", None)]
+)
+def test_every_family_checks_its_offset_and_dtype(family, field, value):
+    # Families added later (the microscaling ones) inherit the checks from the row
+    # codecs: an unchecked family would let tampered meta reach a restore.
+    record = record_of(FAMILIES[family])
+    decode_record(record)  # intact
+    with pytest.raises(CorruptEntryError) as info:
+        decode_record(tampered(record, set_meta(field, value)))
+    assert "layers[0]" in str(info.value) and field in str(info.value)
