@@ -464,3 +464,56 @@ def test_a_commit_written_behind_counts_damaged_totals_again(url, durability):
     with open_store(url, readonly=True, touch_interval=0) as store:
         report = store.verify()
         assert report.clean and store.stats().bytes == report.bytes
+
+
+@pytest.mark.parametrize(
+    "offset, bit, what, refused",
+    [
+        (16, 0, "magic", True),
+        (20, 5, "version", True),
+        (143, 1, "last page", True),
+        (39, 6, "map size", False),  # the store's own map_size is used: it opens
+    ],
+)
+def test_a_meta_page_lmdb_refuses_is_rebuilt(url, path, capsys, offset, bit, what, refused):
+    # Found by the sweep: LMDB refuses to open a file whose meta page 0 is damaged
+    # (MDB_INVALID, a version "not supported", ENOMEM, MAP_RESIZED), and the rebuild
+    # opened it with LMDB for its lock: an lmdb.Error escaped verify --fix.
+    flip_bit(f"{path}/data.mdb", offset, bit)
+    if refused:
+        with pytest.raises(KVStoreError):
+            open_store(url)
+    status, report = verify_json(capsys, path)
+    assert status == 1 and "meta page 0 is damaged" in report["found"]["engine"], what
+    status, report = verify_json(capsys, path, "--fix")
+    assert status == 0 and report["clean"]
+    assert_fully_reusable(url)
+
+
+def test_a_rebuild_without_lmdb_refuses_while_another_process_has_the_store(url, path, capsys):
+    # Another process has the store open through LMDB (it opened it intact); then meta
+    # page 0 is damaged, so verify --fix cannot ask LMDB who else uses the store.
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLDER, path], stdin=subprocess.PIPE, stdout=subprocess.PIPE
+    )
+    try:
+        assert holder.stdout.readline().strip() == b"holding"
+        flip_bit(f"{path}/data.mdb", 16, 0)  # meta page 0's magic: LMDB refuses the file
+        status, out, err = run_cli(capsys, "verify", path, "--fix")
+        assert status == 2 and "open in another process" in err
+    finally:
+        holder.communicate(b"\n")
+    status, report = verify_json(capsys, path, "--fix")  # alone now
+    assert status == 0 and report["clean"]
+
+
+HOLDER = textwrap.dedent(
+    """
+    import sys
+    import lmdb
+    env = lmdb.open(sys.argv[1], create=False)
+    print("holding", flush=True)
+    sys.stdin.readline()
+    env.close()
+    """
+)

@@ -41,6 +41,8 @@ _NODE = struct.Struct("<HHHH")  # lo, hi, flags, ksize
 _Q = struct.Struct("<Q")
 _MAGIC = 0xBEEFC0DE
 _VERSION = 1
+#: The largest map size a meta page may name (64 TiB): a flipped high bit is damage.
+_MAX_MAP = 1 << 46
 _P_BRANCH, _P_LEAF, _P_OVERFLOW = 0x01, 0x02, 0x04
 _F_BIGDATA = 0x01
 _INVALID = (1 << 64) - 1
@@ -107,9 +109,14 @@ def _meta_at(f: _File, slot: int, psize: int) -> _Meta | None:
     magic, version = struct.unpack_from("<II", raw, 16)
     if magic != _MAGIC or version != _VERSION:
         return None
+    address, mapsize = struct.unpack_from("<QQ", raw, 24)
     dbs = [struct.unpack_from("<IHHQQQQQ", raw, 40 + 48 * i) for i in (0, 1)]
     last_pg, txnid = struct.unpack_from("<QQ", raw, 136)
     if dbs[0][0] != psize:
+        return None
+    # LMDB maps mapsize bytes at open (a damaged one: ENOMEM, or MAP_RESIZED below
+    # last_pg) and a non-zero address asks for a fixed map (EINVAL): damage either way.
+    if address != 0 or not (last_pg + 1) * psize <= mapsize <= _MAX_MAP:
         return None
     pair = lambda i: (dbs[0][i], dbs[1][i])  # noqa: E731
     return _Meta(slot, psize, pair(2), pair(3), pair(4), pair(5), pair(6), pair(7), last_pg, txnid)

@@ -16,8 +16,11 @@ file. The rebuild refuses while LMDB's reader table lists another process.
 
 from __future__ import annotations
 
+import fcntl
 import os
 import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -63,7 +66,13 @@ def rebuild_lmdb(path: str | os.PathLike[str], *, url: str | None = None) -> Reb
     store = Path(path)
     name = url or f"lmdb://{store}"
     old_bytes = (store / "data.mdb").stat().st_size
-    env = lmdb.open(str(store), subdir=True, readonly=False, create=False, max_dbs=0, lock=True)
+    try:
+        env = lmdb.open(str(store), subdir=True, readonly=False, create=False, max_dbs=0, lock=True)
+    except lmdb.Error:
+        # LMDB refuses the file (a damaged meta page: magic, version, map size): take
+        # the lock LMDB takes itself to say no other process has the store open.
+        with _alone(store, name):
+            return _rebuilt(store, old_bytes)
     try:
         others = _other_readers(env)
         if others:
@@ -75,18 +84,41 @@ def rebuild_lmdb(path: str | os.PathLike[str], *, url: str | None = None) -> Reb
                 pids=others,
             )
         with env.begin(write=True):  # holds the writer lock: nothing commits meanwhile
-            fresh = store.with_name(f"{store.name}.rebuild-{os.getpid()}")
-            shutil.rmtree(fresh, ignore_errors=True)
-            try:
-                keys, nbytes = _copy_into(store, fresh, old_bytes)
-                _swap(store, fresh)
-            except BaseException:
-                shutil.rmtree(fresh, ignore_errors=True)
-                raise
+            return _rebuilt(store, old_bytes)
     finally:
         env.close()
-    shutil.rmtree(fresh, ignore_errors=True)  # the old, damaged store now
+
+
+def _rebuilt(store: Path, old_bytes: int) -> Rebuilt:
+    fresh = store.with_name(f"{store.name}.rebuild-{os.getpid()}")
+    shutil.rmtree(fresh, ignore_errors=True)
+    try:
+        keys, nbytes = _copy_into(store, fresh, old_bytes)
+        _swap(store, fresh)
+    finally:
+        shutil.rmtree(fresh, ignore_errors=True)  # the old, damaged store after the swap
     return Rebuilt(keys, nbytes, old_bytes)
+
+
+@contextmanager
+def _alone(store: Path, name: str) -> Iterator[None]:
+    """Held while no other process has ``store`` open, without LMDB: LMDB holds a
+    shared ``fcntl`` lock on the first byte of ``lock.mdb`` while an environment is
+    open (``mdb_env_excl_lock``), so an exclusive one is granted only to a sole user."""
+    fd = os.open(store / "lock.mdb", os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB, 1, 0)
+        except OSError as exc:
+            raise StoreError(
+                f"[verify] {name} is open in another process; its damaged file can only be "
+                f"rebuilt while nothing else uses it. Stop it and run 'kvstore verify "
+                f"{name} --fix' again.",
+                url=name,
+            ) from exc
+        yield
+    finally:
+        os.close(fd)
 
 
 def _copy_into(store: Path, fresh: Path, size_hint: int) -> tuple[int, int]:
