@@ -444,12 +444,30 @@ def write_summary(out: Path, summary: dict[str, Any], args: Any, complete: bool)
     (out / "sweep-summary.txt").write_text(head + table(summary) + "\n")
 
 
+def failed_positions(path: Path) -> list[tuple[int, int, str]]:
+    """The positions of an earlier sweep that crashed, raised a foreign exception, gave a
+    wrong value or were not repairable (the store is built the same every time)."""
+    out = []
+    with gzip.open(path, "rt") as f:
+        for line in f:
+            r = json.loads(line)
+            if r.get("crashes") or r.get("foreign") or r.get("wrong") or not r.get("reusable"):
+                out.append((r["pos"], r["bit"], r["kind"]))
+    return out
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--positions", type=int, default=20_000)
     parser.add_argument("--workers", type=int, default=os.cpu_count() or 2)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=ROOT / "tools" / "damage" / "results")
+    parser.add_argument(
+        "--again",
+        type=Path,
+        default=None,
+        help="a sweep-positions.jsonl.gz: run again only its positions that failed",
+    )
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--base", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -460,6 +478,8 @@ def main() -> int:
         base = work / "store"
         build(base)
         todo = positions(base / "data.mdb", args.positions, args.seed)
+        if args.again is not None:
+            todo = failed_positions(args.again)
         results: list[dict[str, Any]] = []
         t0 = time.perf_counter()
 

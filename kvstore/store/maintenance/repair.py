@@ -12,7 +12,10 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, replace
 
+import lmdb
+
 from kvstore.abc.store import VerifyReport
+from kvstore.errors import StoreError
 from kvstore.store.engines.lmdb_file import check_file
 from kvstore.store.maintenance.inventory import lmdb_path, open_existing
 from kvstore.store.maintenance.rebuild import Rebuilt, rebuild_lmdb
@@ -62,9 +65,28 @@ def verify_store(url: str, *, repair: bool = False, rebuild: bool = False) -> Ve
             return Verified(url, report, report)
         if engine or (repair and rebuild):
             rebuilt = rebuild_lmdb(path, url=url)
+    try:
+        store_url, found, after = _verify_open(url, repair)
+    except StoreError as exc:
+        # Damage only LMDB trips over, found as the repair writes (the file's own
+        # reading missed it: "Located page was wrong type"): rebuild, then repair.
+        if not (repair and path is not None and rebuilt is None and _lmdb_damage(exc)):
+            raise
+        rebuilt = rebuild_lmdb(path, url=url)
+        store_url, found, after = _verify_open(url, repair)
+        engine = (f"LMDB found damage as the repair wrote: {exc.__cause__}",)
+    if engine:
+        found = replace(found, engine=engine, repaired=repair)
+    return Verified(store_url, found, after, rebuilt)
+
+
+def _verify_open(url: str, repair: bool) -> tuple[str, VerifyReport, VerifyReport]:
     with open_existing(url, writable=repair, operation="verify", recover=True) as store:
         found = store.verify(repair=repair)
         after = store.verify() if found.repaired else found
-    if engine:
-        found = replace(found, engine=engine, repaired=repair)
-    return Verified(store.url, found, after, rebuilt)
+        return store.url, found, after
+
+
+def _lmdb_damage(exc: StoreError) -> bool:
+    """Whether ``exc`` is LMDB reporting a damaged page (its error is the cause)."""
+    return isinstance(exc.__cause__, (lmdb.CorruptedError, lmdb.PageNotFoundError))
