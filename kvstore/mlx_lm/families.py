@@ -1,0 +1,104 @@
+"""Which of mlx-lm's cache families the store persists, and caches in mlx-lm's classes.
+
+A layer's cache is persisted when kvstore knows its family (its signature, read
+through :data:`kvstore.abc.cache.MLX_LM_ALIASES` for mlx-lm's ``KVCache``,
+``QuantizedKVCache`` and ``RotatingKVCache``) and a codec serves it. Every other
+family keeps mlx-lm's behaviour (the in-memory prompt cache) and says why:
+:func:`not_persisted` gives one reason per family.
+
+A restore builds kvstore's classes; :func:`as_mlx_lm_caches` hands the same
+arrays to mlx-lm's classes where mlx-lm has one, so what ``fetch`` returns is
+what ``stream_generate``, ``BatchGenerator`` and ``mlx_lm.server`` expect
+(``merge`` for batching, ``to_quantized`` for ``kv_bits``). No array is copied.
+Sliding windows become :class:`~kvstore.mlx_lm.capture.CapturingRotatingKVCache`
+(mlx-lm's ring, keeping the blocks it completes for the next save), also in
+fresh caches (:func:`with_capture`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from kvstore.abc.cache import signature_of
+from kvstore.codecs import get_codec
+from kvstore.errors import UnknownSignatureError
+from kvstore.mlx_lm.capture import CapturingRotatingKVCache
+
+__all__ = ["not_persisted", "as_mlx_lm_caches", "with_capture", "WHY_NOT"]
+
+#: mlx-lm cache classes the store does not persist yet, and why.
+WHY_NOT: dict[str, str] = {
+    "ArraysCache": (
+        "recurrent state of a hybrid model (mlx-lm ArraysCache) is not persisted yet; "
+        "such models keep mlx-lm's in-memory prompt cache (recurrent checkpoints: issue 16)"
+    ),
+    "CacheList": "composite caches (mlx-lm CacheList) are not persisted yet",
+    "ChunkedKVCache": "chunked attention (mlx-lm ChunkedKVCache) is not persisted yet",
+    "ConcatenateKVCache": "mlx-lm ConcatenateKVCache is not persisted (no kvstore family)",
+}
+
+
+def _why(cache: Any) -> str | None:
+    sig = signature_of(cache)
+    if sig is not None:
+        try:
+            get_codec(str(sig))
+            return None
+        except UnknownSignatureError:
+            return f"no codec is registered for the signature '{sig}'"
+    name = type(cache).__name__
+    return WHY_NOT.get(name, f"{type(cache).__module__}.{name} has no kvstore family")
+
+
+def not_persisted(caches: Sequence[Any]) -> dict[str, str]:
+    """Per cache class the store cannot persist: why (empty when every layer persists).
+
+    Keys are ``"ArraysCache (layers 0, 2)"``-style labels.
+    """
+    layers: dict[tuple[str, str], list[int]] = {}
+    for i, cache in enumerate(caches):
+        why = _why(cache)
+        if why is not None:
+            layers.setdefault((type(cache).__name__, why), []).append(i)
+    return {
+        f"{name} (layers {', '.join(map(str, idx))})": why for (name, why), idx in layers.items()
+    }
+
+
+def _as_mlx_lm(cache: Any, block_size: int | None) -> Any:
+    from mlx_lm.models import cache as C
+
+    sig = signature_of(cache)
+    if sig is None or type(cache).__module__.startswith("mlx_lm."):
+        return cache
+    out: Any
+    if sig.kind == "kv:rotating-plain":
+        if block_size is not None:
+            return CapturingRotatingKVCache.like(cache, block_size)
+        out = C.RotatingKVCache(max_size=int(cache.max_size), keep=int(cache.keep))
+        out._idx = int(cache._idx)
+    elif sig.kind == "kv:plain":
+        out = C.KVCache()
+    elif sig.kind == "kv:quant":
+        out = C.QuantizedKVCache(group_size=sig.group_size, bits=sig.bits)
+    else:  # windowed-affine, TurboQuant: families mlx-lm has no class for
+        return cache
+    out.keys, out.values, out.offset = cache.keys, cache.values, int(cache.offset)
+    return out
+
+
+def as_mlx_lm_caches(caches: Sequence[Any], block_size: int | None = None) -> list[Any]:
+    """``caches`` in mlx-lm's own classes where mlx-lm has one (the same arrays);
+    with ``block_size``, sliding windows capture their blocks (:func:`with_capture`)."""
+    return [_as_mlx_lm(c, block_size) for c in caches]
+
+
+def with_capture(caches: Sequence[Any], block_size: int) -> list[Any]:
+    """``caches`` with each of mlx-lm's ``RotatingKVCache`` made a capturing one."""
+    from mlx_lm.models.cache import RotatingKVCache
+
+    return [
+        CapturingRotatingKVCache.like(c, block_size) if type(c) is RotatingKVCache else c
+        for c in caches
+    ]
