@@ -144,12 +144,14 @@ def seed_weights(model: nn.Module, seed: int, scale: float = 0.08) -> nn.Module:
     return model
 
 
-def build_mlx_lm_model(arch: str, seed: int = 0, **overrides: Any) -> nn.Module:
+def build_mlx_lm_model(
+    arch: str, seed: int = 0, *, scale: float = 0.08, **overrides: Any
+) -> nn.Module:
     """mlx-lm's own ``arch`` model from :data:`TINY_ARGS` (plus ``overrides``), seeded."""
     module = importlib.import_module(f"mlx_lm.models.{arch}")
     args = module.ModelArgs.from_dict({**TINY_ARGS[arch], **overrides})
     model = module.Model(args)
-    return seed_weights(model, seed)
+    return seed_weights(model, seed, scale)
 
 
 #: The tokenizer's special tokens, after the 256 byte tokens (ids 256, 257, 258).
@@ -185,11 +187,15 @@ def _write_tokenizer(path: Path) -> int:
     return len(vocab) + len(SPECIAL_TOKENS)
 
 
-def write_model_dir(path: str | Path, arch: str = "llama", seed: int = 0, **overrides: Any) -> Path:
+def write_model_dir(
+    path: str | Path, arch: str = "llama", seed: int = 0, *, scale: float = 0.15, **overrides: Any
+) -> Path:
     """Write the tiny ``arch`` model as an mlx-lm model directory at ``path``.
 
     The vocabulary is the tokenizer's (259 ids); ``overrides`` change the model
-    args (``num_hidden_layers=4``...). Returns the directory.
+    args (``num_hidden_layers=4``...). Weights are drawn with standard deviation
+    ``scale``: 0.15 makes the tiny llama write varied bytes (0.08 repeats one), so
+    a wrong cache shows in the text. Returns the directory.
     """
     from mlx.utils import tree_flatten
 
@@ -198,7 +204,7 @@ def write_model_dir(path: str | Path, arch: str = "llama", seed: int = 0, **over
     vocab_size = _write_tokenizer(root)
     config = {**TINY_ARGS[arch], "vocab_size": vocab_size, **overrides}
     extra = {"eos_token_id": vocab_size - 2, "pad_token_id": vocab_size - 1}  # im_end, eot
-    model = build_mlx_lm_model(arch, seed, **config)
+    model = build_mlx_lm_model(arch, seed, scale=scale, **config)
     config.update(extra)
     weights = dict(tree_flatten(model.parameters()))
     mx.save_safetensors(str(root / "model.safetensors"), weights)  # type: ignore[arg-type]
