@@ -28,6 +28,14 @@ class KVCache(GrowingKVCache):
     def state(self, v: tuple[Any, Any, int]) -> None:
         self.keys, self.values, self.offset = v
 
+    @classmethod
+    def merge(cls, caches: Any) -> Any:
+        """One row-batched cache of ``caches`` (mlx-lm's batch protocol; see
+        :mod:`kvstore.caches.batch`)."""
+        from kvstore.caches.batch import merge_caches
+
+        return merge_caches(caches)
+
     def to_quantized(self, group_size: int = 64, bits: int = 4) -> QuantizedKVCache:
         """This cache's rows affine-quantized (what mlx-lm's ``kv_bits`` option calls)."""
         quant = QuantizedKVCache(group_size=group_size, bits=bits)

@@ -82,3 +82,11 @@ class QuantizedKVCache(AffineRows, GrowingKVCache):
     def state(self, v: tuple[Any, Any, int, int, int]) -> None:
         self.keys, self.values, self.offset, group_size, bits = v
         self._init_affine(int(group_size), int(bits))
+
+    @classmethod
+    def merge(cls, caches: Any) -> Any:
+        """One row-batched cache of ``caches`` (mlx-lm's batch protocol; see
+        :mod:`kvstore.caches.batch`)."""
+        from kvstore.caches.batch import merge_caches
+
+        return merge_caches(caches)

@@ -197,6 +197,14 @@ class RotatingKVCache(RingKVCache):
     def state(self, v: tuple[Any, Any, int, int, int, int]) -> None:
         self.keys, self.values, self.offset, self.keep, self.max_size, self._idx = v
 
+    @classmethod
+    def merge(cls, caches: Any) -> Any:
+        """One row-batched cache of ``caches`` (mlx-lm's batch protocol; see
+        :mod:`kvstore.caches.batch`)."""
+        from kvstore.caches.batch import merge_caches
+
+        return merge_caches(caches)
+
     def to_quantized(self, group_size: int = 64, bits: int = 4) -> RotatingQuantizedKVCache:
         """This ring affine-quantized in place of its rows (mlx-lm raises here)."""
         quant = RotatingQuantizedKVCache(self.max_size, self.keep, group_size, bits)
@@ -242,3 +250,11 @@ class RotatingQuantizedKVCache(AffineRows, RingKVCache):
             bits,
         ) = v
         self._init_affine(int(group_size), int(bits))
+
+    @classmethod
+    def merge(cls, caches: Any) -> Any:
+        """One row-batched cache of ``caches`` (mlx-lm's batch protocol; see
+        :mod:`kvstore.caches.batch`)."""
+        from kvstore.caches.batch import merge_caches
+
+        return merge_caches(caches)

@@ -26,48 +26,46 @@ import mlx.core as mx
 from mlx_lm.models.cache import RotatingKVCache
 
 from kvstore.abc.codec import Snapshot
-from kvstore.codecs import get_codec
+from kvstore.caches import RotatingQuantizedKVCache
+from kvstore.codecs import codec_for
 from kvstore.errors import CapabilityError
 
-__all__ = ["CapturingRotatingKVCache", "captured_blocks"]
+__all__ = [
+    "BlockCapturing",
+    "CapturingRotatingKVCache",
+    "CapturingRotatingQuantizedKVCache",
+    "capturing_like",
+    "captured_blocks",
+]
 
-_SIGNATURE = "kv:rotating-plain"
 
-
-class CapturingRotatingKVCache(RotatingKVCache):  # type: ignore[misc]  # mlx-lm is untyped
-    """mlx-lm's ``RotatingKVCache`` (same state, same logits) that keeps completed blocks.
+class BlockCapturing:
+    """The capture, over any ring with ``offset``/``keys``/``_idx`` and a codec.
 
     Attributes:
         block_size: the store's block size.
         captured: block start -> snapshot of the block ``[start, start + block_size)``.
     """
 
-    def __init__(self, max_size: int, keep: int = 0, *, block_size: int = 256) -> None:
-        super().__init__(max_size=max_size, keep=keep)
+    block_size: int
+    captured: dict[int, Snapshot]
+    _pending: list[int]
+    offset: int
+
+    def _init_capture(self, block_size: int) -> None:
         self.block_size = block_size
-        self.captured: dict[int, Snapshot] = {}
-        self._pending: list[int] = []
-
-    @classmethod
-    def like(cls, cache: Any, block_size: int) -> CapturingRotatingKVCache:
-        """A capturing cache holding what the ring ``cache`` holds (the same arrays)."""
-        out = cls(int(cache.max_size), int(cache.keep), block_size=block_size)
-        out.keys, out.values = cache.keys, cache.values
-        out.offset, out._idx = int(cache.offset), int(cache._idx)
-        return out
-
-    def signature(self) -> str:
-        return _SIGNATURE
+        self.captured = {}
+        self._pending = []
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> Any:
         self._own_pending()
         before = int(self.offset)
-        out = super().update_and_fetch(keys, values)
+        out = super().update_and_fetch(keys, values)  # type: ignore[misc]
         size = self.block_size
         first = (before // size + 1) * size  # the first block end after `before`
         codec = None
         for end in range(first, int(self.offset) + 1, size):
-            codec = codec or get_codec(_SIGNATURE)
+            codec = codec or codec_for(self)
             try:
                 self.captured[end - size] = codec.snapshot(self, end - size, end)
             except CapabilityError:  # gone already: a window shorter than a block
@@ -89,12 +87,62 @@ class CapturingRotatingKVCache(RotatingKVCache):  # type: ignore[misc]  # mlx-lm
         self._pending = []
 
 
+class CapturingRotatingKVCache(BlockCapturing, RotatingKVCache):  # type: ignore[misc]
+    """mlx-lm's ``RotatingKVCache`` (same state, same logits) that keeps completed blocks."""
+
+    def __init__(self, max_size: int, keep: int = 0, *, block_size: int = 256) -> None:
+        RotatingKVCache.__init__(self, max_size=max_size, keep=keep)
+        self._init_capture(block_size)
+
+    def signature(self) -> str:
+        return "kv:rotating-plain"
+
+
+class CapturingRotatingQuantizedKVCache(BlockCapturing, RotatingQuantizedKVCache):
+    """Our windowed affine ring that keeps completed blocks."""
+
+    def __init__(
+        self,
+        max_size: int,
+        keep: int = 0,
+        group_size: int = 64,
+        bits: int = 8,
+        *,
+        block_size: int = 256,
+    ) -> None:
+        RotatingQuantizedKVCache.__init__(self, max_size, keep, group_size, bits)
+        self._init_capture(block_size)
+
+
+def capturing_like(cache: Any, block_size: int) -> Any:
+    """A capturing ring holding what the ring ``cache`` holds (the same arrays):
+    mlx-lm's ``RotatingKVCache`` or a windowed affine one; other caches as they are."""
+    out: Any
+    if isinstance(cache, BlockCapturing):
+        return cache
+    if isinstance(cache, RotatingQuantizedKVCache):
+        out = CapturingRotatingQuantizedKVCache(
+            int(cache.max_size),
+            int(cache.keep),
+            cache.group_size,
+            cache.bits,
+            block_size=block_size,
+        )
+    elif isinstance(cache, RotatingKVCache):  # mlx-lm's
+        out = CapturingRotatingKVCache(int(cache.max_size), int(cache.keep), block_size=block_size)
+    else:
+        return cache
+    out.keys, out.values = cache.keys, cache.values
+    out.offset, out._idx = int(cache.offset), int(cache._idx)
+    return out
+
+
 def captured_blocks(caches: list[Any]) -> dict[tuple[int, int], Snapshot]:
     """``(layer, block start) -> snapshot`` of every block the caches captured, owned
     and evaluated; the caches forget them (they go to one save)."""
     out: dict[tuple[int, int], Snapshot] = {}
     for i, cache in enumerate(caches):
-        if isinstance(cache, CapturingRotatingKVCache):
+        if isinstance(cache, BlockCapturing):
             cache._own_pending()
             out.update({(i, start): snap for start, snap in cache.captured.items()})
             cache.captured = {}

@@ -7,9 +7,12 @@ family keeps mlx-lm's behaviour (the in-memory prompt cache) and says why:
 :func:`not_persisted` gives one reason per family.
 
 A restore builds kvstore's classes; :func:`as_mlx_lm_caches` hands the same
-arrays to mlx-lm's classes where mlx-lm has one, so what ``fetch`` returns is
-what ``stream_generate``, ``BatchGenerator`` and ``mlx_lm.server`` expect
-(``merge`` for batching, ``to_quantized`` for ``kv_bits``). No array is copied.
+arrays to mlx-lm's classes for raw rows (``KVCache``, ``RotatingKVCache``), so
+what ``fetch`` returns is what ``stream_generate``, ``BatchGenerator`` and
+``mlx_lm.server`` expect (``merge`` for batching, ``to_quantized`` for
+``kv_bits``). Affine rows stay in our classes: they batch
+(:mod:`kvstore.caches.batch`), mlx-lm's ``QuantizedKVCache`` does not, and
+they give mlx-lm's logits. No array is copied.
 Sliding windows become :class:`~kvstore.mlx_lm.capture.CapturingRotatingKVCache`
 (mlx-lm's ring, keeping the blocks it completes for the next save), also in
 fresh caches (:func:`with_capture`).
@@ -23,7 +26,7 @@ from typing import Any
 from kvstore.abc.cache import signature_of
 from kvstore.codecs import get_codec
 from kvstore.errors import UnknownSignatureError
-from kvstore.mlx_lm.capture import CapturingRotatingKVCache
+from kvstore.mlx_lm.capture import capturing_like
 
 __all__ = ["not_persisted", "as_mlx_lm_caches", "with_capture", "WHY_NOT"]
 
@@ -74,31 +77,23 @@ def _as_mlx_lm(cache: Any, block_size: int | None) -> Any:
         return cache
     out: Any
     if sig.kind == "kv:rotating-plain":
-        if block_size is not None:
-            return CapturingRotatingKVCache.like(cache, block_size)
         out = C.RotatingKVCache(max_size=int(cache.max_size), keep=int(cache.keep))
         out._idx = int(cache._idx)
     elif sig.kind == "kv:plain":
         out = C.KVCache()
-    elif sig.kind == "kv:quant":
-        out = C.QuantizedKVCache(group_size=sig.group_size, bits=sig.bits)
-    else:  # windowed-affine, TurboQuant: families mlx-lm has no class for
-        return cache
+    else:  # affine and TurboQuant rows: ours batch where mlx-lm's cannot, or mlx-lm has none
+        return cache if block_size is None else capturing_like(cache, block_size)
     out.keys, out.values, out.offset = cache.keys, cache.values, int(cache.offset)
-    return out
+    return out if block_size is None else capturing_like(out, block_size)
 
 
 def as_mlx_lm_caches(caches: Sequence[Any], block_size: int | None = None) -> list[Any]:
-    """``caches`` in mlx-lm's own classes where mlx-lm has one (the same arrays);
-    with ``block_size``, sliding windows capture their blocks (:func:`with_capture`)."""
+    """``caches`` in mlx-lm's own classes where mlx-lm has one that batches (the same
+    arrays); with ``block_size``, sliding windows capture their blocks (:func:`with_capture`)."""
     return [_as_mlx_lm(c, block_size) for c in caches]
 
 
 def with_capture(caches: Sequence[Any], block_size: int) -> list[Any]:
-    """``caches`` with each of mlx-lm's ``RotatingKVCache`` made a capturing one."""
-    from mlx_lm.models.cache import RotatingKVCache
-
-    return [
-        CapturingRotatingKVCache.like(c, block_size) if type(c) is RotatingKVCache else c
-        for c in caches
-    ]
+    """``caches`` with each sliding window made a capturing one
+    (:func:`~kvstore.mlx_lm.capture.capturing_like`)."""
+    return [capturing_like(c, block_size) for c in caches]

@@ -48,7 +48,7 @@ import numpy as np
 from mlx_lm.models.cache import (
     KVCache,
     LRUPromptCache,
-    QuantizedKVCache,
+    RotatingKVCache,
     can_trim_prompt_cache,
     make_prompt_cache,
     trim_prompt_cache,
@@ -57,6 +57,7 @@ from mlx_lm.models.cache import (
 from kvstore.abc.store import MissReason, PrefixStore
 from kvstore.bridge.namespace import DEFAULT_QUANTIZED_KV_START, namespace_for_mlx_lm
 from kvstore.bridge.session import STORE_FAULTS
+from kvstore.caches import QuantizedKVCache, RotatingQuantizedKVCache
 from kvstore.errors import CapabilityError, StoreUnavailableError
 from kvstore.mlx_lm.capture import captured_blocks
 from kvstore.mlx_lm.families import as_mlx_lm_caches, not_persisted, with_capture
@@ -159,27 +160,47 @@ class Binding:
     kv_group_size: int = 64
     quantized_kv_start: int = DEFAULT_QUANTIZED_KV_START
 
+    @property
+    def quantizes_from_start(self) -> bool:
+        """``kv_bits`` from the first token (``quantized_kv_start`` 0) on a persisted
+        model: every layer is one of our affine families, which batch (mlx-lm's
+        ``QuantizedKVCache`` does not, so its server serves ``kv_bits`` one at a time)."""
+        return self.kv_bits is not None and self.quantized_kv_start <= 0 and bool(self.namespace)
+
     def fresh(self) -> list[Any]:
-        """``make_prompt_cache(model)``, sliding windows capturing their blocks."""
+        """Fresh caches: ``make_prompt_cache(model)``, affine from the start when
+        :attr:`quantizes_from_start`, sliding windows capturing their blocks."""
         caches = make_prompt_cache(self.model)
-        return caches if self.namespace is None else with_capture(caches, self.block_size)
+        if self.namespace is None:
+            return caches
+        if self.quantizes_from_start:
+            caches = self._affine(caches, windows=True)
+        return with_capture(caches, self.block_size)
 
     def templates(self, tokens: int) -> list[Any]:
         """Fresh caches of the families a prefix of ``tokens`` tokens is held in.
 
         With ``kv_bits``, mlx-lm's generation quantizes a plain ``KVCache`` once it
         holds ``quantized_kv_start`` tokens, so a prefix that long is restored
-        quantized.
+        affine (windows too when quantizing from the start).
         """
         caches = make_prompt_cache(self.model)
         if self.kv_bits is None or tokens < self.quantized_kv_start:
             return caches
-        return [
-            QuantizedKVCache(group_size=self.kv_group_size, bits=self.kv_bits)
-            if type(c) is KVCache
-            else c
-            for c in caches
-        ]
+        return self._affine(caches, windows=self.quantizes_from_start)
+
+    def _affine(self, caches: list[Any], *, windows: bool) -> list[Any]:
+        assert self.kv_bits is not None
+        group, bits = self.kv_group_size, self.kv_bits
+        out: list[Any] = []
+        for c in caches:
+            if type(c) is KVCache:
+                out.append(QuantizedKVCache(group_size=group, bits=bits))
+            elif windows and type(c) is RotatingKVCache:
+                out.append(RotatingQuantizedKVCache(int(c.max_size), int(c.keep), group, bits))
+            else:
+                out.append(c)
+        return out
 
 
 @dataclass
@@ -190,6 +211,7 @@ class _Counters:
     reused_tokens: Counter[str] = field(default_factory=Counter)
     prompt_tokens: int = 0
     exact_hits: int = 0
+    inserts: Counter[str] = field(default_factory=Counter)
     saves: int = 0
     saves_skipped: Counter[str] = field(default_factory=Counter)
     save_errors: Counter[str] = field(default_factory=Counter)
@@ -433,6 +455,8 @@ class StorePromptCache(LRUPromptCache):  # type: ignore[misc]  # mlx-lm is untyp
     ) -> None:
         """mlx-lm's ``insert_cache``, and a save of ``tokens`` handed to the writer."""
         super().insert_cache(model, tokens, prompt_cache, cache_type=cache_type)
+        with self._lock:
+            self._counters.inserts[cache_type] += 1
         binding = self._bindings.get(model)
         reason = self._why_not(binding, tokens)
         if reason is None and self.store.read_only:
@@ -469,6 +493,7 @@ class StorePromptCache(LRUPromptCache):  # type: ignore[misc]  # mlx-lm is untyp
                 "misses": dict(c.misses),
                 "reused_tokens": dict(c.reused_tokens),
                 "exact_hits_guarded": c.exact_hits,
+                "inserts": dict(c.inserts),
                 "saves": c.saves,
                 "saves_skipped": dict(c.saves_skipped),
                 "save_errors": dict(c.save_errors),

@@ -109,11 +109,25 @@ class StoreModelProvider(mlx_server.ModelProvider):  # type: ignore[misc]  # mlx
 
 
 class StoreResponseGenerator(mlx_server.ResponseGenerator):  # type: ignore[misc]
-    """mlx-lm's response generator, timing each request's first token."""
+    """mlx-lm's response generator, timing each request's first token, and batching
+    requests under ``--kv-bits`` when every layer is one of our affine families."""
 
     def __init__(self, model_provider: StoreModelProvider, state: ServeState) -> None:
         self.kvstore = state  # before super().__init__: it starts the generation thread
         super().__init__(model_provider, state.prompt_cache)
+
+    def _is_batchable(self, args: Any) -> bool:
+        if self.cli_args.kv_bits is None:
+            return bool(super()._is_batchable(args))
+        # mlx-lm serves --kv-bits one at a time: its QuantizedKVCache cannot batch. Ours
+        # can; the prompt cache hands them out when quantizing from the first token.
+        binding = self.kvstore.prompt_cache.binding(self.model_provider.model_key)
+        return bool(
+            self.model_provider.is_batchable
+            and args.seed is None
+            and binding is not None
+            and binding.quantizes_from_start
+        )
 
     def generate(
         self,

@@ -7,12 +7,12 @@ from mlx_lm.generate import stream_generate as mlx_lm_stream_generate
 from mlx_lm.models.cache import (
     KVCache,
     LRUPromptCache,
-    QuantizedKVCache,
     RotatingKVCache,
     make_prompt_cache,
 )
 
 from kvstore.abc.store import MissReason
+from kvstore.caches import QuantizedKVCache as OurQuantizedKVCache
 from kvstore.errors import CapabilityError
 from kvstore.mlx_lm import (
     IMAGE_PROMPT,
@@ -170,7 +170,7 @@ def test_quantized_kv_restores_quantized_where_mlx_lm_would_hold_it_so(load):
         follow = prompt + turn1 + tok.encode(" ok")
         caches, rest = fresh.fetch(follow)
         assert len(rest) < len(tok.encode(" ok")) + 1
-        assert all(type(c) is QuantizedKVCache for c in caches)
+        assert all(type(c) is OurQuantizedKVCache for c in caches)  # ours: they batch
         # The same continuation as mlx-lm's own in-memory prompt cache gives.
         mem_caches = make_prompt_cache(model)
         list(

@@ -31,6 +31,11 @@ def model_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def hybrid_dir(tmp_path_factory) -> Path:
+    return write_model_dir(tmp_path_factory.mktemp("hybrid") / "tiny-qwen3-next", "qwen3_next")
+
+
+@pytest.fixture(scope="session")
 def server_env(tmp_path_factory) -> dict[str, str]:
     return {"KVSTORE_CACHE_DIR": str(tmp_path_factory.mktemp("digests"))}
 

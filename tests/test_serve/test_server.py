@@ -20,13 +20,19 @@ def store_url(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def servers(model_dir, store_url, server_env, logs):
-    """Stock mlx_lm.server, and two kvstore servers on one LMDB store, started at once."""
+def servers(model_dir, hybrid_dir, store_url, server_env, logs, tmp_path_factory):
+    """Started at once: stock mlx_lm.server; two kvstore servers on one LMDB store; one
+    quantizing the KV from the first token (--kv-bits 8); one serving a hybrid model."""
     stock = ServerProcess.stock(model_dir, log=logs / "stock.log", env=server_env)
     a = ServerProcess.kvstore(model_dir, store_url, log=logs / "a.log", env=server_env)
     b = ServerProcess.kvstore(model_dir, store_url, log=logs / "b.log", env=server_env)
-    ServerProcess.start_all(stock, a, b)
-    running = {"stock": stock, "a": a, "b": b}
+    q_store = f"lmdb://{tmp_path_factory.mktemp('q-store')}"
+    kv = ("--kv-bits", "8", "--kv-group-size", "64", "--quantized-kv-start", "0")
+    q = ServerProcess.kvstore(model_dir, q_store, *kv, log=logs / "q.log", env=server_env)
+    h_store = f"lmdb://{tmp_path_factory.mktemp('h-store')}"
+    h = ServerProcess.kvstore(hybrid_dir, h_store, log=logs / "hybrid.log", env=server_env)
+    ServerProcess.start_all(stock, a, b, q, h)
+    running = {"stock": stock, "a": a, "b": b, "q": q, "hybrid": h}
     yield running  # a test may replace one (a restart)
     for server in running.values():
         server.stop()
@@ -82,6 +88,53 @@ def test_concurrent_requests_take_the_batched_path_and_reuse(stock, ours):
         got = list(pool.map(lambda q: chat(server, conversation(q)), questions))
     assert [g[0] for g in got] == want
     assert all(cached >= len(SYSTEM) for _, cached, _ in got)  # the system prompt, at least
+
+
+def batched_system_prompts(server: ServerProcess) -> int:
+    """System-prompt caches inserted: only mlx-lm's batched path inserts those."""
+    return int(server.stats()["prompt_cache"]["inserts"].get("system", 0))
+
+
+def test_quantized_kv_takes_the_batched_path_and_reuses(servers):
+    q = servers["q"]
+    topics = ["paths", "json", "sockets"]
+    questions = [
+        conversation(f"Quantized {i}: which module handles {w}?") for i, w in enumerate(topics)
+    ]
+    with ThreadPoolExecutor(len(questions)) as pool:
+        cold = list(pool.map(lambda m: chat(q, m), questions))
+    q.wait_saved()
+    with ThreadPoolExecutor(len(questions)) as pool:
+        warm = list(pool.map(lambda m: chat(q, m), questions))
+    assert [w[0] for w in warm] == [c[0] for c in cold]  # the text of no reuse
+    assert all(cached == prompt - 1 for _, cached, prompt in warm)
+    assert batched_system_prompts(q) >= 1  # mlx-lm alone would serve --kv-bits one at a time
+    stats = q.stats()
+    (model,) = stats["models"].values()
+    assert model["kv_bits"] == 8 and model["persisted"]
+    # seed requests go the sequential way, and reuse there too
+    seeded = conversation("Quantized and seeded.")
+    before = batched_system_prompts(q)
+    first = chat(q, seeded, seed=3)
+    assert chat(q, seeded, seed=3) == (first[0], first[2] - 1, first[2])
+    assert batched_system_prompts(q) == before
+
+
+def test_a_hybrid_model_stays_in_memory_and_says_why(servers):
+    h = servers["hybrid"]
+    messages = [{"role": "user", "content": "Hybrid models keep recurrent state. " * 3}]
+    text, cached, prompt_tokens = chat(h, messages)
+    assert cached == 0 and text
+    again = chat(h, messages)
+    assert again[0] == text and again[1] > 0  # mlx-lm's in-memory reuse is kept
+    stats = h.stats()
+    (model,) = stats["models"].values()
+    assert model["persisted"] is False and model["namespace"] is None
+    (why,) = model["not_persisted"].values()
+    assert "ArraysCache" in why and "issue 16" in why
+    assert stats["prompt_cache"]["misses"] == {"not_persisted": 1}
+    assert stats["store"]["blocks"] == 0
+    assert "stays in memory only" in h.log.read_text()
 
 
 def test_seed_requests_take_the_sequential_path_and_reuse(stock, ours):
