@@ -2,8 +2,11 @@
 
 Each family's module declares what the family is (a :class:`kvstore.family.Family`,
 ``QUANT_FAMILY`` in :mod:`kvstore.caches.quantized`); its codec registers it.
+:mod:`kvstore.caches.batch` holds the row-batched caches of the families that batch
+(imported here, so their batch classes are registered whenever a cache can merge).
 """
 
+from kvstore.caches import batch as _batch  # noqa: F401, E402  # registers the batch classes
 from kvstore.caches.base import BaseKVCache, GrowingKVCache
 from kvstore.caches.plain import KVCache
 from kvstore.caches.quantized import QuantizedKVCache

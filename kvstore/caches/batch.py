@@ -23,7 +23,10 @@ batch class                                  signature
 :class:`BatchRotatingQuantizedKVCache`       ``batch:kv:rotating-quant:{bits}:{group}``
 ===========================================  ======================================
 
-A batch cache reports ``batch:`` plus its rows' family; ``extract`` gives back
+A batch cache reports ``batch:`` plus its rows' family (the ``batch`` wrapper
+family, :data:`BATCH_FAMILY`, registered with the built-ins: its state is no
+single sequence's keys and values, so every predicate fails closed on it, and a
+batch of a family no batch class serves does not exist); ``extract`` gives back
 a cache of that family (which the store persists as any other), and ``merge``
 of single caches (:func:`merge_caches`, which our single caches' ``merge``
 calls) admits restored caches into a running batch. Windows batch with
@@ -39,14 +42,41 @@ from typing import Any, cast
 import mlx.core as mx
 from mlx.utils import tree_map
 
-from kvstore.caches.base import BaseKVCache, Tree, row_leaves, tree_length, zeros_like_rows
+from kvstore.caches.base import (
+    BaseKVCache,
+    Tree,
+    batch_class_for,
+    merge_caches,
+    register_batch_class,
+    row_leaves,
+    tree_length,
+    zeros_like_rows,
+)
 from kvstore.caches.mask import create_causal_mask
-from kvstore.caches.plain import KVCache
-from kvstore.caches.quantized import AffineRows, QuantizedKVCache
-from kvstore.caches.rotating import RotatingKVCache, RotatingQuantizedKVCache
+from kvstore.caches.packed import PackedRows, quantize_rows
+from kvstore.caches.plain import PLAIN_FAMILY, KVCache
+from kvstore.caches.quantized import QUANT_FAMILY, AffineRows, QuantizedKVCache
+from kvstore.caches.rotating import (
+    ROTATING_PLAIN_FAMILY,
+    ROTATING_QUANT_FAMILY,
+    RotatingKVCache,
+    RotatingQuantizedKVCache,
+)
 from kvstore.errors import CapabilityError
+from kvstore.family import Family, Quantization
+from kvstore.signature import parse_signature
+
+#: The ``batch`` wrapper: ``batch:<the rows' signature>``. Its state is several
+#: sequences' rows, not one's keys and values, so predicates fail closed on it.
+BATCH_FAMILY = Family(
+    kind="batch",
+    description="rows of several sequences in one cache (mlx-lm's batch protocol)",
+    wraps=True,
+    state="batch",
+)
 
 __all__ = [
+    "BATCH_FAMILY",
     "BatchKVCache",
     "BatchQuantizedKVCache",
     "BatchRotatingKVCache",
@@ -92,12 +122,13 @@ class _BatchRows(BaseKVCache):
     offset: mx.array  # type: ignore[assignment]  # per row, unlike a single cache's int
     _idx: int
     single: type  # the single-sequence class of the rows' family
+    rows_family: Family  # the family of the rows (what extract gives back)
 
     def signature(self) -> str:
-        return f"batch:{self.inner_signature()}"
+        return f"{BATCH_FAMILY.kind}:{self.inner_signature()}"
 
     def inner_signature(self) -> str:
-        raise NotImplementedError
+        return self.rows_family.kind
 
     def new_single(self) -> Any:
         """An empty single-sequence cache of the rows' family (same parameters)."""
@@ -307,27 +338,39 @@ class _BatchGrowing(_BatchRows):
         return batch
 
 
+class _BatchPacked(PackedRows):
+    """Packed rows in a batch: encoded as the rows' family, reported as ``batch:`` it."""
+
+    def signature(self) -> str:
+        return f"{BATCH_FAMILY.kind}:{PackedRows.signature(self)}"
+
+    def inner_signature(self) -> str:
+        return PackedRows.signature(self)
+
+    def quantization(self) -> Quantization:
+        q = self.family.quantization(parse_signature(self.inner_signature()))
+        assert q is not None
+        return q
+
+    def _encode(self, x: mx.array) -> tuple[mx.array, ...]:
+        return quantize_rows(x, parse_signature(self.inner_signature()))
+
+
 class BatchKVCache(_BatchGrowing):
     """Rows of raw keys/values (``batch:kv:plain``); mlx-lm's ``BatchKVCache`` over trees."""
 
     single = KVCache
-
-    def inner_signature(self) -> str:
-        return "kv:plain"
+    rows_family = PLAIN_FAMILY
 
 
-class BatchQuantizedKVCache(AffineRows, _BatchGrowing):
+class BatchQuantizedKVCache(_BatchPacked, AffineRows, _BatchGrowing):
     """Rows of MLX affine keys/values (``batch:kv:quant:{bits}:{group}``); mlx-lm has none."""
+
+    rows_family = QUANT_FAMILY
 
     def __init__(self, left_padding: Sequence[int], group_size: int = 64, bits: int = 8) -> None:
         _BatchGrowing.__init__(self, left_padding)
         self._init_affine(group_size, bits)
-
-    def signature(self) -> str:
-        return f"batch:{AffineRows.signature(self)}"
-
-    def inner_signature(self) -> str:
-        return AffineRows.signature(self)
 
     def new_single(self) -> QuantizedKVCache:
         return QuantizedKVCache(group_size=self.group_size, bits=self.bits)
@@ -625,8 +668,7 @@ class _BatchRing(_BatchRows):
 class BatchRotatingKVCache(_BatchRing):
     """Windows of raw rows (``batch:kv:rotating-plain``); mlx-lm's ``BatchRotatingKVCache``."""
 
-    def inner_signature(self) -> str:
-        return "kv:rotating-plain"
+    rows_family = ROTATING_PLAIN_FAMILY
 
     def new_single(self) -> RotatingKVCache:
         return RotatingKVCache(self.max_size)
@@ -636,22 +678,17 @@ class BatchRotatingKVCache(_BatchRing):
         return cls(int(template.max_size), left_padding)
 
 
-class BatchRotatingQuantizedKVCache(AffineRows, _BatchRing):
+class BatchRotatingQuantizedKVCache(_BatchPacked, AffineRows, _BatchRing):
     """Windows of affine rows (``batch:kv:rotating-quant:{bits}:{group}``); new."""
 
-    kind = "kv:rotating-quant"
+    family = ROTATING_QUANT_FAMILY
+    rows_family = ROTATING_QUANT_FAMILY
 
     def __init__(
         self, max_size: int, left_padding: Sequence[int], group_size: int = 64, bits: int = 8
     ) -> None:
         _BatchRing.__init__(self, max_size, left_padding)
         self._init_affine(group_size, bits)
-
-    def signature(self) -> str:
-        return f"batch:{AffineRows.signature(self)}"
-
-    def inner_signature(self) -> str:
-        return AffineRows.signature(self)
 
     def new_single(self) -> RotatingQuantizedKVCache:
         return RotatingQuantizedKVCache(self.max_size, 0, self.group_size, self.bits)
@@ -663,48 +700,13 @@ class BatchRotatingQuantizedKVCache(AffineRows, _BatchRing):
         )
 
 
-#: Single-sequence class -> the batch class its rows go into.
-_BATCH_OF: dict[type, type[_BatchRows]] = {
-    KVCache: BatchKVCache,
-    QuantizedKVCache: BatchQuantizedKVCache,
-    RotatingKVCache: BatchRotatingKVCache,
-    RotatingQuantizedKVCache: BatchRotatingQuantizedKVCache,
-}
-
-
-def batch_class_for(cache: Any) -> type[_BatchRows]:
-    """The batch class rows of ``cache``'s family go into.
-
-    Raises:
-        CapabilityError: a family that does not batch (TurboQuant, unknown ones).
-    """
-    cls = next((_BATCH_OF[k] for k in type(cache).__mro__ if k in _BATCH_OF), None)
-    if cls is None:
-        raise CapabilityError(
-            f"[batch cache] {type(cache).__name__} does not batch yet; batching families: "
-            f"{', '.join(c.__name__ for c in _BATCH_OF)}.",
-            found=type(cache).__name__,
-        )
-    return cls
-
-
-def merge_caches(caches: Sequence[Any]) -> _BatchRows:
-    """One batch cache of single caches of one family and parameters (left-padded).
-
-    Raises:
-        CapabilityError: caches of different families or parameters, or a family
-            that does not batch.
-    """
-    if not caches:
-        raise ValueError("[batch cache] Nothing to merge.")
-    signatures = {c.signature() for c in caches}
-    classes = {type(c) for c in caches}
-    if len(signatures) != 1 or len(classes) != 1:
-        raise CapabilityError(
-            f"[batch cache] Rows of one batch share a family; received {sorted(signatures)}.",
-            found=sorted(signatures),
-        )
-    return batch_class_for(caches[0]).merge(caches)  # type: ignore[attr-defined,no-any-return]
+for _cls in (
+    BatchKVCache,
+    BatchQuantizedKVCache,
+    BatchRotatingKVCache,
+    BatchRotatingQuantizedKVCache,
+):
+    register_batch_class(_cls)
 
 
 def _check_same_family(a: _BatchRows, b: _BatchRows) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvstore.caches.base import GrowingKVCache
+from kvstore.caches.base import Batchable, GrowingKVCache
 from kvstore.caches.packed import quantize_rows
 from kvstore.caches.quantized import QuantizedKVCache
 from kvstore.family import Family
@@ -19,7 +19,7 @@ PLAIN_FAMILY = Family(
 )
 
 
-class KVCache(GrowingKVCache):
+class KVCache(Batchable, GrowingKVCache):
     """Raw key/value rows, growing in steps of 256 tokens.
 
     Same name, ``state`` layout and behaviour as ``mlx_lm.models.cache.KVCache``,
@@ -38,14 +38,6 @@ class KVCache(GrowingKVCache):
     @state.setter
     def state(self, v: tuple[Any, Any, int]) -> None:
         self.keys, self.values, self.offset = v
-
-    @classmethod
-    def merge(cls, caches: Any) -> Any:
-        """One row-batched cache of ``caches`` (mlx-lm's batch protocol; see
-        :mod:`kvstore.caches.batch`)."""
-        from kvstore.caches.batch import merge_caches
-
-        return merge_caches(caches)
 
     def to_quantized(self, group_size: int = 64, bits: int = 4) -> QuantizedKVCache:
         """This cache's rows affine-quantized (what mlx-lm's ``kv_bits`` option calls)."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvstore.caches.base import GrowingKVCache
+from kvstore.caches.base import Batchable, GrowingKVCache
 from kvstore.caches.packed import PackedRows, packed_width
 from kvstore.caches.packed import fitting_groups as _fitting_groups
 from kvstore.family import Family, ParamSpec, QuantizedAttention
@@ -62,7 +62,7 @@ class AffineRows(PackedRows):
         return f"{self.family.kind}:{self.bits}:{self.group_size}"
 
 
-class QuantizedKVCache(AffineRows, GrowingKVCache):
+class QuantizedKVCache(Batchable, AffineRows, GrowingKVCache):
     """Affine-quantized rows (``mx.quantize`` along head_dim), growing in steps of 256.
 
     Same name and ``state`` layout as mlx-lm's ``QuantizedKVCache``, but works
@@ -81,11 +81,3 @@ class QuantizedKVCache(AffineRows, GrowingKVCache):
     def state(self, v: tuple[Any, Any, int, int, int]) -> None:
         self.keys, self.values, self.offset, group_size, bits = v
         self._init_affine(int(group_size), int(bits))
-
-    @classmethod
-    def merge(cls, caches: Any) -> Any:
-        """One row-batched cache of ``caches`` (mlx-lm's batch protocol; see
-        :mod:`kvstore.caches.batch`)."""
-        from kvstore.caches.batch import merge_caches
-
-        return merge_caches(caches)

@@ -18,7 +18,14 @@ from typing import Any
 import mlx.core as mx
 from mlx.utils import tree_map
 
-from kvstore.caches.base import BaseKVCache, Tree, row_leaves, tree_length, zeros_like_rows
+from kvstore.caches.base import (
+    BaseKVCache,
+    Batchable,
+    Tree,
+    row_leaves,
+    tree_length,
+    zeros_like_rows,
+)
 from kvstore.caches.mask import create_causal_mask
 from kvstore.caches.packed import quantize_rows
 from kvstore.caches.plain import PLAIN_FAMILY
@@ -216,7 +223,7 @@ class RingKVCache(BaseKVCache):
         return None
 
 
-class RotatingKVCache(RingKVCache):
+class RotatingKVCache(Batchable, RingKVCache):
     """Raw rows in a sliding window (mlx-lm ``RotatingKVCache``: same name and state)."""
 
     family = ROTATING_PLAIN_FAMILY
@@ -232,14 +239,6 @@ class RotatingKVCache(RingKVCache):
     def state(self, v: tuple[Any, Any, int, int, int, int]) -> None:
         self.keys, self.values, self.offset, self.keep, self.max_size, self._idx = v
 
-    @classmethod
-    def merge(cls, caches: Any) -> Any:
-        """One row-batched cache of ``caches`` (mlx-lm's batch protocol; see
-        :mod:`kvstore.caches.batch`)."""
-        from kvstore.caches.batch import merge_caches
-
-        return merge_caches(caches)
-
     def to_quantized(self, group_size: int = 64, bits: int = 4) -> RotatingQuantizedKVCache:
         """This ring affine-quantized in place of its rows (mlx-lm raises here)."""
         quant = RotatingQuantizedKVCache(self.max_size, self.keep, group_size, bits)
@@ -251,7 +250,7 @@ class RotatingKVCache(RingKVCache):
         return quant
 
 
-class RotatingQuantizedKVCache(AffineRows, RingKVCache):
+class RotatingQuantizedKVCache(Batchable, AffineRows, RingKVCache):
     """Affine rows in a sliding window with ``keep`` sink tokens (new: mlx-lm has none)."""
 
     family = ROTATING_QUANT_FAMILY
@@ -286,11 +285,3 @@ class RotatingQuantizedKVCache(AffineRows, RingKVCache):
             bits,
         ) = v
         self._init_affine(int(group_size), int(bits))
-
-    @classmethod
-    def merge(cls, caches: Any) -> Any:
-        """One row-batched cache of ``caches`` (mlx-lm's batch protocol; see
-        :mod:`kvstore.caches.batch`)."""
-        from kvstore.caches.batch import merge_caches
-
-        return merge_caches(caches)

@@ -28,6 +28,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvstore.abc.codec import KVCodec, Snapshot
+from kvstore.caches.batch import BATCH_FAMILY
 from kvstore.codecs.growing import GrowingKVCodec, PlainKVCodec, QuantizedKVCodec
 from kvstore.codecs.record import (
     Record,
@@ -50,6 +51,7 @@ from kvstore.codecs.registry import (
 from kvstore.codecs.ring import RingKVCodec, RotatingKVCodec, RotatingQuantizedKVCodec
 from kvstore.codecs.transcode import Transcoded, transcode, transcode_measured
 from kvstore.codecs.turboquant import RotatingTurboQuantKVCodec, TurboQuantKVCodec
+from kvstore.family import register_family
 
 __all__ = [
     "KVCodec",
@@ -90,6 +92,8 @@ register_codec(RotatingKVCodec)
 register_codec(RotatingQuantizedKVCodec)
 register_codec(TurboQuantKVCodec)
 register_codec(RotatingTurboQuantKVCodec)
+# A wrapper has no codec (a batch is extracted row by row before it is stored).
+register_family(BATCH_FAMILY)
 
 
 def snapshot(cache: Any, start: int = 0, stop: int | None = None) -> Snapshot:
