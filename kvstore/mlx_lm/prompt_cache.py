@@ -274,6 +274,7 @@ class StorePromptCache(LRUPromptCache):  # type: ignore[misc]  # mlx-lm is untyp
         self._counters = _Counters()
         self._lock = threading.Lock()
         self._listeners: list[Callable[[FetchEvent | SaveEvent], None]] = []
+        self._said_images = False
         if model is not None:
             self.bind(DEFAULT_KEY, model, source=source, adapter_path=adapter_path)
 
@@ -421,6 +422,11 @@ class StorePromptCache(LRUPromptCache):  # type: ignore[misc]  # mlx-lm is untyp
                 rest = tokens[int(restored[0].offset) :]
             elif cache is None:  # fresh caches that capture what the store needs later
                 cache = binding.fresh()
+            else:  # memory's copy (a batch row extracted by mlx-lm, say): capture from here on
+                cache = with_capture(cache, binding.block_size)
+        elif reason == IMAGE_PROMPT and not self._said_images:
+            self._said_images = True
+            log.info("kvstore: prompts with images stay in mlx-lm's in-memory prompt cache")
         reused = len(tokens) - len(rest)
         event = FetchEvent(
             model,
