@@ -8,19 +8,19 @@ the generation and the insert in one call. Needs mlx-lm in
 :data:`~kvstore.mlx_lm.version.TESTED_MLX_LM`.
 """
 
-from kvstore.mlx_lm.families import as_mlx_lm_caches, not_persisted
-from kvstore.mlx_lm.generate import stream_generate
-from kvstore.mlx_lm.prompt_cache import (
+from kvstore.mlx_lm.binding import Binding
+from kvstore.mlx_lm.events import (
     IMAGE_PROMPT,
     NOT_PERSISTED,
     STORE_ERROR,
-    Binding,
     FetchEvent,
     InlineWriter,
     SaveEvent,
-    StorePromptCache,
     Writer,
 )
+from kvstore.mlx_lm.families import as_mlx_lm_caches, not_persisted
+from kvstore.mlx_lm.generate import stream_generate
+from kvstore.mlx_lm.prompt_cache import StorePromptCache
 from kvstore.mlx_lm.version import TESTED_MLX_LM, check_mlx_lm_version, mlx_lm_version
 
 __all__ = [

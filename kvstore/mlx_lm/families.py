@@ -23,12 +23,22 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import mlx.core as mx
+import numpy as np
+
 from kvstore.abc.cache import signature_of
 from kvstore.codecs import get_codec
 from kvstore.errors import UnknownSignatureError
 from kvstore.mlx_lm.capture import capturing_like
 
-__all__ = ["not_persisted", "as_mlx_lm_caches", "with_capture", "WHY_NOT"]
+__all__ = [
+    "not_persisted",
+    "as_mlx_lm_caches",
+    "with_capture",
+    "held_tokens",
+    "token_ids",
+    "WHY_NOT",
+]
 
 #: mlx-lm cache classes the store does not persist yet, and why.
 WHY_NOT: dict[str, str] = {
@@ -97,3 +107,23 @@ def with_capture(caches: Sequence[Any], block_size: int) -> list[Any]:
     """``caches`` with each sliding window made a capturing one
     (:func:`~kvstore.mlx_lm.capture.capturing_like`)."""
     return [capturing_like(c, block_size) for c in caches]
+
+
+def token_ids(tokens: Any, operation: str) -> list[int]:
+    """``tokens`` (a list, NumPy or MLX array) as a list of ints.
+
+    Raises:
+        ValueError: no tokens.
+    """
+    if isinstance(tokens, mx.array):
+        tokens = tokens.tolist()
+    toks = [int(t) for t in np.asarray(tokens, dtype=np.int64).reshape(-1)]
+    if not toks:
+        raise ValueError(f"[{operation}] The prompt is empty; pass at least one token id.")
+    return toks
+
+
+def held_tokens(caches: Sequence[Any]) -> int | None:
+    """Tokens the caches hold KV for (the least over layers with an offset)."""
+    offsets = [int(c.offset) for c in caches if isinstance(getattr(c, "offset", None), int)]
+    return min(offsets) if offsets else None

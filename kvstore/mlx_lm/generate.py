@@ -14,7 +14,8 @@ from typing import Any
 from mlx_lm.generate import GenerationResponse
 from mlx_lm.generate import stream_generate as mlx_lm_stream_generate
 
-from kvstore.mlx_lm.prompt_cache import StorePromptCache, _as_token_list, _held
+from kvstore.mlx_lm.families import held_tokens, token_ids
+from kvstore.mlx_lm.prompt_cache import StorePromptCache
 
 __all__ = ["stream_generate"]
 
@@ -43,7 +44,7 @@ def stream_generate(
         bos = getattr(tokenizer, "bos_token", None)
         special = bos is None or not prompt.startswith(bos)  # as mlx-lm decides
         prompt = tokenizer.encode(prompt, add_special_tokens=special)
-    tokens = _as_token_list(prompt, "stream_generate")
+    tokens = token_ids(prompt, "stream_generate")
     caches, rest = prompt_cache.fetch(tokens)
     generated: list[int] = []
     try:
@@ -56,6 +57,6 @@ def stream_generate(
         # Also when the caller stops early: what the caches hold is worth keeping, if it is
         # known exactly (mlx-lm computes one token ahead, so a stop may leave one unknown).
         fed = tokens + generated
-        held = _held(caches)
+        held = held_tokens(caches)
         if held is None or held <= len(fed):
             prompt_cache.insert(fed if held is None else fed[:held], caches)

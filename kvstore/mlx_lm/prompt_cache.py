@@ -41,14 +41,11 @@ import time
 from collections import Counter
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 import mlx.core as mx
-import numpy as np
 from mlx_lm.models.cache import (
-    KVCache,
     LRUPromptCache,
-    RotatingKVCache,
     can_trim_prompt_cache,
     make_prompt_cache,
     trim_prompt_cache,
@@ -57,150 +54,33 @@ from mlx_lm.models.cache import (
 from kvstore.abc.store import MissReason, PrefixStore
 from kvstore.bridge.namespace import DEFAULT_QUANTIZED_KV_START, namespace_for_mlx_lm
 from kvstore.bridge.session import STORE_FAULTS
-from kvstore.caches import QuantizedKVCache, RotatingQuantizedKVCache
 from kvstore.errors import CapabilityError, StoreUnavailableError
+from kvstore.mlx_lm.binding import Binding
 from kvstore.mlx_lm.capture import captured_blocks
-from kvstore.mlx_lm.families import as_mlx_lm_caches, not_persisted, with_capture
+from kvstore.mlx_lm.events import (
+    IMAGE_PROMPT,
+    NOT_PERSISTED,
+    STORE_ERROR,
+    FetchEvent,
+    InlineWriter,
+    SaveEvent,
+    Writer,
+)
+from kvstore.mlx_lm.families import (
+    as_mlx_lm_caches,
+    held_tokens,
+    not_persisted,
+    token_ids,
+    with_capture,
+)
 from kvstore.mlx_lm.version import check_mlx_lm_version
 
-__all__ = [
-    "StorePromptCache",
-    "Binding",
-    "FetchEvent",
-    "SaveEvent",
-    "Writer",
-    "InlineWriter",
-    "NOT_PERSISTED",
-    "IMAGE_PROMPT",
-    "STORE_ERROR",
-]
+__all__ = ["StorePromptCache", "DEFAULT_KEY"]
 
 log = logging.getLogger("kvstore.mlx_lm")
 
-#: Miss reasons of our own, beside the store's :class:`~kvstore.abc.store.MissReason`.
-NOT_PERSISTED = "not_persisted"  # the model's cache families stay in memory
-IMAGE_PROMPT = "image_prompt"  # a prompt with images: its key holds image ids, not tokens
-STORE_ERROR = "store_error"  # any other store fault (a full store, a codec missing...)
-
 #: The model key :meth:`StorePromptCache.fetch`/``insert`` use (mlx-lm's server uses its own).
 DEFAULT_KEY = "default"
-
-
-class Writer(Protocol):
-    """Where saves go: ``submit(job)`` runs ``job()`` now or later; ``flush()`` waits."""
-
-    def submit(self, job: Callable[[], None]) -> None: ...
-
-    def flush(self, timeout: float | None = None) -> bool: ...
-
-
-class InlineWriter:
-    """Runs each save on the calling thread, at once."""
-
-    def submit(self, job: Callable[[], None]) -> None:
-        job()
-
-    def flush(self, timeout: float | None = None) -> bool:
-        return True
-
-
-@dataclass(frozen=True)
-class FetchEvent:
-    """What one fetch did.
-
-    Attributes:
-        source: ``"memory"``, ``"store"`` or ``"none"`` (nothing reused).
-        reused: prompt tokens whose KV came from ``source``.
-        miss_reason: why the store served nothing (a ``MissReason`` value,
-            :data:`NOT_PERSISTED`, :data:`IMAGE_PROMPT`, :data:`STORE_ERROR`), or
-            ``None`` when it was not asked or had nothing better than memory.
-        exact_hit: the memory LRU held the whole prompt (trimmed by one token).
-    """
-
-    model_key: Hashable
-    prompt_tokens: int
-    reused: int
-    source: str
-    miss_reason: str | None = None
-    lookup_s: float = 0.0
-    restore_s: float = 0.0
-    exact_hit: bool = False
-
-
-@dataclass(frozen=True)
-class SaveEvent:
-    """What one save did (``error`` set when it failed; nothing is raised)."""
-
-    namespace: str
-    tokens: int
-    written_blocks: int = 0
-    written_bytes: int = 0
-    deduplicated: int = 0
-    seconds: float = 0.0
-    waited_s: float = 0.0
-    error: str | None = None
-    reason: str | None = None
-
-
-@dataclass
-class Binding:
-    """A model the prompt cache serves, and what the store keeps of it.
-
-    Attributes:
-        namespace: its store namespace, or ``None`` when nothing is persisted.
-        not_persisted: why not, per cache family (empty when persisted).
-    """
-
-    model_key: Hashable
-    model: Any
-    namespace: str | None
-    not_persisted: dict[str, str]
-    block_size: int = 256
-    kv_bits: int | None = None
-    kv_group_size: int = 64
-    quantized_kv_start: int = DEFAULT_QUANTIZED_KV_START
-
-    @property
-    def quantizes_from_start(self) -> bool:
-        """``kv_bits`` from the first token (``quantized_kv_start`` 0) on a persisted
-        model: every layer is one of our affine families, which batch (mlx-lm's
-        ``QuantizedKVCache`` does not, so its server serves ``kv_bits`` one at a time)."""
-        return self.kv_bits is not None and self.quantized_kv_start <= 0 and bool(self.namespace)
-
-    def fresh(self) -> list[Any]:
-        """Fresh caches: ``make_prompt_cache(model)``, affine from the start when
-        :attr:`quantizes_from_start`, sliding windows capturing their blocks."""
-        caches = make_prompt_cache(self.model)
-        if self.namespace is None:
-            return caches
-        if self.quantizes_from_start:
-            caches = self._affine(caches, windows=True)
-        return with_capture(caches, self.block_size)
-
-    def templates(self, tokens: int) -> list[Any]:
-        """Fresh caches of the families a prefix of ``tokens`` tokens is held in.
-
-        With ``kv_bits``, mlx-lm's generation quantizes a plain ``KVCache`` once it
-        holds ``quantized_kv_start`` tokens, so a prefix that long is restored
-        affine (windows too when quantizing from the start).
-        """
-        caches = make_prompt_cache(self.model)
-        if self.kv_bits is None or tokens < self.quantized_kv_start:
-            return caches
-        return self._affine(caches, windows=self.quantizes_from_start)
-
-    def _affine(self, caches: list[Any], *, windows: bool) -> list[Any]:
-        assert self.kv_bits is not None
-        group, bits = self.kv_group_size, self.kv_bits
-        out: list[Any] = []
-        for c in caches:
-            if type(c) is KVCache:
-                out.append(QuantizedKVCache(group_size=group, bits=bits))
-            elif windows and type(c) is RotatingKVCache:
-                out.append(RotatingQuantizedKVCache(int(c.max_size), int(c.keep), group, bits))
-            else:
-                out.append(c)
-        return out
 
 
 @dataclass
@@ -362,7 +242,7 @@ class StorePromptCache(LRUPromptCache):  # type: ignore[misc]  # mlx-lm is untyp
         Raises:
             ValueError: an empty prompt, or no model bound.
         """
-        toks = _as_token_list(tokens, "fetch")
+        toks = token_ids(tokens, "fetch")
         binding = self._require_binding("fetch")
         caches, rest = self.fetch_nearest_cache(DEFAULT_KEY, toks)
         return (binding.fresh() if caches is None else caches), rest
@@ -374,9 +254,9 @@ class StorePromptCache(LRUPromptCache):  # type: ignore[misc]  # mlx-lm is untyp
             ValueError: the caches hold KV for a different number of tokens (the
                 message says how to feed a restored cache).
         """
-        toks = _as_token_list(tokens, "insert")
+        toks = token_ids(tokens, "insert")
         self._require_binding("insert")
-        held = _held(caches)
+        held = held_tokens(caches)
         if held is not None and held != len(toks):
             extra = held - len(toks)
             hint = (
@@ -472,7 +352,7 @@ class StorePromptCache(LRUPromptCache):  # type: ignore[misc]  # mlx-lm is untyp
                 self._counters.saves_skipped[reason] += 1
             return
         assert binding is not None and binding.namespace is not None
-        held = _held(prompt_cache)
+        held = held_tokens(prompt_cache)
         count = len(tokens) if held is None else min(held, len(tokens))
         if count < 1:
             return
@@ -633,21 +513,6 @@ class StorePromptCache(LRUPromptCache):  # type: ignore[misc]  # mlx-lm is untyp
                 listener(event)
             except Exception:  # a metrics bug must not fail a request
                 log.exception("kvstore: a prompt-cache listener failed")
-
-
-def _as_token_list(tokens: Any, operation: str) -> list[int]:
-    if isinstance(tokens, mx.array):
-        tokens = tokens.tolist()
-    toks = [int(t) for t in np.asarray(tokens, dtype=np.int64).reshape(-1)]
-    if not toks:
-        raise ValueError(f"[{operation}] The prompt is empty; pass at least one token id.")
-    return toks
-
-
-def _held(caches: Sequence[Any]) -> int | None:
-    """Tokens the caches hold KV for (the least over layers with an offset)."""
-    offsets = [int(c.offset) for c in caches if isinstance(getattr(c, "offset", None), int)]
-    return min(offsets) if offsets else None
 
 
 def _misses(store: PrefixStore) -> dict[str, int]:
