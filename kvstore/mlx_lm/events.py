@@ -72,7 +72,14 @@ class FetchEvent:
 
 @dataclass(frozen=True)
 class SaveEvent:
-    """What one save did (``error`` set when it failed; nothing is raised)."""
+    """What one save did (``error`` set when it failed; nothing is raised).
+
+    Attributes:
+        seconds: the save itself (on the writer's thread).
+        waited_s: from the hand-off to the save's start (the writer's queue).
+        handoff_s: what the inserting (generating) thread spent on the save: settling
+            the arrays' graph and copying captured blocks, then enqueueing.
+    """
 
     namespace: str
     tokens: int
@@ -81,5 +88,6 @@ class SaveEvent:
     deduplicated: int = 0
     seconds: float = 0.0
     waited_s: float = 0.0
+    handoff_s: float = 0.0
     error: str | None = None
     reason: str | None = None

@@ -352,6 +352,7 @@ class StorePromptCache(LRUPromptCache):  # type: ignore[misc]  # mlx-lm is untyp
                 self._counters.saves_skipped[reason] += 1
             return
         assert binding is not None and binding.namespace is not None
+        entered = time.perf_counter()
         held = held_tokens(prompt_cache)
         count = len(tokens) if held is None else min(held, len(tokens))
         if count < 1:
@@ -362,9 +363,10 @@ class StorePromptCache(LRUPromptCache):  # type: ignore[misc]  # mlx-lm is untyp
         # A lazy array cannot be evaluated on another thread: materialise it here
         # (the arrays are computed already; this only settles the graph).
         mx.eval([c.state for c in caches])
-        handed = time.perf_counter()
         namespace = binding.namespace
-        self.writer.submit(lambda: self._save(namespace, toks, caches, captured, handed))
+        handed = time.perf_counter()
+        held_s = handed - entered  # the time the caller's (generating) thread gives the save
+        self.writer.submit(lambda: self._save(namespace, toks, caches, captured, handed, held_s))
 
     # ------------------------------------------------------------------ reports
 
@@ -469,6 +471,7 @@ class StorePromptCache(LRUPromptCache):  # type: ignore[misc]  # mlx-lm is untyp
         caches: list[Any],
         captured: dict[tuple[int, int], Any],
         handed: float,
+        held_s: float,
     ) -> None:
         t0 = time.perf_counter()
         try:
@@ -485,6 +488,7 @@ class StorePromptCache(LRUPromptCache):  # type: ignore[misc]  # mlx-lm is untyp
                     len(tokens),
                     seconds=time.perf_counter() - t0,
                     waited_s=t0 - handed,
+                    handoff_s=held_s,
                     error=f"{type(exc).__name__}: {exc}",
                     reason=reason,
                 )
@@ -498,6 +502,7 @@ class StorePromptCache(LRUPromptCache):  # type: ignore[misc]  # mlx-lm is untyp
             result.deduplicated,
             time.perf_counter() - t0,
             t0 - handed,
+            held_s,
         )
         with self._lock:
             c = self._counters

@@ -104,6 +104,12 @@ class ServeMetrics:
             buckets=_SECONDS,
             registry=r,
         )
+        self.handoff_s = Histogram(
+            "kvstore_save_handoff_seconds",
+            "Time the generating thread gave a save (settling arrays, enqueueing)",
+            buckets=_SECONDS,
+            registry=r,
+        )
         self.ttft = Histogram(
             "kvstore_time_to_first_token_seconds",
             "From a request reaching the generator to its first token",
@@ -135,6 +141,7 @@ class ServeMetrics:
                 self.restore_s.observe(event.restore_s)
             return
         self.save_wait_s.observe(event.waited_s)
+        self.handoff_s.observe(event.handoff_s)
         if event.error is not None:
             self.save_errors.labels(event.reason or STORE_ERROR).inc()
             return

@@ -164,6 +164,7 @@ def test_health_metrics_and_stats(ours):
         "kvstore_time_to_first_token_seconds",
         "kvstore_store_bytes",
         "kvstore_save_queue_depth",
+        "kvstore_save_handoff_seconds",
     ):
         assert name in families, name
     samples = {

@@ -102,6 +102,19 @@ def ttft(server: ServerProcess, messages: list[dict[str, str]], max_tokens: int)
     }
 
 
+def handoff_seconds(server: ServerProcess) -> list[float]:
+    """``[sum, count]`` of the seconds the generating thread gave saves (``/metrics``)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    _, body = server.get("/metrics")
+    values = {}
+    for family in text_string_to_metric_families(body.decode()):
+        for sample in family.samples:
+            if sample.name.startswith("kvstore_save_handoff_seconds_"):
+                values[sample.name.rsplit("_", 1)[1]] = sample.value
+    return [values.get("sum", 0.0), values.get("count", 0.0)]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", help="an mlx-lm model directory (default: written here)")
@@ -136,6 +149,7 @@ def main(argv: list[str] | None = None) -> int:
         ]
         warm_stock = ttft(stock, turn2, 1)  # stock, no restart: its in-memory cache
         ours.wait_saved()
+        handoff = handoff_seconds(ours)
         stock.stop()
         ours.stop()
         stock = ServerProcess.stock(model, log=logs / "stock-2.log", env=env)
@@ -158,6 +172,7 @@ def main(argv: list[str] | None = None) -> int:
                 "stock_no_restart": warm_stock,
                 "stock_restarted": results["stock"],
                 "ours_restarted": results["ours"],
+                "save_handoff_s": handoff,
             }
         )
         print(
@@ -185,6 +200,13 @@ def main(argv: list[str] | None = None) -> int:
     for label, key in rows:
         print(f"{label:44} {med(key) * 1e3:7.0f} ms {last[key]['cached_tokens']!s:>14}")
     print(f"speed-up after a restart: {med('stock_restarted') / med('ours_restarted'):.1f}x")
+    total = sum(s["save_handoff_s"][0] for s in samples)
+    saves = sum(s["save_handoff_s"][1] for s in samples)
+    if saves:
+        print(
+            f"saves: the generating thread gave each {total / saves * 1e3:.2f} ms on average "
+            f"(kvstore_save_handoff_seconds, {saves:.0f} saves of turn 1)"
+        )
     if args.json:
         Path(args.json).write_text(json.dumps({"blas": blas, "samples": samples}, indent=1))
     return 0
