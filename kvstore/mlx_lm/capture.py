@@ -14,8 +14,8 @@ block is caught when its last token arrives (the window then covers it when
 ``block_size <= max_size``).
 
 Snapshots are views of the ring; they are copied into arrays of their own at
-the next update (the previous chunk has been evaluated by then, so the copy
-does not stall the forward pass) and handed to the save with ``captured=``.
+the next update (scheduled with ``mx.async_eval``, so the copy does not stall
+the forward pass) and handed to the save with ``captured=``.
 """
 
 from __future__ import annotations
@@ -83,7 +83,7 @@ class BlockCapturing:
             owned = {name: mx.array(a) for name, a in snap.tensors.items()}
             arrays.extend(owned.values())
             self.captured[start] = Snapshot(snap.signature, snap.start, snap.stop, owned, snap.meta)
-        mx.eval(arrays)
+        mx.async_eval(arrays)  # computed on this thread's stream; waited for by the save
         self._pending = []
 
 

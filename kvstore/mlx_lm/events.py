@@ -30,7 +30,12 @@ STORE_ERROR = "store_error"  # any other store fault (a full store, a codec miss
 
 
 class Writer(Protocol):
-    """Where saves go: ``submit(job)`` runs ``job()`` now or later; ``flush()`` waits."""
+    """Where saves go: ``submit(job)`` runs ``job()`` now or later; ``flush()`` waits.
+
+    A writer that runs jobs later (on another thread) needs the caches handed to
+    ``insert`` left as they are until the save ran: mlx-lm's server and
+    :func:`kvstore.mlx_lm.stream_generate` never touch them again.
+    """
 
     def submit(self, job: Callable[[], None]) -> None: ...
 
