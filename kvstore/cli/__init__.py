@@ -31,6 +31,7 @@ SUBCOMMANDS: tuple[str, ...] = (
     "gc",
     "delete",
     "migrate",
+    "tune",
     "import_cache",
     "export_cache",
     "bench",
