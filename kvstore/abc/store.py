@@ -501,12 +501,19 @@ class SaveHandle(Protocol):
     namespace: str
     #: Seconds the hand-off held the caller's thread.
     held_s: float
+    #: Once done: seconds from the hand-off to its commit's start, and of that commit.
+    queued_s: float
+    commit_s: float
 
     def done(self) -> bool:
         """Whether the save is committed (or failed)."""
 
     def result(self, timeout: float | None = None) -> SaveResult:
         """The save's result once committed; raises its error, or TimeoutError."""
+
+    def add_done_callback(self, fn: Callable[[Any], None]) -> None:
+        """Call ``fn(handle)`` once the save is done (at once if it is): a server
+        counts its saves without a thread waiting on each."""
 
 
 class PrefixStore(ABC):

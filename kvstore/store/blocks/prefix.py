@@ -250,8 +250,8 @@ class BlockPrefixStore(CacheMethods, PrefixStore):
         """The longest reusable prefix of ``tokens`` in ``namespace`` (module docstring)."""
         self._check_open("lookup")
         ns = K.parse_namespace(namespace)
-        self.wait_for_saves(namespace)  # a process reads its own saves handed off
         toks = K.as_tokens(tokens, "lookup")
+        self.wait_for_saves(namespace, toks)  # a process reads its own saves handed off
         size, bsize = len(toks), self._settings.block_size
         self._counters.add(lookups=1)
         if size < 2:

@@ -226,8 +226,8 @@ class TieredPrefixStore(CacheMethods, PrefixStore):
 
     def lookup(self, namespace: str, tokens: Any) -> Match:
         self._check_open("lookup")
-        self.wait_for_saves(namespace)  # a process reads its own saves handed off
         toks = K.as_tokens(tokens, "lookup")
+        self.wait_for_saves(namespace, toks)  # a process reads its own saves handed off
         self._counters.add(lookups=1)
         best: Match | None = None
         holders: dict[bytes, int] = {}

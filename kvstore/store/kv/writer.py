@@ -37,7 +37,7 @@ import threading
 import time
 import weakref
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -65,19 +65,25 @@ class PendingSave:
     Attributes:
         namespace, tokens: what is being saved.
         held_s: seconds the hand-off kept the caller's thread.
+        queued_s: seconds from the hand-off to the start of its commit.
+        commit_s: seconds of the commit it was part of (a group's, under ``"group"``).
     """
 
     def __init__(self, namespace: str, tokens: int) -> None:
         self.namespace = namespace
         self.tokens = tokens
-        self.held_s = 0.0
+        self.held_s = self.queued_s = self.commit_s = 0.0
+        self._handed = time.perf_counter()
+        self._finished = False  # result or error set (the event follows the callbacks)
         self._done = threading.Event()
         self._result: SaveResult | None = None
         self._error: BaseException | None = None
+        self._callbacks: list[Callable[[PendingSave], None]] = []
+        self._lock = threading.Lock()
 
     def done(self) -> bool:
         """True once the save is committed (or failed)."""
-        return self._done.is_set()
+        return self._finished
 
     def result(self, timeout: float | None = None) -> SaveResult:
         """The save's result once committed.
@@ -86,16 +92,38 @@ class PendingSave:
             TimeoutError: not committed within ``timeout`` seconds.
             The save's own error (StoreFullError, StoreUnavailableError...).
         """
-        if not self._done.wait(timeout):
+        if not self._finished and not self._done.wait(timeout):
             raise TimeoutError(f"[save] The save of {self.tokens} tokens is not committed yet.")
         if self._error is not None:
             raise self._error
         assert self._result is not None
         return self._result
 
+    def add_done_callback(self, fn: Callable[[PendingSave], None]) -> None:
+        """Call ``fn(self)`` once the save is committed or failed: on the writer thread,
+        or at once if it is done already. An error ``fn`` raises is logged. Callbacks
+        run before waiters wake: after ``flush()`` (or ``result()``) they have run."""
+        with self._lock:
+            if not self._finished:
+                self._callbacks.append(fn)
+                return
+        _call(fn, self)
+
     def _finish(self, result: SaveResult | None, error: BaseException | None) -> None:
-        self._result, self._error = result, error
+        with self._lock:
+            self._result, self._error = result, error
+            self._finished = True
+            callbacks, self._callbacks = self._callbacks, []
+        for fn in callbacks:
+            _call(fn, self)
         self._done.set()
+
+
+def _call(fn: Callable[[PendingSave], None], pending: PendingSave) -> None:
+    try:
+        fn(pending)
+    except Exception:  # a listener's bug must not stop the writer
+        log.exception("kvstore: a save's done callback failed")
 
 
 @dataclass
@@ -104,6 +132,22 @@ class _Job:
     tokens: np.ndarray
     encoder: HandedOff
     pending: PendingSave
+    #: The first row the store did not hold at the hand-off (the save adds blocks from here).
+    start: int
+
+    def extends(self, tokens: np.ndarray | None) -> bool:
+        """Whether this save can add rows to a lookup of ``tokens`` (``None``: any).
+
+        Its new records start at :attr:`start`; a lookup reaches one (or a prefix
+        of one) only if it agrees with the save's tokens beyond ``start``. One that
+        parts from it earlier cannot see anything it writes.
+        """
+        if tokens is None:
+            return True
+        start = self.start
+        if start >= len(self.tokens) or len(tokens) <= start:
+            return False
+        return bool(np.array_equal(tokens[: start + 1], self.tokens[: start + 1]))
 
 
 class WriteBehind:
@@ -142,7 +186,9 @@ class WriteBehind:
             (start, len(toks)),
             self._store.block_size,
         )
-        job = _Job(namespace, np.array(toks), encoder, pending)
+        job = _Job(namespace, np.array(toks), encoder, pending, start)
+        pending._handed = time.perf_counter()
+        pending.held_s = pending._handed - t0
         with self._cond:
             if self._closed:
                 raise StoreError(
@@ -157,7 +203,6 @@ class WriteBehind:
                 # A process that exits without closing its store still commits what it handed off.
                 atexit.register(_close_at_exit, weakref.ref(self))
             self._cond.notify_all()
-        pending.held_s = time.perf_counter() - t0
         return pending
 
     def _first_missing(self, namespace: str, toks: np.ndarray) -> int:
@@ -173,10 +218,21 @@ class WriteBehind:
         return first * bsize
 
     # -- waiting ------------------------------------------------------------------------
-    def wait(self, namespace: str | None = None, timeout: float | None = None) -> None:
-        """Until every save handed off so far (of ``namespace``, or all) is committed."""
+    def wait(
+        self,
+        namespace: str | None = None,
+        timeout: float | None = None,
+        tokens: np.ndarray | None = None,
+    ) -> None:
+        """Until every save handed off so far (of ``namespace``, or all) is committed;
+        with ``tokens``, only those that can add rows to a lookup of them (a server's
+        lookup does not wait for the saves of conversations it parted from)."""
         with self._cond:
-            jobs = [j for j in (*self._busy, *self._queue) if namespace in (None, j.namespace)]
+            jobs = [
+                j
+                for j in (*self._busy, *self._queue)
+                if namespace in (None, j.namespace) and j.extends(tokens)
+            ]
         deadline = None if timeout is None else time.monotonic() + timeout
         for job in jobs:
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
@@ -217,6 +273,7 @@ class WriteBehind:
                 self._cond.notify_all()
 
     def _commit(self, jobs: list[_Job]) -> None:
+        started = time.perf_counter()
         saves = [BlockSave(j.namespace, j.tokens, j.encoder, j.encoder.family) for j in jobs]
         results: list[SaveResult | BaseException] = []
         try:
@@ -230,8 +287,11 @@ class WriteBehind:
                     results.extend(self._store.put_blocks_many([save]))
                 except Exception as one:  # this save's own error, for its handle
                     results.append(one)
+        committed = time.perf_counter()
         for job, result in zip(jobs, results, strict=True):
             job.encoder.release()
+            job.pending.queued_s = started - job.pending._handed
+            job.pending.commit_s = committed - started
             if isinstance(result, BaseException):
                 log.warning("kvstore: a save handed off failed: %s", result)
                 job.pending._finish(None, result)
