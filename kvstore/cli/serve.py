@@ -53,7 +53,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         type=int,
         default=32,
         metavar="N",
-        help="saves waiting for the writer thread at most; more are dropped (default 32)",
+        help="saves waiting for the store's writer thread at most; more are dropped (default 32)",
     )
     p.set_defaults(run=run, passthrough=PASSES_THROUGH)
 

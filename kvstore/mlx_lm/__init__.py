@@ -12,11 +12,10 @@ from kvstore.mlx_lm.binding import Binding
 from kvstore.mlx_lm.events import (
     IMAGE_PROMPT,
     NOT_PERSISTED,
+    QUEUE_FULL,
     STORE_ERROR,
     FetchEvent,
-    InlineWriter,
     SaveEvent,
-    Writer,
 )
 from kvstore.mlx_lm.families import as_mlx_lm_caches, not_persisted
 from kvstore.mlx_lm.generate import stream_generate
@@ -29,11 +28,10 @@ __all__ = [
     "Binding",
     "FetchEvent",
     "SaveEvent",
-    "Writer",
-    "InlineWriter",
     "NOT_PERSISTED",
     "IMAGE_PROMPT",
     "STORE_ERROR",
+    "QUEUE_FULL",
     "not_persisted",
     "as_mlx_lm_caches",
     "TESTED_MLX_LM",

@@ -1,55 +1,31 @@
-"""What a :class:`~kvstore.mlx_lm.StorePromptCache` reports, and where its saves go.
+"""What a :class:`~kvstore.mlx_lm.StorePromptCache` reports.
 
 Each fetch and each save is an event (:class:`FetchEvent`, :class:`SaveEvent`)
 handed to the prompt cache's listeners (``kvstore serve``'s metrics); a miss
 has a reason, the store's :class:`~kvstore.abc.store.MissReason` or one of ours.
-Saves go to a :class:`Writer`: inline by default, a background thread in
-``kvstore serve`` (:class:`kvstore.serve.writer.SaveQueue`).
+Saves go to the store's own writer thread (``store.save_behind``); a save's
+event is emitted there, once it is committed or failed.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable
+from collections.abc import Hashable
 from dataclasses import dataclass
-from typing import Protocol
 
 __all__ = [
-    "Writer",
-    "InlineWriter",
     "FetchEvent",
     "SaveEvent",
     "NOT_PERSISTED",
     "IMAGE_PROMPT",
     "STORE_ERROR",
+    "QUEUE_FULL",
 ]
 
 #: Miss reasons of our own, beside the store's :class:`~kvstore.abc.store.MissReason`.
 NOT_PERSISTED = "not_persisted"  # the model's cache families stay in memory
 IMAGE_PROMPT = "image_prompt"  # a prompt with images: its key holds image ids, not tokens
 STORE_ERROR = "store_error"  # any other store fault (a full store, a codec missing...)
-
-
-class Writer(Protocol):
-    """Where saves go: ``submit(job)`` runs ``job()`` now or later; ``flush()`` waits.
-
-    A writer that runs jobs later (on another thread) needs the caches handed to
-    ``insert`` left as they are until the save ran: mlx-lm's server and
-    :func:`kvstore.mlx_lm.stream_generate` never touch them again.
-    """
-
-    def submit(self, job: Callable[[], None]) -> None: ...
-
-    def flush(self, timeout: float | None = None) -> bool: ...
-
-
-class InlineWriter:
-    """Runs each save on the calling thread, at once."""
-
-    def submit(self, job: Callable[[], None]) -> None:
-        job()
-
-    def flush(self, timeout: float | None = None) -> bool:
-        return True
+QUEUE_FULL = "queue_full"  # a save dropped: max_pending saves wait for the store's writer
 
 
 @dataclass(frozen=True)
@@ -80,10 +56,11 @@ class SaveEvent:
     """What one save did (``error`` set when it failed; nothing is raised).
 
     Attributes:
-        seconds: the save itself (on the writer's thread).
-        waited_s: from the hand-off to the save's start (the writer's queue).
-        handoff_s: what the inserting (generating) thread spent on the save: settling
-            the arrays' graph and copying captured blocks, then enqueueing.
+        seconds: the commit the save was part of (on the store's writer thread; a
+            group commit's, under ``durability="group"``).
+        waited_s: from the hand-off to that commit's start (the writer's queue).
+        handoff_s: what the inserting (generating) thread spent on the save: asking
+            the store what it holds, scheduling the copies of the new rows, enqueueing.
     """
 
     namespace: str

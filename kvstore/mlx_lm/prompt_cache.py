@@ -11,8 +11,10 @@ same ``fetch_nearest_cache``/``insert_cache``/``trim_to``/``stats_by_type``, so
   kills the server's generation thread (``Sequence 1 has an empty prompt``);
   here the cache is trimmed by one token (or not used, when it cannot be).
 * ``insert_cache(model_key, tokens, caches)`` keeps the caches in memory and
-  hands a save of exactly those tokens to the writer (``writer=``; inline when
-  none is given, a background thread in ``kvstore serve``).
+  hands a save of exactly those tokens to the store's own writer thread
+  (``store.save_behind``: the new rows copied, committed in the background
+  under the store's ``durability``); at most ``max_pending`` saves wait for
+  it, a save beyond them is dropped (counted and logged) rather than held.
 
 For ``stream_generate`` users, :meth:`StorePromptCache.fetch` and
 :meth:`StorePromptCache.insert` are the same in mlx-lm's terms::
@@ -51,7 +53,7 @@ from mlx_lm.models.cache import (
     trim_prompt_cache,
 )
 
-from kvstore.abc.store import MissReason, PrefixStore
+from kvstore.abc.store import MissReason, PrefixStore, SaveHandle
 from kvstore.bridge.namespace import DEFAULT_QUANTIZED_KV_START, namespace_for_mlx_lm
 from kvstore.bridge.session import STORE_FAULTS
 from kvstore.errors import CapabilityError, StoreUnavailableError
@@ -60,11 +62,10 @@ from kvstore.mlx_lm.capture import captured_blocks
 from kvstore.mlx_lm.events import (
     IMAGE_PROMPT,
     NOT_PERSISTED,
+    QUEUE_FULL,
     STORE_ERROR,
     FetchEvent,
-    InlineWriter,
     SaveEvent,
-    Writer,
 )
 from kvstore.mlx_lm.families import (
     as_mlx_lm_caches,
@@ -98,6 +99,7 @@ class _Counters:
     saved_blocks: int = 0
     saved_bytes: int = 0
     deduplicated_blocks: int = 0
+    pending_saves: int = 0
 
 
 class StorePromptCache(LRUPromptCache):  # type: ignore[misc]  # mlx-lm is untyped
@@ -114,7 +116,8 @@ class StorePromptCache(LRUPromptCache):  # type: ignore[misc]  # mlx-lm is untyp
             generation uses (``stream_generate``/``mlx_lm.server`` options).
         tenant: a salt keeping tenants of a shared store apart.
         max_size, max_bytes: the in-memory LRU's bounds (mlx-lm's).
-        writer: where saves run (:class:`Writer`); default: inline.
+        max_pending: saves handed to the store's writer and not committed, at
+            most; one beyond them is dropped (the store cannot keep up).
 
     Raises:
         CapabilityError: mlx-lm outside the tested range, or ``store`` is not a
@@ -134,7 +137,7 @@ class StorePromptCache(LRUPromptCache):  # type: ignore[misc]  # mlx-lm is untyp
         tenant: str | None = None,
         max_size: int = 10,
         max_bytes: int = 1 << 63,
-        writer: Writer | None = None,
+        max_pending: int = 32,
     ) -> None:
         check_mlx_lm_version("StorePromptCache")
         if not isinstance(store, PrefixStore):
@@ -149,7 +152,7 @@ class StorePromptCache(LRUPromptCache):  # type: ignore[misc]  # mlx-lm is untyp
         self.kv_group_size = kv_group_size
         self.quantized_kv_start = quantized_kv_start
         self.tenant = tenant
-        self.writer: Writer = writer if writer is not None else InlineWriter()
+        self.max_pending = max_pending
         self._bindings: dict[Hashable, Binding] = {}
         self._counters = _Counters()
         self._lock = threading.Lock()
@@ -272,9 +275,9 @@ class StorePromptCache(LRUPromptCache):  # type: ignore[misc]  # mlx-lm is untyp
             )
         self.insert_cache(DEFAULT_KEY, toks, list(caches), cache_type=cache_type)
 
-    def flush(self, timeout: float | None = None) -> bool:
-        """Wait until every save handed to the writer is written."""
-        return self.writer.flush(timeout)
+    def flush(self) -> None:
+        """Wait until every save handed to the store's writer is committed."""
+        self.store.flush()
 
     # ------------------------------------------------------------- the server seam
 
@@ -339,7 +342,7 @@ class StorePromptCache(LRUPromptCache):  # type: ignore[misc]  # mlx-lm is untyp
         *,
         cache_type: str = "assistant",
     ) -> None:
-        """mlx-lm's ``insert_cache``, and a save of ``tokens`` handed to the writer."""
+        """mlx-lm's ``insert_cache``, and a save of ``tokens`` handed to the store's writer."""
         super().insert_cache(model, tokens, prompt_cache, cache_type=cache_type)
         with self._lock:
             self._counters.inserts[cache_type] += 1
@@ -357,17 +360,35 @@ class StorePromptCache(LRUPromptCache):  # type: ignore[misc]  # mlx-lm is untyp
         count = len(tokens) if held is None else min(held, len(tokens))
         if count < 1:
             return
+        namespace = binding.namespace
+        with self._lock:
+            full = self._counters.pending_saves >= self.max_pending
+            if full:
+                self._counters.saves_skipped[QUEUE_FULL] += 1
+            else:
+                self._counters.pending_saves += 1
+        if full:
+            log.warning(
+                "kvstore: %d saves wait for the store's writer; a save was dropped",
+                self.max_pending,
+            )
+            return
         toks = list(tokens[:count])
         caches = list(prompt_cache)
         captured = captured_blocks(caches)
-        # A lazy array cannot be evaluated from another thread, but one scheduled here can be
-        # waited for there: schedule them (a batch row's extract is a lazy copy of its rows,
-        # tens of MB: evaluating it here held this thread ~200 ms on a loaded 2-core VM).
-        mx.async_eval([c.state for c in caches], [s.tensors for s in captured.values()])
-        namespace = binding.namespace
-        handed = time.perf_counter()
-        held_s = handed - entered  # the time the caller's (generating) thread gives the save
-        self.writer.submit(lambda: self._save(namespace, toks, caches, captured, handed, held_s))
+        # The writer thread waits for arrays scheduled here (it cannot evaluate a lazy
+        # graph of this thread's); save_behind schedules its copies of the new rows too.
+        mx.async_eval([s.tensors for s in captured.values()])
+        try:
+            handle = self.store.save_behind(namespace, toks, caches, captured=captured)
+        except STORE_FAULTS as exc:  # the hand-off asks the store what it holds (Redis gone)
+            held_s = time.perf_counter() - entered
+            with self._lock:
+                self._counters.pending_saves -= 1
+            self._save_failed(namespace, len(toks), exc, held_s)
+            return
+        held_s = time.perf_counter() - entered  # what the caller's (generating) thread gave
+        handle.add_done_callback(lambda done: self._saved(done, len(toks), held_s))
 
     # ------------------------------------------------------------------ reports
 
@@ -390,6 +411,14 @@ class StorePromptCache(LRUPromptCache):  # type: ignore[misc]  # mlx-lm is untyp
                 "saved_bytes": c.saved_bytes,
                 "deduplicated_blocks": c.deduplicated_blocks,
             }
+            writer = {  # the store's writer, as this prompt cache uses it
+                "pending": c.pending_saves,
+                "written": c.saves,
+                "failed": sum(c.save_errors.values()),
+                "dropped": c.saves_skipped.get(QUEUE_FULL, 0),
+                "capacity": self.max_pending,
+                "durability": getattr(self.store, "durability", None),
+            }
         models = {
             _key_label(key): {
                 "persisted": b.namespace is not None,
@@ -401,6 +430,7 @@ class StorePromptCache(LRUPromptCache):  # type: ignore[misc]  # mlx-lm is untyp
         }
         return {
             "store": {"url": self.store.url, "block_size": self.store.block_size},
+            "writer": writer,
             "models": models,
             "memory_only": {
                 IMAGE_PROMPT: "prompts with images are keyed by image ids, not tokens; "
@@ -465,44 +495,25 @@ class StorePromptCache(LRUPromptCache):  # type: ignore[misc]  # mlx-lm is untyp
         caches = as_mlx_lm_caches(restored, binding.block_size)
         return caches, None, lookup_s, restore_s
 
-    def _save(
-        self,
-        namespace: str,
-        tokens: list[int],
-        caches: list[Any],
-        captured: dict[tuple[int, int], Any],
-        handed: float,
-        held_s: float,
-    ) -> None:
-        t0 = time.perf_counter()
+    def _saved(self, handle: SaveHandle, tokens: int, held_s: float) -> None:
+        """A save handed off is done (the store's writer thread calls this)."""
+        with self._lock:
+            self._counters.pending_saves -= 1
         try:
-            result = self.store.save(namespace, tokens, caches, captured=captured)
+            result = handle.result(timeout=0)
         except STORE_FAULTS as exc:
-            unavailable = isinstance(exc, StoreUnavailableError)
-            reason = MissReason.UNAVAILABLE if unavailable else STORE_ERROR
-            log.warning("kvstore: a save failed (%s; generation unaffected): %s", reason, exc)
-            with self._lock:
-                self._counters.save_errors[reason] += 1
-            self._emit(
-                SaveEvent(
-                    namespace,
-                    len(tokens),
-                    seconds=time.perf_counter() - t0,
-                    waited_s=t0 - handed,
-                    handoff_s=held_s,
-                    error=f"{type(exc).__name__}: {exc}",
-                    reason=reason,
-                )
+            self._save_failed(
+                handle.namespace, tokens, exc, held_s, handle.commit_s, handle.queued_s
             )
             return
         event = SaveEvent(
-            namespace,
-            len(tokens),
+            handle.namespace,
+            tokens,
             len(result.written),
             result.written_bytes,
             result.deduplicated,
-            time.perf_counter() - t0,
-            t0 - handed,
+            handle.commit_s,
+            handle.queued_s,
             held_s,
         )
         with self._lock:
@@ -512,6 +523,32 @@ class StorePromptCache(LRUPromptCache):  # type: ignore[misc]  # mlx-lm is untyp
             c.saved_bytes += event.written_bytes
             c.deduplicated_blocks += event.deduplicated
         self._emit(event)
+
+    def _save_failed(
+        self,
+        namespace: str,
+        tokens: int,
+        exc: Exception,
+        held_s: float,
+        seconds: float = 0.0,
+        waited_s: float = 0.0,
+    ) -> None:
+        unavailable = isinstance(exc, StoreUnavailableError)
+        reason = MissReason.UNAVAILABLE if unavailable else STORE_ERROR
+        log.warning("kvstore: a save failed (%s; generation unaffected): %s", reason, exc)
+        with self._lock:
+            self._counters.save_errors[reason] += 1
+        self._emit(
+            SaveEvent(
+                namespace,
+                tokens,
+                seconds=seconds,
+                waited_s=waited_s,
+                handoff_s=held_s,
+                error=f"{type(exc).__name__}: {exc}",
+                reason=reason,
+            )
+        )
 
     def _emit(self, event: FetchEvent | SaveEvent) -> None:
         for listener in self._listeners:

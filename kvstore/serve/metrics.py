@@ -26,7 +26,6 @@ from kvstore.mlx_lm import IMAGE_PROMPT, NOT_PERSISTED, STORE_ERROR, FetchEvent,
 
 if TYPE_CHECKING:
     from kvstore.mlx_lm import StorePromptCache
-    from kvstore.serve.writer import SaveQueue
 
 __all__ = ["ServeMetrics", "CONTENT_TYPE", "MISS_REASONS"]
 
@@ -43,7 +42,7 @@ _SECONDS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 
 class ServeMetrics:
     """The server's metrics; :meth:`observe` is a prompt-cache listener."""
 
-    def __init__(self, prompt_cache: StorePromptCache, writer: SaveQueue) -> None:
+    def __init__(self, prompt_cache: StorePromptCache) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self.hits = Counter(
@@ -94,7 +93,7 @@ class ServeMetrics:
         )
         self.save_s = Histogram(
             "kvstore_save_seconds",
-            "Store saves, on the writer thread",
+            "Commits of the saves, on the store's writer thread (a group's, grouped)",
             buckets=_SECONDS,
             registry=r,
         )
@@ -106,7 +105,7 @@ class ServeMetrics:
         )
         self.handoff_s = Histogram(
             "kvstore_save_handoff_seconds",
-            "Time the generating thread gave a save (settling arrays, enqueueing)",
+            "Time the generating thread gave a save (what is held, copies scheduled, enqueued)",
             buckets=_SECONDS,
             registry=r,
         )
@@ -123,7 +122,7 @@ class ServeMetrics:
             self.misses.labels(reason)
         for reason in (MissReason.UNAVAILABLE, STORE_ERROR):
             self.save_errors.labels(reason)
-        r.register(_Scraped(prompt_cache, writer))
+        r.register(_Scraped(prompt_cache))
 
     def observe(self, event: FetchEvent | SaveEvent) -> None:
         """Count one prompt-cache event."""
@@ -159,9 +158,8 @@ class ServeMetrics:
 class _Scraped(Collector):
     """Figures read when scraped: the store's content and the save queue."""
 
-    def __init__(self, prompt_cache: StorePromptCache, writer: SaveQueue) -> None:
+    def __init__(self, prompt_cache: StorePromptCache) -> None:
         self.prompt_cache = prompt_cache
-        self.writer = writer
 
     def describe(self) -> list[Any]:
         return []
@@ -181,13 +179,14 @@ class _Scraped(Collector):
             blocks.add_metric([], stats.blocks)
             size.add_metric([], stats.bytes)
         yield from (up, blocks, size)
+        writer = self.prompt_cache.stats()["writer"]
         pending = GaugeMetricFamily("kvstore_save_queue_depth", "Saves waiting for the writer")
-        pending.add_metric([], self.writer.pending)
+        pending.add_metric([], writer["pending"])
         yield pending
         dropped = GaugeMetricFamily(
             "kvstore_saves_dropped", "Saves dropped because the save queue was full"
         )
-        dropped.add_metric([], self.writer.dropped)
+        dropped.add_metric([], writer["dropped"])
         yield dropped
         memory = GaugeMetricFamily(
             "kvstore_memory_cache_bytes", "Bytes in mlx-lm's in-memory prompt cache"

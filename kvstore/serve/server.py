@@ -8,8 +8,9 @@ same three things, each mlx-lm's class with one change:
 
 * :class:`StoreModelProvider` binds each model it loads to the prompt cache
   (its namespace, or why it stays in memory);
-* the prompt cache is a :class:`~kvstore.mlx_lm.StorePromptCache`, saving on
-  a writer thread (:class:`~kvstore.serve.writer.SaveQueue`);
+* the prompt cache is a :class:`~kvstore.mlx_lm.StorePromptCache`, saving
+  through the store's own writer thread (``store.save_behind``: group commits
+  under the store's ``durability``, never on the generation thread);
 * :class:`StoreResponseGenerator` times the first token of each request;
 * :class:`StoreAPIHandler` adds ``GET /metrics`` (Prometheus text) and
   ``GET /v1/kvstore/stats`` (JSON).
@@ -39,7 +40,6 @@ from kvstore.abc.store import PrefixStore
 from kvstore.errors import CapabilityError, KVStoreError
 from kvstore.mlx_lm import StorePromptCache, check_mlx_lm_version
 from kvstore.serve.metrics import CONTENT_TYPE, ServeMetrics
-from kvstore.serve.writer import SaveQueue
 
 __all__ = [
     "serve",
@@ -53,13 +53,12 @@ log = logging.getLogger("kvstore.serve")
 
 
 class ServeState:
-    """What the server's parts share: the store, the prompt cache, the writer, the metrics."""
+    """What the server's parts share: the store, the prompt cache, the metrics."""
 
-    def __init__(self, store: PrefixStore, prompt_cache: StorePromptCache, writer: SaveQueue):
+    def __init__(self, store: PrefixStore, prompt_cache: StorePromptCache):
         self.store = store
         self.prompt_cache = prompt_cache
-        self.writer = writer
-        self.metrics = ServeMetrics(prompt_cache, writer)
+        self.metrics = ServeMetrics(prompt_cache)
         prompt_cache.add_listener(self.metrics.observe)
         self.started = time.time()
 
@@ -73,13 +72,6 @@ class ServeState:
             out["store"].update(blocks=content.blocks, bytes=content.bytes, up=True)
         except KVStoreError as exc:
             out["store"].update(up=False, error=f"{type(exc).__name__}: {exc}")
-        out["writer"] = {
-            "pending": self.writer.pending,
-            "written": self.writer.written,
-            "failed": self.writer.failed,
-            "dropped": self.writer.dropped,
-            "capacity": self.writer.maxsize,
-        }
         out["server"] = {"mlx_lm": mlx_lm_version(), "uptime_s": time.time() - self.started}
         return out
 
@@ -183,14 +175,13 @@ def serve(
     prog: str = "kvstore serve",
 ) -> int:
     """Run ``mlx_lm.server`` with ``mlx_lm_argv`` (its options) and ``store`` behind
-    its prompt cache, until interrupted (SIGINT or SIGTERM); then write what is
-    queued and close the store.
+    its prompt cache, until interrupted (SIGINT or SIGTERM); then close the store,
+    which commits the saves still handed off.
 
     Raises:
         CapabilityError: mlx-lm outside the tested range, or a distributed run.
     """
     check_mlx_lm_version("kvstore serve")
-    writer = SaveQueue(save_queue)
     states: list[ServeState] = []
 
     def run(host: str, port: int, model_provider: Any) -> None:
@@ -208,9 +199,9 @@ def serve(
             quantized_kv_start=cli.quantized_kv_start,
             tenant=tenant,
             max_size=cli.prompt_cache_size,
-            writer=writer,
+            max_pending=save_queue,
         )
-        state = ServeState(store, prompt_cache, writer)
+        state = ServeState(store, prompt_cache)
         states.append(state)
         provider = StoreModelProvider(cli, prompt_cache)
         generator = StoreResponseGenerator(provider, state)
@@ -229,7 +220,5 @@ def serve(
         sys.argv, mlx_server.run = saved
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
-        if not writer.close(timeout=60):
-            log.warning("kvstore: saves still queued at exit were not written")
-        store.close()
+        store.close()  # commits what was handed off first
     return 0
