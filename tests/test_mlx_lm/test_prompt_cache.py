@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 from mlx_lm.generate import stream_generate as mlx_lm_stream_generate
 from mlx_lm.models.cache import (
@@ -17,6 +19,7 @@ from kvstore.errors import CapabilityError
 from kvstore.mlx_lm import (
     IMAGE_PROMPT,
     NOT_PERSISTED,
+    QUEUE_FULL,
     StorePromptCache,
     check_mlx_lm_version,
     stream_generate,
@@ -68,6 +71,43 @@ def test_restore_generate_insert_gives_the_tokens_of_no_store(arch, load, model_
         stats = again.stats()["prompt_cache"]
         assert stats["hits"] == {"store": 1} and stats["reused_tokens"] == {"store": reused}
         assert stats["saves"] == 1
+
+
+def test_saves_are_committed_by_the_stores_writer_and_bounded(load, lmdb_url):
+    """insert hands the save to store.save_behind and returns; the commit runs on the
+    store's writer thread; beyond max_pending waiting saves, one is dropped and counted."""
+    model, tok = load("llama")
+    first, other = tok.encode(PROMPT), tok.encode("Zebras graze at dawn. " * 4)
+    gate = threading.Event()
+    committers: list[str] = []
+    with open_store(lmdb_url, block_size=16) as store:
+        real = store.put_blocks_many
+
+        def held(saves):
+            committers.append(threading.current_thread().name)
+            gate.wait(30)  # the commit waits for the test
+            return real(saves)
+
+        store.put_blocks_many = held  # type: ignore[method-assign]
+        cache = StorePromptCache(store, model, max_pending=1)
+        want = tokens_of(model, tok, first, max_tokens=3)
+        assert [
+            r.token for r in stream_generate(model, tok, first, prompt_cache=cache, max_tokens=3)
+        ] == want  # returned with its save's commit held
+        # Another conversation's lookup does not wait for that commit; its save is dropped.
+        list(stream_generate(model, tok, other, prompt_cache=cache, max_tokens=3))
+        writer = cache.stats()["writer"]
+        assert (writer["pending"], writer["written"], writer["dropped"]) == (1, 0, 1)
+        assert cache.stats()["prompt_cache"]["saves_skipped"] == {QUEUE_FULL: 1}
+        gate.set()
+        cache.flush()
+        writer = cache.stats()["writer"]
+        assert (writer["pending"], writer["written"], writer["dropped"]) == (0, 1, 1)
+        assert committers == ["kvstore-writer"]
+        fresh = StorePromptCache(store, model)
+        _, rest = fresh.fetch(first + want)
+        assert len(rest) == 1  # the saved prompt and answer, all but the token to feed
+        assert fresh.fetch(other)[1] == other  # the dropped save left nothing
 
 
 def test_sliding_windows_reuse_a_shorter_prefix_through_captured_blocks(load, lmdb_url):
