@@ -641,7 +641,7 @@ class PrefixStore(ABC):
         """:meth:`save`, handed off: copy the new rows out of ``caches`` (the one copy
         the caller cannot avoid), return, and commit in the background under the
         store's ``durability``. :meth:`flush` (and ``close``) wait for it; a
-        :meth:`lookup` of the namespace does too, so the process reads its writes.
+        :meth:`lookup` that could reuse its rows does too, so the process reads its writes.
         """
 
     @abstractmethod

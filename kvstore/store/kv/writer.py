@@ -25,8 +25,9 @@ A process killed at any point loses at most the saves not committed yet (the
 window) and never corrupts the store: every commit is one transaction.
 ``store.flush()`` waits until every save handed off before it is committed;
 ``close()`` does too, and so does the interpreter's exit; a lookup first waits
-for the namespace's pending saves (``stats``, ``delete``, ``evict``, ``verify``
-for all of them), so a process always reads its own writes.
+for the namespace's pending saves that could add rows to it (:meth:`_Job.extends`;
+``stats``, ``delete``, ``evict``, ``verify`` for all of them), so a process
+always reads its own writes.
 """
 
 from __future__ import annotations
