@@ -38,6 +38,7 @@ from kvstore.cli.options import DEFAULT_STORE
 from kvstore.demo.blas import BlasChoice, choose_blas
 from kvstore.demo.script import TURNS, TextCodec, Turn, document_text, question_text
 from kvstore.demo.session import SessionResult, SessionSpec
+from kvstore.demo.shipped import shipped_model_dir
 from kvstore.errors import ModelLoadError, StoreConfigError
 
 __all__ = [
@@ -66,8 +67,10 @@ class DemoOptions:
     """What ``kvstore demo`` was asked for (see :mod:`kvstore.cli.demo`)."""
 
     store: str = DEFAULT_STORE
+    #: An mlx-lm directory; with neither this nor ``config``, the shipped model.
     model_dir: str | None = None
-    config: str = "small"
+    #: A named config of seeded weights (``small``, ``tiny``) instead of a directory.
+    config: str | None = None
     seed: int = 0
     context_tokens: int | None = None
     answer_tokens: int = 48
@@ -148,36 +151,26 @@ def store_url(text: str) -> str:
 
 
 def prepare_model(options: DemoOptions) -> DemoModel:
-    """The model's session spec, description, namespace and text codec.
+    """The model's session spec, description, namespace and text codec: the shipped
+    model (:mod:`kvstore.demo.shipped`) unless a directory or a seeded config is asked for.
 
     Raises:
-        ModelLoadError: an unknown config, a directory that is not a model, or
-            tokenizer files no installed backend reads.
+        ModelLoadError: both a directory and a config, an unknown config, a directory
+            that is not a model, or tokenizer files no installed backend reads.
     """
-    from kvstore.model import NAMED_CONFIGS, build_model, load_model
-    from kvstore.model.tokenizer import TOKENIZER_BACKENDS
+    from kvstore.model import NAMED_CONFIGS, build_model
     from kvstore.store import namespace_for_model
 
-    if options.model_dir is not None:
-        path = Path(options.model_dir).expanduser().resolve()
-        # Lazy: the weights' names and shapes are checked here (a bad directory is
-        # one line of error, not a failed session), their data is read by sessions.
-        loaded, tokenizer = load_model(path, lazy=True)
-        args = loaded.args
-        if tokenizer is None and any(path.glob("tokenizer*")):
-            raise ModelLoadError(
-                f"[demo] {path} has tokenizer files but no tokenizer backend is installed "
-                f"({' or '.join(TOKENIZER_BACKENDS)}); pip install 'mlx-kvstore[tokenizers]'.",
-                path=str(path),
-            )
-        return DemoModel(
-            {"dir": str(path)},
-            f"{path.name} ({args.model_type}, {args.num_hidden_layers} layers, "
-            f"{args.vocab_size} token ids) from {path}",
-            namespace_for_model(path),
-            TextCodec(tokenizer, args.vocab_size),
-            args.max_position_embeddings,
+    if options.model_dir is not None and options.config is not None:
+        raise ModelLoadError(
+            f"[demo] --model and --config are alternatives (a model directory, or seeded "
+            f"weights); received both ({options.model_dir!r}, {options.config!r}). Drop one.",
+            found=[options.model_dir, options.config],
         )
+    if options.model_dir is not None:
+        return _directory_model(Path(options.model_dir), shipped=False)
+    if options.config is None:
+        return _directory_model(shipped_model_dir(), shipped=True)
     if options.config not in NAMED_CONFIGS:
         raise ModelLoadError(
             f"[demo] Unknown --config {options.config!r}; known: {', '.join(NAMED_CONFIGS)}.",
@@ -192,6 +185,45 @@ def prepare_model(options: DemoOptions) -> DemoModel:
         f"{args.vocab_size} token ids)",
         namespace_for_model(model),
         TextCodec(None, args.vocab_size, readable=False),
+        args.max_position_embeddings,
+    )
+
+
+def _directory_model(path: Path, shipped: bool) -> DemoModel:
+    """A :class:`DemoModel` of the mlx-lm directory ``path``."""
+    import mlx.core as mx
+
+    from kvstore.model import load_model
+    from kvstore.model.tokenizer import TOKENIZER_BACKENDS
+    from kvstore.store import namespace_for_model
+
+    path = path.expanduser().resolve()
+    # Lazy: the weights' names and shapes are checked here (a bad directory is
+    # one line of error, not a failed session), their data is read by sessions.
+    loaded, tokenizer = load_model(path, lazy=True)
+    args = loaded.args
+    if tokenizer is None and any(path.glob("tokenizer*")):
+        raise ModelLoadError(
+            f"[demo] {path} has tokenizer files but no tokenizer backend is installed "
+            f"({' or '.join(TOKENIZER_BACKENDS)}); pip install 'mlx-kvstore[tokenizers]'.",
+            path=str(path),
+        )
+    spec: dict[str, Any] = {"dir": str(path)}
+    weights = ""
+    quantization = loaded.config.get("quantization")
+    if type(quantization) is dict:
+        weights = f", {quantization.get('bits', '?')}-bit weights"
+        # MLX's CPU quantized matmul is ~20x slower than BLAS (kvstore.demo.dense).
+        if mx.default_device() == mx.cpu:
+            spec["dequantize"] = True
+            weights += " computed as float32 (the CPU's BLAS)"
+    name = "the shipped demo model" if shipped else path.name
+    return DemoModel(
+        spec,
+        f"{name} ({args.model_type}, {args.num_hidden_layers} layers, "
+        f"{args.vocab_size} token ids{weights}) from {path}",
+        namespace_for_model(path),
+        TextCodec(tokenizer, args.vocab_size),
         args.max_position_embeddings,
     )
 

@@ -36,7 +36,8 @@ class SessionSpec:
 
     Attributes:
         label: the session's name in the demo ("1", "baseline").
-        model: ``{"config": name, "seed": n}`` (seeded weights) or ``{"dir": path}``.
+        model: ``{"config": name, "seed": n}`` (seeded weights) or ``{"dir": path}``
+            (with ``"dequantize": True``: quantized weights computed with as float32).
         prompt: token ids.
         max_tokens: answer length at most.
         stop_tokens: token ids that end the answer.
@@ -92,11 +93,17 @@ class SessionResult:
 
 
 def load_model_for(spec_model: dict[str, Any]) -> tuple[Any, Any]:
-    """``(model, tokenizer or None)`` for a session's ``model`` entry."""
+    """``(model, tokenizer or None)`` for a session's ``model`` entry; quantized weights
+    are made dense when it says ``"dequantize": true`` (:mod:`kvstore.demo.dense`)."""
     from kvstore.model import build_model, load_model
 
     if "dir" in spec_model:
-        return load_model(spec_model["dir"])
+        model, tokenizer = load_model(spec_model["dir"])
+        if spec_model.get("dequantize"):
+            from kvstore.demo.dense import dequantize
+
+            dequantize(model)
+        return model, tokenizer
     return build_model(spec_model["config"], seed=int(spec_model.get("seed", 0))), None
 
 
