@@ -3,12 +3,12 @@
 Two layers, so that a storage engine is a small thing to add:
 
 * :class:`Backend` is an ordered byte-key/byte-value store with atomic
-  read-modify-write transactions. LMDB (:mod:`kvstore.store.lmdb`) and memory
-  (:mod:`kvstore.store.memory`) and Redis/Valkey (:mod:`kvstore.store.redis`)
+  read-modify-write transactions. LMDB (:mod:`kvstore.store.engines.lmdb`) and memory
+  (:mod:`kvstore.store.engines.memory`) and Redis/Valkey (:mod:`kvstore.store.engines.redis`)
   implement it.
 * :class:`PrefixStore` is what callers use: chained block keys, token-exact
   lookup, save bookkeeping, zero-copy reads, eviction, stats and integrity.
-  One implementation (:class:`kvstore.store.prefix.BlockPrefixStore`) runs
+  One implementation (:class:`kvstore.store.blocks.prefix.BlockPrefixStore`) runs
   over any backend. A block's record is opaque bytes here; the codecs decide
   what is in it.
 
@@ -36,7 +36,7 @@ Contract for backend implementers:
   ``contains_many`` to batch; the store then asks for a lookup's whole chain
   and a restore's blocks in one call each.
 * Engine exceptions are translated to :mod:`kvstore.errors` at the boundary
-  with one context manager (:func:`kvstore.store.boundary.translate_errors`);
+  with one context manager (:func:`kvstore.store.engines.boundary.translate_errors`);
   a full map, disk or quota is :class:`~kvstore.errors.StoreFullError` and
   leaves the store as it was.
 * Capabilities are boolean properties; a method whose capability is off
@@ -60,14 +60,12 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from kvstore.errors import CapabilityError, ReadOnlyStoreError, StoreError
 
-if TYPE_CHECKING:
-    from kvstore.store.settings import StoreSettings
-
 __all__ = [
+    "StoreSettings",
     "Buffer",
     "ReadView",
     "WriteView",
@@ -259,6 +257,23 @@ class Backend(ABC):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.url!r})"
+
+
+@dataclass(frozen=True)
+class StoreSettings:
+    """What a store was created with, plus its budgets (:mod:`kvstore.store.settings`
+    parses, persists and resolves them)."""
+
+    block_size: int = 256
+    storage_policy: str = "lossless"
+    max_bytes: int | None = None
+    namespace_max_bytes: int | None = None
+    namespace_budgets: Mapping[str, int] = field(default_factory=dict)
+
+    def budget_for(self, namespace: str) -> int | None:
+        """The byte budget of ``namespace``: its own, else the per-namespace default."""
+        return self.namespace_budgets.get(namespace, self.namespace_max_bytes)
+
 
 
 class MissReason:
@@ -467,7 +482,7 @@ class PrefixStore(ABC):
     """A persistent, deduplicated store of KV blocks keyed by token prefixes.
 
     Shared behaviour lives here: the context manager, read-only and closed
-    checks. The block logic is in :class:`kvstore.store.prefix.BlockPrefixStore`.
+    checks. The block logic is in :class:`kvstore.store.blocks.prefix.BlockPrefixStore`.
     """
 
     def __init__(self, backend: Backend) -> None:
@@ -529,7 +544,9 @@ class PrefixStore(ABC):
     def flush(self) -> None:
         """Write batched recency updates now (they are otherwise written in the background)."""
 
-    # KV caches in and out: built on lookup/put_blocks/read, so every store has them.
+    # KV caches in and out, built on lookup/put_blocks/read by the codecs below the
+    # store (:class:`kvstore.store.kv.CacheMethods` gives every store both).
+    @abstractmethod
     def save(
         self,
         namespace: str,
@@ -541,23 +558,18 @@ class PrefixStore(ABC):
         """Store the KV the live ``caches`` hold for ``tokens``: one record per block
         (every layer in it), only the blocks not stored yet, in one atomic write.
 
-        See :func:`kvstore.store.kv_save.save_caches`.
+        ``captured`` maps ``(layer, block start)`` to a snapshot of a whole block
+        taken while a sliding window still held it.
         """
-        from kvstore.store.kv_save import save_caches
 
-        return save_caches(self, namespace, tokens, caches, captured=captured)
-
+    @abstractmethod
     def restore(self, match: Match, caches: Sequence[Any]) -> list[Any]:
         """Live caches holding the KV of ``match``, in the families of ``caches``
         (fresh templates: ``model.make_cache(policy)``).
 
         The result may hold fewer tokens than ``match`` (a block vanished, or a
         layer's rows were never stored): read ``offset`` of any returned cache.
-        See :func:`kvstore.store.kv_restore.restore_caches`.
         """
-        from kvstore.store.kv_restore import restore_caches
-
-        return restore_caches(self, match, caches)
 
     def activity(self) -> dict[str, Any]:
         """This handle's activity counters (``lookups``, ``misses``...), read from memory.

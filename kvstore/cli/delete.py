@@ -11,7 +11,7 @@ import argparse
 
 from kvstore.cli.options import add_json, command_parser, read_tokens
 from kvstore.cli.output import human_bytes, print_json
-from kvstore.store.inventory import open_existing, require_namespace
+from kvstore.store.maintenance.inventory import open_existing, require_namespace
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:

@@ -35,8 +35,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvstore.store.cache_files import export_cache_file
-    from kvstore.store.inventory import open_existing
+    from kvstore.store.maintenance.cache_files import export_cache_file
+    from kvstore.store.maintenance.inventory import open_existing
 
     tokens = read_tokens(args.tokens, OPERATION)
     with open_existing(args.url, operation=OPERATION) as store:

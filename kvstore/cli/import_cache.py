@@ -42,13 +42,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from kvstore.store import open_store
-    from kvstore.store.cache_files import (
+    from kvstore.store.maintenance.cache_files import (
         check_tokens,
         import_cache_file,
         model_namespace,
         read_cache_file,
     )
-    from kvstore.store.inventory import open_existing, require_namespace
+    from kvstore.store.maintenance.inventory import open_existing, require_namespace
 
     tokens = read_tokens(args.tokens, OPERATION)
     cache_file = read_cache_file(args.file, OPERATION)

@@ -20,9 +20,9 @@ from kvstore.cli.output import human_bytes, print_fields, print_json, print_tabl
 from kvstore.codecs.record import RecordHeader, read_header, verify_record
 from kvstore.errors import CorruptEntryError, FormatVersionError, StoreConfigError
 from kvstore.store import keys as K
-from kvstore.store.index import decode_use
-from kvstore.store.inventory import find_block, open_existing, require_namespace
-from kvstore.store.transfer import namespaces_of
+from kvstore.store.blocks.index import decode_use
+from kvstore.store.maintenance.inventory import find_block, open_existing, require_namespace
+from kvstore.store.maintenance.transfer import namespaces_of
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:

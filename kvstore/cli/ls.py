@@ -9,7 +9,7 @@ from collections.abc import Mapping
 from kvstore.abc.store import NamespaceStats
 from kvstore.cli.options import add_json, command_parser
 from kvstore.cli.output import human_bytes, print_fields, print_json, print_table, short, when
-from kvstore.store.inventory import (
+from kvstore.store.maintenance.inventory import (
     BlockInfo,
     list_blocks,
     list_prompts,

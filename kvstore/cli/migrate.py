@@ -19,7 +19,7 @@ from typing import Any
 
 from kvstore.cli.options import add_json, command_parser, parse_size
 from kvstore.cli.output import human_bytes, print_fields, print_json, print_table
-from kvstore.store.migrate import (
+from kvstore.store.maintenance.migrate import (
     DEFAULT_BATCH_BYTES,
     MigrationPlan,
     MigrationReport,

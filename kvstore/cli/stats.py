@@ -13,7 +13,7 @@ import argparse
 from kvstore.abc.store import MissReason
 from kvstore.cli.options import add_json, command_parser
 from kvstore.cli.output import human_bytes, print_fields, print_json, print_table
-from kvstore.store.inventory import open_existing
+from kvstore.store.maintenance.inventory import open_existing
 
 ACTIVITY_NOTE = (
     "hit/miss counters belong to each open store handle and are not persisted; this command "

@@ -15,7 +15,7 @@ import argparse
 from kvstore.abc.store import VerifyReport
 from kvstore.cli.options import add_json, command_parser
 from kvstore.cli.output import human_bytes, print_json, print_table
-from kvstore.store.inventory import open_existing
+from kvstore.store.maintenance.inventory import open_existing
 
 EXIT_PROBLEMS = 1
 

@@ -137,7 +137,7 @@ def store_url(text: str) -> str:
     Raises:
         StoreConfigError: a scheme whose store does not outlive a process (``memory://``).
     """
-    from kvstore.store.inventory import lmdb_path, store_scheme
+    from kvstore.store.maintenance.inventory import lmdb_path, store_scheme
 
     scheme = store_scheme(text)
     if scheme == "memory":
@@ -264,7 +264,7 @@ def _stored(url: str, namespace: str) -> tuple[int, int] | None:
         StoreConfigError: something that is not a store is in the way.
     """
     from kvstore.store import open_store
-    from kvstore.store.inventory import lmdb_path, open_existing
+    from kvstore.store.maintenance.inventory import lmdb_path, open_existing
 
     path = lmdb_path(url)
     if path is not None:

@@ -168,7 +168,7 @@ def _write_mlx_lm_file(path: str, caches: list[Any]) -> tuple[int, str]:
 def run_session(spec: SessionSpec) -> SessionResult:
     """Run one session in this process (see the module docstring)."""
     from kvstore.bench.machine import blas_info
-    from kvstore.model import generate_tokens
+    from kvstore.bridge import generate_tokens
     from kvstore.store import open_store
 
     model, _ = load_model_for(spec.model)

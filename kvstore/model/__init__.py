@@ -2,7 +2,8 @@
 
 Build one with seeded weights (:func:`build_model`) or load an mlx-lm model
 directory (:func:`load_model`); make its caches from a :class:`CachePolicy`
-(:meth:`Model.make_cache`); stream tokens with :func:`generate`.
+(:meth:`Model.make_cache`); stream tokens with :func:`generate` (with a prefix store:
+:func:`kvstore.bridge.generate`).
 
 Architectures: Llama/Mistral (GQA, RoPE with llama3/yarn/linear scaling),
 Qwen2 (qkv bias), Qwen3 (q/k RMSNorm), Gemma 3 text (sliding-window layers
@@ -11,6 +12,8 @@ interleaved with global ones).
 
 from kvstore.model.args import NAMED_CONFIGS, SUPPORTED_MODEL_TYPES, ModelArgs
 from kvstore.model.generate import (
+    GeneratedToken,
+    GenerationHooks,
     GenerationStats,
     generate,
     generate_tokens,
@@ -27,6 +30,8 @@ __all__ = [
     "Model",
     "ModelArgs",
     "CachePolicy",
+    "GeneratedToken",
+    "GenerationHooks",
     "GenerationStats",
     "Sampler",
     "Tokenizer",

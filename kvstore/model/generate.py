@@ -7,6 +7,12 @@ that chunk, while a sliding window still holds them — then samples and
 streams tokens. Caches that already hold a prefix (offset > 0, e.g. restored
 from a store) are continued: only the rest of the prompt is prefilled, and
 always at least one token, so the first sampled token has fresh logits.
+
+It yields one type, :class:`GeneratedToken` (as mlx-lm's ``stream_generate``
+yields ``GenerationResponse``): the token, and on the last one the run's
+:class:`GenerationStats`. Generation here knows no store: a prefix store joins
+through ``hooks=`` (:class:`GenerationHooks`), which
+:func:`kvstore.bridge.generate` fills with a store session.
 """
 
 from __future__ import annotations
@@ -14,7 +20,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any, Protocol, cast
 
 import mlx.core as mx
 import numpy as np
@@ -24,8 +30,6 @@ from kvstore.errors import CapabilityError
 from kvstore.model.policy import CachePolicy
 from kvstore.model.sampling import Sampler, make_sampler
 from kvstore.model.transformer import Model
-from kvstore.store.model_namespace import namespace_for_model
-from kvstore.store.session import StoreSession
 
 __all__ = ["GenerationStats", "generate", "generate_tokens", "prefill_chunks", "prefill"]
 
@@ -49,7 +53,8 @@ class GenerationStats:
         decode_tps: tokens after the first per second of ``decode_s`` (0 if fewer than 2).
         lookup_s, restore_s, save_s: seconds spent looking the prompt up in the
             store, rebuilding the caches from it, and saving after generation
-            (0 without a store; lookup and restore are part of ``ttft_s``).
+            (0 without a store, i.e. without ``hooks``; lookup and restore are
+            part of ``ttft_s``).
         store_error: why the store served or saved nothing, when it failed
             (generation recomputed or went on without it), else ``None``.
     """
@@ -67,6 +72,40 @@ class GenerationStats:
     restore_s: float = 0.0
     save_s: float = 0.0
     store_error: str | None = None
+
+
+@dataclass(frozen=True)
+class GeneratedToken:
+    """One item :func:`generate` yields: a token, and the run's stats on the last one."""
+
+    token: int
+    stats: GenerationStats | None = None
+
+
+class GenerationHooks(Protocol):
+    """What joins one generation from outside (a prefix store's session,
+    :class:`kvstore.bridge.session.StoreSession`).
+
+    ``restore`` gets fresh caches before prefill and returns the caches to use
+    (holding a reused prefix or not); ``on_prefill_chunk`` runs after each
+    prefill chunk; ``save`` gets the tokens whose KV the caches hold once
+    generation ends (or is stopped). None of them may raise for a fault of
+    their own: a hook that fails leaves generation as it would be without it.
+    """
+
+    @property
+    def block_size(self) -> int: ...
+
+    lookup_s: float
+    restore_s: float
+    save_s: float
+    error: str | None
+
+    def restore(self, tokens: np.ndarray, caches: list[Any]) -> list[Any]: ...
+
+    def on_prefill_chunk(self, offset_end: int, caches: list[Any]) -> None: ...
+
+    def save(self, tokens: np.ndarray, caches: list[Any]) -> None: ...
 
 
 def prefill_chunks(
@@ -170,11 +209,9 @@ def generate(
     model: Model,
     prompt_tokens: Sequence[int] | mx.array,
     caches: list[Any] | None = None,
-    store: Any = None,
     *,
     max_tokens: int,
     policy: CachePolicy | None = None,
-    namespace: str | None = None,
     sampler: Sampler | None = None,
     temperature: float = 0.0,
     top_p: float = 1.0,
@@ -185,48 +222,47 @@ def generate(
     prefix_len: int | None = None,
     stop_tokens: Collection[int] = (),
     on_prefill_chunk: ChunkCallback | None = None,
-) -> Iterator[int | GenerationStats]:
-    """Stream tokens for ``prompt_tokens``; the last item yielded is a :class:`GenerationStats`.
+    hooks: GenerationHooks | None = None,
+    **unexpected: Any,
+) -> Iterator[GeneratedToken]:
+    """Stream tokens for ``prompt_tokens``: one :class:`GeneratedToken` each, the last
+    one carrying the run's :class:`GenerationStats`.
 
     Args:
         model: the model.
         prompt_tokens: token ids.
         caches: per-layer caches, updated in place; ``model.make_cache(policy)``
             by default. Caches holding a prefix (offset > 0) are continued.
-        store: a prefix store (:func:`kvstore.store.open_store`). Fresh caches
-            are replaced by the longest stored prefix of the prompt; prefill
-            captures each block (sliding windows included); after generation
-            the prompt and the generated tokens that have KV are saved. A
-            store fault means recomputing (lookup/restore) or a logged warning
-            (save); ``stats.store_error`` says what happened.
         max_tokens: tokens to generate at most (>= 1).
         policy: the cache families :meth:`Model.make_cache` makes (plain by
             default); not with ``caches``.
-        namespace: the store namespace; default
-            :func:`~kvstore.store.namespace_for_model` of the model and its caches.
         sampler: a sampler (:func:`~kvstore.model.sampling.make_sampler`); or
             give ``temperature``/``top_p``/``top_k``/``seed``. Greedy by default.
         chunk_size: prefill chunk length at most.
         block_size: chunk ends fall on multiples of it (``None``: plain chunks);
-            with a store, the store's block size is used.
+            with ``hooks``, the hooks' block size is used.
         prefix_len: tokens the caches already hold, checked against their offset.
         stop_tokens: generation ends after streaming one of these.
         on_prefill_chunk: ``f(offset_end, caches)`` after each chunk is evaluated.
+        hooks: restore, capture and save around the run (a prefix store's session;
+            :func:`kvstore.bridge.generate` passes one).
 
     After generation the caches hold the prompt and every streamed token but the last.
 
     Raises:
         ValueError: bad arguments, or caches that disagree on their offset.
+        TypeError: ``store=`` (generation with a store is :func:`kvstore.bridge.generate`).
         CapabilityError: a cache family the model cannot attend over; a fully
             cached prompt whose caches cannot drop a token.
     """
+    _refuse_unexpected(unexpected)
     if max_tokens < 1:
         raise ValueError(f"[generate] max_tokens must be >= 1; received {max_tokens}.")
     if caches is not None and policy is not None:
         raise ValueError("[generate] Pass caches= or policy=, not both.")
-    if store is not None and prefix_len is not None:
+    if hooks is not None and prefix_len is not None:
         raise ValueError(
-            "[generate] prefix_len checks caches you restored yourself; with store= the "
+            "[generate] prefix_len checks caches you restored yourself; with a store the "
             "store restores them. Pass one or the other."
         )
     if sampler is None:
@@ -241,13 +277,11 @@ def generate(
     stop = frozenset(stop_tokens)
 
     t0 = time.perf_counter()
-    session = None
     callback = on_prefill_chunk
-    if store is not None:
-        session = StoreSession(store, namespace or namespace_for_model(model, caches=caches))
-        block_size = session.block_size
-        caches[:] = session.restore(np.asarray(tokens), caches)
-        callback = _both(session.on_prefill_chunk, on_prefill_chunk)
+    if hooks is not None:
+        block_size = hooks.block_size
+        caches[:] = hooks.restore(np.asarray(tokens), caches)
+        callback = _both(hooks.on_prefill_chunk, on_prefill_chunk)
     start = _start_offset(caches, n_prompt, prefix_len)
     chunks = prefill_chunks(start, n_prompt, chunk_size, block_size)
     logits = prefill(model, tokens, caches, chunks, callback)
@@ -255,40 +289,57 @@ def generate(
     token = cast(int, y.item())
     t_first = time.perf_counter()
 
-    streamed = [token]
+    streamed: list[int] = []
     try:
-        yield token
-        while len(streamed) < max_tokens and token not in stop:
+        while True:
+            streamed.append(token)
+            if len(streamed) >= max_tokens or token in stop:
+                break
+            yield GeneratedToken(token)
             logits = model(y[:, None], cache=caches)[:, -1, :]
             y = sampler(_log_softmax(logits))
             token = cast(int, y.item())
-            streamed.append(token)
-            yield token
     except GeneratorExit:  # the caller stopped early: what has KV is still worth keeping
-        if session is not None:
-            session.save(_with_kv(tokens, streamed), caches)
+        if hooks is not None:
+            hooks.save(_with_kv(tokens, streamed), caches)
         raise
     t_end = time.perf_counter()
-    if session is not None:
-        session.save(_with_kv(tokens, streamed), caches)
+    if hooks is not None:  # before the last item, so its stats hold the save
+        hooks.save(_with_kv(tokens, streamed), caches)
 
     prefill_s, decode_s = t_first - t0, t_end - t_first
     generated = len(streamed)
-    yield GenerationStats(
-        prompt_tokens=n_prompt,
-        reused_tokens=start,
-        prefilled_tokens=n_prompt - start,
-        generated_tokens=generated,
-        ttft_s=prefill_s,
-        prefill_s=prefill_s,
-        decode_s=decode_s,
-        prefill_tps=(n_prompt - start) / prefill_s if prefill_s > 0 else 0.0,
-        decode_tps=(generated - 1) / decode_s if generated > 1 and decode_s > 0 else 0.0,
-        lookup_s=session.lookup_s if session else 0.0,
-        restore_s=session.restore_s if session else 0.0,
-        save_s=session.save_s if session else 0.0,
-        store_error=session.error if session else None,
+    yield GeneratedToken(
+        token,
+        GenerationStats(
+            prompt_tokens=n_prompt,
+            reused_tokens=start,
+            prefilled_tokens=n_prompt - start,
+            generated_tokens=generated,
+            ttft_s=prefill_s,
+            prefill_s=prefill_s,
+            decode_s=decode_s,
+            prefill_tps=(n_prompt - start) / prefill_s if prefill_s > 0 else 0.0,
+            decode_tps=(generated - 1) / decode_s if generated > 1 and decode_s > 0 else 0.0,
+            lookup_s=hooks.lookup_s if hooks else 0.0,
+            restore_s=hooks.restore_s if hooks else 0.0,
+            save_s=hooks.save_s if hooks else 0.0,
+            store_error=hooks.error if hooks else None,
+        ),
     )
+
+
+def _refuse_unexpected(unexpected: dict[str, Any]) -> None:
+    if "store" in unexpected or "namespace" in unexpected:
+        raise TypeError(
+            "[generate] kvstore.model.generate knows no store; generation with a prefix "
+            "store is kvstore.bridge.generate(model, prompt, store=store, ...) (and "
+            "kvstore.bridge.generate_tokens)."
+        )
+    if unexpected:
+        raise TypeError(
+            f"[generate] Unexpected keyword argument(s): {', '.join(sorted(unexpected))}."
+        )
 
 
 def _with_kv(prompt: mx.array, streamed: list[int]) -> np.ndarray:
@@ -311,6 +362,14 @@ def generate_tokens(
     model: Model, prompt_tokens: Sequence[int] | mx.array, **kwargs: Any
 ) -> tuple[list[int], GenerationStats]:
     """Run :func:`generate` to the end: ``(tokens, stats)``."""
-    items = list(generate(model, prompt_tokens, **kwargs))
-    stats = items.pop()
-    return items, stats  # type: ignore[return-value]
+    return collect(generate(model, prompt_tokens, **kwargs))
+
+
+def collect(items: Iterator[GeneratedToken]) -> tuple[list[int], GenerationStats]:
+    """``(tokens, stats)`` of a whole :func:`generate` run."""
+    tokens, stats = [], None
+    for item in items:
+        tokens.append(item.token)
+        stats = item.stats
+    assert stats is not None  # the last item carries them
+    return tokens, stats

@@ -5,7 +5,7 @@
 >>> store.save(ns, tokens, caches)  # doctest: +SKIP
 >>> caches = store.restore(store.lookup(ns, tokens), model.make_cache())  # doctest: +SKIP
 
-(``kvstore.model.generate(..., store=store)`` does all of this itself.)
+(``kvstore.bridge.generate(model, prompt, store=store)`` does all of this itself.)
 
 URL schemes (the table :data:`SCHEMES` maps each to the module that opens it,
 imported only when used):
@@ -31,7 +31,7 @@ URL                                what it opens
                                    ``redis://cache:6379/0`` (see below)
 =================================  ================================================
 
-A tiered store (:mod:`kvstore.store.tiered`) is also opened with
+A tiered store (:mod:`kvstore.store.blocks.tiered`) is also opened with
 ``open_store("tiered", tiers=[...])``, the tiers being URLs or open stores,
 fastest first. Tier URLs in the query are separated by commas; one with its
 own options (``?`` and ``&``) is percent-encoded
@@ -52,7 +52,7 @@ Options go as keyword arguments or URL query parameters
   ``connect_timeout``, ``retries``, ``chunk_size``, ``ttl``,
   ``server_eviction``, ``readonly``, ``key_prefix``, ``max_connections``,
   ``ssl_ca_certs``, ``ssl_certfile``, ``ssl_keyfile``, ``ssl_cert_reqs``;
-  see :class:`kvstore.store.redis.backend.RedisBackend`).
+  see :class:`kvstore.store.engines.redis.backend.RedisBackend`).
 """
 
 from __future__ import annotations
@@ -64,10 +64,8 @@ from urllib.parse import parse_qsl, unquote, urlsplit
 
 from kvstore.abc.store import Backend, PrefixStore
 from kvstore.errors import StoreConfigError
-from kvstore.store.fingerprint import model_fingerprint, namespace_for
-from kvstore.store.model_namespace import namespace_for_model
-from kvstore.store.prefix import STORE_OPTIONS, BlockPrefixStore
-from kvstore.store.redis import REDIS_OPTIONS, REDIS_SCHEMES
+from kvstore.store.blocks.prefix import STORE_OPTIONS, BlockPrefixStore
+from kvstore.store.engines.redis import REDIS_OPTIONS, REDIS_SCHEMES
 from kvstore.store.settings import (
     SETTING_PARSERS,
     StoreSettings,
@@ -89,11 +87,24 @@ __all__ = [
     "StoreSettings",
 ]
 
+#: Names this package offered before the bridge had a package of its own; they
+#: live in :mod:`kvstore.bridge` (above the store) and resolve on first use.
+_BRIDGE_NAMES = ("model_fingerprint", "namespace_for", "namespace_for_model")
+
+
+def __getattr__(name: str) -> Any:
+    if name in _BRIDGE_NAMES:
+        import kvstore.bridge  # compat re-export: a call-time import, not a layer edge
+
+        return getattr(kvstore.bridge, name)
+    raise AttributeError(f"module 'kvstore.store' has no attribute {name!r}")
+
+
 #: URL scheme -> ``"module:factory"``; ``factory(location, url, options) -> Backend``.
 SCHEMES: dict[str, str] = {
-    "lmdb": "kvstore.store.lmdb:open_lmdb_backend",
-    "memory": "kvstore.store.memory:open_memory_backend",
-    **{scheme: "kvstore.store.redis:open_redis_backend" for scheme in REDIS_SCHEMES},
+    "lmdb": "kvstore.store.engines.lmdb:open_lmdb_backend",
+    "memory": "kvstore.store.engines.memory:open_memory_backend",
+    **{scheme: "kvstore.store.engines.redis:open_redis_backend" for scheme in REDIS_SCHEMES},
 }
 
 #: Options each scheme's backend accepts, with their parsers (URL values are strings).
@@ -244,7 +255,7 @@ _TIERED_OPTIONS = ("tiers", "write", "promote")
 
 def _open_tiered(url: str, options: dict[str, Any]) -> PrefixStore:
     """``open_store("tiered", tiers=[...])`` and ``tiered://?tiers=a,b,c&write=back``."""
-    from kvstore.store.tiered import TieredPrefixStore
+    from kvstore.store.blocks.tiered import TieredPrefixStore
 
     query = dict(parse_qsl(urlsplit(url).query, keep_blank_values=True)) if "?" in url else {}
     _refuse_twice(query, options)

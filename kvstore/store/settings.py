@@ -25,12 +25,13 @@ import math
 import re
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, replace
 from typing import Any
 
 import msgpack
 
 from kvstore import __version__
+from kvstore.abc.store import StoreSettings
 from kvstore.errors import FormatVersionError, StoreConfigError
 from kvstore.signature import parse_signature
 
@@ -56,21 +57,6 @@ __all__ = [
 #: Version of the meta record (and of the ``kvstore/v1`` layout it describes).
 META_FORMAT = 1
 _LOSSY_KINDS = ("kv:quant", "kv:turboquant")
-
-
-@dataclass(frozen=True)
-class StoreSettings:
-    """What a store was created with, plus its budgets (see the module docstring)."""
-
-    block_size: int = 256
-    storage_policy: str = "lossless"
-    max_bytes: int | None = None
-    namespace_max_bytes: int | None = None
-    namespace_budgets: Mapping[str, int] = field(default_factory=dict)
-
-    def budget_for(self, namespace: str) -> int | None:
-        """The byte budget of ``namespace``: its own, else the per-namespace default."""
-        return self.namespace_budgets.get(namespace, self.namespace_max_bytes)
 
 
 FIXED_SETTINGS = ("block_size", "storage_policy")

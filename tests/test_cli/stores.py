@@ -19,7 +19,7 @@ import numpy as np
 from kvstore.codecs import decode_record_to_mlx, encode_record, restore, snapshot
 from kvstore.model import build_model
 from kvstore.model.generate import prefill, prefill_chunks
-from kvstore.store.transfer import family_label
+from kvstore.store.maintenance.transfer import family_label
 
 NS = "tinyns"
 BLOCK = 16

@@ -14,9 +14,10 @@ from mlx.utils import tree_flatten
 pytest.importorskip("mlx_lm")
 from mlx_lm.models import cache as lm_cache  # noqa: E402
 
+from kvstore.bridge import generate_tokens  # noqa: E402
 from kvstore.cli import main  # noqa: E402
 from kvstore.codecs.prompt_cache import import_prompt_cache  # noqa: E402
-from kvstore.model import CachePolicy, build_model, generate_tokens, load_model  # noqa: E402
+from kvstore.model import CachePolicy, build_model, load_model  # noqa: E402
 from kvstore.store import keys as K  # noqa: E402
 from kvstore.store import namespace_for_model, open_store  # noqa: E402
 from kvstore.testing.codec import assert_arrays_equal, assert_snapshots_equal  # noqa: E402

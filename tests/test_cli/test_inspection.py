@@ -11,8 +11,8 @@ from kvstore.cli import main
 from kvstore.codecs.record import read_header
 from kvstore.store import keys as K
 from kvstore.store import open_backend, open_store
-from kvstore.store.index import decode_use
-from kvstore.store.inventory import list_blocks, open_existing
+from kvstore.store.blocks.index import decode_use
+from kvstore.store.maintenance.inventory import list_blocks, open_existing
 
 from .conftest import content, kvstore_cli, raw_items
 from .stores import NS, prompts

@@ -21,8 +21,8 @@ from kvstore.codecs.transcode import relative_mse
 from kvstore.errors import CapabilityError, StoreError
 from kvstore.store import keys as K
 from kvstore.store import open_backend, open_store
-from kvstore.store.migrate import IN_PLACE_SUFFIX, JOURNAL_KEY, migrate, plan_migration
-from kvstore.store.migrate.journal import decode_journal
+from kvstore.store.maintenance.migrate import IN_PLACE_SUFFIX, JOURNAL_KEY, migrate, plan_migration
+from kvstore.store.maintenance.migrate.journal import decode_journal
 
 from .conftest import ROOT, content, raw_items
 from .stores import NS, model_for, prompts, restore_caches

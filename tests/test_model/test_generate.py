@@ -6,9 +6,11 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from kvstore.bridge import generate_tokens as bridge_generate_tokens
 from kvstore.errors import CapabilityError
 from kvstore.model import (
     CachePolicy,
+    GeneratedToken,
     GenerationStats,
     build_model,
     generate,
@@ -116,9 +118,13 @@ def test_greedy_generation_is_the_argmax_chain(model):
     assert stats.ttft_s > 0 and stats.prefill_tps > 0 and stats.decode_tps > 0
 
 
-def test_stream_yields_tokens_then_stats(model):
+def test_stream_yields_one_type_with_the_stats_on_the_last_item(model):
     items = list(generate(model, [1, 2, 3], max_tokens=3))
-    assert [type(i) for i in items] == [int, int, int, GenerationStats]
+    assert [type(i) for i in items] == [GeneratedToken] * 3
+    assert [i.stats is None for i in items] == [True, True, False]
+    assert isinstance(items[-1].stats, GenerationStats)
+    assert items[-1].stats.generated_tokens == 3
+    assert [i.token for i in items] == generate_tokens(model, [1, 2, 3], max_tokens=3)[0]
 
 
 def test_caches_hold_prompt_and_all_streamed_tokens_but_the_last(model):
@@ -216,8 +222,12 @@ def test_argument_errors():
     for bad in ([], [[1, 2]], [0.5, 1.5]):
         with pytest.raises(ValueError, match="non-empty 1-D sequence of token ids"):
             generate_tokens(model, bad, max_tokens=1)
-    with pytest.raises(CapabilityError, match="store= takes a prefix store"):
+    with pytest.raises(TypeError, match=r"knows no store.*kvstore\.bridge\.generate"):
         generate_tokens(model, [1], store=object(), max_tokens=1)
+    with pytest.raises(TypeError, match="Unexpected keyword argument.*colour"):
+        generate_tokens(model, [1], max_tokens=1, colour="blue")
+    with pytest.raises(CapabilityError, match="store= takes a prefix store"):
+        bridge_generate_tokens(model, [1], store=object(), max_tokens=1)
 
 
 def test_mlx_lm_generate_drives_our_model(model):

@@ -16,8 +16,8 @@ import random
 import sys
 from pathlib import Path
 
+from kvstore.bridge.namespace import namespace_for_model
 from kvstore.store import open_store
-from kvstore.store.model_namespace import namespace_for_model
 
 from .kv_helpers import (
     BLOCK,
@@ -62,7 +62,7 @@ def e2e_cases(
 
 
 def generate_case(url: str, family: str, policy: str, tokens: list[int], max_tokens: int):
-    from kvstore.model import generate_tokens
+    from kvstore.bridge import generate_tokens
 
     config, cache_policy = FAMILIES[family]
     seen, sampler = log_probs_recorder()

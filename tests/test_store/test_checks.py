@@ -1,4 +1,4 @@
-"""Checking many records at once (``kvstore.store.checks``), and restores through the
+"""Checking many records at once (``kvstore.store.blocks.checks``), and restores through the
 paths large reads take (records checked on two threads, arrays filled by MLX's loader)."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ from kvstore.caches import KVCache
 from kvstore.codecs import fill, snapshot
 from kvstore.codecs.record import encode_record, forget_parsed_headers, verify_record
 from kvstore.errors import CorruptEntryError, FormatVersionError
-from kvstore.store import checks
-from kvstore.store.checks import check_records
+from kvstore.store.blocks import checks
+from kvstore.store.blocks.checks import check_records
 from kvstore.testing.codec import fill_cache
 
 from .kv_helpers import assert_same_caches, prompt

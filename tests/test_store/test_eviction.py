@@ -6,7 +6,7 @@ import pytest
 
 from kvstore.errors import StoreFullError
 from kvstore.store import keys as K
-from kvstore.store.index import decode_use
+from kvstore.store.blocks.index import decode_use
 from kvstore.testing.store import check_match, encoder_for, make_record, prefix_rows
 
 from .conftest import NS

@@ -13,8 +13,8 @@ import mlx.core as mx
 import mlx.nn as nn
 import pytest
 
+from kvstore.bridge import fingerprint as F
 from kvstore.errors import CapabilityError, StoreConfigError
-from kvstore.store import fingerprint as F
 from kvstore.store import model_fingerprint, namespace_for
 from kvstore.testing.mlx_lm_models import build_mlx_lm_model
 

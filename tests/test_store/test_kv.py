@@ -15,14 +15,15 @@ import numpy as np
 import pytest
 
 from kvstore.abc.store import MissReason
+from kvstore.bridge import generate_tokens
+from kvstore.bridge.namespace import namespace_for_model
 from kvstore.caches import KVCache, QuantizedKVCache
 from kvstore.codecs import snapshot, transcode
 from kvstore.codecs.rows import growth_capacity
-from kvstore.model import CachePolicy, generate_tokens
+from kvstore.model import CachePolicy
 from kvstore.store import keys as K
 from kvstore.store import open_backend, open_store
-from kvstore.store.kv_save import BlockEncoder
-from kvstore.store.model_namespace import namespace_for_model
+from kvstore.store.kv.save import BlockEncoder
 
 from .kv_helpers import (
     BLOCK,

@@ -6,7 +6,7 @@ import logging
 import threading
 
 from kvstore.abc.store import MissReason
-from kvstore.model import generate_tokens
+from kvstore.bridge import generate_tokens
 from kvstore.store import open_store
 from kvstore.testing.redis_servers import RedisServer
 

@@ -17,10 +17,10 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+from kvstore.bridge import generate_tokens
+from kvstore.bridge.namespace import namespace_for_model
 from kvstore.codecs import snapshot
-from kvstore.model import generate_tokens
 from kvstore.store import open_store
-from kvstore.store.model_namespace import namespace_for_model
 
 from .kv_helpers import BLOCK, CHUNK, FAMILIES, log_probs_recorder, model_for, token_by_token
 from .kv_worker import check_restore, e2e_cases, long_prompt, shared_prompt

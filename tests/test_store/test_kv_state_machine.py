@@ -15,9 +15,9 @@ import functools
 from hypothesis import settings
 
 from kvstore.abc.store import Match, SaveResult
+from kvstore.bridge.namespace import namespace_for_model
 from kvstore.codecs import encode_record
-from kvstore.store.kv_save import BlockEncoder
-from kvstore.store.model_namespace import namespace_for_model
+from kvstore.store.kv.save import BlockEncoder
 
 from .kv_helpers import assert_same_caches, model_for, token_by_token
 from .test_state_machine import NS, B, StoreMachine, _start

@@ -11,8 +11,8 @@ import lmdb
 import pytest
 
 from kvstore.errors import KVStoreError, StoreError, StoreFullError, StoreUnavailableError
-from kvstore.store.boundary import translate_errors
-from kvstore.store.lmdb import LMDB_ERRORS
+from kvstore.store.engines.boundary import translate_errors
+from kvstore.store.engines.lmdb import LMDB_ERRORS
 from kvstore.testing.store import check_match
 
 from .store_worker import NS, open_, prompt, save

@@ -7,11 +7,11 @@ import json
 import pytest
 
 from kvstore.abc.store import BlockRef, Match
+from kvstore.bridge.namespace import cache_layout
 from kvstore.errors import ModelLoadError, StoreConfigError
 from kvstore.model import CachePolicy, build_model, load_model
 from kvstore.store import namespace_for_model
-from kvstore.store.model_namespace import cache_layout
-from kvstore.store.storage_policy import stored_signature
+from kvstore.store.kv.policy import stored_signature
 
 from ..test_model.conftest import save_mlx_lm_dir
 

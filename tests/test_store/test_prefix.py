@@ -12,7 +12,7 @@ from kvstore.abc.store import BlockRef, Match, MissReason
 from kvstore.errors import CapabilityError, StoreConfigError, StoreError
 from kvstore.store import keys as K
 from kvstore.store import open_store
-from kvstore.store.index import decode_use
+from kvstore.store.blocks.index import decode_use
 from kvstore.testing.store import check_match, encoder_for, record_rows, verify_record
 
 from .conftest import NS

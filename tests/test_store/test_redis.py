@@ -24,13 +24,13 @@ from kvstore.errors import (
 )
 from kvstore.store import keys as K
 from kvstore.store import open_backend, open_store
-from kvstore.store.boundary import translate_errors
-from kvstore.store.redis.backend import RedisBackend, redact
-from kvstore.store.redis.client import Connector
-from kvstore.store.redis.errors import REDIS_ERRORS
-from kvstore.store.redis.layout import TAG, Layout, Manifest
-from kvstore.store.redis.options import parse_redis_url
-from kvstore.store.redis.transaction import PENDING_TTL_MS, RedisTransaction
+from kvstore.store.engines.boundary import translate_errors
+from kvstore.store.engines.redis.backend import RedisBackend, redact
+from kvstore.store.engines.redis.client import Connector
+from kvstore.store.engines.redis.errors import REDIS_ERRORS
+from kvstore.store.engines.redis.layout import TAG, Layout, Manifest
+from kvstore.store.engines.redis.options import parse_redis_url
+from kvstore.store.engines.redis.transaction import PENDING_TTL_MS, RedisTransaction
 from kvstore.testing.redis_servers import RedisServer
 from kvstore.testing.store import check_match, encoder_for, verify_record
 

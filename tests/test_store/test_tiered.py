@@ -12,8 +12,8 @@ from kvstore.abc.store import MissReason
 from kvstore.errors import StoreConfigError, StoreUnavailableError
 from kvstore.store import keys as K
 from kvstore.store import open_store
-from kvstore.store.index import decode_use
-from kvstore.store.tiered import TieredPrefixStore, _owned
+from kvstore.store.blocks.index import decode_use
+from kvstore.store.blocks.tiered import TieredPrefixStore, _owned
 from kvstore.testing.redis_servers import RedisServer
 from kvstore.testing.store import check_match, encoder_for, verify_record
 

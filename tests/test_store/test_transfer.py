@@ -1,4 +1,4 @@
-"""Moving blocks as they are indexed (kvstore.store.transfer): the parents-first walk,
+"""Moving blocks as they are indexed (kvstore.store.maintenance.transfer): the parents-first walk,
 copies that keep keys and totals exact, pruning."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import random
 
 from kvstore.store import keys as K
 from kvstore.store import open_store
-from kvstore.store.transfer import ChainWalk, copy_block, namespaces_of, prune_blocks
+from kvstore.store.maintenance.transfer import ChainWalk, copy_block, namespaces_of, prune_blocks
 from kvstore.testing.store import check_match, encoder_for, verify_record
 
 from .conftest import NS

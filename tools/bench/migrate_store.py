@@ -3,7 +3,7 @@
 Builds (once) an LMDB store of the ``small`` model's float16 KV in 256-token
 blocks -- one prompt's block records reused under ``--prompts`` random token
 chains, so the store can be large without prefilling it all -- then runs
-``kvstore.store.migrate.migrate`` into each target family and prints, per
+``kvstore.store.maintenance.migrate.migrate`` into each target family and prints, per
 target: bytes before -> after, the measured relative MSE of K and V (layer
 mean), seconds, and peak anonymous memory against the store size (sampled
 after every block from /proc; LMDB's file-backed pages are page cache and
@@ -27,7 +27,7 @@ import numpy as np
 from kvstore.codecs.record import verify_record
 from kvstore.model import build_model
 from kvstore.store import open_store
-from kvstore.store.migrate import migrate
+from kvstore.store.maintenance.migrate import migrate
 from tests.test_cli.stores import block_records
 
 TARGETS = ("kv:quant:8:64", "kv:quant:4:64", "kv:turboquant:4:4", "kv:turboquant:3:3")

@@ -5,7 +5,7 @@ protocol) and each of ``--windows`` held-out windows:
 
 1. prefill 1024 held-out bytes with plain caches and ``store.save`` them into
    a lossless LMDB store (the source);
-2. ``kvstore.store.migrate.migrate`` the source into one store per target
+2. ``kvstore.store.maintenance.migrate.migrate`` the source into one store per target
    family (``kv:quant:8:64``, ``kv:quant:4:64``, ``kv:turboquant:4:4``,
    ``kv:turboquant:3:3``...), reporting the migration's own measured error;
 3. from each store, ``lookup`` + ``restore`` the prefix into fresh plain caches
@@ -33,7 +33,7 @@ import numpy as np
 
 from kvstore.model import load_model
 from kvstore.store import namespace_for_model, open_store
-from kvstore.store.migrate import migrate
+from kvstore.store.maintenance.migrate import migrate
 from tools.quality.metrics import kl_divergence
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -36,7 +36,8 @@ MODEL = "small"
 
 def run(ctx: BenchContext) -> FigureResult:
     from kvstore.bench.machine import blas_info
-    from kvstore.model import build_model, generate_tokens
+    from kvstore.bridge import generate_tokens
+    from kvstore.model import build_model
     from kvstore.store import namespace_for_model, open_store
 
     n = PROMPT_TOKENS["quick" if ctx.quick else "full"]

@@ -16,8 +16,8 @@ from typing import Any
 from kvstore.abc.codec import Snapshot
 from kvstore.codecs.record import decode_record, encode_record, read_header, snapshot_to_mlx
 from kvstore.codecs.transcode import transcode_measured
-from kvstore.store.migrate.targets import LayerSelection, target_for
-from kvstore.store.transfer import family_label
+from kvstore.store.maintenance.migrate.targets import LayerSelection, target_for
+from kvstore.store.maintenance.transfer import family_label
 
 __all__ = ["LayerChange", "Recoded", "plan_layers", "recode_record"]
 

@@ -5,7 +5,7 @@
 1. :meth:`StoreSession.restore`: look the prompt up and rebuild the caches of
    the longest stored prefix (into the families of the model's fresh caches);
 2. :meth:`StoreSession.on_prefill_chunk`: after each prefill chunk, keep the
-   blocks a sliding window is about to forget (:class:`~.kv_save.BlockCapture`);
+   blocks a sliding window is about to forget (:class:`~kvstore.bridge.capture.BlockCapture`);
 3. :meth:`StoreSession.save`: after generation, store the prompt and the
    generated tokens that have KV, so a follow-up turn that extends the
    conversation reuses all of it.
@@ -27,8 +27,8 @@ from typing import Any
 import numpy as np
 
 from kvstore.abc.store import PrefixStore
+from kvstore.bridge.capture import BlockCapture
 from kvstore.errors import CapabilityError, KVStoreError
-from kvstore.store.kv_save import BlockCapture
 
 __all__ = ["StoreSession", "STORE_FAULTS"]
 

@@ -20,7 +20,7 @@ import msgpack
 
 from kvstore.abc.store import Buffer
 from kvstore.errors import CorruptEntryError
-from kvstore.store.migrate.recode import LayerChange
+from kvstore.store.maintenance.migrate.recode import LayerChange
 
 __all__ = ["JOURNAL_KEY", "JOURNAL_FORMAT", "LayerError", "Journal", "decode_journal"]
 

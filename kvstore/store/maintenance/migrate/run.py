@@ -1,10 +1,10 @@
 """Planning and running a migration: SRC's blocks, re-encoded, into DST.
 
 The walk goes chain by chain, parents first
-(:class:`~kvstore.store.transfer.ChainWalk`), a block at a time: read one
+(:class:`~kvstore.store.maintenance.transfer.ChainWalk`), a block at a time: read one
 record from SRC, re-encode it, queue it; every ``batch_bytes`` of new records
 commit in one DST transaction together with the journal
-(:mod:`~kvstore.store.migrate.journal`). So memory holds at most one batch,
+(:mod:`~kvstore.store.maintenance.migrate.journal`). So memory holds at most one batch,
 DST always agrees with its journal, and since a block is written only after
 its parent, an interrupted DST is a valid store holding a prefix-closed part
 of SRC. Blocks already in DST are skipped, which is what makes a rerun
@@ -28,9 +28,9 @@ from kvstore.abc.store import Backend, PrefixStore, WriteView
 from kvstore.codecs.record import read_header, verify_record
 from kvstore.errors import CorruptEntryError, FormatVersionError, StoreError
 from kvstore.store import open_backend, open_store
-from kvstore.store.inventory import lmdb_path, open_existing
-from kvstore.store.migrate.journal import JOURNAL_KEY, Journal, LayerError
-from kvstore.store.migrate.plan import (
+from kvstore.store.maintenance.inventory import lmdb_path, open_existing
+from kvstore.store.maintenance.migrate.journal import JOURNAL_KEY, Journal, LayerError
+from kvstore.store.maintenance.migrate.plan import (
     IN_PLACE_SUFFIX,
     Direction,
     Inputs,
@@ -40,11 +40,17 @@ from kvstore.store.migrate.plan import (
     record_directions,
     walks,
 )
-from kvstore.store.migrate.recode import recode_record
-from kvstore.store.migrate.swap import exchange_paths, require_exchange
-from kvstore.store.migrate.targets import is_lossy
+from kvstore.store.maintenance.migrate.recode import recode_record
+from kvstore.store.maintenance.migrate.swap import exchange_paths, require_exchange
+from kvstore.store.maintenance.migrate.targets import is_lossy
+from kvstore.store.maintenance.transfer import (
+    ChainWalk,
+    StoredBlock,
+    copy_block,
+    namespaces_of,
+    prune_blocks,
+)
 from kvstore.store.settings import parse_byte_size
-from kvstore.store.transfer import ChainWalk, StoredBlock, copy_block, namespaces_of, prune_blocks
 
 __all__ = ["DEFAULT_BATCH_BYTES", "MigrationReport", "migrate"]
 

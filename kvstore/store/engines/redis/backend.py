@@ -1,4 +1,4 @@
-"""The Redis / Valkey / Redis Cluster backend (see :mod:`kvstore.store.redis` for the design)."""
+"""The Redis / Valkey / Redis Cluster backend (design: :mod:`kvstore.store.engines.redis`)."""
 
 from __future__ import annotations
 
@@ -13,18 +13,18 @@ from redis import exceptions as rx
 
 from kvstore.abc.store import Backend, Buffer
 from kvstore.errors import CorruptEntryError, FormatVersionError, StoreConfigError, StoreError
-from kvstore.store.boundary import translate_errors
-from kvstore.store.redis.client import (
+from kvstore.store.engines.boundary import translate_errors
+from kvstore.store.engines.redis.client import (
     DEFAULT_CONNECT_TIMEOUT,
     DEFAULT_RETRIES,
     DEFAULT_SOCKET_TIMEOUT,
     Command,
     Connector,
 )
-from kvstore.store.redis.errors import REDIS_ERRORS
-from kvstore.store.redis.layout import Layout, Manifest
-from kvstore.store.redis.options import parse_redis_url
-from kvstore.store.redis.transaction import ChunkMemo, RedisTransaction, lex_pages
+from kvstore.store.engines.redis.errors import REDIS_ERRORS
+from kvstore.store.engines.redis.layout import Layout, Manifest
+from kvstore.store.engines.redis.options import parse_redis_url
+from kvstore.store.engines.redis.transaction import ChunkMemo, RedisTransaction, lex_pages
 
 __all__ = ["RedisBackend", "DEFAULT_CHUNK_SIZE"]
 
@@ -79,7 +79,7 @@ class RedisBackend(Backend):
 
     Args:
         url: ``redis://``, ``rediss://``, ``valkey://``, ``redis+cluster://``...
-            (:mod:`kvstore.store.redis.options`).
+            (:mod:`kvstore.store.engines.redis.options`).
         socket_timeout: seconds a socket read or write may block (default 10).
         connect_timeout: seconds a connection attempt may take (default 2).
         retries: further attempts after a connection error or timeout (default 1).

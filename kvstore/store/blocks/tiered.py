@@ -37,7 +37,7 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import asdict, replace
 from functools import partial
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 import numpy as np
 
@@ -49,16 +49,15 @@ from kvstore.abc.store import (
     PrefixStore,
     RecordEncoder,
     SaveResult,
+    StoreSettings,
     StoreStats,
     VerifyReport,
 )
 from kvstore.errors import StoreConfigError, StoreUnavailableError
 from kvstore.store import keys as K
+from kvstore.store.blocks.stats import Counters
+from kvstore.store.kv import CacheMethods
 from kvstore.store.settings import parse_byte_size
-from kvstore.store.stats import Counters
-
-if TYPE_CHECKING:
-    from kvstore.store.settings import StoreSettings
 
 __all__ = ["TieredPrefixStore", "WRITE_MODES"]
 
@@ -156,7 +155,7 @@ def _known_stop(match: Match, ref: BlockRef) -> int | None:
     return None
 
 
-class TieredPrefixStore(PrefixStore):
+class TieredPrefixStore(CacheMethods, PrefixStore):
     """Prefix stores stacked fastest first (see the module docstring).
 
     Args:

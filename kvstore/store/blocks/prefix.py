@@ -63,10 +63,10 @@ from kvstore.errors import (
     StoreUnavailableError,
 )
 from kvstore.store import keys as K
-from kvstore.store.checks import check_records
-from kvstore.store.eviction import Block, evict_in
-from kvstore.store.housekeeping import Housekeeper, Pending
-from kvstore.store.index import (
+from kvstore.store.blocks.checks import check_records
+from kvstore.store.blocks.eviction import Block, evict_in
+from kvstore.store.blocks.housekeeping import Housekeeper, Pending
+from kvstore.store.blocks.index import (
     IndexEntry,
     best_child,
     decode_use,
@@ -74,8 +74,10 @@ from kvstore.store.index import (
     encode_use,
     iter_entries,
 )
-from kvstore.store.integrity import Survey
-from kvstore.store.removal import delete_block, delete_namespace, delete_subtree
+from kvstore.store.blocks.integrity import Survey
+from kvstore.store.blocks.removal import delete_block, delete_namespace, delete_subtree
+from kvstore.store.blocks.stats import Counters, add_totals, all_totals, read_totals
+from kvstore.store.kv import CacheMethods
 from kvstore.store.settings import (
     SETTING_PARSERS,
     StoreSettings,
@@ -86,7 +88,6 @@ from kvstore.store.settings import (
     parse_seconds,
     resolve_settings,
 )
-from kvstore.store.stats import Counters, add_totals, all_totals, read_totals
 
 __all__ = ["BlockPrefixStore", "STORE_OPTIONS", "verify_kv_record"]
 
@@ -155,7 +156,7 @@ class _SaveOutcome:
     covered_by: bytes | None
 
 
-class BlockPrefixStore(PrefixStore):
+class BlockPrefixStore(CacheMethods, PrefixStore):
     """A prefix store of chained blocks over any :class:`~kvstore.abc.store.Backend`.
 
     Open one with :func:`kvstore.store.open_store`.
@@ -873,7 +874,7 @@ class BlockPrefixStore(PrefixStore):
 
     def verify(self, *, repair: bool = False) -> VerifyReport:
         """Check every record (with ``verify``) and the index against the records (see
-        :mod:`kvstore.store.integrity`).
+        :mod:`kvstore.store.blocks.integrity`).
 
         Finds corrupt records, records written by a newer kvstore (kept), orphans
         (blocks whose parent is gone), dangling keys (an index entry without its

@@ -2,7 +2,7 @@
 
 Two runs may share stored blocks only if the K/V a prefill computes is the
 same in both. That depends on the weights (config, tokenizer, parameters:
-:func:`~kvstore.store.fingerprint.model_fingerprint`), on the cache
+:func:`~kvstore.bridge.fingerprint.model_fingerprint`), on the cache
 geometry, and also on the cache families: a quantized cache's attention sees
 quantized keys, so every later position's K/V differs from a plain cache's.
 So a namespace folds in, per layer, the cache's signature and window
@@ -20,8 +20,8 @@ from pathlib import Path
 from typing import Any
 
 from kvstore.abc.cache import is_sliding_window_cache, signature_string
+from kvstore.bridge.fingerprint import model_fingerprint, namespace_for
 from kvstore.errors import StoreConfigError
-from kvstore.store.fingerprint import model_fingerprint, namespace_for
 
 __all__ = ["namespace_for_model", "cache_layout", "fingerprint_of"]
 

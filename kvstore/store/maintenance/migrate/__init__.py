@@ -8,7 +8,7 @@ records (and their sizes, in the index and totals) change. SRC is only read,
 except by ``in_place=True``, which migrates an LMDB store into a sibling
 directory and swaps the two atomically. Memory holds one batch of blocks;
 an interrupted migration resumes when run again with the same parameters
-(:mod:`~kvstore.store.migrate.journal`). Each step is in its own module:
+(:mod:`~kvstore.store.maintenance.migrate.journal`). Each step is in its own module:
 :mod:`~.targets` (which layers become what), :mod:`~.recode` (one record),
 :mod:`~.plan` (checks and decisions), :mod:`~.run` (the walk), :mod:`~.swap`
 (the atomic exchange).
@@ -16,11 +16,16 @@ an interrupted migration resumes when run again with the same parameters
 
 from __future__ import annotations
 
-from kvstore.store.migrate.journal import JOURNAL_KEY, Journal, LayerError
-from kvstore.store.migrate.plan import IN_PLACE_SUFFIX, Direction, MigrationPlan, plan_migration
-from kvstore.store.migrate.recode import LayerChange, Recoded, recode_record
-from kvstore.store.migrate.run import DEFAULT_BATCH_BYTES, MigrationReport, migrate
-from kvstore.store.migrate.targets import (
+from kvstore.store.maintenance.migrate.journal import JOURNAL_KEY, Journal, LayerError
+from kvstore.store.maintenance.migrate.plan import (
+    IN_PLACE_SUFFIX,
+    Direction,
+    MigrationPlan,
+    plan_migration,
+)
+from kvstore.store.maintenance.migrate.recode import LayerChange, Recoded, recode_record
+from kvstore.store.maintenance.migrate.run import DEFAULT_BATCH_BYTES, MigrationReport, migrate
+from kvstore.store.maintenance.migrate.targets import (
     LayerSelection,
     check_format_version,
     parse_layer_spec,

@@ -18,7 +18,7 @@ from kvstore.errors import (
     StoreFullError,
     StoreUnavailableError,
 )
-from kvstore.store.boundary import Translation
+from kvstore.store.engines.boundary import Translation
 
 __all__ = ["REDIS_ERRORS"]
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 from kvstore.abc.store import WriteView
 from kvstore.errors import CorruptEntryError, FormatVersionError
 from kvstore.store import keys as K
-from kvstore.store.index import decode_entry
+from kvstore.store.blocks.index import decode_entry
 
 __all__ = ["delete_block", "delete_subtree", "delete_namespace"]
 

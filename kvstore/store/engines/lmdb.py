@@ -33,7 +33,7 @@ from kvstore.errors import (
     StoreFullError,
     StoreUnavailableError,
 )
-from kvstore.store.boundary import Translation, translate_errors
+from kvstore.store.engines.boundary import Translation, translate_errors
 from kvstore.store.keys import prefix_successor
 
 __all__ = ["LMDB_ERRORS", "LMDBBackend", "open_lmdb_backend"]

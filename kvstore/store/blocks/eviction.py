@@ -6,7 +6,7 @@ then to key order, so the choice is deterministic. Evicting a block can
 make its parent a leaf, which then competes by its own last use.
 
 Eviction runs inside the write transaction that needs the room (a save over
-budget) or in :meth:`~kvstore.store.prefix.BlockPrefixStore.evict`. It loads
+budget) or in :meth:`~kvstore.store.blocks.prefix.BlockPrefixStore.evict`. It loads
 the scope's index entries and last uses in one scan; with the low-water mark
 (``low_water``, 0.9 of the budget by default) a scan frees a tenth of the
 budget, so scans are rare relative to saves.
@@ -20,9 +20,9 @@ from dataclasses import dataclass
 
 from kvstore.abc.store import ReadView, WriteView
 from kvstore.store import keys as K
-from kvstore.store.index import decode_use, iter_entries
-from kvstore.store.removal import delete_block
-from kvstore.store.stats import add_totals
+from kvstore.store.blocks.index import decode_use, iter_entries
+from kvstore.store.blocks.removal import delete_block
+from kvstore.store.blocks.stats import add_totals
 
 __all__ = ["Block", "load_blocks", "plan_eviction", "evict_in"]
 

@@ -5,14 +5,14 @@ A save asks the store which blocks of the prompt are missing
 only those. A block's record holds one snapshot per layer
 (:func:`kvstore.codecs.encode_record`), each the layer's rows for the
 block's tokens, in the encoding the store's storage policy chooses
-(:mod:`kvstore.store.storage_policy`). A sliding-window layer that no longer
+(:mod:`kvstore.store.kv.policy`). A sliding-window layer that no longer
 holds a block's rows is stored as ``None`` in that block: a restore then
 reuses the block only where that layer does not need it.
 
-A sliding window forgets rows as prefill moves on, so :class:`BlockCapture`
-(an ``on_prefill_chunk`` callback) snapshots each completed block of such
-layers while the window still holds it; the save takes those snapshots
-instead of asking the live cache.
+A sliding window forgets rows as prefill moves on, so
+:class:`kvstore.bridge.capture.BlockCapture` (an ``on_prefill_chunk`` callback)
+snapshots each completed block of such layers while the window still holds it;
+the save takes those snapshots instead of asking the live cache.
 """
 
 from __future__ import annotations
@@ -20,18 +20,16 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-import mlx.core as mx
-
-from kvstore.abc.cache import is_sliding_window_cache, signature_string
+from kvstore.abc.cache import signature_string
 from kvstore.abc.codec import KVCodec, Snapshot
 from kvstore.abc.store import BlockSpan, PrefixStore, SaveResult
 from kvstore.codecs import codec_for, encode_record
 from kvstore.errors import CapabilityError
 from kvstore.signature import UNKNOWN
 from kvstore.store import keys as K
-from kvstore.store.storage_policy import apply_policy, stored_signature
+from kvstore.store.kv.policy import apply_policy, stored_signature
 
-__all__ = ["save_caches", "BlockEncoder", "BlockCapture", "Captured"]
+__all__ = ["save_caches", "BlockEncoder", "Captured"]
 
 #: Snapshots taken during prefill: ``(layer, block start) -> Snapshot`` of a whole block.
 Captured = Mapping[tuple[int, int], Snapshot]
@@ -54,7 +52,7 @@ def save_caches(
             caches may hold more: only ``len(tokens)`` positions are saved).
         caches: the model's live caches, one per layer (ours or mlx-lm's).
         captured: snapshots of whole blocks taken while a sliding window held
-            them (:class:`BlockCapture`); they replace what the caches lost.
+            them (:class:`kvstore.bridge.capture.BlockCapture`); they replace what the caches lost.
 
     Returns:
         What :meth:`~kvstore.abc.store.PrefixStore.put_blocks` did.
@@ -116,47 +114,3 @@ def _signature(cache: Any) -> str:
     if signature == UNKNOWN:
         codec_for(cache)
     return signature
-
-
-class BlockCapture:
-    """An ``on_prefill_chunk`` callback keeping sliding-window layers' blocks.
-
-    After each prefill chunk, every whole block that ended inside the chunk
-    is snapshotted from each sliding-window cache while the window still holds
-    it, and copied (a snapshot is a view into the ring, which the next chunk
-    replaces). Layers that keep every token are read at save time instead.
-
-    Args:
-        block_size: the store's block size.
-        start: tokens the caches held before prefill (a restored prefix).
-    """
-
-    def __init__(self, block_size: int, start: int = 0) -> None:
-        self.block_size = block_size
-        self.snapshots: dict[tuple[int, int], Snapshot] = {}
-        #: Set when a capture raised: the rest of the prefill is not captured.
-        self.failed = False
-        self._done = start // block_size * block_size
-
-    def __call__(self, offset_end: int, caches: Sequence[Any]) -> None:
-        bsize = self.block_size
-        starts = range(self._done, offset_end // bsize * bsize, bsize)
-        if not starts:
-            return
-        arrays: list[mx.array] = []
-        for i, cache in enumerate(caches):
-            if not is_sliding_window_cache(cache):
-                continue
-            codec = codec_for(cache)
-            for start in starts:
-                try:
-                    snap = codec.snapshot(cache, start, start + bsize)
-                except CapabilityError:  # gone already (a window shorter than the chunk's lag)
-                    continue
-                owned = {name: mx.array(a) for name, a in snap.tensors.items()}
-                arrays.extend(owned.values())
-                self.snapshots[(i, start)] = Snapshot(
-                    snap.signature, snap.start, snap.stop, owned, snap.meta
-                )
-        mx.eval(arrays)
-        self._done = starts[-1] + bsize

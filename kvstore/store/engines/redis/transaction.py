@@ -22,16 +22,13 @@ writes the same value, and deleted when the transaction ends without them.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from redis import exceptions as rx
 
 from kvstore.abc.store import Buffer
-from kvstore.store.redis.client import Command, Connector
-from kvstore.store.redis.layout import Manifest
-
-if TYPE_CHECKING:
-    from kvstore.store.redis.backend import RedisBackend
+from kvstore.store.engines.redis.client import Command, Connector
+from kvstore.store.engines.redis.layout import Layout, Manifest
 
 __all__ = ["RedisTransaction", "ChunkMemo", "lex_range", "lex_pages", "PENDING_TTL_MS"]
 
@@ -102,10 +99,24 @@ class ChunkMemo:
         return [(key, m) for key, (_, m) in self._by_key.items() if committed.get(key) is not m]
 
 
+class TransactionHost(Protocol):
+    """What a transaction uses of its backend (:class:`.backend.RedisBackend`)."""
+
+    layout: Layout
+    chunk_size: int
+    connector: Connector
+
+    def resolve(self, keys: Sequence[bytes], raws: Sequence[bytes | None]) -> list[Any]: ...
+
+    def settle_chunk(self, chunk: bytes) -> Command: ...
+
+    def manifest(self, key: bytes, raw: bytes) -> Manifest | None: ...
+
+
 class RedisTransaction:
     """The :class:`~kvstore.abc.store.WriteView` of one attempt (see the module docstring)."""
 
-    def __init__(self, backend: RedisBackend, conn: Any, memo: ChunkMemo) -> None:
+    def __init__(self, backend: TransactionHost, conn: Any, memo: ChunkMemo) -> None:
         self._b = backend
         self._layout = backend.layout
         self._conn = conn

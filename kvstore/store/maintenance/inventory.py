@@ -1,7 +1,7 @@
 """What is in a store, for tools: open an existing store, list namespaces, blocks and
 prompts, find a block by its key.
 
-These read the index (:mod:`kvstore.store.index`) without touching records,
+These read the index (:mod:`kvstore.store.blocks.index`) without touching records,
 except :func:`find_block`, which only checks the record is there. Tools open
 stores with :func:`open_existing`, which never creates one: inspecting a
 mistyped path must say so, not leave an empty store behind.
@@ -19,8 +19,8 @@ from kvstore.codecs.record import verify_record
 from kvstore.errors import StoreConfigError
 from kvstore.store import BACKEND_OPTIONS, _split_url, open_store
 from kvstore.store import keys as K
-from kvstore.store.index import decode_entry, decode_use, iter_entries
-from kvstore.store.transfer import StoredBlock, namespaces_of
+from kvstore.store.blocks.index import decode_entry, decode_use, iter_entries
+from kvstore.store.maintenance.transfer import StoredBlock, namespaces_of
 
 __all__ = [
     "BlockInfo",

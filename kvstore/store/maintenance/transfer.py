@@ -23,9 +23,9 @@ from typing import Any
 
 from kvstore.abc.store import Backend, WriteView
 from kvstore.store import keys as K
-from kvstore.store.index import IndexEntry, encode_entry, encode_use, iter_entries
-from kvstore.store.removal import delete_subtree
-from kvstore.store.stats import add_totals, all_totals
+from kvstore.store.blocks.index import IndexEntry, encode_entry, encode_use, iter_entries
+from kvstore.store.blocks.removal import delete_subtree
+from kvstore.store.blocks.stats import add_totals, all_totals
 
 __all__ = [
     "StoredBlock",

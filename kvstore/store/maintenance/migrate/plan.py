@@ -24,10 +24,11 @@ from kvstore.errors import (
 from kvstore.signature import parse_signature
 from kvstore.store import BACKEND_OPTIONS, open_backend
 from kvstore.store import keys as K
-from kvstore.store.inventory import lmdb_path, open_existing, store_scheme
-from kvstore.store.migrate.journal import JOURNAL_KEY, Journal, decode_journal
-from kvstore.store.migrate.recode import plan_layers, recode_record
-from kvstore.store.migrate.targets import (
+from kvstore.store.blocks.stats import all_totals
+from kvstore.store.maintenance.inventory import lmdb_path, open_existing, store_scheme
+from kvstore.store.maintenance.migrate.journal import JOURNAL_KEY, Journal, decode_journal
+from kvstore.store.maintenance.migrate.recode import plan_layers, recode_record
+from kvstore.store.maintenance.migrate.targets import (
     GROWING_COUNTERPART,
     LayerSelection,
     check_format_version,
@@ -35,9 +36,8 @@ from kvstore.store.migrate.targets import (
     parse_layer_spec,
     parse_target,
 )
+from kvstore.store.maintenance.transfer import ChainWalk, StoredBlock, namespaces_of
 from kvstore.store.settings import StoreSettings
-from kvstore.store.stats import all_totals
-from kvstore.store.transfer import ChainWalk, StoredBlock, namespaces_of
 
 __all__ = ["IN_PLACE_SUFFIX", "Direction", "MigrationPlan", "plan_migration"]
 

@@ -12,9 +12,9 @@ from __future__ import annotations
 from kvstore.abc.store import ReadView, RecordVerifier, VerifyReport, WriteView
 from kvstore.errors import CorruptEntryError, FormatVersionError
 from kvstore.store import keys as K
-from kvstore.store.index import IndexEntry, decode_entry, iter_entries
-from kvstore.store.removal import delete_subtree
-from kvstore.store.stats import add_totals, all_totals
+from kvstore.store.blocks.index import IndexEntry, decode_entry, iter_entries
+from kvstore.store.blocks.removal import delete_subtree
+from kvstore.store.blocks.stats import add_totals, all_totals
 
 __all__ = ["Survey"]
 

@@ -1,8 +1,8 @@
 """The Redis / Valkey / Redis Cluster backend: many hosts share one prefix store.
 
 ``open_store("redis://cache:6379/0")`` (every URL form is in
-:mod:`kvstore.store.redis.options`) opens a :class:`RedisBackend` under the
-same :class:`~kvstore.store.prefix.BlockPrefixStore` as LMDB: the same keys
+:mod:`kvstore.store.engines.redis.options`) opens a :class:`RedisBackend` under the
+same :class:`~kvstore.store.blocks.prefix.BlockPrefixStore` as LMDB: the same keys
 (``kvstore/v1/<namespace>/<block hash>``...), the same record bytes, the
 same lookup, budgets and eviction. redis-py is imported only when a Redis
 URL is opened; without it the error says ``pip install 'mlx-kvstore[redis]'``.
@@ -67,7 +67,7 @@ from typing import Any
 
 from kvstore.abc.store import Backend
 from kvstore.errors import StoreConfigError
-from kvstore.store.redis.options import REDIS_OPTIONS, REDIS_SCHEMES
+from kvstore.store.engines.redis.options import REDIS_OPTIONS, REDIS_SCHEMES
 
 __all__ = ["open_redis_backend", "REDIS_OPTIONS", "REDIS_SCHEMES", "INSTALL_HINT"]
 
@@ -92,6 +92,6 @@ def open_redis_backend(location: str, url: str, options: dict[str, Any]) -> Back
             url=scheme,
             missing="redis",
         ) from exc
-    from kvstore.store.redis.backend import RedisBackend
+    from kvstore.store.engines.redis.backend import RedisBackend
 
     return RedisBackend(url, **options)

@@ -30,7 +30,7 @@ from redis.backoff import ExponentialBackoff
 from redis.cluster import ClusterNode, RedisCluster
 from redis.retry import Retry
 
-from kvstore.store.redis.options import RedisTarget
+from kvstore.store.engines.redis.options import RedisTarget
 
 __all__ = [
     "Connector",
