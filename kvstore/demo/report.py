@@ -64,7 +64,7 @@ def answer_lines(report: DemoReport) -> list[str]:
         while shown and not shown[-1]:
             shown.pop()
         if not shown:
-            shown = ["(no text: the model ended its answer at once)"]
+            shown = ["(whitespace only)" if text else "(nothing: the model ended at once)"]
         if len(shown) > ANSWER_LINES:
             shown = shown[:ANSWER_LINES] + ["..."]
         lines.extend(f"       {line}" for line in shown)

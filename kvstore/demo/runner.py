@@ -216,7 +216,7 @@ def _directory_model(path: Path, shipped: bool) -> DemoModel:
         # MLX's CPU quantized matmul is ~20x slower than BLAS (kvstore.demo.dense).
         if mx.default_device() == mx.cpu:
             spec["dequantize"] = True
-            weights += " computed as float32 (the CPU's BLAS)"
+            weights += ", run dense in float32 on the CPU"
     name = "the shipped demo model" if shipped else path.name
     return DemoModel(
         spec,

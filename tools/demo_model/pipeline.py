@@ -133,7 +133,7 @@ def run(
         "eval_bits_per_byte": round(result.eval_bits_per_byte, 4),
         "corpus": f"Python {platform.python_version()} standard library .py sources "
         f"({', '.join(p + '/' for p in corpus.held_out)} held out for eval)",
-        "device": str(mx.default_device()),
+        "device": device_name(),
     }
     readme = _readme(name, shape.parameters(), shape.vocab_size, training, samples)
     log(f"export {out} ({time.perf_counter() - started:.0f} s since the start)")
@@ -148,6 +148,14 @@ def run(
     return out
 
 
+def device_name() -> str:
+    """The device training ran on, in words."""
+    device = mx.default_device()
+    if device.type == mx.DeviceType.gpu:
+        return "one GPU (MLX's CUDA backend)" if mx.cuda.is_available() else "the GPU (Metal)"
+    return f"the CPU ({platform.machine()})"
+
+
 def _readme(
     name: str,
     parameters: int,
@@ -156,11 +164,12 @@ def _readme(
     samples: list[tuple[str, str]],
 ) -> str:
     shown = "\n\n".join(f"```\n{prompt}{text}\n```" for prompt, text in samples)
+    t = training
     placeholder = (
-        "\n**A placeholder**: trained on a CPU for minutes, it writes Python-flavoured "
-        "noise. The shipped model is the `h200` recipe's.\n"
-        if name != "h200"
-        else ""
+        ""
+        if name == "h200"
+        else "\n**A placeholder**: trained on a CPU for minutes, it writes little but "
+        "whitespace. The shipped model is the `h200` recipe's (`gpu_train.sh`).\n"
     )
     return f"""# kvstore demo model
 
@@ -168,25 +177,22 @@ A small byte-level-BPE llama trained from scratch on Python's standard library,
 shipped with kvstore so that `kvstore demo` (`make demo`) answers in text.
 It writes plausible Python; it is not an assistant.
 {placeholder}
-- Layout: mlx-lm `llama` directory, 4-bit affine weights (group 64, bfloat16
-  scales), tied embeddings; {parameters:,} parameters. Loads with
-  `mlx_lm.load` and `kvstore.model.load_model`.
-- Tokenizer: byte-level BPE of {vocab} ids (`tokenizers`), any text
-  round-trips; `<|endoftext|>` (id 0) starts every document and is BOS and
-  EOS. The chat template writes the demo's prompt layout
-  (`# Question: ...` / `# Answer:`).
-- Corpus: {training["corpus"]}, one document per file under a
-  `# ---- path ----` header line.
-- Training (recipe `{name}`): {training["steps"]:,} steps of {training["batch"][0]} x
-  {training["batch"][1]} tokens ({training["tokens_seen"]:,} tokens) in
-  {training["train_seconds"]} s on {training["device"]}, AdamW, cosine schedule;
-  the exported weights are step {training["best_step"]:,}'s, the best on held-out text:
-  {training["eval_loss"]:.3f} nats/token, {training["eval_bits_per_byte"]:.3f} bits/byte.
-  `train_log.txt` is the run's log.
+- Layout: an mlx-lm `llama` directory, 4-bit affine weights (group 64, bfloat16
+  scales), tied embeddings; {parameters:,} parameters. Loads with `mlx_lm.load`
+  and `kvstore.model.load_model`.
+- Tokenizer: byte-level BPE of {vocab} ids (`tokenizers`); any text round-trips.
+  `<|endoftext|>` (id 0) starts every document and is BOS and EOS. The chat
+  template writes the demo's prompt layout (`# Question: ...` / `# Answer:`).
+- Corpus: {t["corpus"]}; one document per file, under a `# ---- path ----` line.
+- Training (recipe `{name}`): {t["steps"]:,} steps of {t["batch"][0]} x {t["batch"][1]} tokens
+  ({t["tokens_seen"]:,} tokens) in {t["train_seconds"]} s on {t["device"]}; AdamW, cosine
+  schedule. The weights are step {t["best_step"]:,}'s, the best on the held-out text:
+  {t["eval_loss"]:.3f} nats/token, {t["eval_bits_per_byte"]:.3f} bits/byte. `train_log.txt`
+  is the run's log.
 
 Retrain: `python -m tools.demo_model train --recipe {name} --out DIR` from the
-repository root (`bash tools/demo_model/gpu_train.sh` on the GPU machine),
-then copy DIR's files over `kvstore/demo/model/`.
+repository root (`bash tools/demo_model/gpu_train.sh` on the GPU machine), then
+copy DIR's files over `kvstore/demo/model/`.
 
 Greedy samples after training:
 
