@@ -4,7 +4,8 @@
 
 1. choose the BLAS for the session processes (:mod:`kvstore.demo.blas`) and
    size the shared context to it (4096 tokens with a fast BLAS, 1024 on MLX's
-   bundled one, unless ``context_tokens`` says otherwise);
+   bundled one, unless ``context_tokens`` says otherwise; never past the
+   model's positions: the shipped model has 2048);
 2. name the model's namespace and look at the store: a store already holding
    blocks of this model means the run starts warm (and says so);
 3. measure the time to first token of the shortest prompt without a store,
@@ -15,8 +16,10 @@
 5. read the store's size and sum the mlx-lm prompt-cache files the sessions
    wrote (one each, in a temporary directory removed afterwards).
 
-The model itself runs only in the session processes; this process builds the
-seeded model once, to name its namespace.
+The model is the shipped one (:mod:`kvstore.demo.shipped`), an mlx-lm
+directory, or seeded weights of a named config. It runs only in the session
+processes; this process reads a directory lazily (or builds the seeded model)
+once, to check it and name its namespace.
 """
 
 from __future__ import annotations

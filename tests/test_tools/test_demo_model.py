@@ -125,3 +125,14 @@ def test_the_schedule_warms_up_then_decays_to_its_floor():
     assert rates[0] == pytest.approx(1e-4) and rates[9] == pytest.approx(1e-3)
     assert all(a >= b for a, b in zip(rates[10:], rates[11:]))  # cosine: never rises
     assert rates[100] == pytest.approx(1e-4)  # min_lr_ratio 0.1
+
+
+def test_dropout_trains_only():
+    tokens = mx.array([[0, 5, 9, 200, 17, 3]])
+    plain, dropping = Llama(TOY), Llama(TOY, dropout=0.5)
+    init_weights(plain, seed=1)
+    dropping.update(plain.parameters())
+    dropping.train()
+    assert not mx.allclose(dropping(tokens), dropping(tokens)).item()
+    dropping.eval()
+    assert mx.array_equal(dropping(tokens), plain(tokens)).item()

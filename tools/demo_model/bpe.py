@@ -90,8 +90,10 @@ def write_tokenizer_files(tokenizer: Any, out: Path, max_length: int) -> None:
 
 def encode_documents(tokenizer: Any, documents: Sequence[str]) -> np.ndarray:
     """All documents as one stream of ids, each starting with ``<|endoftext|>``."""
-    ids = [e.ids for e in tokenizer.encode_batch(list(documents))]
-    return np.fromiter((i for doc in ids for i in doc), dtype=np.int32)
+    encodings = tokenizer.encode_batch(list(documents))
+    if not encodings:
+        return np.zeros(0, dtype=np.int32)
+    return np.concatenate([np.asarray(e.ids, dtype=np.int32) for e in encodings])
 
 
 def token_bytes(tokenizer: Any) -> np.ndarray:

@@ -129,23 +129,25 @@ class MLP(nn.Module):
 
 
 class TransformerBlock(nn.Module):
-    def __init__(self, s: ModelShape) -> None:
+    def __init__(self, s: ModelShape, dropout: float) -> None:
         super().__init__()
         self.self_attn = Attention(s)
         self.mlp = MLP(s)
         self.input_layernorm = nn.RMSNorm(s.hidden_size, eps=s.rms_norm_eps)
         self.post_attention_layernorm = nn.RMSNorm(s.hidden_size, eps=s.rms_norm_eps)
+        # Parameter-free, so the exported layout is mlx-lm's all the same.
+        self.dropout = nn.Dropout(dropout)
 
     def __call__(self, x: mx.array) -> mx.array:
-        h = x + self.self_attn(self.input_layernorm(x))
-        return h + self.mlp(self.post_attention_layernorm(h))
+        h = x + self.dropout(self.self_attn(self.input_layernorm(x)))
+        return h + self.dropout(self.mlp(self.post_attention_layernorm(h)))
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, s: ModelShape) -> None:
+    def __init__(self, s: ModelShape, dropout: float) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(s.vocab_size, s.hidden_size)
-        self.layers = [TransformerBlock(s) for _ in range(s.num_hidden_layers)]
+        self.layers = [TransformerBlock(s, dropout) for _ in range(s.num_hidden_layers)]
         self.norm = nn.RMSNorm(s.hidden_size, eps=s.rms_norm_eps)
 
     def __call__(self, inputs: mx.array) -> mx.array:
@@ -157,12 +159,15 @@ class LlamaModel(nn.Module):
 
 class Llama(nn.Module):
     """A causal LM over token ids ``[B, L]`` -> logits ``[B, L, vocab]`` (no cache: the tool
-    only trains and scores whole windows, and samples short texts by re-running them)."""
+    only trains and scores whole windows, and samples short texts by re-running them).
 
-    def __init__(self, shape: ModelShape) -> None:
+    ``dropout`` applies to the residual branches in training mode only (``model.train()``).
+    """
+
+    def __init__(self, shape: ModelShape, dropout: float = 0.0) -> None:
         super().__init__()
         self.shape = shape
-        self.model = LlamaModel(shape)
+        self.model = LlamaModel(shape, dropout)
 
     def __call__(self, inputs: mx.array) -> mx.array:
         return self.model.embed_tokens.as_linear(self.model(inputs))

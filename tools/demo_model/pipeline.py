@@ -102,7 +102,7 @@ def run(
         f"{time.perf_counter() - t:.1f} s ({train_bytes / len(train_ids):.2f} bytes/token)"
     )
 
-    model = Llama(shape)
+    model = Llama(shape, dropout=cfg.dropout)
     init_weights(model, cfg.seed)
     log(
         f"model llama {shape.num_hidden_layers} layers, hidden {shape.hidden_size}, "

@@ -37,6 +37,10 @@ RECIPES: dict[str, Recipe] = {
             learning_rate=2e-3,
             warmup_steps=200,
             time_budget_s=270,
+            # pycode-lm (16 epochs, no dropout) ended at 0.31 nats/byte on its training
+            # text and 0.85 on held-out text: fewer passes, and dropout.
+            max_epochs=10,
+            dropout=0.1,
             eval_every=250,
             eval_windows=64,
         ),
