@@ -1,8 +1,11 @@
 """Codecs: a cache (or a token range of it) <-> named tensors + metadata, and the record format.
 
 The registry maps a signature *kind* to a codec class; built-ins are
-registered here, one line each, and third-party codecs come from the
-entry-point group ``kvstore.codecs`` (see :mod:`kvstore.codecs.registry`).
+registered here, one line per family (registering a codec registers the
+:class:`~kvstore.family.Family` it serves: importing this package is what
+registers the built-in families, see :mod:`kvstore.family`), and third-party
+codecs come from the entry-point group ``kvstore.codecs`` (see
+:mod:`kvstore.codecs.registry`).
 
 Snapshot tensor names, per row encoding (all ``[B, H, T, width]``, in
 temporal order, logical rows only):
@@ -39,6 +42,8 @@ from kvstore.codecs.registry import (
     ENTRY_POINT_GROUP,
     codec_for,
     get_codec,
+    load_plugin,
+    load_plugins,
     register_codec,
     registered_kinds,
 )
@@ -61,6 +66,8 @@ __all__ = [
     "register_codec",
     "get_codec",
     "registered_kinds",
+    "load_plugin",
+    "load_plugins",
     "codec_for",
     "snapshot",
     "snapshot_held",
