@@ -37,7 +37,7 @@ class SessionSpec:
     Attributes:
         label: the session's name in the demo ("1", "baseline").
         model: ``{"config": name, "seed": n}`` (seeded weights) or ``{"dir": path}``
-            (with ``"dequantize": True``: quantized weights computed with as float32).
+            (with ``"dequantize": True``: quantized weights made dense in float32).
         prompt: token ids.
         max_tokens: answer length at most.
         stop_tokens: token ids that end the answer.
