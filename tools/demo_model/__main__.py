@@ -22,6 +22,10 @@ def main(argv: list[str] | None = None) -> int:
     t.add_argument("--tokenizer", type=Path, help="reuse this tokenizer.json")
     t.add_argument("--time-budget", type=float, help="seconds of training (recipe's default)")
     t.add_argument("--max-steps", type=int, help="steps at most (recipe's default)")
+    t.add_argument("--max-epochs", type=float, help="passes over the corpus at most")
+    t.add_argument(
+        "--corpus", type=Path, help="a standard library's directory (this Python's by default)"
+    )
     t.add_argument("--no-verify", action="store_true", help="skip the check of the export")
     v = sub.add_parser("verify", help="check an export (size, tokenizer, both loaders)")
     v.add_argument("dir", type=Path)
@@ -45,7 +49,11 @@ def main(argv: list[str] | None = None) -> int:
     recipe = RECIPES[args.recipe]
     overrides = {
         k: v
-        for k, v in (("time_budget_s", args.time_budget), ("max_steps", args.max_steps))
+        for k, v in (
+            ("time_budget_s", args.time_budget),
+            ("max_steps", args.max_steps),
+            ("max_epochs", args.max_epochs),
+        )
         if v is not None
     }
     if overrides:
@@ -55,6 +63,7 @@ def main(argv: list[str] | None = None) -> int:
         args.recipe,
         args.out,
         tokenizer_file=args.tokenizer,
+        corpus_root=args.corpus,
         verify=not args.no_verify,
         say=lambda line: print(line, flush=True),
     )

@@ -16,6 +16,12 @@ out=${OUT:-$here/out}/demo-model
 export PYTHONPATH="$(dirname "$here")${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 args=(train --recipe h200 --out "$out")
 [ -f "$here/tokenizer.json" ] && args+=(--tokenizer "$here/tokenizer.json")
+# The device's Python 3.12 has no test/ package (10 MB of sources instead of 31 MB): a
+# stdlib.tar.xz beside this script (python3.11/**/*.py, 4.8 MB) is trained on instead.
+if [ -f "$here/stdlib.tar.xz" ]; then
+  mkdir -p /tmp/demo-corpus && tar -xJf "$here/stdlib.tar.xz" -C /tmp/demo-corpus
+  args+=(--corpus "$(ls -d /tmp/demo-corpus/python3*)")
+fi
 command -v nvidia-smi >/dev/null && nvidia-smi -L
 python3 -m "$(basename "$here")" "${args[@]}" "$@"
 ls -l "$out"

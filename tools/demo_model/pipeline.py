@@ -39,6 +39,7 @@ def run(
     out: Path,
     *,
     tokenizer_file: Path | None = None,
+    corpus_root: Path | None = None,
     verify: bool = True,
     say: Callable[[str], None] = print,
 ) -> Path:
@@ -49,6 +50,8 @@ def run(
         name: the recipe's name (for the README's retrain command).
         out: the export directory (created).
         tokenizer_file: a ``tokenizer.json`` to reuse instead of training one.
+        corpus_root: the standard library to train on (this Python's by default; the
+            GPU machine's Python 3.12 lacks ``test/``, so the run carries 3.11's).
         verify: run :func:`.verify.check` on the export (a failure is reported, not raised:
             the weights are written by then).
         say: gets every line of the log.
@@ -74,7 +77,7 @@ def run(
         f"demo_model {name}: mlx {mx.__version__} on {mx.default_device()}, python "
         f"{platform.python_version()} ({sys.executable})"
     )
-    corpus = read_corpus(max_bytes=recipe.max_corpus_bytes, seed=cfg.seed)
+    corpus = read_corpus(corpus_root, max_bytes=recipe.max_corpus_bytes, seed=cfg.seed)
     log(corpus.describe())
 
     t = time.perf_counter()
