@@ -7,7 +7,8 @@ plus a question, answers and saves; further sessions, each a fresh process, ask
 other questions over the same context, and one follows up an earlier turn. The
 model is the small one kvstore ships (a llama trained on the standard library's
 sources, 4-bit, ~7 MB: it writes Python); ``--model DIR`` takes any mlx-lm
-directory, ``--config small`` seeded weights that answer in token ids. The
+directory, ``--config small`` seeded weights that answer in token ids. Answers
+are greedy with a presence penalty (``--presence-penalty``, 0 for plain greedy). The
 store (by default the LMDB directory ./kvstore-demo) is kept, so a second run
 starts warm. Model runs use Debian's OpenBLAS when it is installed (LD_PRELOAD
 in the sessions' environment) and a smaller context on MLX's bundled BLAS.
@@ -19,6 +20,7 @@ import argparse
 import sys
 
 from kvstore.cli.options import DEFAULT_STORE, add_json, command_parser
+from kvstore.demo.script import PENALTY_CONTEXT, PRESENCE_PENALTY
 
 
 def _positive(text: str) -> int:
@@ -28,6 +30,16 @@ def _positive(text: str) -> int:
         value = 0
     if value < 1:
         raise argparse.ArgumentTypeError(f"takes a whole number >= 1; received {text!r}")
+    return value
+
+
+def _penalty(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"takes a number >= 0; received {text!r}")
     return value
 
 
@@ -67,6 +79,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="answer length at most (default 48)",
     )
     p.add_argument(
+        "--presence-penalty",
+        type=_penalty,
+        default=PRESENCE_PENALTY,
+        metavar="P",
+        help=f"greedy answers with mlx-lm's presence penalty P over the newest "
+        f"{PENALTY_CONTEXT} tokens (default {PRESENCE_PENALTY:g}; 0: plain greedy)",
+    )
+    p.add_argument(
         "--blas",
         choices=("auto", "bundled"),
         default="auto",
@@ -88,6 +108,7 @@ def run(args: argparse.Namespace) -> int:
         config=args.config,
         context_tokens=args.context_tokens,
         answer_tokens=args.answer_tokens,
+        presence_penalty=args.presence_penalty,
         blas=args.blas,
         progress=not args.no_progress,
     )

@@ -56,13 +56,18 @@ def answer_lines(report: DemoReport) -> list[str]:
             "answers: token ids only (seeded weights write no text; drop --config for the "
             "shipped model)"
         ]
-    lines = ["answers (greedy decoding; the model writes Python, it is not an assistant):"]
+    lines = [
+        f"answers ({report.decoding}; the code the model wrote into answers.py, not a "
+        f"checked answer):"
+    ]
     for row in report.sessions:
         lines.append(f"{row.index + 1:>3}  {row.question}")
         text = "".join(c if c.isprintable() or c == "\n" else " " for c in row.answer_text or "")
         shown = [line.rstrip() for line in text.expandtabs(4).split("\n")]
         while shown and not shown[-1]:
             shown.pop()
+        while shown and not shown[0]:  # the blank lines a new file's code starts with
+            shown.pop(0)
         if not shown:
             shown = ["(whitespace only)" if text else "(nothing: the model ended at once)"]
         if len(shown) > ANSWER_LINES:

@@ -39,7 +39,15 @@ from typing import Any, Literal
 import kvstore
 from kvstore.cli.options import DEFAULT_STORE
 from kvstore.demo.blas import BlasChoice, choose_blas
-from kvstore.demo.script import TURNS, TextCodec, Turn, document_text, question_text
+from kvstore.demo.script import (
+    PENALTY_CONTEXT,
+    PRESENCE_PENALTY,
+    TURNS,
+    TextCodec,
+    Turn,
+    document_text,
+    question_tokens,
+)
 from kvstore.demo.session import SessionResult, SessionSpec
 from kvstore.demo.shipped import shipped_model_dir
 from kvstore.errors import ModelLoadError, StoreConfigError
@@ -77,6 +85,9 @@ class DemoOptions:
     seed: int = 0
     context_tokens: int | None = None
     answer_tokens: int = 48
+    #: Greedy answers with mlx-lm's presence penalty over the newest PENALTY_CONTEXT tokens
+    #: (0: plain greedy); see :mod:`kvstore.demo.script`.
+    presence_penalty: float = PRESENCE_PENALTY
     blas: Literal["auto", "bundled"] = "auto"
     progress: bool = True
 
@@ -111,6 +122,7 @@ class DemoReport:
     namespace: str
     model: str
     text: str
+    decoding: str
     blas_choice: str
     blas_fast: bool
     context_tokens: int
@@ -329,13 +341,13 @@ def run_demo(options: DemoOptions, say: Callable[[str], None] = print) -> DemoRe
     url = store_url(options.store)
     model = prepare_model(options)
     codec = model.codec
-    questions = [codec.encode(question_text(turn)) for turn in TURNS]
+    questions = [question_tokens(codec, turn) for turn in TURNS]
     reserve = 2 * max(len(q) for q in questions) + 2 * options.answer_tokens
     context, note = plan_context(options, blas, model, reserve)
     before = _stored(url, model.namespace)
     warm = bool(before and before[0])
 
-    for line in _preamble(model, context, note, blas, url, before):
+    for line in _preamble(model, context, note, blas, url, before, options):
         say(line)
     env = _session_env(blas)
     prompts: list[list[int]] = []
@@ -350,6 +362,8 @@ def run_demo(options: DemoOptions, say: Callable[[str], None] = print) -> DemoRe
                 model.spec,
                 context + questions[baseline_of],
                 1,
+                presence_penalty=options.presence_penalty,
+                penalty_context=PENALTY_CONTEXT,
                 progress=options.progress,
             ),
             workdir,
@@ -369,10 +383,12 @@ def run_demo(options: DemoOptions, say: Callable[[str], None] = print) -> DemoRe
                     prompt,
                     options.answer_tokens,
                     codec.stop_tokens,
-                    url,
-                    model.namespace,
-                    str(workdir / f"mlx-lm-session-{i + 1}.safetensors"),
-                    options.progress,
+                    store=url,
+                    namespace=model.namespace,
+                    mlx_lm_file=str(workdir / f"mlx-lm-session-{i + 1}.safetensors"),
+                    presence_penalty=options.presence_penalty,
+                    penalty_context=PENALTY_CONTEXT,
+                    progress=options.progress,
                 ),
                 workdir,
                 env,
@@ -386,6 +402,7 @@ def run_demo(options: DemoOptions, say: Callable[[str], None] = print) -> DemoRe
         namespace=model.namespace,
         model=model.description,
         text=codec.kind,
+        decoding=decoding(options.presence_penalty),
         blas_choice=blas.description,
         blas_fast=blas.fast,
         context_tokens=len(context),
@@ -404,6 +421,13 @@ def run_demo(options: DemoOptions, say: Callable[[str], None] = print) -> DemoRe
     )
 
 
+def decoding(presence_penalty: float) -> str:
+    """How the sessions decode, in words."""
+    if not presence_penalty:
+        return "greedy"
+    return f"greedy, presence penalty {presence_penalty:g} over the newest {PENALTY_CONTEXT} tokens"
+
+
 def _preamble(
     model: DemoModel,
     context: list[int],
@@ -411,6 +435,7 @@ def _preamble(
     blas: BlasChoice,
     url: str,
     before: tuple[int, int] | None,
+    options: DemoOptions,
 ) -> list[str]:
     """What the demo is about to do, and whether the store makes it a warm start."""
     if before is None:
@@ -426,6 +451,7 @@ def _preamble(
         f"kvstore demo: {len(TURNS)} sessions, each a fresh process, sharing one context",
         f"  model    {model.description}",
         f"  text     {model.codec.kind}",
+        f"  decoding {decoding(options.presence_penalty)}",
         f"  context  {len(context)} tokens: a system prompt and standard-library sources",
         *([f"           ({note})"] if note else []),
         f"  BLAS     {blas.description}",

@@ -41,6 +41,9 @@ class SessionSpec:
         prompt: token ids.
         max_tokens: answer length at most.
         stop_tokens: token ids that end the answer.
+        presence_penalty: greedy decoding with mlx-lm's presence penalty over the
+            prompt and the answer's newest ``penalty_context`` tokens (0: plain greedy).
+        penalty_context: the penalty's window.
         store: the store URL; ``None`` runs without a store (the baseline).
         namespace: the model's namespace in the store.
         mlx_lm_file: where to write the session's mlx-lm prompt-cache file (``None``: not).
@@ -52,6 +55,8 @@ class SessionSpec:
     prompt: list[int]
     max_tokens: int
     stop_tokens: list[int] = field(default_factory=list)
+    presence_penalty: float = 0.0
+    penalty_context: int = 20
     store: str | None = None
     namespace: str | None = None
     mlx_lm_file: str | None = None
@@ -105,6 +110,21 @@ def load_model_for(spec_model: dict[str, Any]) -> tuple[Any, Any]:
             dequantize(model)
         return model, tokenizer
     return build_model(spec_model["config"], seed=int(spec_model.get("seed", 0))), None
+
+
+def _sampler(spec: SessionSpec) -> Any:
+    """Greedy, penalised as ``spec`` says; from the whole prompt, so a session that
+    restores part of it from the store decodes as one that computed all of it."""
+    from kvstore.model.sampling import PenalisedSampler, greedy
+
+    if not spec.presence_penalty:
+        return greedy
+    return PenalisedSampler(
+        spec.prompt,
+        greedy,
+        presence_penalty=spec.presence_penalty,
+        presence_context_size=spec.penalty_context,
+    )
 
 
 def _bar(show: bool, **kwargs: Any) -> Any:
@@ -189,6 +209,7 @@ def run_session(spec: SessionSpec) -> SessionResult:
         caches=caches,
         max_tokens=spec.max_tokens,
         stop_tokens=spec.stop_tokens,
+        sampler=_sampler(spec),
         on_prefill_chunk=on_chunk,
     )
     try:

@@ -4,13 +4,14 @@ The demo runs for real with the ``tiny`` config and a 300-token context: in
 process (cold), then as a subprocess on the same store (warm); and once as a
 subprocess on the shipped model (its default), with a 120-token context. Tests
 assert on the table's content -- what was reused, hits, the follow-up turn,
-warm, the answers' text -- never on times.
+warm, the answers' text and that it reads as code -- never on times.
 """
 
 from __future__ import annotations
 
 import io
 import json
+import keyword
 import re
 import sys
 from contextlib import redirect_stdout
@@ -29,7 +30,15 @@ from kvstore.demo.runner import (
     plan_context,
     prepare_model,
 )
-from kvstore.demo.script import TURNS, TextCodec
+from kvstore.demo.script import (
+    PENALTY_CONTEXT,
+    PRESENCE_PENALTY,
+    TURNS,
+    TextCodec,
+    Turn,
+    question_text,
+    question_tokens,
+)
 from kvstore.demo.shipped import SHIPPED_FILES, SHIPPED_MODEL, shipped_model_dir
 from kvstore.errors import ModelLoadError
 from kvstore.model import NAMED_CONFIGS, load_model
@@ -64,7 +73,7 @@ def answers(text: str) -> dict[str, list[str]]:
     start = next(i for i, line in enumerate(lines) if line.startswith("answers"))
     found: dict[str, list[str]] = {}
     for line in lines[start + 1 :]:
-        if not line.strip():
+        if not line:  # the block's end (an answer's blank lines keep their indent)
             break
         if re.match(r"\s{0,2}\d+  ", line):
             found[line.split(None, 1)[1]] = []
@@ -141,7 +150,8 @@ def test_a_second_run_as_a_subprocess_starts_warm(cold):
 
 # ---------------------------------------------------------------- the shipped model
 
-SHIPPED = ["--context-tokens", "120", "--answer-tokens", str(ANSWER)]
+#: Enough of an answer to tell code from a loop, and still a short run.
+SHIPPED_CODE = ["--context-tokens", "120", "--answer-tokens", "24"]
 ROUND_TRIPS = ("def naïve(x):\n\treturn {'ü': x}  # ✓\r\n", "\x00\x7f — 日本語 🐍", "")
 
 
@@ -173,7 +183,19 @@ def test_the_shipped_model_loads_with_kvstore_and_mlx_lm():
         [{"role": "user", "content": "How?"}], add_generation_prompt=True
     )
     assert chat[0] == wrapper.bos_token_id == 0 and wrapper.eos_token_ids == {0}
-    assert wrapper.decode(chat[1:]) == "\n# Question: How?\n# Answer:\n"
+    assert chat == question_tokens(TextCodec(tokenizer, 4096), Turn("How?"))
+    # a follow-up: the earlier answer, then a new file for the next question
+    messages = [
+        {"role": "system", "content": "Be brief.\nUse json."},
+        {"role": "user", "content": "How?"},
+        {"role": "assistant", "content": "import json"},
+        {"role": "user", "content": "And?"},
+    ]
+    eot = "<|endoftext|>"
+    assert wrapper.apply_chat_template(messages, tokenize=False) == (
+        f"{eot}# Be brief.\n# Use json.\n{eot}{question_text(Turn('How?'))}import json"
+        f"{eot}{question_text(Turn('And?'))}"
+    )
 
 
 def test_the_shipped_tokenizer_round_trips_text():
@@ -209,20 +231,56 @@ def test_the_shipped_model_is_package_data():
         assert any(fnmatch(f"demo/model/{name}", p) for p in patterns), name
 
 
-def test_the_demo_writes_text_on_the_shipped_model(tmp_path):
-    """No --model, no --config: the shipped model; answers are decoded text."""
-    done = kvstore_cli("demo", *SHIPPED, "--store", str(tmp_path / "store"), "--no-progress")
+def reads_as_code(answer: list[str]) -> list[str]:
+    """What keeps ``answer`` (its lines) from reading as code; empty when it does.
+
+    Code here: mostly printable ASCII, Python keywords and identifiers among its
+    words, and no line (a loop such as ``self.args = args``) repeated back to back.
+    """
+    text = "\n".join(answer)
+    problems = []
+    if sum(c.isascii() and (c.isprintable() or c.isspace()) for c in text) < 0.95 * len(text):
+        problems.append("not mostly printable ASCII")
+    words = re.findall(r"[A-Za-z_][A-Za-z0-9_]*", text)
+    if not any(keyword.iskeyword(w) or w == "self" for w in words) or len(set(words)) < 3:
+        problems.append(f"no Python keywords among a few identifiers: {words}")
+    lines = [line.strip() for line in answer if line.strip()]
+    if any(a == b for a, b in zip(lines, lines[1:])):
+        problems.append("a line repeated back to back")
+    return problems
+
+
+def test_reads_as_code():
+    code = ["class Parser(object):", '    """Parse it."""', "", "    def run(self):"]
+    assert reads_as_code(code) == []
+    loop = ["        self.args = args"] * 3
+    assert reads_as_code(["def f(self):", *loop]) == ["a line repeated back to back"]
+    assert reads_as_code(["#   -*-", "#   -----"])[0].startswith("no Python keywords")
+
+
+def test_the_demo_writes_code_on_the_shipped_model(tmp_path):
+    """No --model, no --config: the shipped model; answers are decoded text that reads
+    as code (greedy with a presence penalty), and later sessions reuse the context."""
+    done = kvstore_cli("demo", *SHIPPED_CODE, "--store", str(tmp_path / "store"), "--no-progress")
     assert done.returncode == 0, done.stderr
     text = done.stdout
     assert "model    the shipped demo model (llama" in text
     assert "text     tokenizer (tokenizers)" in text
+    assert (
+        f"decoding greedy, presence penalty {PRESENCE_PENALTY:g} over the newest "
+        f"{PENALTY_CONTEXT} tokens" in text
+    )
     rows = table(text)
     assert rows[0]["lookup"] == "miss (cold)"
     for row in rows[1:]:  # each later session restores at least the whole context
         assert int(row["reused"]) >= 120 and row["lookup"] == "hit", row
     written = answers(text)
     assert list(written) == [turn.question for turn in TURNS]
-    assert all(lines for lines in written.values())
+    for question, answer in written.items():
+        assert answer and reads_as_code(answer) == [], (question, answer)
+    # the penalty covers the turn it follows: plain greedy copies that answer (measured)
+    follow_up = TURNS[FOLLOW_UP]
+    assert written[follow_up.question] != written[TURNS[follow_up.follows].question]
     assert "seeded weights write no text" not in text
 
 
@@ -316,6 +374,10 @@ def test_a_model_directory_with_a_tokenizer(tmp_path, monkeypatch):
 def test_demo_bad_input(tmp_path, capsys):
     check_one_line(capsys, ["demo", "--store", "memory://x"], "lives only as long as its process")
     check_one_line(capsys, ["demo", "--config", "huge"], "Unknown --config 'huge'", "tiny")
+    for bad in ("-1", "inf", "x"):  # argparse's usage error
+        with pytest.raises(SystemExit):
+            main(["demo", "--presence-penalty", bad])
+        assert f"takes a number >= 0; received '{bad}'" in capsys.readouterr().err
     check_one_line(
         capsys, ["demo", "--model", str(tmp_path), "--config", "tiny"], "are alternatives"
     )

@@ -7,7 +7,7 @@ tokens starts with it (the post-processor), and the model learns to end a
 file with it, which makes it the end-of-sequence token too.
 
 ``tokenizer_config.json`` names it as BOS and EOS and carries a chat template
-in the demo's prompt style, so ``mlx_lm.generate``/``mlx_lm.server`` can
+that writes the demo's questions, so ``mlx_lm.generate``/``mlx_lm.server`` can
 format conversations the way ``kvstore demo`` does (:mod:`kvstore.demo.script`).
 """
 
@@ -24,23 +24,42 @@ __all__ = ["EOT", "CHAT_TEMPLATE", "train_tokenizer", "write_tokenizer_files", "
 
 EOT = "<|endoftext|>"
 
-#: A system message as comment lines, each question as ``# Question:``, each answer after
-#: ``# Answer:`` -- the demo's prompt layout (kvstore.demo.script.question_text). Text with
-#: newlines is written as expressions: transformers renders with trim_blocks, which drops
-#: a newline that follows a block tag.
-CHAT_TEMPLATE = (
-    "{{ bos_token }}"
-    "{% for message in messages %}"
-    "{% if message['role'] == 'system' %}"
-    "{{ '# ' + message['content'] | replace('\\n', '\\n# ') + '\\n' }}"
-    "{% elif message['role'] == 'user' %}"
-    "{{ '\\n# Question: ' + message['content'] + '\\n' }}"
-    "{% else %}"
-    "{{ '# Answer:\\n' + message['content'] + '\\n' }}"
-    "{% endif %}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '# Answer:\\n' }}{% endif %}"
-)
+
+def _literal(text: str) -> str:
+    """``text`` as a Jinja string literal."""
+    return "'" + text.replace("\\", "\\\\").replace("'", "\\'").replace("\n", "\\n") + "'"
+
+
+def chat_template() -> str:
+    """A system message as comment lines, each question as the demo asks it (a new
+    ``answers.py`` whose docstring is the question, after ``<|endoftext|>`` unless the
+    conversation starts with it), each answer as the model wrote it.
+
+    Built from :func:`kvstore.demo.script.question_text`, so the two cannot drift apart.
+    Text with newlines is written as expressions: transformers renders with
+    trim_blocks, which drops a newline that follows a block tag.
+    """
+    from kvstore.demo.script import Turn, question_text
+
+    before, after = question_text(Turn("\x00")).split("\x00")
+    return (
+        "{{ bos_token }}"
+        "{% for message in messages %}"
+        "{% if message['role'] == 'system' %}"
+        "{{ '# ' + message['content'] | replace('\\n', '\\n# ') + '\\n' }}"
+        "{% elif message['role'] == 'user' %}"
+        "{{ ('' if loop.first else bos_token) + "
+        f"{_literal(before)} + message['content'] + {_literal(after)}"
+        " }}"
+        "{% else %}"
+        "{{ message['content'] }}"
+        "{% endif %}"
+        "{% endfor %}"
+    )
+
+
+#: The template ``tokenizer_config.json`` carries (:func:`chat_template`).
+CHAT_TEMPLATE = chat_template()
 
 
 def train_tokenizer(texts: Sequence[str], vocab_size: int) -> Any:

@@ -2,7 +2,8 @@
 
 Every machine with Python has them, so the corpus ships with no data and the
 same recipe runs here and on the GPU machine (their Pythons differ: 3.11 here,
-3.12 there; the README of the export records which one trained it). Each file
+3.12 there, whose library lacks ``test/``, so the GPU run carries 3.11's and
+passes it as ``--corpus``; the export records whose library it was). Each file
 becomes one document under the header line the demo's context uses
 (``# ---- json/decoder.py ----``, :mod:`kvstore.demo.script`), so the model has
 seen the layout of the prompts it is shown. Whole packages are held out for
@@ -12,7 +13,9 @@ bits per byte compare with its 1.23.
 
 from __future__ import annotations
 
+import platform
 import random
+import re
 import sysconfig
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -32,6 +35,15 @@ class Corpus:
     eval: list[str]
     held_out: tuple[str, ...]
     skipped: int
+
+    @property
+    def python(self) -> str:
+        """Whose library it is: ``Python 3.11`` for a ``python3.11`` directory (a carried
+        copy), this Python's full version for its own library."""
+        if self.root.resolve() == stdlib_root().resolve():
+            return f"Python {platform.python_version()}"
+        match = re.fullmatch(r"python(\d+\.\d+)", self.root.name)
+        return f"Python {match[1]}" if match else f"the Python library at {self.root}"
 
     def describe(self) -> str:
         size = sum(len(d.encode("utf-8")) for d in self.train)

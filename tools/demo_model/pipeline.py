@@ -16,6 +16,8 @@ from typing import Any
 
 import mlx.core as mx
 
+from kvstore.demo.script import Turn, question_text
+
 from . import bpe
 from .corpus import read_corpus
 from .export import export
@@ -29,7 +31,7 @@ __all__ = ["run", "SAMPLE_PROMPTS"]
 #: What the log shows the model writing after training (greedy, 64 tokens each).
 SAMPLE_PROMPTS = (
     "# ---- demo/parse.py ----\nimport json\n\n\ndef ",
-    "# Question: How do I wrap a long paragraph to 60 columns?\n# Answer:\n",
+    question_text(Turn("How do I wrap a long paragraph to 60 columns?")),
 )
 
 
@@ -134,7 +136,7 @@ def run(
         "train_seconds": round(result.seconds),
         "eval_loss": round(result.eval_loss, 4),
         "eval_bits_per_byte": round(result.eval_bits_per_byte, 4),
-        "corpus": f"Python {platform.python_version()} standard library .py sources "
+        "corpus": f"{corpus.python} standard library .py sources "
         f"({', '.join(p + '/' for p in corpus.held_out)} held out for eval)",
         "device": device_name(),
     }
@@ -185,7 +187,8 @@ It writes plausible Python; it is not an assistant.
   and `kvstore.model.load_model`.
 - Tokenizer: byte-level BPE of {vocab} ids (`tokenizers`); any text round-trips.
   `<|endoftext|>` (id 0) starts every document and is BOS and EOS. The chat
-  template writes the demo's prompt layout (`# Question: ...` / `# Answer:`).
+  template writes the demo's questions (each a new `answers.py` whose docstring
+  is the question).
 - Corpus: {t["corpus"]}; one document per file, under a `# ---- path ----` line.
 - Training (recipe `{name}`): {t["steps"]:,} steps of {t["batch"][0]} x {t["batch"][1]} tokens
   ({t["tokens_seen"]:,} tokens) in {t["train_seconds"]} s on {t["device"]}; AdamW, cosine
