@@ -119,3 +119,26 @@ def test_no_predicate_true_for_unknown_signature(result):
 def test_objects_without_a_signature_fail_closed(obj):
     assert preds.signature_of(obj) is None
     assert true_predicates(obj) == set()
+
+
+def test_kv_predicates_fail_closed_on_another_state(registries_restored):
+    # Issue 16 adds recurrent state; until a predicate knows it, every KV predicate is false.
+    from kvstore.family import Family, register_family
+
+    register_family(Family("kv:toy-recurrent", "a test family of recurrent state", state="x"))
+
+    class Recurrent:
+        def signature(self):
+            return "kv:toy-recurrent"
+
+        def is_trimmable(self):
+            return True
+
+        def trim(self, n):
+            return n
+
+    cache = Recurrent()
+    assert preds.family_of(cache).state == "x"
+    assert true_predicates(cache) == {"can_trim"}  # trimming is the cache's own answer
+    with pytest.raises(CapabilityError):
+        preds.quantized_attention_params(cache)
