@@ -347,7 +347,8 @@ def run_demo(options: DemoOptions, say: Callable[[str], None] = print) -> DemoRe
     before = _stored(url, model.namespace)
     warm = bool(before and before[0])
 
-    for line in _preamble(model, context, note, blas, url, before, options):
+    how = decoding(options.presence_penalty)
+    for line in _preamble(model, context, note, blas, url, before, how):
         say(line)
     env = _session_env(blas)
     prompts: list[list[int]] = []
@@ -402,7 +403,7 @@ def run_demo(options: DemoOptions, say: Callable[[str], None] = print) -> DemoRe
         namespace=model.namespace,
         model=model.description,
         text=codec.kind,
-        decoding=decoding(options.presence_penalty),
+        decoding=how,
         blas_choice=blas.description,
         blas_fast=blas.fast,
         context_tokens=len(context),
@@ -435,7 +436,7 @@ def _preamble(
     blas: BlasChoice,
     url: str,
     before: tuple[int, int] | None,
-    options: DemoOptions,
+    how: str,
 ) -> list[str]:
     """What the demo is about to do, and whether the store makes it a warm start."""
     if before is None:
@@ -451,7 +452,7 @@ def _preamble(
         f"kvstore demo: {len(TURNS)} sessions, each a fresh process, sharing one context",
         f"  model    {model.description}",
         f"  text     {model.codec.kind}",
-        f"  decoding {decoding(options.presence_penalty)}",
+        f"  decoding {how}",
         f"  context  {len(context)} tokens: a system prompt and standard-library sources",
         *([f"           ({note})"] if note else []),
         f"  BLAS     {blas.description}",

@@ -42,7 +42,7 @@ class SessionSpec:
         max_tokens: answer length at most.
         stop_tokens: token ids that end the answer.
         presence_penalty: greedy decoding with mlx-lm's presence penalty over the
-            prompt and the answer's newest ``penalty_context`` tokens (0: plain greedy).
+            newest ``penalty_context`` tokens of the prompt and answer (0: plain greedy).
         penalty_context: the penalty's window.
         store: the store URL; ``None`` runs without a store (the baseline).
         namespace: the model's namespace in the store.

@@ -107,6 +107,18 @@ def test_the_corpus_holds_out_whole_packages():
     assert not set(package[: len(corpus.train)]) & set(HELD_OUT)
 
 
+def test_the_corpus_names_whose_library_it_is(tmp_path):
+    """The export records the library trained on, not the Python that ran the training
+    (the shipped run: the device's 3.12 on a carried copy of 3.11's)."""
+    import platform
+
+    assert read_corpus(max_bytes=10_000).python == f"Python {platform.python_version()}"
+    carried = tmp_path / "python3.11"
+    (carried / "pkg").mkdir(parents=True)
+    (carried / "pkg" / "mod.py").write_text("x = 1\n")
+    assert read_corpus(carried, held_out=()).python == "Python 3.11"
+
+
 def test_the_tokenizer_is_byte_level_with_a_document_marker():
     tokenizer = bpe.train_tokenizer(["def f(x):\n    return x\n"] * 50, 300)
     text = "naïve ✓\t\r\n\x00 — any text"
