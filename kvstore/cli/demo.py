@@ -7,7 +7,8 @@ plus a question, answers and saves; further sessions, each a fresh process, ask
 other questions over the same context, and one follows up an earlier turn. The
 model is the small one kvstore ships (a llama trained on the standard library's
 sources, 4-bit, ~7 MB: it writes Python); ``--model DIR`` takes any mlx-lm
-directory, ``--config small`` seeded weights that answer in token ids. Answers
+directory, ``--config small`` seeded weights that answer in token ids;
+``--shipped-model-dir`` prints the shipped model's directory for other tools. Answers
 are greedy with a presence penalty (``--presence-penalty``, 0 for plain greedy). The
 store (by default the LMDB directory ./kvstore-demo) is kept, so a second run
 starts warm. Model runs use Debian's OpenBLAS when it is installed (LD_PRELOAD
@@ -93,11 +94,23 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="auto: preload Debian's OpenBLAS for the sessions when installed; bundled: MLX's own",
     )
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    p.add_argument(
+        "--shipped-model-dir",
+        action="store_true",
+        help="print the shipped model's directory (an mlx-lm directory, for mlx_lm and "
+        'kvstore serve: --model "$(kvstore demo --shipped-model-dir)") and exit',
+    )
     add_json(p)
     p.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.shipped_model_dir:
+        from kvstore.demo.shipped import shipped_model_dir
+
+        print(shipped_model_dir())
+        return 0
+
     from kvstore.cli.output import print_json
     from kvstore.demo.report import print_report
     from kvstore.demo.runner import DemoOptions, SessionFailed, run_demo

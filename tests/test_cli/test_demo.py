@@ -198,6 +198,12 @@ def test_the_shipped_model_loads_with_kvstore_and_mlx_lm():
     )
 
 
+def test_the_shipped_model_dir_is_printed_for_other_tools(capsys):
+    """``--model "$(kvstore demo --shipped-model-dir)"``: for mlx_lm and kvstore serve."""
+    assert main(["demo", "--shipped-model-dir"]) == 0
+    assert capsys.readouterr().out == f"{SHIPPED_MODEL}\n"
+
+
 def test_the_shipped_tokenizer_round_trips_text():
     _, tokenizer = load_model(SHIPPED_MODEL, lazy=True)
     for text in ROUND_TRIPS:
