@@ -296,7 +296,7 @@ def generate(
             if len(streamed) >= max_tokens or token in stop:
                 break
             yield GeneratedToken(token)
-            logits = model(y[:, None], cache=caches)[:, -1, :]
+            logits = model.decode_step(caches)(y[:, None], caches)[:, -1, :]
             y = sampler(_log_softmax(logits))
             token = cast(int, y.item())
     except GeneratorExit:  # the caller stopped early: what has KV is still worth keeping

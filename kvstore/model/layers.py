@@ -104,7 +104,9 @@ class Attention(nn.Module):
                 head_dim, args.rope_theta, args.rope_traditional, args.rope_scaling
             )
 
-    def __call__(self, x: mx.array, mask: Any, cache: Any, attend: Attend) -> mx.array:
+    def project(self, x: mx.array, offset: int | mx.array = 0) -> tuple[mx.array, ...]:
+        """Queries, keys and values ``[B, heads, L, head_dim]`` of ``x``, rotated for
+        positions from ``offset`` (an int, or an array: a compiled step's input)."""
         B, L, _ = x.shape
         queries = self.q_proj(x).reshape(B, L, self.n_heads, -1)
         keys = self.k_proj(x).reshape(B, L, self.n_kv_heads, -1)
@@ -112,16 +114,19 @@ class Attention(nn.Module):
         if self._qk_norm:
             queries, keys = self.q_norm(queries), self.k_norm(keys)
         queries, keys = queries.transpose(0, 2, 1, 3), keys.transpose(0, 2, 1, 3)
+        return self.rope(queries, offset=offset), self.rope(keys, offset=offset), values
 
-        if cache is None:
-            queries, keys = self.rope(queries), self.rope(keys)
-        else:
-            queries = self.rope(queries, offset=cache.offset)
-            keys = self.rope(keys, offset=cache.offset)
+    def output(self, attended: mx.array) -> mx.array:
+        """The output projection of what attention returned (``[B, heads, L, head_dim]``)."""
+        B, _, L, _ = attended.shape
+        return self.o_proj(attended.transpose(0, 2, 1, 3).reshape(B, L, -1))
+
+    def __call__(self, x: mx.array, mask: Any, cache: Any, attend: Attend) -> mx.array:
+        # project / output are the halves the specialised decode step compiles (issue 17).
+        queries, keys, values = self.project(x, 0 if cache is None else cache.offset)
+        if cache is not None:
             keys, values = cache.update_and_fetch(keys, values)
-
-        output = attend(queries, keys, values, self.scale, mask)
-        return self.o_proj(output.transpose(0, 2, 1, 3).reshape(B, L, -1))
+        return self.output(attend(queries, keys, values, self.scale, mask))
 
 
 class TransformerBlock(nn.Module):
@@ -140,7 +145,11 @@ class TransformerBlock(nn.Module):
             self.post_feedforward_layernorm = make_norm(args, args.hidden_size)
 
     def __call__(self, x: mx.array, mask: Any, cache: Any, attend: Attend) -> mx.array:
-        r = self.self_attn(self.input_layernorm(x), mask, cache, attend)
+        return self.finish(x, self.self_attn(self.input_layernorm(x), mask, cache, attend))
+
+    def finish(self, x: mx.array, r: mx.array) -> mx.array:
+        """The block's output from its input ``x`` and the token mixer's output ``r``:
+        the residual joins and the MLP."""
         if self._sandwich:
             h = clip_residual(x, self.post_attention_layernorm(r))
             r = self.mlp(self.pre_feedforward_layernorm(h))
