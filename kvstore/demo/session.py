@@ -18,8 +18,7 @@ import dataclasses
 import json
 import os
 import sys
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -134,42 +133,6 @@ def _bar(show: bool, **kwargs: Any) -> Any:
     return tqdm(file=sys.stderr, disable=None if show else True, leave=False, **kwargs)
 
 
-@contextmanager
-def _save_progress(store: Any, show: bool, label: str) -> Iterator[None]:
-    """A progress bar over the blocks each save encodes, open until it commits.
-
-    Saves run inside ``generate`` through ``store.put_blocks``; wrapping this
-    handle's ``put_blocks`` shows them without a hook in the store (the
-    encoder is called one block at a time, as it would encode them in turn).
-    A save of blocks all stored already encodes nothing and shows no bar.
-    """
-    put_blocks = store.put_blocks
-
-    def with_bar(namespace: str, tokens: Any, encode: Any, *, family: str = "") -> Any:
-        bars: list[Any] = []
-
-        def encode_each(spans: Sequence[Any]) -> list[Any]:
-            bar = _bar(show, total=len(spans), desc=f"session {label} save", unit="block")
-            bars.append(bar)
-            records = []
-            for span in spans:
-                records.extend(encode([span]))
-                bar.update()
-            return records
-
-        try:
-            return put_blocks(namespace, tokens, encode_each, family=family)
-        finally:
-            for bar in bars:
-                bar.close()
-
-    store.put_blocks = with_bar
-    try:
-        yield
-    finally:
-        del store.put_blocks
-
-
 def _write_mlx_lm_file(path: str, caches: list[Any]) -> tuple[int, str]:
     """Write ``caches`` as an mlx-lm prompt-cache file; ``(bytes, which writer)``."""
     try:
@@ -203,7 +166,7 @@ def run_session(spec: SessionSpec) -> SessionResult:
     def on_chunk(end: int, _caches: list[Any]) -> None:
         bar.update(end - bar.n)  # the first chunk starts after the restored prefix
         if end == n:
-            bar.close()  # before the save's bar opens
+            bar.close()
 
     kwargs: dict[str, Any] = dict(
         caches=caches,
@@ -216,10 +179,12 @@ def run_session(spec: SessionSpec) -> SessionResult:
         if store is None:
             answer, stats = generate_tokens(model, spec.prompt, **kwargs)
         else:
-            with _save_progress(store, spec.progress, spec.label):
-                answer, stats = generate_tokens(
-                    model, spec.prompt, store=store, namespace=spec.namespace, **kwargs
-                )
+            answer, stats = generate_tokens(
+                model, spec.prompt, store=store, namespace=spec.namespace, **kwargs
+            )
+            # The save was handed to the store's writer thread: its blocks and bytes are
+            # counted once it commits.
+            store.flush()
         activity = store.activity() if store is not None else {}
     finally:
         bar.close()

@@ -126,6 +126,8 @@ def test_bytes_are_measured_against_mlx_lm_files(cold):
     _, text = cold
     rows = table(text)
     assert all(r["mlx-lm file"].endswith(("KiB", "MiB")) for r in rows)
+    # each cold-run session stores the blocks it computed (counted once the writer commits)
+    assert all(r["saved"].endswith(("KiB", "MiB")) for r in rows), rows
     stored = field(text, "stored")
     assert re.match(r"[\d.]+ (KiB|MiB) in \d+ blocks for this model", stored), stored
     mlx_lm = field(text, "mlx-lm")
