@@ -22,7 +22,7 @@ from kvstore.model.generate import (
 )
 from kvstore.model.loader import load_model
 from kvstore.model.policy import CachePolicy, make_caches
-from kvstore.model.sampling import Sampler, greedy, make_sampler
+from kvstore.model.sampling import PenalisedSampler, Sampler, greedy, make_sampler
 from kvstore.model.tokenizer import Tokenizer
 from kvstore.model.transformer import Model, build_model
 
@@ -41,6 +41,7 @@ __all__ = [
     "load_model",
     "make_caches",
     "make_sampler",
+    "PenalisedSampler",
     "greedy",
     "generate",
     "generate_tokens",
