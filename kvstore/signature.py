@@ -8,6 +8,7 @@ A signature names a cache family and its parameters, ``kind[:param]*``::
     kv:rotating-quant:{bits}:{group}  sliding window, affine rows
     kv:turboquant:{kbits}:{vbits}     rotation + Lloyd-Max codes, bits 2,3,4
     kv:rotating-turboquant:{kbits}:{vbits}
+    rec:gated-delta                   a Gated-DeltaNet layer's conv window and state
     batch:<inner signature>           a wrapper reports its kind plus the inner one
 
 Window size and ``keep`` are state, not signature. The kind (``kv:quant``) is
@@ -59,6 +60,8 @@ KINDS: dict[str, tuple[ParamSpec, ...]] = {
     "kv:rotating-quant": (_AFFINE_BITS, _AFFINE_GROUP),
     "kv:turboquant": (_TQ_KBITS, _TQ_VBITS),
     "kv:rotating-turboquant": (_TQ_KBITS, _TQ_VBITS),
+    # Recurrent state (issue 16): a checkpoint at one position, no rows per token.
+    "rec:gated-delta": (),
 }
 
 #: Kinds that wrap another signature (``batch:kv:plain``).

@@ -44,6 +44,12 @@ __all__ = [
     "uses_dense_attention",
     "affine_params",
     "can_trim",
+    "SupportsRounds",
+    "RECURRENT_KINDS",
+    "is_recurrent_cache",
+    "is_gated_delta_cache",
+    "records_round",
+    "can_rollback",
 ]
 
 
@@ -57,6 +63,15 @@ class SupportsTrim(Protocol):
     def is_trimmable(self) -> bool: ...
 
     def trim(self, n: int) -> int: ...
+
+
+@runtime_checkable
+class SupportsRounds(Protocol):
+    """A cache that takes back the tokens of a speculative round by snapshot and replay."""
+
+    def begin_round(self) -> None: ...
+
+    def end_round(self, keep: int) -> None: ...
 
 
 def _mlx_lm_quant(cache: Any) -> str:
@@ -189,3 +204,42 @@ def can_trim(cache: object) -> bool:
         return bool(cache.is_trimmable())
     except Exception:
         return False
+
+
+#: Kinds of the families that hold recurrent state: a checkpoint at one position,
+#: no rows per token (issue 16).
+RECURRENT_KINDS = frozenset(("rec:gated-delta",))
+
+
+def is_recurrent_cache(cache: object) -> bool:
+    """A cache holding recurrent state (a checkpoint at its offset), not KV rows.
+
+    Every KV predicate above is false for it; ``bytes_per_token()`` is 0.
+    """
+    return _kind(cache) in RECURRENT_KINDS
+
+
+def is_gated_delta_cache(cache: object) -> bool:
+    """The conv window and state of a Gated-DeltaNet layer (``rec:gated-delta``)."""
+    return _kind(cache) == "rec:gated-delta"
+
+
+def records_round(cache: object) -> bool:
+    """A speculative round is open on ``cache`` and it replays: the layer hands it
+    its step inputs (``record_round``)."""
+    return is_gated_delta_cache(cache) and bool(getattr(cache, "in_round", False))
+
+
+def can_rollback(cache: object) -> bool:
+    """True if the newest tokens of a speculative round can be taken back from ``cache``.
+
+    A KV cache that can trim now trims; a recurrent cache that keeps rounds
+    restores its pre-round state and replays the tokens kept. A sliding
+    window past its window rolls back too: a multi-token forward leaves the
+    new rows at the end of its buffer, in order.
+    """
+    if signature_of(cache) is None:
+        return False
+    if isinstance(cache, SupportsRounds):
+        return True
+    return can_trim(cache)

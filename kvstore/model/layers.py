@@ -15,6 +15,7 @@ import mlx.nn as nn
 
 from kvstore.model.args import ModelArgs
 from kvstore.model.attention import Attend
+from kvstore.model.gated_delta import GatedDeltaNet
 from kvstore.model.rope import initialize_rope
 
 __all__ = ["OffsetRMSNorm", "MLP", "Attention", "TransformerBlock", "make_norm"]
@@ -89,7 +90,10 @@ class Attention(nn.Module):
         self.head_dim = head_dim
         self.window = window
         self.scale = args.attention_scale
-        self.q_proj = nn.Linear(dim, self.n_heads * head_dim, bias=args.qkv_bias)
+        # Qwen3-Next/3.5: q_proj also yields a per-head output gate.
+        self._gate = args.attn_output_gate
+        q_out = self.n_heads * head_dim * (2 if self._gate else 1)
+        self.q_proj = nn.Linear(dim, q_out, bias=args.qkv_bias)
         self.k_proj = nn.Linear(dim, self.n_kv_heads * head_dim, bias=args.qkv_bias)
         self.v_proj = nn.Linear(dim, self.n_kv_heads * head_dim, bias=args.qkv_bias)
         self.o_proj = nn.Linear(self.n_heads * head_dim, dim, bias=args.o_proj_bias)
@@ -97,16 +101,21 @@ class Attention(nn.Module):
             self.q_norm = make_norm(args, head_dim)
             self.k_norm = make_norm(args, head_dim)
         self._qk_norm = args.qk_norm
+        rotary = args.rotary_dims
         if window is not None and args.rope_local_theta is not None:
-            self.rope = initialize_rope(head_dim, args.rope_local_theta, args.rope_traditional)
+            self.rope = initialize_rope(rotary, args.rope_local_theta, args.rope_traditional)
         else:
             self.rope = initialize_rope(
-                head_dim, args.rope_theta, args.rope_traditional, args.rope_scaling
+                rotary, args.rope_theta, args.rope_traditional, args.rope_scaling
             )
 
     def __call__(self, x: mx.array, mask: Any, cache: Any, attend: Attend) -> mx.array:
         B, L, _ = x.shape
         queries = self.q_proj(x).reshape(B, L, self.n_heads, -1)
+        gate = None
+        if self._gate:
+            queries, gate = mx.split(queries, 2, axis=-1)
+            gate = gate.reshape(B, L, -1)
         keys = self.k_proj(x).reshape(B, L, self.n_kv_heads, -1)
         values = self.v_proj(x).reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
         if self._qk_norm:
@@ -121,16 +130,28 @@ class Attention(nn.Module):
             keys, values = cache.update_and_fetch(keys, values)
 
         output = attend(queries, keys, values, self.scale, mask)
-        return self.o_proj(output.transpose(0, 2, 1, 3).reshape(B, L, -1))
+        output = output.transpose(0, 2, 1, 3).reshape(B, L, -1)
+        if gate is not None:
+            output = output * mx.sigmoid(gate)
+        return self.o_proj(output)
 
 
 class TransformerBlock(nn.Module):
     """Pre-norm decoder block; with ``sandwich_norms`` (Gemma) the attention and
-    MLP outputs are normed too before joining the residual stream."""
+    MLP outputs are normed too before joining the residual stream.
 
-    def __init__(self, args: ModelArgs, window: int | None) -> None:
+    The token mixer is ``self_attn`` (attention over a KV cache) or, for a
+    ``"gated-delta"`` layer, ``linear_attn`` (a Gated-DeltaNet over a recurrent
+    cache); ``kind`` says which.
+    """
+
+    def __init__(self, args: ModelArgs, window: int | None, kind: str = "attention") -> None:
         super().__init__()
-        self.self_attn = Attention(args, window)
+        self.kind = kind
+        if kind == "gated-delta":
+            self.linear_attn = GatedDeltaNet(args)
+        else:
+            self.self_attn = Attention(args, window)
         self.mlp = MLP(args)
         self.input_layernorm = make_norm(args, args.hidden_size)
         self.post_attention_layernorm = make_norm(args, args.hidden_size)
@@ -139,8 +160,11 @@ class TransformerBlock(nn.Module):
             self.pre_feedforward_layernorm = make_norm(args, args.hidden_size)
             self.post_feedforward_layernorm = make_norm(args, args.hidden_size)
 
-    def __call__(self, x: mx.array, mask: Any, cache: Any, attend: Attend) -> mx.array:
-        r = self.self_attn(self.input_layernorm(x), mask, cache, attend)
+    def __call__(self, x: mx.array, mask: Any, cache: Any, attend: Attend | None) -> mx.array:
+        if attend is None:
+            r = self.linear_attn(self.input_layernorm(x), mask, cache)
+        else:
+            r = self.self_attn(self.input_layernorm(x), mask, cache, attend)
         if self._sandwich:
             h = clip_residual(x, self.post_attention_layernorm(r))
             r = self.mlp(self.pre_feedforward_layernorm(h))

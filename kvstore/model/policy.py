@@ -10,6 +10,7 @@ from typing import Any
 
 from kvstore.caches import KVCache, QuantizedKVCache, RotatingKVCache, RotatingQuantizedKVCache
 from kvstore.caches.quantized import fitting_groups
+from kvstore.caches.recurrent import GatedDeltaCache
 from kvstore.errors import CapabilityError
 from kvstore.signature import make_signature
 
@@ -71,6 +72,8 @@ def _turboquant_module() -> Any:
 
 def _check_group(policy: CachePolicy, layout: Sequence[LayerGeometry]) -> None:
     for i, layer in enumerate(layout):
+        if "recurrent" in layer:
+            continue
         head_dim = layer["head_dim"]
         if head_dim % policy.kv_group_size:
             fits = fitting_groups(head_dim)
@@ -87,7 +90,8 @@ def _check_group(policy: CachePolicy, layout: Sequence[LayerGeometry]) -> None:
 def make_caches(layout: Sequence[LayerGeometry], policy: CachePolicy | None = None) -> list[Any]:
     """One fresh cache per layer of ``layout``, of the family ``policy`` asks for.
 
-    Sliding layers get the windowed variant of the family, sized to the window.
+    Sliding layers get the windowed variant of the family, sized to the window;
+    Gated-DeltaNet layers a ``rec:gated-delta`` state (the policy is about KV rows).
 
     Raises:
         CapabilityError: the affine group does not divide a layer's head dim,
@@ -110,6 +114,10 @@ def make_caches(layout: Sequence[LayerGeometry], policy: CachePolicy | None = No
     else:
         grow, ring = KVCache, partial(RotatingKVCache, keep=keep)
     return [
-        grow() if layer["sliding_window"] is None else ring(layer["sliding_window"])
+        GatedDeltaCache()
+        if "recurrent" in layer
+        else grow()
+        if layer["sliding_window"] is None
+        else ring(layer["sliding_window"])
         for layer in layout
     ]

@@ -1,6 +1,7 @@
 """The reference decoder: :class:`Model` and :func:`build_model`.
 
-One transformer for Llama/Mistral, Qwen2, Qwen3 and Gemma 3 text, switched by
+One transformer for Llama/Mistral, Qwen2, Qwen3, Gemma 3 text and Qwen3.5
+(Gated-DeltaNet layers between attention layers), switched by
 :class:`~kvstore.model.args.ModelArgs`. It is mlx-lm compatible
 (``model(inputs, cache=...)``, ``model.layers``, ``model.make_cache()``, same
 parameter names), and it touches caches only through the capability
@@ -20,7 +21,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 
 from kvstore.caches.mask import create_attention_mask
 from kvstore.model.args import ModelArgs, named_config
-from kvstore.model.attention import attention_for
+from kvstore.model.attention import Attend, attention_for, recurrent_for
 from kvstore.model.layers import TransformerBlock, make_norm
 from kvstore.model.policy import CachePolicy, LayerGeometry, make_caches
 
@@ -34,7 +35,10 @@ class DecoderModel(nn.Module):
         super().__init__()
         self.args = args
         self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
-        self.layers = [TransformerBlock(args, window) for window in args.layer_windows]
+        self.layers = [
+            TransformerBlock(args, window, kind)
+            for window, kind in zip(args.layer_windows, args.layer_kinds)
+        ]
         self.norm = make_norm(args, args.hidden_size)
 
     def __call__(
@@ -50,7 +54,13 @@ class DecoderModel(nn.Module):
                 f"{len(caches)}. Use model.make_cache()."
             )
         # Every cache is checked before any is updated: an unknown family fails closed.
-        attends = [attention_for(c, i) for i, c in enumerate(caches)]
+        attends: list[Attend | None] = []
+        for i, (kind, c) in enumerate(zip(self.args.layer_kinds, caches)):
+            if kind == "attention":
+                attends.append(attention_for(c, i))
+            else:
+                recurrent_for(c, i)
+                attends.append(None)
 
         h = self.embed_tokens(inputs) if input_embeddings is None else input_embeddings
         if self.args.scale_embeddings:
@@ -63,16 +73,25 @@ class DecoderModel(nn.Module):
         return self.norm(h)
 
     def _masks(self, n: int, caches: list[Any]) -> list[Any]:
-        """One mask per distinct window, from the first cache of a layer with it."""
+        """One mask per distinct window, from the first cache of an attention layer
+        with it; recurrent layers share the padding mask of the first one's cache."""
         by_window: dict[int | None, Any] = {}
-        for window, c in zip(self.args.layer_windows, caches):
-            if window not in by_window:
+        recurrent: list[Any] = []
+        kinds = self.args.layer_kinds
+        for kind, window, c in zip(kinds, self.args.layer_windows, caches):
+            if kind != "attention":
+                if not recurrent:
+                    recurrent.append(None if c is None else c.make_mask(n))
+            elif window not in by_window:
                 by_window[window] = (
                     create_attention_mask(n, offset=0, window_size=window)
                     if c is None
                     else c.make_mask(n, return_array=False, window_size=window)
                 )
-        return [by_window[w] for w in self.args.layer_windows]
+        return [
+            by_window[w] if kind == "attention" else recurrent[0]
+            for kind, w in zip(kinds, self.args.layer_windows)
+        ]
 
 
 class Model(nn.Module):
@@ -151,7 +170,10 @@ def init_weights(model: nn.Module, seed: int) -> nn.Module:
             scale = value.shape[-1] ** -0.5
             params.append((name, scale * mx.random.normal(value.shape, key=key)))
         else:
-            fan_in = value.shape[-1] if name.endswith("weight") else value.shape[0]
+            if name.endswith("conv1d.weight"):  # [channels, kernel, 1]: a depthwise conv
+                fan_in = value.shape[1]
+            else:
+                fan_in = value.shape[-1] if name.endswith("weight") else value.shape[0]
             bound = fan_in**-0.5
             params.append((name, mx.random.uniform(-bound, bound, value.shape, key=key)))
     model.update(tree_unflatten(params))

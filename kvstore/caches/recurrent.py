@@ -1,0 +1,215 @@
+"""``rec:gated-delta``: the recurrent state of a Gated-DeltaNet layer, and its rounds.
+
+A Gated-DeltaNet layer (Qwen3-Next, Qwen3.5) keeps no row per token: it keeps
+the last ``K - 1`` inputs of its causal convolution (``[B, K - 1, conv_dim]``,
+the model's dtype) and one state matrix per value head
+(``[B, Hv, Dv, Dk]``, float32), the same size at any length. The state at a
+position is a *checkpoint*: it cannot be cut to an earlier position, only
+replaced by an older checkpoint.
+
+:class:`GatedDeltaCache` is indexed like mlx-lm's ``ArraysCache`` (``cache[0]``
+the conv window, ``cache[1]`` the state, ``lengths``, ``advance(n)``,
+``make_mask(n)``), so mlx-lm's Gated-DeltaNet layers run on it and ours run on
+mlx-lm's; unlike ``ArraysCache`` it keeps an ``offset`` (the tokens it has
+seen), which is what a prefix store needs to know where its state sits.
+
+Speculative rounds (the seed's ``specRoundBegin/Commit/Rollback``):
+:meth:`GatedDeltaCache.begin_round` keeps the state before a verify forward
+(free: MLX arrays are immutable, the layer replaces them rather than writing
+into them); during the forward the layer hands the cache its conv input and a
+``replay(state, n)`` of its per-token recurrence (:meth:`record_round`);
+:meth:`GatedDeltaCache.end_round` keeps all of it, or restores the kept state
+and replays exactly the first ``keep`` tokens -- the same step on the same
+inputs, so bit-for-bit the state the forward computed at that position.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.core as mx
+
+from kvstore.errors import CapabilityError
+
+__all__ = ["GatedDeltaCache", "Replay"]
+
+#: ``replay(state, n) -> state``: the recurrence over the first ``n`` tokens of a
+#: recorded forward, from ``state`` (``None``: zeros).
+Replay = Callable[[Any, int], mx.array]
+
+
+@dataclass
+class _Round:
+    conv: Any
+    state: Any
+    offset: int
+    conv_input: mx.array | None = None
+    replay: Replay | None = None
+    forwards: int = 0
+
+
+class GatedDeltaCache:
+    """Conv window + float32 state of one Gated-DeltaNet layer, with an ``offset``.
+
+    ``cache[0]``: ``[B, K - 1, conv_dim]`` last conv inputs (``None`` before the
+    first token); ``cache[1]``: ``[B, Hv, Dv, Dk]`` float32 state.
+    """
+
+    def __init__(self) -> None:
+        self.cache: list[Any] = [None, None]
+        self.offset = 0
+        # mlx-lm's batch bookkeeping; a single sequence keeps both None.
+        self.lengths: mx.array | None = None
+        self.left_padding: mx.array | None = None
+        self._round: _Round | None = None
+
+    # -- mlx-lm ArraysCache protocol ----------------------------------------------------
+    def __getitem__(self, idx: int) -> Any:
+        return self.cache[idx]
+
+    def __setitem__(self, idx: int, value: Any) -> None:
+        self.cache[idx] = value
+
+    def advance(self, n: int) -> None:
+        """``n`` more tokens went through the layer."""
+        self.offset += n
+        if self.lengths is not None:
+            self.lengths -= n
+        if self.left_padding is not None:
+            self.left_padding -= n
+
+    def make_mask(self, N: int, **_: Any) -> mx.array | None:
+        """The padding mask of ``N`` new tokens (mlx-lm ``ArraysCache.make_mask``)."""
+        pos = mx.arange(N)
+        mask = None
+        if self.left_padding is not None:
+            mask = pos >= self.left_padding[:, None]
+        if self.lengths is not None:
+            in_length = pos < self.lengths[:, None]
+            mask = in_length if mask is None else (mask & in_length)
+        return mask
+
+    # -- kvstore cache interface ----------------------------------------------------------
+    def signature(self) -> str:
+        return "rec:gated-delta"
+
+    @property
+    def conv_state(self) -> mx.array | None:
+        return self.cache[0]
+
+    @property
+    def ssm_state(self) -> mx.array | None:
+        return self.cache[1]
+
+    @property
+    def state(self) -> tuple[Any, Any]:
+        return self.cache[0], self.cache[1]
+
+    @state.setter
+    def state(self, v: tuple[Any, Any]) -> None:
+        self.cache = [v[0], v[1]]
+
+    @property
+    def meta_state(self) -> tuple[str]:
+        return (str(self.offset),)
+
+    @meta_state.setter
+    def meta_state(self, v: tuple[str]) -> None:
+        self.offset = int(v[0])
+
+    @classmethod
+    def from_state(cls, state: tuple[Any, Any], offset: int = 0) -> GatedDeltaCache:
+        cache = cls()
+        cache.state = state
+        cache.offset = offset
+        return cache
+
+    def empty(self) -> bool:
+        return self.cache[0] is None and self.cache[1] is None
+
+    def size(self) -> int:
+        return self.offset
+
+    @property
+    def nbytes(self) -> int:
+        return sum(int(a.nbytes) for a in self.cache if a is not None)
+
+    def bytes_per_token(self) -> int:
+        """0: one more token costs no memory (the state has a fixed size)."""
+        return 0
+
+    def bytes_per_checkpoint(self) -> int:
+        """Bytes of one checkpoint: the conv window and the state (0 while empty)."""
+        return self.nbytes
+
+    def is_trimmable(self) -> bool:
+        return False
+
+    # -- speculative rounds -------------------------------------------------------------------
+    @property
+    def in_round(self) -> bool:
+        """A round is open: the layer should hand its step inputs to :meth:`record_round`."""
+        return self._round is not None
+
+    def begin_round(self) -> None:
+        """Keep the state as it is now; the next forward is a verify forward."""
+        self._round = _Round(self.cache[0], self.cache[1], self.offset)
+
+    def record_round(self, conv_input: mx.array, replay: Replay) -> None:
+        """What the layer computed in the round's forward: its conv input
+        ``[B, K - 1 + S, conv_dim]`` and the recurrence over its ``S`` tokens."""
+        if self._round is None:
+            return
+        self._round.forwards += 1
+        self._round.conv_input = conv_input
+        self._round.replay = replay
+
+    def end_round(self, keep: int) -> None:
+        """Keep the first ``keep`` tokens of the round, forget the rest.
+
+        ``keep`` equal to the tokens the round processed commits it; fewer
+        restore the state kept by :meth:`begin_round` and replay exactly the
+        first ``keep`` tokens; 0 restores it.
+
+        Raises:
+            CapabilityError: no round is open, the round ran more than one
+                forward, or ``keep`` is outside ``[0, tokens processed]``.
+        """
+        r = self._round
+        if r is None:
+            raise CapabilityError(
+                "[rec:gated-delta] end_round without begin_round; open a round before "
+                "the verify forward.",
+            )
+        self._round = None
+        processed = self.offset - r.offset
+        if not 0 <= keep <= processed:
+            raise CapabilityError(
+                f"[rec:gated-delta] A round that processed {processed} tokens can keep 0 to "
+                f"{processed}; received keep={keep}.",
+                keep=keep,
+                processed=processed,
+            )
+        if keep == processed:
+            return
+        if keep == 0:
+            self.cache = [r.conv, r.state]
+            self.offset = r.offset
+            return
+        if r.forwards != 1 or r.conv_input is None or r.replay is None:
+            raise CapabilityError(
+                f"[rec:gated-delta] A partial rollback replays one recorded verify forward; "
+                f"this round ran {r.forwards}. Run exactly one forward per round.",
+                forwards=r.forwards,
+            )
+        n_keep = r.conv_input.shape[1] - processed
+        self.cache = [
+            mx.contiguous(r.conv_input[:, keep : keep + n_keep, :]),
+            r.replay(r.state, keep),
+        ]
+        self.offset = r.offset + keep
+
+    def __repr__(self) -> str:
+        return f"GatedDeltaCache(rec:gated-delta, offset={self.offset})"
