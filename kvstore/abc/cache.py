@@ -49,6 +49,7 @@ __all__ = [
     "is_recurrent_cache",
     "is_gated_delta_cache",
     "records_round",
+    "keeps_rounds",
     "can_rollback",
 ]
 
@@ -230,6 +231,12 @@ def records_round(cache: object) -> bool:
     return is_gated_delta_cache(cache) and bool(getattr(cache, "in_round", False))
 
 
+def keeps_rounds(cache: object) -> bool:
+    """``cache`` opens and ends speculative rounds itself (``begin_round``/``end_round``);
+    a trimmable cache without them is rolled back with ``trim``."""
+    return signature_of(cache) is not None and isinstance(cache, SupportsRounds)
+
+
 def can_rollback(cache: object) -> bool:
     """True if the newest tokens of a speculative round can be taken back from ``cache``.
 
@@ -238,8 +245,4 @@ def can_rollback(cache: object) -> bool:
     window past its window rolls back too: a multi-token forward leaves the
     new rows at the end of its buffer, in order.
     """
-    if signature_of(cache) is None:
-        return False
-    if isinstance(cache, SupportsRounds):
-        return True
-    return can_trim(cache)
+    return keeps_rounds(cache) or can_trim(cache)

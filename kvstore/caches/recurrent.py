@@ -16,8 +16,8 @@ seen), which is what a prefix store needs to know where its state sits.
 Speculative rounds (the seed's ``specRoundBegin/Commit/Rollback``):
 :meth:`GatedDeltaCache.begin_round` keeps the state before a verify forward
 (free: MLX arrays are immutable, the layer replaces them rather than writing
-into them); during the forward the layer hands the cache its conv input and a
-``replay(state, n)`` of its per-token recurrence (:meth:`record_round`);
+into them); during each forward of the round the layer hands the cache its conv input
+and a ``replay(state, n)`` of its per-token recurrence (:meth:`record_round`);
 :meth:`GatedDeltaCache.end_round` keeps all of it, or restores the kept state
 and replays exactly the first ``keep`` tokens -- the same step on the same
 inputs, so bit-for-bit the state the forward computed at that position.
@@ -26,7 +26,7 @@ inputs, so bit-for-bit the state the forward computed at that position.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import mlx.core as mx
@@ -45,9 +45,8 @@ class _Round:
     conv: Any
     state: Any
     offset: int
-    conv_input: mx.array | None = None
-    replay: Replay | None = None
-    forwards: int = 0
+    #: Per forward of the round: (its conv input, its tokens, its replay).
+    forwards: list[tuple[mx.array, int, Replay]] = field(default_factory=list)
 
 
 class GatedDeltaCache:
@@ -157,25 +156,24 @@ class GatedDeltaCache:
         """Keep the state as it is now; the next forward is a verify forward."""
         self._round = _Round(self.cache[0], self.cache[1], self.offset)
 
-    def record_round(self, conv_input: mx.array, replay: Replay) -> None:
-        """What the layer computed in the round's forward: its conv input
-        ``[B, K - 1 + S, conv_dim]`` and the recurrence over its ``S`` tokens."""
-        if self._round is None:
-            return
-        self._round.forwards += 1
-        self._round.conv_input = conv_input
-        self._round.replay = replay
+    def record_round(self, conv_input: mx.array, tokens: int, replay: Replay) -> None:
+        """What the layer computed in one forward of the round: its conv input
+        ``[B, K - 1 + tokens, conv_dim]`` and the recurrence over its ``tokens``."""
+        if self._round is not None:
+            self._round.forwards.append((conv_input, tokens, replay))
 
     def end_round(self, keep: int) -> None:
         """Keep the first ``keep`` tokens of the round, forget the rest.
 
         ``keep`` equal to the tokens the round processed commits it; fewer
         restore the state kept by :meth:`begin_round` and replay exactly the
-        first ``keep`` tokens; 0 restores it.
+        first ``keep`` tokens through the recorded forwards, in order (a draft
+        model's round is one forward per token; a verify forward's is one).
 
         Raises:
-            CapabilityError: no round is open, the round ran more than one
-                forward, or ``keep`` is outside ``[0, tokens processed]``.
+            CapabilityError: no round is open, ``keep`` is outside
+                ``[0, tokens processed]``, or a forward of the round was not
+                recorded (a layer that does not record ran on this cache).
         """
         r = self._round
         if r is None:
@@ -198,17 +196,25 @@ class GatedDeltaCache:
             self.cache = [r.conv, r.state]
             self.offset = r.offset
             return
-        if r.forwards != 1 or r.conv_input is None or r.replay is None:
+        if sum(n for _, n, _ in r.forwards) != processed:
             raise CapabilityError(
-                f"[rec:gated-delta] A partial rollback replays one recorded verify forward; "
-                f"this round ran {r.forwards}. Run exactly one forward per round.",
-                forwards=r.forwards,
+                f"[rec:gated-delta] The round processed {processed} tokens but recorded "
+                f"{sum(n for _, n, _ in r.forwards)}; every forward of a round must run "
+                f"a recording Gated-DeltaNet layer.",
+                processed=processed,
             )
-        n_keep = r.conv_input.shape[1] - processed
-        self.cache = [
-            mx.contiguous(r.conv_input[:, keep : keep + n_keep, :]),
-            r.replay(r.state, keep),
-        ]
+        state, left, inputs = r.state, keep, []
+        for i, (conv_input, n, replay) in enumerate(r.forwards):
+            # The conv inputs of the round in order: the first forward's window, then new rows.
+            inputs.append(conv_input if i == 0 else conv_input[:, conv_input.shape[1] - n :])
+            steps = min(left, n)
+            state = replay(state, steps)
+            left -= steps
+            if not left:
+                break
+        window = inputs[0].shape[1] - r.forwards[0][1]
+        rows = inputs[0] if len(inputs) == 1 else mx.concatenate(inputs, axis=1)
+        self.cache = [mx.contiguous(rows[:, keep : keep + window, :]), state]
         self.offset = r.offset + keep
 
     def __repr__(self) -> str:

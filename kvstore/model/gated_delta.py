@@ -206,7 +206,7 @@ class GatedDeltaNet(nn.Module):
 
         if cache is not None:
             if records_round(cache):
-                cache.record_round(conv_input, partial(_replay, q, k, v, g, beta))
+                cache.record_round(conv_input, S, partial(_replay, q, k, v, g, beta))
             cache[1] = state
             cache.advance(S)
 
