@@ -3,17 +3,21 @@
 A signature names a cache family and its parameters, ``kind[:param]*``::
 
     kv:plain                          raw float16/bfloat16/float32 rows
-    kv:quant:{bits}:{group}           MLX affine, bits 2,3,4,5,6,8; group 32,64,128
-    kv:rotating-plain                 sliding window, raw rows
-    kv:rotating-quant:{bits}:{group}  sliding window, affine rows
-    kv:turboquant:{kbits}:{vbits}     rotation + Lloyd-Max codes, bits 2,3,4
-    kv:rotating-turboquant:{kbits}:{vbits}
-    rec:gated-delta                   a Gated-DeltaNet layer's conv window and state
-    batch:<inner signature>           a wrapper reports its kind plus the inner one
+    kv:quant:{bits}:{group}           MLX affine rows
+    kv:rotating-quant:{bits}:{group}  the same in a sliding window
+    kv:mxfp4                          MLX microscaling rows (group and bits fixed)
 
-Window size and ``keep`` are state, not signature. The kind (``kv:quant``) is
-what registries key on; parameters are positional, canonical decimal integers,
-so ``format_signature(parse_signature(s)) == s`` for every valid ``s``.
+The grammar is generic: the kind is the first two colon-separated parts, the
+parameters are the rest, each a canonical decimal integer. What a kind's
+parameters are and which values they take is the kind's registered
+:class:`~kvstore.family.Family` (:mod:`kvstore.family`); a kind no family is
+registered for fails closed with ``UnknownSignatureError`` listing the
+registered kinds. Window size and ``keep`` are state, not signature. The kind
+(``kv:quant``) is what registries key on, and
+``format_signature(parse_signature(s)) == s`` for every valid ``s``.
+
+A wrapper family (``Family.wraps``, issue 15) is one word followed by an inner
+signature (``word:kv:plain``); none is registered yet.
 """
 
 from __future__ import annotations
@@ -22,12 +26,11 @@ import functools
 from dataclasses import dataclass
 
 from kvstore.errors import UnknownSignatureError
+from kvstore.family import Family, ParamSpec, find_family, get_family, kinds
 
 __all__ = [
     "Signature",
     "ParamSpec",
-    "KINDS",
-    "WRAPPER_KINDS",
     "UNKNOWN",
     "parse_signature",
     "format_signature",
@@ -39,38 +42,9 @@ __all__ = [
 UNKNOWN = "unknown"
 
 
-@dataclass(frozen=True)
-class ParamSpec:
-    """One positional parameter of a signature kind and its allowed values."""
-
-    name: str
-    allowed: tuple[int, ...]
-
-
-_AFFINE_BITS = ParamSpec("bits", (2, 3, 4, 5, 6, 8))
-_AFFINE_GROUP = ParamSpec("group_size", (32, 64, 128))
-_TQ_KBITS = ParamSpec("kbits", (2, 3, 4))
-_TQ_VBITS = ParamSpec("vbits", (2, 3, 4))
-
-#: Every family kind and its positional parameters, in order.
-KINDS: dict[str, tuple[ParamSpec, ...]] = {
-    "kv:plain": (),
-    "kv:quant": (_AFFINE_BITS, _AFFINE_GROUP),
-    "kv:rotating-plain": (),
-    "kv:rotating-quant": (_AFFINE_BITS, _AFFINE_GROUP),
-    "kv:turboquant": (_TQ_KBITS, _TQ_VBITS),
-    "kv:rotating-turboquant": (_TQ_KBITS, _TQ_VBITS),
-    # Recurrent state (issue 16): a checkpoint at one position, no rows per token.
-    "rec:gated-delta": (),
-}
-
-#: Kinds that wrap another signature (``batch:kv:plain``).
-WRAPPER_KINDS: tuple[str, ...] = ("batch",)
-
-
 def registered_kinds() -> list[str]:
-    """All kinds the grammar knows, families first, then wrappers."""
-    return [*KINDS, *WRAPPER_KINDS]
+    """Every kind the grammar knows: the registered families', sorted."""
+    return kinds()
 
 
 @dataclass(frozen=True)
@@ -90,9 +64,14 @@ class Signature:
         # asked for per layer on every save (the stored-family label), so it is kept too.
         return format_signature(self)
 
+    @property
+    def family(self) -> Family:
+        """The registered family of this signature's kind."""
+        return get_family(self.kind)
+
     def param(self, name: str) -> int:
         """The value of the parameter called ``name`` (``bits``, ``group_size``, ...)."""
-        for spec, value in zip(KINDS.get(self.kind, ()), self.params):
+        for spec, value in zip(self.family.params, self.params):
             if spec.name == name:
                 return value
         raise AttributeError(f"[signature] '{self}' has no parameter '{name}'")
@@ -130,7 +109,7 @@ def parse_signature(text: object) -> Signature:
     """Parse ``text`` into a :class:`Signature`.
 
     Raises:
-        UnknownSignatureError: the kind is not one this grammar knows; the
+        UnknownSignatureError: no family is registered for the kind; the
             message lists the registered kinds.
         ValueError: the kind is known but its parameters are missing, extra,
             not canonical integers, or outside the allowed values.
@@ -146,8 +125,9 @@ def parse_signature(text: object) -> Signature:
 @functools.lru_cache(maxsize=256)
 def _parse_cached(text: str) -> Signature:
     head, sep, rest = text.partition(":")
-    if head in WRAPPER_KINDS:
-        if not sep or not rest:
+    wrapper = find_family(head) if sep and ":" not in head and head else None
+    if wrapper is not None and wrapper.wraps:
+        if not rest:
             raise ValueError(
                 f"[signature] Wrapper kind '{head}' needs an inner signature "
                 f"('{head}:kv:plain'); received '{text}'."
@@ -155,8 +135,8 @@ def _parse_cached(text: str) -> Signature:
         return Signature(head, (), _parse_cached(rest))
     parts = text.split(":")
     kind = ":".join(parts[:2])
-    specs = KINDS.get(kind)
-    if specs is None:
+    family = find_family(kind)
+    if family is None or family.wraps:
         raise UnknownSignatureError(
             f"[signature] Unknown signature kind '{kind}' in '{text}'. "
             f"Registered: {', '.join(registered_kinds())}.",
@@ -164,28 +144,18 @@ def _parse_cached(text: str) -> Signature:
             supported=registered_kinds(),
         )
     raw = parts[2:]
-    if len(raw) != len(specs):
-        form = ":".join([kind, *(f"{{{s.name}}}" for s in specs)])
-        raise ValueError(
-            f"[signature] '{kind}' takes {len(specs)} parameter(s), as '{form}'; "
-            f"received {len(raw)} in '{text}'."
-        )
-    params = tuple(_parse_param(kind, spec, value, text) for spec, value in zip(specs, raw))
-    return Signature(kind, params)
+    family.check_count(len(raw), text)
+    values = tuple(
+        _parse_param(family, spec, value, text) for spec, value in zip(family.params, raw)
+    )
+    return Signature(kind, family.check(values, text))
 
 
-def _parse_param(kind: str, spec: ParamSpec, value: str, text: str) -> int:
-    allowed = ", ".join(str(a) for a in spec.allowed)
+def _parse_param(family: Family, spec: ParamSpec, value: str, text: str) -> int:
     # Canonical decimal only ("04", "+4", " 4" would break the round trip).
     if not (value.isdecimal() and value.isascii() and str(int(value)) == value):
         raise ValueError(
-            f"[signature] {kind} {spec.name} must be one of {allowed}; "
-            f"received '{value}' in '{text}'."
+            f"[signature] {family.kind} {spec.name} must be one of "
+            f"{', '.join(map(str, spec.allowed))}; received '{value}' in '{text}'."
         )
-    number = int(value)
-    if number not in spec.allowed:
-        raise ValueError(
-            f"[signature] {kind} {spec.name} must be one of {allowed}; "
-            f"received {number} in '{text}'."
-        )
-    return number
+    return int(value)

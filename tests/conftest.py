@@ -21,3 +21,23 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
 @pytest.fixture(autouse=True)
 def _seed_mlx():
     mx.random.seed(0)
+
+
+@pytest.fixture
+def registries_restored():
+    """The family and codec registries (and the signature parse cache) as they were
+    before the test: for tests that register families or codecs of their own."""
+    from kvstore import family as family_module
+    from kvstore.codecs import registry as registry_module
+    from kvstore.signature import _parse_cached
+
+    families = dict(family_module._FAMILIES)
+    codecs, instances = dict(registry_module._CODECS), dict(registry_module._INSTANCES)
+    yield
+    family_module._FAMILIES.clear()
+    family_module._FAMILIES.update(families)
+    registry_module._CODECS.clear()
+    registry_module._CODECS.update(codecs)
+    registry_module._INSTANCES.clear()
+    registry_module._INSTANCES.update(instances)
+    _parse_cached.cache_clear()

@@ -9,9 +9,11 @@ more token costs (one row of keys and values across heads and batch).
 
 Consumers never ask a cache what it *is* (no ``isinstance``/``hasattr`` on
 concrete classes). They ask a predicate named after the decision it supports.
-Predicates compare the parsed signature kind and **fail closed**: an object
-whose signature is missing, raises, or does not parse makes every predicate
-false, and :func:`signature_of` returns ``None`` for it.
+Predicates read the cache's registered :class:`~kvstore.family.Family` (what
+the family declared: whether it windows, how attention reads it) and **fail
+closed**: an object whose signature is missing, raises, or does not parse, or
+whose family holds no attention keys and values, makes every predicate false,
+and :func:`signature_of` returns ``None`` for it.
 
 mlx-lm's own cache objects are recognised through :data:`MLX_LM_ALIASES`, an
 explicit table keyed by the exact class path, so caches that stock
@@ -25,38 +27,32 @@ from collections.abc import Callable
 from typing import Any, Protocol, runtime_checkable
 
 from kvstore.errors import CapabilityError
+from kvstore.family import Family, Quantization, find_family
 from kvstore.signature import UNKNOWN, Signature, parse_signature
 
 __all__ = [
-    "SupportsSignature",
     "SupportsTrim",
     "MLX_LM_ALIASES",
     "signature_of",
     "signature_string",
+    "family_of",
     "is_plain_kv_cache",
     "is_quantized_kv_cache",
     "is_rotating_plain_cache",
     "is_rotating_quantized_cache",
     "is_turboquant_cache",
     "is_sliding_window_cache",
-    "SLIDING_WINDOW_KINDS",
     "uses_quantized_attention",
     "uses_dense_attention",
-    "affine_params",
+    "quantized_attention_params",
     "can_trim",
     "SupportsRounds",
-    "RECURRENT_KINDS",
     "is_recurrent_cache",
     "is_gated_delta_cache",
     "records_round",
     "keeps_rounds",
     "can_rollback",
 ]
-
-
-@runtime_checkable
-class SupportsSignature(Protocol):
-    def signature(self) -> str: ...
 
 
 @runtime_checkable
@@ -85,6 +81,8 @@ MLX_LM_ALIASES: dict[str, Callable[[Any], str]] = {
     "mlx_lm.models.cache.KVCache": lambda cache: "kv:plain",
     "mlx_lm.models.cache.QuantizedKVCache": _mlx_lm_quant,
     "mlx_lm.models.cache.RotatingKVCache": lambda cache: "kv:rotating-plain",
+    # Any mlx-lm recurrent layer (Mamba, Gated-DeltaNet...): its arrays, as a checkpoint.
+    "mlx_lm.models.cache.ArraysCache": lambda cache: f"rec:arrays:{len(cache.cache)}",
 }
 
 
@@ -124,77 +122,91 @@ def signature_string(cache: object) -> str:
     return UNKNOWN if sig is None else str(sig)
 
 
-def _kind(cache: object) -> str | None:
+def family_of(cache: object) -> Family | None:
+    """The registered family of ``cache``'s signature, or ``None``. Never raises."""
     sig = signature_of(cache)
-    return None if sig is None else sig.kind
+    return None if sig is None else find_family(sig.kind)
+
+
+def _kv_family(cache: object) -> Family | None:
+    """The family of a cache of attention keys and values; ``None`` for anything else."""
+    family = family_of(cache)
+    return family if family is not None and family.holds_kv else None
+
+
+def _is(cache: object, growing_kind: str, windowed: bool) -> bool:
+    # The built-in families' own predicates: each names its family by its growing kind;
+    # whether a kind windows it is the windowed family's declaration, read here.
+    family = _kv_family(cache)
+    return (
+        family is not None and family.growing_kind == growing_kind and family.windowed == windowed
+    )
 
 
 def is_plain_kv_cache(cache: object) -> bool:
     """Raw rows that grow without bound (``kv:plain``)."""
-    return _kind(cache) == "kv:plain"
+    return _is(cache, "kv:plain", windowed=False)
 
 
 def is_quantized_kv_cache(cache: object) -> bool:
     """MLX affine rows that grow without bound (``kv:quant``)."""
-    return _kind(cache) == "kv:quant"
+    return _is(cache, "kv:quant", windowed=False)
 
 
 def is_rotating_plain_cache(cache: object) -> bool:
     """A sliding-window ring of raw rows (``kv:rotating-plain``)."""
-    return _kind(cache) == "kv:rotating-plain"
+    return _is(cache, "kv:plain", windowed=True)
 
 
 def is_rotating_quantized_cache(cache: object) -> bool:
     """A sliding-window ring of affine rows (``kv:rotating-quant``)."""
-    return _kind(cache) == "kv:rotating-quant"
+    return _is(cache, "kv:quant", windowed=True)
 
 
 def is_turboquant_cache(cache: object) -> bool:
     """TurboQuant-encoded rows, growing or windowed; fetch returns decoded rows."""
-    return _kind(cache) in ("kv:turboquant", "kv:rotating-turboquant")
-
-
-#: Kinds of the families that keep only a window (plus ``keep`` sink tokens).
-SLIDING_WINDOW_KINDS = frozenset(
-    ("kv:rotating-plain", "kv:rotating-quant", "kv:rotating-turboquant")
-)
+    family = _kv_family(cache)
+    return family is not None and family.growing_kind == "kv:turboquant"
 
 
 def is_sliding_window_cache(cache: object) -> bool:
-    """A cache that keeps only a window (plus ``keep`` sink tokens)."""
-    return _kind(cache) in SLIDING_WINDOW_KINDS
+    """A cache that keeps only a window (plus ``keep`` sink tokens): its family
+    declares which growing family it keeps a window of."""
+    family = _kv_family(cache)
+    return family is not None and family.windowed
 
 
 def uses_quantized_attention(cache: object) -> bool:
-    """``update_and_fetch`` returns packed affine tuples for quantized matmul attention."""
-    return _kind(cache) in ("kv:quant", "kv:rotating-quant")
+    """``update_and_fetch`` returns packed rows for ``mx.quantized_matmul`` attention
+    (the family declares a :class:`~kvstore.family.QuantizedAttention`)."""
+    family = _kv_family(cache)
+    return family is not None and family.attention != "dense"
 
 
 def uses_dense_attention(cache: object) -> bool:
     """``update_and_fetch`` returns dense key/value arrays for ``scaled_dot_product_attention``."""
-    return _kind(cache) in (
-        "kv:plain",
-        "kv:rotating-plain",
-        "kv:turboquant",
-        "kv:rotating-turboquant",
-    )
+    family = _kv_family(cache)
+    return family is not None and family.attention == "dense"
 
 
-def affine_params(cache: object) -> tuple[int, int]:
-    """``(bits, group_size)`` of an affine-quantized cache, read from its signature.
+def quantized_attention_params(cache: object) -> Quantization:
+    """``(mode, bits, group_size)`` of a cache whose attention is quantized: what
+    ``mx.quantized_matmul`` needs, from its family and signature.
 
     Raises:
         CapabilityError: ``cache`` does not use quantized attention.
     """
     sig = signature_of(cache)
-    if sig is None or sig.kind not in ("kv:quant", "kv:rotating-quant"):
+    family = _kv_family(cache)
+    quantization = None if sig is None or family is None else family.quantization(sig)
+    if quantization is None:
         found = UNKNOWN if sig is None else str(sig)
         raise CapabilityError(
-            f"[affine_params] Only affine-quantized caches have bits/group_size; "
-            f"received a cache with signature '{found}'.",
+            f"[quantized_attention_params] Only caches with quantized attention have a "
+            f"mode, bits and group size; received a cache with signature '{found}'.",
             signature=found,
         )
-    return sig.bits, sig.group_size
+    return quantization
 
 
 def can_trim(cache: object) -> bool:
@@ -207,22 +219,25 @@ def can_trim(cache: object) -> bool:
         return False
 
 
-#: Kinds of the families that hold recurrent state: a checkpoint at one position,
-#: no rows per token (issue 16).
-RECURRENT_KINDS = frozenset(("rec:gated-delta",))
+def _recurrent_family(cache: object) -> Family | None:
+    """The family of a cache of recurrent state; ``None`` for anything else."""
+    family = family_of(cache)
+    return family if family is not None and family.holds_recurrent_state else None
 
 
 def is_recurrent_cache(cache: object) -> bool:
-    """A cache holding recurrent state (a checkpoint at its offset), not KV rows.
+    """A cache holding a recurrent layer's state (a checkpoint at one position), not
+    KV rows: its family declares :data:`~kvstore.family.RECURRENT_STATE`.
 
     Every KV predicate above is false for it; ``bytes_per_token()`` is 0.
     """
-    return _kind(cache) in RECURRENT_KINDS
+    return _recurrent_family(cache) is not None
 
 
 def is_gated_delta_cache(cache: object) -> bool:
     """The conv window and state of a Gated-DeltaNet layer (``rec:gated-delta``)."""
-    return _kind(cache) == "rec:gated-delta"
+    family = _recurrent_family(cache)
+    return family is not None and family.kind == "rec:gated-delta"
 
 
 def records_round(cache: object) -> bool:

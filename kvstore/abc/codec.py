@@ -1,7 +1,9 @@
 """The codec contract: cache (or a token range of it) <-> Snapshot.
 
-A codec serves one signature **kind** (``kv:quant``) and parses that kind's
-parameters itself. It turns a live cache, or the token range
+A codec serves one cache family: it names the :class:`~kvstore.family.Family`
+it implements (``family = QUANT_FAMILY``, declared by the cache module), and its
+``kind`` and ``lossy`` are the family's; ``register_codec`` registers the codec
+and its family together. It turns a live cache, or the token range
 ``[start, stop)`` of it, into a :class:`Snapshot` -- named tensors plus
 msgpack-able metadata -- and rebuilds a live cache from one snapshot or from
 snapshots of consecutive ranges.
@@ -36,6 +38,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol
 
 from kvstore.errors import CapabilityError
+from kvstore.family import Family
 from kvstore.signature import parse_signature
 
 __all__ = ["Snapshot", "KVCodec", "RestorePlan"]
@@ -97,28 +100,33 @@ class KVCodec(ABC):
     Instances are immutable and compare equal when class and signature match.
     """
 
-    #: The signature kind this codec serves (``"kv:quant"``).
+    #: The family this codec serves (declared by the cache module that implements it).
+    family: ClassVar[Family]
+    #: The signature kind this codec serves: ``family.kind`` (``"kv:quant"``).
     kind: ClassVar[str]
+    #: True when :meth:`from_dense` loses information: ``family.lossy``.
+    lossy: ClassVar[bool] = False
     #: Byte-layout version of this codec's snapshots.
     version: ClassVar[int] = 1
     #: Layout versions this codec reads (its own included).
     reads: ClassVar[frozenset[int]] = frozenset({1})
-    #: True when :meth:`from_dense` loses information (quantisation).
-    lossy: ClassVar[bool] = False
     #: Meta keys only this family's snapshots carry (how its rows were encoded);
     #: a transcode to another family leaves them behind.
     own_meta: ClassVar[tuple[str, ...]] = ()
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        family = cls.__dict__.get("family")
+        if isinstance(family, Family):  # the family's facts, not restated on the codec
+            cls.kind = family.kind
+            cls.lossy = family.lossy
 
     def __init__(self, signature: str) -> None:
         self.signature = self.parse_signature(signature)
 
     @classmethod
     def parse_signature(cls, signature: str) -> str:
-        """The canonical form of ``signature``; raises if it is not of this codec's kind.
-
-        Built-in kinds parse through :mod:`kvstore.signature`; a plugin codec
-        whose kind that grammar does not know overrides this.
-        """
+        """The canonical form of ``signature``; raises if it is not of this codec's kind."""
         sig = parse_signature(signature)
         if sig.kind != cls.kind:
             raise ValueError(

@@ -482,24 +482,37 @@ class PrefixStore(ABC):
     """A persistent, deduplicated store of KV blocks keyed by token prefixes.
 
     Shared behaviour lives here: the context manager, read-only and closed
-    checks. The block logic is in :class:`kvstore.store.blocks.prefix.BlockPrefixStore`.
+    checks. The block logic is in :class:`kvstore.store.blocks.prefix.BlockPrefixStore`;
+    a composite of stores (:class:`kvstore.store.blocks.tiered.TieredPrefixStore`)
+    uses its parts through these verbs only, and has no backend of its own.
     """
 
-    def __init__(self, backend: Backend) -> None:
+    def __init__(self, backend: Backend | None) -> None:
         self._backend = backend
         self._closed = False
 
     @property
     def backend(self) -> Backend:
+        """The engine under this store (maintenance tools read and write it directly).
+
+        Raises:
+            CapabilityError: a composite store, which has no single backend.
+        """
+        if self._backend is None:
+            raise CapabilityError(
+                f"[backend] {self!r} is made of other stores and has no single backend; "
+                f"open one of its tiers by its own URL for this.",
+                capability="backend",
+            )
         return self._backend
 
     @property
     def url(self) -> str:
-        return self._backend.url
+        return self.backend.url
 
     @property
     def read_only(self) -> bool:
-        return not self._backend.supports_writes
+        return not self.backend.supports_writes
 
     @property
     @abstractmethod
@@ -523,6 +536,15 @@ class PrefixStore(ABC):
     @abstractmethod
     def read(self, blocks: Sequence[BlockRef]) -> AbstractContextManager[list[memoryview]]:
         """Verified zero-copy views of the records of ``blocks`` (valid inside the ``with``)."""
+
+    @abstractmethod
+    def holds(self, keys: Sequence[bytes]) -> list[bool]:
+        """Whether each block record of ``keys`` is stored, without reading it."""
+
+    @abstractmethod
+    def set_budget(self, max_bytes: int | str | None, *, namespace: str | None = None) -> None:
+        """Set (``None``: remove) the byte budget of the store or of one namespace,
+        persistently; enforced from the next save on (:meth:`evict` enforces it now)."""
 
     @abstractmethod
     def delete(self, namespace: str, tokens: Any = ()) -> int:
@@ -596,7 +618,7 @@ class PrefixStore(ABC):
                 self.flush()
         finally:
             self._closed = True
-            self._backend.close()
+            self.backend.close()
 
     @property
     def closed(self) -> bool:
@@ -611,7 +633,12 @@ class PrefixStore(ABC):
 
     def _check_writable(self, operation: str) -> None:
         self._check_open(operation)
-        self._backend.require_writes(operation)
+        if self.read_only:
+            raise ReadOnlyStoreError(
+                f"[{operation}] The store {self.url} was opened read-only; open it "
+                f"without readonly=True to write.",
+                url=self.url,
+            )
 
     def __enter__(self) -> PrefixStore:
         return self

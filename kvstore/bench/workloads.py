@@ -25,7 +25,8 @@ import numpy as np
 from mlx.utils import tree_flatten
 
 from kvstore.bench.harness import Case
-from kvstore.signature import KINDS, parse_signature
+from kvstore.family import windowed_family
+from kvstore.signature import parse_signature
 
 __all__ = [
     "KVShape",
@@ -93,13 +94,10 @@ def windowed_signature(signature: str) -> str:
     """The sliding-window family storing rows like ``signature`` (``kv:quant:8:64`` ->
     ``kv:rotating-quant:8:64``); a windowed signature is returned as it is."""
     sig = parse_signature(signature)
-    family = sig.kind.removeprefix("kv:")
-    if family.startswith("rotating-"):
-        return str(sig)
-    windowed = f"kv:rotating-{family}"
-    if windowed not in KINDS:
+    windowed = windowed_family(sig.kind)
+    if windowed is None:
         raise ValueError(f"[bench] '{signature}' has no sliding-window family.")
-    return ":".join([windowed, *(str(p) for p in sig.params)])
+    return windowed.signature(*sig.params)
 
 
 @dataclass(frozen=True)

@@ -12,17 +12,20 @@ arrays in the same order, which is what makes logits bit-identical to mlx-lm.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 import mlx.core as mx
 from mlx.utils import tree_flatten, tree_map
 
 from kvstore.caches.mask import create_attention_mask
 from kvstore.errors import CapabilityError
+from kvstore.family import Family
 
-__all__ = ["BaseKVCache", "GrowingKVCache", "row_leaves", "tree_length", "zeros_like_rows"]
+__all__ = ["Tree", "BaseKVCache", "GrowingKVCache", "row_leaves", "tree_length", "zeros_like_rows"]
 
-Tree = Any  # mx.array | tuple[mx.array, ...]
+#: A row tree: ``mx.array | tuple[mx.array, ...]`` shaped ``[B, H, T, width]`` (numpy
+#: views into store pages while a codec restores). The one definition; codecs import it.
+Tree = Any
 
 
 def row_leaves(tree: Tree) -> list[mx.array]:
@@ -43,6 +46,8 @@ class BaseKVCache:
     """Attributes and methods common to every family (mlx-lm ``_BaseCache`` plus ours)."""
 
     step = 256
+    #: The family this class implements (declared by its module, registered with its codec).
+    family: ClassVar[Family]
     keys: Tree | None
     values: Tree | None
     offset: int

@@ -5,9 +5,18 @@ from __future__ import annotations
 from typing import Any
 
 from kvstore.caches.base import GrowingKVCache
+from kvstore.caches.packed import quantize_rows
 from kvstore.caches.quantized import QuantizedKVCache
+from kvstore.family import Family
+from kvstore.signature import parse_signature
 
-__all__ = ["KVCache", "PlainKVCache"]
+__all__ = ["PLAIN_FAMILY", "KVCache"]
+
+PLAIN_FAMILY = Family(
+    kind="kv:plain",
+    description="raw rows in the model's dtype, growing",
+    factory=lambda sig, window, keep: KVCache(),
+)
 
 
 class KVCache(GrowingKVCache):
@@ -17,8 +26,10 @@ class KVCache(GrowingKVCache):
     so files written by ``mlx_lm.save_prompt_cache`` from it load in stock mlx-lm.
     """
 
+    family = PLAIN_FAMILY
+
     def signature(self) -> str:
-        return "kv:plain"
+        return self.family.kind
 
     @property
     def state(self) -> tuple[Any, Any, int]:
@@ -34,10 +45,7 @@ class KVCache(GrowingKVCache):
         quant.offset = self.offset
         if self.keys is not None and self.values is not None:
             # The whole buffer, padding included, exactly as mlx-lm does.
-            quant.keys = quant._encode(self.keys)
-            quant.values = quant._encode(self.values)
+            sig = parse_signature(quant.signature())
+            quant.keys = quantize_rows(self.keys, sig)
+            quant.values = quantize_rows(self.values, sig)
         return quant
-
-
-#: The house-style name (STYLE.md C4); the mlx-lm name is the primary one.
-PlainKVCache = KVCache

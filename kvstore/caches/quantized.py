@@ -4,28 +4,43 @@ from __future__ import annotations
 
 from typing import Any
 
-import mlx.core as mx
-
 from kvstore.caches.base import GrowingKVCache
-from kvstore.errors import CapabilityError
-from kvstore.signature import KINDS, make_signature
+from kvstore.caches.packed import PackedRows, packed_width
+from kvstore.caches.packed import fitting_groups as _fitting_groups
+from kvstore.family import Family, ParamSpec, QuantizedAttention
 
-__all__ = ["AffineRows", "QuantizedKVCache", "packed_width", "fitting_groups"]
+__all__ = [
+    "AFFINE_PARAMS",
+    "AFFINE_ATTENTION",
+    "QUANT_FAMILY",
+    "AffineRows",
+    "QuantizedKVCache",
+    "packed_width",
+    "fitting_groups",
+]
 
+#: The affine parameters, in signature order: bits, then group size.
+AFFINE_PARAMS = (ParamSpec("bits", (2, 3, 4, 5, 6, 8)), ParamSpec("group_size", (32, 64, 128)))
+#: Affine rows are read by ``mx.quantized_matmul`` with the signature's bits and group.
+AFFINE_ATTENTION = QuantizedAttention("affine", bits="bits", group_size="group_size")
 
-def packed_width(head_dim: int, bits: int) -> int:
-    """uint32 words per packed row: ceil(D*bits/32) (mlx-lm's D//(32//bits) is
-    wrong for 3, 5 and 6 bits)."""
-    return (head_dim * bits + 31) // 32
+QUANT_FAMILY = Family(
+    kind="kv:quant",
+    description="MLX affine rows (mx.quantize), growing",
+    params=AFFINE_PARAMS,
+    attention=AFFINE_ATTENTION,
+    lossy=True,
+    storage_policy=True,
+    factory=lambda sig, window, keep: QuantizedKVCache(sig.param("group_size"), sig.param("bits")),
+)
 
 
 def fitting_groups(head_dim: int) -> list[int]:
     """The affine group sizes that divide ``head_dim``."""
-    groups = next(spec.allowed for spec in KINDS["kv:quant"] if spec.name == "group_size")
-    return [g for g in groups if head_dim % g == 0]
+    return _fitting_groups(QUANT_FAMILY, head_dim)
 
 
-class AffineRows:
+class AffineRows(PackedRows):
     """Row encoding shared by the growing and the windowed affine caches.
 
     Exposes ``bits`` and ``group_size`` on purpose: mlx-lm routes on them.
@@ -33,34 +48,18 @@ class AffineRows:
 
     bits: int
     group_size: int
-    kind: str = "kv:quant"
+    family = QUANT_FAMILY
 
     def _init_affine(self, group_size: int, bits: int) -> None:
-        make_signature(self.kind, bits, group_size)  # ValueError naming the allowed values
+        self.family.check((bits, group_size))  # ValueError naming the allowed values
         self.group_size = group_size
         self.bits = bits
 
-    def signature(self) -> str:
-        return f"{self.kind}:{self.bits}:{self.group_size}"
+    def signature_params(self) -> tuple[int, ...]:
+        return (self.bits, self.group_size)
 
-    def _encode(self, x: mx.array) -> tuple[mx.array, mx.array, mx.array]:
-        head_dim = x.shape[-1]
-        if head_dim % self.group_size:
-            fits = fitting_groups(head_dim)
-            fix = (
-                f"use group size {' or '.join(map(str, fits))}"
-                if fits
-                else "no affine group fits; use kv:plain or kv:turboquant"
-            )
-            raise CapabilityError(
-                f"[{self.signature()}] group_size {self.group_size} does not divide "
-                f"head_dim {head_dim}; {fix}.",
-                head_dim=head_dim,
-                group_size=self.group_size,
-                fitting_groups=fits,
-            )
-        q = mx.quantize(x, group_size=self.group_size, bits=self.bits)
-        return q[0], q[1], q[2]
+    def signature(self) -> str:
+        return f"{self.family.kind}:{self.bits}:{self.group_size}"
 
 
 class QuantizedKVCache(AffineRows, GrowingKVCache):

@@ -1,4 +1,5 @@
-"""``rec:gated-delta``: the recurrent state of a Gated-DeltaNet layer, and its rounds.
+"""Recurrent state: ``rec:gated-delta`` (a Gated-DeltaNet layer) and ``rec:arrays:{slots}``
+(mlx-lm's generic ``ArraysCache``, any recurrent layer), and speculative rounds.
 
 A Gated-DeltaNet layer (Qwen3-Next, Qwen3.5) keeps no row per token: it keeps
 the last ``K - 1`` inputs of its causal convolution (``[B, K - 1, conv_dim]``,
@@ -32,8 +33,35 @@ from typing import Any
 import mlx.core as mx
 
 from kvstore.errors import CapabilityError
+from kvstore.family import RECURRENT_STATE, Family, Parameters, ParamSpec
 
-__all__ = ["GatedDeltaCache", "Replay"]
+__all__ = [
+    "GATED_DELTA_FAMILY",
+    "ARRAYS_FAMILY",
+    "GatedDeltaCache",
+    "ArraysCache",
+    "Replay",
+]
+
+GATED_DELTA_FAMILY = Family(
+    kind="rec:gated-delta",
+    description="a Gated-DeltaNet layer's conv window and float32 state, at one position",
+    state=RECURRENT_STATE,
+    factory=lambda sig, window, keep: GatedDeltaCache(),
+)
+
+
+def _make_arrays(sig: Parameters, window: int, keep: int) -> ArraysCache:
+    return ArraysCache(sig.param("slots"))
+
+
+ARRAYS_FAMILY = Family(
+    kind="rec:arrays",
+    description="mlx-lm's ArraysCache: any recurrent layer's arrays, at one position",
+    params=(ParamSpec("slots", tuple(range(1, 9))),),
+    state=RECURRENT_STATE,
+    factory=_make_arrays,
+)
 
 #: ``replay(state, n) -> state``: the recurrence over the first ``n`` tokens of a
 #: recorded forward, from ``state`` (``None``: zeros).
@@ -52,6 +80,8 @@ class _Round:
 class GatedDeltaCache:
     """Conv window + float32 state of one Gated-DeltaNet layer, with an ``offset``.
 
+    ``family``: :data:`GATED_DELTA_FAMILY`.
+
     ``cache[0]``: ``[B, K - 1, conv_dim]`` last conv inputs (``None`` before the
     first token); ``cache[1]``: ``[B, Hv, Dv, Dk]`` float32 state.
     """
@@ -63,6 +93,8 @@ class GatedDeltaCache:
         self.lengths: mx.array | None = None
         self.left_padding: mx.array | None = None
         self._round: _Round | None = None
+
+    family = GATED_DELTA_FAMILY
 
     # -- mlx-lm ArraysCache protocol ----------------------------------------------------
     def __getitem__(self, idx: int) -> Any:
@@ -219,3 +251,158 @@ class GatedDeltaCache:
 
     def __repr__(self) -> str:
         return f"GatedDeltaCache(rec:gated-delta, offset={self.offset})"
+
+
+class ArraysCache:
+    """mlx-lm's ``ArraysCache`` (``slots`` arrays of any shape, mlx-lm's batch verbs),
+    with a signature (``rec:arrays:{slots}``) and an ``offset``.
+
+    ``family``: :data:`ARRAYS_FAMILY`.
+    """
+
+    family = ARRAYS_FAMILY
+
+    def __init__(self, size: int, left_padding: list[int] | None = None) -> None:
+        self.cache: list[Any] = [None] * size
+        self.left_padding = mx.array(left_padding) if left_padding else None
+        self.lengths: mx.array | None = None
+        self.offset = 0
+
+    def __getitem__(self, idx: int) -> Any:
+        return self.cache[idx]
+
+    def __setitem__(self, idx: int, value: Any) -> None:
+        self.cache[idx] = value
+
+    def signature(self) -> str:
+        return f"rec:arrays:{len(self.cache)}"
+
+    @property
+    def batch_size(self) -> int:
+        for c in self.cache:
+            if c is not None:
+                return int(c.shape[0])
+        if self.left_padding is not None:
+            return int(self.left_padding.size)
+        if self.lengths is not None:
+            return int(self.lengths.size)
+        return 1
+
+    @property
+    def state(self) -> tuple[list[Any], Any, Any]:
+        return self.cache, self.left_padding, self.lengths
+
+    @state.setter
+    def state(self, v: tuple[list[Any], Any, Any]) -> None:
+        self.cache, self.left_padding, self.lengths = v
+
+    @property
+    def meta_state(self) -> tuple[str]:
+        return (str(self.offset),)
+
+    @meta_state.setter
+    def meta_state(self, v: tuple[str]) -> None:
+        self.offset = int(v[0])
+
+    @classmethod
+    def from_state(cls, state: tuple[list[Any], Any, Any]) -> ArraysCache:
+        obj = cls.__new__(cls)
+        obj.offset = 0
+        obj.state = state
+        return obj
+
+    def filter(self, batch_indices: Any) -> None:
+        self.cache = [c[batch_indices] if c is not None else None for c in self.cache]
+        if self.left_padding is not None:
+            self.left_padding = self.left_padding[batch_indices]
+        if self.lengths is not None:
+            self.lengths = self.lengths[batch_indices]
+
+    def extend(self, other: ArraysCache) -> None:
+        """Append ``other``'s sequences to this batch (mlx-lm ``ArraysCache.extend``)."""
+        a_batch, b_batch = self.batch_size, other.batch_size
+
+        def cat(a: Any, b: Any) -> Any:
+            ref = b if b is not None else a
+            if ref is None:
+                return None
+            if a is None:
+                a = mx.zeros((a_batch, *ref.shape[1:]), dtype=ref.dtype)
+            if b is None:
+                b = mx.zeros((b_batch, *ref.shape[1:]), dtype=ref.dtype)
+            return mx.concatenate([a, b])
+
+        self.cache = [cat(c, o) for c, o in zip(self.cache, other.cache)]
+        self.left_padding = cat(self.left_padding, other.left_padding)
+        self.lengths = cat(self.lengths, other.lengths)
+
+    @classmethod
+    def merge(cls, caches: list[ArraysCache]) -> ArraysCache:
+        """One batch of ``caches`` (mlx-lm ``ArraysCache.merge``)."""
+        n_state, batch = len(caches[0].cache), len(caches)
+        cache = cls(n_state)
+        if all(c.empty() for c in caches):
+            cache.left_padding = mx.array([0] * batch)
+            return cache
+        for e in range(n_state):
+            first = next(c[e] for c in caches if c[e] is not None)
+            merged = mx.zeros((batch, *first.shape[1:]), first.dtype)
+            for i, c in enumerate(caches):
+                if c[e] is not None:
+                    merged[i : i + 1] = c[e]
+            cache[e] = merged
+        return cache
+
+    def extract(self, idx: int) -> ArraysCache:
+        cache = ArraysCache(len(self.cache))
+        cache.cache = [c[idx : idx + 1] if c is not None else None for c in self.cache]
+        cache.offset = self.offset
+        return cache
+
+    def prepare(self, lengths: Any = None, **kwargs: Any) -> None:
+        self.lengths = mx.array(lengths)
+
+    def finalize(self) -> None:
+        self.lengths = None
+        self.left_padding = None
+
+    def advance(self, n: int) -> None:
+        self.offset += n
+        if self.lengths is not None:
+            self.lengths -= n
+        if self.left_padding is not None:
+            self.left_padding -= n
+
+    def make_mask(self, N: int, **_: Any) -> mx.array | None:
+        pos = mx.arange(N)
+        mask = None
+        if self.left_padding is not None:
+            mask = pos >= self.left_padding[:, None]
+        if self.lengths is not None:
+            in_length = pos < self.lengths[:, None]
+            mask = in_length if mask is None else (mask & in_length)
+        return mask
+
+    def empty(self) -> bool:
+        return self.cache[0] is None
+
+    def size(self) -> int:
+        return self.offset
+
+    @property
+    def nbytes(self) -> int:
+        return sum(int(c.nbytes) for c in self.cache if c is not None)
+
+    def bytes_per_token(self) -> int:
+        """0: the state has a fixed size."""
+        return 0
+
+    def bytes_per_checkpoint(self) -> int:
+        """Bytes of one checkpoint: every slot's array (0 while empty)."""
+        return self.nbytes
+
+    def is_trimmable(self) -> bool:
+        return False
+
+    def __repr__(self) -> str:
+        return f"ArraysCache({self.signature()}, offset={self.offset})"

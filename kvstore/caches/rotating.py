@@ -1,5 +1,9 @@
 """Sliding-window rings: ``kv:rotating-plain`` and ``kv:rotating-quant:{bits}:{group}``.
 
+Each windowed family declares the growing family it keeps a window of
+(``window_of``); the model's cache policy gives sliding layers the windowed
+family of the one it was asked for.
+
 The ring arithmetic is mlx-lm's ``RotatingKVCache``, written once over row
 trees so the affine variant (which mlx-lm lacks) shares it. Multi-token
 updates put the ring in temporal order and keep up to ``max_size + S - 1``
@@ -16,10 +20,39 @@ from mlx.utils import tree_map
 
 from kvstore.caches.base import BaseKVCache, Tree, row_leaves, tree_length, zeros_like_rows
 from kvstore.caches.mask import create_causal_mask
-from kvstore.caches.quantized import AffineRows
+from kvstore.caches.packed import quantize_rows
+from kvstore.caches.plain import PLAIN_FAMILY
+from kvstore.caches.quantized import AFFINE_ATTENTION, AFFINE_PARAMS, QUANT_FAMILY, AffineRows
 from kvstore.errors import CapabilityError
+from kvstore.family import Family
+from kvstore.signature import parse_signature
 
-__all__ = ["RingKVCache", "RotatingKVCache", "RotatingQuantizedKVCache"]
+__all__ = [
+    "ROTATING_PLAIN_FAMILY",
+    "ROTATING_QUANT_FAMILY",
+    "RingKVCache",
+    "RotatingKVCache",
+    "RotatingQuantizedKVCache",
+]
+
+ROTATING_PLAIN_FAMILY = Family(
+    kind="kv:rotating-plain",
+    description="raw rows in a sliding window",
+    window_of=PLAIN_FAMILY.kind,
+    factory=lambda sig, window, keep: RotatingKVCache(window, keep),
+)
+
+ROTATING_QUANT_FAMILY = Family(
+    kind="kv:rotating-quant",
+    description="MLX affine rows in a sliding window",
+    params=AFFINE_PARAMS,
+    attention=AFFINE_ATTENTION,
+    window_of=QUANT_FAMILY.kind,
+    lossy=True,
+    factory=lambda sig, window, keep: RotatingQuantizedKVCache(
+        window, keep, sig.param("group_size"), sig.param("bits")
+    ),
+)
 
 
 class RingKVCache(BaseKVCache):
@@ -211,8 +244,10 @@ class RingKVCache(BaseKVCache):
 class RotatingKVCache(RingKVCache):
     """Raw rows in a sliding window (mlx-lm ``RotatingKVCache``: same name and state)."""
 
+    family = ROTATING_PLAIN_FAMILY
+
     def signature(self) -> str:
-        return "kv:rotating-plain"
+        return self.family.kind
 
     @property
     def state(self) -> tuple[Any, Any, int, int, int, int]:
@@ -227,15 +262,16 @@ class RotatingKVCache(RingKVCache):
         quant = RotatingQuantizedKVCache(self.max_size, self.keep, group_size, bits)
         quant.offset, quant._idx = self.offset, self._idx
         if self.keys is not None and self.values is not None:
-            quant.keys = quant._encode(self.keys)
-            quant.values = quant._encode(self.values)
+            sig = parse_signature(quant.signature())
+            quant.keys = quantize_rows(self.keys, sig)
+            quant.values = quantize_rows(self.values, sig)
         return quant
 
 
 class RotatingQuantizedKVCache(AffineRows, RingKVCache):
     """Affine rows in a sliding window with ``keep`` sink tokens (new: mlx-lm has none)."""
 
-    kind = "kv:rotating-quant"
+    family = ROTATING_QUANT_FAMILY
 
     def __init__(self, max_size: int, keep: int = 0, group_size: int = 64, bits: int = 8) -> None:
         RingKVCache.__init__(self, max_size, keep)

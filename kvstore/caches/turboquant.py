@@ -16,13 +16,13 @@ stored bytes; ``state`` carries them (scales as ``[B, H, T]``) and
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 import mlx.core as mx
 
 from kvstore.caches.base import GrowingKVCache, Tree, row_leaves
 from kvstore.caches.rotating import RingKVCache
-from kvstore.signature import make_signature
+from kvstore.family import Family, ParamSpec
 from kvstore.turboquant.quantizer import (
     DEFAULT_SCALE_MODE,
     SCALE_MODES,
@@ -33,6 +33,8 @@ from kvstore.turboquant.quantizer import (
 from kvstore.turboquant.rotation import Rotation, rotation_for
 
 __all__ = [
+    "TURBOQUANT_FAMILY",
+    "ROTATING_TURBOQUANT_FAMILY",
     "CENTER_PREFIX_TOKENS",
     "RotatingTurboQuantKVCache",
     "TurboQuantKVCache",
@@ -43,11 +45,33 @@ __all__ = [
 #: Key mean-centering estimates mu from at most this many prefill tokens (spec option).
 CENTER_PREFIX_TOKENS = 512
 
+_TQ_PARAMS = (ParamSpec("kbits", (2, 3, 4)), ParamSpec("vbits", (2, 3, 4)))
+
+TURBOQUANT_FAMILY = Family(
+    kind="kv:turboquant",
+    description="TurboQuant rows (rotation + Lloyd-Max codes, one scale per vector), growing",
+    params=_TQ_PARAMS,
+    lossy=True,
+    storage_policy=True,
+    factory=lambda sig, window, keep: TurboQuantKVCache(sig.param("kbits"), sig.param("vbits")),
+)
+
+ROTATING_TURBOQUANT_FAMILY = Family(
+    kind="kv:rotating-turboquant",
+    description="TurboQuant rows in a sliding window",
+    params=_TQ_PARAMS,
+    window_of=TURBOQUANT_FAMILY.kind,
+    lossy=True,
+    factory=lambda sig, window, keep: RotatingTurboQuantKVCache(
+        window, keep, kbits=sig.param("kbits"), vbits=sig.param("vbits")
+    ),
+)
+
 
 class TurboQuantRows:
     """Row encoding shared by the growing and the windowed TurboQuant caches."""
 
-    kind: str = "kv:turboquant"
+    family: ClassVar[Family] = TURBOQUANT_FAMILY
     keys: Tree | None
     values: Tree | None
     kbits: int
@@ -75,7 +99,7 @@ class TurboQuantRows:
         head_dim: int | None = None,
         rounds: int = 1,
     ) -> None:
-        make_signature(self.kind, kbits, vbits)  # ValueError naming the allowed values
+        self.family.check((kbits, vbits))  # ValueError naming the allowed values
         if rounds not in (1, 2):
             raise ValueError(f"[{self.kind}] rounds must be 1 or 2; received {rounds!r}.")
         for name, mode in (
@@ -98,8 +122,12 @@ class TurboQuantRows:
         self.rounds = rounds
         self._rotations = None
 
+    @property
+    def kind(self) -> str:
+        return self.family.kind
+
     def signature(self) -> str:
-        return f"{self.kind}:{self.kbits}:{self.vbits}"
+        return f"{self.family.kind}:{self.kbits}:{self.vbits}"
 
     @property
     def dtype(self) -> mx.Dtype | None:
@@ -348,7 +376,7 @@ class RotatingTurboQuantKVCache(TurboQuantRows, RingKVCache):
     (window) and ``keep`` (sink tokens never evicted).
     """
 
-    kind = "kv:rotating-turboquant"
+    family = ROTATING_TURBOQUANT_FAMILY
 
     def __init__(
         self,

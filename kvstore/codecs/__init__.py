@@ -1,8 +1,11 @@
 """Codecs: a cache (or a token range of it) <-> named tensors + metadata, and the record format.
 
 The registry maps a signature *kind* to a codec class; built-ins are
-registered here, one line each, and third-party codecs come from the
-entry-point group ``kvstore.codecs`` (see :mod:`kvstore.codecs.registry`).
+registered here, one line per family (registering a codec registers the
+:class:`~kvstore.family.Family` it serves: importing this package is what
+registers the built-in families, see :mod:`kvstore.family`), and third-party
+codecs come from the entry-point group ``kvstore.codecs`` (see
+:mod:`kvstore.codecs.registry`).
 
 Snapshot tensor names, per row encoding (all ``[B, H, T, width]``, in
 temporal order, logical rows only):
@@ -35,10 +38,13 @@ from kvstore.codecs.record import (
     read_header,
     snapshot_to_mlx,
 )
+from kvstore.codecs.recurrent import ArraysCodec, CheckpointCodec, GatedDeltaCodec
 from kvstore.codecs.registry import (
     ENTRY_POINT_GROUP,
     codec_for,
     get_codec,
+    load_plugin,
+    load_plugins,
     register_codec,
     registered_kinds,
 )
@@ -57,10 +63,15 @@ __all__ = [
     "RotatingQuantizedKVCodec",
     "TurboQuantKVCodec",
     "RotatingTurboQuantKVCodec",
+    "CheckpointCodec",
+    "GatedDeltaCodec",
+    "ArraysCodec",
     "ENTRY_POINT_GROUP",
     "register_codec",
     "get_codec",
     "registered_kinds",
+    "load_plugin",
+    "load_plugins",
     "codec_for",
     "snapshot",
     "snapshot_held",
@@ -83,6 +94,8 @@ register_codec(RotatingKVCodec)
 register_codec(RotatingQuantizedKVCodec)
 register_codec(TurboQuantKVCodec)
 register_codec(RotatingTurboQuantKVCodec)
+register_codec(GatedDeltaCodec)
+register_codec(ArraysCodec)
 
 
 def snapshot(cache: Any, start: int = 0, stop: int | None = None) -> Snapshot:

@@ -13,6 +13,8 @@ from typing import Any
 
 from kvstore.abc.codec import Snapshot
 from kvstore.caches import KVCache, QuantizedKVCache
+from kvstore.caches.plain import PLAIN_FAMILY
+from kvstore.caches.quantized import QUANT_FAMILY
 from kvstore.codecs.plans import CachePlan, RowsJoin, run_plans
 from kvstore.codecs.rows import (
     AffineRowCodec,
@@ -38,7 +40,7 @@ class GrowingKVCodec(RowCodec):
         offset = int(cache.offset)
         start, stop = self.check_range(start, stop, offset)
         keys, values = slice_rows(cache.keys, start, stop), slice_rows(cache.values, start, stop)
-        meta = {"dtype": self.rows_dtype(keys), "offset": offset}
+        meta = {"dtype": self.meta_dtype(cache, keys), "offset": offset}
         return Snapshot(self.signature, start, stop, self.tensors_from_rows(keys, values), meta)
 
     def restore(self, snapshots: Snapshot | Sequence[Snapshot]) -> Any:
@@ -74,7 +76,7 @@ class GrowingKVCodec(RowCodec):
 class PlainKVCodec(RawRowCodec, GrowingKVCodec):
     """``kv:plain``: raw rows (``keys``, ``values``)."""
 
-    kind = "kv:plain"
+    family = PLAIN_FAMILY
 
     def make_cache(self, meta: Mapping[str, Any]) -> KVCache:
         return KVCache()
@@ -84,7 +86,7 @@ class QuantizedKVCodec(AffineRowCodec, GrowingKVCodec):
     """``kv:quant:{bits}:{group}``: affine rows (``keys.q``, ``keys.scales``,
     ``keys.biases``, same for ``values``), stored as they are."""
 
-    kind = "kv:quant"
+    family = QUANT_FAMILY
 
     def make_cache(self, meta: Mapping[str, Any]) -> QuantizedKVCache:
         return QuantizedKVCache(self.group_size, self.bits)

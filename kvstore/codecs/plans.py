@@ -19,12 +19,11 @@ import mlx.core as mx
 import numpy as np
 
 from kvstore.abc.codec import RestorePlan
+from kvstore.caches.base import Tree
 from kvstore.codecs.arrays import as_numpy_all, dtype_name, owned_arrays
 from kvstore.codecs.fill import LeafSpec, filled_arrays
 
 __all__ = ["Tree", "LeafSpec", "row_leaves_of", "RowsJoin", "CachePlan", "run_plans"]
-
-Tree = Any  # mx.array | tuple[mx.array, ...]; numpy views before restore
 
 
 def row_leaves_of(tree: Tree) -> tuple[Any, ...]:

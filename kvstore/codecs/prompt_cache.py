@@ -37,9 +37,7 @@ __all__ = ["ImportedPromptCache", "import_prompt_cache", "export_prompt_cache"]
 
 # mlx-lm class name -> (our class with the same state layout, its kind)
 _CLASSES: dict[str, tuple[Any, str]] = {
-    "KVCache": (KVCache, "kv:plain"),
-    "QuantizedKVCache": (QuantizedKVCache, "kv:quant"),
-    "RotatingKVCache": (RotatingKVCache, "kv:rotating-plain"),
+    cls.__name__: (cls, cls.family.kind) for cls in (KVCache, QuantizedKVCache, RotatingKVCache)
 }
 _CLASS_OF_KIND = {kind: name for name, (_, kind) in _CLASSES.items()}
 

@@ -1,14 +1,18 @@
-"""The codec registry: signature kind -> codec class.
+"""The codec registry: signature kind -> codec class (and, with it, the kind's family).
 
-Built-ins are registered explicitly in :mod:`kvstore.codecs`. Third-party
-codecs are declared as entry points of the group ``kvstore.codecs``, named
-after the kind they serve::
+Built-ins are registered explicitly in :mod:`kvstore.codecs`, one
+``register_codec`` line per family. Registering a codec registers the
+:class:`~kvstore.family.Family` it names (``cls.family``), so the signature
+grammar, the predicates and everything else that reads :mod:`kvstore.family`
+know the kind from then on. Third-party codecs are declared as entry points of
+the group ``kvstore.codecs``, named after the kind they serve::
 
     [project.entry-points."kvstore.codecs"]
     "kv:mykind" = "my_package.codec:MyKindCodec"
 
 and loaded lazily, the first time a signature of that kind is asked for
-(never by scanning packages, which hides import errors).
+(:func:`load_plugin`, called by :func:`kvstore.family.find_family` on a miss;
+never by scanning packages, which hides import errors).
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from typing import Any
 from kvstore.abc.cache import signature_of
 from kvstore.abc.codec import KVCodec
 from kvstore.errors import CapabilityError, UnknownSignatureError
+from kvstore.family import Family, register_family
 from kvstore.signature import parse_signature
 
 __all__ = [
@@ -28,6 +33,8 @@ __all__ = [
     "register_codec",
     "get_codec",
     "find_codec_class",
+    "load_plugin",
+    "load_plugins",
     "registered_kinds",
     "codec_for",
     "kind_of",
@@ -43,22 +50,26 @@ _LOCK = threading.Lock()
 
 
 def register_codec(cls: type[KVCodec]) -> type[KVCodec]:
-    """Register ``cls`` for its ``kind``; returns ``cls`` (usable as a decorator).
+    """Register ``cls`` and its family for its ``kind``; returns ``cls`` (usable as a decorator).
 
     A kind already served by another class may be taken over only by a class
-    that reads the other's output and whose output the other reads.
+    that reads the other's output and whose output the other reads, and that
+    serves the same family.
 
     Raises:
-        TypeError: ``cls`` is not a concrete ``KVCodec`` subclass with a ``kind``.
-        ValueError: the kind is served by an incompatible codec.
+        TypeError: ``cls`` is not a concrete ``KVCodec`` subclass naming its ``family``.
+        ValueError: the kind is served by an incompatible codec, or registered
+            with a different family.
     """
     if (
         not (isinstance(cls, type) and issubclass(cls, KVCodec))
         or inspect.isabstract(cls)
-        or not isinstance(getattr(cls, "kind", None), str)
+        or not isinstance(getattr(cls, "family", None), Family)
+        or getattr(cls, "kind", None) != cls.family.kind
     ):
         raise TypeError(
-            f"[codecs.register] A codec is a KVCodec subclass with a str `kind`; received {cls!r}."
+            f"[codecs.register] A codec is a concrete KVCodec subclass naming the Family it "
+            f"serves (`family = MY_FAMILY`, a kvstore.family.Family); received {cls!r}."
         )
     with _LOCK:
         current = _CODECS.get(cls.kind)
@@ -71,6 +82,7 @@ def register_codec(cls: type[KVCodec]) -> type[KVCodec]:
                     f"cannot also serve it: two codecs share a kind only if each reads the "
                     f"other's output. Give the new layout a new kind."
                 )
+        register_family(cls.family)
         _CODECS[cls.kind] = cls
         _INSTANCES.clear()
     return cls
@@ -84,24 +96,19 @@ def registered_kinds() -> list[str]:
 def kind_of(signature: str) -> str:
     """The kind of ``signature`` (``kv:quant`` of ``kv:quant:4:64``).
 
-    A kind the signature grammar does not know is returned as written (a
-    plugin's codec parses it); malformed parameters of a known kind raise.
-
     Raises:
+        UnknownSignatureError: no family is registered for the kind.
         ValueError: a known kind with bad parameters.
         TypeError: ``signature`` is not a ``str``.
     """
-    try:
-        return parse_signature(signature).kind
-    except UnknownSignatureError as exc:
-        return str(getattr(exc, "found", signature))
+    return parse_signature(signature).kind
 
 
 def find_codec_class(kind: str) -> type[KVCodec] | None:
     """The codec class serving ``kind``, loading its entry point if need be; else None."""
     cls = _CODECS.get(kind)
     if cls is None:
-        cls = _load_entry_point(kind)
+        cls = load_plugin(kind)
     return cls
 
 
@@ -116,8 +123,11 @@ def get_codec(signature: str) -> KVCodec:
     codec = _INSTANCES.get(signature)
     if codec is not None:
         return codec
-    kind = kind_of(signature)
-    cls = find_codec_class(kind)
+    try:
+        kind = kind_of(signature)  # a miss has tried the kind's entry point already
+        cls = find_codec_class(kind)
+    except UnknownSignatureError as exc:
+        kind, cls = str(getattr(exc, "found", signature)), None
     if cls is None:
         raise UnknownSignatureError(
             f"[codecs.get] Unknown signature kind '{kind}' (in '{signature}'). "
@@ -132,8 +142,8 @@ def get_codec(signature: str) -> KVCodec:
 
 
 def reported_signature(cache: Any) -> str | None:
-    """The signature ``cache`` reports: canonical when the grammar knows its
-    kind, as written when only a plugin does; None when it reports none."""
+    """The signature ``cache`` reports: canonical when a family is registered for
+    its kind, as written otherwise (for messages); None when it reports none."""
     sig = signature_of(cache)
     if sig is not None:
         return str(sig)
@@ -165,16 +175,35 @@ def codec_for(cache: Any) -> KVCodec:
         ) from exc
 
 
-def _load_entry_point(kind: str) -> type[KVCodec] | None:
+def load_plugin(kind: str) -> type[KVCodec] | None:
+    """Load and register the codec the entry point named ``kind`` declares (and so
+    its family); ``None`` when no installed package declares one.
+
+    Raises:
+        TypeError: the entry point loads something that is not a codec of ``kind``.
+    """
     for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
-        if ep.name != kind:
-            continue
-        cls = ep.load()
-        if getattr(cls, "kind", None) != kind:
-            raise TypeError(
-                f"[codecs.get] Entry point '{ep.name} = {ep.value}' in group "
-                f"'{ENTRY_POINT_GROUP}' loads {cls!r}, whose kind is "
-                f"{getattr(cls, 'kind', None)!r}, not '{kind}'. Fix the plugin's entry point."
-            )
-        return register_codec(cls)
+        if ep.name == kind:
+            return _register_entry_point(ep)
     return None
+
+
+def load_plugins() -> list[type[KVCodec]]:
+    """Load and register every codec the entry-point group declares (a lookup that
+    asks about every family, such as "which family windows this one", needs them)."""
+    loaded = []
+    for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
+        cls = _CODECS.get(ep.name)
+        loaded.append(cls if cls is not None else _register_entry_point(ep))
+    return loaded
+
+
+def _register_entry_point(ep: importlib.metadata.EntryPoint) -> type[KVCodec]:
+    cls = ep.load()
+    if getattr(cls, "kind", None) != ep.name:
+        raise TypeError(
+            f"[codecs.get] Entry point '{ep.name} = {ep.value}' in group "
+            f"'{ENTRY_POINT_GROUP}' loads {cls!r}, whose kind is "
+            f"{getattr(cls, 'kind', None)!r}, not '{ep.name}'. Fix the plugin's entry point."
+        )
+    return register_codec(cls)

@@ -32,13 +32,13 @@ import mlx.core as mx
 
 from kvstore.abc.codec import Snapshot
 from kvstore.caches import RotatingKVCache, RotatingQuantizedKVCache
-from kvstore.caches.base import tree_length
+from kvstore.caches.base import Tree, tree_length
+from kvstore.caches.rotating import ROTATING_PLAIN_FAMILY, ROTATING_QUANT_FAMILY
 from kvstore.codecs.plans import CachePlan, RowsJoin, run_plans
 from kvstore.codecs.rows import (
     AffineRowCodec,
     RawRowCodec,
     RowCodec,
-    Tree,
     growth_capacity,
     slice_rows,
 )
@@ -171,7 +171,7 @@ class RingKVCodec(RowCodec):
             )
         keys, values = ring.rows(cache.keys, start, stop), ring.rows(cache.values, start, stop)
         meta: dict[str, Any] = {
-            "dtype": self.rows_dtype(keys),
+            "dtype": self.meta_dtype(cache, keys),
             "offset": ring.offset,
             "max_size": ring.max_size,
             "keep": ring.keep,
@@ -302,7 +302,7 @@ def _gather(
 class RotatingKVCodec(RawRowCodec, RingKVCodec):
     """``kv:rotating-plain``: a window of raw rows (``keys``, ``values``)."""
 
-    kind = "kv:rotating-plain"
+    family = ROTATING_PLAIN_FAMILY
 
     def make_cache(self, meta: Mapping[str, Any]) -> RotatingKVCache:
         return RotatingKVCache(int(meta["max_size"]), keep=int(meta["keep"]))
@@ -311,7 +311,7 @@ class RotatingKVCodec(RawRowCodec, RingKVCodec):
 class RotatingQuantizedKVCodec(AffineRowCodec, RingKVCodec):
     """``kv:rotating-quant:{bits}:{group}``: a window of affine rows, stored as they are."""
 
-    kind = "kv:rotating-quant"
+    family = ROTATING_QUANT_FAMILY
 
     def make_cache(self, meta: Mapping[str, Any]) -> RotatingQuantizedKVCache:
         return RotatingQuantizedKVCache(

@@ -2,42 +2,47 @@
 
 A cache stores keys and values as *row trees* shaped ``[B, H, T, width]``
 (see :mod:`kvstore.caches.base`): a bare array for raw rows, a
-``(q, scales, biases)`` tuple for MLX affine rows. A snapshot names each
-leaf: ``keys``/``values`` for raw rows, ``keys.q``/``keys.scales``/
-``keys.biases`` (and the same for ``values``) for affine rows.
+``(q, scales, biases)`` tuple for MLX affine rows, ``(q, scales)`` for MLX
+microscaling rows. A snapshot names each leaf: ``keys``/``values`` for raw
+rows, ``keys.q``/``keys.scales``/``keys.biases`` (and the same for
+``values``) for affine rows, ``keys.q``/``keys.scales`` for microscaling rows.
 
-An *encoding* mixin (:class:`RawRowCodec`, :class:`AffineRowCodec`) tells a codec
-those names and how its rows convert to and from dense float rows; a
-*layout* base (:mod:`kvstore.codecs.growing`, :mod:`kvstore.codecs.ring`)
-says how rows sit in the cache. A codec is one of each.
+An *encoding* mixin (:class:`RawRowCodec`, :class:`AffineRowCodec`,
+:class:`MicroscalingRowCodec`) tells a codec those names and how its rows
+convert to and from dense float rows; a *layout* base
+(:mod:`kvstore.codecs.growing`, :mod:`kvstore.codecs.ring`) says how rows sit
+in the cache. A codec is one of each, plus the family it serves.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
 
 import mlx.core as mx
 
 from kvstore.abc.codec import KVCodec, Snapshot
-from kvstore.caches.quantized import QuantizedKVCache
+from kvstore.caches.base import Tree
+from kvstore.caches.packed import quantize_rows
 from kvstore.codecs.arrays import MLX_DTYPES, as_mlx, dtype_name, owned_arrays
 from kvstore.codecs.plans import RowsJoin, row_leaves_of
 from kvstore.codecs.registry import reported_signature
 from kvstore.errors import CapabilityError, CorruptEntryError
+from kvstore.family import Quantization
 from kvstore.signature import parse_signature
 
 __all__ = [
     "Tree",
     "RowCodec",
     "RawRowCodec",
+    "PackedRowCodec",
     "AffineRowCodec",
+    "MicroscalingRowCodec",
     "growth_capacity",
     "slice_rows",
     "join_rows",
 ]
-
-Tree = Any  # mx.array | tuple[mx.array, ...]; numpy views before restore
 
 
 def growth_capacity(tokens: int, step: int) -> int:
@@ -91,6 +96,10 @@ class RowCodec(KVCodec):
         """The float dtype of the rows (raw rows, or affine scales)."""
         leaves = row_leaves_of(keys)
         return dtype_name(leaves[-1])
+
+    def meta_dtype(self, cache: Any, keys: Tree) -> str:
+        """The ``dtype`` a snapshot of ``cache`` records: the float dtype of its rows."""
+        return self.rows_dtype(keys)
 
     # -- validation --------------------------------------------------------------
     def check_range(self, start: int, stop: int | None, offset: int) -> tuple[int, int]:
@@ -218,20 +227,24 @@ class RawRowCodec(RowCodec):
         )
 
 
-class AffineRowCodec(RowCodec):
-    """MLX affine rows ``(q, scales, biases)``: packed uint32 words and
-    per-group scales/biases in the model's float dtype."""
+class PackedRowCodec(RowCodec):
+    """Rows packed by ``mx.quantize`` in the family's mode (:mod:`kvstore.caches.packed`):
+    packed uint32 words ``.q`` and per-group ``.scales`` (and affine ``.biases``)."""
 
-    parts = (".q", ".scales", ".biases")
-    lossy = True
+    @functools.cached_property
+    def quantization(self) -> Quantization:
+        """How this codec's signature's rows are packed (mode, bits, group size)."""
+        q = self.family.quantization(parse_signature(self.signature))
+        assert q is not None, f"{self.kind} has no quantized attention"
+        return q
 
     @property
     def bits(self) -> int:
-        return parse_signature(self.signature).bits
+        return self.quantization.bits
 
     @property
     def group_size(self) -> int:
-        return parse_signature(self.signature).group_size
+        return self.quantization.group_size
 
     def _snapshot_problem(self, snap: Snapshot) -> str | None:
         problem = super()._snapshot_problem(snap)
@@ -249,21 +262,67 @@ class AffineRowCodec(RowCodec):
                 return f"{side}.q has dtype {dtype_name(q)}, not uint32"
         return None
 
+    def dequantize(self, tree: Tree, dtype: str) -> mx.array:
+        """Float rows of ``dtype`` from one packed row tree."""
+        q = self.quantization
+        packed, scales, *biases = (as_mlx(a) for a in row_leaves_of(tree))
+        return mx.dequantize(
+            packed,
+            scales,
+            biases[0] if biases else None,
+            group_size=q.group_size,
+            bits=q.bits,
+            mode=q.mode,
+            dtype=MLX_DTYPES[dtype],
+        )
+
     def to_dense(self, snapshot: Snapshot) -> tuple[mx.array, mx.array]:
         self.check_snapshot(snapshot)
         keys, values = self.rows_from_tensors(snapshot.tensors)
-
-        def dense(tree: Tree) -> mx.array:
-            q, scales, biases = (as_mlx(a) for a in tree)
-            return mx.dequantize(q, scales, biases, group_size=self.group_size, bits=self.bits)
-
-        return dense(keys), dense(values)
+        dtype = snapshot.meta["dtype"]
+        return self.dequantize(keys, dtype), self.dequantize(values, dtype)
 
     def from_dense(
         self, keys: Any, values: Any, *, start: int, stop: int, meta: Mapping[str, Any]
     ) -> Snapshot:
         dtype = MLX_DTYPES[meta["dtype"]]
-        # The cache's own encoder: same kernel, same CapabilityError when no group fits.
-        encoder = QuantizedKVCache(self.group_size, self.bits)
-        trees = [encoder._encode(as_mlx(x).astype(dtype)) for x in (keys, values)]
+        # The caches' own encoder: same kernel, same CapabilityError when no group fits.
+        sig = parse_signature(self.signature)
+        trees = [quantize_rows(as_mlx(x).astype(dtype), sig) for x in (keys, values)]
         return Snapshot(self.signature, start, stop, self.tensors_from_rows(*trees), dict(meta))
+
+
+class AffineRowCodec(PackedRowCodec):
+    """MLX affine rows ``(q, scales, biases)``: packed uint32 words and
+    per-group scales/biases in the model's float dtype."""
+
+    parts = (".q", ".scales", ".biases")
+
+    def dequantize(self, tree: Tree, dtype: str) -> mx.array:
+        # Scales carry the dtype; the output is theirs (as before microscaling: same bytes).
+        q, scales, biases = (as_mlx(a) for a in tree)
+        return mx.dequantize(q, scales, biases, group_size=self.group_size, bits=self.bits)
+
+
+class MicroscalingRowCodec(PackedRowCodec):
+    """MLX microscaling rows ``(q, scales)`` (``mxfp8``/``mxfp4``/``nvfp4``): packed
+    uint32 words and one uint8 scale per group, no biases. The scales say nothing
+    of the model's dtype, so the cache remembers it (``dtype_name``) and
+    snapshots record it as ``meta["dtype"]``."""
+
+    parts = (".q", ".scales")
+
+    def meta_dtype(self, cache: Any, keys: Tree) -> str:
+        return str(cache.dtype_name)
+
+    def _rows_dtype_problem(self, snap: Snapshot) -> str | None:
+        if snap.meta["dtype"] not in _FLOAT_DTYPES:
+            return f"meta dtype {snap.meta['dtype']} is not a float dtype {_FLOAT_DTYPES}"
+        for side in ("keys", "values"):
+            scales = snap.tensors[f"{side}.scales"]
+            if dtype_name(scales) != "uint8":
+                return f"{side}.scales has dtype {dtype_name(scales)}, not uint8"
+        return None
+
+
+_FLOAT_DTYPES = ("float16", "bfloat16", "float32")

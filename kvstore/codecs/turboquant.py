@@ -25,12 +25,17 @@ import mlx.core as mx
 
 from kvstore.abc.codec import Snapshot
 from kvstore.caches import RotatingTurboQuantKVCache, TurboQuantKVCache
-from kvstore.caches.turboquant import stored_rows
+from kvstore.caches.base import Tree
+from kvstore.caches.turboquant import (
+    ROTATING_TURBOQUANT_FAMILY,
+    TURBOQUANT_FAMILY,
+    stored_rows,
+)
 from kvstore.codecs.arrays import MLX_DTYPES, as_mlx, dtype_name
 from kvstore.codecs.growing import GrowingKVCodec
 from kvstore.codecs.plans import CachePlan
 from kvstore.codecs.ring import RingKVCodec
-from kvstore.codecs.rows import RowCodec, Tree
+from kvstore.codecs.rows import RowCodec
 from kvstore.codecs.turboquant_params import SIDES, TurboQuantParams, Unreadable, read_params
 from kvstore.errors import CorruptEntryError
 from kvstore.signature import parse_signature
@@ -46,7 +51,6 @@ class TurboQuantRowCodec(RowCodec):
     (growing or ring) says where the rows sit in the cache."""
 
     parts = (".codes", ".scales")
-    lossy = True
     own_meta = ("tq",)
 
     @abstractmethod
@@ -176,7 +180,7 @@ class TurboQuantRowCodec(RowCodec):
 class TurboQuantKVCodec(TurboQuantRowCodec, GrowingKVCodec):
     """``kv:turboquant:{kbits}:{vbits}``: growing TurboQuant rows, stored as they are."""
 
-    kind = "kv:turboquant"
+    family = TURBOQUANT_FAMILY
 
     def make_cache(self, meta: Mapping[str, Any]) -> TurboQuantKVCache:
         return TurboQuantKVCache(self.kbits, self.vbits, **_cache_options(meta))
@@ -185,7 +189,7 @@ class TurboQuantKVCodec(TurboQuantRowCodec, GrowingKVCodec):
 class RotatingTurboQuantKVCodec(TurboQuantRowCodec, RingKVCodec):
     """``kv:rotating-turboquant:{kbits}:{vbits}``: a window of TurboQuant rows."""
 
-    kind = "kv:rotating-turboquant"
+    family = ROTATING_TURBOQUANT_FAMILY
 
     def make_cache(self, meta: Mapping[str, Any]) -> RotatingTurboQuantKVCache:
         return RotatingTurboQuantKVCache(

@@ -159,7 +159,7 @@ class ModelArgs:
         """Per layer, the cache geometry, known from the config alone: an attention
         layer's ``{"n_kv_heads", "head_dim", "sliding_window"}`` (window ``None``
         for full attention), a Gated-DeltaNet layer's ``{"recurrent":
-        "gated-delta", "conv_kernel", "conv_dim", "key_heads", "value_heads",
+        "rec:gated-delta", "conv_kernel", "conv_dim", "key_heads", "value_heads",
         "key_head_dim", "value_head_dim"}``."""
         out: list[dict[str, Any]] = []
         for kind, w in zip(self.layer_kinds, self.layer_windows):
@@ -168,7 +168,7 @@ class ModelArgs:
                 value_dim = self.linear_num_value_heads * self.linear_value_head_dim
                 out.append(
                     {
-                        "recurrent": kind,
+                        "recurrent": "rec:gated-delta",
                         "conv_kernel": self.linear_conv_kernel_dim,
                         "conv_dim": 2 * key_dim + value_dim,
                         "key_heads": self.linear_num_key_heads,

@@ -16,13 +16,14 @@ import mlx.core as mx
 from mlx.utils import tree_map
 
 from kvstore.abc.cache import (
-    affine_params,
     is_gated_delta_cache,
+    quantized_attention_params,
     signature_string,
     uses_dense_attention,
     uses_quantized_attention,
 )
 from kvstore.errors import CapabilityError
+from kvstore.family import families
 
 __all__ = ["Attend", "attention_for", "recurrent_for", "dense_attention", "quantized_attention"]
 
@@ -47,8 +48,10 @@ def quantized_attention(
     *,
     group_size: int,
     bits: int,
+    mode: str = "affine",
 ) -> mx.array:
-    """Attention on packed affine rows with ``mx.quantized_matmul`` (mlx-lm's algorithm)."""
+    """Attention on packed rows with ``mx.quantized_matmul`` (mlx-lm's algorithm):
+    affine ``(q, scales, biases)`` or microscaling ``(q, scales)`` in ``mode``."""
     B, n_q_heads, L, D = queries.shape
     n_kv_heads = keys[0].shape[-3]
     n_repeats = n_q_heads // n_kv_heads
@@ -58,7 +61,9 @@ def quantized_attention(
         keys = tree_map(lambda x: mx.expand_dims(x, axis=-3), keys)
         values = tree_map(lambda x: mx.expand_dims(x, axis=-3), values)
 
-    scores = mx.quantized_matmul(queries, *keys, transpose=True, group_size=group_size, bits=bits)
+    scores = mx.quantized_matmul(
+        queries, *keys, transpose=True, group_size=group_size, bits=bits, mode=mode
+    )
     if mask is not None:
         if type(mask) is str:  # "causal": built here, as the fused kernel would
             q_len, k_len = scores.shape[-2:]
@@ -70,7 +75,9 @@ def quantized_attention(
         else:
             scores = scores + mask
     scores = mx.softmax(scores, axis=-1, precise=True)
-    out = mx.quantized_matmul(scores, *values, transpose=False, group_size=group_size, bits=bits)
+    out = mx.quantized_matmul(
+        scores, *values, transpose=False, group_size=group_size, bits=bits, mode=mode
+    )
     if n_repeats > 1:
         out = mx.reshape(out, (B, n_q_heads, L, D))
     return out
@@ -88,15 +95,17 @@ def attention_for(cache: object, layer: int | None = None) -> Attend:
     if cache is None or uses_dense_attention(cache):
         return dense_attention
     if uses_quantized_attention(cache):
-        bits, group_size = affine_params(cache)
-        return partial(quantized_attention, group_size=group_size, bits=bits)
+        q = quantized_attention_params(cache)
+        return partial(quantized_attention, group_size=q.group_size, bits=q.bits, mode=q.mode)
     signature = signature_string(cache)
     where = "" if layer is None else f" at layer {layer}"
+    kv = [f for f in families() if f.holds_kv]
+    dense = ", ".join(f.kind for f in kv if f.attention == "dense")
+    quantized = ", ".join(f.kind for f in kv if f.attention != "dense")
     raise CapabilityError(
         f"[attention] No attention path for a cache with signature '{signature}'{where} "
         f"({type(cache).__name__}); the model attends only over families whose signature it "
-        f"knows (dense: kv:plain, kv:rotating-plain, kv:turboquant, kv:rotating-turboquant; "
-        f"quantized: kv:quant, kv:rotating-quant). Give the cache a signature() or use "
+        f"knows (dense: {dense}; quantized: {quantized}). Give the cache a signature() or use "
         f"model.make_cache().",
         signature=signature,
         layer=layer,

@@ -15,8 +15,9 @@ namespace_budgets      {}          with ``store.set_budget(..., namespace=)``
 =====================  ==========  ========================================
 
 ``storage_policy`` is ``"lossless"`` (each layer in its own family's
-encoding) or the signature plain layers are stored as (``"kv:quant:8:64"``,
-``"kv:quant:4:64"``, ``"kv:turboquant:3:3"``...).
+encoding) or the signature plain layers are stored as, of a family that
+declares ``storage_policy=True`` (``"kv:quant:8:64"``, ``"kv:quant:4:64"``,
+``"kv:turboquant:3:3"``, ``"kv:mxfp4"``...).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ import msgpack
 from kvstore import __version__
 from kvstore.abc.store import StoreSettings
 from kvstore.errors import FormatVersionError, StoreConfigError
+from kvstore.family import families
 from kvstore.signature import parse_signature
 
 __all__ = [
@@ -56,7 +58,6 @@ __all__ = [
 
 #: Version of the meta record (and of the ``kvstore/v1`` layout it describes).
 META_FORMAT = 1
-_LOSSY_KINDS = ("kv:quant", "kv:turboquant")
 
 
 FIXED_SETTINGS = ("block_size", "storage_policy")
@@ -97,11 +98,10 @@ def parse_storage_policy(value: object) -> str:
         raise _config_error(
             "storage_policy", "'lossless' or a lossy signature such as 'kv:quant:8:64'", value
         ) from exc
-    if sig.kind not in _LOSSY_KINDS:
+    if not sig.family.storage_policy:
+        kinds = [f.kind for f in families() if f.storage_policy]
         raise _config_error(
-            "storage_policy",
-            f"'lossless' or a signature of kind {' or '.join(_LOSSY_KINDS)}",
-            value,
+            "storage_policy", f"'lossless' or a signature of kind {' or '.join(kinds)}", value
         )
     return str(sig)
 

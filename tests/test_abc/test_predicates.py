@@ -67,12 +67,13 @@ def test_can_trim_follows_runtime_state():
     assert not preds.can_trim(cache)  # wrapped: the window has lost tokens
 
 
-def test_affine_params_from_signature():
-    assert preds.affine_params(RotatingQuantizedKVCache(8, bits=5, group_size=32)) == (5, 32)
+def test_quantized_attention_params_from_family_and_signature():
+    q = preds.quantized_attention_params(RotatingQuantizedKVCache(8, bits=5, group_size=32))
+    assert (q.mode, q.bits, q.group_size) == ("affine", 5, 32)
     with pytest.raises(CapabilityError, match="'kv:plain'"):
-        preds.affine_params(KVCache())
+        preds.quantized_attention_params(KVCache())
     with pytest.raises(CapabilityError, match="'unknown'"):
-        preds.affine_params(object())
+        preds.quantized_attention_params(object())
 
 
 def test_mlx_lm_caches_recognised_by_alias():

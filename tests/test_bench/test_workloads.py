@@ -19,6 +19,7 @@ from kvstore.bench.workloads import (
     synthetic_kv,
     windowed_signature,
 )
+from kvstore.family import Family, register_family
 
 KIB = 1024
 TINY_SWA = KVShape("tiny-swa", layers=3, kv_heads=2, head_dim=8, window=16, global_every=3)
@@ -82,9 +83,10 @@ def test_windowed_signature(signature, windowed):
     assert windowed_signature(signature) == windowed
 
 
-def test_a_wrapper_has_no_windowed_family():
-    with pytest.raises(ValueError, match="'batch:kv:plain' has no sliding-window family"):
-        windowed_signature("batch:kv:plain")
+def test_a_family_without_a_windowed_counterpart(registries_restored):
+    register_family(Family("kv:unwindowed", "a test family with no windowed counterpart"))
+    with pytest.raises(ValueError, match="'kv:unwindowed' has no sliding-window family"):
+        windowed_signature("kv:unwindowed")
 
 
 def test_memcpy_case_copies_into_a_buffer_of_that_size():

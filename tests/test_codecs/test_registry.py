@@ -3,6 +3,7 @@
 import importlib
 import inspect
 import pkgutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -10,6 +11,7 @@ import pytest
 
 import kvstore
 import kvstore.codecs
+from kvstore.abc.cache import signature_of, uses_dense_attention
 from kvstore.abc.codec import KVCodec
 from kvstore.caches import (
     KVCache,
@@ -41,14 +43,9 @@ PLUGIN_DIR = Path(__file__).parent.parent / "fixtures" / "plugin"
 
 
 @pytest.fixture
-def registry():
-    """The registry's tables, restored after the test."""
-    codecs, instances = dict(registry_module._CODECS), dict(registry_module._INSTANCES)
-    yield registry_module
-    registry_module._CODECS.clear()
-    registry_module._CODECS.update(codecs)
-    registry_module._INSTANCES.clear()
-    registry_module._INSTANCES.update(instances)
+def registry(registries_restored):
+    """The registries' tables (codecs and families), restored after the test."""
+    return registry_module
 
 
 def all_codec_classes():
@@ -60,7 +57,14 @@ def all_codec_classes():
             if sub not in seen:
                 seen.add(sub)
                 todo.append(sub)
-    return [c for c in seen if c.__module__.startswith("kvstore.") and not inspect.isabstract(c)]
+    # A codec is the codec of the family it names; bases that name none are shared code.
+    return [
+        c
+        for c in seen
+        if c.__module__.startswith("kvstore.")
+        and not inspect.isabstract(c)
+        and "family" in c.__dict__
+    ]
 
 
 def test_every_codec_class_is_registered():
@@ -115,8 +119,8 @@ def test_unknown_kind_lists_registered_kinds():
     assert msg.startswith("[codecs.get] Unknown signature kind 'kv:tq2'")
     assert "Registered: " + ", ".join(registered_kinds()) in msg
     assert info.value.found == "kv:tq2" and info.value.supported == registered_kinds()
-    with pytest.raises(UnknownSignatureError, match="kind 'batch'"):
-        get_codec("batch:kv:plain")
+    with pytest.raises(UnknownSignatureError, match="kind 'batch:kv'"):
+        get_codec("batch:kv:plain")  # no wrapper family is registered (issue 15)
 
 
 def test_bad_parameters_of_a_known_kind_are_a_value_error():
@@ -190,6 +194,13 @@ def test_register_rejects_what_is_not_a_codec():
     with pytest.raises(TypeError, match="KVCodec subclass"):
         register_codec(kvstore.codecs.GrowingKVCodec)  # abstract
 
+    class NoFamily(PlainKVCodec):  # a codec that restates a kind but declares no family
+        family = None  # type: ignore[assignment]
+        kind = "kv:nofamily"
+
+    with pytest.raises(TypeError, match="naming the Family it serves"):
+        register_codec(NoFamily)
+
 
 @pytest.fixture
 def plugin_on_path(registry, monkeypatch):
@@ -209,9 +220,30 @@ def test_plugin_codec_resolves_through_its_entry_point(plugin_on_path):
     cache = sys.modules["plugin_pkg"].ExampleKVCache()
     fill_cache(cache, [12, 1])
     assert codec_for(cache) is codec
+    # Its family registered with its codec: the grammar and the predicates know it.
+    assert str(signature_of(cache)) == "kv:example-plain" and uses_dense_attention(cache)
     again = restore(snapshot(cache))
     assert type(again).__name__ == "ExampleKVCache"
     check_continue(cache, again, [1, 3])
+
+
+def test_a_plugin_family_is_found_by_parsing_its_signature(plugin_on_path):
+    # No codec lookup first: the grammar's miss loads the entry point, codec and family.
+    sig = kvstore.parse_signature("kv:example-plain")
+    assert sig.family.description.startswith("raw rows")
+    assert type(get_codec("kv:example-plain")).__module__ == "plugin_pkg"
+
+
+def test_the_builtin_families_register_on_first_use_in_a_fresh_process():
+    code = (
+        "import sys; from kvstore.signature import parse_signature; "
+        "print(parse_signature('kv:rotating-quant:4:64').family.window_of, "
+        "'kvstore.codecs' in sys.modules)"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
+    )
+    assert out.stdout.split() == ["kv:quant", "True"]
 
 
 def test_without_the_plugin_its_kind_is_unknown(registry):

@@ -136,3 +136,9 @@ def raw(store_url):
     )
     yield backend
     backend.close()
+
+
+def engine_of(store):
+    """The engine that persists ``store``'s blocks (a tiered store's slowest tier's)."""
+    tiers = getattr(store, "tiers", None)
+    return (tiers[-1] if tiers else store).backend

@@ -36,6 +36,8 @@ from kvstore.store import keys as K
 from kvstore.store import open_store
 from kvstore.testing.store import check_match, encoder_for, make_record, prefix_rows, verify_record
 
+from .conftest import engine_of
+
 B = 3
 NS = "machine"
 LOW_WATER = 0.75
@@ -269,7 +271,7 @@ class StoreMachine(RuleBasedStateMachine):
     def same_blocks(self):
         if self.store is None:
             return
-        with self.store.backend.reader() as view:  # raw keys, bypassing the store API
+        with engine_of(self.store).reader() as view:  # raw keys, bypassing the store API
             stored = {
                 k
                 for k, _ in view.scan(K.SCHEMA + K.parse_namespace(NS) + b"/")

@@ -157,3 +157,22 @@ def test_a_shared_tier_that_is_down_does_not_stop_the_local_ones(tmp_path, reque
         activity = store.activity()  # stats() would ask the shared tier for its contents
         assert activity["misses"] == {MissReason.UNAVAILABLE: 1, MissReason.COLD: 1}
         store.close()
+
+
+def test_a_tiered_store_uses_its_tiers_through_the_store_contract(tmp_path):
+    """No engine of its own: ``holds`` and ``set_budget`` go to each tier as store verbs."""
+    from kvstore.errors import CapabilityError
+
+    urls = ["memory://contract-fast", f"lmdb://{tmp_path / 'slow'}"]
+    with open_store("tiered", tiers=urls, **OPTIONS) as store:
+        with pytest.raises(CapabilityError, match="no single backend; open one of its tiers"):
+            store.backend  # noqa: B018
+        tokens = [1, 2, 3, 4, 5, 6]
+        save(store, tokens)
+        key = store.lookup(NS, [*tokens, 7]).blocks[0].key
+        missing = K.record_key(K.parse_namespace(NS), b"\0" * 16)
+        assert store.holds([key, missing]) == [True, False]
+        store.tiers[0].delete(NS)  # gone from the fast tier: the slow one still holds it
+        assert store.holds([key]) == [True]
+        store.set_budget(1 << 20, namespace=NS)
+        assert [t.settings.budget_for(NS) for t in store.tiers] == [1 << 20, 1 << 20]

@@ -11,7 +11,7 @@ from kvstore.store import open_store
 from kvstore.store.maintenance.transfer import ChainWalk, copy_block, namespaces_of, prune_blocks
 from kvstore.testing.store import check_match, encoder_for, verify_record
 
-from .conftest import NS
+from .conftest import NS, engine_of
 
 _copies = itertools.count()
 
@@ -28,7 +28,7 @@ def save_tree(store, seed: int = 0) -> list[list[int]]:
 
 
 def walk(store, **kw):
-    return list(ChainWalk(store.backend, NS.encode(), page=2, **kw))
+    return list(ChainWalk(engine_of(store), NS.encode(), page=2, **kw))
 
 
 def test_the_walk_yields_every_block_once_parents_first(store):
@@ -51,7 +51,7 @@ def test_skip_after_and_root_select_subtrees(store):
     first = blocks[0]
     below = walk(store, root=first.entry.digest)
     assert below and all(b.entry.depth > first.entry.depth for b in below)
-    w = ChainWalk(store.backend, NS.encode(), page=2)
+    w = ChainWalk(engine_of(store), NS.encode(), page=2)
     kept = []
     for b in w:
         kept.append(b)
@@ -67,7 +67,7 @@ def test_copies_keep_lookups_totals_and_are_idempotent(store):
         for _ in range(2):  # the second pass writes nothing
             written = 0
             for b in walk(store):
-                record, use = store.backend.get_many([b.record_key, b.use_key])
+                record, use = engine_of(store).get_many([b.record_key, b.use_key])
                 written += copy.backend.transact(
                     lambda txn, b=b, r=record, u=use: copy_block(txn, b, r, use=u)
                 )

@@ -8,7 +8,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from kvstore.abc.cache import affine_params, signature_string, uses_quantized_attention
+from kvstore.abc.cache import quantized_attention_params, signature_string, uses_quantized_attention
 from kvstore.caches import KVCache, QuantizedKVCache, TurboQuantKVCache
 from kvstore.turboquant.quantizer import TurboQuantizer
 
@@ -98,9 +98,9 @@ def through_cache(cache: Any, keys: mx.array, values: mx.array) -> tuple[mx.arra
     them: TurboQuant caches return decoded rows, affine ones packed rows to dequantize."""
     k, v = cache.update_and_fetch(keys, values)
     if uses_quantized_attention(cache):
-        bits, group = affine_params(cache)
-        k = mx.dequantize(*k, group_size=group, bits=bits)
-        v = mx.dequantize(*v, group_size=group, bits=bits)
+        q = quantized_attention_params(cache)
+        k = mx.dequantize(*k, group_size=q.group_size, bits=q.bits, mode=q.mode)
+        v = mx.dequantize(*v, group_size=q.group_size, bits=q.bits, mode=q.mode)
     return k.astype(mx.float32), v.astype(mx.float32)
 
 

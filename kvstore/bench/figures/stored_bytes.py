@@ -24,6 +24,7 @@ from __future__ import annotations
 from kvstore.bench.harness import BenchContext, Figure, at_most
 from kvstore.bench.results import FigureResult, Row
 from kvstore.bench.workloads import WORKLOADS, synthetic_kv, windowed_signature
+from kvstore.caches.turboquant import TURBOQUANT_FAMILY
 from kvstore.errors import CapabilityError, UnknownSignatureError
 from kvstore.signature import parse_signature
 from kvstore.turboquant.quantizer import bits_per_value
@@ -47,9 +48,12 @@ def formula_bits_per_value(signature: str, head_dim: int) -> float:
     16 raw; ``b + 32/g`` affine (bfloat16 scales and biases per group of g);
     the mean of keys' and values' ``b + 16/D`` for TurboQuant (float16 scales)."""
     sig = parse_signature(signature)
-    if sig.kind in ("kv:quant", "kv:rotating-quant"):
+    quantization = sig.family.quantization(sig)
+    if quantization is not None and quantization.mode == "affine":
         return sig.bits + 2 * _RAW_BITS / sig.group_size
-    if sig.kind in ("kv:turboquant", "kv:rotating-turboquant"):
+    if quantization is not None:  # microscaling: one 8-bit scale per group, no biases
+        return quantization.bits + 8 / quantization.group_size
+    if sig.family.growing_kind == TURBOQUANT_FAMILY.kind:
         return (bits_per_value(sig.kbits, head_dim) + bits_per_value(sig.vbits, head_dim)) / 2
     return float(_RAW_BITS)
 

@@ -6,7 +6,8 @@ then to key order, so the choice is deterministic. Evicting a block can
 make its parent a leaf, which then competes by its own last use.
 
 Eviction runs inside the write transaction that needs the room (a save over
-budget) or in :meth:`~kvstore.store.blocks.prefix.BlockPrefixStore.evict`. It loads
+budget) or in :meth:`~kvstore.store.blocks.prefix.BlockPrefixStore.evict`, both
+through :func:`enforce` over the :class:`Budget` scopes :func:`budgets` lists. It loads
 the scope's index entries and last uses in one scan; with the low-water mark
 (``low_water``, 0.9 of the budget by default) a scan frees a tenth of the
 budget, so scans are rare relative to saves.
@@ -15,16 +16,18 @@ budget, so scans are rare relative to saves.
 from __future__ import annotations
 
 import heapq
+import math
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 
-from kvstore.abc.store import ReadView, WriteView
+from kvstore.abc.store import ReadView, StoreSettings, WriteView
+from kvstore.errors import StoreFullError
 from kvstore.store import keys as K
 from kvstore.store.blocks.index import decode_use, iter_entries
 from kvstore.store.blocks.removal import delete_block
-from kvstore.store.blocks.stats import add_totals
+from kvstore.store.blocks.stats import add_totals, all_totals, read_totals
 
-__all__ = ["Block", "load_blocks", "plan_eviction", "evict_in"]
+__all__ = ["Block", "Budget", "budgets", "enforce", "load_blocks", "plan_eviction", "evict_in"]
 
 
 @dataclass
@@ -108,3 +111,71 @@ def evict_in(
     for ns, (count, nbytes) in per_ns.items():
         add_totals(txn, ns, -count, -nbytes)
     return plan
+
+
+@dataclass(frozen=True)
+class Budget:
+    """A byte limit over some namespaces: one namespace's budget, or the store's."""
+
+    scope: str
+    namespaces: tuple[bytes, ...]
+    limit: int
+
+
+def budgets(
+    view: ReadView, settings: StoreSettings, namespace: bytes | None, *, store: bool = True
+) -> list[Budget]:
+    """The budgets of ``namespace`` (``None``: of every namespace), namespace budgets
+    first, then (``store``) the whole store's."""
+    totals = all_totals(view)
+    scoped = tuple(totals) if namespace is None else (namespace,)
+    out = [
+        Budget(f"namespace {ns.decode()}", (ns,), limit)
+        for ns in scoped
+        if (limit := settings.budget_for(ns.decode())) is not None
+    ]
+    if store and settings.max_bytes is not None:
+        everyone = tuple(dict.fromkeys([*totals, *scoped]))
+        out.append(Budget("the store", everyone, settings.max_bytes))
+    return out
+
+
+def enforce(
+    txn: WriteView,
+    limits: Iterable[Budget],
+    *,
+    low_water: float,
+    incoming: int = 0,
+    pinned: Collection[bytes] = (),
+    must_fit: bool = False,
+) -> list[Block]:
+    """Evict so that each budget holds its scope's bytes plus ``incoming``.
+
+    A scope over ``low_water`` of its limit (``must_fit``: over the limit itself)
+    is brought down to ``low_water`` of the limit, less ``incoming``, so that a
+    scan frees a slice of the budget and is rare relative to saves.
+
+    Raises:
+        StoreFullError: ``must_fit`` and the scope is still over its limit after
+            evicting every unpinned leaf; nothing is committed by the caller then.
+    """
+    out: list[Block] = []
+    for budget in limits:
+        total = sum(read_totals(txn, ns)[1] for ns in budget.namespaces)
+        target = math.floor(budget.limit * low_water) - incoming
+        if total + incoming <= (budget.limit if must_fit else target + incoming):
+            continue
+        gone = evict_in(txn, list(budget.namespaces), total, target, pinned)
+        out += gone
+        total -= sum(b.nbytes for b in gone)
+        if must_fit and total + incoming > budget.limit:
+            raise StoreFullError(
+                f"[save] {incoming} new bytes do not fit the byte budget of {budget.scope} "
+                f"({budget.limit} bytes): {total} bytes remain after evicting every block not "
+                f"in use by this prompt. Raise the budget (set_budget) or save a "
+                f"shorter prompt.",
+                needed=incoming,
+                budget=budget.limit,
+                remaining=total,
+            )
+    return out

@@ -14,7 +14,13 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Iterable
 
-__all__ = ["Housekeeper", "Pending"]
+from kvstore.abc.store import WriteView
+from kvstore.store import keys as K
+from kvstore.store.blocks.index import decode_use, encode_use
+from kvstore.store.blocks.removal import delete_subtree
+from kvstore.store.blocks.stats import add_totals
+
+__all__ = ["Housekeeper", "Pending", "touch_in", "apply_pending"]
 
 _MAX_PENDING = 4096
 
@@ -136,3 +142,28 @@ class Housekeeper:
                         self._cond.wait(self._interval)  # do not spin on a failing write
             if closing:
                 return
+
+
+def touch_in(txn: WriteView, record_key: bytes, when: float) -> None:
+    """Record a use of a block at ``when`` (recency is a max; a gone block is skipped)."""
+    parts = K.split_record_key(record_key)
+    old = None if parts is None else txn.get(K.use_key(*parts))
+    if old is None:
+        return  # the block is gone since it was used: nothing to keep recent
+    last, index_key = decode_use(old)
+    if last < when:
+        txn.put(K.use_key(*parts), encode_use(when, index_key))  # type: ignore[misc]
+
+
+def apply_pending(txn: WriteView, pending: Pending) -> None:
+    """Write a batch in ``txn``: its touches, and its removals with what is stored after them."""
+    for key, when in pending.touches.items():
+        touch_in(txn, key, when)
+    for key in pending.removals:
+        parts = K.split_record_key(key)
+        use = None if parts is None else txn.get(K.use_key(*parts))
+        if parts is None or use is None or not txn.contains(key):
+            continue
+        ns, digest = parts
+        count, nbytes = delete_subtree(txn, ns, decode_use(use)[1], digest)
+        add_totals(txn, ns, -count, -nbytes)

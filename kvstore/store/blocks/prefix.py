@@ -27,12 +27,11 @@ Re-saving a stored prefix only hashes and reads.
 
 from __future__ import annotations
 
-import math
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from functools import partial
 from typing import Any
 
@@ -41,7 +40,6 @@ import numpy as np
 from kvstore.abc.store import (
     Backend,
     BlockRef,
-    BlockSpan,
     Match,
     MissReason,
     NamespaceStats,
@@ -59,34 +57,24 @@ from kvstore.errors import (
     FormatVersionError,
     StoreConfigError,
     StoreError,
-    StoreFullError,
     StoreUnavailableError,
 )
 from kvstore.store import keys as K
+from kvstore.store.blocks import meta, saving
 from kvstore.store.blocks.checks import check_records
-from kvstore.store.blocks.eviction import Block, evict_in
-from kvstore.store.blocks.housekeeping import Housekeeper, Pending
-from kvstore.store.blocks.index import (
-    IndexEntry,
-    best_child,
-    decode_use,
-    encode_entry,
-    encode_use,
-    iter_entries,
-)
+from kvstore.store.blocks.eviction import Block, Budget, budgets, enforce
+from kvstore.store.blocks.housekeeping import Housekeeper, Pending, apply_pending
+from kvstore.store.blocks.index import best_child, iter_entries
 from kvstore.store.blocks.integrity import Survey
-from kvstore.store.blocks.removal import delete_block, delete_namespace, delete_subtree
-from kvstore.store.blocks.stats import Counters, add_totals, all_totals, read_totals
+from kvstore.store.blocks.removal import delete_extending
+from kvstore.store.blocks.stats import Counters, all_totals
 from kvstore.store.kv import CacheMethods
 from kvstore.store.settings import (
     SETTING_PARSERS,
     StoreSettings,
-    decode_meta,
-    encode_meta,
     parse_byte_size,
     parse_fraction,
     parse_seconds,
-    resolve_settings,
 )
 
 __all__ = ["BlockPrefixStore", "STORE_OPTIONS", "verify_kv_record"]
@@ -130,32 +118,6 @@ def _accept(record: memoryview) -> None:
     """``verify=None``: records are opaque bytes; nothing to check."""
 
 
-class _Stale(Exception):
-    """A block seen stored before the write transaction is gone inside it: encode it too."""
-
-
-@dataclass(frozen=True)
-class _Span:
-    """A block of the prompt being saved."""
-
-    index: int
-    start: int
-    tokens: np.ndarray
-    digest: bytes
-    parent: bytes
-    full: bool
-
-
-@dataclass(frozen=True)
-class _SaveOutcome:
-    written: tuple[bytes, ...]
-    written_bytes: int
-    deduplicated: int
-    superseded: int
-    evicted: tuple[Block, ...]
-    covered_by: bytes | None
-
-
 class BlockPrefixStore(CacheMethods, PrefixStore):
     """A prefix store of chained blocks over any :class:`~kvstore.abc.store.Backend`.
 
@@ -173,6 +135,8 @@ class BlockPrefixStore(CacheMethods, PrefixStore):
         low_water: a save over budget evicts down to this fraction of it.
         **settings: store settings (:class:`~kvstore.store.settings.StoreSettings`).
     """
+
+    _backend: Backend
 
     def __init__(
         self,
@@ -199,7 +163,7 @@ class BlockPrefixStore(CacheMethods, PrefixStore):
         self._counters = Counters()
         self._quarantine: set[bytes] = set()
         try:
-            self._settings = self._open_settings(settings)
+            self._settings = meta.open_settings(backend, settings)
         except BaseException:
             backend.close()
             raise
@@ -216,78 +180,19 @@ class BlockPrefixStore(CacheMethods, PrefixStore):
     def settings(self) -> StoreSettings:
         return self._settings
 
-    def _open_settings(self, explicit: dict[str, Any]) -> StoreSettings:
-        with self._backend.reader() as view:
-            raw = view.get(K.META_KEY)
-            stored = None if raw is None else decode_meta(raw, self.url)[0]
-        if stored is None and not self._backend.supports_writes:
-            self._refuse_foreign()
-            raise StoreConfigError(
-                f"[open_store] {self.url} is empty: no store to open read-only.", url=self.url
-            )
-        settings, changed = resolve_settings(stored, explicit)
-        if changed and self._backend.supports_writes:
-            settings = self._backend.transact(lambda txn: self._write_meta(txn, explicit))
-        return settings
-
-    def _write_meta(self, txn: WriteView, explicit: dict[str, Any]) -> StoreSettings:
-        # Re-read inside the transaction: another process may have created the
-        # store (or changed a budget) since we looked.
-        raw = txn.get(K.META_KEY)
-        if raw is None:
-            self._refuse_foreign()  # consistent: we hold the write lock, nothing else commits
-            stored, created = None, None
-        else:
-            stored, created = decode_meta(raw, self.url)
-        settings, changed = resolve_settings(stored, explicit)
-        if changed:
-            txn.put(K.META_KEY, encode_meta(settings, created))
-        return settings
-
-    def _refuse_foreign(self) -> None:
-        """Raise if the backend holds data but no meta record: it is someone else's."""
-        entries = self._backend.stats().get("entries", 0)
-        if entries:
-            raise StoreConfigError(
-                f"[open_store] {self.url} holds {entries} entries but no kvstore/v1/__meta__ "
-                f"record: it is not a kvstore store. Use an empty or new location.",
-                url=self.url,
-            )
-
     def _budgets(self, view: ReadView) -> StoreSettings:
-        """Settings as stored now (budgets may have been changed by another process)."""
-        raw = view.get(K.META_KEY)
-        return self._settings if raw is None else decode_meta(raw, self.url)[0]
+        return meta.current_settings(view, self._settings, self.url)
 
     def set_budget(self, max_bytes: int | str | None, *, namespace: str | None = None) -> None:
-        """Set (``None``: remove) the byte budget of the store or of one namespace, persistently.
-
-        The new budget is enforced from the next save on; call :meth:`evict`
-        to enforce it now.
-        """
         self._check_writable("set_budget")
         value = None if max_bytes is None else parse_byte_size(max_bytes, "max_bytes")
         if namespace is not None:
             K.parse_namespace(namespace)
 
-        def write(txn: WriteView) -> StoreSettings:
-            raw = txn.get(K.META_KEY)
-            assert raw is not None
-            stored, created = decode_meta(raw, self.url)
-            if namespace is None:
-                new = replace(stored, max_bytes=value)
-            else:
-                budgets = dict(stored.namespace_budgets)
-                if value is None:
-                    budgets.pop(namespace, None)
-                else:
-                    budgets[namespace] = value
-                new = replace(stored, namespace_budgets=budgets)
-            txn.put(K.META_KEY, encode_meta(new, created))
-            return new
-
         with self._meta_lock:
-            self._settings = self._backend.transact(write)
+            self._settings = self._backend.transact(
+                lambda txn: meta.write_budget(txn, self.url, value, namespace)
+            )
 
     # ------------------------------------------------------------------ lookup
 
@@ -422,6 +327,11 @@ class BlockPrefixStore(CacheMethods, PrefixStore):
             if self._house is not None:
                 self._house.remove(corrupt)
 
+    def holds(self, keys: Sequence[bytes]) -> list[bool]:
+        self._check_open("holds")
+        with self._unavailable_is_a_miss():
+            return self._backend.contains_many(list(keys))
+
     def _absent(self, key: bytes) -> str:
         """Why a matched block's record could not be read."""
         if key in self._quarantine:
@@ -462,12 +372,12 @@ class BlockPrefixStore(CacheMethods, PrefixStore):
         toks = K.as_tokens(tokens, "save")
         if not len(toks):
             return SaveResult(namespace, 0)
-        spans = self._spans(ns, toks)
+        spans = saving.spans_of(ns, toks, self._settings.block_size)
         encoded: dict[int, Any] = {}
         now = self._clock()
         for _ in range(_SAVE_ATTEMPTS):
             with self._backend.reader() as view:
-                existing, cover, missing = self._survey(view, ns, spans)
+                existing, cover, missing = saving.survey(view, ns, spans)
             if not missing:  # dedup: hashing and one read; the recency update is batched
                 if self._house is not None:
                     self._house.touch(existing, now)
@@ -475,8 +385,9 @@ class BlockPrefixStore(CacheMethods, PrefixStore):
                 return SaveResult(
                     namespace, len(toks), deduplicated=len(existing), covered_by=cover
                 )
-            self._encode(ns, [s for s in missing if s.index not in encoded], encoded, encode)
-            size = sum(_nbytes(r) for r in encoded.values())
+            todo = [s for s in missing if s.index not in encoded]
+            saving.encode_missing(ns, todo, encoded, encode)
+            size = sum(saving.record_nbytes(r) for r in encoded.values())
             try:
                 out = self._write_with_pending(
                     partial(
@@ -489,7 +400,7 @@ class BlockPrefixStore(CacheMethods, PrefixStore):
                     ),
                     size_hint=size,
                 )
-            except _Stale:
+            except saving.Stale:
                 continue
             self._counters.add(
                 saves=1,
@@ -516,203 +427,40 @@ class BlockPrefixStore(CacheMethods, PrefixStore):
             namespace=namespace,
         )
 
-    def _spans(self, ns: bytes, toks: np.ndarray) -> list[_Span]:
-        bsize = self._settings.block_size
-        digests = K.chain_digests(ns, toks, bsize)
-        parents = [K.ROOT, *digests]
-        spans = [
-            _Span(i, i * bsize, toks[i * bsize : (i + 1) * bsize], d, parents[i], True)
-            for i, d in enumerate(digests)
-        ]
-        start = len(digests) * bsize
-        if start < len(toks):
-            tail = toks[start:]
-            digest = K.block_digest(parents[-1], ns, tail.data)
-            spans.append(_Span(len(digests), start, tail, digest, parents[-1], False))
-        return spans
-
-    def _survey(
-        self, view: ReadView, ns: bytes, spans: list[_Span]
-    ) -> tuple[list[bytes], bytes | None, list[_Span]]:
-        """(record keys already serving the prompt, the tail's covering sibling, spans missing)."""
-        existing: list[bytes] = []
-        cover: bytes | None = None
-        missing: list[_Span] = []
-        for span in spans:
-            key = K.record_key(ns, span.digest)
-            if view.contains(key):
-                existing.append(key)
-            elif not span.full and (cover := self._covering(view, ns, span)) is not None:
-                existing.append(cover)
-            else:
-                missing.append(span)
-        return existing, cover, missing
-
-    @staticmethod
-    def _covering(view: ReadView, ns: bytes, span: _Span) -> bytes | None:
-        """The record key of a stored sibling whose tokens start with the tail's, if any."""
-        dirs = (K.children_dir(ns, span.parent), K.tails_dir(ns, span.parent))
-        found = best_child(view, dirs, span.tokens)
-        if found is None or found[0] != len(span.tokens):
-            return None
-        return K.record_key(ns, found[2].digest)
-
-    def _encode(
-        self, ns: bytes, spans: list[_Span], encoded: dict[int, Any], encode: RecordEncoder
-    ) -> None:
-        """Encode ``spans`` (outside the write lock) into ``encoded``, checking what comes back."""
-        if not spans:
-            return
-        records = list(
-            encode(
-                [
-                    BlockSpan(s.index, s.start, s.start + len(s.tokens), K.record_key(ns, s.digest))
-                    for s in spans
-                ]
-            )
+    def _commit_save(self, txn: WriteView, pending: Pending, **kwargs: Any) -> saving.SaveOutcome:
+        apply_pending(txn, pending)
+        ns = kwargs["ns"]
+        return saving.commit_blocks(
+            txn, **kwargs, make_room=lambda t, delta, pinned: self._make_room(t, ns, delta, pinned)
         )
-        if len(records) != len(spans):
-            raise StoreConfigError(
-                f"[save] encode() must return one record per span: {len(spans)} spans, "
-                f"{len(records)} records.",
-                found=len(records),
-                expected=len(spans),
-            )
-        for span, record in zip(spans, records, strict=True):
-            _nbytes(record)  # rejects what is not a contiguous buffer, before the write
-            encoded[span.index] = record
-
-    def _commit_save(
-        self,
-        txn: WriteView,
-        pending: Pending,
-        *,
-        ns: bytes,
-        spans: list[_Span],
-        encoded: dict[int, Any],
-        now: float,
-        family: str,
-    ) -> _SaveOutcome:
-        self._apply_pending(txn, pending)
-        existing, covered_by, new = self._survey(txn, ns, spans)
-        if any(span.index not in encoded for span in new):
-            raise _Stale
-        superseded = self._superseded(txn, ns, new)
-        new_bytes = sum(_nbytes(encoded[s.index]) for s in new)
-        freed = sum(e.nbytes for _, e in superseded)
-        pinned = {*existing, *(K.record_key(ns, e.digest) for _, e in superseded)}
-        evicted = self._make_room(txn, ns, new_bytes - freed, pinned)
-        for span in new:
-            key = K.record_key(ns, span.digest)
-            record = encoded[span.index]
-            txn.put(key, record)
-            entry = IndexEntry(
-                span.digest,
-                span.parent,
-                span.index,
-                len(span.tokens),
-                _nbytes(record),
-                now,
-                family,
-                span.full,
-                span.tokens,
-            )
-            index_key = K.child_key(ns, span.parent, span.tokens, span.digest, span.full)
-            txn.put(index_key, encode_entry(entry))
-            txn.put(K.use_key(ns, span.digest), encode_use(now, index_key))
-        for index_key, entry in superseded:
-            delete_block(txn, ns, index_key, entry.digest)
-        for key in existing:
-            self._touch_in(txn, key, now)
-        add_totals(txn, ns, len(new) - len(superseded), new_bytes - freed)
-        return _SaveOutcome(
-            tuple(K.record_key(ns, s.digest) for s in new),
-            new_bytes,
-            len(existing),
-            len(superseded),
-            tuple(evicted),
-            covered_by,
-        )
-
-    @staticmethod
-    def _superseded(txn: ReadView, ns: bytes, new: list[_Span]) -> list[tuple[bytes, IndexEntry]]:
-        """Stored tails that a new block extends (its tokens start with theirs)."""
-        out = []
-        for span in new:
-            for key, entry in iter_entries(txn, K.tails_dir(ns, span.parent)):
-                assert entry.tokens is not None
-                if entry.ntokens < len(span.tokens) and np.array_equal(
-                    entry.tokens, span.tokens[: entry.ntokens]
-                ):
-                    out.append((key, entry))
-        return out
 
     # ------------------------------------------------------------------ eviction
 
     def _make_room(self, txn: WriteView, ns: bytes, delta: int, pinned: set[bytes]) -> list[Block]:
         """Evict so that ``delta`` more bytes fit the namespace and store budgets."""
-        if delta <= 0:
-            return []
-        settings = self._budgets(txn)
-        evicted: list[Block] = []
-        scopes: list[tuple[str, int | None, list[bytes]]] = [
-            (f"namespace {ns.decode()}", settings.budget_for(ns.decode()), [ns]),
-            ("the store", settings.max_bytes, []),
-        ]
-        for scope, budget, namespaces in scopes:
-            if budget is None:
-                continue
-            namespaces = namespaces or list(all_totals(txn))
-            total = sum(read_totals(txn, n)[1] for n in namespaces)
-            if total + delta <= budget:
-                continue
-            target = math.floor(budget * self._low_water) - delta
-            gone = evict_in(txn, namespaces, total, target, pinned)
-            evicted += gone
-            total -= sum(b.nbytes for b in gone)
-            if total + delta > budget:
-                raise StoreFullError(
-                    f"[save] {delta} new bytes do not fit the byte budget of {scope} "
-                    f"({budget} bytes): {total} bytes remain after evicting every block not "
-                    f"in use by this prompt. Raise the budget (set_budget) or save a "
-                    f"shorter prompt.",
-                    needed=delta,
-                    budget=budget,
-                    remaining=total,
-                )
-        return evicted
+        limits = budgets(txn, self._budgets(txn), ns)
+        return enforce(
+            txn, limits, low_water=self._low_water, incoming=delta, pinned=pinned, must_fit=True
+        )
 
     def evict(self, *, namespace: str | None = None, max_bytes: int | str | None = None) -> int:
         """Evict least-recently-used leaf blocks; returns the bytes freed.
 
         With ``max_bytes``, evict until the namespace (or the whole store) holds
         at most that many bytes. Without, enforce the configured budgets: any
-        namespace or store over its budget is brought down to ``low_water`` of it.
+        namespace or store over ``low_water`` of its budget is brought down to it.
         """
         self._check_writable("evict")
         ns = None if namespace is None else K.parse_namespace(namespace)
         limit = None if max_bytes is None else parse_byte_size(max_bytes, "max_bytes")
 
         def run(txn: WriteView, pending: Pending) -> list[Block]:
-            self._apply_pending(txn, pending)
-            totals = all_totals(txn)
-            settings = self._budgets(txn)
-            jobs: list[tuple[list[bytes], int]] = []
-            if limit is not None:
-                jobs.append(([ns] if ns else list(totals), limit))
-            else:
-                for n in [ns] if ns else list(totals):
-                    budget = settings.budget_for(n.decode())
-                    if budget is not None:
-                        jobs.append(([n], math.floor(budget * self._low_water)))
-                if ns is None and settings.max_bytes is not None:
-                    jobs.append((list(totals), math.floor(settings.max_bytes * self._low_water)))
-            out: list[Block] = []
-            for namespaces, target in jobs:
-                total = sum(read_totals(txn, n)[1] for n in namespaces)
-                if total > target:
-                    out += evict_in(txn, namespaces, total, target, set())
-            return out
+            apply_pending(txn, pending)
+            if limit is None:
+                limits = budgets(txn, self._budgets(txn), ns, store=ns is None)
+                return enforce(txn, limits, low_water=self._low_water)
+            scope = tuple(all_totals(txn)) if ns is None else (ns,)
+            return enforce(txn, [Budget("max_bytes", scope, limit)], low_water=1.0)
 
         gone = self._write_with_pending(run)
         freed = sum(b.nbytes for b in gone)
@@ -731,64 +479,17 @@ class BlockPrefixStore(CacheMethods, PrefixStore):
         ns = K.parse_namespace(namespace)
         toks = K.as_tokens(tokens, "delete")
         bsize = self._settings.block_size
-        whole, rest = divmod(len(toks), bsize)
-        digests = K.chain_digests(ns, toks, bsize, whole)
 
         def run(txn: WriteView, pending: Pending) -> int:
-            self._apply_pending(txn, pending)
-            if not len(toks):
-                return delete_namespace(txn, ns)
-            roots: list[tuple[bytes, bytes]] = []
-            if not rest:
-                parent = digests[-2] if whole > 1 else K.ROOT
-                block = toks[(whole - 1) * bsize :]
-                key = K.child_key(ns, parent, block, digests[-1], True)
-                if txn.contains(key):
-                    roots.append((key, digests[-1]))
-            else:
-                parent = digests[-1] if whole else K.ROOT
-                tail = toks[whole * bsize :]
-                order = K.order_prefix(tail, pad=False)
-                for d in (K.children_dir(ns, parent), K.tails_dir(ns, parent)):
-                    for key, entry in iter_entries(txn, d + order):
-                        assert entry.tokens is not None
-                        if np.array_equal(entry.tokens[: len(tail)], tail):
-                            roots.append((key, entry.digest))
-            count = nbytes = 0
-            for key, digest in roots:
-                c, b = delete_subtree(txn, ns, key, digest)
-                count, nbytes = count + c, nbytes + b
-            add_totals(txn, ns, -count, -nbytes)
-            return count
+            apply_pending(txn, pending)
+            return delete_extending(txn, ns, toks, bsize)
 
         return self._write_with_pending(run)
 
     # ------------------------------------------------------------------ housekeeping
 
-    @staticmethod
-    def _touch_in(txn: WriteView, record_key: bytes, when: float) -> None:
-        parts = K.split_record_key(record_key)
-        old = None if parts is None else txn.get(K.use_key(*parts))
-        if old is None:
-            return  # the block is gone since it was used: nothing to keep recent
-        last, index_key = decode_use(old)
-        if last < when:
-            txn.put(K.use_key(*parts), encode_use(when, index_key))  # type: ignore[misc]
-
-    def _apply_pending(self, txn: WriteView, pending: Pending) -> None:
-        for key, when in pending.touches.items():
-            self._touch_in(txn, key, when)
-        for key in pending.removals:
-            parts = K.split_record_key(key)
-            use = None if parts is None else txn.get(K.use_key(*parts))
-            if parts is None or use is None or not txn.contains(key):
-                continue
-            ns, digest = parts
-            count, nbytes = delete_subtree(txn, ns, decode_use(use)[1], digest)
-            add_totals(txn, ns, -count, -nbytes)
-
     def _write_pending(self, pending: Pending) -> None:
-        self._backend.transact(lambda txn: self._apply_pending(txn, pending))
+        self._backend.transact(lambda txn: apply_pending(txn, pending))
         self._forget_quarantined(pending)
 
     def _write_with_pending(
@@ -895,20 +596,3 @@ class BlockPrefixStore(CacheMethods, PrefixStore):
             report = replace(report, repaired=True)
         return report
 
-
-def _nbytes(record: Any) -> int:
-    """Size of a record, which must be a C-contiguous buffer."""
-    try:
-        view = memoryview(record)
-    except TypeError as exc:
-        raise StoreConfigError(
-            f"[save] A record must be bytes-like (bytes, bytearray, memoryview, numpy "
-            f"array); received {type(record).__name__}.",
-            found=type(record).__name__,
-        ) from exc
-    if not view.c_contiguous:
-        raise StoreConfigError(
-            "[save] A record must be a C-contiguous buffer; copy it (np.ascontiguousarray).",
-            found=type(record).__name__,
-        )
-    return view.nbytes

@@ -1,17 +1,21 @@
 """Removing blocks: one block, a block with everything stored after it, a namespace.
 
 Used by deletes, eviction, corrupt-record removal and ``verify(repair=True)``,
-always inside a write transaction; totals are the caller's to adjust.
+always inside a write transaction; totals are the caller's to adjust (except
+:func:`delete_extending`, a whole delete, which adjusts its own).
 """
 
 from __future__ import annotations
 
+import numpy as np
+
 from kvstore.abc.store import WriteView
 from kvstore.errors import CorruptEntryError, FormatVersionError
 from kvstore.store import keys as K
-from kvstore.store.blocks.index import decode_entry
+from kvstore.store.blocks.index import decode_entry, iter_entries
+from kvstore.store.blocks.stats import add_totals
 
-__all__ = ["delete_block", "delete_subtree", "delete_namespace"]
+__all__ = ["delete_block", "delete_subtree", "delete_namespace", "delete_extending"]
 
 
 def delete_block(txn: WriteView, ns: bytes, index_key: bytes, digest: bytes) -> None:
@@ -66,3 +70,38 @@ def delete_namespace(txn: WriteView, ns: bytes) -> int:
         txn.delete(key)
     txn.delete(K.totals_key(ns))
     return sum(K.split_record_key(key) is not None for key in keys)
+
+
+def delete_extending(txn: WriteView, ns: bytes, toks: np.ndarray, block_size: int) -> int:
+    """Remove every block whose prefix extends ``toks`` (the whole namespace when
+    ``toks`` is empty), adjusting the totals; returns the blocks removed.
+
+    Blocks shared with prompts that do not start with ``toks`` stay, so chains
+    stay contiguous.
+    """
+    if not len(toks):
+        return delete_namespace(txn, ns)
+    whole, rest = divmod(len(toks), block_size)
+    digests = K.chain_digests(ns, toks, block_size, whole)
+    roots: list[tuple[bytes, bytes]] = []
+    if not rest:
+        parent = digests[-2] if whole > 1 else K.ROOT
+        block = toks[(whole - 1) * block_size :]
+        key = K.child_key(ns, parent, block, digests[-1], True)
+        if txn.contains(key):
+            roots.append((key, digests[-1]))
+    else:
+        parent = digests[-1] if whole else K.ROOT
+        tail = toks[whole * block_size :]
+        order = K.order_prefix(tail, pad=False)
+        for d in (K.children_dir(ns, parent), K.tails_dir(ns, parent)):
+            for key, entry in iter_entries(txn, d + order):
+                assert entry.tokens is not None
+                if np.array_equal(entry.tokens[: len(tail)], tail):
+                    roots.append((key, entry.digest))
+    count = nbytes = 0
+    for key, digest in roots:
+        c, b = delete_subtree(txn, ns, key, digest)
+        count, nbytes = count + c, nbytes + b
+    add_totals(txn, ns, -count, -nbytes)
+    return count

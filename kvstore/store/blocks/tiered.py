@@ -194,7 +194,7 @@ class TieredPrefixStore(CacheMethods, PrefixStore):
                 setting="write",
                 found=write,
             )
-        super().__init__(tiers[-1].backend)
+        super().__init__(None)
         self.tiers = tiers
         self.write = write
         self.promote = promote
@@ -279,12 +279,27 @@ class TieredPrefixStore(CacheMethods, PrefixStore):
         for t, tier in enumerate(self.tiers):
             if not unknown:
                 break
-            held = tier.backend.contains_many([blocks[i].key for i in unknown])
+            held = tier.holds([blocks[i].key for i in unknown])
             for i, present in zip(list(unknown), held):
                 if present:
                     plan[i] = t
                     unknown.remove(i)
         return plan
+
+    def holds(self, keys: Sequence[bytes]) -> list[bool]:
+        """Whether any tier holds each block (tiers that cannot be reached hold nothing)."""
+        self._check_open("holds")
+        held = [False] * len(keys)
+        for tier in self.tiers:
+            todo = [i for i, h in enumerate(held) if not h]
+            if not todo:
+                break
+            try:
+                for i, present in zip(todo, tier.holds([keys[i] for i in todo])):
+                    held[i] = present
+            except StoreUnavailableError:
+                continue
+        return held
 
     @contextmanager
     def read(self, blocks: Sequence[BlockRef]) -> Iterator[list[memoryview]]:
@@ -331,7 +346,7 @@ class TieredPrefixStore(CacheMethods, PrefixStore):
     def _slower_holder(self, key: bytes, tier: int) -> int | None:
         """The fastest tier slower than ``tier`` that holds ``key``."""
         for t in range(tier + 1, len(self.tiers)):
-            if self.tiers[t].backend.contains_many([key])[0]:
+            if self.tiers[t].holds([key])[0]:
                 return t
         return None
 
@@ -435,7 +450,7 @@ class TieredPrefixStore(CacheMethods, PrefixStore):
         """Set the byte budget of the store or of a namespace in every tier."""
         self._check_writable("set_budget")
         for tier in self.tiers:
-            tier.set_budget(max_bytes, namespace=namespace)  # type: ignore[attr-defined]
+            tier.set_budget(max_bytes, namespace=namespace)
 
     def activity(self) -> dict[str, Any]:
         """This store's own activity (no tier is asked, so it works with one down)."""

@@ -30,7 +30,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kvstore.abc.cache import SLIDING_WINDOW_KINDS, is_sliding_window_cache, signature_of
+from kvstore.abc.cache import is_sliding_window_cache, signature_of
 from kvstore.abc.codec import RestorePlan, Snapshot
 from kvstore.abc.store import BlockRef, Match, PrefixStore
 from kvstore.codecs import decode_record, get_codec, read_header, transcode
@@ -190,11 +190,11 @@ def _convertible(stored: str, wanted: str) -> bool:
     if stored == wanted:
         return True
     try:
-        kinds = [parse_signature(sig).kind for sig in (stored, wanted)]
+        families = [parse_signature(sig).family for sig in (stored, wanted)]
         get_codec(stored), get_codec(wanted)
     except (UnknownSignatureError, ValueError, TypeError):
         return False
-    return (kinds[0] in SLIDING_WINDOW_KINDS) == (kinds[1] in SLIDING_WINDOW_KINDS)
+    return families[0].windowed == families[1].windowed
 
 
 def _plan_layer(

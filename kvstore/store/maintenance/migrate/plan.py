@@ -21,6 +21,7 @@ from kvstore.errors import (
     FormatVersionError,
     StoreConfigError,
 )
+from kvstore.family import growing_family
 from kvstore.signature import parse_signature
 from kvstore.store import BACKEND_OPTIONS, open_backend
 from kvstore.store import keys as K
@@ -29,7 +30,6 @@ from kvstore.store.maintenance.inventory import lmdb_path, open_existing, store_
 from kvstore.store.maintenance.migrate.journal import JOURNAL_KEY, Journal, decode_journal
 from kvstore.store.maintenance.migrate.recode import plan_layers, recode_record
 from kvstore.store.maintenance.migrate.targets import (
-    GROWING_COUNTERPART,
     LayerSelection,
     check_format_version,
     is_lossy,
@@ -43,7 +43,6 @@ __all__ = ["IN_PLACE_SUFFIX", "Direction", "MigrationPlan", "plan_migration"]
 
 #: ``--in-place`` migrates into this sibling of the store directory, then swaps.
 IN_PLACE_SUFFIX = ".migrate-tmp"
-_LOSSY_POLICY_KINDS = ("kv:quant", "kv:turboquant")
 
 
 @dataclass(frozen=True)
@@ -179,15 +178,17 @@ def _destination(src: str, dst: str | None, in_place: bool) -> str:
 
 
 def _read_settings(store: PrefixStore, inputs: Inputs) -> StoreSettings:
-    """SRC's settings for DST; the storage policy follows ``to`` when every layer converts."""
+    """SRC's settings for DST; the storage policy follows ``to`` when every layer
+    converts: its growing family when that is a storage policy, ``lossless`` when
+    that is a lossless KV family, else SRC's."""
     settings = store.settings
     if inputs.to is None or not inputs.layers.everything:
         return settings
     sig = parse_signature(inputs.to)
-    kind = GROWING_COUNTERPART.get(sig.kind, sig.kind)
-    if kind in _LOSSY_POLICY_KINDS:
-        policy = str(replace(sig, kind=kind))
-    elif kind == "kv:plain":
+    family = growing_family(sig.kind)
+    if family.storage_policy:
+        policy = family.signature(*sig.params)
+    elif not family.lossy and family.holds_kv:
         policy = "lossless"
     else:
         policy = settings.storage_policy

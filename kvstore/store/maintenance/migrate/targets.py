@@ -3,9 +3,10 @@
 ``--to`` names one family; each selected layer goes to that family or, for a
 layer of the other window kind, to its counterpart: ``--to kv:quant:8:64``
 sends ``kv:plain`` layers to ``kv:quant:8:64`` and ``kv:rotating-plain``
-(sliding-window) layers to ``kv:rotating-quant:8:64``. ``--layers`` selects
-layers by index (``0-3,7``) or by kind (``global``: full attention,
-``sliding``: sliding window); ``all`` is the default.
+(sliding-window) layers to ``kv:rotating-quant:8:64`` -- the windowed family
+that declares it keeps a window of ``kv:quant`` (:mod:`kvstore.family`).
+``--layers`` selects layers by index (``0-3,7``) or by kind (``global``: full
+attention, ``sliding``: sliding window); ``all`` is the default.
 """
 
 from __future__ import annotations
@@ -15,12 +16,16 @@ from dataclasses import dataclass
 
 from kvstore.codecs.header import FORMAT_VERSION, SUPPORTED_VERSIONS
 from kvstore.codecs.registry import get_codec
-from kvstore.errors import FormatVersionError, StoreConfigError, UnknownSignatureError
-from kvstore.signature import KINDS, Signature, parse_signature
+from kvstore.errors import (
+    CapabilityError,
+    FormatVersionError,
+    StoreConfigError,
+    UnknownSignatureError,
+)
+from kvstore.family import families, growing_family, windowed_family
+from kvstore.signature import parse_signature, registered_kinds
 
 __all__ = [
-    "ROTATING_COUNTERPART",
-    "GROWING_COUNTERPART",
     "parse_target",
     "is_sliding",
     "target_for",
@@ -30,14 +35,10 @@ __all__ = [
     "check_format_version",
 ]
 
-#: Growing (full-attention) kind -> its sliding-window kind, same parameters.
-ROTATING_COUNTERPART = {
-    "kv:plain": "kv:rotating-plain",
-    "kv:quant": "kv:rotating-quant",
-    "kv:turboquant": "kv:rotating-turboquant",
-}
-#: Sliding-window kind -> its growing kind.
-GROWING_COUNTERPART = {rot: grow for grow, rot in ROTATING_COUNTERPART.items()}
+
+def _examples() -> str:
+    """Signature shapes of the registered growing families, for messages."""
+    return ", ".join(f.form for f in families() if not f.windowed and f.holds_kv)
 
 
 def parse_target(text: str, operation: str = "migrate") -> str:
@@ -51,10 +52,10 @@ def parse_target(text: str, operation: str = "migrate") -> str:
         sig = parse_signature(text)
     except (ValueError, TypeError) as exc:  # UnknownSignatureError is a LookupError
         raise UnknownSignatureError(
-            f"[{operation}] --to {text!r} is not a signature: {_rule(exc)} Write one such as "
-            f"kv:plain, kv:quant:8:64, kv:quant:4:64 or kv:turboquant:4:4.",
+            f"[{operation}] --to {text!r} is not a signature: {_rule(exc)} Write one of "
+            f"{_examples()}.",
             found=text,
-            supported=list(KINDS),
+            supported=registered_kinds(),
         ) from exc
     except UnknownSignatureError as exc:
         raise _unknown(operation, text, exc) from exc
@@ -75,7 +76,7 @@ def _unknown(operation: str, text: str, exc: UnknownSignatureError) -> UnknownSi
     return UnknownSignatureError(
         f"[{operation}] --to {text!r}: {_rule(exc)}",
         found=text,
-        supported=getattr(exc, "supported", list(KINDS)),
+        supported=getattr(exc, "supported", registered_kinds()),
     )
 
 
@@ -86,16 +87,31 @@ def _rule(exc: Exception) -> str:
 
 def is_sliding(signature: str) -> bool:
     """A sliding-window (rotating) family."""
-    return parse_signature(signature).kind in GROWING_COUNTERPART
+    return parse_signature(signature).family.windowed
 
 
 def target_for(source: str, to: str) -> str:
     """The family a layer stored as ``source`` becomes when migrating ``--to to``:
-    ``to`` itself, or its counterpart of the source's window kind."""
+    ``to`` itself, or its counterpart of the source's window kind.
+
+    Raises:
+        CapabilityError: ``source`` is a sliding-window layer and no windowed
+            family keeps a window of ``to``'s.
+    """
     target = parse_signature(to)
-    table = ROTATING_COUNTERPART if is_sliding(source) else GROWING_COUNTERPART
-    kind = table.get(target.kind, target.kind)
-    return str(Signature(kind, target.params))
+    if is_sliding(source) == target.family.windowed:
+        return str(target)
+    if not is_sliding(source):
+        return growing_family(target.kind).signature(*target.params)
+    windowed = windowed_family(target.kind)
+    if windowed is None:
+        raise CapabilityError(
+            f"[migrate] --to {to}: the sliding-window layers stored as {source} need a "
+            f"windowed family, and none keeps a window of {target.kind}. Limit the "
+            f"migration with --layers global.",
+            signature=to,
+        )
+    return windowed.signature(*target.params)
 
 
 def is_lossy(source: str, target: str) -> bool:

@@ -1,0 +1,229 @@
+"""Saving a prompt's blocks: which are missing, encoding them, and the commit.
+
+A save hashes the prompt into :class:`Span` blocks (full blocks, then the
+partial *tail*), asks which are stored (:func:`survey`), encodes only the
+missing ones outside the write lock (:func:`encode_missing`), and commits them
+in one transaction (:func:`commit_blocks`): records, index entries and last
+uses, stored tails the new blocks extend removed (*superseded*), totals
+adjusted. A block another process evicted between the survey and the commit
+makes the commit raise :class:`Stale`; the caller encodes it too and retries.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from kvstore.abc.store import BlockSpan, ReadView, RecordEncoder, WriteView
+from kvstore.errors import StoreConfigError
+from kvstore.store import keys as K
+from kvstore.store.blocks.eviction import Block
+from kvstore.store.blocks.housekeeping import touch_in
+from kvstore.store.blocks.index import (
+    IndexEntry,
+    best_child,
+    encode_entry,
+    encode_use,
+    iter_entries,
+)
+from kvstore.store.blocks.removal import delete_block
+from kvstore.store.blocks.stats import add_totals
+
+__all__ = [
+    "Span",
+    "SaveOutcome",
+    "Stale",
+    "spans_of",
+    "survey",
+    "encode_missing",
+    "commit_blocks",
+    "record_nbytes",
+]
+
+#: ``make_room(txn, incoming bytes, pinned record keys) -> evicted blocks``.
+MakeRoom = Callable[[WriteView, int, set[bytes]], list[Block]]
+
+
+class Stale(Exception):
+    """A block seen stored before the write transaction is gone inside it: encode it too."""
+
+
+@dataclass(frozen=True)
+class Span:
+    """A block of the prompt being saved."""
+
+    index: int
+    start: int
+    tokens: np.ndarray
+    digest: bytes
+    parent: bytes
+    full: bool
+
+
+@dataclass(frozen=True)
+class SaveOutcome:
+    written: tuple[bytes, ...]
+    written_bytes: int
+    deduplicated: int
+    superseded: int
+    evicted: tuple[Block, ...]
+    covered_by: bytes | None
+
+
+def spans_of(ns: bytes, toks: np.ndarray, block_size: int) -> list[Span]:
+    """The prompt's full blocks, then its partial tail (if any)."""
+    digests = K.chain_digests(ns, toks, block_size)
+    parents = [K.ROOT, *digests]
+    spans = [
+        Span(i, i * block_size, toks[i * block_size : (i + 1) * block_size], d, parents[i], True)
+        for i, d in enumerate(digests)
+    ]
+    start = len(digests) * block_size
+    if start < len(toks):
+        tail = toks[start:]
+        digest = K.block_digest(parents[-1], ns, tail.data)
+        spans.append(Span(len(digests), start, tail, digest, parents[-1], False))
+    return spans
+
+
+def survey(
+    view: ReadView, ns: bytes, spans: list[Span]
+) -> tuple[list[bytes], bytes | None, list[Span]]:
+    """(record keys already serving the prompt, the tail's covering sibling, spans missing)."""
+    existing: list[bytes] = []
+    cover: bytes | None = None
+    missing: list[Span] = []
+    for span in spans:
+        key = K.record_key(ns, span.digest)
+        if view.contains(key):
+            existing.append(key)
+        elif not span.full and (cover := _covering(view, ns, span)) is not None:
+            existing.append(cover)
+        else:
+            missing.append(span)
+    return existing, cover, missing
+
+
+def _covering(view: ReadView, ns: bytes, span: Span) -> bytes | None:
+    """The record key of a stored sibling whose tokens start with the tail's, if any."""
+    dirs = (K.children_dir(ns, span.parent), K.tails_dir(ns, span.parent))
+    found = best_child(view, dirs, span.tokens)
+    if found is None or found[0] != len(span.tokens):
+        return None
+    return K.record_key(ns, found[2].digest)
+
+
+def encode_missing(
+    ns: bytes, spans: list[Span], encoded: dict[int, Any], encode: RecordEncoder
+) -> None:
+    """Encode ``spans`` (outside the write lock) into ``encoded``, checking what comes back."""
+    if not spans:
+        return
+    records = list(
+        encode(
+            [
+                BlockSpan(s.index, s.start, s.start + len(s.tokens), K.record_key(ns, s.digest))
+                for s in spans
+            ]
+        )
+    )
+    if len(records) != len(spans):
+        raise StoreConfigError(
+            f"[save] encode() must return one record per span: {len(spans)} spans, "
+            f"{len(records)} records.",
+            found=len(records),
+            expected=len(spans),
+        )
+    for span, record in zip(spans, records, strict=True):
+        record_nbytes(record)  # rejects what is not a contiguous buffer, before the write
+        encoded[span.index] = record
+
+
+def commit_blocks(
+    txn: WriteView,
+    *,
+    ns: bytes,
+    spans: list[Span],
+    encoded: dict[int, Any],
+    now: float,
+    family: str,
+    make_room: MakeRoom,
+) -> SaveOutcome:
+    """Write the prompt's missing blocks in ``txn`` (see the module docstring).
+
+    Raises:
+        Stale: a block the caller did not encode is missing now.
+        StoreFullError: from ``make_room``.
+    """
+    existing, covered_by, new = survey(txn, ns, spans)
+    if any(span.index not in encoded for span in new):
+        raise Stale
+    superseded = _superseded(txn, ns, new)
+    new_bytes = sum(record_nbytes(encoded[s.index]) for s in new)
+    freed = sum(e.nbytes for _, e in superseded)
+    pinned = {*existing, *(K.record_key(ns, e.digest) for _, e in superseded)}
+    evicted = make_room(txn, new_bytes - freed, pinned) if new_bytes > freed else []
+    for span in new:
+        record = encoded[span.index]
+        txn.put(K.record_key(ns, span.digest), record)
+        entry = IndexEntry(
+            span.digest,
+            span.parent,
+            span.index,
+            len(span.tokens),
+            record_nbytes(record),
+            now,
+            family,
+            span.full,
+            span.tokens,
+        )
+        index_key = K.child_key(ns, span.parent, span.tokens, span.digest, span.full)
+        txn.put(index_key, encode_entry(entry))
+        txn.put(K.use_key(ns, span.digest), encode_use(now, index_key))
+    for index_key, entry in superseded:
+        delete_block(txn, ns, index_key, entry.digest)
+    for key in existing:
+        touch_in(txn, key, now)
+    add_totals(txn, ns, len(new) - len(superseded), new_bytes - freed)
+    return SaveOutcome(
+        tuple(K.record_key(ns, s.digest) for s in new),
+        new_bytes,
+        len(existing),
+        len(superseded),
+        tuple(evicted),
+        covered_by,
+    )
+
+
+def _superseded(txn: ReadView, ns: bytes, new: list[Span]) -> list[tuple[bytes, IndexEntry]]:
+    """Stored tails that a new block extends (its tokens start with theirs)."""
+    out = []
+    for span in new:
+        for key, entry in iter_entries(txn, K.tails_dir(ns, span.parent)):
+            assert entry.tokens is not None
+            if entry.ntokens < len(span.tokens) and np.array_equal(
+                entry.tokens, span.tokens[: entry.ntokens]
+            ):
+                out.append((key, entry))
+    return out
+
+
+def record_nbytes(record: Any) -> int:
+    """Size of a record, which must be a C-contiguous buffer."""
+    try:
+        view = memoryview(record)
+    except TypeError as exc:
+        raise StoreConfigError(
+            f"[save] A record must be bytes-like (bytes, bytearray, memoryview, numpy "
+            f"array); received {type(record).__name__}.",
+            found=type(record).__name__,
+        ) from exc
+    if not view.c_contiguous:
+        raise StoreConfigError(
+            "[save] A record must be a C-contiguous buffer; copy it (np.ascontiguousarray).",
+            found=type(record).__name__,
+        )
+    return view.nbytes
