@@ -118,7 +118,7 @@ def _save_progress(store: Any, show: bool, label: str) -> Iterator[None]:
     """
     put_blocks = store.put_blocks
 
-    def with_bar(namespace: str, tokens: Any, encode: Any, *, family: str = "") -> Any:
+    def with_bar(namespace: str, tokens: Any, encode: Any, **options: Any) -> Any:
         bars: list[Any] = []
 
         def encode_each(spans: Sequence[Any]) -> list[Any]:
@@ -131,7 +131,7 @@ def _save_progress(store: Any, show: bool, label: str) -> Iterator[None]:
             return records
 
         try:
-            return put_blocks(namespace, tokens, encode_each, family=family)
+            return put_blocks(namespace, tokens, encode_each, **options)
         finally:
             for bar in bars:
                 bar.close()

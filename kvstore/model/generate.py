@@ -66,6 +66,9 @@ class GenerationStats:
             store, rebuilding the caches from it, and saving after generation
             (0 without a store, i.e. without ``hooks``; lookup and restore are
             part of ``ttft_s``).
+        kv_matched_tokens: prompt tokens whose KV the store matched; more than
+            ``reused_tokens`` for a hybrid model whose match runs past its last
+            recurrent checkpoint (0 without a store).
         store_error: why the store served or saved nothing, when it failed
             (generation recomputed or went on without it), else ``None``.
         target_forwards: forwards of the model after prefill (one per token
@@ -87,6 +90,7 @@ class GenerationStats:
     restore_s: float = 0.0
     save_s: float = 0.0
     store_error: str | None = None
+    kv_matched_tokens: int = 0
     target_forwards: int = 0
     draft_tokens: int = 0
     accepted_tokens: int = 0
@@ -120,6 +124,13 @@ class GenerationHooks(Protocol):
     prefill chunk; ``save`` gets the tokens whose KV the caches hold once
     generation ends (or is stopped). None of them may raise for a fault of
     their own: a hook that fails leaves generation as it would be without it.
+
+    For recurrent checkpoints (issue 16): ``prefill_stops(start, stop)`` names
+    positions where prefill chunks must end, ``next_stop(offset)`` a position a
+    decode round must not run past (``None``: any), and ``on_decode(offset,
+    caches)`` runs after each decode step or round, the caches then holding
+    ``offset`` verified tokens. ``kv_matched`` is how many prompt tokens the
+    store matched (``>= reused`` tokens).
     """
 
     @property
@@ -129,8 +140,15 @@ class GenerationHooks(Protocol):
     restore_s: float
     save_s: float
     error: str | None
+    kv_matched: int
 
     def restore(self, tokens: np.ndarray, caches: list[Any]) -> list[Any]: ...
+
+    def prefill_stops(self, start: int, stop: int) -> Sequence[int]: ...
+
+    def next_stop(self, offset: int) -> int | None: ...
+
+    def on_decode(self, offset: int, caches: list[Any]) -> None: ...
 
     def on_prefill_chunk(self, offset_end: int, caches: list[Any]) -> None: ...
 
@@ -138,13 +156,18 @@ class GenerationHooks(Protocol):
 
 
 def prefill_chunks(
-    start: int, stop: int, chunk_size: int, block_size: int | None
+    start: int,
+    stop: int,
+    chunk_size: int,
+    block_size: int | None,
+    stops: Collection[int] = (),
 ) -> list[tuple[int, int]]:
     """The ``[begin, end)`` chunks covering prompt positions ``start..stop``.
 
     Every chunk but the last ends on a multiple of ``block_size``, so a chunk
     is at most ``chunk_size`` tokens and whole blocks never straddle chunks.
-    ``block_size=None`` cuts plain ``chunk_size`` chunks.
+    ``block_size=None`` cuts plain ``chunk_size`` chunks. A chunk also ends at
+    each of ``stops`` (where a recurrent checkpoint is taken).
 
     Raises:
         ValueError: ``chunk_size`` < 1 or smaller than ``block_size``.
@@ -156,8 +179,13 @@ def prefill_chunks(
             f"boundaries); received chunk_size={chunk_size}, block_size={block_size}."
         )
     chunks, pos = [], start
+    cuts = sorted(p for p in stops if start < p < stop)
     while pos < stop:
         end = min(stop, (pos + chunk_size) // block * block)
+        while cuts and cuts[0] <= pos:
+            cuts.pop(0)
+        if cuts and cuts[0] < end:
+            end = cuts.pop(0)
         chunks.append((pos, end))
         pos = end
     return chunks
@@ -329,7 +357,8 @@ def generate(
         caches[:] = hooks.restore(np.asarray(tokens), caches)
         callback = _both(hooks.on_prefill_chunk, on_prefill_chunk)
     start = _start_offset(caches, n_prompt, prefix_len)
-    chunks = prefill_chunks(start, n_prompt, chunk_size, block_size)
+    stops = hooks.prefill_stops(start, n_prompt) if hooks is not None else ()
+    chunks = prefill_chunks(start, n_prompt, chunk_size, block_size, stops)
     logits = prefill(model, tokens, caches, chunks, callback)
     y = sampler(_log_softmax(logits))
     token = cast(int, y.item())
@@ -357,21 +386,29 @@ def generate(
                 y = sampler(_log_softmax(logits))
                 ready.append(cast(int, y.item()))
                 counts.forwards += 1
+                if hooks is not None:
+                    hooks.on_decode(n_prompt + len(streamed), caches)
                 continue
             assert sampling is not None
-            ready.extend(
-                _speculate(
-                    model,
-                    caches,
-                    drafter,
-                    sampling,
-                    np.concatenate([np.asarray(tokens), np.asarray(streamed, dtype=np.int64)]),
-                    min(num_draft_tokens, max_tokens - len(streamed) - 1),
-                    stop,
-                    max_tokens - len(streamed),
-                    counts,
-                )
+            offset = n_prompt + len(streamed) - 1  # the caches hold all but the last token
+            n_draft = min(num_draft_tokens, max_tokens - len(streamed) - 1)
+            landing = hooks.next_stop(offset) if hooks is not None else None
+            if landing is not None:  # the round ends on it, not past it
+                n_draft = min(n_draft, landing - offset - 1)
+            out = _speculate(
+                model,
+                caches,
+                drafter,
+                sampling,
+                np.concatenate([np.asarray(tokens), np.asarray(streamed, dtype=np.int64)]),
+                n_draft,
+                stop,
+                max_tokens - len(streamed),
+                counts,
             )
+            ready.extend(out)
+            if hooks is not None:
+                hooks.on_decode(offset + len(out), caches)
     except GeneratorExit:  # the caller stopped early: what has KV is still worth keeping
         if hooks is not None:
             hooks.save(_with_kv(tokens, streamed), caches)
@@ -398,6 +435,7 @@ def generate(
             restore_s=hooks.restore_s if hooks else 0.0,
             save_s=hooks.save_s if hooks else 0.0,
             store_error=hooks.error if hooks else None,
+            kv_matched_tokens=hooks.kv_matched if hooks else 0,
             target_forwards=counts.forwards,
             draft_tokens=counts.drafted,
             accepted_tokens=counts.accepted,

@@ -171,8 +171,7 @@ def main(argv: list[str] | None = None) -> int:
         "machine": f"{platform.machine()} {platform.processor() or ''} Python "
         f"{platform.python_version()}".strip(),
         "command": "LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3 "
-        ".venv/bin/python -m tools.bench.speculative"
-        + ("" if args.float32 else " --stored-dtype"),
+        ".venv/bin/python -m tools.bench.speculative" + ("" if args.float32 else " --stored-dtype"),
     }
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "speculative.json").write_text(

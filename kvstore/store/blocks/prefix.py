@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import replace
 from functools import partial
@@ -64,10 +64,10 @@ from kvstore.store.blocks import meta, saving
 from kvstore.store.blocks.checks import check_records
 from kvstore.store.blocks.eviction import Block, Budget, budgets, enforce
 from kvstore.store.blocks.housekeeping import Housekeeper, Pending, apply_pending
-from kvstore.store.blocks.index import best_child, iter_entries
+from kvstore.store.blocks.index import IndexEntry, best_child, decode_entry, iter_entries
 from kvstore.store.blocks.integrity import Survey
 from kvstore.store.blocks.removal import delete_extending
-from kvstore.store.blocks.stats import Counters, all_totals
+from kvstore.store.blocks.stats import Counters, all_checkpoint_totals, all_totals
 from kvstore.store.kv import CacheMethods
 from kvstore.store.settings import (
     SETTING_PARSERS,
@@ -99,6 +99,7 @@ STORE_OPTIONS: dict[str, Callable[[Any], Any]] = {
     "touch_interval": lambda v: parse_seconds(v, "touch_interval"),
     "clock": _parse_callable("clock"),
     "low_water": lambda v: parse_fraction(v, "low_water"),
+    "describe": _parse_callable("describe"),
 }
 
 _SAVE_ATTEMPTS = 8
@@ -118,6 +119,19 @@ def _accept(record: memoryview) -> None:
     """``verify=None``: records are opaque bytes; nothing to check."""
 
 
+def kv_checkpoint_nbytes(record: Any) -> int:
+    """The default ``describe``: bytes of a kvstore record that are recurrent
+    checkpoints (:func:`kvstore.codecs.record.checkpoint_nbytes`); imported on first use."""
+    from kvstore.codecs.record import checkpoint_nbytes
+
+    return checkpoint_nbytes(record)
+
+
+def _opaque(record: Any) -> int:
+    """``describe=None``: records are opaque; none is known to carry a checkpoint."""
+    return 0
+
+
 class BlockPrefixStore(CacheMethods, PrefixStore):
     """A prefix store of chained blocks over any :class:`~kvstore.abc.store.Backend`.
 
@@ -133,6 +147,10 @@ class BlockPrefixStore(CacheMethods, PrefixStore):
             (``0``: only when the store writes anyway, or on :meth:`flush`).
         clock: the time source for recency (seconds; tests pass a counter).
         low_water: a save over budget evicts down to this fraction of it.
+        describe: ``describe(record)`` says how many of a record's bytes are a
+            recurrent checkpoint at its block's end (issue 16), kept in the index
+            and counted apart. Default: :func:`kv_checkpoint_nbytes` (kvstore's
+            records, by their header); ``None``: 0 for every record.
         **settings: store settings (:class:`~kvstore.store.settings.StoreSettings`).
     """
 
@@ -146,6 +164,7 @@ class BlockPrefixStore(CacheMethods, PrefixStore):
         touch_interval: float = 1.0,
         clock: Callable[[], float] | None = None,
         low_water: float = 0.9,
+        describe: Callable[[Any], int] | None = kv_checkpoint_nbytes,
         **settings: Any,
     ) -> None:
         super().__init__(backend)
@@ -158,6 +177,9 @@ class BlockPrefixStore(CacheMethods, PrefixStore):
                 found=sorted(unknown),
             )
         self._verify = verify or _accept
+        # Opaque records (verify=None) are not kvstore records: none carries a checkpoint.
+        opaque = verify is None and describe is kv_checkpoint_nbytes
+        self._describe = _opaque if opaque or describe is None else describe
         self._clock = clock or time.time
         self._low_water = parse_fraction(low_water, "low_water")
         self._counters = Counters()
@@ -196,8 +218,15 @@ class BlockPrefixStore(CacheMethods, PrefixStore):
 
     # ------------------------------------------------------------------ lookup
 
-    def lookup(self, namespace: str, tokens: Any) -> Match:
-        """The longest reusable prefix of ``tokens`` in ``namespace`` (module docstring)."""
+    def lookup(self, namespace: str, tokens: Any, *, checkpoints: bool = False) -> Match:
+        """The longest reusable prefix of ``tokens`` in ``namespace`` (module docstring).
+
+        With ``checkpoints`` (a hybrid model: its recurrent layers can only be
+        restored from a checkpoint), the match ends where the last matched
+        block whose record carries a checkpoint ends, and ``Match.kv_tokens``
+        says how far the KV matched; KV matched without a checkpoint is a
+        miss of reason ``no_checkpoint``.
+        """
         self._check_open("lookup")
         ns = K.parse_namespace(namespace)
         toks = K.as_tokens(tokens, "lookup")
@@ -209,12 +238,15 @@ class BlockPrefixStore(CacheMethods, PrefixStore):
         quarantine = self._quarantine
         refs: list[BlockRef] = []
         parent = K.ROOT
+        parents: list[bytes] = []
+        child: IndexEntry | None = None
         with self._unavailable_is_a_miss(), self._backend.reader() as view:
             for i, digest in enumerate(self._stored_chain(view, ns, toks)):
                 key = K.record_key(ns, digest)
                 if key in quarantine:
                     break
                 refs.append(BlockRef(key, i, i * bsize, bsize, bsize))
+                parents.append(parent)
                 parent = digest
             matched = len(refs) * bsize
             if matched < size:
@@ -226,19 +258,62 @@ class BlockPrefixStore(CacheMethods, PrefixStore):
                     key = K.record_key(ns, entry.digest)
                     if key not in quarantine:
                         refs.append(BlockRef(key, len(refs), matched, lcp, entry.ntokens))
+                        child = entry
+            if checkpoints:
+                ends = self._checkpointed(view, ns, toks, refs, parents, child, size - 1)
         n = refs[-1].stop if refs else 0
         if n >= size:  # leave the last prompt token to the model
             last = refs.pop()
             if last.rows > 1:
                 refs.append(replace(last, rows=last.rows - 1))
             n = size - 1
+        kv = n
+        if checkpoints:
+            # Reuse ends where a checkpoint does: a whole block, at most the prompt but one.
+            usable = [i for i, ref in enumerate(refs) if i in ends and ref.rows == ref.stored_rows]
+            refs = refs[: usable[-1] + 1] if usable else []
+            n = refs[-1].stop if refs else 0
+            if kv and not n:
+                self._counters.miss(MissReason.NO_CHECKPOINT)
+                return Match(namespace, 0, size, bsize, kv_tokens=kv)
         if not n:
             self._counters.miss(MissReason.COLD)
             return Match(namespace, 0, size, bsize)
         self._counters.add(hits=1, hit_tokens=n)
         if self._house is not None:
             self._house.touch([r.key for r in refs], self._clock())
-        return Match(namespace, n, size, bsize, tuple(refs))
+        return Match(namespace, n, size, bsize, tuple(refs), kv_tokens=kv)
+
+    def _checkpointed(
+        self,
+        view: ReadView,
+        ns: bytes,
+        toks: np.ndarray,
+        refs: list[BlockRef],
+        parents: list[bytes],
+        child: IndexEntry | None,
+        limit: int,
+    ) -> set[int]:
+        """The index of the last matched block that ends at most at ``limit``, whole,
+        with a record carrying a checkpoint at its end (walking back from the end)."""
+        bsize = self._settings.block_size
+        for i in range(len(refs) - 1, -1, -1):
+            if refs[i].stop > limit or refs[i].rows != refs[i].stored_rows:
+                continue
+            if i == len(parents):  # the child the match ends in: its entry is known
+                assert child is not None
+                flagged = child.checkpointed and refs[i].rows == child.ntokens
+            else:
+                block = toks[i * bsize : (i + 1) * bsize]
+                digest = K.split_record_key(refs[i].key)[1]  # type: ignore[index]
+                raw = view.get(K.child_key(ns, parents[i], block, digest, True))
+                try:
+                    flagged = raw is not None and decode_entry(raw, with_tokens=False).checkpointed
+                except (CorruptEntryError, FormatVersionError):
+                    flagged = False
+            if flagged:
+                return {i}
+        return set()
 
     def _stored_chain(self, view: ReadView, ns: bytes, toks: np.ndarray) -> Iterator[bytes]:
         """Digests of the prompt's leading full blocks that are stored, in order.
@@ -350,7 +425,13 @@ class BlockPrefixStore(CacheMethods, PrefixStore):
     # ------------------------------------------------------------------ save
 
     def put_blocks(
-        self, namespace: str, tokens: Any, encode: RecordEncoder, *, family: str = ""
+        self,
+        namespace: str,
+        tokens: Any,
+        encode: RecordEncoder,
+        *,
+        family: str = "",
+        checkpoints: Collection[int] = (),
     ) -> SaveResult:
         """Store the blocks of ``tokens`` that are not stored yet, in one atomic write.
 
@@ -362,12 +443,17 @@ class BlockPrefixStore(CacheMethods, PrefixStore):
                 order; the last one may be a partial tail). Not called when
                 nothing is missing.
             family: a label kept with each new block for ``stats(by_family=True)``.
+            checkpoints: positions the caller can give a recurrent checkpoint for
+                (issue 16): a block ending at one is encoded with
+                ``BlockSpan.checkpoint``, and a stored one whose record lacks a
+                checkpoint is encoded again and replaced (an upgrade).
 
         Raises:
             StoreFullError: the blocks do not fit the budget even after evicting
                 every unpinned leaf, or the map/disk is full; nothing was written.
         """
         self._check_writable("save")
+        checkpoints = frozenset(checkpoints)
         ns = K.parse_namespace(namespace)
         toks = K.as_tokens(tokens, "save")
         if not len(toks):
@@ -378,6 +464,11 @@ class BlockPrefixStore(CacheMethods, PrefixStore):
         for _ in range(_SAVE_ATTEMPTS):
             with self._backend.reader() as view:
                 existing, cover, missing = saving.survey(view, ns, spans)
+                absent = {s.index for s in missing}
+                upgrades = saving.upgradable(
+                    view, ns, [s for s in spans if s.index not in absent], checkpoints
+                )
+            missing = [*missing, *upgrades]
             if not missing:  # dedup: hashing and one read; the recency update is batched
                 if self._house is not None:
                     self._house.touch(existing, now)
@@ -386,7 +477,7 @@ class BlockPrefixStore(CacheMethods, PrefixStore):
                     namespace, len(toks), deduplicated=len(existing), covered_by=cover
                 )
             todo = [s for s in missing if s.index not in encoded]
-            saving.encode_missing(ns, todo, encoded, encode)
+            saving.encode_missing(ns, todo, encoded, encode, checkpoints)
             size = sum(saving.record_nbytes(r) for r in encoded.values())
             try:
                 out = self._write_with_pending(
@@ -397,6 +488,8 @@ class BlockPrefixStore(CacheMethods, PrefixStore):
                         encoded=encoded,
                         now=now,
                         family=family,
+                        checkpoints=checkpoints,
+                        describe=self._describe,
                     ),
                     size_hint=size,
                 )
@@ -420,6 +513,9 @@ class BlockPrefixStore(CacheMethods, PrefixStore):
                 len(out.evicted),
                 sum(b.nbytes for b in out.evicted),
                 out.covered_by,
+                out.checkpoints,
+                out.checkpoint_bytes,
+                out.upgraded,
             )
         raise StoreError(
             f"[save] Blocks kept vanishing under concurrent evictions for {_SAVE_ATTEMPTS} "
@@ -548,6 +644,7 @@ class BlockPrefixStore(CacheMethods, PrefixStore):
         self._check_open("stats")
         with self._backend.reader() as view:
             totals = all_totals(view)
+            checkpoints = all_checkpoint_totals(view)
             settings = self._budgets(view)
             families: dict[str, int] | None = None
             if by_family:
@@ -558,12 +655,16 @@ class BlockPrefixStore(CacheMethods, PrefixStore):
                         for _, e in iter_entries(view, prefix, with_tokens=False):
                             families[e.family] = families.get(e.family, 0) + e.nbytes
         namespaces = {
-            n.decode(): NamespaceStats(b, nb, settings.budget_for(n.decode()))
+            n.decode(): NamespaceStats(
+                b, nb, settings.budget_for(n.decode()), *checkpoints.get(n, (0, 0))
+            )
             for n, (b, nb) in totals.items()
         }
         return StoreStats(
             blocks=sum(s.blocks for s in namespaces.values()),
             bytes=sum(s.bytes for s in namespaces.values()),
+            checkpoints=sum(s.checkpoints for s in namespaces.values()),
+            checkpoint_bytes=sum(s.checkpoint_bytes for s in namespaces.values()),
             namespaces=namespaces,
             max_bytes=settings.max_bytes,
             by_family=families,
