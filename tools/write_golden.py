@@ -107,6 +107,48 @@ FIXTURES: dict[str, dict[str, Any]] = {
             ),
         ],
     },
+    "kv-mxfp8": {
+        "description": "kv:mxfp8 (bfloat16, head_dim 128; float16, head_dim 64)",
+        "layers": [
+            ("MXFP8KVCache", {}, "bfloat16", 128),
+            ("MXFP8KVCache", {}, "float16", 64),
+        ],
+    },
+    "kv-rotating-mxfp8": {
+        "description": "kv:rotating-mxfp8 window 32 keep 4 and window 16 keep 0, wrapped",
+        "layers": [
+            ("RotatingMXFP8KVCache", {"max_size": 32, "keep": 4}, "bfloat16", 64),
+            ("RotatingMXFP8KVCache", {"max_size": 16, "keep": 0}, "float16", 64),
+        ],
+    },
+    "kv-mxfp4": {
+        "description": "kv:mxfp4 (bfloat16, head_dim 128; float16, head_dim 96)",
+        "layers": [
+            ("MXFP4KVCache", {}, "bfloat16", 128),
+            ("MXFP4KVCache", {}, "float16", 96),
+        ],
+    },
+    "kv-rotating-mxfp4": {
+        "description": "kv:rotating-mxfp4 window 32 keep 4 and window 16 keep 0, wrapped",
+        "layers": [
+            ("RotatingMXFP4KVCache", {"max_size": 32, "keep": 4}, "bfloat16", 64),
+            ("RotatingMXFP4KVCache", {"max_size": 16, "keep": 0}, "float16", 64),
+        ],
+    },
+    "kv-nvfp4": {
+        "description": "kv:nvfp4 (bfloat16, head_dim 128; float16, head_dim 80)",
+        "layers": [
+            ("NVFP4KVCache", {}, "bfloat16", 128),
+            ("NVFP4KVCache", {}, "float16", 80),
+        ],
+    },
+    "kv-rotating-nvfp4": {
+        "description": "kv:rotating-nvfp4 window 32 keep 4 and window 16 keep 0, wrapped",
+        "layers": [
+            ("RotatingNVFP4KVCache", {"max_size": 32, "keep": 4}, "bfloat16", 64),
+            ("RotatingNVFP4KVCache", {"max_size": 16, "keep": 0}, "float16", 64),
+        ],
+    },
     "mixed": {
         "description": "a gemma-like layer stack: sliding and global layers in one record",
         "layers": [

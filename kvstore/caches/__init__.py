@@ -5,6 +5,9 @@ Each family's module declares what the family is (a :class:`kvstore.family.Famil
 """
 
 from kvstore.caches.base import BaseKVCache, GrowingKVCache
+from kvstore.caches.mxfp4 import MXFP4KVCache, RotatingMXFP4KVCache
+from kvstore.caches.mxfp8 import MXFP8KVCache, RotatingMXFP8KVCache
+from kvstore.caches.nvfp4 import NVFP4KVCache, RotatingNVFP4KVCache
 from kvstore.caches.plain import KVCache
 from kvstore.caches.quantized import QuantizedKVCache
 from kvstore.caches.rotating import RingKVCache, RotatingKVCache, RotatingQuantizedKVCache
@@ -20,4 +23,10 @@ __all__ = [
     "RotatingQuantizedKVCache",
     "TurboQuantKVCache",
     "RotatingTurboQuantKVCache",
+    "MXFP8KVCache",
+    "RotatingMXFP8KVCache",
+    "MXFP4KVCache",
+    "RotatingMXFP4KVCache",
+    "NVFP4KVCache",
+    "RotatingNVFP4KVCache",
 ]

@@ -13,6 +13,9 @@ temporal order, logical rows only):
 * raw rows (``kv:plain``, ``kv:rotating-plain``): ``keys``, ``values``;
 * affine rows (``kv:quant``, ``kv:rotating-quant``): ``keys.q`` (packed
   uint32 words), ``keys.scales``, ``keys.biases``, and the same for ``values``;
+* microscaling rows (``kv:mxfp8``, ``kv:mxfp4``, ``kv:nvfp4`` and their
+  ``kv:rotating-*`` twins): ``keys.q`` (packed uint32 words), ``keys.scales``
+  (uint8, one per group), the same for ``values``; meta ``dtype`` is the model's;
 * TurboQuant rows (``kv:turboquant``, ``kv:rotating-turboquant``):
   ``keys.codes`` (packed uint32 indices), ``keys.scales`` (``[B, H, T]``), the
   same for ``values``, plus ``meta["tq"]`` and side tensors saying how they were
@@ -29,6 +32,9 @@ from typing import Any
 
 from kvstore.abc.codec import KVCodec, Snapshot
 from kvstore.codecs.growing import GrowingKVCodec, PlainKVCodec, QuantizedKVCodec
+from kvstore.codecs.mxfp4 import MXFP4KVCodec, RotatingMXFP4KVCodec
+from kvstore.codecs.mxfp8 import MXFP8KVCodec, RotatingMXFP8KVCodec
+from kvstore.codecs.nvfp4 import NVFP4KVCodec, RotatingNVFP4KVCodec
 from kvstore.codecs.record import (
     Record,
     RecordHeader,
@@ -63,6 +69,12 @@ __all__ = [
     "RotatingQuantizedKVCodec",
     "TurboQuantKVCodec",
     "RotatingTurboQuantKVCodec",
+    "MXFP8KVCodec",
+    "RotatingMXFP8KVCodec",
+    "MXFP4KVCodec",
+    "RotatingMXFP4KVCodec",
+    "NVFP4KVCodec",
+    "RotatingNVFP4KVCodec",
     "CheckpointCodec",
     "GatedDeltaCodec",
     "ArraysCodec",
@@ -94,6 +106,12 @@ register_codec(RotatingKVCodec)
 register_codec(RotatingQuantizedKVCodec)
 register_codec(TurboQuantKVCodec)
 register_codec(RotatingTurboQuantKVCodec)
+register_codec(MXFP8KVCodec)
+register_codec(RotatingMXFP8KVCodec)
+register_codec(MXFP4KVCodec)
+register_codec(RotatingMXFP4KVCodec)
+register_codec(NVFP4KVCodec)
+register_codec(RotatingNVFP4KVCodec)
 register_codec(GatedDeltaCodec)
 register_codec(ArraysCodec)
 

@@ -119,3 +119,29 @@ def test_no_predicate_true_for_unknown_signature(result):
 def test_objects_without_a_signature_fail_closed(obj):
     assert preds.signature_of(obj) is None
     assert true_predicates(obj) == set()
+
+
+def test_kv_predicates_fail_closed_on_another_state(registries_restored):
+    # Issue 16 added recurrent state: every KV predicate is false on it.
+    from kvstore.family import RECURRENT_STATE, Family, register_family
+
+    register_family(
+        Family("kv:toy-recurrent", "a test family of recurrent state", state=RECURRENT_STATE)
+    )
+
+    class Recurrent:
+        def signature(self):
+            return "kv:toy-recurrent"
+
+        def is_trimmable(self):
+            return True
+
+        def trim(self, n):
+            return n
+
+    cache = Recurrent()
+    assert preds.family_of(cache).state == RECURRENT_STATE
+    assert preds.is_recurrent_cache(cache)
+    assert true_predicates(cache) == {"can_trim"}  # trimming is the cache's own answer
+    with pytest.raises(CapabilityError):
+        preds.quantized_attention_params(cache)

@@ -9,10 +9,15 @@ from typing import Any
 import msgpack
 import xxhash
 
+from kvstore.abc.cache import family_of, signature_of
 from kvstore.caches import (
     KVCache,
+    MXFP8KVCache,
+    NVFP4KVCache,
     QuantizedKVCache,
     RotatingKVCache,
+    RotatingMXFP4KVCache,
+    RotatingNVFP4KVCache,
     RotatingQuantizedKVCache,
     RotatingTurboQuantKVCache,
     TurboQuantKVCache,
@@ -36,6 +41,10 @@ FAMILIES: dict[str, Callable[[], Any]] = {
     "rotating-tq-4-2-keep0-2rounds": lambda: RotatingTurboQuantKVCache(
         32, 0, kbits=4, vbits=2, rounds=2
     ),
+    "mxfp8": MXFP8KVCache,
+    "rotating-mxfp4-keep4": lambda: RotatingMXFP4KVCache(32, keep=4),
+    "nvfp4": NVFP4KVCache,
+    "rotating-nvfp4-keep0": lambda: RotatingNVFP4KVCache(32),
 }
 
 #: Head dims the round trips cover: 96 is not a power of two (TurboQuant's dense rotation).
@@ -43,10 +52,11 @@ HEAD_DIMS = (64, 128, 256, 96)
 
 
 def head_dim_fits(family: str, head_dim: int) -> bool:
-    """False where the family cannot encode rows of ``head_dim`` (an affine group
-    that does not divide it)."""
-    group = getattr(FAMILIES[family](), "group_size", None)
-    return group is None or head_dim % group == 0
+    """False where the family cannot encode rows of ``head_dim`` (a quantization
+    group that does not divide it)."""
+    cache = FAMILIES[family]()
+    quantization = family_of(cache).quantization(signature_of(cache))
+    return quantization is None or head_dim % quantization.group_size == 0
 
 
 #: Update sizes: a prefill, then decode steps or chunks.

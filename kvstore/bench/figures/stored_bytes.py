@@ -38,6 +38,10 @@ FAMILIES: dict[str, float | None] = {
     "kv:quant:4:64": 0.29,
     "kv:turboquant:3:3": 0.20,
     "kv:turboquant:2:2": 0.14,
+    # MLX microscaling (issue 14): b + 8/g bits per value, reported beside affine.
+    "kv:mxfp8": None,
+    "kv:mxfp4": None,
+    "kv:nvfp4": None,
 }
 METRIC = "vs bf16"
 _RAW_BITS = 16
@@ -46,7 +50,8 @@ _RAW_BITS = 16
 def formula_bits_per_value(signature: str, head_dim: int) -> float:
     """Stored bits per key/value element of a family's rows, from its layout:
     16 raw; ``b + 32/g`` affine (bfloat16 scales and biases per group of g);
-    the mean of keys' and values' ``b + 16/D`` for TurboQuant (float16 scales)."""
+    ``b + 8/g`` microscaling (one 8-bit scale per group, no biases); the mean of
+    keys' and values' ``b + 16/D`` for TurboQuant (float16 scales)."""
     sig = parse_signature(signature)
     quantization = sig.family.quantization(sig)
     if quantization is not None and quantization.mode == "affine":
