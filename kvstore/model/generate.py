@@ -360,6 +360,8 @@ def generate(
     stops = hooks.prefill_stops(start, n_prompt) if hooks is not None else ()
     chunks = prefill_chunks(start, n_prompt, chunk_size, block_size, stops)
     logits = prefill(model, tokens, caches, chunks, callback)
+    if hooks is not None:  # the caches hold the prompt: a decode-time position too
+        hooks.on_decode(n_prompt, caches)
     y = sampler(_log_softmax(logits))
     token = cast(int, y.item())
     t_first = time.perf_counter()
