@@ -231,3 +231,25 @@ def test_the_stride_is_a_store_setting(tmp_path):
         _, stats = generate_tokens(model, prompt(1100, 7, 1100), store=store, max_tokens=1)
         # stride 2 blocks (512, 1024), and the last boundary <= P-1 is 1024 too.
         assert store.stats().checkpoints == 3  # 512, 1024, the end at 1100
+
+
+def test_a_hybrid_store_migrates_its_kv_and_keeps_its_checkpoints(tmp_path):
+    from kvstore.store.maintenance.migrate import migrate
+
+    model = hybrid_model()
+    src, dst = f"lmdb://{tmp_path / 'src'}", f"lmdb://{tmp_path / 'dst'}"
+    p = prompt(700, 8, 700)
+    with open_store(src) as store:
+        generate_tokens(model, p, store=store, max_tokens=2)
+        before = store.stats()
+    report = migrate(src, dst, to="kv:quant:8:64")
+    assert [d.layers for d in report.directions] == [(3,)]  # the attention layer only
+    with open_store(dst) as store:
+        after = store.stats()
+        assert (after.checkpoints, after.checkpoint_bytes) == (
+            before.checkpoints,
+            before.checkpoint_bytes,
+        )
+        assert after.bytes < before.bytes and store.verify().clean
+        _, stats = generate_tokens(model, p + [1, 2], store=store, max_tokens=1)
+        assert (stats.reused_tokens, stats.kv_matched_tokens) == (512, 700)
