@@ -225,8 +225,9 @@ def _start_offset(caches: list[Any], n_prompt: int, prefix_len: int | None) -> i
     if not all(can_trim(c) for c in caches):
         raise CapabilityError(
             f"[generate] The caches hold {start} tokens of a {n_prompt}-token prompt and "
-            f"cannot drop the last {excess} (a sliding window wrapped); restore a shorter "
-            f"prefix so at least one prompt token is left to process.",
+            f"cannot drop the last {excess} (a sliding window wrapped, or a recurrent state, "
+            f"which is at one position only); restore a shorter prefix so at least one "
+            f"prompt token is left to process.",
             offset=start,
             prompt_tokens=n_prompt,
         )
