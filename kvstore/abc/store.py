@@ -456,6 +456,8 @@ class SaveResult:
     checkpoint_bytes: int = 0
     #: Stored blocks rewritten to add the checkpoint they lacked.
     upgraded: int = 0
+    #: Of ``evicted_bytes``, the evicted blocks' checkpoints'.
+    evicted_checkpoint_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -504,6 +506,8 @@ class StoreStats:
     deduplicated_blocks: int = 0
     evictions: int = 0
     evicted_bytes: int = 0
+    #: Of ``evicted_bytes``, recurrent checkpoints' (issue 16).
+    evicted_checkpoint_bytes: int = 0
     corruptions: int = 0
     #: Stored bytes by record family, when asked for (``stats(by_family=True)``, a scan).
     by_family: Mapping[str, int] | None = None

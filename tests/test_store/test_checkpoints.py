@@ -121,11 +121,9 @@ def test_checkpoint_bytes_are_counted_apart_and_leave_with_their_blocks(tmp_path
     assert stats.namespaces[ns].kv_bytes == stats.bytes - 2 * one
     assert store.verify().clean
     store.evict(max_bytes=1)
-    assert (store.stats().checkpoints, store.stats().checkpoint_bytes, store.stats().blocks) == (
-        0,
-        0,
-        0,
-    )
+    gone = store.stats()
+    assert (gone.checkpoints, gone.checkpoint_bytes, gone.blocks) == (0, 0, 0)
+    assert gone.evicted_checkpoint_bytes == 2 * one and gone.evicted_bytes == stats.bytes
     generate_tokens(model, prompt(700, 4, 700), store=store, max_tokens=2)
     assert store.delete(ns) and store.stats().checkpoints == 0
     assert store.verify().clean
@@ -253,3 +251,26 @@ def test_a_hybrid_store_migrates_its_kv_and_keeps_its_checkpoints(tmp_path):
         assert after.bytes < before.bytes and store.verify().clean
         _, stats = generate_tokens(model, p + [1, 2], store=store, max_tokens=1)
         assert (stats.reused_tokens, stats.kv_matched_tokens) == (512, 700)
+
+
+def test_verify_checks_and_repairs_the_checkpoint_totals(tmp_path):
+    import struct
+
+    from kvstore.store import keys as K
+
+    store = open_store(f"lmdb://{tmp_path / 'store'}")
+    model = hybrid_model()
+    ns = namespace_for_model(model)
+    generate_tokens(model, prompt(600, 9, 600), store=store, max_tokens=2)
+    good = store.stats()
+    assert good.checkpoints == 2 and store.verify().clean
+    # Totals that forgot the checkpoints (as a writer that knew none would leave them).
+    store.backend.put_many(
+        [(K.totals_key(ns.encode()), struct.pack("<QQ", good.blocks, good.bytes))]
+    )
+    report = store.verify()
+    assert not report.clean and any("checkpoints" in m for m in report.totals_mismatch)
+    store.verify(repair=True)
+    fixed = store.stats()
+    assert (fixed.checkpoints, fixed.checkpoint_bytes) == (good.checkpoints, good.checkpoint_bytes)
+    assert store.verify().clean

@@ -502,6 +502,7 @@ class BlockPrefixStore(CacheMethods, PrefixStore):
                 deduplicated_blocks=out.deduplicated,
                 evictions=len(out.evicted),
                 evicted_bytes=sum(b.nbytes for b in out.evicted),
+                evicted_checkpoint_bytes=sum(b.checkpoint_nbytes for b in out.evicted),
             )
             return SaveResult(
                 namespace,
@@ -516,6 +517,7 @@ class BlockPrefixStore(CacheMethods, PrefixStore):
                 out.checkpoints,
                 out.checkpoint_bytes,
                 out.upgraded,
+                sum(b.checkpoint_nbytes for b in out.evicted),
             )
         raise StoreError(
             f"[save] Blocks kept vanishing under concurrent evictions for {_SAVE_ATTEMPTS} "
@@ -560,7 +562,11 @@ class BlockPrefixStore(CacheMethods, PrefixStore):
 
         gone = self._write_with_pending(run)
         freed = sum(b.nbytes for b in gone)
-        self._counters.add(evictions=len(gone), evicted_bytes=freed)
+        self._counters.add(
+            evictions=len(gone),
+            evicted_bytes=freed,
+            evicted_checkpoint_bytes=sum(b.checkpoint_nbytes for b in gone),
+        )
         return freed
 
     # ------------------------------------------------------------------ delete

@@ -110,6 +110,7 @@ class Counters:
         "deduplicated_blocks",
         "evictions",
         "evicted_bytes",
+        "evicted_checkpoint_bytes",
         "corruptions",
     )
 

@@ -495,7 +495,7 @@ class TieredPrefixStore(CacheMethods, PrefixStore):
         self._check_open("stats")
         per_tier = [t.stats(by_family=by_family) for t in self.tiers]
         own = self._counters.snapshot()
-        for name in ("evictions", "evicted_bytes"):
+        for name in ("evictions", "evicted_bytes", "evicted_checkpoint_bytes"):
             del own[name]  # the slowest tier's: it holds the authoritative copy
         last = per_tier[-1]
         return replace(
