@@ -18,6 +18,15 @@ and :func:`signature_of` returns ``None`` for it.
 mlx-lm's own cache objects are recognised through :data:`MLX_LM_ALIASES`, an
 explicit table keyed by the exact class path, so caches that stock
 ``mlx_lm.generate`` produced can be persisted too.
+
+A recurrent layer's cache (a family of :data:`~kvstore.family.RECURRENT_STATE`,
+issue 16) holds a state at one position, no rows: it keeps ``offset`` (where
+the state is; mlx-lm's ``ArraysCache`` keeps none), reports
+``bytes_per_token() == 0`` and ``bytes_per_checkpoint()``, and every KV
+predicate is false on it. Speculative decoding takes a round's rejected tokens
+back through :func:`can_rollback`: a cache that keeps rounds
+(:class:`SupportsRounds`: ``begin_round()`` before the verify forward,
+``end_round(keep)`` after) or a trimmable one.
 """
 
 from __future__ import annotations
