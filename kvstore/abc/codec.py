@@ -159,6 +159,21 @@ class KVCodec(ABC):
         windowed one past its window gives its sink range and its window."""
         return [self.snapshot(cache)]
 
+    def slice(self, snapshot: Snapshot, start: int, stop: int) -> Snapshot:
+        """The snapshot of the tokens ``[start, stop)`` of ``snapshot`` (a range of
+        it): what :meth:`snapshot` of those tokens would have given. A save takes
+        one snapshot of every new token and cuts it into blocks with this.
+
+        Raises:
+            CapabilityError: this family cannot cut its snapshots (the default);
+                take a snapshot per block instead.
+        """
+        raise CapabilityError(
+            f"[{type(self).__name__}.slice] {self.signature} snapshots cannot be cut into "
+            f"ranges; snapshot each range from the cache.",
+            signature=self.signature,
+        )
+
     def to_dense(self, snapshot: Snapshot) -> tuple[Any, Any]:
         """``(keys, values)`` of ``snapshot`` as float rows ``[B, H, T, head_dim]``."""
         raise CapabilityError(

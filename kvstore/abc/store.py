@@ -80,6 +80,9 @@ __all__ = [
     "VerifyReport",
     "RecordEncoder",
     "RecordVerifier",
+    "BlockSave",
+    "SaveHandle",
+    "DURABILITY_MODES",
     "PrefixStore",
 ]
 
@@ -276,7 +279,6 @@ class StoreSettings:
     def budget_for(self, namespace: str) -> int | None:
         """The byte budget of ``namespace``: its own, else the per-namespace default."""
         return self.namespace_budgets.get(namespace, self.namespace_max_bytes)
-
 
 
 class MissReason:
@@ -537,6 +539,38 @@ RecordEncoder = Callable[[Sequence[BlockSpan]], Sequence[Any]]
 #: ``verify(record)``: returns, or raises CorruptEntryError / FormatVersionError.
 RecordVerifier = Callable[[memoryview], None]
 
+#: How a store makes its commits durable (the ``durability`` store option), the
+#: default first: ``"group"`` (saves handed off together commit in one synced
+#: transaction), ``"sync"`` (every commit synced), ``"os"`` (left to the OS).
+DURABILITY_MODES = ("group", "sync", "os")
+
+
+@dataclass(frozen=True)
+class BlockSave:
+    """One save of :meth:`PrefixStore.put_blocks_many`: ``put_blocks``'s arguments."""
+
+    namespace: str
+    tokens: Any
+    encode: RecordEncoder
+    family: str = ""
+    #: Positions the encoder can give a recurrent checkpoint for (``put_blocks``'s
+    #: ``checkpoints``; issue 16).
+    checkpoints: frozenset[int] = frozenset()
+
+
+class SaveHandle(Protocol):
+    """A save handed off (:meth:`PrefixStore.save_behind`), committed in the background."""
+
+    namespace: str
+    #: Seconds the hand-off held the caller's thread.
+    held_s: float
+
+    def done(self) -> bool:
+        """Whether the save is committed (or failed)."""
+
+    def result(self, timeout: float | None = None) -> SaveResult:
+        """The save's result once committed; raises its error, or TimeoutError."""
+
 
 class PrefixStore(ABC):
     """A persistent, deduplicated store of KV blocks keyed by token prefixes.
@@ -605,6 +639,17 @@ class PrefixStore(ABC):
         for; a block ending at one is encoded with ``BlockSpan.checkpoint``,
         and a stored one that lacks it is rewritten with it."""
 
+    def put_blocks_many(self, saves: Sequence[BlockSave]) -> list[SaveResult]:
+        """:meth:`put_blocks` of each of ``saves``; a store that can commits them in one
+        atomic write (one sync: a group commit). If that write fails, nothing of it
+        is stored and the error propagates (the caller may retry them one by one)."""
+        out = []
+        for s in saves:
+            # Only a hybrid model's save names checkpoints (a put_blocks may predate them).
+            options = {"checkpoints": s.checkpoints} if s.checkpoints else {}
+            out.append(self.put_blocks(s.namespace, s.tokens, s.encode, family=s.family, **options))
+        return out
+
     @abstractmethod
     def read(self, blocks: Sequence[BlockRef]) -> AbstractContextManager[list[memoryview]]:
         """Verified zero-copy views of the records of ``blocks`` (valid inside the ``with``)."""
@@ -636,7 +681,8 @@ class PrefixStore(ABC):
 
     @abstractmethod
     def flush(self) -> None:
-        """Write batched recency updates now (they are otherwise written in the background)."""
+        """Wait until every save handed off (:meth:`save_behind`) is committed, and write
+        batched recency updates now (they are otherwise written in the background)."""
 
     # KV caches in and out, built on lookup/put_blocks/read by the codecs below the
     # store (:class:`kvstore.store.kv.CacheMethods` gives every store both).
@@ -654,6 +700,21 @@ class PrefixStore(ABC):
 
         ``captured`` maps ``(layer, block start)`` to a snapshot of a whole block
         taken while a sliding window still held it.
+        """
+
+    @abstractmethod
+    def save_behind(
+        self,
+        namespace: str,
+        tokens: Any,
+        caches: Sequence[Any],
+        *,
+        captured: Mapping[tuple[int, int], Any] | None = None,
+    ) -> SaveHandle:
+        """:meth:`save`, handed off: copy the new rows out of ``caches`` (the one copy
+        the caller cannot avoid), return, and commit in the background under the
+        store's ``durability``. :meth:`flush` (and ``close``) wait for it; a
+        :meth:`lookup` of the namespace does too, so the process reads its writes.
         """
 
     @abstractmethod

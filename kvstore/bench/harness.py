@@ -341,6 +341,7 @@ def run_figures(
     *,
     command: Sequence[str] = (),
     machine: Mapping[str, Any] | None = None,
+    after: Callable[[BenchResults], object] | None = None,
 ) -> BenchResults:
     """Run ``figures`` in order and assemble the results.
 
@@ -353,6 +354,8 @@ def run_figures(
         command: the command line, recorded in the results.
         machine: ``{"machine":, "versions":, "git":}`` as
             :func:`kvstore.bench.machine.describe` gives; collected when None.
+        after: called with the results so far after each figure (a long run
+            writes them as it goes, so a run cut short keeps what it measured).
     """
     if machine is None:
         from kvstore.bench.machine import describe
@@ -396,6 +399,8 @@ def run_figures(
                 error=error,
             )
         )
+        if after is not None:
+            after(results)
     return results
 
 

@@ -148,14 +148,22 @@ def _mlx_blas(preloaded: list[str], loaded: list[str], platform_name: str) -> st
 
 def git_revision(directory: str | os.PathLike[str] | None = None) -> dict[str, Any] | None:
     """``{"revision", "branch", "dirty"}`` of the checkout holding ``directory`` (default: the
-    kvstore package); None when it is not a git checkout (an installed wheel)."""
+    kvstore package); None when it is not a git checkout (an installed wheel).
+
+    ``KVSTORE_BENCH_GIT=revision[:branch]`` names it instead: a copy of a checkout
+    measured elsewhere (the GPU machine gets files, not the repository)."""
+    named = os.environ.get("KVSTORE_BENCH_GIT")
+    if named:
+        revision, _, branch = named.partition(":")
+        return {"revision": revision, "branch": branch or None, "dirty": False}
     if directory is None:
         import kvstore
 
         directory = Path(kvstore.__file__).resolve().parent
-    revision = _git(directory, "rev-parse", "HEAD")
-    if revision is None:
+    head = _git(directory, "rev-parse", "HEAD")
+    if head is None:
         return None
+    revision = head
     status = _git(directory, "status", "--porcelain", "--untracked-files=no")
     return {
         "revision": revision,

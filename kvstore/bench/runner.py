@@ -74,5 +74,5 @@ def run_bench(
         )
         if log is not None:
             ctx.log = log
-        results = run_figures(figures, ctx, command=command)
+        results = run_figures(figures, ctx, command=command, after=lambda r: r.write(out_dir))
     return results, results.write(out_dir)

@@ -6,9 +6,9 @@
    the longest stored prefix (into the families of the model's fresh caches);
 2. :meth:`StoreSession.on_prefill_chunk`: after each prefill chunk, keep the
    blocks a sliding window is about to forget (:class:`~kvstore.bridge.capture.BlockCapture`);
-3. :meth:`StoreSession.save`: after generation, store the prompt and the
-   generated tokens that have KV, so a follow-up turn that extends the
-   conversation reuses all of it.
+3. :meth:`StoreSession.save`: after generation, hand the prompt and the
+   generated tokens that have KV off to the store's writer (write-behind), so a
+   follow-up turn that extends the conversation reuses all of it.
 
 A hybrid model's recurrent layers (issue 16) are restored from the checkpoint
 the longest matched prefix ends with (the lookup asks for one), and the
@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 
 from kvstore.abc.cache import is_recurrent_cache
-from kvstore.abc.store import PrefixStore
+from kvstore.abc.store import PrefixStore, SaveHandle
 from kvstore.bridge.capture import BlockCapture
 from kvstore.bridge.checkpoints import CheckpointPlan
 from kvstore.errors import CapabilityError, KVStoreError
@@ -77,6 +77,8 @@ class StoreSession:
         self.kv_matched = 0
         self.error: str | None = None
         self.checkpoints: CheckpointPlan | None = None
+        #: The last save handed off (``pending.result()`` waits for its commit).
+        self.pending: SaveHandle | None = None
 
     @property
     def block_size(self) -> int:
@@ -155,7 +157,10 @@ class StoreSession:
             log.warning("kvstore: capturing prefill blocks failed: %s", exc)
 
     def save(self, tokens: Sequence[int] | np.ndarray, caches: list[Any]) -> None:
-        """Store ``tokens`` (those the caches hold KV for); a failure is logged, not raised."""
+        """Hand ``tokens`` (those the caches hold KV for) off to the store's writer
+        (:meth:`~kvstore.abc.store.PrefixStore.save_behind`): generation waits only for
+        the copy of the new rows. A failure is logged, not raised (the writer logs one
+        that happens at commit; :attr:`pending` has its handle)."""
         if self.store.read_only or not len(tokens):
             return
         t0 = time.perf_counter()
@@ -163,7 +168,7 @@ class StoreSession:
             captured = dict(self.capture.snapshots)
             if self.checkpoints is not None:
                 captured.update(self.checkpoints.snapshots)
-            self.store.save(self.namespace, tokens, caches, captured=captured)
+            self.pending = self.store.save_behind(self.namespace, tokens, caches, captured=captured)
         except STORE_FAULTS as exc:
             self.error = self.error or f"{type(exc).__name__}: {exc}"
             log.warning("kvstore: saving the prompt failed (generation unaffected): %s", exc)

@@ -29,6 +29,7 @@ SUBCOMMANDS: tuple[str, ...] = (
     "gc",
     "delete",
     "migrate",
+    "tune",
     "import_cache",
     "export_cache",
     "bench",

@@ -3,7 +3,9 @@
 With KEY (``kvstore/v1/<ns>/<hash>``, ``<ns>/<hash>`` or a hash prefix): the
 block's index entry and its record -- format, writer, checksum state
 (verified, or why not), and per layer the family, codec, token range and
-tensors with dtypes and shapes. Exit status 1 when the record fails its check.
+tensors with dtypes and shapes, and the layout (each layer's family, in the
+layout grammar of :mod:`kvstore.layout`). Exit status 1 when the record fails
+its check.
 
 With ``--tokens FILE``: what a lookup of that prompt finds -- tokens reusable,
 the blocks a restore would read (and which rows of each), and whether each
@@ -19,6 +21,7 @@ from kvstore.cli.options import add_json, command_parser, read_tokens
 from kvstore.cli.output import human_bytes, print_fields, print_json, print_table, short, when
 from kvstore.codecs.record import RecordHeader, read_header, verify_record
 from kvstore.errors import CorruptEntryError, FormatVersionError, StoreConfigError
+from kvstore.layout import LayerLayout
 from kvstore.store import keys as K
 from kvstore.store.blocks.index import decode_use
 from kvstore.store.maintenance.inventory import find_block, open_existing, require_namespace
@@ -82,6 +85,7 @@ def run(args: argparse.Namespace) -> int:
         "check": state,
         "check_error": reason,
         "header": None if header is None else _header(header),
+        "layout": None if header is None else record_layout(header),
     }
     if args.json:
         print_json(info)
@@ -101,6 +105,7 @@ def run(args: argparse.Namespace) -> int:
             ),
             ("parent", short(info["parent"]) if info["parent"] else "- (first block)"),
             ("family", entry.family or "-"),
+            *([("layout", info["layout"])] if info["layout"] else []),
             ("bytes", f"{human_bytes(len(record))} ({len(record)} B)"),
             ("created", when(entry.created)),
             ("last use", when(info["last_use"])),
@@ -128,6 +133,15 @@ def run(args: argparse.Namespace) -> int:
     if len(record) != entry.nbytes:
         print(f"warning: the index says {entry.nbytes} bytes; the record is {len(record)}")
     return 0 if state == "verified" else 1
+
+
+def record_layout(header: RecordHeader) -> str:
+    """The record's family per layer, in the layout grammar (:mod:`kvstore.layout`):
+    ``0-1=kv:quant:4:64;2=kv:quant:8:64``, or the one family when every layer has it."""
+    held = [(i, layer.signature) for i, layer in enumerate(header.layers) if layer is not None]
+    if len({sig for _, sig in held}) == 1 and len(held) == len(header.layers):
+        return held[0][1]
+    return LayerLayout(layers=tuple(held)).text()
 
 
 def _header(header: RecordHeader) -> dict[str, Any]:

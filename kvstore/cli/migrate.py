@@ -17,7 +17,7 @@ import argparse
 import sys
 from typing import Any
 
-from kvstore.cli.options import add_json, command_parser, parse_size
+from kvstore.cli.options import add_json, command_parser, layout_argument, parse_size
 from kvstore.cli.output import human_bytes, print_fields, print_json, print_table
 from kvstore.store.maintenance.migrate import (
     DEFAULT_BATCH_BYTES,
@@ -37,7 +37,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("src", metavar="SRC", help="the store to read (lmdb:///path, redis://...)")
     p.add_argument("dst", metavar="DST", nargs="?", help="where the migrated store goes")
-    p.add_argument("--to", metavar="SIGNATURE", help="target family, e.g. kv:quant:8:64")
+    p.add_argument(
+        "--to",
+        metavar="SIGNATURE|LAYOUT|FILE",
+        help="target family, e.g. kv:quant:8:64; or one per layer: a layout such as "
+        "'default=kv:quant:4:64;sliding=kv:quant:8:64;0=kv:quant:8:64', or a layout file "
+        "(kvstore tune --out)",
+    )
     p.add_argument(
         "--layers",
         metavar="SPEC",
@@ -100,7 +106,7 @@ def run(args: argparse.Namespace) -> int:
         report = migrate(
             args.src,
             args.dst,
-            to=args.to,
+            to=None if args.to is None else layout_argument(args.to, "migrate"),
             layers=args.layers,
             format_version=args.format_version,
             dry_run=args.dry_run,

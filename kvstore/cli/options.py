@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from kvstore.errors import CorruptEntryError, StoreConfigError
+from kvstore.layout import is_layout_text, read_layout_file
 from kvstore.store.keys import as_tokens
 from kvstore.store.settings import parse_byte_size
 
@@ -26,6 +27,7 @@ __all__ = [
     "add_json",
     "parse_size",
     "read_tokens",
+    "layout_argument",
 ]
 
 #: The embedded default store (demo, import): the LMDB directory ./kvstore-demo.
@@ -117,3 +119,19 @@ def read_tokens(path: str | Path, command: str) -> np.ndarray:
     if not len(tokens):
         raise CorruptEntryError(f"[{command}] {file} holds no token ids.", path=str(file))
     return tokens
+
+
+def layout_argument(text: str, command: str) -> str:
+    """A family argument as given, or the layout a layout file holds (its text form):
+    ``kv:quant:8:64``, ``default=kv:quant:4:64;0=kv:quant:8:64``, or ``policy.json``.
+
+    Raises:
+        StoreConfigError: a path to something that is not a layout file.
+    """
+    if is_layout_text(text) or not (text.endswith(".json") or Path(text).is_file()):
+        return text
+    try:
+        layout, _ = read_layout_file(text, command)
+    except ValueError as exc:
+        raise StoreConfigError(str(exc), found=text) from exc
+    return layout.text()

@@ -35,6 +35,7 @@ from typing import BinaryIO, cast
 import mlx.core as mx
 import numpy as np
 
+from kvstore.codecs import cuda
 from kvstore.codecs.arrays import numpy_dtype, owned_arrays
 
 __all__ = ["DIRECT_MIN_BYTES", "LeafSpec", "Fill", "LeafStream", "filled_arrays"]
@@ -175,13 +176,17 @@ def filled_arrays(
             write its own array.
         direct: let MLX's loader allocate without a zero fill (False: always
             ``mx.zeros`` first, the fallback); default: for at least
-            :data:`DIRECT_MIN_BYTES` in all.
+            :data:`DIRECT_MIN_BYTES` in all. Not used on a CUDA GPU, where
+            the arrays are staged through pinned memory
+            (:func:`kvstore.codecs.cuda.upload`).
 
     Returns:
         The arrays, owned (no other array shares their memory), in order.
     """
     if not specs:
         return []
+    if cuda.available():  # a CUDA GPU: through pinned staging, every core copying
+        return cuda.upload(specs, fill)
     if direct is None:
         direct = sum(map(_nbytes, specs)) >= DIRECT_MIN_BYTES
     if direct:

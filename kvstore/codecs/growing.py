@@ -43,6 +43,27 @@ class GrowingKVCodec(RowCodec):
         meta = {"dtype": self.meta_dtype(cache, keys), "offset": offset}
         return Snapshot(self.signature, start, stop, self.tensors_from_rows(keys, values), meta)
 
+    def slice(self, snapshot: Snapshot, start: int, stop: int) -> Snapshot:
+        """Rows ``[start, stop)`` of a growing cache's snapshot (views; meta as taken)."""
+        if not snapshot.start <= start <= stop <= snapshot.stop:
+            raise ValueError(
+                f"[{type(self).__name__}.slice] [{start}, {stop}) is not inside the "
+                f"snapshot's [{snapshot.start}, {snapshot.stop})."
+            )
+        a, b = start - snapshot.start, stop - snapshot.start
+        rows = {
+            name: snapshot.tensors[name][:, :, a:b]
+            for name in self.tensor_names()
+            if name in snapshot.tensors
+        }
+        return self.sliced(snapshot, start, stop, rows)
+
+    def sliced(
+        self, snapshot: Snapshot, start: int, stop: int, rows: Mapping[str, Any]
+    ) -> Snapshot:
+        """The range snapshot given its cut rows (a family adds its side tensors)."""
+        return Snapshot(self.signature, start, stop, dict(rows), dict(snapshot.meta))
+
     def restore(self, snapshots: Snapshot | Sequence[Snapshot]) -> Any:
         return run_plans([self.plan_restore(snapshots)])[0]
 

@@ -7,6 +7,13 @@ evaluation costs more than copying a small model's rows. So a codec first
 snapshots, lays out the rows, names the arrays it needs), then
 :func:`run_plans` allocates the arrays of every plan in one evaluation and
 each plan copies its rows in and builds its cache.
+
+Rows in host memory (store pages) are written once into the arrays
+(:func:`~kvstore.codecs.fill.filled_arrays`: straight into MLX's buffers on
+the CPU, through pinned staging on a CUDA GPU). Rows that are already MLX
+arrays on a GPU (decoded there from a lossy record) are joined there, by one
+concatenation per array: bringing them to the host would cost two trips over
+the bus.
 """
 
 from __future__ import annotations
@@ -18,12 +25,22 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from kvstore.abc.codec import RestorePlan
+from kvstore.abc.codec import RestorePlan, Snapshot
 from kvstore.caches.base import Tree
-from kvstore.codecs.arrays import as_numpy_all, dtype_name, owned_arrays
+from kvstore.codecs import cuda
+from kvstore.codecs.arrays import MLX_DTYPES, as_numpy_all, dtype_name, owned_arrays
 from kvstore.codecs.fill import LeafSpec, filled_arrays
 
-__all__ = ["Tree", "LeafSpec", "row_leaves_of", "RowsJoin", "CachePlan", "run_plans"]
+__all__ = [
+    "Tree",
+    "LeafSpec",
+    "row_leaves_of",
+    "RowsJoin",
+    "CachePlan",
+    "as_device",
+    "run_plans",
+    "join_runs",
+]
 
 
 def row_leaves_of(tree: Tree) -> tuple[Any, ...]:
@@ -63,6 +80,21 @@ class RowsJoin:
     def lazy(self) -> list[mx.array]:
         """Pieces that are unevaluated MLX arrays (to evaluate before :meth:`fill`)."""
         return [leaf for column in self.columns for leaf in column if isinstance(leaf, mx.array)]
+
+    def holds_mlx(self, column: int) -> bool:
+        """Whether any piece of leaf ``column`` is an MLX array (not host memory)."""
+        return any(isinstance(piece, mx.array) for piece in self.columns[column])
+
+    def join_on_device(self, column: int) -> mx.array:
+        """Leaf ``column`` as one lazy MLX array: the pieces concatenated, zeros to
+        capacity (the rows never leave the device the pieces are on)."""
+        shape, name = self.leaves()[column]
+        dtype = MLX_DTYPES[name]
+        pieces = [as_device(piece).astype(dtype) for piece in self.columns[column]]
+        rows = sum(int(p.shape[2]) for p in pieces)
+        if rows < self.capacity:
+            pieces.append(mx.zeros((*shape[:2], self.capacity - rows, *shape[3:]), dtype))
+        return pieces[0] if len(pieces) == 1 else mx.concatenate(pieces, axis=2)
 
     def fill_leaf(self, column: int, target: np.ndarray) -> None:
         """Write leaf ``column`` into ``target`` (uninitialised memory of
@@ -139,21 +171,49 @@ class CachePlan:
         return self.assemble([array for array, _ in buffers])
 
 
+def as_device(piece: Any) -> mx.array:
+    """A row piece as an MLX array on the default device (host pieces uploaded once)."""
+    if isinstance(piece, mx.array):
+        return piece
+    if cuda.available():
+        view = np.ascontiguousarray(piece)
+        name = dtype_name(view)
+        spec = [(tuple(view.shape), name)]
+        return cuda.upload(spec, lambda _, target: np.copyto(target, view))[0]
+    from kvstore.codecs.arrays import as_mlx
+
+    return as_mlx(piece)
+
+
 def run_plans(plans: Sequence[RestorePlan]) -> list[Any]:
     """The caches of ``plans``: every array of every plan allocated and filled in one go.
 
     A :class:`CachePlan`'s arrays are written once, straight from the row
-    pieces into MLX's memory (:func:`~kvstore.codecs.fill.filled_arrays`);
-    any other plan gets zero-filled buffers of its ``leaves``.
+    pieces into MLX's memory (:func:`~kvstore.codecs.fill.filled_arrays`), or,
+    on a CUDA GPU, joined on the device when their pieces are MLX arrays
+    already; any other plan gets zero-filled buffers of its ``leaves``.
     """
     mx.eval([a for plan in plans if isinstance(plan, CachePlan) for a in plan.lazy()])
-    writers = [w for plan in plans if isinstance(plan, CachePlan) for w in plan.columns()]
+    on_gpu = cuda.available()
+    columns = [c for plan in plans if isinstance(plan, CachePlan) for c in plan.columns()]
+    joined = {
+        i: join.join_on_device(col)
+        for i, (join, col) in enumerate(columns)
+        if on_gpu and join.holds_mlx(col)
+    }
+    writers = [(i, c) for i, c in enumerate(columns) if i not in joined]
 
-    def fill(i: int, target: np.ndarray) -> None:
-        join, column = writers[i]
+    def fill(k: int, target: np.ndarray) -> None:
+        _, (join, column) = writers[k]
         join.fill_leaf(column, target)
 
-    arrays = filled_arrays([join.leaves()[column] for join, column in writers], fill)
+    filled = filled_arrays([join.leaves()[column] for _, (join, column) in writers], fill)
+    arrays: list[mx.array] = [None] * len(columns)  # type: ignore[list-item]
+    for (i, _), array in zip(writers, filled, strict=True):
+        arrays[i] = array
+    for i, array in joined.items():
+        arrays[i] = array
+    mx.eval(list(joined.values()))
     caches, at = [], 0
     for plan in plans:
         if not isinstance(plan, CachePlan):
@@ -163,3 +223,75 @@ def run_plans(plans: Sequence[RestorePlan]) -> list[Any]:
         caches.append(plan.assemble(arrays[at : at + n]))
         at += n
     return caches
+
+
+def join_runs(layers: Sequence[Sequence[Snapshot]]) -> list[list[Snapshot]]:
+    """Each layer's snapshots with every run of consecutive ones (``stop`` of one is
+    ``start`` of the next) joined into one snapshot of MLX arrays.
+
+    What a restore does before decoding a lossy record: one decode over a run of
+    a layer's rows, on the device the arrays land on, instead of one per block.
+    Every join of every layer is written in one go (:func:`filled_arrays`).
+    A run's row tensors (``[B, H, tokens, ...]`` in every snapshot of it) are
+    joined; its other tensors (a rotation carried by the first block, say) are
+    the first snapshot's, and its meta is the last one's, as a restore of the
+    run reads them. A run of one-token snapshots stays as it is (rows and
+    per-snapshot tensors cannot be told apart there).
+    """
+    runs: list[list[list[Snapshot]]] = []
+    for snaps in layers:
+        grouped: list[list[Snapshot]] = []
+        for snap in snaps:
+            if grouped and grouped[-1][-1].stop == snap.start:
+                grouped[-1].append(snap)
+            else:
+                grouped.append([snap])
+        runs.append(grouped)
+    joins: list[tuple[int, str, RowsJoin]] = []
+    for grouped in runs:
+        for run in grouped:
+            names = _row_names(run)
+            if names:
+                rows = sum(s.tokens for s in run)
+                joins += [(id(run), n, RowsJoin([s.tensors[n] for s in run], rows)) for n in names]
+    mx.eval([a for _, _, join in joins for a in join.lazy()])
+
+    def fill(i: int, target: np.ndarray) -> None:
+        joins[i][2].fill_leaf(0, target)
+
+    arrays = filled_arrays([join.leaves()[0] for _, _, join in joins], fill)
+    joined: dict[int, dict[str, mx.array]] = {}
+    for (run_id, name, _), array in zip(joins, arrays, strict=True):
+        joined.setdefault(run_id, {})[name] = array
+    out = []
+    for grouped in runs:
+        layer = []
+        for run in grouped:
+            cut = joined.get(id(run))
+            if cut is None:
+                layer.extend(run)
+                continue
+            tensors = {**run[0].tensors, **cut}
+            first, last = run[0], run[-1]
+            layer.append(Snapshot(first.signature, first.start, last.stop, tensors, last.meta))
+        out.append(layer)
+    return out
+
+
+def _row_names(run: Sequence[Snapshot]) -> list[str]:
+    """The row tensors of a run worth joining (none for a run of one MLX-array snapshot,
+    already where a decode wants it, or of one-token snapshots)."""
+    if any(s.tokens < 2 for s in run):
+        return []
+    if len(run) == 1 and all(isinstance(t, mx.array) for t in run[0].tensors.values()):
+        return []
+    return [
+        name
+        for name in run[0].tensors
+        if all(
+            name in s.tensors
+            and len(s.tensors[name].shape) >= 3
+            and int(s.tensors[name].shape[2]) == s.tokens
+            for s in run
+        )
+    ]

@@ -70,7 +70,11 @@ __all__ = [
     "CHECKSUM_ALGORITHM",
     "RecordHeader",
     "Record",
+    "RecordPlan",
+    "plan_record",
     "encode_record",
+    "write_record",
+    "device_payload",
     "decode_record",
     "decode_record_to_mlx",
     "read_header",
@@ -133,6 +137,89 @@ class Record:
 # -- encode ------------------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class RecordPlan:
+    """A record laid out before its bytes exist: the header entries with every
+    tensor's payload offset, and the tensors in payload order.
+
+    :func:`encode_record` turns it into ``bytes``; :func:`write_record` writes it
+    into a caller's buffer (a reused arena: no fresh pages to fault in), and
+    :func:`device_payload` builds its payload on the device its tensors are on.
+    """
+
+    entries: tuple[dict[str, Any] | None, ...]
+    tensors: tuple[tuple[Any, int], ...]
+    payload_nbytes: int
+    meta: Mapping[str, Any]
+
+    def head(self, checksum: int) -> bytes:
+        """Prefix, header and zero padding: everything before the payload."""
+        header = {
+            "format": FORMAT_VERSION,
+            "writer": writer(),
+            "layers": list(self.entries),
+            "meta": dict(self.meta),
+            "payload_nbytes": self.payload_nbytes,
+            "checksum": {"algorithm": CHECKSUM_ALGORITHM, "value": checksum},
+        }
+        try:
+            packed = msgpack.packb(header, use_bin_type=True)
+        except (TypeError, ValueError, OverflowError) as exc:
+            raise TypeError(f"[encode_record] The header is not msgpack-able: {exc}.") from exc
+        try:  # what we write, we must be able to read
+            check_bounds("encode_record", header)
+        except CorruptEntryError as exc:
+            raise ValueError(f"{exc} Store less meta per record.") from exc
+        if len(packed) > BOUNDS.header_bytes:
+            raise ValueError(
+                f"[encode_record] The header is {len(packed)} bytes; records allow "
+                f"{BOUNDS.header_bytes}. Store fewer layers or less meta per record."
+            )
+        fixed = _PREFIX.pack(MAGIC, FORMAT_VERSION, 0, len(packed), 0)[:_FIXED]
+        header_sum = xxhash.xxh3_64_intdigest(fixed + packed)
+        head = _PREFIX.pack(MAGIC, FORMAT_VERSION, 0, len(packed), header_sum) + packed
+        return head + bytes(_align(len(head)) - len(head))
+
+    @property
+    def nbytes_bound(self) -> int:
+        """The record's length, or a little more (the header with the widest checksum)."""
+        return len(self.head(_WIDEST_CHECKSUM)) + self.payload_nbytes
+
+
+# A u64 msgpack packs in 9 bytes at most: a header laid out with this checksum is
+# never shorter than the real one.
+_WIDEST_CHECKSUM = (1 << 64) - 1
+
+
+def plan_record(
+    layers: Sequence[Snapshot | None], *, meta: Mapping[str, Any] | None = None
+) -> RecordPlan:
+    """Lay ``layers`` out as a record (no tensor data is read).
+
+    Raises:
+        UnknownSignatureError: a snapshot of a kind no codec serves.
+        TypeError: a tensor of a dtype records do not carry.
+    """
+    entries: list[dict[str, Any] | None] = []
+    tensors: list[tuple[Any, int]] = []
+    end = 0
+    for snap in layers:
+        if snap is None:
+            entries.append(None)
+            continue
+        manifest = tensor_manifest(snap)
+        for entry, array in zip(manifest, snap.tensors.values(), strict=True):
+            start = _align(end)
+            nbytes = (
+                int(np.prod(entry["shape"], dtype=np.int64)) * numpy_dtype(entry["dtype"]).itemsize
+            )
+            entry.update(offset=start, nbytes=nbytes)
+            tensors.append((array, start))
+            end = start + nbytes
+        entries.append(layer_entry(snap, manifest))
+    return RecordPlan(tuple(entries), tuple(tensors), end, dict(meta or {}))
+
+
 def encode_record(
     layers: Sequence[Snapshot | None], *, meta: Mapping[str, Any] | None = None
 ) -> bytes:
@@ -151,54 +238,61 @@ def encode_record(
             msgpack cannot encode.
         ValueError: the header would exceed the format's bounds.
     """
-    views = iter(
-        as_numpy_all([a for snap in layers if snap is not None for a in snap.tensors.values()])
-    )
-    entries: list[dict[str, Any] | None] = []
+    plan = plan_record(layers, meta=meta)
+    views = as_numpy_all([array for array, _ in plan.tensors])
     chunks: list[Any] = []
     end = 0
-    for snap in layers:
-        if snap is None:
-            entries.append(None)
-            continue
-        manifest = tensor_manifest(snap)
-        for entry in manifest:
-            start = _align(end)
-            if start > end:
-                chunks.append(bytes(start - end))
-            words = next(views)
-            entry.update(offset=start, nbytes=int(words.nbytes))
-            chunks.extend(contiguous_chunks(words))
-            end = start + words.nbytes
-        entries.append(layer_entry(snap, manifest))
+    for view, (_, offset) in zip(views, plan.tensors, strict=True):
+        if offset > end:
+            chunks.append(bytes(offset - end))
+        chunks.extend(contiguous_chunks(view))
+        end = offset + view.nbytes
     hasher = xxhash.xxh3_64()
     for chunk in chunks:
         hasher.update(chunk)
-    header = {
-        "format": FORMAT_VERSION,
-        "writer": writer(),
-        "layers": entries,
-        "meta": dict(meta or {}),
-        "payload_nbytes": end,
-        "checksum": {"algorithm": CHECKSUM_ALGORITHM, "value": hasher.intdigest()},
-    }
-    try:
-        packed = msgpack.packb(header, use_bin_type=True)
-    except (TypeError, ValueError, OverflowError) as exc:
-        raise TypeError(f"[encode_record] The header is not msgpack-able: {exc}.") from exc
-    try:  # what we write, we must be able to read
-        check_bounds("encode_record", header)
-    except CorruptEntryError as exc:
-        raise ValueError(f"{exc} Store less meta per record.") from exc
-    if len(packed) > BOUNDS.header_bytes:
-        raise ValueError(
-            f"[encode_record] The header is {len(packed)} bytes; records allow "
-            f"{BOUNDS.header_bytes}. Store fewer layers or less meta per record."
-        )
-    fixed = _PREFIX.pack(MAGIC, FORMAT_VERSION, 0, len(packed), 0)[:_FIXED]
-    header_sum = xxhash.xxh3_64_intdigest(fixed + packed)
-    head = _PREFIX.pack(MAGIC, FORMAT_VERSION, 0, len(packed), header_sum) + packed
-    return b"".join([head, bytes(_align(len(head)) - len(head)), *chunks])
+    return b"".join([plan.head(hasher.intdigest()), *chunks])
+
+
+def write_record(plan: RecordPlan, out: np.ndarray, *, payload_written: bool = False) -> int:
+    """Write the record of ``plan`` at the start of ``out`` (a uint8 buffer of at
+    least ``plan.nbytes_bound`` bytes); returns its length.
+
+    With ``payload_written``, the payload is already in place at
+    ``len(plan.head(widest checksum))`` (a device wrote it there); otherwise the
+    tensors are copied in (one copy each, from wherever they are).
+    """
+    planned = len(plan.head(_WIDEST_CHECKSUM))
+    payload = out[planned : planned + plan.payload_nbytes]
+    if not payload_written:
+        views = as_numpy_all([array for array, _ in plan.tensors])
+        end = 0
+        for view, (_, offset) in zip(views, plan.tensors, strict=True):
+            payload[end:offset] = 0
+            target = payload[offset : offset + view.nbytes].view(view.dtype).reshape(view.shape)
+            np.copyto(target, view, casting="no")
+            end = offset + view.nbytes
+        payload[end:] = 0
+    head = plan.head(xxhash.xxh3_64_intdigest(payload.data))
+    if len(head) != planned:  # a checksum that packs shorter moved the payload: rare
+        out[len(head) : len(head) + plan.payload_nbytes] = payload.copy()
+    out[: len(head)] = np.frombuffer(head, np.uint8)
+    return len(head) + plan.payload_nbytes
+
+
+def device_payload(plan: RecordPlan) -> mx.array:
+    """The payload of ``plan`` as one uint8 MLX array, built where its tensors are
+    (``mx.array`` s: on a GPU, nothing crosses the bus until it is downloaded)."""
+    parts: list[mx.array] = []
+    end = 0
+    for array, offset in plan.tensors:
+        if offset > end:
+            parts.append(mx.zeros((offset - end,), mx.uint8))
+        flat = as_mlx(array).reshape(-1)
+        parts.append(flat.view(mx.uint8))
+        end = offset + flat.nbytes
+    if not parts:
+        return mx.zeros((0,), mx.uint8)
+    return parts[0] if len(parts) == 1 else mx.concatenate(parts)
 
 
 # -- decode ------------------------------------------------------------------------------

@@ -75,6 +75,13 @@ class TurboQuantRowCodec(RowCodec):
         tq, side = TurboQuantParams.of_cache(cache).describe(snap.start)
         return replace(snap, tensors={**snap.tensors, **side}, meta={**snap.meta, "tq": tq})
 
+    def sliced(
+        self, snapshot: Snapshot, start: int, stop: int, rows: Mapping[str, Any]
+    ) -> Snapshot:
+        # The side tensors of a range are its own (the dense rotation rides the block at 0).
+        _, side = self.params(snapshot).describe(start)
+        return Snapshot(self.signature, start, stop, {**rows, **side}, dict(snapshot.meta))
+
     # -- validation -------------------------------------------------------------------------
     def _snapshot_problem(self, snap: Snapshot) -> str | None:
         rows = {n: snap.tensors[n] for n in self.tensor_names() if n in snap.tensors}

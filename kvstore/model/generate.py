@@ -385,7 +385,7 @@ def generate(
             if ready:
                 continue
             if drafter is None:
-                logits = model(y[:, None], cache=caches)[:, -1, :]
+                logits = model.decode_step(caches)(y[:, None], caches)[:, -1, :]
                 y = sampler(_log_softmax(logits))
                 ready.append(cast(int, y.item()))
                 counts.forwards += 1

@@ -109,7 +109,12 @@ class Attention(nn.Module):
                 rotary, args.rope_theta, args.rope_traditional, args.rope_scaling
             )
 
-    def __call__(self, x: mx.array, mask: Any, cache: Any, attend: Attend) -> mx.array:
+    def project(self, x: mx.array, offset: int | mx.array = 0) -> tuple[mx.array, ...]:
+        """Queries, keys and values ``[B, heads, L, head_dim]`` of ``x``, rotated for
+        positions from ``offset`` (an int, or an array: a compiled step's input).
+
+        An attention with an output gate (Qwen3-Next/3.5) returns its gate
+        ``[B, L, heads * head_dim]`` fourth, for :meth:`output`."""
         B, L, _ = x.shape
         queries = self.q_proj(x).reshape(B, L, self.n_heads, -1)
         gate = None
@@ -121,19 +126,30 @@ class Attention(nn.Module):
         if self._qk_norm:
             queries, keys = self.q_norm(queries), self.k_norm(keys)
         queries, keys = queries.transpose(0, 2, 1, 3), keys.transpose(0, 2, 1, 3)
+        projected = self.rope(queries, offset=offset), self.rope(keys, offset=offset), values
+        return projected if gate is None else (*projected, gate)
 
-        if cache is None:
-            queries, keys = self.rope(queries), self.rope(keys)
-        else:
-            queries = self.rope(queries, offset=cache.offset)
-            keys = self.rope(keys, offset=cache.offset)
-            keys, values = cache.update_and_fetch(keys, values)
+    @property
+    def gated(self) -> bool:
+        """The output is gated per head (q_proj yields the gate): :meth:`project`
+        returns four arrays."""
+        return bool(self._gate)
 
-        output = attend(queries, keys, values, self.scale, mask)
-        output = output.transpose(0, 2, 1, 3).reshape(B, L, -1)
+    def output(self, attended: mx.array, gate: mx.array | None = None) -> mx.array:
+        """The output projection of what attention returned (``[B, heads, L, head_dim]``),
+        gated by ``gate`` where the layer has one."""
+        B, _, L, _ = attended.shape
+        output = attended.transpose(0, 2, 1, 3).reshape(B, L, -1)
         if gate is not None:
             output = output * mx.sigmoid(gate)
         return self.o_proj(output)
+
+    def __call__(self, x: mx.array, mask: Any, cache: Any, attend: Attend) -> mx.array:
+        # project / output are the halves the specialised decode step compiles (issue 17).
+        queries, keys, values, *gate = self.project(x, 0 if cache is None else cache.offset)
+        if cache is not None:
+            keys, values = cache.update_and_fetch(keys, values)
+        return self.output(attend(queries, keys, values, self.scale, mask), *gate)
 
 
 class TransformerBlock(nn.Module):
@@ -165,6 +181,11 @@ class TransformerBlock(nn.Module):
             r = self.linear_attn(self.input_layernorm(x), mask, cache)
         else:
             r = self.self_attn(self.input_layernorm(x), mask, cache, attend)
+        return self.finish(x, r)
+
+    def finish(self, x: mx.array, r: mx.array) -> mx.array:
+        """The block's output from its input ``x`` and the token mixer's output ``r``:
+        the residual joins and the MLP."""
         if self._sandwich:
             h = clip_residual(x, self.post_attention_layernorm(r))
             r = self.mlp(self.pre_feedforward_layernorm(h))

@@ -22,6 +22,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 from kvstore.caches.mask import create_attention_mask
 from kvstore.model.args import ModelArgs, named_config
 from kvstore.model.attention import Attend, attention_for, recurrent_for
+from kvstore.model.decode_step import DecodeStep, DecodeSteps, GenericStep
 from kvstore.model.layers import TransformerBlock, make_norm
 from kvstore.model.policy import CachePolicy, LayerGeometry, make_caches
 
@@ -53,28 +54,52 @@ class DecoderModel(nn.Module):
                 f"[model] Expected one cache per layer ({len(self.layers)}); received "
                 f"{len(caches)}. Use model.make_cache()."
             )
+        return self.norm(self.run_layers(self.embed(inputs, input_embeddings), caches))
+
+    def run_layers(
+        self,
+        h: mx.array,
+        caches: Sequence[Any],
+        *,
+        start: int = 0,
+        stop: int | None = None,
+        masks: Sequence[Any] | None = None,
+    ) -> mx.array:
+        """Blocks ``start`` to ``stop - 1`` over hidden states ``h``, block ``i`` over
+        ``caches[i]`` (one entry per layer; the others are not touched).
+
+        ``masks``: per layer, as :meth:`masks` gives them before any cache is
+        updated (computed now from ``caches`` by default). A caller running the
+        layers in pieces computes them once, first.
+        """
+        stop = len(self.layers) if stop is None else stop
         # Every cache is checked before any is updated: an unknown family fails closed.
         attends: list[Attend | None] = []
-        for i, (kind, c) in enumerate(zip(self.args.layer_kinds, caches)):
-            if kind == "attention":
-                attends.append(attention_for(c, i))
+        for i in range(start, stop):
+            if self.args.layer_kinds[i] == "attention":
+                attends.append(attention_for(caches[i], i))
             else:
-                recurrent_for(c, i)
+                recurrent_for(caches[i], i)
                 attends.append(None)
+        if masks is None:
+            masks = self.masks(h.shape[1], list(caches))
+        for i, attend in zip(range(start, stop), attends):
+            h = self.layers[i](h, masks[i], caches[i], attend)
+        return h
 
+    def embed(self, inputs: mx.array, input_embeddings: mx.array | None = None) -> mx.array:
+        """The first block's input: ``inputs`` embedded (or ``input_embeddings``), scaled
+        as the architecture asks."""
         h = self.embed_tokens(inputs) if input_embeddings is None else input_embeddings
         if self.args.scale_embeddings:
             # Rounded through bfloat16 as Gemma (and mlx-lm) do.
             h = h * mx.array(self.args.hidden_size**0.5, mx.bfloat16).astype(h.dtype)
+        return h
 
-        masks = self._masks(h.shape[1], caches)
-        for layer, c, attend, mask in zip(self.layers, caches, attends, masks):
-            h = layer(h, mask, c, attend)
-        return self.norm(h)
-
-    def _masks(self, n: int, caches: list[Any]) -> list[Any]:
-        """One mask per distinct window, from the first cache of an attention layer
-        with it; recurrent layers share the padding mask of the first one's cache."""
+    def masks(self, n: int, caches: list[Any]) -> list[Any]:
+        """Per layer, the attention mask for ``n`` new tokens over ``caches``: one per
+        distinct window, from the first cache of an attention layer with it;
+        recurrent layers share the padding mask of the first one's cache."""
         by_window: dict[int | None, Any] = {}
         recurrent: list[Any] = []
         kinds = self.args.layer_kinds
@@ -101,6 +126,9 @@ class Model(nn.Module):
         args: the normalised :class:`ModelArgs`.
         config: the mlx-lm-style config dict the model was built from (a copy).
         source_path: the directory the model was loaded from, or ``None``.
+        decode_steps: the one-token steps built for this model, by cache layout
+            (:class:`~kvstore.model.decode_step.DecodeSteps`; ``.enabled = False``
+            runs the generic path only).
     """
 
     def __init__(
@@ -118,6 +146,7 @@ class Model(nn.Module):
         # Underscore: a dict attribute would otherwise join the parameter tree.
         self._config = dict(config) if config is not None else args.to_dict()
         self.source_path = source_path
+        self.decode_steps = DecodeSteps()
 
     @property
     def config(self) -> dict[str, Any]:
@@ -135,6 +164,12 @@ class Model(nn.Module):
     ) -> mx.array:
         """Logits ``[B, L, vocab]`` for ``inputs`` ``[B, L]``, updating ``cache`` in place."""
         return self.logits(self.model(inputs, cache, input_embeddings))
+
+    def decode_step(self, caches: list[Any]) -> DecodeStep | GenericStep:
+        """The step for one token over ``caches``: specialised to their exact per-layer
+        signatures (built once, compiled), or the generic ``self(tokens, cache=caches)``.
+        Call it as ``model.decode_step(caches)(tokens, caches)``; it is picked per step."""
+        return self.decode_steps.step_for(self, caches)
 
     def logits(self, hidden: mx.array) -> mx.array:
         """The output head over final hidden states."""

@@ -46,7 +46,9 @@ Options go as keyword arguments or URL query parameters
 * settings, persisted at creation (``block_size``, ``storage_policy``) or
   replaceable later (``max_bytes``, ``namespace_max_bytes``); see
   :mod:`kvstore.store.settings`;
-* store options: ``verify``, ``touch_interval``, ``clock``, ``low_water``;
+* store options: ``verify``, ``touch_interval``, ``clock``, ``low_water``,
+  ``durability`` (``"group"``, the default, ``"sync"`` or ``"os"``; see
+  :mod:`kvstore.store.kv.writer`) and ``group_window`` (seconds);
 * backend options (LMDB: ``map_size``, ``max_map_size``, ``readonly``,
   ``create``, ``max_readers``, ``sync``; Redis: ``socket_timeout``,
   ``connect_timeout``, ``retries``, ``chunk_size``, ``ttl``,
@@ -223,7 +225,8 @@ def open_store(url: str, **options: Any) -> PrefixStore:
             or ``"tiered"`` with ``tiers=[...]``.
         **options: settings (``block_size=256``, ``storage_policy="lossless"``,
             ``max_bytes``, ``namespace_max_bytes``), store options (``verify``,
-            ``touch_interval``, ``clock``, ``low_water``) and backend options
+            ``touch_interval``, ``clock``, ``low_water``, ``durability``,
+            ``group_window``) and backend options
             (``map_size``, ``max_map_size``, ``readonly``, ``create``,
             ``max_readers``, ``sync`` for LMDB; ``socket_timeout``, ``ttl``,
             ``chunk_size``, ``server_eviction``, ``key_prefix``... for Redis).
@@ -246,8 +249,31 @@ def open_store(url: str, **options: Any) -> PrefixStore:
     _refuse_twice(query, options)
     factory = _scheme_factory(scheme, url)
     settings, store_options, backend_options = _split_options(scheme, url, {**query, **options})
+    _durability(scheme, url, store_options, backend_options)
     backend = factory(location, url, backend_options)
     return BlockPrefixStore(backend, **store_options, **settings)
+
+
+def _durability(
+    scheme: str, url: str, store_options: dict[str, Any], backend_options: dict[str, Any]
+) -> None:
+    """Reconcile the ``durability`` store option with LMDB's ``sync``: ``"os"`` opens the
+    environment without syncing; ``sync=False`` alone means ``"os"``."""
+    if scheme != "lmdb":
+        return
+    durability = store_options.get("durability")
+    sync = backend_options.get("sync")
+    if durability is None:
+        if sync is False:
+            store_options["durability"] = "os"
+        return
+    if sync is not None and sync != (durability != "os"):
+        raise StoreConfigError(
+            f"[open_store] durability={durability!r} and sync={sync!r} disagree for {url!r}; "
+            f"give durability only ('os' does not sync, 'sync' and 'group' do).",
+            found={"durability": durability, "sync": sync},
+        )
+    backend_options["sync"] = durability != "os"
 
 
 _TIERED_OPTIONS = ("tiers", "write", "promote")

@@ -26,7 +26,14 @@ stays readable by kvstore versions that do not know it.
 ``storage_policy`` is ``"lossless"`` (each layer in its own family's
 encoding) or the signature plain layers are stored as, of a family that
 declares ``storage_policy=True`` (``"kv:quant:8:64"``, ``"kv:quant:4:64"``,
-``"kv:turboquant:3:3"``, ``"kv:mxfp4"``...).
+``"kv:turboquant:3:3"``, ``"kv:mxfp4"``...), or one of those per layer: a
+:class:`~kvstore.layout.LayerLayout` (given as one, as its dict form, or as its
+text form, which is what the meta record keeps:
+``"default=kv:quant:8:64;sliding=kv:quant:4:64;0=lossless"``). A uniform
+layout is kept as its one value, so stores written before per-layer policies
+read and compare as they did.
+
+.. versionchanged:: 0.2 ``storage_policy`` may be a per-layer layout (issue 17).
 """
 
 from __future__ import annotations
@@ -44,6 +51,7 @@ from kvstore import __version__
 from kvstore.abc.store import StoreSettings
 from kvstore.errors import FormatVersionError, StoreConfigError
 from kvstore.family import families
+from kvstore.layout import LayerLayout, is_layout_text, parse_layout
 from kvstore.signature import parse_signature
 
 __all__ = [
@@ -99,6 +107,25 @@ def parse_block_size(value: object) -> int:
 
 
 def parse_storage_policy(value: object) -> str:
+    """``"lossless"``, a storage-policy signature, or a per-layer layout of them (a
+    :class:`~kvstore.layout.LayerLayout`, its dict or its text form): the canonical text."""
+    if isinstance(value, (LayerLayout, Mapping)) or is_layout_text(value):
+        try:
+            layout = parse_layout(value, _policy_value, "open_store")  # type: ignore[arg-type]
+        except (ValueError, TypeError) as exc:
+            if isinstance(exc, StoreConfigError):
+                raise
+            raise _config_error(
+                "storage_policy",
+                f"a per-layer layout such as 'default=kv:quant:8:64;sliding=lossless' ({exc})",
+                value,
+            ) from exc
+        uniform = layout.uniform()
+        return uniform if uniform is not None else layout.text()
+    return _policy_value(value)
+
+
+def _policy_value(value: object) -> str:
     if value == "lossless":
         return "lossless"
     try:

@@ -106,7 +106,11 @@ class Rotation:
                     f"received {self.matrix.shape}."
                 )
             m = mx.array(self.matrix.astype(np.float32))
-            object.__setattr__(self, "_forward_t", m.T)  # x @ M^T == (M x) per row
+            forward = m.T
+            # Rotations are shared across threads (rotation_for caches them); MLX evaluates
+            # a graph only on the thread whose stream built it, so nothing stays lazy here.
+            mx.eval(forward)
+            object.__setattr__(self, "_forward_t", forward)  # x @ M^T == (M x) per row
             object.__setattr__(self, "_inverse_t", m)
 
     @property

@@ -426,3 +426,53 @@ def test_memory_does_not_grow_with_the_store(make_store, tmp_path):
             tracemalloc.stop()
     store_bytes = sum(map(len, records(large).values()))
     assert peaks[1] < 1.25 * peaks[0] and peaks[1] < store_bytes / 4, (peaks, store_bytes)
+
+
+def test_to_a_per_layer_layout_text_or_file_and_inspect_shows_it(make_store, tmp_path, capsys):
+    from kvstore.layout import parse_layout, write_layout_file
+
+    src = make_store("gemma")  # layers 0 and 1 slide over 32 tokens, layer 2 is global
+    layout = "default=kv:quant:4:64;1=kv:quant:8:64"
+    expected = ["kv:rotating-quant:4:64", "kv:rotating-quant:8:64", "kv:quant:4:64"]
+    file = write_layout_file(tmp_path / "layout.json", parse_layout(layout), note="tuned")
+    for name, to in (("text", layout), ("file", str(file))):
+        dst = tmp_path / name
+        status, out, err = run_cli(capsys, "migrate", str(src), str(dst), "--to", to)
+        assert status == 0, err
+        for raw in records(dst).values():
+            assert [s.signature for s in decode_record_to_mlx(raw).layers] == expected
+        with open_store(f"lmdb://{dst}", readonly=True) as store:
+            assert store.verify().clean
+            assert store.settings.storage_policy == "default=kv:quant:4:64;1=kv:quant:8:64"
+    key = next(iter(records(tmp_path / "text"))).decode()
+    status = main(["inspect", str(tmp_path / "text"), key, "--json"])
+    out = json.loads(capsys.readouterr().out)
+    assert status == 0
+    assert out["layout"] == "0=kv:rotating-quant:4:64;1=kv:rotating-quant:8:64;2=kv:quant:4:64"
+    # Layers a layout names nothing for stay as they are, and so does the storage policy.
+    dst = tmp_path / "sliding-only"
+    status, out, err = run_cli(capsys, "migrate", str(src), str(dst), "--to", "sliding=" + Q8)
+    assert status == 0, err
+    for raw in records(dst).values():
+        assert [s.signature for s in decode_record_to_mlx(raw).layers] == [
+            "kv:rotating-quant:8:64",
+            "kv:rotating-quant:8:64",
+            "kv:plain",
+        ]
+    with open_store(f"lmdb://{dst}", readonly=True) as store:
+        assert store.settings.storage_policy == "lossless"
+    # --layers still limits which layers convert; bad layouts are one line and status 2.
+    dst = tmp_path / "limited"
+    status, out, err = run_cli(
+        capsys, "migrate", str(src), str(dst), "--to", layout, "--layers", "global"
+    )
+    assert status == 0
+    for raw in records(dst).values():
+        assert [s.signature for s in decode_record_to_mlx(raw).layers] == [
+            "kv:rotating-plain",
+            "kv:rotating-plain",
+            "kv:quant:4:64",
+        ]
+    assert main(["migrate", str(src), str(tmp_path / "x"), "--to", "7=" + Q8]) == 2
+    assert "records hold 3 layers" in capsys.readouterr().err
+    assert main(["migrate", str(src), str(tmp_path / "y"), "--to", "0=kv:nope:1"]) == 2

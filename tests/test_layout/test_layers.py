@@ -41,6 +41,7 @@ LAYERS: dict[str, tuple[int, str]] = {
     "kvstore.errors": (0, "errors"),
     "kvstore.signature": (1, "signature"),
     "kvstore.family": (1, "signature"),
+    "kvstore.layout": (1, "signature"),
     "kvstore": (2, "root"),
     "kvstore.abc": (3, "abc"),
     "kvstore.turboquant": (4, "turboquant"),  # the quantizer's math, under its cache

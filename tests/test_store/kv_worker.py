@@ -141,6 +141,28 @@ def writer(url: str, seed: str) -> None:
     print("END", flush=True)
 
 
+def behind(url: str, seed: str) -> None:
+    """The writer's saves handed off (write-behind): every third save a ``flush``,
+    after which the saves handed off before it are acknowledged."""
+    model = model_for("tiny")
+    namespace = namespace_for_model(model)
+    tokens = long_prompt(int(seed))
+    caches = token_by_token(model, tokens)
+    store = open_(url)
+    print("READY", flush=True)
+    handed: list[int] = []
+    for k, length in enumerate(writer_lengths(int(seed))):
+        store.save_behind(namespace, tokens[:length], caches)
+        handed.append(length)
+        if k % 3 == 2:
+            store.flush()
+            print("".join(f"ACK {n}\n" for n in handed), end="", flush=True)
+            handed = []
+    store.flush()
+    print("".join(f"ACK {n}\n" for n in handed), end="", flush=True)
+    print("END", flush=True)
+
+
 def check_restore(store, namespace: str, model, tokens: list[int], expected=None) -> int:
     """Restore ``tokens``'s longest stored prefix; it must equal a fresh computation
     (``expected(model, prefix)``, :func:`token_by_token` by default)."""
@@ -169,4 +191,4 @@ def mixer(url: str, seed: str, count: str) -> None:
 
 if __name__ == "__main__":
     mode, *args = sys.argv[1:]
-    {"e2e": e2e, "writer": writer, "mixer": mixer}[mode](*args)
+    {"e2e": e2e, "writer": writer, "behind": behind, "mixer": mixer}[mode](*args)

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 import pytest
 
 from kvstore.bridge import fingerprint as F
@@ -175,3 +176,71 @@ def test_namespaces():
         namespace_for(fp, [object()])
     with pytest.raises(StoreConfigError, match="fingerprint must be a non-empty str"):
         namespace_for("", layout)
+
+
+# -- row digests (kvstore.bridge.digests) -------------------------------------------------
+
+
+def _fake_kernel(*, inputs, output_shapes, output_dtypes, grid, threadgroup):
+    """What the CUDA kernel computes, on the host: (lo, hi) of each zero-padded row."""
+    import xxhash
+
+    from kvstore.bridge.digests import ROW_BYTES
+
+    params, flat = inputs
+    n = int(np.asarray(params)[0])
+    data = np.asarray(flat).tobytes()[:n]
+    words = []
+    for start in range(0, max(n, 1), ROW_BYTES):
+        row = data[start : start + ROW_BYTES].ljust(ROW_BYTES, b"\0")
+        value = xxhash.xxh3_128_intdigest(row)
+        words += [value & (2**64 - 1), value >> 64]
+    out = mx.array(np.array(words, np.uint64))
+    assert tuple(out.shape) == tuple(output_shapes[0])
+    return [out]
+
+
+def test_row_digests_follow_their_definition_on_every_path():
+    import xxhash
+
+    from kvstore.bridge import digests
+
+    rng = np.random.default_rng(1)
+    arrays = [
+        mx.array(rng.integers(0, 256, n, dtype=np.uint8)) for n in (1, digests.ROW_BYTES, 2**21 + 3)
+    ]
+    arrays.append(mx.array(rng.standard_normal((3, 5)).astype(np.float32)).astype(mx.bfloat16))
+    want = []
+    for a in arrays:
+        data = np.asarray(a.view(mx.uint8) if a.dtype == mx.bfloat16 else a).tobytes()
+        rows = [
+            xxhash.xxh3_128_digest(data[i : i + digests.ROW_BYTES].ljust(digests.ROW_BYTES, b"\0"))
+            for i in range(0, max(len(data), 1), digests.ROW_BYTES)
+        ]
+        want.append(xxhash.xxh3_128_hexdigest(b"".join(rows)))
+    assert digests.array_digests(arrays) == want  # on the host, every core
+    assert digests._device_digests(_fake_kernel, arrays) == want  # as the kernel's output is read
+
+
+def test_the_digest_kernel_is_checked_before_it_is_trusted_and_never_deadlocks(monkeypatch):
+    import threading
+
+    from kvstore.bridge import digests
+
+    assert digests.checked_kernel(_fake_kernel) is _fake_kernel
+
+    def wrong(**kw):
+        (out,) = _fake_kernel(**kw)
+        return [out + mx.array(1, mx.uint64)]
+
+    assert digests.checked_kernel(wrong) is False
+    # The GPU branch of _kernel(), with the fake compiled: it must come back (the lock).
+    monkeypatch.setattr(digests, "_KERNEL", None)
+    monkeypatch.setattr(digests, "_build_kernel", lambda: _fake_kernel)
+    monkeypatch.setattr(mx.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(mx, "default_device", lambda: mx.gpu)
+    found = []
+    worker = threading.Thread(target=lambda: found.append(digests._kernel()), daemon=True)
+    worker.start()
+    worker.join(60)
+    assert found == [_fake_kernel]

@@ -102,15 +102,18 @@ def read_acks(text: str) -> list[int]:
     return [int(line.split()[1]) for line in complete if line.startswith("ACK ")]
 
 
-def test_sigkill_during_saves_of_real_caches_loses_nothing_acknowledged(tmp_path):
+@pytest.mark.parametrize("mode", ["writer", "behind"])
+def test_sigkill_during_saves_of_real_caches_loses_nothing_acknowledged(tmp_path, mode):
+    """``writer`` saves synchronously; ``behind`` hands saves off to the writer thread
+    and acknowledges them after each flush: a kill loses at most what was not flushed."""
     url = f"lmdb://{tmp_path / 's'}"
     model = model_for("tiny")
     namespace = namespace_for_model(model)
     rng = random.Random(2025)
     acknowledged: dict[tuple[int, int], None] = {}  # (writer seed, prefix length)
     full = {}  # writer seed -> the caches of its whole prompt
-    for kill in range(20):
-        writer = spawn("writer", url, kill)
+    for kill in range(20 if mode == "writer" else 10):
+        writer = spawn(mode, url, kill)
         assert writer.stdout.readline().strip() == "READY"
         seen = [writer.stdout.readline() for _ in range(rng.randrange(1, 3))]
         time.sleep(rng.uniform(0, 0.005))  # land somewhere inside one of the next saves
@@ -132,7 +135,7 @@ def test_sigkill_during_saves_of_real_caches_loses_nothing_acknowledged(tmp_path
                     a, b = snapshot(got), snapshot(want, 0, length - 1)
                     for name in a.tensors:
                         assert mx.array_equal(a.tensors[name], b.tensors[name]).item()
-    assert len(acknowledged) >= 20, len(acknowledged)
+    assert len(acknowledged) >= 10, len(acknowledged)
 
 
 def test_four_processes_save_and_restore_overlapping_prefixes_of_a_model(tmp_path):

@@ -107,3 +107,29 @@ def test_a_match_truncated_trims_its_last_block():
     assert match.truncated(0).blocks == ()
     with pytest.raises(ValueError, match=r"tokens must be in \[0, 48\]"):
         match.truncated(49)
+
+
+@pytest.mark.parametrize(
+    ("family", "index", "stored"),
+    [
+        ("kv:plain", 0, "kv:quant:4:64"),
+        ("kv:plain", 2, "kv:plain"),  # lossless by index
+        ("kv:rotating-plain", 1, "kv:rotating-quant:8:64"),  # sliding, by kind
+        ("kv:plain", 7, "kv:turboquant:3:3"),  # the default
+        ("kv:quant:4:32", 0, "kv:quant:4:32"),  # never re-encoded
+    ],
+)
+def test_a_per_layer_storage_policy_picks_each_layers_encoding(family, index, stored):
+    policy = "default=kv:turboquant:3:3;sliding=kv:quant:8:64;0=kv:quant:4:64;2=lossless"
+    assert stored_signature(family, policy, index) == stored
+    assert stored_signature(family, "2=kv:quant:8:64", 0) == family  # named nowhere: lossless
+
+
+def test_a_cache_layout_becomes_the_storage_policy_storing_it():
+    from kvstore.store.kv.policy import storage_policy_for
+
+    assert storage_policy_for("default=kv:turboquant:3:3;1=kv:plain") == (
+        "default=kv:turboquant:3:3;1=lossless"
+    )
+    assert storage_policy_for("kv:plain") == "lossless"
+    assert storage_policy_for("default=kv:quant:8:64") == "kv:quant:8:64"

@@ -10,7 +10,11 @@ from __future__ import annotations
 from kvstore.bench.figures import (
     concurrent,
     decode,
+    decode_speed,
     dedup_bytes,
+    gpu_namespace,
+    gpu_save,
+    gpu_ttft,
     lookup,
     redis_restore,
     restore,
@@ -37,4 +41,10 @@ FIGURES: dict[str, Figure] = {
     "P10": lookup.P10,
     "P11": turboquant_speed.FIGURE,
     "D1": decode.FIGURE,
+    # On a GPU (BENCHMARKS.md "On a GPU"; tools/bench/gpu/run.sh runs them there).
+    "G1": gpu_ttft.G1,
+    "G2": gpu_ttft.G2,
+    "G3": gpu_save.G3,
+    "G4": gpu_namespace.G4,
+    "G5": decode_speed.FIGURE,
 }

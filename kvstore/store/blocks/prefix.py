@@ -31,15 +31,17 @@ import threading
 import time
 from collections.abc import Callable, Collection, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import Any
 
 import numpy as np
 
 from kvstore.abc.store import (
+    DURABILITY_MODES,
     Backend,
     BlockRef,
+    BlockSave,
     Match,
     MissReason,
     NamespaceStats,
@@ -69,6 +71,7 @@ from kvstore.store.blocks.integrity import Survey
 from kvstore.store.blocks.removal import delete_extending
 from kvstore.store.blocks.stats import Counters, all_checkpoint_totals, all_totals
 from kvstore.store.kv import CacheMethods
+from kvstore.store.kv.writer import DEFAULT_GROUP_WINDOW
 from kvstore.store.settings import (
     SETTING_PARSERS,
     StoreSettings,
@@ -93,6 +96,19 @@ def _parse_callable(name: str) -> Callable[[Any], Any]:
     return parse
 
 
+def parse_durability(value: Any) -> str:
+    """One of :data:`~kvstore.abc.store.DURABILITY_MODES`."""
+    if value not in DURABILITY_MODES:
+        raise StoreConfigError(
+            f"[open_store] durability must be one of {', '.join(DURABILITY_MODES)}; "
+            f"received {value!r}.",
+            setting="durability",
+            found=value,
+            supported=list(DURABILITY_MODES),
+        )
+    return str(value)
+
+
 #: Options of the store itself (not persisted), with their parsers.
 STORE_OPTIONS: dict[str, Callable[[Any], Any]] = {
     "verify": _parse_callable("verify"),
@@ -100,9 +116,35 @@ STORE_OPTIONS: dict[str, Callable[[Any], Any]] = {
     "clock": _parse_callable("clock"),
     "low_water": lambda v: parse_fraction(v, "low_water"),
     "describe": _parse_callable("describe"),
+    "durability": parse_durability,
+    "group_window": lambda v: parse_seconds(v, "group_window"),
 }
 
 _SAVE_ATTEMPTS = 8
+
+
+@dataclass
+class _Job:
+    """One save of a ``put_blocks_many``: its spans, what is stored, what it encoded."""
+
+    save: BlockSave
+    ns: bytes
+    toks: np.ndarray
+    spans: list[saving.Span]
+    encoded: dict[int, Any] = field(default_factory=dict)
+    existing: list[bytes] = field(default_factory=list)
+    cover: bytes | None = None
+    missing: list[saving.Span] = field(default_factory=list)
+    result: SaveResult | None = None
+
+    @classmethod
+    def of(cls, save: BlockSave, block_size: int) -> _Job:
+        ns = K.parse_namespace(save.namespace)
+        toks = K.as_tokens(save.tokens, "save")
+        job = cls(save, ns, toks, saving.spans_of(ns, toks, block_size) if len(toks) else [])
+        if not len(toks):
+            job.result = SaveResult(save.namespace, 0)
+        return job
 
 
 def verify_kv_record(record: memoryview) -> None:
@@ -151,6 +193,10 @@ class BlockPrefixStore(CacheMethods, PrefixStore):
             recurrent checkpoint at its block's end (issue 16), kept in the index
             and counted apart. Default: :func:`kv_checkpoint_nbytes` (kvstore's
             records, by their header); ``None``: 0 for every record.
+        durability: ``"group"`` (default), ``"sync"`` or ``"os"``: how commits are
+            made durable (:mod:`kvstore.store.kv.writer`; an LMDB backend is opened
+            without syncing for ``"os"``).
+        group_window: seconds a group commit waits for more saves handed off.
         **settings: store settings (:class:`~kvstore.store.settings.StoreSettings`).
     """
 
@@ -165,9 +211,13 @@ class BlockPrefixStore(CacheMethods, PrefixStore):
         clock: Callable[[], float] | None = None,
         low_water: float = 0.9,
         describe: Callable[[Any], int] | None = kv_checkpoint_nbytes,
+        durability: str = DURABILITY_MODES[0],
+        group_window: float = DEFAULT_GROUP_WINDOW,
         **settings: Any,
     ) -> None:
         super().__init__(backend)
+        self.durability = parse_durability(durability)
+        self.group_window = parse_seconds(group_window, "group_window")
         unknown = set(settings) - set(SETTING_PARSERS)
         if unknown:
             backend.close()
@@ -229,6 +279,7 @@ class BlockPrefixStore(CacheMethods, PrefixStore):
         """
         self._check_open("lookup")
         ns = K.parse_namespace(namespace)
+        self.wait_for_saves(namespace)  # a process reads its own saves handed off
         toks = K.as_tokens(tokens, "lookup")
         size, bsize = len(toks), self._settings.block_size
         self._counters.add(lookups=1)
@@ -452,85 +503,118 @@ class BlockPrefixStore(CacheMethods, PrefixStore):
             StoreFullError: the blocks do not fit the budget even after evicting
                 every unpinned leaf, or the map/disk is full; nothing was written.
         """
+        save = BlockSave(namespace, tokens, encode, family, frozenset(checkpoints))
+        return self.put_blocks_many([save])[0]
+
+    def put_blocks_many(self, saves: Sequence[BlockSave]) -> list[SaveResult]:
+        """Every save's missing blocks in one atomic write (one sync: a group commit);
+        a save with nothing missing only hashes and reads. Raises what a save would."""
         self._check_writable("save")
-        checkpoints = frozenset(checkpoints)
-        ns = K.parse_namespace(namespace)
-        toks = K.as_tokens(tokens, "save")
-        if not len(toks):
-            return SaveResult(namespace, 0)
-        spans = saving.spans_of(ns, toks, self._settings.block_size)
-        encoded: dict[int, Any] = {}
+        jobs = [_Job.of(s, self._settings.block_size) for s in saves]
         now = self._clock()
         for _ in range(_SAVE_ATTEMPTS):
             with self._backend.reader() as view:
-                existing, cover, missing = saving.survey(view, ns, spans)
-                absent = {s.index for s in missing}
-                upgrades = saving.upgradable(
-                    view, ns, [s for s in spans if s.index not in absent], checkpoints
+                for job in jobs:
+                    if job.result is None:
+                        job.existing, job.cover, missing = saving.survey(view, job.ns, job.spans)
+                        absent = {s.index for s in missing}
+                        # Stored blocks ending where this save has a checkpoint and
+                        # their record none: encoded again, replaced (issue 16).
+                        upgrades = saving.upgradable(
+                            view,
+                            job.ns,
+                            [s for s in job.spans if s.index not in absent],
+                            job.save.checkpoints,
+                        )
+                        job.missing = [*missing, *upgrades]
+            writing = []
+            for job in jobs:
+                if job.result is not None:
+                    continue
+                if not job.missing:  # dedup: hashing and one read; recency is batched
+                    if self._house is not None:
+                        self._house.touch(job.existing, now)
+                    self._counters.add(saves=1, deduplicated_blocks=len(job.existing))
+                    job.result = SaveResult(
+                        job.save.namespace,
+                        len(job.toks),
+                        deduplicated=len(job.existing),
+                        covered_by=job.cover,
+                    )
+                    continue
+                todo = [s for s in job.missing if s.index not in job.encoded]
+                saving.encode_missing(
+                    job.ns, todo, job.encoded, job.save.encode, job.save.checkpoints
                 )
-            missing = [*missing, *upgrades]
-            if not missing:  # dedup: hashing and one read; the recency update is batched
-                if self._house is not None:
-                    self._house.touch(existing, now)
-                self._counters.add(saves=1, deduplicated_blocks=len(existing))
-                return SaveResult(
-                    namespace, len(toks), deduplicated=len(existing), covered_by=cover
-                )
-            todo = [s for s in missing if s.index not in encoded]
-            saving.encode_missing(ns, todo, encoded, encode, checkpoints)
-            size = sum(saving.record_nbytes(r) for r in encoded.values())
+                writing.append(job)
+            if not writing:
+                break
+            size = sum(saving.record_nbytes(r) for j in writing for r in j.encoded.values())
             try:
-                out = self._write_with_pending(
-                    partial(
-                        self._commit_save,
-                        ns=ns,
-                        spans=spans,
-                        encoded=encoded,
-                        now=now,
-                        family=family,
-                        checkpoints=checkpoints,
-                        describe=self._describe,
-                    ),
-                    size_hint=size,
+                outs = self._write_with_pending(
+                    partial(self._commit_saves, jobs=writing, now=now), size_hint=size
                 )
             except saving.Stale:
                 continue
-            self._counters.add(
-                saves=1,
-                saved_blocks=len(out.written),
-                saved_bytes=out.written_bytes,
-                deduplicated_blocks=out.deduplicated,
-                evictions=len(out.evicted),
-                evicted_bytes=sum(b.nbytes for b in out.evicted),
-                evicted_checkpoint_bytes=sum(b.checkpoint_nbytes for b in out.evicted),
+            for job, out in zip(writing, outs, strict=True):
+                evicted_checkpoint_bytes = sum(b.checkpoint_nbytes for b in out.evicted)
+                self._counters.add(
+                    saves=1,
+                    saved_blocks=len(out.written),
+                    saved_bytes=out.written_bytes,
+                    deduplicated_blocks=out.deduplicated,
+                    evictions=len(out.evicted),
+                    evicted_bytes=sum(b.nbytes for b in out.evicted),
+                    evicted_checkpoint_bytes=evicted_checkpoint_bytes,
+                )
+                job.result = SaveResult(
+                    job.save.namespace,
+                    len(job.toks),
+                    out.written,
+                    out.written_bytes,
+                    out.deduplicated,
+                    out.superseded,
+                    len(out.evicted),
+                    sum(b.nbytes for b in out.evicted),
+                    out.covered_by,
+                    out.checkpoints,
+                    out.checkpoint_bytes,
+                    out.upgraded,
+                    evicted_checkpoint_bytes,
+                )
+            break
+        else:
+            namespace = next(j.save.namespace for j in jobs if j.result is None)
+            raise StoreError(
+                f"[save] Blocks kept vanishing under concurrent evictions for {_SAVE_ATTEMPTS} "
+                f"attempts; raise the budget of namespace {namespace} or retry.",
+                namespace=namespace,
             )
-            return SaveResult(
-                namespace,
-                len(toks),
-                out.written,
-                out.written_bytes,
-                out.deduplicated,
-                out.superseded,
-                len(out.evicted),
-                sum(b.nbytes for b in out.evicted),
-                out.covered_by,
-                out.checkpoints,
-                out.checkpoint_bytes,
-                out.upgraded,
-                sum(b.checkpoint_nbytes for b in out.evicted),
-            )
-        raise StoreError(
-            f"[save] Blocks kept vanishing under concurrent evictions for {_SAVE_ATTEMPTS} "
-            f"attempts; raise the budget of namespace {namespace} or retry.",
-            namespace=namespace,
-        )
+        return [job.result for job in jobs if job.result is not None]
 
-    def _commit_save(self, txn: WriteView, pending: Pending, **kwargs: Any) -> saving.SaveOutcome:
+    def _commit_saves(
+        self, txn: WriteView, pending: Pending, *, jobs: list[_Job], now: float
+    ) -> list[saving.SaveOutcome]:
         apply_pending(txn, pending)
-        ns = kwargs["ns"]
-        return saving.commit_blocks(
-            txn, **kwargs, make_room=lambda t, delta, pinned: self._make_room(t, ns, delta, pinned)
-        )
+        return [
+            saving.commit_blocks(
+                txn,
+                ns=job.ns,
+                spans=job.spans,
+                encoded=job.encoded,
+                now=now,
+                family=job.save.family,
+                checkpoints=job.save.checkpoints,
+                describe=self._describe,
+                make_room=partial(self._make_room_in, ns=job.ns),
+            )
+            for job in jobs
+        ]
+
+    def _make_room_in(
+        self, txn: WriteView, delta: int, pinned: set[bytes], *, ns: bytes
+    ) -> list[Block]:
+        return self._make_room(txn, ns, delta, pinned)
 
     # ------------------------------------------------------------------ eviction
 
@@ -549,6 +633,7 @@ class BlockPrefixStore(CacheMethods, PrefixStore):
         namespace or store over ``low_water`` of its budget is brought down to it.
         """
         self._check_writable("evict")
+        self.wait_for_saves()  # after the saves handed off before this call
         ns = None if namespace is None else K.parse_namespace(namespace)
         limit = None if max_bytes is None else parse_byte_size(max_bytes, "max_bytes")
 
@@ -578,6 +663,7 @@ class BlockPrefixStore(CacheMethods, PrefixStore):
         that do not start with ``tokens`` stay, so chains stay contiguous.
         """
         self._check_writable("delete")
+        self.wait_for_saves()  # after the saves handed off before this call
         ns = K.parse_namespace(namespace)
         toks = K.as_tokens(tokens, "delete")
         bsize = self._settings.block_size
@@ -625,8 +711,10 @@ class BlockPrefixStore(CacheMethods, PrefixStore):
             self._house.touch(keys, self._clock())
 
     def flush(self) -> None:
-        """Write batched recency updates and pending removals now."""
+        """Wait for the saves handed off, then write batched recency updates and
+        pending removals now."""
         self._check_open("flush")
+        self.wait_for_saves()
         if self._house is not None:
             self._house.flush()
 
@@ -634,6 +722,7 @@ class BlockPrefixStore(CacheMethods, PrefixStore):
         if self._closed:
             return
         try:
+            self.stop_writer()  # what was handed off is committed first
             if self._house is not None:
                 self._house.close()
                 try:
@@ -648,6 +737,7 @@ class BlockPrefixStore(CacheMethods, PrefixStore):
 
     def stats(self, *, by_family: bool = False) -> StoreStats:
         self._check_open("stats")
+        self.wait_for_saves()  # after the saves handed off before this call
         with self._backend.reader() as view:
             totals = all_totals(view)
             checkpoints = all_checkpoint_totals(view)
@@ -692,6 +782,7 @@ class BlockPrefixStore(CacheMethods, PrefixStore):
         dangling keys and rewrites the totals, in one transaction.
         """
         self._check_open("verify")
+        self.wait_for_saves()  # after the saves handed off before this call
         found = Survey()
         with self._backend.reader() as view:
             found.run(view, self._verify)
@@ -702,4 +793,3 @@ class BlockPrefixStore(CacheMethods, PrefixStore):
             self._counters.add(corruptions=len(report.corrupt))
             report = replace(report, repaired=True)
         return report
-

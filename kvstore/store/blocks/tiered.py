@@ -226,6 +226,7 @@ class TieredPrefixStore(CacheMethods, PrefixStore):
 
     def lookup(self, namespace: str, tokens: Any, *, checkpoints: bool = False) -> Match:
         self._check_open("lookup")
+        self.wait_for_saves(namespace)  # a process reads its own saves handed off
         toks = K.as_tokens(tokens, "lookup")
         self._counters.add(lookups=1)
         best: Match | None = None
@@ -460,6 +461,7 @@ class TieredPrefixStore(CacheMethods, PrefixStore):
 
     def delete(self, namespace: str, tokens: Any = ()) -> int:
         self._check_writable("delete")
+        self.wait_for_saves()  # after the saves handed off before this call
         self._background.drain()  # a queued promotion must not bring deleted blocks back
         with self._lock:
             self._seen.clear()
@@ -468,6 +470,7 @@ class TieredPrefixStore(CacheMethods, PrefixStore):
     def evict(self, *, namespace: str | None = None, max_bytes: int | str | None = None) -> int:
         """Evict in every tier; returns the bytes the slowest tier freed."""
         self._check_writable("evict")
+        self.wait_for_saves()  # after the saves handed off before this call
         limit = None if max_bytes is None else parse_byte_size(max_bytes, "max_bytes")
         return [t.evict(namespace=namespace, max_bytes=limit) for t in self.tiers][-1]
 
@@ -487,12 +490,14 @@ class TieredPrefixStore(CacheMethods, PrefixStore):
 
     def flush(self) -> None:
         self._check_open("flush")
+        self.wait_for_saves()
         self._background.drain()
         for tier in self.tiers:
             tier.flush()
 
     def stats(self, *, by_family: bool = False) -> StoreStats:
         self._check_open("stats")
+        self.wait_for_saves()  # after the saves handed off before this call
         per_tier = [t.stats(by_family=by_family) for t in self.tiers]
         own = self._counters.snapshot()
         for name in ("evictions", "evicted_bytes", "evicted_checkpoint_bytes"):
@@ -510,6 +515,7 @@ class TieredPrefixStore(CacheMethods, PrefixStore):
 
     def verify(self, *, repair: bool = False) -> VerifyReport:
         self._check_open("verify")
+        self.wait_for_saves()  # after the saves handed off before this call
         reports = [t.verify(repair=repair) for t in self.tiers]
 
         def union(name: str) -> tuple[Any, ...]:
@@ -529,6 +535,7 @@ class TieredPrefixStore(CacheMethods, PrefixStore):
         if self._closed:
             return
         try:
+            self.stop_writer()
             self._background.close()
         finally:
             self._closed = True

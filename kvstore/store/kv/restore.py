@@ -36,8 +36,8 @@ from typing import Any
 from kvstore.abc.cache import is_recurrent_cache, is_sliding_window_cache, signature_of
 from kvstore.abc.codec import RestorePlan, Snapshot
 from kvstore.abc.store import BlockRef, Match, PrefixStore
-from kvstore.codecs import decode_record, get_codec, read_header, transcode
-from kvstore.codecs.plans import run_plans
+from kvstore.codecs import cuda, decode_record, get_codec, read_header, transcode
+from kvstore.codecs.plans import join_runs, run_plans
 from kvstore.codecs.record import RecordHeader
 from kvstore.errors import (
     CapabilityError,
@@ -129,9 +129,7 @@ def restore_caches(store: PrefixStore, match: Match, caches: Sequence[Any]) -> l
                     for ref, view in zip(wanted, views)
                 }
                 # Every layer planned first, then all arrays allocated in one evaluation.
-                return run_plans(
-                    [_plan_layer(cut, i, need, records) for i, need in enumerate(needs)]
-                )
+                return run_plans(_plans(cut, needs, records))
         tokens = best
     return list(caches)
 
@@ -207,17 +205,28 @@ def _convertible(stored: str, wanted: str) -> bool:
     return families[0].windowed == families[1].windowed
 
 
-def _plan_layer(
-    match: Match, layer: int, need: LayerNeed, records: Mapping[bytes, list[Snapshot | None]]
-) -> RestorePlan:
-    snaps = []
-    for ref in blocks_needed(match, need):
-        snap = records[ref.key][layer]
-        assert snap is not None  # _usable checked it
-        snaps.append(snap if need.checkpoint else _first_rows(snap, ref.rows))
-    if snaps[0].signature != need.signature:
-        snaps = [transcode(s, need.signature) for s in snaps]
-    return get_codec(need.signature).plan_restore(snaps)
+def _plans(
+    match: Match, needs: Sequence[LayerNeed], records: Mapping[bytes, list[Snapshot | None]]
+) -> list[RestorePlan]:
+    """Every layer's restore plan. Layers stored in another encoding (a lossy storage
+    policy) are decoded into the cache's family: on a CUDA GPU their rows are joined
+    first, all layers at once, and decoded there once per run of blocks (a decode
+    per block is a host round trip each); on the CPU block by block, as read."""
+    layers = []
+    for layer, need in enumerate(needs):
+        snaps = []
+        for ref in blocks_needed(match, need):
+            snap = records[ref.key][layer]
+            assert snap is not None  # _usable checked it
+            snaps.append(snap if need.checkpoint else _first_rows(snap, ref.rows))
+        layers.append(snaps)
+    recoded = [i for i, need in enumerate(needs) if layers[i][0].signature != need.signature]
+    if recoded and cuda.available():
+        for i, joined in zip(recoded, join_runs([layers[i] for i in recoded]), strict=True):
+            layers[i] = joined
+    for i in recoded:
+        layers[i] = [transcode(s, needs[i].signature) for s in layers[i]]
+    return [get_codec(need.signature).plan_restore(layers[i]) for i, need in enumerate(needs)]
 
 
 def _first_rows(snap: Snapshot, rows: int) -> Snapshot:

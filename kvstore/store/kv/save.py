@@ -29,7 +29,9 @@ from typing import Any
 from kvstore.abc.cache import is_recurrent_cache, signature_string
 from kvstore.abc.codec import KVCodec, Snapshot
 from kvstore.abc.store import BlockSpan, PrefixStore, SaveResult
-from kvstore.codecs import codec_for, encode_record
+from kvstore.codecs import codec_for
+from kvstore.codecs.arena import write_records
+from kvstore.codecs.record import plan_record
 from kvstore.errors import CapabilityError
 from kvstore.signature import UNKNOWN
 from kvstore.store import keys as K
@@ -41,7 +43,7 @@ from kvstore.store.kv.checkpoints import (
 )
 from kvstore.store.kv.policy import apply_policy, stored_signature
 
-__all__ = ["save_caches", "BlockEncoder", "Captured"]
+__all__ = ["save_caches", "check_caches", "BlockEncoder", "Captured"]
 
 #: Snapshots taken during prefill: ``(layer, block start) -> Snapshot`` of a whole block;
 #: for a recurrent layer ``(layer, position) -> `` its checkpoint there (``start == stop``).
@@ -77,26 +79,31 @@ def save_caches(
         StoreFullError, StoreUnavailableError, ReadOnlyStoreError: from the store.
     """
     toks = K.as_tokens(tokens, "save")
-    if not caches:
-        raise ValueError("[save] No caches: pass the model's caches, one per layer.")
-    short = sorted(
-        {
-            int(c.offset)
-            for c in caches
-            if not is_recurrent_cache(c) and int(c.offset) < len(toks)  # a state has no rows
-        }
-    )
-    if short:
-        raise ValueError(
-            f"[save] {len(toks)} tokens were given but a cache holds only {short[0]}; pass "
-            f"the tokens whose KV the caches hold (prompt plus generated tokens fed back)."
-        )
+    check_caches(toks, caches)
     captured = captured or {}
     encoder = BlockEncoder(caches, store.settings.storage_policy, captured, len(toks))
     positions = checkpoint_positions(caches, captured, len(toks))
     # Only a hybrid model's save names checkpoints (a wrapped put_blocks may predate them).
     options = {"checkpoints": positions} if positions else {}
     return store.put_blocks(namespace, toks, encoder, family=encoder.family, **options)
+
+
+def check_caches(tokens: Any, caches: Sequence[Any]) -> None:
+    """Raise ValueError unless every one of ``caches`` holds KV for all of ``tokens``."""
+    if not caches:
+        raise ValueError("[save] No caches: pass the model's caches, one per layer.")
+    short = sorted(
+        {
+            int(c.offset)
+            for c in caches
+            if not is_recurrent_cache(c) and int(c.offset) < len(tokens)  # a state has no rows
+        }
+    )
+    if short:
+        raise ValueError(
+            f"[save] {len(tokens)} tokens were given but a cache holds only {short[0]}; pass "
+            f"the tokens whose KV the caches hold (prompt plus generated tokens fed back)."
+        )
 
 
 class BlockEncoder:
@@ -114,14 +121,14 @@ class BlockEncoder:
         self._captured = captured
         #: The stored families, joined: the label ``stats(by_family=True)`` counts bytes by.
         self.family = "+".join(
-            sorted({stored_signature(_signature(c), policy) for c in self._caches})
+            sorted({stored_signature(_signature(c), policy, i) for i, c in enumerate(caches)})
         )
 
-    def __call__(self, spans: Sequence[BlockSpan]) -> list[bytes]:
-        return [
-            encode_record(self.layers(span.start, span.stop, checkpoint=span.checkpoint))
-            for span in spans
-        ]
+    def __call__(self, spans: Sequence[BlockSpan]) -> list[memoryview]:
+        # Into this thread's arena: reused pages, several threads (pinned memory on a GPU).
+        return write_records(
+            [plan_record(self.layers(s.start, s.stop, checkpoint=s.checkpoint)) for s in spans]
+        )
 
     def layers(self, start: int, stop: int, *, checkpoint: bool = False) -> list[Snapshot | None]:
         """Every layer's snapshot of the tokens ``[start, stop)``, as stored (or ``None``);
@@ -143,8 +150,12 @@ class BlockEncoder:
                     snap = codec.snapshot(cache, start, stop)
                 except CapabilityError:  # a window that moved on: the layer sits this block out
                     snap = None
-            out.append(None if snap is None else apply_policy(snap, self._policy))
+            out.append(None if snap is None else self._apply(snap, i))
         return out
+
+    def _apply(self, snap: Snapshot, layer: int) -> Snapshot:
+        """``snap`` in the encoding the storage policy stores layer ``layer``'s family as."""
+        return apply_policy(snap, self._policy, layer)
 
 
 def _signature(cache: Any) -> str:

@@ -34,10 +34,11 @@ from kvstore.store.maintenance.migrate.targets import (
     check_format_version,
     is_lossy,
     parse_layer_spec,
-    parse_target,
+    parse_targets,
+    target_layout,
 )
 from kvstore.store.maintenance.transfer import ChainWalk, StoredBlock, namespaces_of
-from kvstore.store.settings import StoreSettings
+from kvstore.store.settings import StoreSettings, parse_storage_policy
 
 __all__ = ["IN_PLACE_SUFFIX", "Direction", "MigrationPlan", "plan_migration"]
 
@@ -127,7 +128,7 @@ def _parse_inputs(to: str | None, layers: str | None, format_version: int | None
             found=layers,
         )
     return Inputs(
-        None if to is None else parse_target(to),
+        None if to is None else parse_targets(to),
         parse_layer_spec(layers),
         check_format_version(format_version),
     )
@@ -180,19 +181,32 @@ def _destination(src: str, dst: str | None, in_place: bool) -> str:
 def _read_settings(store: PrefixStore, inputs: Inputs) -> StoreSettings:
     """SRC's settings for DST; the storage policy follows ``to`` when every layer
     converts: its growing family when that is a storage policy, ``lossless`` when
-    that is a lossless KV family, else SRC's."""
+    that is a lossless KV family, else SRC's. A per-layer ``to`` that names every
+    attention layer (a default, or both kinds) gives a per-layer policy of the same."""
     settings = store.settings
     if inputs.to is None or not inputs.layers.everything:
         return settings
-    sig = parse_signature(inputs.to)
+    layout = target_layout(inputs.to)
+    if layout is None:
+        policy = _policy_of(inputs.to)
+        return replace(settings, storage_policy=policy or settings.storage_policy)
+    covers = layout.default is not None or {"global", "sliding"} <= dict(layout.kinds).keys()
+    policies = {value: _policy_of(value) for value in layout.values()}
+    if not covers or None in policies.values():  # some layers keep SRC's policy
+        return settings
+    per_layer = layout.map_values(lambda v: policies[v] or "")
+    return replace(settings, storage_policy=parse_storage_policy(per_layer))
+
+
+def _policy_of(target: str) -> str | None:
+    """The storage policy storing layers as ``target`` does, if one does."""
+    sig = parse_signature(target)
     family = growing_family(sig.kind)
     if family.storage_policy:
-        policy = family.signature(*sig.params)
-    elif not family.lossy and family.holds_kv:
-        policy = "lossless"
-    else:
-        policy = settings.storage_policy
-    return replace(settings, storage_policy=policy)
+        return family.signature(*sig.params)
+    if not family.lossy and family.holds_kv:
+        return "lossless"
+    return None
 
 
 def walks(backend: Backend) -> Iterator[ChainWalk]:
@@ -232,12 +246,25 @@ def _preflight(src: PrefixStore, inputs: Inputs) -> tuple[Direction, ...]:
         except (CorruptEntryError, FormatVersionError):
             continue  # the walk reports it
         inputs.layers.check(len(header.layers))
+        _check_layout(inputs.to, len(header.layers))
         recode_record(
             record, to=inputs.to, layers=inputs.layers, reencode=inputs.format_version is not None
         )
         signatures = [None if layer is None else layer.signature for layer in header.layers]
         return tuple(record_directions(signatures, inputs))
     return ()
+
+
+def _check_layout(to: str | None, layers: int) -> None:
+    layout = None if to is None else target_layout(to)
+    top = None if layout is None else layout.max_index()
+    if top is not None and top >= layers:
+        raise StoreConfigError(
+            f"[migrate] --to names layer {top}, but the store's records hold {layers} layers "
+            f"(0-{layers - 1}).",
+            found=to,
+            layers=layers,
+        )
 
 
 def _destination_state(dst: str, inputs: Inputs, overwrite: bool) -> tuple[str, Journal | None]:

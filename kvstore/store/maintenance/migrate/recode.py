@@ -16,7 +16,7 @@ from typing import Any
 from kvstore.abc.codec import Snapshot
 from kvstore.codecs.record import decode_record, encode_record, read_header, snapshot_to_mlx
 from kvstore.codecs.transcode import transcode_measured
-from kvstore.store.maintenance.migrate.targets import LayerSelection, target_for
+from kvstore.store.maintenance.migrate.targets import LayerSelection, layer_target
 from kvstore.store.maintenance.transfer import family_label
 
 __all__ = ["LayerChange", "Recoded", "plan_layers", "recode_record"]
@@ -58,7 +58,7 @@ def plan_layers(
 ) -> list[str | None]:
     """The target signature of each layer (``None`` where absent); unselected layers keep theirs."""
     return [
-        sig if sig is None or to is None or not layers.selects(i, sig) else target_for(sig, to)
+        sig if sig is None or to is None or not layers.selects(i, sig) else layer_target(sig, to, i)
         for i, sig in enumerate(signatures)
     ]
 

@@ -7,10 +7,20 @@ sends ``kv:plain`` layers to ``kv:quant:8:64`` and ``kv:rotating-plain``
 that declares it keeps a window of ``kv:quant`` (:mod:`kvstore.family`).
 ``--layers`` selects layers by index (``0-3,7``) or by kind (``global``: full
 attention, ``sliding``: sliding window); ``all`` is the default.
+
+``--to`` may also name a family per layer (issue 17): a
+:class:`~kvstore.layout.LayerLayout` in its text form
+(``default=kv:quant:4:64;sliding=kv:quant:8:64;0-1=kv:quant:8:64``), or a layout
+file such as ``kvstore tune`` writes (the CLI reads it). Each layer goes to the
+family the layout names for its index, else its kind (a stored layer's kind is
+its family's), else the default, or its counterpart of the layer's window kind;
+a layer the layout names nothing for stays as it is. ``--layers`` still limits
+which layers convert.
 """
 
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass
 
@@ -23,10 +33,14 @@ from kvstore.errors import (
     UnknownSignatureError,
 )
 from kvstore.family import families, growing_family, windowed_family
+from kvstore.layout import LayerLayout, is_layout_text, kind_of_signature, parse_layout
 from kvstore.signature import parse_signature, registered_kinds
 
 __all__ = [
     "parse_target",
+    "parse_targets",
+    "target_layout",
+    "layer_target",
     "is_sliding",
     "target_for",
     "is_lossy",
@@ -70,6 +84,46 @@ def parse_target(text: str, operation: str = "migrate") -> str:
     except UnknownSignatureError as exc:  # a kind the grammar knows but no codec serves
         raise _unknown(operation, text, exc) from exc
     return str(sig)
+
+
+def parse_targets(text: str | LayerLayout, operation: str = "migrate") -> str:
+    """``--to``: one target signature, or a per-layer layout of them, canonical.
+
+    Raises:
+        UnknownSignatureError: a signature does not parse, or no codec serves it.
+        StoreConfigError: a malformed layout.
+    """
+    if not isinstance(text, LayerLayout) and not is_layout_text(text):
+        return parse_target(text, operation)
+    try:
+        layout = parse_layout(text, lambda v: parse_target(v, operation), operation)
+    except UnknownSignatureError:
+        raise
+    except (ValueError, TypeError) as exc:
+        raise StoreConfigError(
+            f"[{operation}] --to {text!s}: {_rule(exc)}", found=str(text)
+        ) from exc
+    return layout.uniform() or layout.text()
+
+
+def target_layout(to: str) -> LayerLayout | None:
+    """The layout of a per-layer ``--to`` (``None`` for one signature)."""
+    return _layout(to) if is_layout_text(to) else None
+
+
+@functools.lru_cache(maxsize=16)
+def _layout(to: str) -> LayerLayout:
+    return parse_layout(to)
+
+
+def layer_target(source: str, to: str, index: int) -> str:
+    """The family layer ``index``, stored as ``source``, becomes under ``--to to``
+    (itself where a per-layer ``to`` names nothing for it)."""
+    layout = target_layout(to)
+    if layout is None:
+        return target_for(source, to)
+    named = layout.value_for(index, kind_of_signature(source))
+    return source if named is None else target_for(source, named)
 
 
 def _unknown(operation: str, text: str, exc: UnknownSignatureError) -> UnknownSignatureError:

@@ -1,0 +1,106 @@
+"""One fresh session of G1/G2: a new process restores a prompt and computes its first token.
+
+    python -m kvstore.bench.figures.gpu_session SPEC_JSON
+
+``SPEC_JSON`` (from :meth:`~kvstore.bench.figures.gpu_common.GpuSetup.spec`):
+``case`` (``"ours"``: an LMDB store at ``url``; ``"mlx-lm"``: the
+``save_prompt_cache`` file at ``file``), the model ``config``, the prompt
+(``tokens``, a ``.npy``), the cold prefill's last logits (``logits``) and the
+``namespace``.
+
+The process builds the seeded model, then warms the kernels the timed part
+runs -- the forward of one token over a cache as long as the prompt (zeros),
+and, for ``ours``, a restore of the prompt's first block (MLX's own first
+calls and the staging kernels load there) -- and gives MLX's buffer cache
+back, so the timed restore allocates like a new session. Timed: lookup +
+restore + the forward of the last prompt token, to its logits evaluated.
+Prints one JSON line: the times, the tokens restored, and whether the
+logits agree with the cold prefill's (argmax, largest difference).
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import sys
+import time
+from typing import Any
+
+import numpy as np
+
+
+def run(spec: dict[str, Any]) -> dict[str, Any]:
+    import mlx.core as mx
+
+    from kvstore.bench.figures.gpu_common import build
+    from kvstore.codecs import cuda
+
+    model = build(spec["config"])
+    prompt = np.load(spec["tokens"])
+    reference = np.load(spec["logits"]).reshape(-1)
+    n = len(prompt)
+    last = mx.array(prompt[None, -1:].astype(np.int32))
+    # Warm-up: the timed forward's kernels at its length, on a cache of zeros.
+    caches = model.make_cache()
+    for cache in caches:
+        shape = (1, spec["config"]["num_key_value_heads"], n - 1, spec["config"]["head_dim"])
+        dtype = model.model.embed_tokens.weight.dtype
+        cache.update_and_fetch(mx.zeros(shape, dtype), mx.zeros(shape, dtype))
+    mx.eval(model(last, caches))
+    store = None
+    from mlx_lm.models.cache import (
+        load_prompt_cache,
+    )  # imported before the clock, as a server has it
+
+    if spec["case"] == "ours":
+        from kvstore.store import open_store
+
+        store = open_store(spec["url"], readonly=True)
+        head = prompt[: min(n, store.block_size + 1)]
+        mx.eval(
+            [
+                c.keys
+                for c in store.restore(store.lookup(spec["namespace"], head), model.make_cache())
+            ]
+        )
+    del caches
+    gc.collect()
+    mx.clear_cache()
+
+    t0 = time.perf_counter()
+    if store is not None:
+        match = store.lookup(spec["namespace"], prompt)
+        t1 = time.perf_counter()
+        restored = store.restore(match, model.make_cache())
+    else:
+        t1 = time.perf_counter()
+        restored = load_prompt_cache(spec["file"])
+    mx.eval([c.keys for c in restored])
+    t2 = time.perf_counter()
+    held = int(restored[0].offset)
+    logits = model(last, restored)[:, -1]
+    mx.eval(logits)
+    t3 = time.perf_counter()
+    got = np.asarray(logits.astype(mx.float32)).reshape(-1)
+    if store is not None:
+        store.close()
+    return {
+        "total_s": t3 - t0,
+        "lookup_s": t1 - t0,
+        "restore_s": t2 - t1,
+        "forward_s": t3 - t2,
+        "restored": held,
+        "argmax_equal": bool(int(got.argmax()) == int(reference.argmax())),
+        "max_abs_diff": float(np.max(np.abs(got - reference))),
+        "staging": bool(cuda.available()),
+        "detail": {"tokens": n},
+    }
+
+
+def main(argv: list[str]) -> int:
+    print(json.dumps(run(json.loads(argv[0]))), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

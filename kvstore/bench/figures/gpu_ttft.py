@@ -1,0 +1,161 @@
+"""G1 and G2: warm TTFT from the store, in a fresh process, against the cold prefill.
+
+G1 (lossless), per prompt length (4096 and 16384 tokens), side by side:
+
+* ``cold``: the full prefill (chunks of 2048) to the last token's logits, timed
+  in this process after a warm-up;
+* ``warm (ours)``: a fresh process (:mod:`~kvstore.bench.figures.gpu_session`)
+  looks the prompt up in an LMDB store holding its KV, restores the
+  ``tokens - 1`` stored tokens and computes the last one's logits;
+* ``warm (mlx-lm)``: the same with mlx-lm's ``load_prompt_cache`` of the file its
+  ``save_prompt_cache`` wrote.
+
+G2, at 4096 tokens: ``warm (ours)`` from stores whose storage policy is
+``kv:quant:8:64``, ``kv:quant:4:64``, ``kv:turboquant:4:4``, ``kv:turboquant:3:3``
+(decoded into the model's plain caches), with the lossless restore and each
+store's bytes in the same run.
+
+Every session checks its logits against the cold prefill's (the argmax, and
+the largest difference: a restore bit-exact to the prefill leaves only the
+difference between a chunked prefill and one step). Bars (BENCHMARKS.md): G1
+warm/cold <= 0.5 at both lengths; G2 q8 <= 0.35, TQ 4/4 <= 0.3, and every
+lossy policy restores faster than lossless.
+"""
+
+from __future__ import annotations
+
+import statistics
+from typing import Any
+
+from kvstore.bench.figures import gpu_common as G
+from kvstore.bench.figures.common import MIB
+from kvstore.bench.harness import BenchContext, Figure, at_least, at_most
+from kvstore.bench.results import FigureResult, Row
+
+__all__ = ["G1", "G2", "POLICIES"]
+
+POLICIES = ("kv:quant:8:64", "kv:quant:4:64", "kv:turboquant:4:4", "kv:turboquant:3:3")
+WARM, COLD, PEER = "warm (ours)", "cold", "warm (mlx-lm)"
+RATIO = "warm/cold"
+FASTER = "lossless/this time"
+
+
+def _median(samples: list[float]) -> float:
+    return statistics.median(samples)
+
+
+def _session_values(prefix: str, sessions: list[G.Session]) -> dict[str, float]:
+    return {
+        f"{prefix} lookup ms": _median([s.lookup_s for s in sessions]) * 1e3,
+        f"{prefix} restore ms": _median([s.restore_s for s in sessions]) * 1e3,
+        f"{prefix} forward ms": _median([s.forward_s for s in sessions]) * 1e3,
+        f"{prefix} max |logit diff|": max(s.max_abs_diff for s in sessions),
+        f"{prefix} argmax agrees": float(all(s.argmax_equal for s in sessions)),
+    }
+
+
+def _check(sessions: list[G.Session], tokens: int) -> None:
+    short = [s.restored for s in sessions if s.restored != tokens - 1]
+    if short:
+        raise AssertionError(f"[bench] a session restored {short[0]} of {tokens - 1} tokens")
+
+
+def _pending(ctx: BenchContext) -> str | None:
+    return None if ctx.quick or G.on_gpu() else G.NEEDS_GPU
+
+
+def run_g1(ctx: BenchContext) -> FigureResult:
+    pending = _pending(ctx)
+    if pending:
+        return FigureResult(pending=pending)
+    rows = []
+    # The longest first: G2 then finds the 4096-token setup still prepared.
+    for tokens in sorted(G.prompt_lengths(ctx), reverse=True):
+        setup = G.setup_for(ctx, tokens)
+        setup.prepare()
+        ours = setup.run_sessions("lossless", "ours")
+        peer = setup.run_sessions("mlx-lm", "mlx-lm")
+        _check(ours, tokens)
+        samples = {
+            COLD: setup.cold,
+            WARM: [s.total_s for s in ours],
+            PEER: [s.total_s for s in peer],
+        }
+        cold = _median(setup.cold)
+        values = {
+            RATIO: _median(samples[WARM]) / cold,
+            "mlx-lm warm/cold": _median(samples[PEER]) / cold,
+            "ours vs mlx-lm": _median(samples[PEER]) / _median(samples[WARM]),
+            **_session_values("ours", ours),
+            **_session_values("mlx-lm", peer),
+        }
+        params = {"tokens": tokens, "mib": setup.kv_bytes / MIB, "staging": ours[0].staging}
+        roles = {COLD: "peer", WARM: "ours", PEER: "peer"}
+        rows.append(Row(f"llama8b {tokens}", params, samples, roles, values=values))
+    rows.sort(key=lambda r: r.params["tokens"])
+    return FigureResult(rows, notes=_notes(ctx))
+
+
+def run_g2(ctx: BenchContext) -> FigureResult:
+    pending = _pending(ctx)
+    if pending:
+        return FigureResult(pending=pending)
+    tokens = min(G.prompt_lengths(ctx))
+    setup = G.setup_for(ctx, tokens)
+    setup.prepare()
+    lossless = setup.run_sessions("lossless", "ours")
+    reference = _median([s.total_s for s in lossless])
+    cold = _median(setup.cold)
+    rows = []
+    for policy in ("lossless", *POLICIES):
+        sessions = setup.run_sessions(policy, "ours", policy)
+        _check(sessions, tokens)
+        warm = [s.total_s for s in sessions]
+        values: dict[str, Any] = {
+            RATIO: _median(warm) / cold,
+            FASTER: reference / _median(warm),
+            "stored MiB": setup.stored_bytes[policy] / MIB,
+            "bytes vs lossless": setup.stored_bytes[policy] / setup.stored_bytes["lossless"],
+            **_session_values("ours", sessions),
+        }
+        params = {"tokens": tokens, "policy": policy, "lossy": policy != "lossless"}
+        rows.append(
+            Row(
+                f"llama8b {tokens} {policy}",
+                params,
+                {COLD: setup.cold, WARM: warm},
+                {COLD: "peer", WARM: "ours"},
+                values=values,
+            )
+        )
+    return FigureResult(rows, notes=_notes(ctx))
+
+
+def _notes(ctx: BenchContext) -> list[str]:
+    env = G.environment()
+    notes = [f"device {env.get('gpu') or env['device']}, CUDA staging {env['cuda_staging']}"]
+    if ctx.quick:
+        notes.append("--quick: a tiny model and 300 tokens (a smoke run; the bars are for a GPU)")
+    return notes
+
+
+G1 = Figure(
+    "G1",
+    "warm TTFT from the store (fresh process, lossless) vs cold prefill, llama-8B shape",
+    "the cold prefill (chunks of 2048); mlx-lm save_prompt_cache/load_prompt_cache + the "
+    "same forward",
+    (at_most(RATIO, 0.5, unit=""),),
+    run_g1,
+)
+
+G2 = Figure(
+    "G2",
+    "warm TTFT with lossy storage policies (fresh process), llama-8B shape, 4096 tokens",
+    "the cold prefill; the lossless restore",
+    (
+        at_most(RATIO, 0.35, where={"policy": "kv:quant:8:64"}, unit=""),
+        at_most(RATIO, 0.3, where={"policy": "kv:turboquant:4:4"}, unit=""),
+        at_least(FASTER, 1.0, where={"lossy": True}),
+    ),
+    run_g2,
+)

@@ -1,0 +1,375 @@
+"""Write-behind saves: the generating thread hands the new blocks off, a writer commits them.
+
+``store.save_behind(namespace, tokens, caches)`` returns as soon as it has
+
+1. asked the store which of the prompt's full blocks it holds already (one
+   read: chain hashes and ``holds``), and
+2. taken the one copy it cannot avoid: the rows of the tokens not stored yet,
+   copied out of the live caches (the next decode step may write into their
+   buffers, or donate them) -- one copy per layer and tensor, on the device
+   the cache is on, queued with ``mx.async_eval`` and not waited for.
+
+Everything else happens on the store's writer thread: the storage policy's
+encoding (on the device), the records (:mod:`kvstore.codecs.arena`), the
+checksums and the commit. On an H200 the hand-off of a 4096-token llama-8B
+save holds the generating thread for about a millisecond (BENCHMARKS.md G3).
+
+Durability (the store's ``durability`` option; README "Durability"):
+
+* ``"sync"``: every save is its own transaction, synced to disk;
+* ``"group"`` (the default): saves handed off within ``group_window`` seconds of
+  each other are committed in one transaction, synced once;
+* ``"os"``: commits are not synced; the operating system writes them back.
+
+A process killed at any point loses at most the saves not committed yet (the
+window) and never corrupts the store: every commit is one transaction.
+``store.flush()`` waits until every save handed off before it is committed;
+``close()`` does too, and so does the interpreter's exit; a lookup first waits
+for the namespace's pending saves (``stats``, ``delete``, ``evict``, ``verify``
+for all of them), so a process always reads its own writes.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import threading
+import time
+import weakref
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+
+from kvstore.abc.codec import Snapshot
+from kvstore.abc.store import DURABILITY_MODES, BlockSave, PrefixStore, SaveResult
+from kvstore.codecs import codec_for, get_codec
+from kvstore.errors import CapabilityError, StoreError
+from kvstore.store import keys as K
+from kvstore.store.kv.checkpoints import checkpoint_layers, checkpoint_positions, live_positions
+from kvstore.store.kv.save import BlockEncoder, Captured, check_caches
+
+__all__ = ["PendingSave", "WriteBehind", "HandedOff", "DEFAULT_GROUP_WINDOW"]
+
+log = logging.getLogger("kvstore.store")
+
+#: Seconds a group commit waits for more saves after the first one arrives.
+DEFAULT_GROUP_WINDOW = 0.01
+
+
+class PendingSave:
+    """A save handed off to the writer: :meth:`result` waits for its commit.
+
+    Attributes:
+        namespace, tokens: what is being saved.
+        held_s: seconds the hand-off kept the caller's thread.
+    """
+
+    def __init__(self, namespace: str, tokens: int) -> None:
+        self.namespace = namespace
+        self.tokens = tokens
+        self.held_s = 0.0
+        self._done = threading.Event()
+        self._result: SaveResult | None = None
+        self._error: BaseException | None = None
+
+    def done(self) -> bool:
+        """True once the save is committed (or failed)."""
+        return self._done.is_set()
+
+    def result(self, timeout: float | None = None) -> SaveResult:
+        """The save's result once committed.
+
+        Raises:
+            TimeoutError: not committed within ``timeout`` seconds.
+            The save's own error (StoreFullError, StoreUnavailableError...).
+        """
+        if not self._done.wait(timeout):
+            raise TimeoutError(f"[save] The save of {self.tokens} tokens is not committed yet.")
+        if self._error is not None:
+            raise self._error
+        assert self._result is not None
+        return self._result
+
+    def _finish(self, result: SaveResult | None, error: BaseException | None) -> None:
+        self._result, self._error = result, error
+        self._done.set()
+
+
+@dataclass
+class _Job:
+    namespace: str
+    tokens: np.ndarray
+    encoder: HandedOff
+    pending: PendingSave
+
+
+class WriteBehind:
+    """The writer thread of one store (started on the first save handed off).
+
+    Args:
+        store: the store saves are committed to (through ``put_blocks_many``).
+        durability: ``"group"``, ``"sync"`` or ``"os"`` (module docstring).
+        group_window: seconds a group waits for more saves (``"group"`` only).
+    """
+
+    def __init__(self, store: PrefixStore, durability: str, group_window: float) -> None:
+        assert durability in DURABILITY_MODES
+        self._store = store
+        self._group = durability == "group"
+        self._window = group_window if self._group else 0.0
+        self._queue: deque[_Job] = deque()
+        self._cond = threading.Condition()
+        self._busy: list[_Job] = []
+        self._closed = False
+        self._thread: threading.Thread | None = None
+
+    # -- the generating thread ------------------------------------------------------------
+    def submit(
+        self, namespace: str, tokens: Any, caches: Sequence[Any], captured: Captured | None
+    ) -> PendingSave:
+        t0 = time.perf_counter()
+        toks = K.as_tokens(tokens, "save")
+        check_caches(toks, caches)
+        pending = PendingSave(namespace, len(toks))
+        start = self._first_missing(namespace, toks)
+        encoder = HandedOff(
+            caches,
+            self._store.settings.storage_policy,
+            captured or {},
+            (start, len(toks)),
+            self._store.block_size,
+        )
+        job = _Job(namespace, np.array(toks), encoder, pending)
+        with self._cond:
+            if self._closed:
+                raise StoreError(
+                    f"[save] The store {self._store.url} is closed.", url=self._store.url
+                )
+            self._queue.append(job)
+            if self._thread is None:
+                self._thread = threading.Thread(
+                    target=self._run, name="kvstore-writer", daemon=True
+                )
+                self._thread.start()
+                # A process that exits without closing its store still commits what it handed off.
+                atexit.register(_close_at_exit, weakref.ref(self))
+            self._cond.notify_all()
+        pending.held_s = time.perf_counter() - t0
+        return pending
+
+    def _first_missing(self, namespace: str, toks: np.ndarray) -> int:
+        """The start of the first full block the store does not hold (the tail's start
+        if it holds them all): rows before it need no copy."""
+        ns = K.parse_namespace(namespace)
+        bsize = self._store.block_size
+        digests = K.chain_digests(ns, toks, bsize)
+        if not digests:
+            return 0
+        held = self._store.holds([K.record_key(ns, d) for d in digests])
+        first = next((i for i, h in enumerate(held) if not h), len(digests))
+        return first * bsize
+
+    # -- waiting ------------------------------------------------------------------------
+    def wait(self, namespace: str | None = None, timeout: float | None = None) -> None:
+        """Until every save handed off so far (of ``namespace``, or all) is committed."""
+        with self._cond:
+            jobs = [j for j in (*self._busy, *self._queue) if namespace in (None, j.namespace)]
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for job in jobs:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if not job.pending._done.wait(left):
+                raise TimeoutError("[flush] Saves handed off are not committed yet.")
+
+    def pending(self, namespace: str | None = None) -> bool:
+        with self._cond:
+            return any(namespace in (None, j.namespace) for j in (*self._busy, *self._queue))
+
+    def close(self) -> None:
+        """Commit what is queued, then stop the thread."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+            thread = self._thread
+        if thread is not None:
+            thread.join()
+
+    # -- the writer thread ----------------------------------------------------------------
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._queue and not self._closed:
+                    self._cond.wait()
+                if not self._queue and self._closed:
+                    return
+                if self._window and not self._closed:
+                    # Group commit: let the saves of the next few ms join this one.
+                    end = time.monotonic() + self._window
+                    while not self._closed and (left := end - time.monotonic()) > 0:
+                        self._cond.wait(left)
+                self._busy = list(self._queue)
+                self._queue.clear()
+            self._commit(self._busy)
+            with self._cond:
+                self._busy = []
+                self._cond.notify_all()
+
+    def _commit(self, jobs: list[_Job]) -> None:
+        saves = [
+            BlockSave(j.namespace, j.tokens, j.encoder, j.encoder.family, j.encoder.checkpoints)
+            for j in jobs
+        ]
+        results: list[SaveResult | BaseException] = []
+        try:
+            if not self._group or len(saves) == 1:
+                raise _OneByOne
+            results = list(self._store.put_blocks_many(saves))  # a group: one transaction
+        except Exception:  # not grouped, or the group's one write failed: one save at a time
+            results = []
+            for save in saves:
+                try:
+                    results.extend(self._store.put_blocks_many([save]))
+                except Exception as one:  # this save's own error, for its handle
+                    results.append(one)
+        for job, result in zip(jobs, results, strict=True):
+            job.encoder.release()
+            if isinstance(result, BaseException):
+                log.warning("kvstore: a save handed off failed: %s", result)
+                job.pending._finish(None, result)
+            else:
+                job.pending._finish(result, None)
+
+
+class HandedOff(BlockEncoder):
+    """A :class:`~kvstore.store.kv.save.BlockEncoder` over copies of the new rows,
+    taken on the generating thread: the writer never reads the live caches.
+
+    Growing layers are copied once, tokens ``[start, stop)``, and cut into blocks
+    with their codec's ``slice``; windowed layers (and families that cannot be
+    cut) are snapshotted and copied block by block now, while they hold the rows.
+
+    A hybrid model's recurrent layers (issue 16) are taken as checkpoints now, at
+    every position the save can checkpoint (:attr:`checkpoints`: captured, or the
+    live state, which the next decode step moves on). A stored block ending at
+    one of them may lack its checkpoint and be rewritten with it (an upgrade), so
+    the attention layers' rows of such a block are copied too, even before ``start``.
+    """
+
+    def __init__(
+        self,
+        caches: Sequence[Any],
+        policy: str,
+        captured: Captured,
+        rows: tuple[int, int],
+        block_size: int,
+    ) -> None:
+        super().__init__(caches, policy, captured, rows[1])
+        codecs = self._codecs = [codec_for(cache) for cache in caches]
+        self._ranges: dict[int, Snapshot] = {}
+        self._stored: dict[int, Snapshot] = {}
+        self._blocks: dict[tuple[int, int], Snapshot | None] = {}
+        copies: list[mx.array] = []
+        start, stop = rows
+        #: Positions this save has a checkpoint for (``BlockSave.checkpoints``).
+        self.checkpoints = checkpoint_positions(caches, captured, stop)
+        self._states: dict[int, dict[int, Snapshot] | None] = {}
+        if self.checkpoints:
+            live = live_positions(caches, stop)
+            for p in self.checkpoints:
+                states = checkpoint_layers(caches, codecs, captured, p, live)
+                self._states[p] = (
+                    None
+                    if states is None
+                    else {i: _copied(snap, copies) for i, snap in states.items()}
+                )
+            kv = [i for i in range(len(caches)) if i not in self._recurrent]
+            for p in sorted(self.checkpoints):  # stored blocks a commit may upgrade
+                if p <= start and p % block_size == 0:
+                    for i in kv:
+                        self._blocks[(i, p - block_size)] = self._snapshot_now(
+                            i, caches[i], codecs[i], p - block_size, p, copies
+                        )
+        for i, (cache, codec) in enumerate(zip(caches, codecs, strict=True)):
+            if start >= stop:
+                break
+            if i in self._recurrent:  # no rows: its checkpoints are taken above
+                continue
+            try:
+                if any(layer == i for layer, _ in captured):
+                    raise CapabilityError("a window's blocks, kept as captured")
+                snap = _copied(codec.snapshot(cache, start, stop), copies)
+                codec.slice(snap, start, start)  # raises if the family cannot cut ranges
+                self._ranges[i] = snap
+            except CapabilityError:
+                for s in range(start, stop, block_size):
+                    e = min(stop, s + block_size)
+                    self._blocks[(i, s)] = self._snapshot_now(i, cache, codec, s, e, copies)
+        mx.async_eval(copies)
+
+    def _snapshot_now(
+        self, layer: int, cache: Any, codec: Any, start: int, stop: int, copies: list[mx.array]
+    ) -> Snapshot | None:
+        snap = self._captured.get((layer, start))
+        if snap is not None and snap.stop == stop:
+            return snap
+        try:
+            return _copied(codec.snapshot(cache, start, stop), copies)
+        except CapabilityError:  # a window that moved on: the layer sits this block out
+            return None
+
+    def layers(self, start: int, stop: int, *, checkpoint: bool = False) -> list[Snapshot | None]:
+        out: list[Snapshot | None] = []
+        assert self._codecs is not None
+        states = self._states.get(stop) if checkpoint else None
+        for i in range(len(self._codecs)):
+            if i in self._recurrent:
+                out.append(None if states is None else states[i])
+                continue
+            whole = self._ranges.get(i)
+            if whole is not None and whole.start <= start and stop <= whole.stop:
+                # The policy's encoding of the whole range once, then cut (one encode a layer).
+                stored = self._stored.get(i)
+                if stored is None:
+                    stored = self._stored[i] = self._apply(whole, i)
+                out.append(get_codec(stored.signature).slice(stored, start, stop))
+                continue
+            if (i, start) in self._blocks:
+                snap = self._blocks[(i, start)]
+            else:  # a block stored when the hand-off looked, evicted since: no copy of it
+                raise StoreError(
+                    f"[save] Block [{start}, {stop}) was evicted between the hand-off and the "
+                    f"commit, and its rows were not copied; save again."
+                )
+            out.append(None if snap is None else self._apply(snap, i))
+        return out
+
+    def release(self) -> None:
+        """Drop the copies (the save is committed or failed)."""
+        self._ranges.clear()
+        self._stored.clear()
+        self._blocks.clear()
+        self._states.clear()
+
+
+class _OneByOne(Exception):
+    """Commit these saves one transaction each (``durability="sync"``, or a single save)."""
+
+
+def _close_at_exit(ref: weakref.ReferenceType[WriteBehind]) -> None:
+    writer = ref()
+    if writer is not None:
+        writer.close()
+
+
+def _copied(snap: Snapshot, copies: list[mx.array]) -> Snapshot:
+    """``snap`` with every MLX tensor copied out of the cache's buffers (queued)."""
+    tensors: dict[str, Any] = {}
+    for name, tensor in snap.tensors.items():
+        if isinstance(tensor, mx.array):
+            tensor = mx.contiguous(tensor)
+            copies.append(tensor)
+        tensors[name] = tensor
+    return Snapshot(snap.signature, snap.start, snap.stop, tensors, snap.meta)

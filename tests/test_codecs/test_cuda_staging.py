@@ -1,0 +1,130 @@
+"""The CUDA staging path (kvstore.codecs.cuda) with its transport swapped for host memory:
+the threading, slots, layouts and record arenas run here as they do on a GPU, and restores
+and saves through it are bit-exact. (The kernels themselves run on the device machine:
+tools/bench/gpu/run.sh checks them there before any figure.)"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from kvstore.codecs import cuda
+from kvstore.codecs.arena import write_records
+from kvstore.codecs.record import encode_record, plan_record
+from kvstore.store import open_store
+
+
+class HostTransport:
+    """What a GPU does, in host memory: a slot's bytes become an array, and back."""
+
+    def __init__(self) -> None:
+        self.uploads = 0
+        self.downloads = 0
+
+    def slot(self, nbytes: int) -> cuda.PinnedBuffer:
+        return cuda.PinnedBuffer(nbytes, None)
+
+    def to_device(self, slot: cuda.PinnedBuffer, nbytes: int) -> mx.array:
+        self.uploads += 1
+        out = mx.array(slot.array[:nbytes].copy())
+        mx.eval(out)
+        return out
+
+    def to_host(self, array: mx.array, slot: cuda.PinnedBuffer, offset: int) -> None:
+        self.downloads += 1
+        data = np.asarray(array)
+        slot.array[offset : offset + data.nbytes] = data
+
+
+@pytest.fixture
+def staged(monkeypatch):
+    transport = HostTransport()
+    monkeypatch.setattr(cuda, "TRANSPORT", transport)
+    yield transport
+    monkeypatch.setattr(cuda, "TRANSPORT", None)
+
+
+def test_upload_fills_every_array_from_its_slot(staged):
+    specs = [((1, 2, 5, 8), "bfloat16"), ((3, 7), "float32"), ((11,), "uint8"), ((2, 3), "uint32")]
+    rng = np.random.default_rng(0)
+    want = [rng.integers(0, 200, size=shape).astype(np.float32) for shape, _ in specs]
+
+    def fill(i, view):
+        view[...] = want[i].astype(view.dtype)
+
+    arrays = cuda.upload(specs, fill)
+    assert staged.uploads == len(specs)
+    for array, (shape, name), expect in zip(arrays, specs, want, strict=True):
+        assert tuple(array.shape) == shape and str(array.dtype).endswith(name)
+        if name != "bfloat16":
+            assert np.array_equal(np.array(array).astype(np.float32), expect)
+
+
+def test_a_restore_through_staging_is_the_cpu_restore(tmp_path, staged):
+    from tests.test_store.kv_helpers import (
+        BLOCK,
+        assert_same_caches,
+        model_for,
+        prompt,
+        token_by_token,
+    )
+
+    model = model_for("tiny")
+    tokens = prompt(3, 3 * BLOCK + 7)
+    caches = token_by_token(model, tokens)
+    with open_store(f"lmdb://{tmp_path / 's'}", block_size=BLOCK) as store:
+        store.save("ns", tokens, caches)
+        restored = store.restore(store.lookup("ns", tokens), model.make_cache())
+    assert staged.uploads > 0
+    assert_same_caches(restored, token_by_token(model, tokens[:-1]))
+
+
+@pytest.mark.parametrize("policy", ["kv:quant:8:64", "kv:turboquant:4:4", "kv:mxfp8", "kv:nvfp4"])
+def test_a_lossy_restore_through_staging_decodes_on_the_device_as_the_cpu_does(
+    tmp_path, staged, monkeypatch, policy
+):
+    from tests.test_store.kv_helpers import BLOCK, model_for, prompt, token_by_token
+
+    model = model_for("tiny")
+    tokens = prompt(4, 3 * BLOCK + 7)
+    caches = token_by_token(model, tokens)
+    with open_store(f"lmdb://{tmp_path / 's'}", block_size=BLOCK, storage_policy=policy) as store:
+        store.save("ns", tokens, caches)
+        match = store.lookup("ns", tokens)
+        staged_caches = store.restore(match, model.make_cache())
+        monkeypatch.setattr(cuda, "TRANSPORT", False)
+        plain = store.restore(match, model.make_cache())
+    for a, b in zip(staged_caches, plain, strict=True):
+        n = int(a.offset)
+        assert n == int(b.offset) == len(tokens) - 1
+        assert np.allclose(np.array(a.keys[..., :n, :]), np.array(b.keys[..., :n, :]), atol=1e-6)
+
+
+def test_records_downloaded_into_a_pinned_arena_equal_encoded_ones(staged):
+    from kvstore.caches import KVCache
+    from kvstore.codecs import codec_for
+
+    cache = KVCache()
+    rows = mx.random.normal((1, 2, 40, 64)).astype(mx.bfloat16)
+    cache.update_and_fetch(rows, rows * 2)
+    codec = codec_for(cache)
+    layers = [[codec.snapshot(cache, s, s + 16), None] for s in (0, 16)]
+    records = write_records([plan_record(layer) for layer in layers])
+    assert staged.downloads == 2
+    assert [bytes(r) for r in records] == [encode_record(layer) for layer in layers]
+
+
+def test_an_arena_still_referenced_is_not_reused():
+    from kvstore.caches import KVCache
+    from kvstore.codecs import codec_for
+
+    cache = KVCache()
+    rows = mx.random.normal((1, 2, 16, 64))
+    cache.update_and_fetch(rows, rows)
+    plan = plan_record([codec_for(cache).snapshot(cache, 0, 16)])
+    first = write_records([plan])
+    kept = bytes(first[0])
+    second = write_records([plan_record([codec_for(cache).snapshot(cache, 0, 8)])])
+    assert bytes(first[0]) == kept  # the second save took another buffer
+    del first, second

@@ -1,0 +1,121 @@
+"""Before the GPU figures: the CUDA paths this checkout relies on, checked on the device.
+
+    python3 tools/bench/gpu/check.py
+
+Prints one line per check (staging round trip, a restore through staging equal
+to its record, a save's records equal to encode_record's, the row-digest kernel
+equal to xxhash) and exits 1 if any fails, so run.sh stops before measuring a
+path that is not the one meant. Falling back is not failing: a path that is off
+says so (``staging False``) and the figures then measure the fallback.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import mlx.core as mx
+import numpy as np
+
+
+def main() -> int:
+    from kvstore.bridge import digests
+    from kvstore.caches import KVCache
+    from kvstore.codecs import codec_for, cuda
+    from kvstore.codecs.arena import write_records
+    from kvstore.codecs.record import encode_record, plan_record
+
+    failed = 0
+    print(f"mlx {mx.__version__} {mx.default_device()}", flush=True)
+    t = time.perf_counter()
+    staging = cuda.available()
+    print(f"staging {staging} ({(time.perf_counter() - t) * 1e3:.0f} ms to check)", flush=True)
+    cache = KVCache()
+    rows = mx.random.normal((1, 8, 700, 128)).astype(mx.bfloat16)
+    cache.update_and_fetch(rows, rows * 3)
+    codec = codec_for(cache)
+    layers = [[codec.snapshot(cache, s, min(700, s + 256))] for s in (0, 256, 512)]
+    got = [bytes(r) for r in write_records([plan_record(layer) for layer in layers])]
+    ok = got == [encode_record(layer) for layer in layers]
+    failed += not ok
+    print(f"records via the arena == encode_record: {ok}", flush=True)
+    specs = [((1, 8, 768, 128), "bfloat16"), ((3, 5), "float32"), ((1001,), "uint8")]
+    from kvstore.codecs.fill import filled_arrays
+
+    sizes = [int(np.prod(s)) * (2 if n == "bfloat16" else np.dtype(n).itemsize) for s, n in specs]
+    # Finite float bit patterns (a NaN's bits need not survive a float view).
+    want = [
+        np.random.default_rng(i).integers(0, 64, n, dtype=np.uint8) for i, n in enumerate(sizes)
+    ]
+
+    def fill(i: int, view: np.ndarray) -> None:
+        view.reshape(-1).view(np.uint8)[:] = want[i]
+
+    arrays = filled_arrays(specs, fill)
+    ok = all(
+        np.array_equal(np.asarray(a.reshape(-1).view(mx.uint8)), w)
+        for a, w in zip(arrays, want, strict=True)
+    )
+    failed += not ok
+    print(f"filled arrays (staged: {staging}) bit-exact: {ok}", flush=True)
+    probe = mx.random.randint(0, 255, (3 * digests.ROW_BYTES + 777,), dtype=mx.uint8)
+    mx.eval(probe)
+    t = time.perf_counter()
+    device = digests.array_digests([probe])
+    elapsed = time.perf_counter() - t
+    host = digests._host_digests([memoryview(np.asarray(probe))])
+    ok = device == host
+    failed += not ok
+    kernel = digests._kernel() is not False
+    print(f"row digests here == host: {ok} (kernel {kernel}, {elapsed * 1e3:.0f} ms)", flush=True)
+    failed += not _store_round_trips()
+    return 1 if failed else 0
+
+
+def _store_round_trips() -> bool:
+    """A save handed off (write-behind) restores bit-exactly; a q8-policy store restores
+    close to the rows (decoded on the device)."""
+    import shutil
+    import tempfile
+
+    from kvstore.caches import KVCache
+    from kvstore.store import open_store
+
+    caches = []
+    for i in range(2):
+        cache = KVCache()
+        rows = mx.random.normal((1, 8, 600, 128), key=mx.random.key(i)).astype(mx.bfloat16)
+        cache.update_and_fetch(rows, rows * 2)
+        caches.append(cache)
+    mx.eval([c.keys for c in caches])
+    tokens = np.arange(600, dtype=np.uint32)
+    ok = True
+    for policy in ("lossless", "kv:quant:8:64"):
+        path = tempfile.mkdtemp(prefix="kvstore-check-")
+        try:
+            kw = {} if policy == "lossless" else {"storage_policy": policy}
+            with open_store(f"lmdb://{path}", **kw) as store:
+                handle = store.save_behind("check", tokens, caches)
+                store.flush()
+                written = len(handle.result().written)
+                got = store.restore(store.lookup("check", tokens), [KVCache(), KVCache()])
+                n = int(got[0].offset)
+                diffs = [
+                    float(mx.max(mx.abs(g.keys[..., :n, :] - c.keys[..., :n, :])).item())
+                    for g, c in zip(got, caches, strict=True)
+                ]
+            good = n == 599 and written == 3 and (max(diffs) == 0.0 or policy != "lossless")
+            good = good and max(diffs) < 0.1
+            print(
+                f"save_behind + restore, {policy}: {good} (held {handle.held_s * 1e3:.1f} ms, "
+                f"{n} tokens, largest difference {max(diffs):.3g})",
+                flush=True,
+            )
+            ok = ok and good
+        finally:
+            shutil.rmtree(path, ignore_errors=True)
+    return ok
+
+
+if __name__ == "__main__":
+    sys.exit(main())

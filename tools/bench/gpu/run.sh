@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# The GPU figures on the device machine, in one call.
+#
+#   bash tools/bench/gpu/run.sh [FIGURES] [OUT_DIR]    # default G1,G2,G3,G4 and $OUT
+#
+# Run from the checkout whose kvstore/ is measured, after `source .gpu/b/setup.sh`
+# (../shared/gpu/README.md: stage1 on a fresh machine first). It checks the CUDA paths
+# (tools/bench/gpu/check.py: a line each, never fatal), then runs
+# `kvstore bench --only FIGURES --repeats 5`, writing bench-results.json (after every
+# figure), the table and the log to OUT_DIR; copy them to tools/bench/results/gpu/ to
+# commit. The bench stops itself after BENCH_TIMEOUT seconds (default 540, inside a
+# call's 600) so what it measured comes back. Other figures (issue 17's decode figure)
+# join by their ids: bash tools/bench/gpu/run.sh G1,G2,G3,G4,G5
+set -uo pipefail
+figures=${1:-G1,G2,G3,G4}
+out=${2:-${OUT:-tools/bench/results/gpu}}
+root=$(cd "$(dirname "$0")/../../.." && pwd)
+export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+mkdir -p "$out"
+cd "$root"
+timeout "${CHECK_TIMEOUT:-90}" python3 tools/bench/gpu/check.py 2>&1 | tee "$out/gpu-check.txt"
+timeout "${BENCH_TIMEOUT:-540}" python3 -m kvstore.cli bench --only "$figures" \
+  --repeats "${REPEATS:-5}" --out "$out" > "$out/bench-table.txt" 2> "$out/bench-log.txt"
+status=$?
+if [ "$status" = 124 ] && [ -s "$out/bench-results.json" ]; then
+  echo "run.sh: the bench ran out of time; the figures done, from bench-results.json:"
+  python3 -c "import sys; from kvstore.bench.report import format_table; from kvstore.bench.results \
+import BenchResults; print(format_table(BenchResults.load(sys.argv[1])))" "$out/bench-results.json" \
+    | tee "$out/bench-table.txt"
+else
+  cat "$out/bench-table.txt"
+fi
+tail -5 "$out/bench-log.txt"
+exit "$status"
