@@ -15,15 +15,18 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import threading
 
 import mlx.core as mx
 import numpy as np
 import pytest
 
+from kvstore.abc.cache import is_recurrent_cache
 from kvstore.abc.store import MissReason
 from kvstore.bridge import generate_tokens
-from kvstore.bridge.checkpoints import plan_positions
+from kvstore.bridge.checkpoints import CheckpointPlan, plan_positions
 from kvstore.bridge.namespace import namespace_for_model
+from kvstore.codecs import codec_for
 from kvstore.model.generate import prefill, prefill_chunks
 from kvstore.model.speculative import PromptLookup
 from kvstore.store import open_store
@@ -274,3 +277,119 @@ def test_verify_checks_and_repairs_the_checkpoint_totals(tmp_path):
     fixed = store.stats()
     assert (fixed.checkpoints, fixed.checkpoint_bytes) == (good.checkpoints, good.checkpoint_bytes)
     assert store.verify().clean
+
+
+def _prefilled(model, toks, chunks, at=()):
+    """Caches after ``chunks`` of ``toks``, and the recurrent checkpoints taken at ``at``."""
+    plan = CheckpointPlan(256, 0, len(toks), 0, 0)
+    caches = model.make_cache()
+    taken = set(at)
+    prefill(
+        model,
+        mx.array(toks),
+        caches,
+        chunks,
+        lambda end, cs: plan.take(end, cs) if end in taken else None,
+    )
+    return caches, plan.snapshots
+
+
+def _move_on(model, caches, rows_from):
+    """Run more tokens (the recurrent states move on), then overwrite every attention
+    layer's rows from ``rows_from`` in place."""
+    model(mx.array(tokens(11, 40))[None], cache=caches)
+    for c in caches:
+        if not is_recurrent_cache(c):
+            n = c.offset - rows_from
+            c.trim(n)
+            shape = (1, c.keys.shape[1], n, c.keys.shape[3])
+            c.update_and_fetch(mx.ones(shape, c.keys.dtype), mx.ones(shape, c.keys.dtype))
+    mx.eval([c.state for c in caches])
+
+
+def _held(store, gate):
+    """Make ``store``'s commits of saves handed off wait for ``gate``."""
+    real = store.put_blocks_many
+
+    def held(saves):
+        gate.wait(60)
+        return real(saves)
+
+    store.put_blocks_many = held
+
+
+def _assert_same(restored, direct):
+    """Bit for bit: every layer's rows (attention) or state (recurrent), as its codec sees them."""
+    for a, b in zip(restored, direct, strict=True):
+        assert a.offset == b.offset
+        start = a.offset if is_recurrent_cache(a) else 0
+        sa = codec_for(a).snapshot(a, start, a.offset).tensors
+        sb = codec_for(b).snapshot(b, start, b.offset).tensors
+        assert sa.keys() == sb.keys()
+        assert all(mx.array_equal(sa[k], sb[k]).item() for k in sa)
+
+
+def _records_of(store, keys):
+    return [None if r is None else bytes(r) for r in store.backend.get_many(list(keys))]
+
+
+def test_a_hybrid_save_handed_off_stores_the_checkpoints_a_save_would(tmp_path):
+    """save_behind + flush: the same records (checkpoints in them) as save, taken at
+    the hand-off although the caches move on before the commit, and a restore
+    from them equals a direct run bit for bit."""
+    model = hybrid_model()
+    ns = namespace_for_model(model)
+    toks = prompt(600, 10, 600)
+    caches, captured = _prefilled(model, toks, [(0, 512), (512, 600)], at=[512])
+    kw = {"block_size": 256}
+    with (
+        open_store(f"lmdb://{tmp_path / 'behind'}", **kw) as behind,
+        open_store(f"lmdb://{tmp_path / 'sync'}", **kw) as sync,
+    ):
+        want = sync.save(ns, toks, caches, captured=captured)
+        gate = threading.Event()
+        _held(behind, gate)
+        handle = behind.save_behind(ns, toks, caches, captured=captured)
+        _move_on(model, caches, 0)  # before the writer reads anything
+        gate.set()
+        behind.flush()
+        got = handle.result(timeout=60)
+        assert (want.checkpoints, want.written) == (2, got.written)  # 512 and the end, 600
+        assert (got.checkpoints, got.checkpoint_bytes) == (want.checkpoints, want.checkpoint_bytes)
+        assert _records_of(behind, got.written) == _records_of(sync, want.written)
+        assert behind.stats().checkpoint_bytes == sync.stats().checkpoint_bytes > 0
+        for n in (520, 601):  # from the checkpoint at 512, and at the end
+            match = behind.lookup(ns, toks[: n - 1] + [0], checkpoints=True)
+            at = 512 if n == 520 else 600
+            assert match.tokens == at
+            restored = behind.restore(match, model.make_cache())
+            direct, _ = _prefilled(model, toks, [(0, 512), (512, 600)][: 1 if at == 512 else 2])
+            _assert_same(restored, direct)
+            probe = mx.array([[7, 8, 9]])
+            assert mx.array_equal(model(probe, cache=restored), model(probe, cache=direct)).item()
+        assert behind.verify().clean
+
+
+def test_a_save_handed_off_upgrades_a_stored_block_with_its_checkpoint(tmp_path):
+    """The block a checkpoint upgrades is stored already (before the hand-off's new
+    rows): its attention rows are copied at the hand-off too."""
+    model = hybrid_model()
+    ns = namespace_for_model(model)
+    toks = prompt(600, 12, 600)
+    with open_store(f"lmdb://{tmp_path / 's'}", block_size=256) as store:
+        caches, _ = _prefilled(model, toks, [(0, 300), (300, 600)])
+        assert store.save(ns, toks, caches).checkpoints == 1  # only the live state, at 600
+        caches, _ = _prefilled(model, toks, [(0, 512)])
+        gate = threading.Event()
+        _held(store, gate)
+        handle = store.save_behind(ns, toks[:512], caches)
+        _move_on(model, caches, 256)  # the rows of block [256, 512) too
+        gate.set()
+        got = handle.result(timeout=60)
+        assert (got.checkpoints, got.upgraded, got.written) == (1, 1, ())
+        match = store.lookup(ns, toks[:520], checkpoints=True)
+        assert match.tokens == 512
+        restored = store.restore(match, model.make_cache())
+        direct, _ = _prefilled(model, toks, [(0, 512)])
+        _assert_same(restored, direct)
+        assert store.stats().checkpoints == 2 and store.verify().clean

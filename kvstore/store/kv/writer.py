@@ -279,12 +279,12 @@ class HandedOff(BlockEncoder):
         if self.checkpoints:
             live = live_positions(caches, stop)
             for p in self.checkpoints:
-                states = checkpoint_layers(caches, codecs, captured, p, live)
-                self._states[p] = (
-                    None
-                    if states is None
-                    else {i: _copied(snap, copies) for i, snap in states.items()}
-                )
+                # References, not copies: a recurrent layer replaces its arrays, never
+                # writes into them (a checkpoint of Qwen3.5-35B-A3B is 61 MiB). Queued
+                # for evaluation here: the writer's thread cannot evaluate this one's graph.
+                states = self._states[p] = checkpoint_layers(caches, codecs, captured, p, live)
+                for snap in (states or {}).values():
+                    copies.extend(t for t in snap.tensors.values() if isinstance(t, mx.array))
             kv = [i for i in range(len(caches)) if i not in self._recurrent]
             for p in sorted(self.checkpoints):  # stored blocks a commit may upgrade
                 if p <= start and p % block_size == 0:
