@@ -92,11 +92,15 @@ def check_caches(tokens: Any, caches: Sequence[Any]) -> None:
     """Raise ValueError unless every one of ``caches`` holds KV for all of ``tokens``."""
     if not caches:
         raise ValueError("[save] No caches: pass the model's caches, one per layer.")
+    # The offset first, the predicate only for a short cache (a state has no rows; mlx-lm's
+    # ArraysCache keeps no offset): a save handed off pays this on the generating thread.
     short = sorted(
         {
-            int(c.offset)
+            int(offset)
             for c in caches
-            if not is_recurrent_cache(c) and int(c.offset) < len(tokens)  # a state has no rows
+            if (offset := getattr(c, "offset", None)) is not None
+            and int(offset) < len(tokens)
+            and not is_recurrent_cache(c)
         }
     )
     if short:

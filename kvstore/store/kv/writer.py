@@ -274,7 +274,9 @@ class HandedOff(BlockEncoder):
         copies: list[mx.array] = []
         start, stop = rows
         #: Positions this save has a checkpoint for (``BlockSave.checkpoints``).
-        self.checkpoints = checkpoint_positions(caches, captured, stop)
+        self.checkpoints = (
+            checkpoint_positions(caches, captured, stop) if self._recurrent else frozenset()
+        )
         self._states: dict[int, dict[int, Snapshot] | None] = {}
         if self.checkpoints:
             live = live_positions(caches, stop)
