@@ -12,7 +12,7 @@
 Everything else happens on the store's writer thread: the storage policy's
 encoding (on the device), the records (:mod:`kvstore.codecs.arena`), the
 checksums and the commit. On an H200 the hand-off of a 4096-token llama-8B
-save holds the generating thread for about a millisecond (BENCHMARKS.md G3).
+save holds the generating thread for about 2 ms (G3, tools/bench/results/gpu).
 
 Durability (the store's ``durability`` option; README "Durability"):
 
