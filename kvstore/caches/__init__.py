@@ -13,6 +13,7 @@ from kvstore.caches.mxfp8 import MXFP8KVCache, RotatingMXFP8KVCache
 from kvstore.caches.nvfp4 import NVFP4KVCache, RotatingNVFP4KVCache
 from kvstore.caches.plain import KVCache
 from kvstore.caches.quantized import QuantizedKVCache
+from kvstore.caches.recurrent import ArraysCache, GatedDeltaCache
 from kvstore.caches.rotating import RingKVCache, RotatingKVCache, RotatingQuantizedKVCache
 from kvstore.caches.turboquant import RotatingTurboQuantKVCache, TurboQuantKVCache
 
@@ -32,4 +33,6 @@ __all__ = [
     "RotatingMXFP4KVCache",
     "NVFP4KVCache",
     "RotatingNVFP4KVCache",
+    "GatedDeltaCache",
+    "ArraysCache",
 ]

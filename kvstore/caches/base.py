@@ -18,6 +18,7 @@ import mlx.core as mx
 from mlx.utils import tree_flatten, tree_map
 
 from kvstore.caches.mask import create_attention_mask
+from kvstore.errors import CapabilityError
 from kvstore.family import Family
 
 __all__ = ["Tree", "BaseKVCache", "GrowingKVCache", "row_leaves", "tree_length", "zeros_like_rows"]
@@ -89,6 +90,39 @@ class BaseKVCache:
 
     def is_trimmable(self) -> bool:
         return True
+
+    # -- speculative rounds (issue 16) --------------------------------------------------
+    _round_offset: int | None = None
+
+    def begin_round(self) -> None:
+        """Mark the offset before a verify forward; :meth:`end_round` takes back what follows."""
+        self._round_offset = self.offset
+
+    def end_round(self, keep: int) -> None:
+        """Keep the first ``keep`` tokens processed since :meth:`begin_round`, drop the rest."""
+        start, self._round_offset = self._round_offset, None
+        if start is None:
+            raise CapabilityError(
+                f"[{self.signature()}] end_round without begin_round; open a round before "
+                f"the verify forward."
+            )
+        processed = self.offset - start
+        if not 0 <= keep <= processed:
+            raise CapabilityError(
+                f"[{self.signature()}] A round that processed {processed} tokens can keep 0 "
+                f"to {processed}; received keep={keep}.",
+                keep=keep,
+                processed=processed,
+            )
+        if keep < processed:
+            self._drop_newest(processed - keep)
+
+    def trim(self, n: int) -> int:
+        """Drop the newest ``n`` tokens (at most ``offset``); returns how many went."""
+        raise NotImplementedError  # each family's buffer trims its own way
+
+    def _drop_newest(self, n: int) -> None:
+        self.trim(n)
 
     @classmethod
     def from_state(cls, state: Any) -> Any:

@@ -45,6 +45,7 @@ from kvstore.codecs.record import (
     read_header,
     snapshot_to_mlx,
 )
+from kvstore.codecs.recurrent import ArraysCodec, CheckpointCodec, GatedDeltaCodec
 from kvstore.codecs.registry import (
     ENTRY_POINT_GROUP,
     codec_for,
@@ -76,6 +77,9 @@ __all__ = [
     "RotatingMXFP4KVCodec",
     "NVFP4KVCodec",
     "RotatingNVFP4KVCodec",
+    "CheckpointCodec",
+    "GatedDeltaCodec",
+    "ArraysCodec",
     "ENTRY_POINT_GROUP",
     "register_codec",
     "get_codec",
@@ -110,6 +114,8 @@ register_codec(MXFP4KVCodec)
 register_codec(RotatingMXFP4KVCodec)
 register_codec(NVFP4KVCodec)
 register_codec(RotatingNVFP4KVCodec)
+register_codec(GatedDeltaCodec)
+register_codec(ArraysCodec)
 # A wrapper has no codec (a batch is extracted row by row before it is stored).
 register_family(BATCH_FAMILY)
 

@@ -7,7 +7,8 @@ directory (:func:`load_model`); make its caches from a :class:`CachePolicy`
 
 Architectures: Llama/Mistral (GQA, RoPE with llama3/yarn/linear scaling),
 Qwen2 (qkv bias), Qwen3 (q/k RMSNorm), Gemma 3 text (sliding-window layers
-interleaved with global ones).
+interleaved with global ones), Qwen3.5 dense (Gated-DeltaNet layers with a
+recurrent ``rec:gated-delta`` state between gated attention layers).
 """
 
 from kvstore.model.args import NAMED_CONFIGS, SUPPORTED_MODEL_TYPES, ModelArgs

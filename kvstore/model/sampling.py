@@ -26,14 +26,18 @@ import mlx.core as mx
 
 __all__ = [
     "Sampler",
+    "Distribution",
     "greedy",
     "make_sampler",
+    "make_distribution",
     "apply_top_k",
     "apply_top_p",
     "PenalisedSampler",
 ]
 
 Sampler = Callable[[mx.array], mx.array]
+#: Log-probabilities ``[..., vocab]`` -> the probabilities a sampler draws from.
+Distribution = Callable[[mx.array], mx.array]
 
 
 def greedy(logprobs: mx.array) -> mx.array:
@@ -179,3 +183,27 @@ class PenalisedSampler:
         token = self.sampler(self.penalise(logprobs))
         self.tokens.append(cast(int, token.item()))
         return token
+
+
+def make_distribution(temperature: float, top_p: float = 1.0, top_k: int = 0) -> Distribution:
+    """The distribution :func:`make_sampler` with these settings draws from, as
+    probabilities (speculative sampling compares the target's and the draft's).
+
+    Raises:
+        ValueError: a setting out of range, or ``temperature == 0`` (greedy
+            has no distribution to compare: it accepts a draft token when it is
+            the most likely one).
+    """
+    make_sampler(temperature, top_p, top_k)  # validates the settings
+    if temperature == 0:
+        raise ValueError("[sampler] A greedy sampler has no distribution; use temperature > 0.")
+    inv_temp = 1.0 / temperature
+
+    def probabilities(logprobs: mx.array) -> mx.array:
+        if top_p < 1:
+            logprobs = apply_top_p(logprobs, top_p)
+        if 0 < top_k < logprobs.shape[-1]:
+            logprobs = apply_top_k(logprobs, top_k)
+        return mx.softmax(logprobs * inv_temp, axis=-1, precise=True)
+
+    return probabilities

@@ -50,6 +50,7 @@ from kvstore.abc.store import DURABILITY_MODES, BlockSave, PrefixStore, SaveResu
 from kvstore.codecs import codec_for, get_codec
 from kvstore.errors import CapabilityError, StoreError
 from kvstore.store import keys as K
+from kvstore.store.kv.checkpoints import checkpoint_layers, checkpoint_positions, live_positions
 from kvstore.store.kv.save import BlockEncoder, Captured, check_caches
 
 __all__ = ["PendingSave", "WriteBehind", "HandedOff", "DEFAULT_GROUP_WINDOW"]
@@ -275,7 +276,10 @@ class WriteBehind:
 
     def _commit(self, jobs: list[_Job]) -> None:
         started = time.perf_counter()
-        saves = [BlockSave(j.namespace, j.tokens, j.encoder, j.encoder.family) for j in jobs]
+        saves = [
+            BlockSave(j.namespace, j.tokens, j.encoder, j.encoder.family, j.encoder.checkpoints)
+            for j in jobs
+        ]
         results: list[SaveResult | BaseException] = []
         try:
             if not self._group or len(saves) == 1:
@@ -307,6 +311,12 @@ class HandedOff(BlockEncoder):
     Growing layers are copied once, tokens ``[start, stop)``, and cut into blocks
     with their codec's ``slice``; windowed layers (and families that cannot be
     cut) are snapshotted and copied block by block now, while they hold the rows.
+
+    A hybrid model's recurrent layers (issue 16) are taken as checkpoints now, at
+    every position the save can checkpoint (:attr:`checkpoints`: captured, or the
+    live state, which the next decode step moves on). A stored block ending at
+    one of them may lack its checkpoint and be rewritten with it (an upgrade), so
+    the attention layers' rows of such a block are copied too, even before ``start``.
     """
 
     def __init__(
@@ -317,16 +327,39 @@ class HandedOff(BlockEncoder):
         rows: tuple[int, int],
         block_size: int,
     ) -> None:
-        super().__init__(caches, policy, captured)
+        super().__init__(caches, policy, captured, rows[1])
         codecs = self._codecs = [codec_for(cache) for cache in caches]
         self._ranges: dict[int, Snapshot] = {}
         self._stored: dict[int, Snapshot] = {}
         self._blocks: dict[tuple[int, int], Snapshot | None] = {}
         copies: list[mx.array] = []
         start, stop = rows
+        #: Positions this save has a checkpoint for (``BlockSave.checkpoints``).
+        self.checkpoints = (
+            checkpoint_positions(caches, captured, stop) if self._recurrent else frozenset()
+        )
+        self._states: dict[int, dict[int, Snapshot] | None] = {}
+        if self.checkpoints:
+            live = live_positions(caches, stop)
+            for p in self.checkpoints:
+                # References, not copies: a recurrent layer replaces its arrays, never
+                # writes into them (a checkpoint of Qwen3.5-35B-A3B is 61 MiB). Queued
+                # for evaluation here: the writer's thread cannot evaluate this one's graph.
+                states = self._states[p] = checkpoint_layers(caches, codecs, captured, p, live)
+                for snap in (states or {}).values():
+                    copies.extend(t for t in snap.tensors.values() if isinstance(t, mx.array))
+            kv = [i for i in range(len(caches)) if i not in self._recurrent]
+            for p in sorted(self.checkpoints):  # stored blocks a commit may upgrade
+                if p <= start and p % block_size == 0:
+                    for i in kv:
+                        self._blocks[(i, p - block_size)] = self._snapshot_now(
+                            i, caches[i], codecs[i], p - block_size, p, copies
+                        )
         for i, (cache, codec) in enumerate(zip(caches, codecs, strict=True)):
             if start >= stop:
                 break
+            if i in self._recurrent:  # no rows: its checkpoints are taken above
+                continue
             try:
                 if any(layer == i for layer, _ in captured):
                     raise CapabilityError("a window's blocks, kept as captured")
@@ -350,10 +383,14 @@ class HandedOff(BlockEncoder):
         except CapabilityError:  # a window that moved on: the layer sits this block out
             return None
 
-    def layers(self, start: int, stop: int) -> list[Snapshot | None]:
+    def layers(self, start: int, stop: int, *, checkpoint: bool = False) -> list[Snapshot | None]:
         out: list[Snapshot | None] = []
         assert self._codecs is not None
+        states = self._states.get(stop) if checkpoint else None
         for i in range(len(self._codecs)):
+            if i in self._recurrent:
+                out.append(None if states is None else states[i])
+                continue
             whole = self._ranges.get(i)
             if whole is not None and whole.start <= start and stop <= whole.stop:
                 # The policy's encoding of the whole range once, then cut (one encode a layer).
@@ -377,6 +414,7 @@ class HandedOff(BlockEncoder):
         self._ranges.clear()
         self._stored.clear()
         self._blocks.clear()
+        self._states.clear()
 
 
 class _OneByOne(Exception):
