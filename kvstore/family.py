@@ -46,6 +46,7 @@ from kvstore.errors import CapabilityError, UnknownSignatureError
 
 __all__ = [
     "KV_STATE",
+    "BATCH_STATE",
     "RECURRENT_STATE",
     "STATES",
     "ParamSpec",
@@ -70,8 +71,11 @@ KV_STATE = "kv"
 #: token position -- a *checkpoint* -- and no row per token, so nothing to cut to
 #: an earlier position; every KV predicate fails closed on it (issue 16).
 RECURRENT_STATE = "recurrent"
+#: The state of a wrapper over several sequences' rows (issue 15's batches): no
+#: single sequence's keys and values, so every predicate fails closed on it.
+BATCH_STATE = "batch"
 #: Every state a family may declare.
-STATES = (KV_STATE, RECURRENT_STATE)
+STATES = (KV_STATE, RECURRENT_STATE, BATCH_STATE)
 
 #: The modes of ``mx.quantize`` a family's packed rows may be in.
 QuantMode = Literal["affine", "mxfp8", "mxfp4", "nvfp4"]
@@ -155,7 +159,8 @@ class Family:
             ``storage_policy`` (lossy, growing; sliding-window layers are stored
             in its windowed family).
         state: what the cache holds: :data:`KV_STATE` (keys and values) or
-            :data:`RECURRENT_STATE` (a checkpoint of a recurrent layer's state).
+            :data:`RECURRENT_STATE` (a checkpoint of a recurrent layer's state) or
+            :data:`BATCH_STATE` (a wrapper over several sequences' rows).
         wraps: a wrapper family (issue 15): its signature is its one-word kind
             followed by an inner signature (``kind:inner``); no parameters.
         factory: builds an empty cache of a signature (see :meth:`make`);
@@ -193,7 +198,7 @@ class Family:
         elif self.state != KV_STATE and (
             self.window_of is not None or self.storage_policy or self.attention != "dense"
         ):
-            problems.append("a recurrent family has no window, storage policy or attention")
+            problems.append("a family of non-KV state has no window, storage policy or attention")
         if self.storage_policy and (not self.lossy or self.window_of is not None):
             problems.append("a storage policy is a lossy growing family")
         if isinstance(self.attention, QuantizedAttention):

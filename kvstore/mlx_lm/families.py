@@ -29,6 +29,7 @@ import numpy as np
 from kvstore.abc.cache import signature_of
 from kvstore.codecs import get_codec
 from kvstore.errors import UnknownSignatureError
+from kvstore.family import find_family
 from kvstore.mlx_lm.capture import capturing_like
 
 __all__ = [
@@ -43,8 +44,10 @@ __all__ = [
 #: mlx-lm cache classes the store does not persist yet, and why.
 WHY_NOT: dict[str, str] = {
     "ArraysCache": (
-        "recurrent state of a hybrid model (mlx-lm ArraysCache) is not persisted yet; "
-        "such models keep mlx-lm's in-memory prompt cache (recurrent checkpoints: issue 16)"
+        "recurrent state of a hybrid model (mlx-lm ArraysCache) is not persisted by the "
+        "server yet; such models keep mlx-lm's in-memory prompt cache (the store keeps "
+        "recurrent checkpoints, issue 16, for kvstore.bridge.generate, whose prefill ends "
+        "its chunks where a checkpoint is planned; mlx_lm.server chooses its own chunks)"
     ),
     "CacheList": "composite caches (mlx-lm CacheList) are not persisted yet",
     "ChunkedKVCache": "chunked attention (mlx-lm ChunkedKVCache) is not persisted yet",
@@ -55,6 +58,9 @@ WHY_NOT: dict[str, str] = {
 def _why(cache: Any) -> str | None:
     sig = signature_of(cache)
     if sig is not None:
+        family = find_family(sig.kind)
+        if family is not None and family.holds_recurrent_state:
+            return WHY_NOT.get(type(cache).__name__, WHY_NOT["ArraysCache"])
         try:
             get_codec(str(sig))
             return None

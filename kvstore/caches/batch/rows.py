@@ -12,7 +12,7 @@ from mlx.utils import tree_map
 from kvstore.caches.base import BaseKVCache, Tree, row_leaves
 from kvstore.caches.packed import PackedRows, quantize_rows
 from kvstore.errors import CapabilityError
-from kvstore.family import Family, Quantization
+from kvstore.family import BATCH_STATE, Family, Quantization
 from kvstore.signature import parse_signature
 
 __all__ = ["BATCH_FAMILY", "BatchRows", "BatchPacked", "check_same_family"]
@@ -23,7 +23,7 @@ BATCH_FAMILY = Family(
     kind="batch",
     description="rows of several sequences in one cache (mlx-lm's batch protocol)",
     wraps=True,
-    state="batch",
+    state=BATCH_STATE,
 )
 
 

@@ -134,7 +134,8 @@ class _Job:
     tokens: np.ndarray
     encoder: HandedOff
     pending: PendingSave
-    #: The first row the store did not hold at the hand-off (the save adds blocks from here).
+    #: The first row the save may write (blocks the store lacked at the hand-off, or a
+    #: stored block a hybrid's save upgrades with its checkpoint).
     start: int
 
     def extends(self, tokens: np.ndarray | None) -> bool:
@@ -188,7 +189,11 @@ class WriteBehind:
             (start, len(toks)),
             self._store.block_size,
         )
-        job = _Job(namespace, np.array(toks), encoder, pending, start)
+        # A hybrid's save may also upgrade stored blocks with their checkpoint: a lookup
+        # of those blocks waits for it too (it would not see its own checkpoints).
+        bsize = self._store.block_size
+        upgrades = [p - bsize for p in encoder.checkpoints if p <= start and p % bsize == 0]
+        job = _Job(namespace, np.array(toks), encoder, pending, min([start, *upgrades]))
         pending._handed = time.perf_counter()
         pending.held_s = pending._handed - t0
         with self._cond:
