@@ -38,7 +38,8 @@ class Survey:
         self.uses: list[tuple[bytes, bytes, bytes | None]] = []
         self.corrupt: list[bytes] = []
         self.newer: list[bytes] = []
-        self.totals: dict[bytes, tuple[int, int] | None] = {}
+        # Stored totals: (blocks, bytes, checkpoints, checkpoint bytes); None if damaged.
+        self.totals: dict[bytes, tuple[int, int, int, int] | None] = {}
 
     def run(self, view: ReadView, verify: RecordVerifier) -> None:
         self.totals = stored_totals(view)
@@ -98,17 +99,27 @@ class Survey:
             if rkey not in self.entries or ikey != self.entries[rkey][0]
         ]
         counted: dict[bytes, tuple[int, int]] = {}
+        checkpoints: dict[bytes, tuple[int, int]] = {}
         for rkey, (_, entry) in self.entries.items():
             ns = K.split_record_key(rkey)[0]  # type: ignore[index]
             b, n = counted.get(ns, (0, 0))
             counted[ns] = (b + 1, n + entry.nbytes)
+            if entry.checkpointed:
+                c, cb = checkpoints.get(ns, (0, 0))
+                checkpoints[ns] = (c + 1, cb + entry.checkpoint_nbytes)
         mismatch = []
         for ns in sorted(set(self.totals) | set(counted)):
-            stored, found = self.totals.get(ns, (0, 0)), counted.get(ns, (0, 0))
+            stored, found = self.totals.get(ns, (0, 0, 0, 0)), counted.get(ns, (0, 0))
             if stored is None:
                 mismatch.append(f"{ns.decode()}: stored totals damaged, counted {found}")
-            elif stored != found:
-                mismatch.append(f"{ns.decode()}: stored {stored}, counted {found}")
+            else:
+                stored_ck, found_ck = stored[2:], checkpoints.get(ns, (0, 0))
+                if stored[:2] != found:
+                    mismatch.append(f"{ns.decode()}: stored {stored[:2]}, counted {found}")
+                if stored_ck != found_ck:
+                    mismatch.append(
+                        f"{ns.decode()}: checkpoints stored {stored_ck}, counted {found_ck}"
+                    )
         return (
             sorted(orphans),
             sorted(dangling),
@@ -141,9 +152,18 @@ class Survey:
         for key, _ in list(txn.scan(K.NS_TOTALS_DIR)):
             txn.delete(key)
         for ns in {K.split_record_key(r)[0] for r in self.entries}:  # type: ignore[index]
-            blocks = nbytes = 0
+            blocks = nbytes = checkpoints = checkpoint_bytes = 0
             for sub in (b".c/", b".t/"):
                 for _, entry in iter_entries(txn, K.namespace_dir(ns) + sub, with_tokens=False):
                     blocks += 1
                     nbytes += entry.nbytes
-            add_totals(txn, ns, blocks, nbytes)
+                    checkpoints += entry.checkpointed
+                    checkpoint_bytes += entry.checkpoint_nbytes
+            add_totals(
+                txn,
+                ns,
+                blocks,
+                nbytes,
+                checkpoints=checkpoints,
+                checkpoint_bytes=checkpoint_bytes,
+            )

@@ -10,6 +10,11 @@ fails a write.
 Activity counters (hits, misses by reason, evictions, corruptions) belong to
 the open store and are not persisted: persisting them would put a write on
 the read path.
+
+A namespace holding records with recurrent checkpoints (issue 16) keeps two
+more counters in the same value: ``<u64 blocks><u64 bytes>`` becomes
+``<u64 blocks><u64 bytes><u64 checkpoints><u64 checkpoint bytes>`` (the
+checkpoints are counted in ``bytes`` too); one without keeps 16 bytes.
 """
 
 from __future__ import annotations
@@ -28,8 +33,10 @@ from kvstore.store.blocks.index import iter_entries
 __all__ = [
     "Counters",
     "read_totals",
+    "read_checkpoint_totals",
     "add_totals",
     "all_totals",
+    "all_checkpoint_totals",
     "stored_totals",
     "count_totals",
     "take_repairs",
@@ -39,48 +46,77 @@ __all__ = [
 # bit in an unchecked count made budgets evict everything, or removals assert). Values
 # of 16 bytes, without the checksum, are read too; the next change rewrites them.
 _TOTALS = struct.Struct("<QQ")
-_CHECKED = struct.Struct("<QQQ")
+# With checkpoints (issue 16): blocks, bytes, checkpointed records, checkpoint bytes.
+_WITH_CHECKPOINTS = struct.Struct("<QQQQ")
+_CHECK = struct.Struct("<Q")
 # Totals this thread found damaged and rewrote from the blocks (take_repairs() reads it).
 _repairs = threading.local()
 
+Totals = tuple[int, int, int, int]
 
-def _decode(raw: Buffer) -> tuple[int, int] | None:
-    """``(blocks, bytes)`` of a stored value, or ``None`` if it is damaged."""
-    if len(raw) == _CHECKED.size:
-        blocks, nbytes, check = _CHECKED.unpack(raw)
-        intact = xxhash.xxh3_64_intdigest(bytes(raw[: _TOTALS.size])) == check
-        return (blocks, nbytes) if intact else None
-    if len(raw) == _TOTALS.size:
-        return _TOTALS.unpack(raw)
+
+def _decode(raw: Buffer) -> Totals | None:
+    """``(blocks, bytes, checkpoints, checkpoint bytes)`` of a stored value, or ``None``
+    if it is damaged. Unchecked values (16 or 32 bytes, older writers) are read too."""
+    size = len(raw)  # type: ignore[arg-type]
+    for counts in (_TOTALS, _WITH_CHECKPOINTS):
+        if size == counts.size + _CHECK.size:
+            head = bytes(raw[: counts.size])  # type: ignore[index]
+            if xxhash.xxh3_64_intdigest(head) != _CHECK.unpack_from(raw, counts.size)[0]:
+                return None
+            return (*counts.unpack(head), 0, 0)[:4]  # type: ignore[return-value]
+        if size == counts.size:
+            return (*counts.unpack(raw), 0, 0)[:4]  # type: ignore[return-value]
     return None
 
 
-def _encode(blocks: int, nbytes: int) -> bytes:
-    head = _TOTALS.pack(blocks, nbytes)
-    return head + struct.pack("<Q", xxhash.xxh3_64_intdigest(head))
+def _encode(totals: Totals) -> bytes:
+    head = _TOTALS.pack(*totals[:2]) if totals[2:] == (0, 0) else _WITH_CHECKPOINTS.pack(*totals)
+    return head + _CHECK.pack(xxhash.xxh3_64_intdigest(head))
 
 
-def count_totals(view: ReadView, namespace: bytes) -> tuple[int, int]:
-    """``(blocks, bytes)`` of ``namespace`` counted from its index entries (a scan)."""
-    blocks = nbytes = 0
+def count_totals(view: ReadView, namespace: bytes) -> Totals:
+    """The totals of ``namespace`` counted from its index entries (a scan)."""
+    blocks = nbytes = checkpoints = checkpoint_bytes = 0
     for sub in (b".c/", b".t/"):
         for _, entry in iter_entries(view, K.namespace_dir(namespace) + sub, with_tokens=False):
             blocks += 1
             nbytes += entry.nbytes
-    return blocks, nbytes
+            checkpoints += entry.checkpoint_nbytes > 0
+            checkpoint_bytes += entry.checkpoint_nbytes
+    return blocks, nbytes, checkpoints, checkpoint_bytes
+
+
+def _read(view: ReadView, namespace: bytes) -> Totals:
+    raw = view.get(K.totals_key(namespace))
+    if raw is None:
+        return (0, 0, 0, 0)
+    found = _decode(raw)
+    return count_totals(view, namespace) if found is None else found
 
 
 def read_totals(view: ReadView, namespace: bytes) -> tuple[int, int]:
     """``(blocks, bytes)`` stored in ``namespace`` (counted from the blocks where the
     stored value is damaged)."""
-    raw = view.get(K.totals_key(namespace))
-    if raw is None:
-        return (0, 0)
-    found = _decode(raw)
-    return count_totals(view, namespace) if found is None else found
+    blocks, nbytes, _, _ = _read(view, namespace)
+    return blocks, nbytes
 
 
-def add_totals(txn: WriteView, namespace: bytes, blocks: int, nbytes: int) -> None:
+def read_checkpoint_totals(view: ReadView, namespace: bytes) -> tuple[int, int]:
+    """``(records carrying a checkpoint, their checkpoints' bytes)`` in ``namespace``."""
+    _, _, checkpoints, checkpoint_bytes = _read(view, namespace)
+    return checkpoints, checkpoint_bytes
+
+
+def add_totals(
+    txn: WriteView,
+    namespace: bytes,
+    blocks: int,
+    nbytes: int,
+    *,
+    checkpoints: int = 0,
+    checkpoint_bytes: int = 0,
+) -> None:
     """Add to ``namespace``'s totals, in the transaction that changed its blocks.
 
     Totals that are damaged or that the change would take below zero disagree
@@ -88,18 +124,19 @@ def add_totals(txn: WriteView, namespace: bytes, blocks: int, nbytes: int) -> No
     this transaction, already holds the change), and the repair is counted
     (:func:`take_repairs`). Never an assertion: a removal must go through.
     """
-    if not (blocks or nbytes):
+    delta = (blocks, nbytes, checkpoints, checkpoint_bytes)
+    if not any(delta):
         return
     raw = txn.get(K.totals_key(namespace))
-    old = (0, 0) if raw is None else _decode(raw)
-    new = None if old is None else (old[0] + blocks, old[1] + nbytes)
-    if new is None or new[0] < 0 or new[1] < 0:
+    old = (0, 0, 0, 0) if raw is None else _decode(raw)
+    new = None if old is None else tuple(o + d for o, d in zip(old, delta))
+    if new is None or min(new) < 0:
         new = count_totals(txn, namespace)
         _repairs.count = getattr(_repairs, "count", 0) + 1
-    if new == (0, 0):
+    if not any(new):
         txn.delete(K.totals_key(namespace))
     else:
-        txn.put(K.totals_key(namespace), _encode(*new))
+        txn.put(K.totals_key(namespace), _encode(new))  # type: ignore[arg-type]
 
 
 def take_repairs() -> int:
@@ -109,19 +146,28 @@ def take_repairs() -> int:
     return int(count)
 
 
-def stored_totals(view: ReadView) -> dict[bytes, tuple[int, int] | None]:
+def stored_totals(view: ReadView) -> dict[bytes, Totals | None]:
     """Totals of every namespace as stored (``None``: a damaged value), for ``verify``."""
     return {
         key[len(K.NS_TOTALS_DIR) :]: _decode(value) for key, value in view.scan(K.NS_TOTALS_DIR)
     }
 
 
-def all_totals(view: ReadView) -> dict[bytes, tuple[int, int]]:
-    """Totals of every namespace that holds blocks (damaged ones counted from the blocks)."""
+def _all(view: ReadView) -> dict[bytes, Totals]:
     return {
         ns: count_totals(view, ns) if found is None else found
         for ns, found in stored_totals(view).items()
     }
+
+
+def all_totals(view: ReadView) -> dict[bytes, tuple[int, int]]:
+    """``(blocks, bytes)`` of every namespace that holds blocks (damaged ones counted)."""
+    return {ns: (t[0], t[1]) for ns, t in _all(view).items()}
+
+
+def all_checkpoint_totals(view: ReadView) -> dict[bytes, tuple[int, int]]:
+    """``(checkpoints, checkpoint bytes)`` of every namespace that holds blocks."""
+    return {ns: (t[2], t[3]) for ns, t in _all(view).items()}
 
 
 class Counters:
@@ -137,6 +183,7 @@ class Counters:
         "deduplicated_blocks",
         "evictions",
         "evicted_bytes",
+        "evicted_checkpoint_bytes",
         "corruptions",
     )
 
