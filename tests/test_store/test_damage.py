@@ -517,3 +517,24 @@ HOLDER = textwrap.dedent(
     env.close()
     """
 )
+
+
+def test_a_free_list_in_overflow_pages_is_intact(tmp_path):
+    # Deleting many large values frees a page list too long for a leaf: LMDB stores it
+    # in overflow pages (F_BIGDATA), which the file check once took for damage.
+    from kvstore.store.engines.lmdb_file import check_file
+
+    backend = open_backend(f"lmdb://{tmp_path / 'store'}")
+    try:
+        keys = [b"kvstore/v1/x/%05d" % i for i in range(400)]
+        backend.put_many([(k, bytes(64 << 10)) for k in keys])
+
+        def drop(txn):
+            for k in keys:
+                txn.delete(k)
+
+        backend.transact(drop)
+        backend.put_many([(b"kvstore/v1/y", b"1")])  # a commit after: the list is stored
+    finally:
+        backend.close()
+    assert check_file(tmp_path / "store").problems == []
