@@ -667,9 +667,23 @@ class PrefixStore(ABC):
     ) -> SaveResult:
         """Store the blocks of ``tokens`` not stored yet, in one atomic write.
 
-        ``checkpoints``: positions the caller can give a recurrent checkpoint
-        for; a block ending at one is encoded with ``BlockSpan.checkpoint``,
-        and a stored one that lacks it is rewritten with it."""
+        Args:
+            namespace: from :func:`~kvstore.store.namespace_for`.
+            tokens: the prompt's token ids (every one has KV to store).
+            encode: ``encode(spans)`` returns one bytes-like record per
+                :class:`~kvstore.abc.store.BlockSpan` (the missing blocks, in
+                order; the last one may be a partial tail). Not called when
+                nothing is missing.
+            family: a label kept with each new block for ``stats(by_family=True)``.
+            checkpoints: positions the caller can give a recurrent checkpoint for
+                (issue 16): a block ending at one is encoded with
+                ``BlockSpan.checkpoint``, and a stored one whose record lacks a
+                checkpoint is encoded again and replaced (an upgrade).
+
+        Raises:
+            StoreFullError: the blocks do not fit the budget even after evicting
+                every unpinned leaf, or the map/disk is full; nothing was written.
+        """
 
     def put_blocks_many(self, saves: Sequence[BlockSave]) -> list[SaveResult]:
         """:meth:`put_blocks` of each of ``saves``; a store that can commits them in one

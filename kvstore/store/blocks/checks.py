@@ -18,10 +18,11 @@ import os
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 from kvstore.errors import CorruptEntryError, FormatVersionError
 
-__all__ = ["PARALLEL_MIN_BYTES", "Verdict", "check_records"]
+__all__ = ["PARALLEL_MIN_BYTES", "Verdict", "check_records", "served_run"]
 
 #: Below this many bytes in all, the records are checked on the caller's thread.
 PARALLEL_MIN_BYTES = 8 << 20
@@ -94,3 +95,26 @@ def _check(verify: Callable[[memoryview], None], record: memoryview) -> Verdict:
     except (CorruptEntryError, FormatVersionError) as exc:
         return exc
     return None
+
+
+def served_run(
+    verify: Callable[[memoryview], None], values: Sequence[Any | None]
+) -> tuple[list[memoryview], Verdict, int | None]:
+    """What a read serves of ``values`` (the records of a run of blocks, ``None``
+    where one is not stored): the views of the leading intact records, the verdict
+    that ended the run (``None``: none failed), and the index of the first absent
+    record when every record before it is served (else ``None``).
+
+    Records before a missing one are checked first, as if read one by one.
+    """
+    stored: list[memoryview] = []
+    for value in values:
+        if value is None:
+            break
+        stored.append(memoryview(value))
+    views: list[memoryview] = []
+    for mv, verdict in zip(stored, check_records(verify, stored)):
+        if verdict is not None:
+            return views, verdict, None
+        views.append(mv)
+    return views, None, (len(stored) if len(stored) < len(values) else None)

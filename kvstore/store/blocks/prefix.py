@@ -31,11 +31,9 @@ import threading
 import time
 from collections.abc import Callable, Collection, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from functools import partial
 from typing import Any
-
-import numpy as np
 
 from kvstore.abc.store import (
     DURABILITY_MODES,
@@ -44,7 +42,6 @@ from kvstore.abc.store import (
     BlockSave,
     Match,
     MissReason,
-    NamespaceStats,
     PrefixStore,
     ReadView,
     RecordEncoder,
@@ -63,13 +60,13 @@ from kvstore.errors import (
 )
 from kvstore.store import keys as K
 from kvstore.store.blocks import meta, saving
-from kvstore.store.blocks.checks import check_records
+from kvstore.store.blocks.checks import served_run
 from kvstore.store.blocks.eviction import Block, Budget, budgets, enforce
 from kvstore.store.blocks.housekeeping import Housekeeper, Pending, apply_pending
-from kvstore.store.blocks.index import IndexEntry, best_child, decode_entry, iter_entries
 from kvstore.store.blocks.integrity import Survey
+from kvstore.store.blocks.matching import last_checkpointed, walk
 from kvstore.store.blocks.removal import delete_extending
-from kvstore.store.blocks.stats import Counters, all_checkpoint_totals, all_totals, take_repairs
+from kvstore.store.blocks.stats import Counters, all_totals, store_contents, take_repairs
 from kvstore.store.kv import CacheMethods
 from kvstore.store.kv.writer import DEFAULT_GROUP_WINDOW
 from kvstore.store.settings import (
@@ -123,30 +120,6 @@ STORE_OPTIONS: dict[str, Callable[[Any], Any]] = {
 }
 
 _SAVE_ATTEMPTS = 8
-
-
-@dataclass
-class _Job:
-    """One save of a ``put_blocks_many``: its spans, what is stored, what it encoded."""
-
-    save: BlockSave
-    ns: bytes
-    toks: np.ndarray
-    spans: list[saving.Span]
-    encoded: dict[int, Any] = field(default_factory=dict)
-    existing: list[bytes] = field(default_factory=list)
-    cover: bytes | None = None
-    missing: list[saving.Span] = field(default_factory=list)
-    result: SaveResult | None = None
-
-    @classmethod
-    def of(cls, save: BlockSave, block_size: int) -> _Job:
-        ns = K.parse_namespace(save.namespace)
-        toks = K.as_tokens(save.tokens, "save")
-        job = cls(save, ns, toks, saving.spans_of(ns, toks, block_size) if len(toks) else [])
-        if not len(toks):
-            job.result = SaveResult(save.namespace, 0)
-        return job
 
 
 def verify_kv_record(record: memoryview) -> None:
@@ -293,32 +266,11 @@ class BlockPrefixStore(CacheMethods, PrefixStore):
         if size < 2:
             self._counters.miss(MissReason.SHORT_PROMPT)
             return Match(namespace, 0, size, bsize)
-        quarantine = self._quarantine
-        refs: list[BlockRef] = []
-        parent = K.ROOT
-        parents: list[bytes] = []
-        child: IndexEntry | None = None
         with self._unavailable_is_a_miss(), self._backend.reader() as view:
-            for i, digest in enumerate(self._stored_chain(view, ns, toks)):
-                key = K.record_key(ns, digest)
-                if key in quarantine:
-                    break
-                refs.append(BlockRef(key, i, i * bsize, bsize, bsize))
-                parents.append(parent)
-                parent = digest
-            matched = len(refs) * bsize
-            if matched < size:
-                query = toks[matched : matched + bsize]
-                dirs = (K.children_dir(ns, parent), K.tails_dir(ns, parent))
-                found = best_child(view, dirs, query)
-                if found is not None:
-                    lcp, _, entry = found
-                    key = K.record_key(ns, entry.digest)
-                    if key not in quarantine:
-                        refs.append(BlockRef(key, len(refs), matched, lcp, entry.ntokens))
-                        child = entry
+            found = walk(self._backend, view, ns, toks, bsize, self._quarantine)
             if checkpoints:
-                ends = self._checkpointed(view, ns, toks, refs, parents, child, size - 1)
+                end = last_checkpointed(view, ns, toks, found, size - 1, bsize)
+        refs = found.refs
         n = refs[-1].stop if refs else 0
         if n >= size:  # leave the last prompt token to the model
             last = refs.pop()
@@ -328,8 +280,8 @@ class BlockPrefixStore(CacheMethods, PrefixStore):
         kv = n
         if checkpoints:
             # Reuse ends where a checkpoint does: a whole block, at most the prompt but one.
-            usable = [i for i, ref in enumerate(refs) if i in ends and ref.rows == ref.stored_rows]
-            refs = refs[: usable[-1] + 1] if usable else []
+            whole = end is not None and end < len(refs) and refs[end].rows == refs[end].stored_rows
+            refs = refs[: end + 1] if whole and end is not None else []
             n = refs[-1].stop if refs else 0
             if kv and not n:
                 self._counters.miss(MissReason.NO_CHECKPOINT)
@@ -341,57 +293,6 @@ class BlockPrefixStore(CacheMethods, PrefixStore):
         if self._house is not None:
             self._house.touch([r.key for r in refs], self._clock())
         return Match(namespace, n, size, bsize, tuple(refs), kv_tokens=kv)
-
-    def _checkpointed(
-        self,
-        view: ReadView,
-        ns: bytes,
-        toks: np.ndarray,
-        refs: list[BlockRef],
-        parents: list[bytes],
-        child: IndexEntry | None,
-        limit: int,
-    ) -> set[int]:
-        """The index of the last matched block that ends at most at ``limit``, whole,
-        with a record carrying a checkpoint at its end (walking back from the end)."""
-        bsize = self._settings.block_size
-        for i in range(len(refs) - 1, -1, -1):
-            if refs[i].stop > limit or refs[i].rows != refs[i].stored_rows:
-                continue
-            if i == len(parents):  # the child the match ends in: its entry is known
-                assert child is not None
-                flagged = child.checkpointed and refs[i].rows == child.ntokens
-            else:
-                block = toks[i * bsize : (i + 1) * bsize]
-                digest = K.split_record_key(refs[i].key)[1]  # type: ignore[index]
-                raw = view.get(K.child_key(ns, parents[i], block, digest, True))
-                try:
-                    flagged = raw is not None and decode_entry(raw, with_tokens=False).checkpointed
-                except (CorruptEntryError, FormatVersionError):
-                    flagged = False
-            if flagged:
-                return {i}
-        return set()
-
-    def _stored_chain(self, view: ReadView, ns: bytes, toks: np.ndarray) -> Iterator[bytes]:
-        """Digests of the prompt's leading full blocks that are stored, in order.
-
-        Hashes lazily and stops at the first missing block; a backend where
-        each read is a round trip is asked about the whole chain at once.
-        """
-        chain = K.iter_chain_digests(ns, toks, self._settings.block_size)
-        if not self._backend.supports_pipelining:
-            for digest in chain:
-                if not view.contains(K.record_key(ns, digest)):
-                    return
-                yield digest
-            return
-        digests = list(chain)
-        stored = self._backend.contains_many([K.record_key(ns, d) for d in digests])
-        for digest, present in zip(digests, stored):
-            if not present:
-                return
-            yield digest
 
     @contextmanager
     def _unavailable_is_a_miss(self) -> Iterator[None]:
@@ -417,7 +318,6 @@ class BlockPrefixStore(CacheMethods, PrefixStore):
         """
         self._check_open("read")
         corrupt: list[bytes] = []
-        views: list[memoryview] = []
         keys: list[bytes] = []
         for ref in blocks:
             if ref.key in self._quarantine:
@@ -427,30 +327,19 @@ class BlockPrefixStore(CacheMethods, PrefixStore):
         with ExitStack() as stack:
             with self._unavailable_is_a_miss():
                 values = stack.enter_context(self._backend.view_many(keys))
-                stored: list[memoryview] = []
-                gone: BlockRef | None = None  # the first block whose record is not there
-                for i, ref in enumerate(blocks):
-                    value = values[i] if i < len(values) else None
-                    if value is None:
-                        gone = ref
-                        break
-                    stored.append(memoryview(value))
-                # Records before a missing one are checked first, as if read one by one.
-                for ref, mv, verdict in zip(blocks, stored, check_records(self._verify, stored)):
-                    if isinstance(verdict, CorruptEntryError):
-                        corrupt.append(ref.key)
-                        self._counters.miss(MissReason.CORRUPT)
-                        self._counters.add(corruptions=1)
-                        break
-                    if isinstance(verdict, FormatVersionError):
-                        self._counters.miss(MissReason.VERSION)
-                        break
-                    views.append(mv)
-                if gone is not None and len(views) == len(stored):
-                    reason = self._absent(gone.key)
+                padded = [values[i] if i < len(values) else None for i in range(len(blocks))]
+                views, verdict, absent = served_run(self._verify, padded)
+                if isinstance(verdict, CorruptEntryError):
+                    corrupt.append(blocks[len(views)].key)
+                    self._counters.miss(MissReason.CORRUPT)
+                    self._counters.add(corruptions=1)
+                elif isinstance(verdict, FormatVersionError):
+                    self._counters.miss(MissReason.VERSION)
+                elif absent is not None:
+                    reason = self._absent(blocks[absent].key)
                     self._counters.miss(reason)
                     if reason == MissReason.SERVER_EVICTED:
-                        corrupt.append(gone.key)  # removed like a corrupt block
+                        corrupt.append(blocks[absent].key)  # removed like a corrupt block
             try:
                 yield views
             finally:
@@ -491,25 +380,7 @@ class BlockPrefixStore(CacheMethods, PrefixStore):
         family: str = "",
         checkpoints: Collection[int] = (),
     ) -> SaveResult:
-        """Store the blocks of ``tokens`` that are not stored yet, in one atomic write.
-
-        Args:
-            namespace: from :func:`~kvstore.store.namespace_for`.
-            tokens: the prompt's token ids (every one has KV to store).
-            encode: ``encode(spans)`` returns one bytes-like record per
-                :class:`~kvstore.abc.store.BlockSpan` (the missing blocks, in
-                order; the last one may be a partial tail). Not called when
-                nothing is missing.
-            family: a label kept with each new block for ``stats(by_family=True)``.
-            checkpoints: positions the caller can give a recurrent checkpoint for
-                (issue 16): a block ending at one is encoded with
-                ``BlockSpan.checkpoint``, and a stored one whose record lacks a
-                checkpoint is encoded again and replaced (an upgrade).
-
-        Raises:
-            StoreFullError: the blocks do not fit the budget even after evicting
-                every unpinned leaf, or the map/disk is full; nothing was written.
-        """
+        """:meth:`PrefixStore.put_blocks <kvstore.abc.store.PrefixStore.put_blocks>`."""
         save = BlockSave(namespace, tokens, encode, family, frozenset(checkpoints))
         return self.put_blocks_many([save])[0]
 
@@ -517,23 +388,11 @@ class BlockPrefixStore(CacheMethods, PrefixStore):
         """Every save's missing blocks in one atomic write (one sync: a group commit);
         a save with nothing missing only hashes and reads. Raises what a save would."""
         self._check_writable("save")
-        jobs = [_Job.of(s, self._settings.block_size) for s in saves]
+        jobs = [saving.SaveJob.of(s, self._settings.block_size) for s in saves]
         now = self._clock()
         for _ in range(_SAVE_ATTEMPTS):
             with self._backend.reader() as view:
-                for job in jobs:
-                    if job.result is None:
-                        job.existing, job.cover, missing = saving.survey(view, job.ns, job.spans)
-                        absent = {s.index for s in missing}
-                        # Stored blocks ending where this save has a checkpoint and
-                        # their record none: encoded again, replaced (issue 16).
-                        upgrades = saving.upgradable(
-                            view,
-                            job.ns,
-                            [s for s in job.spans if s.index not in absent],
-                            job.save.checkpoints,
-                        )
-                        job.missing = [*missing, *upgrades]
+                saving.survey_jobs(view, jobs)
             writing = []
             for job in jobs:
                 if job.result is not None:
@@ -564,30 +423,15 @@ class BlockPrefixStore(CacheMethods, PrefixStore):
             except saving.Stale:
                 continue
             for job, out in zip(writing, outs, strict=True):
-                evicted_checkpoint_bytes = sum(b.checkpoint_nbytes for b in out.evicted)
+                job.result = saving.result_of(job, out)
                 self._counters.add(
                     saves=1,
                     saved_blocks=len(out.written),
                     saved_bytes=out.written_bytes,
                     deduplicated_blocks=out.deduplicated,
                     evictions=len(out.evicted),
-                    evicted_bytes=sum(b.nbytes for b in out.evicted),
-                    evicted_checkpoint_bytes=evicted_checkpoint_bytes,
-                )
-                job.result = SaveResult(
-                    job.save.namespace,
-                    len(job.toks),
-                    out.written,
-                    out.written_bytes,
-                    out.deduplicated,
-                    out.superseded,
-                    len(out.evicted),
-                    sum(b.nbytes for b in out.evicted),
-                    out.covered_by,
-                    out.checkpoints,
-                    out.checkpoint_bytes,
-                    out.upgraded,
-                    evicted_checkpoint_bytes,
+                    evicted_bytes=job.result.evicted_bytes,
+                    evicted_checkpoint_bytes=job.result.evicted_checkpoint_bytes,
                 )
             break
         else:
@@ -600,7 +444,7 @@ class BlockPrefixStore(CacheMethods, PrefixStore):
         return [job.result for job in jobs if job.result is not None]
 
     def _commit_saves(
-        self, txn: WriteView, pending: Pending, *, jobs: list[_Job], now: float
+        self, txn: WriteView, pending: Pending, *, jobs: list[saving.SaveJob], now: float
     ) -> list[saving.SaveOutcome]:
         apply_pending(txn, pending)
         return [
@@ -613,19 +457,16 @@ class BlockPrefixStore(CacheMethods, PrefixStore):
                 family=job.save.family,
                 checkpoints=job.save.checkpoints,
                 describe=self._describe,
-                make_room=partial(self._make_room_in, ns=job.ns),
+                make_room=partial(self._make_room, ns=job.ns),
             )
             for job in jobs
         ]
 
-    def _make_room_in(
-        self, txn: WriteView, delta: int, pinned: set[bytes], *, ns: bytes
-    ) -> list[Block]:
-        return self._make_room(txn, ns, delta, pinned)
-
     # ------------------------------------------------------------------ eviction
 
-    def _make_room(self, txn: WriteView, ns: bytes, delta: int, pinned: set[bytes]) -> list[Block]:
+    def _make_room(
+        self, txn: WriteView, delta: int, pinned: set[bytes], *, ns: bytes
+    ) -> list[Block]:
         """Evict so that ``delta`` more bytes fit the namespace and store budgets."""
         limits = budgets(txn, self._budgets(txn), ns)
         return enforce(
@@ -755,23 +596,8 @@ class BlockPrefixStore(CacheMethods, PrefixStore):
         self._check_open("stats")
         self.wait_for_saves()  # after the saves handed off before this call
         with self._backend.reader() as view:
-            totals = all_totals(view)
-            checkpoints = all_checkpoint_totals(view)
             settings = self._budgets(view)
-            families: dict[str, int] | None = None
-            if by_family:
-                families = {}
-                for ns in totals:
-                    for sub in (b".c/", b".t/"):
-                        prefix = K.namespace_dir(ns) + sub
-                        for _, e in iter_entries(view, prefix, with_tokens=False):
-                            families[e.family] = families.get(e.family, 0) + e.nbytes
-        namespaces = {
-            n.decode(): NamespaceStats(
-                b, nb, settings.budget_for(n.decode()), *checkpoints.get(n, (0, 0))
-            )
-            for n, (b, nb) in totals.items()
-        }
+            namespaces, families = store_contents(view, settings, by_family=by_family)
         return StoreStats(
             blocks=sum(s.blocks for s in namespaces.values()),
             bytes=sum(s.bytes for s in namespaces.values()),

@@ -20,12 +20,12 @@ index entry keeps it, and the totals count it apart.
 from __future__ import annotations
 
 from collections.abc import Callable, Collection
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
 
-from kvstore.abc.store import BlockSpan, ReadView, RecordEncoder, WriteView
+from kvstore.abc.store import BlockSave, BlockSpan, ReadView, RecordEncoder, SaveResult, WriteView
 from kvstore.errors import CorruptEntryError, FormatVersionError, StoreConfigError
 from kvstore.store import keys as K
 from kvstore.store.blocks.eviction import Block
@@ -318,3 +318,59 @@ def record_nbytes(record: Any) -> int:
             found=type(record).__name__,
         )
     return view.nbytes
+
+
+@dataclass
+class SaveJob:
+    """One save of a ``put_blocks_many``: its spans, what is stored, what it encoded,
+    and its result once known."""
+
+    save: BlockSave
+    ns: bytes
+    toks: np.ndarray
+    spans: list[Span]
+    encoded: dict[int, Any] = field(default_factory=dict)
+    existing: list[bytes] = field(default_factory=list)
+    cover: bytes | None = None
+    missing: list[Span] = field(default_factory=list)
+    result: SaveResult | None = None
+
+    @classmethod
+    def of(cls, save: BlockSave, block_size: int) -> SaveJob:
+        ns = K.parse_namespace(save.namespace)
+        toks = K.as_tokens(save.tokens, "save")
+        job = cls(save, ns, toks, spans_of(ns, toks, block_size) if len(toks) else [])
+        if not len(toks):
+            job.result = SaveResult(save.namespace, 0)
+        return job
+
+
+def survey_jobs(view: ReadView, jobs: list[SaveJob]) -> None:
+    """For every save without a result: what is stored, what covers it, and what to
+    encode (missing blocks, and stored blocks ending where the save has a checkpoint
+    that their record lacks: encoded again and replaced, issue 16)."""
+    for job in jobs:
+        if job.result is None:
+            job.existing, job.cover, missing = survey(view, job.ns, job.spans)
+            absent = {s.index for s in missing}
+            stored = [s for s in job.spans if s.index not in absent]
+            job.missing = [*missing, *upgradable(view, job.ns, stored, job.save.checkpoints)]
+
+
+def result_of(job: SaveJob, out: SaveOutcome) -> SaveResult:
+    """The :class:`~kvstore.abc.store.SaveResult` of a committed save."""
+    return SaveResult(
+        job.save.namespace,
+        len(job.toks),
+        out.written,
+        out.written_bytes,
+        out.deduplicated,
+        out.superseded,
+        len(out.evicted),
+        sum(b.nbytes for b in out.evicted),
+        out.covered_by,
+        out.checkpoints,
+        out.checkpoint_bytes,
+        out.upgraded,
+        sum(b.checkpoint_nbytes for b in out.evicted),
+    )

@@ -26,9 +26,10 @@ from typing import Any
 
 import xxhash
 
-from kvstore.abc.store import Buffer, ReadView, WriteView
+from kvstore.abc.store import Buffer, NamespaceStats, ReadView, WriteView
 from kvstore.store import keys as K
 from kvstore.store.blocks.index import iter_entries
+from kvstore.store.settings import StoreSettings
 
 __all__ = [
     "Counters",
@@ -36,7 +37,7 @@ __all__ = [
     "read_checkpoint_totals",
     "add_totals",
     "all_totals",
-    "all_checkpoint_totals",
+    "store_contents",
     "stored_totals",
     "count_totals",
     "take_repairs",
@@ -165,9 +166,24 @@ def all_totals(view: ReadView) -> dict[bytes, tuple[int, int]]:
     return {ns: (t[0], t[1]) for ns, t in _all(view).items()}
 
 
-def all_checkpoint_totals(view: ReadView) -> dict[bytes, tuple[int, int]]:
-    """``(checkpoints, checkpoint bytes)`` of every namespace that holds blocks."""
-    return {ns: (t[2], t[3]) for ns, t in _all(view).items()}
+def store_contents(
+    view: ReadView, budgets: StoreSettings, *, by_family: bool = False
+) -> tuple[dict[str, NamespaceStats], dict[str, int] | None]:
+    """Every namespace's :class:`~kvstore.abc.store.NamespaceStats` and, with
+    ``by_family``, the bytes stored per family label (``None`` without)."""
+    totals = _all(view)
+    families: dict[str, int] | None = None
+    if by_family:
+        families = {}
+        for ns in totals:
+            for sub in (b".c/", b".t/"):
+                for _, e in iter_entries(view, K.namespace_dir(ns) + sub, with_tokens=False):
+                    families[e.family] = families.get(e.family, 0) + e.nbytes
+    namespaces = {
+        ns.decode(): NamespaceStats(t[0], t[1], budgets.budget_for(ns.decode()), t[2], t[3])
+        for ns, t in totals.items()
+    }
+    return namespaces, families
 
 
 class Counters:
