@@ -46,6 +46,9 @@ from kvstore.errors import CapabilityError, UnknownSignatureError
 
 __all__ = [
     "KV_STATE",
+    "BATCH_STATE",
+    "RECURRENT_STATE",
+    "STATES",
     "ParamSpec",
     "QuantizedAttention",
     "Quantization",
@@ -64,6 +67,15 @@ __all__ = [
 #: The state of attention layers: keys and values, one row per token. Predicates
 #: about KV caches fail closed on any other state (recurrent state: issue 16).
 KV_STATE = "kv"
+#: The state of recurrent layers (Gated-DeltaNet, Mamba): a fixed-size state at one
+#: token position -- a *checkpoint* -- and no row per token, so nothing to cut to
+#: an earlier position; every KV predicate fails closed on it (issue 16).
+RECURRENT_STATE = "recurrent"
+#: The state of a wrapper over several sequences' rows (issue 15's batches): no
+#: single sequence's keys and values, so every predicate fails closed on it.
+BATCH_STATE = "batch"
+#: Every state a family may declare.
+STATES = (KV_STATE, RECURRENT_STATE, BATCH_STATE)
 
 #: The modes of ``mx.quantize`` a family's packed rows may be in.
 QuantMode = Literal["affine", "mxfp8", "mxfp4", "nvfp4"]
@@ -146,7 +158,9 @@ class Family:
         storage_policy: a store may name a signature of this family as its
             ``storage_policy`` (lossy, growing; sliding-window layers are stored
             in its windowed family).
-        state: what the cache holds: :data:`KV_STATE` (keys and values).
+        state: what the cache holds: :data:`KV_STATE` (keys and values) or
+            :data:`RECURRENT_STATE` (a checkpoint of a recurrent layer's state) or
+            :data:`BATCH_STATE` (a wrapper over several sequences' rows).
         wraps: a wrapper family (issue 15): its signature is its one-word kind
             followed by an inner signature (``kind:inner``); no parameters.
         factory: builds an empty cache of a signature (see :meth:`make`);
@@ -179,6 +193,12 @@ class Family:
             problems.append("a wrapper takes no parameters (its inner signature has them)")
         if self.window_of == self.kind:
             problems.append("a family cannot window itself")
+        if self.state not in STATES:
+            problems.append(f"state {self.state!r} is not one of {STATES}")
+        elif self.state != KV_STATE and (
+            self.window_of is not None or self.storage_policy or self.attention != "dense"
+        ):
+            problems.append("a family of non-KV state has no window, storage policy or attention")
         if self.storage_policy and (not self.lossy or self.window_of is not None):
             problems.append("a storage policy is a lossy growing family")
         if isinstance(self.attention, QuantizedAttention):
@@ -209,6 +229,11 @@ class Family:
     def holds_kv(self) -> bool:
         """The cache holds attention keys and values (the predicates' domain)."""
         return self.state == KV_STATE
+
+    @property
+    def holds_recurrent_state(self) -> bool:
+        """The cache holds a recurrent layer's state: checkpoints, not rows (issue 16)."""
+        return self.state == RECURRENT_STATE
 
     @property
     def growing_kind(self) -> str:

@@ -17,7 +17,8 @@ registered kinds. Window size and ``keep`` are state, not signature. The kind
 ``format_signature(parse_signature(s)) == s`` for every valid ``s``.
 
 A wrapper family (``Family.wraps``, issue 15) is one word followed by an inner
-signature (``word:kv:plain``); none is registered yet.
+signature: ``batch:kv:quant:8:64`` is a row-batched cache of affine rows
+(:data:`kvstore.caches.batch.BATCH_FAMILY`).
 """
 
 from __future__ import annotations

@@ -73,7 +73,7 @@ def test_wrong_parameter_count(text, form):
 
 @pytest.mark.parametrize(
     "text",
-    ["kv:foo", "", "kv", "plain", "KV:PLAIN", "kv:quant4:64", "batch", "batch:kv:plain"],
+    ["kv:foo", "", "kv", "plain", "KV:PLAIN", "kv:quant4:64", "batch", "batch:kv:foo"],
 )
 def test_unknown_kind_lists_registered(text):
     with pytest.raises(UnknownSignatureError) as info:
@@ -120,8 +120,15 @@ def test_a_kind_keeps_its_meaning(registries_restored):
         register_family(Family("kv:toy", "another meaning", lossy=True))
 
 
+def test_the_batch_wrapper_is_built_in():
+    sig = parse_signature("batch:kv:rotating-quant:4:64")
+    assert sig.kind == "batch" and sig.inner == Signature("kv:rotating-quant", (4, 64))
+    assert str(sig) == "batch:kv:rotating-quant:4:64"
+    with pytest.raises(ValueError, match="inner signature"):
+        parse_signature("batch:")
+
+
 def test_the_wrapper_hook_parses_an_inner_signature(registries_restored):
-    # No wrapper family is built in (issue 15 adds them); the grammar's hook is ready.
     register_family(Family("wrap", "a test wrapper", wraps=True))
     sig = parse_signature("wrap:kv:quant:8:32")
     assert sig.kind == "wrap" and sig.inner == Signature("kv:quant", (8, 32))

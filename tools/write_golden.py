@@ -25,6 +25,7 @@ from typing import Any
 import mlx.core as mx
 
 from kvstore import caches as families
+from kvstore.abc.cache import is_recurrent_cache
 from kvstore.abc.codec import Snapshot
 from kvstore.codecs import encode_record, snapshot, snapshot_held
 from kvstore.codecs.header import FORMAT_VERSION
@@ -149,6 +150,31 @@ FIXTURES: dict[str, dict[str, Any]] = {
             ("RotatingNVFP4KVCache", {"max_size": 16, "keep": 0}, "float16", 64),
         ],
     },
+    # Recurrent state (issue 16): a checkpoint at a block's end, in the records of
+    # blocks 1 and 3 only (the others carry None for the layer); beside a KV layer.
+    "rec-gated-delta": {
+        "description": (
+            "rec:gated-delta (conv window bfloat16 [1, 3, 96], state float32 [1, 4, 16, 16]) "
+            "checkpointed at the ends of blocks 1 and 3, beside a kv:plain layer"
+        ),
+        "checkpoint_blocks": [1, 3],
+        "layers": [
+            ("GatedDeltaCache", {}, "bfloat16", {"conv": [1, 3, 96], "state": [1, 4, 16, 16]}),
+            ("KVCache", {}, "bfloat16", 64),
+        ],
+    },
+    "rec-arrays": {
+        "description": (
+            "rec:arrays:3 (mlx-lm's ArraysCache: slot 0 float16 [1, 3, 40], slot 1 float32 "
+            "[1, 2, 8, 8], slot 2 empty) checkpointed at the ends of blocks 1 and 3, beside "
+            "a kv:plain layer"
+        ),
+        "checkpoint_blocks": [1, 3],
+        "layers": [
+            ("ArraysCache", {"size": 3}, "float16", {"slot.0": [1, 3, 40], "slot.1": [1, 2, 8, 8]}),
+            ("KVCache", {}, "float16", 64),
+        ],
+    },
     "mixed": {
         "description": "a gemma-like layer stack: sliding and global layers in one record",
         "layers": [
@@ -161,11 +187,22 @@ FIXTURES: dict[str, dict[str, Any]] = {
 }
 
 
+def _advance_state(cache: Any, shapes: dict[str, list[int]], n: int, seed: int, dtype: str) -> None:
+    """A recurrent cache ``n`` tokens on: seeded new arrays in its slots (the
+    float32 state of a Gated-DeltaNet layer, the rest in ``dtype``)."""
+    keys = mx.random.split(mx.random.key(seed), len(shapes))
+    for slot, ((name, shape), key) in enumerate(zip(shapes.items(), keys)):
+        kind = mx.float32 if name == "state" or name == "slot.1" else getattr(mx, dtype)
+        cache[slot] = mx.random.normal(tuple(shape), key=key).astype(kind)
+    cache.advance(n)
+
+
 def build(
     name: str, spec: dict[str, Any]
 ) -> tuple[list[bytes], dict[str, mx.array], dict[str, Any]]:
     """The records, the expected tensors and the config of one fixture."""
     caches = [getattr(families, cls)(**kwargs) for cls, kwargs, _, _ in spec["layers"]]
+    checkpointed = set(spec.get("checkpoint_blocks", ()))
     blocks: list[list[Snapshot | None]] = []
     start = 0
     for b, updates in enumerate(BLOCKS):
@@ -173,6 +210,9 @@ def build(
             for i, (cache, (_, _, dtype, head_dim)) in enumerate(
                 zip(caches, spec["layers"], strict=True)
             ):
+                if isinstance(head_dim, dict):  # recurrent state: its arrays' shapes
+                    _advance_state(cache, head_dim, n, 1000 * i + 10 * b + u, dtype)
+                    continue
                 kv = random_kv(
                     n,
                     seed=1000 * i + 10 * b + u,
@@ -182,7 +222,14 @@ def build(
                 )
                 cache.update_and_fetch(*kv)
         stop = start + sum(updates)
-        blocks.append([snapshot(cache, start, stop) for cache in caches])
+        blocks.append(
+            [
+                (snapshot(cache, stop, stop) if b in checkpointed else None)
+                if is_recurrent_cache(cache)
+                else snapshot(cache, start, stop)
+                for cache in caches
+            ]
+        )
         start = stop
     # A store keeps a windowed layer's blocks only while its window needs them.
     for i, cache in enumerate(caches):
@@ -202,9 +249,10 @@ def build(
             if s is None:
                 entries.append(None)
                 continue
-            entries.append(
-                {"signature": s.signature, "tensors": list(s.tensors), "meta": dict(s.meta)}
-            )
+            entry = {"signature": s.signature, "tensors": list(s.tensors), "meta": dict(s.meta)}
+            if (s.start, s.stop) != (first.start, first.stop):  # a checkpoint: one position
+                entry.update(start=s.start, stop=s.stop)
+            entries.append(entry)
             expected.update({f"record.{k}.layer.{i}.{n}": a for n, a in s.tensors.items()})
         config_records.append(
             {"start": first.start, "stop": first.stop, "meta": meta, "layers": entries}

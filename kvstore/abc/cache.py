@@ -18,6 +18,15 @@ and :func:`signature_of` returns ``None`` for it.
 mlx-lm's own cache objects are recognised through :data:`MLX_LM_ALIASES`, an
 explicit table keyed by the exact class path, so caches that stock
 ``mlx_lm.generate`` produced can be persisted too.
+
+A recurrent layer's cache (a family of :data:`~kvstore.family.RECURRENT_STATE`,
+issue 16) holds a state at one position, no rows: it keeps ``offset`` (where
+the state is; mlx-lm's ``ArraysCache`` keeps none), reports
+``bytes_per_token() == 0`` and ``bytes_per_checkpoint()``, and every KV
+predicate is false on it. Speculative decoding takes a round's rejected tokens
+back through :func:`can_rollback`: a cache that keeps rounds
+(:class:`SupportsRounds`: ``begin_round()`` before the verify forward,
+``end_round(keep)`` after) or a trimmable one.
 """
 
 from __future__ import annotations
@@ -46,6 +55,12 @@ __all__ = [
     "uses_dense_attention",
     "quantized_attention_params",
     "can_trim",
+    "SupportsRounds",
+    "is_recurrent_cache",
+    "is_gated_delta_cache",
+    "records_round",
+    "keeps_rounds",
+    "can_rollback",
 ]
 
 
@@ -54,6 +69,15 @@ class SupportsTrim(Protocol):
     def is_trimmable(self) -> bool: ...
 
     def trim(self, n: int) -> int: ...
+
+
+@runtime_checkable
+class SupportsRounds(Protocol):
+    """A cache that takes back the tokens of a speculative round by snapshot and replay."""
+
+    def begin_round(self) -> None: ...
+
+    def end_round(self, keep: int) -> None: ...
 
 
 def _mlx_lm_quant(cache: Any) -> str:
@@ -66,6 +90,8 @@ MLX_LM_ALIASES: dict[str, Callable[[Any], str]] = {
     "mlx_lm.models.cache.KVCache": lambda cache: "kv:plain",
     "mlx_lm.models.cache.QuantizedKVCache": _mlx_lm_quant,
     "mlx_lm.models.cache.RotatingKVCache": lambda cache: "kv:rotating-plain",
+    # Any mlx-lm recurrent layer (Mamba, Gated-DeltaNet...): its arrays, as a checkpoint.
+    "mlx_lm.models.cache.ArraysCache": lambda cache: f"rec:arrays:{len(cache.cache)}",
 }
 
 
@@ -200,3 +226,47 @@ def can_trim(cache: object) -> bool:
         return bool(cache.is_trimmable())
     except Exception:
         return False
+
+
+def _recurrent_family(cache: object) -> Family | None:
+    """The family of a cache of recurrent state; ``None`` for anything else."""
+    family = family_of(cache)
+    return family if family is not None and family.holds_recurrent_state else None
+
+
+def is_recurrent_cache(cache: object) -> bool:
+    """A cache holding a recurrent layer's state (a checkpoint at one position), not
+    KV rows: its family declares :data:`~kvstore.family.RECURRENT_STATE`.
+
+    Every KV predicate above is false for it; ``bytes_per_token()`` is 0.
+    """
+    return _recurrent_family(cache) is not None
+
+
+def is_gated_delta_cache(cache: object) -> bool:
+    """The conv window and state of a Gated-DeltaNet layer (``rec:gated-delta``)."""
+    family = _recurrent_family(cache)
+    return family is not None and family.kind == "rec:gated-delta"
+
+
+def records_round(cache: object) -> bool:
+    """A speculative round is open on ``cache`` and it replays: the layer hands it
+    its step inputs (``record_round``)."""
+    return is_gated_delta_cache(cache) and bool(getattr(cache, "in_round", False))
+
+
+def keeps_rounds(cache: object) -> bool:
+    """``cache`` opens and ends speculative rounds itself (``begin_round``/``end_round``);
+    a trimmable cache without them is rolled back with ``trim``."""
+    return signature_of(cache) is not None and isinstance(cache, SupportsRounds)
+
+
+def can_rollback(cache: object) -> bool:
+    """True if the newest tokens of a speculative round can be taken back from ``cache``.
+
+    A KV cache that can trim now trims; a recurrent cache that keeps rounds
+    restores its pre-round state and replays the tokens kept. A sliding
+    window past its window rolls back too: a multi-token forward leaves the
+    new rows at the end of its buffer, in order.
+    """
+    return keeps_rounds(cache) or can_trim(cache)

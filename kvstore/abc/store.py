@@ -57,7 +57,7 @@ from __future__ import annotations
 
 import builtins
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol, TypeVar
@@ -272,6 +272,9 @@ class StoreSettings:
     max_bytes: int | None = None
     namespace_max_bytes: int | None = None
     namespace_budgets: Mapping[str, int] = field(default_factory=dict)
+    #: Blocks between the recurrent-state checkpoints a save keeps of a hybrid
+    #: model's prompt (issue 16); 0 keeps only the ones its rules name.
+    checkpoint_stride: int = 8
 
     def budget_for(self, namespace: str) -> int | None:
         """The byte budget of ``namespace``: its own, else the per-namespace default."""
@@ -296,18 +299,35 @@ class MissReason:
     #: The server dropped a block's record by itself (Redis ``maxmemory`` eviction
     #: or an expired TTL) while the index still listed it; the block is removed.
     SERVER_EVICTED = "evicted_by_server"
+    #: A hybrid model's prompt matched stored KV, but no matched block carries the
+    #: recurrent layers' checkpoint at its end (issue 16): nothing can be reused.
+    NO_CHECKPOINT = "no_checkpoint"
 
-    ALL = (COLD, SHORT_PROMPT, CORRUPT, VERSION, VANISHED, UNAVAILABLE, SERVER_EVICTED)
+    ALL = (
+        COLD,
+        SHORT_PROMPT,
+        CORRUPT,
+        VERSION,
+        VANISHED,
+        UNAVAILABLE,
+        SERVER_EVICTED,
+        NO_CHECKPOINT,
+    )
 
 
 @dataclass(frozen=True)
 class BlockSpan:
-    """A block a save must encode: the tokens ``[start, stop)`` of the prompt."""
+    """A block a save must encode: the tokens ``[start, stop)`` of the prompt.
+
+    ``checkpoint``: the record should carry the recurrent layers' checkpoint at
+    ``stop`` (a position the save said it has one for; issue 16).
+    """
 
     index: int
     start: int
     stop: int
     key: bytes
+    checkpoint: bool = False
 
     @property
     def tokens(self) -> int:
@@ -352,6 +372,12 @@ class Match:
     ``0 <= tokens <= prompt_tokens - 1``: at least one token is always left
     for the model to process, because its logits are needed. ``blocks`` cover
     ``[0, tokens)`` in order, without gaps.
+
+    A lookup for a hybrid model (``checkpoints=True``, issue 16) reuses only up
+    to the end of a block carrying the recurrent layers' checkpoint: then
+    ``tokens`` is that position and ``kv_tokens`` the prompt tokens whose KV
+    matched (the prefix the prompt shares with stored ones, whether or not a
+    checkpoint ends it); otherwise ``kv_tokens`` is ``tokens``.
     """
 
     namespace: str
@@ -359,10 +385,20 @@ class Match:
     prompt_tokens: int
     block_size: int
     blocks: tuple[BlockRef, ...] = ()
+    kv_tokens: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.kv_tokens is None:
+            object.__setattr__(self, "kv_tokens", self.tokens)
 
     @property
     def hit(self) -> bool:
         return self.tokens > 0
+
+    @property
+    def kv_matched(self) -> int:
+        """Prompt tokens whose KV the store holds (``>= tokens``)."""
+        return self.tokens if self.kv_tokens is None else self.kv_tokens
 
     def covering(self, start: int, stop: int) -> tuple[BlockRef, ...]:
         """The blocks holding any of the tokens ``[start, stop)`` (clipped to the match)."""
@@ -416,13 +452,31 @@ class SaveResult:
     evicted_bytes: int = 0
     #: The stored sibling that already holds the prompt's tail (then no tail was written).
     covered_by: bytes | None = None
+    #: Records written with a recurrent checkpoint at their end (issue 16), upgrades
+    #: of stored blocks that lacked one included, and their checkpoints' bytes.
+    checkpoints: int = 0
+    checkpoint_bytes: int = 0
+    #: Stored blocks rewritten to add the checkpoint they lacked.
+    upgraded: int = 0
+    #: Of ``evicted_bytes``, the evicted blocks' checkpoints'.
+    evicted_checkpoint_bytes: int = 0
 
 
 @dataclass(frozen=True)
 class NamespaceStats:
+    """A namespace's blocks and bytes (checkpoints' included), and of those the
+    records carrying a recurrent checkpoint and the checkpoints' own bytes."""
+
     blocks: int
     bytes: int
     max_bytes: int | None = None
+    checkpoints: int = 0
+    checkpoint_bytes: int = 0
+
+    @property
+    def kv_bytes(self) -> int:
+        """Bytes that are not checkpoints: KV rows, headers, padding."""
+        return self.bytes - self.checkpoint_bytes
 
 
 @dataclass(frozen=True)
@@ -440,6 +494,10 @@ class StoreStats:
     bytes: int
     namespaces: Mapping[str, NamespaceStats]
     max_bytes: int | None
+    #: Of ``blocks``/``bytes``: records carrying a recurrent checkpoint, and the
+    #: checkpoints' bytes (issue 16; persisted and exact like the totals).
+    checkpoints: int = 0
+    checkpoint_bytes: int = 0
     lookups: int = 0
     hits: int = 0
     hit_tokens: int = 0
@@ -450,6 +508,8 @@ class StoreStats:
     deduplicated_blocks: int = 0
     evictions: int = 0
     evicted_bytes: int = 0
+    #: Of ``evicted_bytes``, recurrent checkpoints' (issue 16).
+    evicted_checkpoint_bytes: int = 0
     corruptions: int = 0
     #: Stored bytes by record family, when asked for (``stats(by_family=True)``, a scan).
     by_family: Mapping[str, int] | None = None
@@ -493,6 +553,9 @@ class BlockSave:
     tokens: Any
     encode: RecordEncoder
     family: str = ""
+    #: Positions the encoder can give a recurrent checkpoint for (``put_blocks``'s
+    #: ``checkpoints``; issue 16).
+    checkpoints: frozenset[int] = frozenset()
 
 
 class SaveHandle(Protocol):
@@ -501,12 +564,19 @@ class SaveHandle(Protocol):
     namespace: str
     #: Seconds the hand-off held the caller's thread.
     held_s: float
+    #: Once done: seconds from the hand-off to its commit's start, and of that commit.
+    queued_s: float
+    commit_s: float
 
     def done(self) -> bool:
         """Whether the save is committed (or failed)."""
 
     def result(self, timeout: float | None = None) -> SaveResult:
         """The save's result once committed; raises its error, or TimeoutError."""
+
+    def add_done_callback(self, fn: Callable[[Any], None]) -> None:
+        """Call ``fn(handle)`` once the save is done (at once if it is): a server
+        counts its saves without a thread waiting on each."""
 
 
 class PrefixStore(ABC):
@@ -555,20 +625,37 @@ class PrefixStore(ABC):
         return self.settings.block_size
 
     @abstractmethod
-    def lookup(self, namespace: str, tokens: Any) -> Match:
-        """The longest reusable prefix of ``tokens`` (see :class:`Match`)."""
+    def lookup(self, namespace: str, tokens: Any, *, checkpoints: bool = False) -> Match:
+        """The longest reusable prefix of ``tokens`` (see :class:`Match`); with
+        ``checkpoints`` (a hybrid model's caches), the longest that ends where a
+        stored block carries a recurrent checkpoint."""
 
     @abstractmethod
     def put_blocks(
-        self, namespace: str, tokens: Any, encode: RecordEncoder, *, family: str = ""
+        self,
+        namespace: str,
+        tokens: Any,
+        encode: RecordEncoder,
+        *,
+        family: str = "",
+        checkpoints: Collection[int] = (),
     ) -> SaveResult:
-        """Store the blocks of ``tokens`` not stored yet, in one atomic write."""
+        """Store the blocks of ``tokens`` not stored yet, in one atomic write.
+
+        ``checkpoints``: positions the caller can give a recurrent checkpoint
+        for; a block ending at one is encoded with ``BlockSpan.checkpoint``,
+        and a stored one that lacks it is rewritten with it."""
 
     def put_blocks_many(self, saves: Sequence[BlockSave]) -> list[SaveResult]:
         """:meth:`put_blocks` of each of ``saves``; a store that can commits them in one
         atomic write (one sync: a group commit). If that write fails, nothing of it
         is stored and the error propagates (the caller may retry them one by one)."""
-        return [self.put_blocks(s.namespace, s.tokens, s.encode, family=s.family) for s in saves]
+        out = []
+        for s in saves:
+            # Only a hybrid model's save names checkpoints (a put_blocks may predate them).
+            options = {"checkpoints": s.checkpoints} if s.checkpoints else {}
+            out.append(self.put_blocks(s.namespace, s.tokens, s.encode, family=s.family, **options))
+        return out
 
     @abstractmethod
     def read(self, blocks: Sequence[BlockRef]) -> AbstractContextManager[list[memoryview]]:
@@ -634,7 +721,7 @@ class PrefixStore(ABC):
         """:meth:`save`, handed off: copy the new rows out of ``caches`` (the one copy
         the caller cannot avoid), return, and commit in the background under the
         store's ``durability``. :meth:`flush` (and ``close``) wait for it; a
-        :meth:`lookup` of the namespace does too, so the process reads its writes.
+        :meth:`lookup` that could reuse its rows does too, so the process reads its writes.
         """
 
     @abstractmethod

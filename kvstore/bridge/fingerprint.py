@@ -23,6 +23,12 @@ so a repeat costs a few ``stat`` calls. A non-cryptographic hash is enough
 here: namespaces separate models that differ by accident; anyone able to
 write into a shared store can write any key anyway. Block keys, which address content, use BLAKE2b.
 
+``mlx_lm_fingerprint(model_or_dir)`` is the fingerprint of the model *mlx-lm*
+runs: ``model_fingerprint`` of the object ``mlx_lm.load(dir)`` returns. An
+object and the directory it was loaded from get the same one (the directory's
+is computed once, by loading it lazily, and cached under its files' digests),
+so a server and a ``stream_generate`` script share stored prompts.
+
 ``namespace_for(fingerprint, layer_layout, tenant=None)`` folds the
 fingerprint, the cache geometry and an optional tenant salt into 16 hex
 digits. No environment variable is needed for two processes or hosts to
@@ -53,7 +59,13 @@ import xxhash
 
 from kvstore.errors import CapabilityError, StoreConfigError
 
-__all__ = ["model_fingerprint", "namespace_for", "file_digest", "digest_cache_path"]
+__all__ = [
+    "model_fingerprint",
+    "mlx_lm_fingerprint",
+    "namespace_for",
+    "file_digest",
+    "digest_cache_path",
+]
 
 _WEIGHT_SUFFIXES = (".safetensors", ".npz", ".gguf")
 _TOKENIZER_FILES = (
@@ -276,6 +288,89 @@ def model_fingerprint(model: Any, *, tokenizer: Any = None) -> str:
     if tokenizer is not None:
         manifest.append(("tokenizer", _tokenizer_digest(tokenizer)))
     return _combine(manifest)
+
+
+def _mlx_lm_key(root: Path, adapter_path: str | os.PathLike[str] | None) -> str:
+    """The digest-cache key of ``mlx_lm.load(root, adapter_path=...)``: the files' digests."""
+    key = f"mlx-lm-model/{_combine(_directory_manifest(root))}"
+    if adapter_path is not None:
+        adapters = Path(adapter_path).expanduser()
+        files = sorted(p for p in adapters.iterdir() if p.is_file()) if adapters.is_dir() else []
+        if not files:
+            raise StoreConfigError(
+                f"[fingerprint] The adapter path {adapters} is not a directory of adapter "
+                f"files (adapter_config.json, adapters.safetensors).",
+                path=str(adapters),
+            )
+        key += "/adapters/" + _combine((p.name, file_digest(p)) for p in files)
+    return key
+
+
+def _load_lazily(root: Path, adapter_path: str | os.PathLike[str] | None) -> Any:
+    """The model ``mlx_lm.load`` builds from ``root``, its weights not read yet."""
+    from mlx_lm.utils import load_adapters, load_model
+
+    try:
+        model, _ = load_model(root, lazy=True)
+    except (ValueError, FileNotFoundError) as exc:  # an architecture mlx-lm does not have
+        raise CapabilityError(
+            f"[fingerprint] mlx-lm cannot load {root}: {exc}", found=str(root)
+        ) from exc
+    if adapter_path is not None:
+        model = load_adapters(model, str(adapter_path))
+    return model
+
+
+def mlx_lm_fingerprint(
+    model: Any,
+    *,
+    source: str | os.PathLike[str] | None = None,
+    adapter_path: str | os.PathLike[str] | None = None,
+) -> str:
+    """The fingerprint of the model mlx-lm runs, equal for an object and its directory.
+
+    It is :func:`model_fingerprint` of the mlx-lm model object (its args and
+    parameters), so the tokenizer is not part of it (stored K/V depends on
+    token ids and weights only). A directory's is computed once by loading it
+    lazily and hashing the parameters, then served from the digest cache
+    under the digests of its files (and of ``adapter_path``'s); an object's is
+    hashed from memory, unless ``source`` names the directory it was loaded
+    from unchanged, whose cached fingerprint is used (and recorded if missing).
+
+    Args:
+        model: an mlx-lm model directory, or an mlx-lm model object.
+        source: for an object, the directory ``mlx_lm.load`` read it from.
+        adapter_path: the LoRA adapters ``mlx_lm.load(..., adapter_path=)`` applied
+            (for an object, only with ``source``: its parameters already hold them).
+
+    Raises:
+        StoreConfigError: a directory without config.json or weights, or an
+            adapter path without files.
+        CapabilityError: an architecture mlx-lm cannot load, or an object with no
+            parameters.
+    """
+    directory = model if isinstance(model, (str, os.PathLike)) else source
+    if directory is None:
+        if adapter_path is not None:
+            raise StoreConfigError(
+                "[fingerprint] adapter_path describes a directory's load; a model object "
+                "already holds its adapters (pass source= with it, or neither).",
+                found=str(adapter_path),
+            )
+        return model_fingerprint(model)
+    root = Path(directory).expanduser()
+    key = _mlx_lm_key(root, adapter_path)
+    cache_path = digest_cache_path()
+    cache = _load_cache(cache_path)
+    hit = cache.get(key)
+    if isinstance(hit, dict) and isinstance(hit.get("fingerprint"), str):
+        return str(hit["fingerprint"])
+    obj = _load_lazily(root, adapter_path) if directory is model else model
+    fingerprint = model_fingerprint(obj)
+    cache = _load_cache(cache_path)  # re-read: the load may have taken a while
+    cache[key] = {"fingerprint": fingerprint}
+    _save_cache(cache_path, cache)
+    return fingerprint
 
 
 def _tokenizer_digest(tokenizer: Any) -> str:

@@ -18,6 +18,7 @@ import mlx.core as mx
 from mlx.utils import tree_flatten, tree_map
 
 from kvstore.caches.mask import create_attention_mask
+from kvstore.errors import CapabilityError
 from kvstore.family import Family
 
 __all__ = ["Tree", "BaseKVCache", "GrowingKVCache", "row_leaves", "tree_length", "zeros_like_rows"]
@@ -90,6 +91,39 @@ class BaseKVCache:
     def is_trimmable(self) -> bool:
         return True
 
+    # -- speculative rounds (issue 16) --------------------------------------------------
+    _round_offset: int | None = None
+
+    def begin_round(self) -> None:
+        """Mark the offset before a verify forward; :meth:`end_round` takes back what follows."""
+        self._round_offset = self.offset
+
+    def end_round(self, keep: int) -> None:
+        """Keep the first ``keep`` tokens processed since :meth:`begin_round`, drop the rest."""
+        start, self._round_offset = self._round_offset, None
+        if start is None:
+            raise CapabilityError(
+                f"[{self.signature()}] end_round without begin_round; open a round before "
+                f"the verify forward."
+            )
+        processed = self.offset - start
+        if not 0 <= keep <= processed:
+            raise CapabilityError(
+                f"[{self.signature()}] A round that processed {processed} tokens can keep 0 "
+                f"to {processed}; received keep={keep}.",
+                keep=keep,
+                processed=processed,
+            )
+        if keep < processed:
+            self._drop_newest(processed - keep)
+
+    def trim(self, n: int) -> int:
+        """Drop the newest ``n`` tokens (at most ``offset``); returns how many went."""
+        raise NotImplementedError  # each family's buffer trims its own way
+
+    def _drop_newest(self, n: int) -> None:
+        self.trim(n)
+
     @classmethod
     def from_state(cls, state: Any) -> Any:
         # As mlx-lm: build without __init__, then let the state setter fill in.
@@ -157,3 +191,69 @@ class GrowingKVCache(BaseKVCache):
         return create_attention_mask(
             N, offset=self.offset, return_array=return_array, window_size=window_size
         )
+
+
+#: The rows' family kind -> the batch class its rows go into; each batch class of
+#: :mod:`kvstore.caches.batch` registers itself (it declares its rows' family).
+_BATCH_CLASSES: dict[str, type] = {}
+
+
+def register_batch_class(cls: type) -> type:
+    """Register a batch class under its rows' family (``cls.rows_family``); returns it."""
+    _BATCH_CLASSES[cls.rows_family.kind] = cls  # type: ignore[attr-defined]
+    return cls
+
+
+def batch_class_for(cache: Any) -> type:
+    """The batch class rows of ``cache``'s family go into.
+
+    Raises:
+        CapabilityError: a family that does not batch (TurboQuant, plug-ins, unknown ones).
+    """
+    from kvstore.errors import CapabilityError
+    from kvstore.signature import parse_signature
+
+    try:
+        kind: str | None = parse_signature(cache.signature()).kind
+    except Exception:  # fail closed: a cache without a signature we know does not batch
+        kind = None
+    cls = _BATCH_CLASSES.get(kind) if kind is not None else None
+    if cls is None:
+        raise CapabilityError(
+            f"[batch cache] {type(cache).__name__} ({kind or 'unknown'}) does not batch yet; "
+            f"batching families: {', '.join(sorted(_BATCH_CLASSES))}.",
+            found=kind,
+        )
+    return cls
+
+
+def merge_caches(caches: Any) -> Any:
+    """One row-batched cache of single caches of one family and parameters (left-padded;
+    :mod:`kvstore.caches.batch`).
+
+    Raises:
+        CapabilityError: caches of different families or parameters, or a family
+            that does not batch.
+    """
+    from kvstore.errors import CapabilityError
+
+    caches = list(caches)
+    if not caches:
+        raise ValueError("[batch cache] Nothing to merge.")
+    signatures = {c.signature() for c in caches}
+    if len(signatures) != 1 or len({type(c) for c in caches}) != 1:
+        raise CapabilityError(
+            f"[batch cache] Rows of one batch share a family; received {sorted(signatures)}.",
+            found=sorted(signatures),
+        )
+    return batch_class_for(caches[0]).merge(caches)  # type: ignore[attr-defined]
+
+
+class Batchable:
+    """A family whose rows batch: mlx-lm's ``BatchGenerator`` calls ``merge`` (only
+    families that batch have it: mlx-lm serves the others one at a time)."""
+
+    @classmethod
+    def merge(cls, caches: Any) -> Any:
+        """One row-batched cache of ``caches`` (:func:`merge_caches`)."""
+        return merge_caches(caches)

@@ -7,9 +7,16 @@ import mlx.core as mx
 __all__ = ["create_causal_mask", "create_attention_mask"]
 
 
-def create_causal_mask(N: int, offset: int = 0, window_size: int | None = None) -> mx.array:
+def create_causal_mask(
+    N: int,
+    offset: int = 0,
+    window_size: int | None = None,
+    left_padding: mx.array | None = None,
+) -> mx.array:
     """Boolean ``[N, offset + N]`` mask: query ``i`` sees keys ``<= offset + i``,
-    and with ``window_size`` only the last ``window_size`` of them."""
+    and with ``window_size`` only the last ``window_size`` of them. With
+    ``left_padding`` (one count per batch row) it is ``[B, 1, N, offset + N]`` and
+    hides each row's padding (mlx-lm's batch caches)."""
     rinds = mx.arange(offset + N)
     linds = mx.arange(offset, offset + N) if offset else rinds
     linds = linds[:, None]
@@ -17,6 +24,8 @@ def create_causal_mask(N: int, offset: int = 0, window_size: int | None = None) 
     mask = linds >= rinds
     if window_size is not None:
         mask = mask & (linds < rinds + window_size)
+    if left_padding is not None:
+        mask = mask & (mx.expand_dims(left_padding, (1, 2, 3)) <= rinds)
     return mask
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvstore.caches.base import GrowingKVCache
+from kvstore.caches.base import Batchable, GrowingKVCache
 from kvstore.caches.packed import quantize_rows
 from kvstore.caches.quantized import QuantizedKVCache
 from kvstore.family import Family
@@ -19,7 +19,7 @@ PLAIN_FAMILY = Family(
 )
 
 
-class KVCache(GrowingKVCache):
+class KVCache(Batchable, GrowingKVCache):
     """Raw key/value rows, growing in steps of 256 tokens.
 
     Same name, ``state`` layout and behaviour as ``mlx_lm.models.cache.KVCache``,

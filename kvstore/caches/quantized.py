@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvstore.caches.base import GrowingKVCache
+from kvstore.caches.base import Batchable, GrowingKVCache
 from kvstore.caches.packed import PackedRows, packed_width
 from kvstore.caches.packed import fitting_groups as _fitting_groups
 from kvstore.family import Family, ParamSpec, QuantizedAttention
@@ -62,7 +62,7 @@ class AffineRows(PackedRows):
         return f"{self.family.kind}:{self.bits}:{self.group_size}"
 
 
-class QuantizedKVCache(AffineRows, GrowingKVCache):
+class QuantizedKVCache(Batchable, AffineRows, GrowingKVCache):
     """Affine-quantized rows (``mx.quantize`` along head_dim), growing in steps of 256.
 
     Same name and ``state`` layout as mlx-lm's ``QuantizedKVCache``, but works

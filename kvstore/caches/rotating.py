@@ -18,7 +18,14 @@ from typing import Any
 import mlx.core as mx
 from mlx.utils import tree_map
 
-from kvstore.caches.base import BaseKVCache, Tree, row_leaves, tree_length, zeros_like_rows
+from kvstore.caches.base import (
+    BaseKVCache,
+    Batchable,
+    Tree,
+    row_leaves,
+    tree_length,
+    zeros_like_rows,
+)
 from kvstore.caches.mask import create_causal_mask
 from kvstore.caches.packed import quantize_rows
 from kvstore.caches.plain import PLAIN_FAMILY
@@ -156,7 +163,14 @@ class RingKVCache(BaseKVCache):
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[Tree, Tree]:
         num_steps = keys.shape[2]
         new_keys, new_values = self._encode_pair(keys, values)
-        if num_steps == 1:
+        # A round rolled all the way back leaves a wrapped ring one row short of its
+        # window (issue 16): the next token is appended, not written in place.
+        short = (
+            self.keys is not None
+            and self.offset >= self.max_size
+            and tree_length(self.keys) < self.max_size
+        )
+        if num_steps == 1 and not short:
             stored = self._update_in_place(new_keys, new_values, num_steps)
         else:
             stored = self._update_concat(new_keys, new_values, num_steps)
@@ -194,6 +208,24 @@ class RingKVCache(BaseKVCache):
         self._idx -= n
         return n
 
+    def _drop_newest(self, n: int) -> None:
+        """Take back the ``n`` newest rows of a round (issue 16). A verify forward of
+        several tokens leaves the ring in temporal order with its new rows last
+        (:meth:`_update_concat`), so they are cut off even past the window."""
+        if self.is_trimmable():
+            self.trim(n)
+            return
+        if self.keys is None or self._idx != tree_length(self.keys) or n > self._idx - self.keep:
+            raise CapabilityError(
+                f"[{self.signature()}] A wrapped window takes back only the rows of one "
+                f"multi-token forward; received n={n} at offset {self.offset}.",
+                offset=self.offset,
+            )
+        cut = self._idx - n
+        self.keys, self.values = tree_map(lambda a: a[..., :cut, :], (self.keys, self.values))
+        self.offset -= n
+        self._idx = cut
+
     def make_mask(
         self, N: int, window_size: int | None = None, return_array: bool = False
     ) -> mx.array | str | None:
@@ -216,7 +248,7 @@ class RingKVCache(BaseKVCache):
         return None
 
 
-class RotatingKVCache(RingKVCache):
+class RotatingKVCache(Batchable, RingKVCache):
     """Raw rows in a sliding window (mlx-lm ``RotatingKVCache``: same name and state)."""
 
     family = ROTATING_PLAIN_FAMILY
@@ -243,7 +275,7 @@ class RotatingKVCache(RingKVCache):
         return quant
 
 
-class RotatingQuantizedKVCache(AffineRows, RingKVCache):
+class RotatingQuantizedKVCache(Batchable, AffineRows, RingKVCache):
     """Affine rows in a sliding window with ``keep`` sink tokens (new: mlx-lm has none)."""
 
     family = ROTATING_QUANT_FAMILY

@@ -1,9 +1,11 @@
 """The ``kvstore`` console script: one module per subcommand under ``kvstore.cli``.
 
 Each subcommand module exposes ``add_parser(subparsers)`` (which sets
-``run=`` as the parser default) and ``run(args) -> int``. Errors of our own
-tree, and bad input the subcommand reports as such, end in one line on stderr
-and exit status 2; ``--debug`` shows the traceback instead.
+``run=`` as the parser default) and ``run(args) -> int``. A subcommand that
+hands options it does not know to another program (``serve`` to
+``mlx_lm.server``) also sets ``passthrough=True``; it finds them in
+``args.extra``. Errors of our own tree, and bad input the subcommand reports as
+such, end in one line on stderr and exit status 2; ``--debug`` shows the traceback instead.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ SUBCOMMANDS: tuple[str, ...] = (
     "import_cache",
     "export_cache",
     "bench",
+    "serve",
 )
 
 #: Exit status for bad input (missing store, bad URL, corrupt file, ...).
@@ -52,7 +55,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra and not getattr(args, "passthrough", False):
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    args.extra = extra
     try:
         return int(args.run(args))
     except (KVStoreError, FileNotFoundError, NotADirectoryError, IsADirectoryError) as exc:

@@ -33,12 +33,19 @@ def run(args: argparse.Namespace) -> int:
         stats = store.stats(by_family=True)
         settings = store.settings
     families = dict(sorted((stats.by_family or {}).items(), key=lambda kv: -kv[1]))
+    # Recurrent checkpoints (hybrid models, issue 16), counted apart; shown when there are any.
+    checkpoints = (
+        {"checkpoints": stats.checkpoints, "checkpoint_bytes": stats.checkpoint_bytes}
+        if stats.checkpoints
+        else {}
+    )
     if args.json:
         print_json(
             {
                 "store": store.url,
                 "blocks": stats.blocks,
                 "bytes": stats.bytes,
+                **checkpoints,
                 "max_bytes": stats.max_bytes,
                 "settings": settings,
                 "by_family": families,
@@ -56,6 +63,17 @@ def run(args: argparse.Namespace) -> int:
             ("engine", engine.get("engine", "-")),
             ("blocks", stats.blocks),
             ("bytes", f"{human_bytes(stats.bytes)} ({stats.bytes} B)"),
+            *(
+                [
+                    (
+                        "checkpoints",
+                        f"{stats.checkpoints} recurrent checkpoints, "
+                        f"{human_bytes(stats.checkpoint_bytes)} of the bytes",
+                    )
+                ]
+                if checkpoints
+                else []
+            ),
             ("budget", human_bytes(stats.max_bytes) if stats.max_bytes else "none"),
             ("block size", f"{settings.block_size} tokens"),
             ("storage policy", settings.storage_policy),

@@ -31,6 +31,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvstore.abc.codec import KVCodec, Snapshot
+from kvstore.caches.batch import BATCH_FAMILY
 from kvstore.codecs.growing import GrowingKVCodec, PlainKVCodec, QuantizedKVCodec
 from kvstore.codecs.mxfp4 import MXFP4KVCodec, RotatingMXFP4KVCodec
 from kvstore.codecs.mxfp8 import MXFP8KVCodec, RotatingMXFP8KVCodec
@@ -44,6 +45,7 @@ from kvstore.codecs.record import (
     read_header,
     snapshot_to_mlx,
 )
+from kvstore.codecs.recurrent import ArraysCodec, CheckpointCodec, GatedDeltaCodec
 from kvstore.codecs.registry import (
     ENTRY_POINT_GROUP,
     codec_for,
@@ -56,6 +58,7 @@ from kvstore.codecs.registry import (
 from kvstore.codecs.ring import RingKVCodec, RotatingKVCodec, RotatingQuantizedKVCodec
 from kvstore.codecs.transcode import Transcoded, transcode, transcode_measured
 from kvstore.codecs.turboquant import RotatingTurboQuantKVCodec, TurboQuantKVCodec
+from kvstore.family import register_family
 
 __all__ = [
     "KVCodec",
@@ -74,6 +77,9 @@ __all__ = [
     "RotatingMXFP4KVCodec",
     "NVFP4KVCodec",
     "RotatingNVFP4KVCodec",
+    "CheckpointCodec",
+    "GatedDeltaCodec",
+    "ArraysCodec",
     "ENTRY_POINT_GROUP",
     "register_codec",
     "get_codec",
@@ -108,6 +114,10 @@ register_codec(MXFP4KVCodec)
 register_codec(RotatingMXFP4KVCodec)
 register_codec(NVFP4KVCodec)
 register_codec(RotatingNVFP4KVCodec)
+register_codec(GatedDeltaCodec)
+register_codec(ArraysCodec)
+# A wrapper has no codec (a batch is extracted row by row before it is stored).
+register_family(BATCH_FAMILY)
 
 
 def snapshot(cache: Any, start: int = 0, stop: int | None = None) -> Snapshot:

@@ -45,7 +45,7 @@ __all__ = [
 
 def row_leaves_of(tree: Tree) -> tuple[Any, ...]:
     """The arrays of a row tree (a bare array or a tuple of them)."""
-    return tree if isinstance(tree, tuple) else (tree,)
+    return tuple(tree) if isinstance(tree, (tuple, list)) else (tree,)
 
 
 class RowsJoin:

@@ -161,7 +161,7 @@ def export_prompt_cache(
 
 
 def _rows(tree: Any) -> int:
-    return (tree[0] if isinstance(tree, tuple) else tree).shape[2]
+    return (tree[0] if isinstance(tree, (tuple, list)) else tree).shape[2]
 
 
 def _set_scalar(states: list[Any], position: str, kind: str) -> None:

@@ -62,7 +62,7 @@ from kvstore.codecs.header import (
     tensor_manifest,
     writer,
 )
-from kvstore.errors import CorruptEntryError
+from kvstore.errors import CorruptEntryError, FormatVersionError
 
 __all__ = [
     "MAGIC",
@@ -80,6 +80,7 @@ __all__ = [
     "read_header",
     "snapshot_to_mlx",
     "verify_record",
+    "checkpoint_nbytes",
     "forget_parsed_headers",
 ]
 
@@ -308,6 +309,22 @@ def read_header(buffer: Any) -> RecordHeader:
             this reader does not read.
     """
     return _read_header(_bytes_view(buffer, "read_header"), "read_header")
+
+
+def checkpoint_nbytes(buffer: Any) -> int:
+    """Payload bytes of the record's recurrent checkpoints: the layers that cover no
+    rows (``start == stop``, a state at one position; issue 16). 0 for a record
+    without any, or bytes that are not a record this reader parses."""
+    try:
+        header = read_header(buffer)
+    except (CorruptEntryError, FormatVersionError):
+        return 0
+    return sum(
+        t.nbytes
+        for layer in header.layers
+        if layer is not None and layer.start == layer.stop
+        for t in layer.tensors
+    )
 
 
 def decode_record(buffer: Any, *, verify: bool = True) -> Record:

@@ -142,7 +142,7 @@ class RingView:
         if len(segments) <= 1:
             return slice_rows(tree, *(segments[0] if segments else (0, 0)))
         parts = [slice_rows(tree, a, b) for a, b in segments]
-        if isinstance(tree, tuple):
+        if isinstance(tree, (tuple, list)):
             return tuple(mx.concatenate([p[i] for p in parts], axis=2) for i in range(len(tree)))
         return mx.concatenate(parts, axis=2)
 

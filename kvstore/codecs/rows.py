@@ -53,7 +53,7 @@ def growth_capacity(tokens: int, step: int) -> int:
 
 def slice_rows(tree: Tree, start: int, stop: int) -> Tree:
     """Rows ``[start, stop)`` (axis 2) of every leaf; views, not copies."""
-    if isinstance(tree, tuple):
+    if isinstance(tree, (tuple, list)):  # mlx-lm's to_quantized leaves lists
         return tuple(leaf[:, :, start:stop] for leaf in tree)
     return tree[:, :, start:stop]
 

@@ -78,25 +78,39 @@ def transcode(
         CapabilityError: a family without a dense form.
         ValueError: a windowed target without ``max_size``.
     """
-    return transcode_measured(snapshot, to_signature, max_size=max_size, keep=keep).snapshot
+    # Not measured: a restore or save transcodes every layer, and measuring
+    # cost four host syncs and a float32 pass per layer (issue 13).
+    return _converted(snapshot, to_signature, max_size, keep)[2]
 
 
 def transcode_measured(
     snapshot: Snapshot, to_signature: str, *, max_size: int | None = None, keep: int | None = None
 ) -> Transcoded:
     """:func:`transcode`, plus whether it was lossless and its relative MSE."""
-    source, target = get_codec(snapshot.signature), get_codec(to_signature)
-    meta = _target_meta(snapshot, source, target, max_size, keep)
-    if source == target and meta == dict(snapshot.meta):
-        return Transcoded(snapshot, True, {"keys": 0.0, "values": 0.0})
-    keys, values = source.to_dense(snapshot)
-    out = target.from_dense(keys, values, start=snapshot.start, stop=snapshot.stop, meta=meta)
+    dense, target, out = _converted(snapshot, to_signature, max_size, keep)
+    if dense is None:
+        return Transcoded(out, True, {"keys": 0.0, "values": 0.0})
+    keys, values = dense
     new_keys, new_values = target.to_dense(out)
     lossless = bool(mx.array_equal(keys, new_keys).item()) and bool(
         mx.array_equal(values, new_values).item()
     )
     errors = {"keys": relative_mse(keys, new_keys), "values": relative_mse(values, new_values)}
     return Transcoded(out, lossless, errors)
+
+
+def _converted(
+    snapshot: Snapshot, to_signature: str, max_size: int | None, keep: int | None
+) -> tuple[tuple[mx.array, mx.array] | None, KVCodec, Snapshot]:
+    """``(source dense rows, target codec, converted snapshot)``; the rows are ``None``
+    when nothing needed converting (``snapshot`` itself is returned)."""
+    source, target = get_codec(snapshot.signature), get_codec(to_signature)
+    meta = _target_meta(snapshot, source, target, max_size, keep)
+    if source == target and meta == dict(snapshot.meta):
+        return None, target, snapshot
+    keys, values = source.to_dense(snapshot)
+    out = target.from_dense(keys, values, start=snapshot.start, stop=snapshot.stop, meta=meta)
+    return (keys, values), target, out
 
 
 def _target_meta(

@@ -8,7 +8,10 @@ from typing import TextIO
 from kvstore.cli.output import human_bytes, print_fields, print_table
 from kvstore.demo.runner import DemoReport, SessionRow, seconds
 
-__all__ = ["print_report", "speedup", "TABLE_HEADERS"]
+__all__ = ["print_report", "answer_lines", "speedup", "TABLE_HEADERS"]
+
+#: Lines of an answer shown under the table (answers are at most --answer-tokens long).
+ANSWER_LINES = 8
 
 TABLE_HEADERS = (
     "session",
@@ -46,8 +49,36 @@ def _lookup(row: SessionRow) -> str:
     return f"miss ({reasons})" if not r.hits else f"hit, miss ({reasons})"
 
 
+def answer_lines(report: DemoReport) -> list[str]:
+    """Each session's question and, indented under it, its answer as the model wrote it."""
+    if any(row.answer_text is None for row in report.sessions):
+        return [
+            "answers: token ids only (seeded weights write no text; drop --config for the "
+            "shipped model)"
+        ]
+    lines = [
+        f"answers ({report.decoding}; the code the model wrote into answers.py, not a "
+        f"checked answer):"
+    ]
+    for row in report.sessions:
+        lines.append(f"{row.index + 1:>3}  {row.question}")
+        text = "".join(c if c.isprintable() or c == "\n" else " " for c in row.answer_text or "")
+        shown = [line.rstrip() for line in text.expandtabs(4).split("\n")]
+        while shown and not shown[-1]:
+            shown.pop()
+        while shown and not shown[0]:  # the blank lines a new file's code starts with
+            shown.pop(0)
+        if not shown:
+            shown = ["(whitespace only)" if text else "(nothing: the model ended at once)"]
+        if len(shown) > ANSWER_LINES:
+            shown = shown[:ANSWER_LINES] + ["..."]
+        lines.extend(f"       {line}" for line in shown)
+    return lines
+
+
 def print_report(report: DemoReport, out: TextIO | None = None) -> None:
-    """The table, then what the store holds against the mlx-lm files, lookups, BLAS, time."""
+    """The table, each session's answer, then what the store holds against the mlx-lm
+    files, lookups, BLAS, time."""
     base = seconds(report.baseline.ttft_s)
     print_table(
         TABLE_HEADERS,
@@ -68,6 +99,9 @@ def print_report(report: DemoReport, out: TextIO | None = None) -> None:
         ],
         out,
     )
+    print(file=out)
+    for line in answer_lines(report):
+        print(line, file=out)
     print(file=out)
     results = [row.result for row in report.sessions]
     misses: Counter[str] = Counter()

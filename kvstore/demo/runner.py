@@ -4,7 +4,8 @@
 
 1. choose the BLAS for the session processes (:mod:`kvstore.demo.blas`) and
    size the shared context to it (4096 tokens with a fast BLAS, 1024 on MLX's
-   bundled one, unless ``context_tokens`` says otherwise);
+   bundled one, unless ``context_tokens`` says otherwise; never past the
+   model's positions: the shipped model has 2048);
 2. name the model's namespace and look at the store: a store already holding
    blocks of this model means the run starts warm (and says so);
 3. measure the time to first token of the shortest prompt without a store,
@@ -15,8 +16,10 @@
 5. read the store's size and sum the mlx-lm prompt-cache files the sessions
    wrote (one each, in a temporary directory removed afterwards).
 
-The model itself runs only in the session processes; this process builds the
-seeded model once, to name its namespace.
+The model is the shipped one (:mod:`kvstore.demo.shipped`), an mlx-lm
+directory, or seeded weights of a named config. It runs only in the session
+processes; this process reads a directory lazily (or builds the seeded model)
+once, to check it and name its namespace.
 """
 
 from __future__ import annotations
@@ -36,8 +39,17 @@ from typing import Any, Literal
 import kvstore
 from kvstore.cli.options import DEFAULT_STORE
 from kvstore.demo.blas import BlasChoice, choose_blas
-from kvstore.demo.script import TURNS, TextCodec, Turn, document_text, question_text
+from kvstore.demo.script import (
+    PENALTY_CONTEXT,
+    PRESENCE_PENALTY,
+    TURNS,
+    TextCodec,
+    Turn,
+    document_text,
+    question_tokens,
+)
 from kvstore.demo.session import SessionResult, SessionSpec
+from kvstore.demo.shipped import shipped_model_dir
 from kvstore.errors import ModelLoadError, StoreConfigError
 
 __all__ = [
@@ -66,11 +78,16 @@ class DemoOptions:
     """What ``kvstore demo`` was asked for (see :mod:`kvstore.cli.demo`)."""
 
     store: str = DEFAULT_STORE
+    #: An mlx-lm directory; with neither this nor ``config``, the shipped model.
     model_dir: str | None = None
-    config: str = "small"
+    #: A named config of seeded weights (``small``, ``tiny``) instead of a directory.
+    config: str | None = None
     seed: int = 0
     context_tokens: int | None = None
     answer_tokens: int = 48
+    #: Greedy answers with mlx-lm's presence penalty over the newest PENALTY_CONTEXT tokens
+    #: (0: plain greedy); see :mod:`kvstore.demo.script`.
+    presence_penalty: float = PRESENCE_PENALTY
     blas: Literal["auto", "bundled"] = "auto"
     progress: bool = True
 
@@ -105,6 +122,7 @@ class DemoReport:
     namespace: str
     model: str
     text: str
+    decoding: str
     blas_choice: str
     blas_fast: bool
     context_tokens: int
@@ -148,36 +166,26 @@ def store_url(text: str) -> str:
 
 
 def prepare_model(options: DemoOptions) -> DemoModel:
-    """The model's session spec, description, namespace and text codec.
+    """The model's session spec, description, namespace and text codec: the shipped
+    model (:mod:`kvstore.demo.shipped`) unless a directory or a seeded config is asked for.
 
     Raises:
-        ModelLoadError: an unknown config, a directory that is not a model, or
-            tokenizer files no installed backend reads.
+        ModelLoadError: both a directory and a config, an unknown config, a directory
+            that is not a model, or tokenizer files no installed backend reads.
     """
-    from kvstore.model import NAMED_CONFIGS, build_model, load_model
-    from kvstore.model.tokenizer import TOKENIZER_BACKENDS
+    from kvstore.model import NAMED_CONFIGS, build_model
     from kvstore.store import namespace_for_model
 
-    if options.model_dir is not None:
-        path = Path(options.model_dir).expanduser().resolve()
-        # Lazy: the weights' names and shapes are checked here (a bad directory is
-        # one line of error, not a failed session), their data is read by sessions.
-        loaded, tokenizer = load_model(path, lazy=True)
-        args = loaded.args
-        if tokenizer is None and any(path.glob("tokenizer*")):
-            raise ModelLoadError(
-                f"[demo] {path} has tokenizer files but no tokenizer backend is installed "
-                f"({' or '.join(TOKENIZER_BACKENDS)}); pip install 'mlx-kvstore[tokenizers]'.",
-                path=str(path),
-            )
-        return DemoModel(
-            {"dir": str(path)},
-            f"{path.name} ({args.model_type}, {args.num_hidden_layers} layers, "
-            f"{args.vocab_size} token ids) from {path}",
-            namespace_for_model(path),
-            TextCodec(tokenizer, args.vocab_size),
-            args.max_position_embeddings,
+    if options.model_dir is not None and options.config is not None:
+        raise ModelLoadError(
+            f"[demo] --model and --config are alternatives (a model directory, or seeded "
+            f"weights); received both ({options.model_dir!r}, {options.config!r}). Drop one.",
+            found=[options.model_dir, options.config],
         )
+    if options.model_dir is not None:
+        return _directory_model(Path(options.model_dir), shipped=False)
+    if options.config is None:
+        return _directory_model(shipped_model_dir(), shipped=True)
     if options.config not in NAMED_CONFIGS:
         raise ModelLoadError(
             f"[demo] Unknown --config {options.config!r}; known: {', '.join(NAMED_CONFIGS)}.",
@@ -192,6 +200,45 @@ def prepare_model(options: DemoOptions) -> DemoModel:
         f"{args.vocab_size} token ids)",
         namespace_for_model(model),
         TextCodec(None, args.vocab_size, readable=False),
+        args.max_position_embeddings,
+    )
+
+
+def _directory_model(path: Path, shipped: bool) -> DemoModel:
+    """A :class:`DemoModel` of the mlx-lm directory ``path``."""
+    import mlx.core as mx
+
+    from kvstore.model import load_model
+    from kvstore.model.tokenizer import TOKENIZER_BACKENDS
+    from kvstore.store import namespace_for_model
+
+    path = path.expanduser().resolve()
+    # Lazy: the weights' names and shapes are checked here (a bad directory is
+    # one line of error, not a failed session), their data is read by sessions.
+    loaded, tokenizer = load_model(path, lazy=True)
+    args = loaded.args
+    if tokenizer is None and any(path.glob("tokenizer*")):
+        raise ModelLoadError(
+            f"[demo] {path} has tokenizer files but no tokenizer backend is installed "
+            f"({' or '.join(TOKENIZER_BACKENDS)}); pip install 'mlx-kvstore[tokenizers]'.",
+            path=str(path),
+        )
+    spec: dict[str, Any] = {"dir": str(path)}
+    weights = ""
+    quantization = loaded.config.get("quantization")
+    if type(quantization) is dict:
+        weights = f", {quantization.get('bits', '?')}-bit weights"
+        # MLX's CPU quantized matmul is ~20x slower than BLAS (kvstore.demo.dense).
+        if mx.default_device() == mx.cpu:
+            spec["dequantize"] = True
+            weights += ", run dense in float32 on the CPU"
+    name = "the shipped demo model" if shipped else path.name
+    return DemoModel(
+        spec,
+        f"{name} ({args.model_type}, {args.num_hidden_layers} layers, "
+        f"{args.vocab_size} token ids{weights}) from {path}",
+        namespace_for_model(path),
+        TextCodec(tokenizer, args.vocab_size),
         args.max_position_embeddings,
     )
 
@@ -294,13 +341,14 @@ def run_demo(options: DemoOptions, say: Callable[[str], None] = print) -> DemoRe
     url = store_url(options.store)
     model = prepare_model(options)
     codec = model.codec
-    questions = [codec.encode(question_text(turn)) for turn in TURNS]
+    questions = [question_tokens(codec, turn) for turn in TURNS]
     reserve = 2 * max(len(q) for q in questions) + 2 * options.answer_tokens
     context, note = plan_context(options, blas, model, reserve)
     before = _stored(url, model.namespace)
     warm = bool(before and before[0])
 
-    for line in _preamble(model, context, note, blas, url, before):
+    how = decoding(options.presence_penalty)
+    for line in _preamble(model, context, note, blas, url, before, how):
         say(line)
     env = _session_env(blas)
     prompts: list[list[int]] = []
@@ -315,6 +363,8 @@ def run_demo(options: DemoOptions, say: Callable[[str], None] = print) -> DemoRe
                 model.spec,
                 context + questions[baseline_of],
                 1,
+                presence_penalty=options.presence_penalty,
+                penalty_context=PENALTY_CONTEXT,
                 progress=options.progress,
             ),
             workdir,
@@ -334,10 +384,12 @@ def run_demo(options: DemoOptions, say: Callable[[str], None] = print) -> DemoRe
                     prompt,
                     options.answer_tokens,
                     codec.stop_tokens,
-                    url,
-                    model.namespace,
-                    str(workdir / f"mlx-lm-session-{i + 1}.safetensors"),
-                    options.progress,
+                    store=url,
+                    namespace=model.namespace,
+                    mlx_lm_file=str(workdir / f"mlx-lm-session-{i + 1}.safetensors"),
+                    presence_penalty=options.presence_penalty,
+                    penalty_context=PENALTY_CONTEXT,
+                    progress=options.progress,
                 ),
                 workdir,
                 env,
@@ -351,6 +403,7 @@ def run_demo(options: DemoOptions, say: Callable[[str], None] = print) -> DemoRe
         namespace=model.namespace,
         model=model.description,
         text=codec.kind,
+        decoding=how,
         blas_choice=blas.description,
         blas_fast=blas.fast,
         context_tokens=len(context),
@@ -369,6 +422,13 @@ def run_demo(options: DemoOptions, say: Callable[[str], None] = print) -> DemoRe
     )
 
 
+def decoding(presence_penalty: float) -> str:
+    """How the sessions decode, in words."""
+    if not presence_penalty:
+        return "greedy"
+    return f"greedy, presence penalty {presence_penalty:g} over the newest {PENALTY_CONTEXT} tokens"
+
+
 def _preamble(
     model: DemoModel,
     context: list[int],
@@ -376,6 +436,7 @@ def _preamble(
     blas: BlasChoice,
     url: str,
     before: tuple[int, int] | None,
+    how: str,
 ) -> list[str]:
     """What the demo is about to do, and whether the store makes it a warm start."""
     if before is None:
@@ -391,6 +452,7 @@ def _preamble(
         f"kvstore demo: {len(TURNS)} sessions, each a fresh process, sharing one context",
         f"  model    {model.description}",
         f"  text     {model.codec.kind}",
+        f"  decoding {how}",
         f"  context  {len(context)} tokens: a system prompt and standard-library sources",
         *([f"           ({note})"] if note else []),
         f"  BLAS     {blas.description}",

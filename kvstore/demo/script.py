@@ -1,10 +1,18 @@
-"""What the demo says: a shared context, the questions, and how they become prompts.
+"""What the demo says: a shared context, the questions, how they become prompts,
+and how answers are decoded.
 
 The shared context is a system prompt followed by a document: the source of
 a few standard-library modules (read from this Python's own installation,
 so nothing needs shipping or downloading), cut to the context length. Each
 session asks a question over it; one turn follows up an earlier one, so its
 prompt is that session's prompt, its answer and a new question.
+
+The shipped model is a code model (trained on the standard library's files,
+each opening with ``<|endoftext|>`` and a ``# ---- path ----`` line), so a
+question opens a file of its own whose docstring is the question, and the
+model writes that file. Answers are greedy with mlx-lm's presence penalty
+(:class:`kvstore.model.sampling.PenalisedSampler`): deterministic, so a warm
+session writes what a cold one does.
 
 Text becomes token ids through the model's tokenizer, or as UTF-8 bytes when
 there is none (a byte-level model such as the pycode-lm fixture, or the
@@ -29,6 +37,10 @@ __all__ = [
     "TextCodec",
     "document_text",
     "question_text",
+    "question_tokens",
+    "ANSWER_FILE",
+    "PRESENCE_PENALTY",
+    "PENALTY_CONTEXT",
 ]
 
 SYSTEM_PROMPT = (
@@ -68,8 +80,30 @@ TURNS: tuple[Turn, ...] = (
 )
 
 
+#: The file each answer opens. Measured on the demo's shared context with the shipped
+#: model (48 greedy tokens): ``# Question: ...`` / ``# Answer:`` comment lines led it into
+#: comment loops (``#   -*-`` repeated), a new file with the question as its docstring into
+#: classes and functions in the standard library's style.
+ANSWER_FILE = "# ---- answers.py ----\n"
+
+#: Subtracted from the log-probability of each token among the last PENALTY_CONTEXT
+#: (mlx-lm's ``presence_penalty``/``presence_context_size``). Measured as above: plain
+#: greedy repeats lines (``self.args = args`` over and over), 1.5-2.0 still does, 3.0 over
+#: 128 tokens does not; over 64 the follow-up turn copied the answer it follows. The
+#: question's ``<|endoftext|>`` is in the window too, so an answer does not end at once.
+PRESENCE_PENALTY = 3.0
+PENALTY_CONTEXT = 128
+
+
 def question_text(turn: Turn) -> str:
-    return f"\n# Question: {turn.question}\n# Answer:\n"
+    """The text of ``turn``'s question: a new file, the question its docstring."""
+    return f'{ANSWER_FILE}"""{turn.question}"""\n\n'
+
+
+def question_tokens(codec: TextCodec, turn: Turn) -> list[int]:
+    """``turn``'s question as token ids: the tokenizer's BOS (the shipped model's
+    ``<|endoftext|>``, which opens every file it was trained on), then its text."""
+    return codec.encode(question_text(turn), first=True)
 
 
 def document_text(modules: Sequence[str] = DOCUMENT_MODULES) -> str:

@@ -18,8 +18,7 @@ import dataclasses
 import json
 import os
 import sys
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -36,10 +35,14 @@ class SessionSpec:
 
     Attributes:
         label: the session's name in the demo ("1", "baseline").
-        model: ``{"config": name, "seed": n}`` (seeded weights) or ``{"dir": path}``.
+        model: ``{"config": name, "seed": n}`` (seeded weights) or ``{"dir": path}``
+            (with ``"dequantize": True``: quantized weights made dense in float32).
         prompt: token ids.
         max_tokens: answer length at most.
         stop_tokens: token ids that end the answer.
+        presence_penalty: greedy decoding with mlx-lm's presence penalty over the
+            newest ``penalty_context`` tokens of the prompt and answer (0: plain greedy).
+        penalty_context: the penalty's window.
         store: the store URL; ``None`` runs without a store (the baseline).
         namespace: the model's namespace in the store.
         mlx_lm_file: where to write the session's mlx-lm prompt-cache file (``None``: not).
@@ -51,6 +54,8 @@ class SessionSpec:
     prompt: list[int]
     max_tokens: int
     stop_tokens: list[int] = field(default_factory=list)
+    presence_penalty: float = 0.0
+    penalty_context: int = 20
     store: str | None = None
     namespace: str | None = None
     mlx_lm_file: str | None = None
@@ -92,12 +97,33 @@ class SessionResult:
 
 
 def load_model_for(spec_model: dict[str, Any]) -> tuple[Any, Any]:
-    """``(model, tokenizer or None)`` for a session's ``model`` entry."""
+    """``(model, tokenizer or None)`` for a session's ``model`` entry; quantized weights
+    are made dense when it says ``"dequantize": true`` (:mod:`kvstore.demo.dense`)."""
     from kvstore.model import build_model, load_model
 
     if "dir" in spec_model:
-        return load_model(spec_model["dir"])
+        model, tokenizer = load_model(spec_model["dir"])
+        if spec_model.get("dequantize"):
+            from kvstore.demo.dense import dequantize
+
+            dequantize(model)
+        return model, tokenizer
     return build_model(spec_model["config"], seed=int(spec_model.get("seed", 0))), None
+
+
+def _sampler(spec: SessionSpec) -> Any:
+    """Greedy, penalised as ``spec`` says; from the whole prompt, so a session that
+    restores part of it from the store decodes as one that computed all of it."""
+    from kvstore.model.sampling import PenalisedSampler, greedy
+
+    if not spec.presence_penalty:
+        return greedy
+    return PenalisedSampler(
+        spec.prompt,
+        greedy,
+        presence_penalty=spec.presence_penalty,
+        presence_context_size=spec.penalty_context,
+    )
 
 
 def _bar(show: bool, **kwargs: Any) -> Any:
@@ -105,42 +131,6 @@ def _bar(show: bool, **kwargs: Any) -> Any:
 
     # disable=None: no bar when stderr is not a terminal (logs, tests).
     return tqdm(file=sys.stderr, disable=None if show else True, leave=False, **kwargs)
-
-
-@contextmanager
-def _save_progress(store: Any, show: bool, label: str) -> Iterator[None]:
-    """A progress bar over the blocks each save encodes, open until it commits.
-
-    Saves run inside ``generate`` through ``store.put_blocks``; wrapping this
-    handle's ``put_blocks`` shows them without a hook in the store (the
-    encoder is called one block at a time, as it would encode them in turn).
-    A save of blocks all stored already encodes nothing and shows no bar.
-    """
-    put_blocks = store.put_blocks
-
-    def with_bar(namespace: str, tokens: Any, encode: Any, *, family: str = "") -> Any:
-        bars: list[Any] = []
-
-        def encode_each(spans: Sequence[Any]) -> list[Any]:
-            bar = _bar(show, total=len(spans), desc=f"session {label} save", unit="block")
-            bars.append(bar)
-            records = []
-            for span in spans:
-                records.extend(encode([span]))
-                bar.update()
-            return records
-
-        try:
-            return put_blocks(namespace, tokens, encode_each, family=family)
-        finally:
-            for bar in bars:
-                bar.close()
-
-    store.put_blocks = with_bar
-    try:
-        yield
-    finally:
-        del store.put_blocks
 
 
 def _write_mlx_lm_file(path: str, caches: list[Any]) -> tuple[int, str]:
@@ -176,22 +166,25 @@ def run_session(spec: SessionSpec) -> SessionResult:
     def on_chunk(end: int, _caches: list[Any]) -> None:
         bar.update(end - bar.n)  # the first chunk starts after the restored prefix
         if end == n:
-            bar.close()  # before the save's bar opens
+            bar.close()
 
     kwargs: dict[str, Any] = dict(
         caches=caches,
         max_tokens=spec.max_tokens,
         stop_tokens=spec.stop_tokens,
+        sampler=_sampler(spec),
         on_prefill_chunk=on_chunk,
     )
     try:
         if store is None:
             answer, stats = generate_tokens(model, spec.prompt, **kwargs)
         else:
-            with _save_progress(store, spec.progress, spec.label):
-                answer, stats = generate_tokens(
-                    model, spec.prompt, store=store, namespace=spec.namespace, **kwargs
-                )
+            answer, stats = generate_tokens(
+                model, spec.prompt, store=store, namespace=spec.namespace, **kwargs
+            )
+            # The save was handed to the store's writer thread: its blocks and bytes are
+            # counted once it commits.
+            store.flush()
         activity = store.activity() if store is not None else {}
     finally:
         bar.close()

@@ -7,7 +7,8 @@ directory (:func:`load_model`); make its caches from a :class:`CachePolicy`
 
 Architectures: Llama/Mistral (GQA, RoPE with llama3/yarn/linear scaling),
 Qwen2 (qkv bias), Qwen3 (q/k RMSNorm), Gemma 3 text (sliding-window layers
-interleaved with global ones).
+interleaved with global ones), Qwen3.5 dense (Gated-DeltaNet layers with a
+recurrent ``rec:gated-delta`` state between gated attention layers).
 """
 
 from kvstore.model.args import NAMED_CONFIGS, SUPPORTED_MODEL_TYPES, ModelArgs
@@ -22,7 +23,7 @@ from kvstore.model.generate import (
 )
 from kvstore.model.loader import load_model
 from kvstore.model.policy import CachePolicy, make_caches
-from kvstore.model.sampling import Sampler, greedy, make_sampler
+from kvstore.model.sampling import PenalisedSampler, Sampler, greedy, make_sampler
 from kvstore.model.tokenizer import Tokenizer
 from kvstore.model.transformer import Model, build_model
 
@@ -41,6 +42,7 @@ __all__ = [
     "load_model",
     "make_caches",
     "make_sampler",
+    "PenalisedSampler",
     "greedy",
     "generate",
     "generate_tokens",

@@ -17,11 +17,27 @@ from typing import Any, Literal
 from kvstore.errors import CapabilityError
 
 __all__ = [
+    "LAYER_KINDS",
     "ModelArgs",
     "NAMED_CONFIGS",
     "SUPPORTED_MODEL_TYPES",
     "named_config",
 ]
+
+
+#: What a layer's token mixer is: softmax attention over a KV cache, or a
+#: Gated-DeltaNet (linear attention with a recurrent state).
+LAYER_KINDS = ("attention", "gated-delta")
+
+_HYBRID_DEFAULTS: dict[str, Any] = {
+    "attn_output_gate": False,
+    "partial_rotary_factor": 1.0,
+    "linear_num_key_heads": 0,
+    "linear_num_value_heads": 0,
+    "linear_key_head_dim": 0,
+    "linear_value_head_dim": 0,
+    "linear_conv_kernel_dim": 0,
+}
 
 
 @dataclass(frozen=True)
@@ -60,10 +76,49 @@ class ModelArgs:
     #: Rope base of the sliding layers (Gemma's ``rope_local_base_freq``).
     rope_local_theta: float | None = None
     layer_windows: tuple[int | None, ...] = field(default=())
+    #: Per layer: ``"attention"`` or ``"gated-delta"`` (a Gated-DeltaNet layer,
+    #: Qwen3.5/Qwen3-Next); empty means every layer attends.
+    layer_kinds: tuple[str, ...] = field(default=())
+    #: Qwen3-Next/3.5 attention: ``q_proj`` also yields a gate, ``o_proj`` reads
+    #: ``output * sigmoid(gate)``.
+    attn_output_gate: bool = False
+    #: Share of each head's dims that RoPE rotates (Qwen3.5: 0.25).
+    partial_rotary_factor: float = 1.0
+    #: Gated-DeltaNet geometry (only with ``"gated-delta"`` layers).
+    linear_num_key_heads: int = 0
+    linear_num_value_heads: int = 0
+    linear_key_head_dim: int = 0
+    linear_value_head_dim: int = 0
+    linear_conv_kernel_dim: int = 0
 
     def __post_init__(self) -> None:
         if len(self.layer_windows) != self.num_hidden_layers:
             object.__setattr__(self, "layer_windows", (None,) * self.num_hidden_layers)
+        if len(self.layer_kinds) != self.num_hidden_layers:
+            object.__setattr__(self, "layer_kinds", ("attention",) * self.num_hidden_layers)
+        unknown = sorted(set(self.layer_kinds) - set(LAYER_KINDS))
+        if unknown:
+            raise ValueError(
+                f"[ModelArgs] layer_kinds must each be one of {', '.join(LAYER_KINDS)}; "
+                f"received {', '.join(map(repr, unknown))}."
+            )
+        if "gated-delta" in self.layer_kinds and (
+            self.linear_num_value_heads % max(self.linear_num_key_heads, 1)
+            or min(
+                self.linear_num_key_heads,
+                self.linear_key_head_dim,
+                self.linear_value_head_dim,
+                self.linear_conv_kernel_dim,
+            )
+            < 1
+        ):
+            raise ValueError(
+                f"[ModelArgs] Gated-DeltaNet layers need positive linear_* sizes with "
+                f"linear_num_value_heads a multiple of linear_num_key_heads; received "
+                f"{self.linear_num_key_heads} key heads of {self.linear_key_head_dim}, "
+                f"{self.linear_num_value_heads} value heads of {self.linear_value_head_dim}, "
+                f"conv kernel {self.linear_conv_kernel_dim}."
+            )
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(
                 f"[ModelArgs] num_attention_heads ({self.num_attention_heads}) must be a "
@@ -95,18 +150,54 @@ class ModelArgs:
             )
         return reader(_with_rope_parameters(config))
 
+    @property
+    def rotary_dims(self) -> int:
+        """Dims of each head RoPE rotates."""
+        return int(self.head_dim * self.partial_rotary_factor)
+
     def layer_layout(self) -> list[dict[str, Any]]:
-        """Per layer: ``{"n_kv_heads", "head_dim", "sliding_window"}`` (window ``None``
-        for full attention): the cache geometry, known from the config alone."""
-        return [
-            {"n_kv_heads": self.num_key_value_heads, "head_dim": self.head_dim, "sliding_window": w}
-            for w in self.layer_windows
-        ]
+        """Per layer, the cache geometry, known from the config alone: an attention
+        layer's ``{"n_kv_heads", "head_dim", "sliding_window"}`` (window ``None``
+        for full attention), a Gated-DeltaNet layer's ``{"recurrent":
+        "rec:gated-delta", "conv_kernel", "conv_dim", "key_heads", "value_heads",
+        "key_head_dim", "value_head_dim"}``."""
+        out: list[dict[str, Any]] = []
+        for kind, w in zip(self.layer_kinds, self.layer_windows):
+            if kind == "gated-delta":
+                key_dim = self.linear_num_key_heads * self.linear_key_head_dim
+                value_dim = self.linear_num_value_heads * self.linear_value_head_dim
+                out.append(
+                    {
+                        "recurrent": "rec:gated-delta",
+                        "conv_kernel": self.linear_conv_kernel_dim,
+                        "conv_dim": 2 * key_dim + value_dim,
+                        "key_heads": self.linear_num_key_heads,
+                        "value_heads": self.linear_num_value_heads,
+                        "key_head_dim": self.linear_key_head_dim,
+                        "value_head_dim": self.linear_value_head_dim,
+                    }
+                )
+            else:
+                out.append(
+                    {
+                        "n_kv_heads": self.num_key_value_heads,
+                        "head_dim": self.head_dim,
+                        "sliding_window": w,
+                    }
+                )
+        return out
 
     def to_dict(self) -> dict[str, Any]:
-        """A plain dict of every field (JSON-friendly: tuples become lists)."""
+        """A plain dict of every field (JSON-friendly: tuples become lists). Hybrid-model
+        fields at their defaults are left out, so a plain decoder's dict (and the
+        fingerprint of a model built from it) is what it was before they existed."""
         out = asdict(self)
         out["layer_windows"] = list(self.layer_windows)
+        out["layer_kinds"] = list(self.layer_kinds)
+        if all(k == "attention" for k in self.layer_kinds):
+            for name, default in _HYBRID_DEFAULTS.items():
+                if out.get(name) == default or name == "layer_kinds":
+                    out.pop(name, None)
         return out
 
 
@@ -223,12 +314,99 @@ def _gemma3_text(c: dict[str, Any]) -> ModelArgs:
     )
 
 
+_QWEN3_5_DEFAULTS: dict[str, Any] = dict(
+    hidden_size=4096,
+    intermediate_size=14336,
+    num_hidden_layers=32,
+    num_attention_heads=32,
+    rms_norm_eps=1e-6,
+    vocab_size=151936,
+    num_key_value_heads=8,
+    max_position_embeddings=131072,
+    linear_num_value_heads=64,
+    linear_num_key_heads=16,
+    linear_key_head_dim=192,
+    linear_value_head_dim=128,
+    linear_conv_kernel_dim=4,
+    tie_word_embeddings=False,
+    attention_bias=False,
+    head_dim=None,
+    full_attention_interval=4,
+    num_experts=0,
+)
+_QWEN3_5_ROPE: dict[str, Any] = {
+    "type": "default",
+    "mrope_section": [11, 11, 10],
+    "rope_theta": 100000,
+    "partial_rotary_factor": 0.25,
+}
+
+
+def _qwen3_5(c: dict[str, Any]) -> ModelArgs:
+    """Qwen3.5 (dense): every ``full_attention_interval``-th layer attends (gated
+    output, q/k norms, partial RoPE), the others are Gated-DeltaNet layers. The
+    text config may be nested under ``text_config`` (Hugging Face) or be the
+    whole config (mlx-lm); defaults are mlx-lm's ``qwen3_5.TextModelArgs``."""
+    text = c.get("text_config") or c
+    t = {**_QWEN3_5_DEFAULTS, **{k: v for k, v in text.items() if v is not None}}
+    if t.get("num_experts", 0) > 0:
+        raise CapabilityError(
+            "[load_model] Qwen3.5 mixture-of-experts checkpoints (num_experts > 0) are not "
+            "supported by kvstore.model; load them with mlx-lm (its caches store through "
+            "kvstore.mlx_lm).",
+            found=t["num_experts"],
+        )
+    # As mlx-lm: rope_parameters (default-valued when absent) wins over flat rope keys.
+    rope = dict(text["rope_parameters"]) if "rope_parameters" in text else dict(_QWEN3_5_ROPE)
+    if rope:
+        if "type" not in rope and "rope_type" in rope:
+            rope["type"] = rope.pop("rope_type")
+        partial = rope.get("partial_rotary_factor", 0.25)
+        theta = rope.get("rope_theta", 100000.0)
+        scaling: dict[str, Any] | None = rope
+    else:
+        partial = t.get("partial_rotary_factor", 0.25)
+        theta = t.get("rope_theta", 100000.0)
+        scaling = t.get("rope_scaling")
+    n, interval = t["num_hidden_layers"], t["full_attention_interval"]
+    heads = t["num_attention_heads"]
+    return ModelArgs(
+        model_type=c["model_type"],
+        hidden_size=t["hidden_size"],
+        num_hidden_layers=n,
+        intermediate_size=t["intermediate_size"],
+        num_attention_heads=heads,
+        num_key_value_heads=t["num_key_value_heads"],
+        head_dim=t["head_dim"] or t["hidden_size"] // heads,
+        vocab_size=t["vocab_size"],
+        rms_norm_eps=t["rms_norm_eps"],
+        rope_theta=float(theta),
+        rope_scaling=scaling,
+        max_position_embeddings=t["max_position_embeddings"],
+        tie_word_embeddings=t["tie_word_embeddings"],
+        qkv_bias=t["attention_bias"],
+        o_proj_bias=t["attention_bias"],
+        qk_norm=True,
+        attn_output_gate=True,
+        partial_rotary_factor=float(partial),
+        layer_kinds=tuple(
+            "attention" if (i + 1) % interval == 0 else "gated-delta" for i in range(n)
+        ),
+        linear_num_key_heads=t["linear_num_key_heads"],
+        linear_num_value_heads=t["linear_num_value_heads"],
+        linear_key_head_dim=t["linear_key_head_dim"],
+        linear_value_head_dim=t["linear_value_head_dim"],
+        linear_conv_kernel_dim=t["linear_conv_kernel_dim"],
+    )
+
+
 _READERS: dict[str, Callable[[dict[str, Any]], ModelArgs]] = {
     "llama": _llama,
     "mistral": _llama,
     "qwen2": _qwen2,
     "qwen3": _qwen3,
     "gemma3_text": _gemma3_text,
+    "qwen3_5": _qwen3_5,
 }
 
 #: The ``model_type`` values :meth:`ModelArgs.from_config` reads.
@@ -278,6 +456,27 @@ NAMED_CONFIGS: dict[str, dict[str, Any]] = {
         sliding_window=32,
         sliding_window_pattern=3,
         max_position_embeddings=4096,
+    ),
+    # Qwen3.5-like hybrid: 3 Gated-DeltaNet layers, then one attention layer.
+    "tiny-qwen3_5": dict(
+        model_type="qwen3_5",
+        hidden_size=128,
+        num_hidden_layers=4,
+        intermediate_size=256,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        rms_norm_eps=1e-6,
+        vocab_size=256,
+        max_position_embeddings=4096,
+        tie_word_embeddings=True,
+        full_attention_interval=4,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=64,
+        linear_value_head_dim=64,
+        linear_conv_kernel_dim=4,
+        rope_parameters={"type": "default", "rope_theta": 100000.0, "partial_rotary_factor": 0.25},
     ),
     "small": _SMALL,
     # Gemma-3-like layout: 5 of every 6 layers slide over a 1024-token window.

@@ -23,6 +23,7 @@ import mlx.core as mx
 from mlx.utils import tree_map
 
 from kvstore.abc.cache import (
+    is_gated_delta_cache,
     quantized_attention_params,
     signature_string,
     uses_dense_attention,
@@ -35,6 +36,7 @@ __all__ = [
     "Attend",
     "DEQUANTIZED_PREFILL",
     "attention_for",
+    "recurrent_for",
     "dense_attention",
     "dequantized_attention",
     "dequantizes_queries",
@@ -211,6 +213,27 @@ def attention_for(cache: object, layer: int | None = None) -> Attend:
         f"({type(cache).__name__}); the model attends only over families whose signature it "
         f"knows (dense: {dense}; quantized: {quantized}). Give the cache a signature() or use "
         f"model.make_cache().",
+        signature=signature,
+        layer=layer,
+    )
+
+
+def recurrent_for(cache: object, layer: int | None = None) -> None:
+    """Check that a Gated-DeltaNet layer can run on ``cache``; ``None`` (the
+    block's recurrent path takes no kernel). ``None`` (no cache) is fine.
+
+    Raises:
+        CapabilityError: ``cache`` is not a Gated-DeltaNet state (a KV cache, an
+            unknown family); the message names its signature.
+    """
+    if cache is None or is_gated_delta_cache(cache):
+        return None
+    signature = signature_string(cache)
+    where = "" if layer is None else f" at layer {layer}"
+    raise CapabilityError(
+        f"[attention] A Gated-DeltaNet layer{where} keeps its state in a rec:gated-delta "
+        f"cache; received a cache with signature '{signature}' ({type(cache).__name__}). "
+        f"Use model.make_cache().",
         signature=signature,
         layer=layer,
     )

@@ -20,7 +20,9 @@ as the generic path runs them, and the logits are bit-identical to it (tested).
 
 :class:`DecodeSteps` (one per model, ``model.decode_steps``) picks the step for
 each call: the specialised one when every cache reports a signature, every
-layer is an attention block, and the caches agree on their offset; otherwise
+layer is an attention block without an output gate (a hybrid model's recurrent
+layers, issue 16, and its gated attention keep the generic path), and the
+caches agree on their offset; otherwise
 the generic path, with the reason. A cache whose signature is unknown or
 changes (a growing cache rolled into a ring, a transcode) never reaches a step
 built for another tuple. Prefill keeps the generic path.
@@ -230,6 +232,13 @@ class DecodeSteps:
 
 
 def _build(model: Model, layout: tuple[str, ...], caches: list[Any]) -> DecodeStep | GenericStep:
+    # The segments cut blocks at their attention: a recurrent layer (issue 16) has
+    # none, and a gated attention's output needs its gate carried past the cut.
+    for i, block in enumerate(model.model.layers):
+        if block.kind != "attention":
+            return GenericStep(model, f"layer {i} is a {block.kind} layer, not attention")
+        if block.self_attn.gated:
+            return GenericStep(model, f"layer {i}'s attention gates its output")
     attends = []
     for i, cache in enumerate(caches):
         try:

@@ -18,6 +18,7 @@ through ``hooks=`` (:class:`GenerationHooks`), which
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, cast
@@ -28,7 +29,17 @@ import numpy as np
 from kvstore.abc.cache import can_trim
 from kvstore.errors import CapabilityError
 from kvstore.model.policy import CachePolicy
-from kvstore.model.sampling import Sampler, make_sampler
+from kvstore.model.sampling import Sampler, greedy, make_distribution, make_sampler
+from kvstore.model.speculative import (
+    Drafter,
+    DraftModel,
+    PromptLookup,
+    Sampling,
+    begin_round,
+    check_rollback,
+    end_round,
+    verify,
+)
 from kvstore.model.transformer import Model
 
 __all__ = ["GenerationStats", "generate", "generate_tokens", "prefill_chunks", "prefill"]
@@ -55,8 +66,15 @@ class GenerationStats:
             store, rebuilding the caches from it, and saving after generation
             (0 without a store, i.e. without ``hooks``; lookup and restore are
             part of ``ttft_s``).
+        kv_matched_tokens: prompt tokens whose KV the store matched; more than
+            ``reused_tokens`` for a hybrid model whose match runs past its last
+            recurrent checkpoint (0 without a store).
         store_error: why the store served or saved nothing, when it failed
             (generation recomputed or went on without it), else ``None``.
+        target_forwards: forwards of the model after prefill (one per token
+            without speculation; one per round with it).
+        draft_tokens: draft tokens proposed to the target (speculative decoding).
+        accepted_tokens: draft tokens the target kept.
     """
 
     prompt_tokens: int
@@ -72,6 +90,21 @@ class GenerationStats:
     restore_s: float = 0.0
     save_s: float = 0.0
     store_error: str | None = None
+    kv_matched_tokens: int = 0
+    target_forwards: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Share of draft tokens the target kept (0 without speculation)."""
+        return self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0
+
+    @property
+    def tokens_per_target_forward(self) -> float:
+        """Tokens streamed after the first per forward of the model after prefill
+        (1 without speculation; up to ``num_draft_tokens + 1`` with it)."""
+        return (self.generated_tokens - 1) / self.target_forwards if self.target_forwards else 0.0
 
 
 @dataclass(frozen=True)
@@ -91,6 +124,13 @@ class GenerationHooks(Protocol):
     prefill chunk; ``save`` gets the tokens whose KV the caches hold once
     generation ends (or is stopped). None of them may raise for a fault of
     their own: a hook that fails leaves generation as it would be without it.
+
+    For recurrent checkpoints (issue 16): ``prefill_stops(start, stop)`` names
+    positions where prefill chunks must end, ``next_stop(offset)`` a position a
+    decode round must not run past (``None``: any), and ``on_decode(offset,
+    caches)`` runs after each decode step or round, the caches then holding
+    ``offset`` verified tokens. ``kv_matched`` is how many prompt tokens the
+    store matched (``>= reused`` tokens).
     """
 
     @property
@@ -100,8 +140,15 @@ class GenerationHooks(Protocol):
     restore_s: float
     save_s: float
     error: str | None
+    kv_matched: int
 
     def restore(self, tokens: np.ndarray, caches: list[Any]) -> list[Any]: ...
+
+    def prefill_stops(self, start: int, stop: int) -> Sequence[int]: ...
+
+    def next_stop(self, offset: int) -> int | None: ...
+
+    def on_decode(self, offset: int, caches: list[Any]) -> None: ...
 
     def on_prefill_chunk(self, offset_end: int, caches: list[Any]) -> None: ...
 
@@ -109,13 +156,18 @@ class GenerationHooks(Protocol):
 
 
 def prefill_chunks(
-    start: int, stop: int, chunk_size: int, block_size: int | None
+    start: int,
+    stop: int,
+    chunk_size: int,
+    block_size: int | None,
+    stops: Collection[int] = (),
 ) -> list[tuple[int, int]]:
     """The ``[begin, end)`` chunks covering prompt positions ``start..stop``.
 
     Every chunk but the last ends on a multiple of ``block_size``, so a chunk
     is at most ``chunk_size`` tokens and whole blocks never straddle chunks.
-    ``block_size=None`` cuts plain ``chunk_size`` chunks.
+    ``block_size=None`` cuts plain ``chunk_size`` chunks. A chunk also ends at
+    each of ``stops`` (where a recurrent checkpoint is taken).
 
     Raises:
         ValueError: ``chunk_size`` < 1 or smaller than ``block_size``.
@@ -127,8 +179,13 @@ def prefill_chunks(
             f"boundaries); received chunk_size={chunk_size}, block_size={block_size}."
         )
     chunks, pos = [], start
+    cuts = sorted(p for p in stops if start < p < stop)
     while pos < stop:
         end = min(stop, (pos + chunk_size) // block * block)
+        while cuts and cuts[0] <= pos:
+            cuts.pop(0)
+        if cuts and cuts[0] < end:
+            end = cuts.pop(0)
         chunks.append((pos, end))
         pos = end
     return chunks
@@ -168,8 +225,9 @@ def _start_offset(caches: list[Any], n_prompt: int, prefix_len: int | None) -> i
     if not all(can_trim(c) for c in caches):
         raise CapabilityError(
             f"[generate] The caches hold {start} tokens of a {n_prompt}-token prompt and "
-            f"cannot drop the last {excess} (a sliding window wrapped); restore a shorter "
-            f"prefix so at least one prompt token is left to process.",
+            f"cannot drop the last {excess} (a sliding window wrapped, or a recurrent state, "
+            f"which is at one position only); restore a shorter prefix so at least one "
+            f"prompt token is left to process.",
             offset=start,
             prompt_tokens=n_prompt,
         )
@@ -223,6 +281,8 @@ def generate(
     stop_tokens: Collection[int] = (),
     on_prefill_chunk: ChunkCallback | None = None,
     hooks: GenerationHooks | None = None,
+    draft: Drafter | Model | str | None = None,
+    num_draft_tokens: int = 4,
     **unexpected: Any,
 ) -> Iterator[GeneratedToken]:
     """Stream tokens for ``prompt_tokens``: one :class:`GeneratedToken` each, the last
@@ -246,6 +306,14 @@ def generate(
         on_prefill_chunk: ``f(offset_end, caches)`` after each chunk is evaluated.
         hooks: restore, capture and save around the run (a prefix store's session;
             :func:`kvstore.bridge.generate` passes one).
+        draft: speculative decoding (:mod:`kvstore.model.speculative`): a draft
+            model (one of ours, or :class:`~kvstore.model.speculative.DraftModel`),
+            ``"prompt-lookup"`` (n-gram drafting from the context,
+            :class:`~kvstore.model.speculative.PromptLookup`), or any drafter.
+            Greedy output is the same as without it; sampled output has the
+            same distribution (the rejection rule; needs ``temperature`` etc.,
+            not ``sampler=``).
+        num_draft_tokens: draft tokens verified per target forward at most (>= 1).
 
     After generation the caches hold the prompt and every streamed token but the last.
 
@@ -253,7 +321,8 @@ def generate(
         ValueError: bad arguments, or caches that disagree on their offset.
         TypeError: ``store=`` (generation with a store is :func:`kvstore.bridge.generate`).
         CapabilityError: a cache family the model cannot attend over; a fully
-            cached prompt whose caches cannot drop a token.
+            cached prompt whose caches cannot drop a token; with ``draft``, a
+            cache that cannot roll back.
     """
     _refuse_unexpected(unexpected)
     if max_tokens < 1:
@@ -265,16 +334,22 @@ def generate(
             "[generate] prefix_len checks caches you restored yourself; with a store the "
             "store restores them. Pass one or the other."
         )
+    if num_draft_tokens < 1:
+        raise ValueError(f"[generate] num_draft_tokens must be >= 1; received {num_draft_tokens}.")
+    sampling = None if draft is None else _sampling(sampler, temperature, top_p, top_k, seed)
     if sampler is None:
         sampler = make_sampler(temperature, top_p, top_k, seed)
     elif (temperature, top_p, top_k, seed) != (0.0, 1.0, 0, None):
         raise ValueError(
             "[generate] Pass either sampler= or temperature/top_p/top_k/seed, not both."
         )
+    drafter = _drafter(draft)
     tokens = _as_tokens(prompt_tokens)
     n_prompt = tokens.size
     caches = model.make_cache(policy) if caches is None else caches
     stop = frozenset(stop_tokens)
+    if drafter is not None:
+        check_rollback(caches)
 
     t0 = time.perf_counter()
     callback = on_prefill_chunk
@@ -283,22 +358,60 @@ def generate(
         caches[:] = hooks.restore(np.asarray(tokens), caches)
         callback = _both(hooks.on_prefill_chunk, on_prefill_chunk)
     start = _start_offset(caches, n_prompt, prefix_len)
-    chunks = prefill_chunks(start, n_prompt, chunk_size, block_size)
+    stops = hooks.prefill_stops(start, n_prompt) if hooks is not None else ()
+    chunks = prefill_chunks(start, n_prompt, chunk_size, block_size, stops)
     logits = prefill(model, tokens, caches, chunks, callback)
+    if hooks is not None:  # the caches hold the prompt: a decode-time position too
+        hooks.on_decode(n_prompt, caches)
     y = sampler(_log_softmax(logits))
     token = cast(int, y.item())
     t_first = time.perf_counter()
 
+    if drafter is not None:
+        assert sampling is not None
+        drafter.start(np.asarray(tokens), sampling)
+        t_first = time.perf_counter()  # the draft's prefill is part of the time to first token
+
     streamed: list[int] = []
+    ready: deque[int] = deque([token])
+    counts = _Counts()
     try:
         while True:
+            token = ready.popleft()
             streamed.append(token)
             if len(streamed) >= max_tokens or token in stop:
                 break
             yield GeneratedToken(token)
-            logits = model.decode_step(caches)(y[:, None], caches)[:, -1, :]
-            y = sampler(_log_softmax(logits))
-            token = cast(int, y.item())
+            if ready:
+                continue
+            if drafter is None:
+                logits = model.decode_step(caches)(y[:, None], caches)[:, -1, :]
+                y = sampler(_log_softmax(logits))
+                ready.append(cast(int, y.item()))
+                counts.forwards += 1
+                if hooks is not None:
+                    hooks.on_decode(n_prompt + len(streamed), caches)
+                continue
+            assert sampling is not None
+            offset = n_prompt + len(streamed) - 1  # the caches hold all but the last token
+            n_draft = min(num_draft_tokens, max_tokens - len(streamed) - 1)
+            landing = hooks.next_stop(offset) if hooks is not None else None
+            if landing is not None:  # the round ends on it, not past it
+                n_draft = min(n_draft, landing - offset - 1)
+            out = _speculate(
+                model,
+                caches,
+                drafter,
+                sampling,
+                np.concatenate([np.asarray(tokens), np.asarray(streamed, dtype=np.int64)]),
+                n_draft,
+                stop,
+                max_tokens - len(streamed),
+                counts,
+            )
+            ready.extend(out)
+            if hooks is not None:
+                hooks.on_decode(offset + len(out), caches)
     except GeneratorExit:  # the caller stopped early: what has KV is still worth keeping
         if hooks is not None:
             hooks.save(_with_kv(tokens, streamed), caches)
@@ -325,8 +438,84 @@ def generate(
             restore_s=hooks.restore_s if hooks else 0.0,
             save_s=hooks.save_s if hooks else 0.0,
             store_error=hooks.error if hooks else None,
+            kv_matched_tokens=hooks.kv_matched if hooks else 0,
+            target_forwards=counts.forwards,
+            draft_tokens=counts.drafted,
+            accepted_tokens=counts.accepted,
         ),
     )
+
+
+@dataclass
+class _Counts:
+    forwards: int = 0
+    drafted: int = 0
+    accepted: int = 0
+
+
+def _sampling(
+    sampler: Sampler | None, temperature: float, top_p: float, top_k: int, seed: int | None
+) -> Sampling:
+    """How speculative rounds accept and draw: greedy, or the sampler's distribution."""
+    if sampler is not None and sampler is not greedy:
+        raise ValueError(
+            "[generate] Speculative sampling compares the target's distribution with the "
+            "draft's, which an opaque sampler= does not give; pass temperature/top_p/top_k "
+            "(and seed) instead."
+        )
+    rng = np.random.default_rng(seed)
+    if sampler is greedy or temperature == 0:
+        return Sampling(None, rng)
+    return Sampling(make_distribution(temperature, top_p, top_k), rng)
+
+
+def _drafter(draft: Drafter | Model | str | None) -> Drafter | None:
+    if draft is None:
+        return None
+    if type(draft) is str:
+        if draft != "prompt-lookup":
+            raise ValueError(
+                f"[generate] draft={draft!r} is not a drafter; pass 'prompt-lookup', a draft "
+                f"model, or a kvstore.model.speculative drafter."
+            )
+        return PromptLookup()
+    if type(draft) is Model:
+        return DraftModel(draft)
+    return cast(Drafter, draft)
+
+
+def _speculate(
+    model: Model,
+    caches: list[Any],
+    drafter: Drafter,
+    sampling: Sampling,
+    history: np.ndarray,
+    n_draft: int,
+    stop: frozenset[int],
+    budget: int,
+    counts: _Counts,
+) -> list[int]:
+    """One round: draft, verify in one target forward, roll the caches back to what
+    is kept. Returns the tokens to stream (at least one; a stop token or the
+    ``budget`` of tokens still to stream ends them early). The caches then hold
+    ``history`` and every returned token but the last."""
+    drafts, draft_probs = drafter.propose(history, n_draft) if n_draft > 0 else ([], None)
+    drafts = drafts[:n_draft]
+    inputs = [int(history[-1]), *drafts]
+    begin_round(caches)
+    logits = model(mx.array(inputs)[None], cache=caches)[0]
+    verdict = verify(_log_softmax(logits), drafts, draft_probs, sampling)
+    out = verdict.tokens[:budget]
+    for i, t in enumerate(out):
+        if t in stop:
+            out = out[: i + 1]
+            break
+    end_round(caches, len(out), len(inputs))
+    drafter.settle(np.concatenate([history, np.asarray(out, dtype=np.int64)]))
+    counts.forwards += 1
+    counts.drafted += len(drafts)
+    counts.accepted += verdict.accepted
+    return out
 
 
 def _refuse_unexpected(unexpected: dict[str, Any]) -> None:

@@ -83,10 +83,46 @@ def read_weights(path: Path) -> dict[str, mx.array]:
     return weights
 
 
+_QWEN3_5_NORMS = (
+    ".input_layernorm.weight",
+    ".post_attention_layernorm.weight",
+    "model.norm.weight",
+    ".q_norm.weight",
+    ".k_norm.weight",
+)
+
+
+def _sanitize_qwen3_5(weights: dict[str, mx.array]) -> None:
+    """mlx-lm's ``qwen3_5`` sanitize, onto our names: the text model's tensors under
+    ``model.``/``lm_head`` (mlx-lm keeps them under ``language_model.``, Hugging Face
+    under ``model.language_model.``), vision and multi-token-prediction tensors
+    dropped; a Hugging Face checkpoint's conv1d weights moved to MLX's layout and
+    its norm offsets turned into scales."""
+    renamed: dict[str, mx.array] = {}
+    for key, value in weights.items():
+        if key.startswith(("vision_tower", "model.visual")) or "mtp." in key:
+            continue
+        if key.startswith("model.language_model."):
+            key = "model." + key[len("model.language_model.") :]
+        elif key.startswith("language_model."):
+            key = key[len("language_model.") :]
+        renamed[key] = value
+    unsanitized = any("conv1d.weight" in k and v.shape[-1] != 1 for k, v in renamed.items())
+    for key, value in renamed.items():
+        if "conv1d.weight" in key and value.shape[-1] != 1:
+            renamed[key] = value.moveaxis(2, 1)
+        if unsanitized and value.ndim == 1 and key.endswith(_QWEN3_5_NORMS):
+            renamed[key] = value + 1.0
+    weights.clear()
+    weights.update(renamed)
+
+
 def _sanitize(args: ModelArgs, weights: dict[str, mx.array]) -> ModelArgs:
     """Drop tensors mlx-lm drops, and settle tied embeddings (Gemma: from the weights)."""
     for name in [n for n in weights if "rotary_emb.inv_freq" in n]:
         del weights[name]
+    if args.model_type == "qwen3_5":
+        _sanitize_qwen3_5(weights)
     if args.model_type == "gemma3_text":
         return dataclasses.replace(args, tie_word_embeddings="lm_head.weight" not in weights)
     if args.tie_word_embeddings:

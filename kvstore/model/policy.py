@@ -272,7 +272,8 @@ def _check_groups(
 def make_caches(layout: Sequence[LayerGeometry], policy: CachePolicy | None = None) -> list[Any]:
     """One fresh cache per layer of ``layout``, of the family ``policy`` asks for.
 
-    Sliding layers get the windowed variant of the family, sized to the window.
+    Sliding layers get the windowed variant of the family, sized to the window;
+    a recurrent layer (``{"recurrent": kind}``) its own family's state.
 
     Raises:
         CapabilityError: a quantized family's group does not divide a layer's

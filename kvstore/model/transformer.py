@@ -1,6 +1,7 @@
 """The reference decoder: :class:`Model` and :func:`build_model`.
 
-One transformer for Llama/Mistral, Qwen2, Qwen3 and Gemma 3 text, switched by
+One transformer for Llama/Mistral, Qwen2, Qwen3, Gemma 3 text and Qwen3.5
+(Gated-DeltaNet layers between attention layers), switched by
 :class:`~kvstore.model.args.ModelArgs`. It is mlx-lm compatible
 (``model(inputs, cache=...)``, ``model.layers``, ``model.make_cache()``, same
 parameter names), and it touches caches only through the capability
@@ -20,7 +21,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 
 from kvstore.caches.mask import create_attention_mask
 from kvstore.model.args import ModelArgs, named_config
-from kvstore.model.attention import attention_for
+from kvstore.model.attention import Attend, attention_for, recurrent_for
 from kvstore.model.decode_step import DecodeStep, DecodeSteps, GenericStep
 from kvstore.model.layers import TransformerBlock, make_norm
 from kvstore.model.policy import CachePolicy, LayerGeometry, make_caches
@@ -35,7 +36,10 @@ class DecoderModel(nn.Module):
         super().__init__()
         self.args = args
         self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
-        self.layers = [TransformerBlock(args, window) for window in args.layer_windows]
+        self.layers = [
+            TransformerBlock(args, window, kind)
+            for window, kind in zip(args.layer_windows, args.layer_kinds)
+        ]
         self.norm = make_norm(args, args.hidden_size)
 
     def __call__(
@@ -70,7 +74,13 @@ class DecoderModel(nn.Module):
         """
         stop = len(self.layers) if stop is None else stop
         # Every cache is checked before any is updated: an unknown family fails closed.
-        attends = [attention_for(caches[i], i) for i in range(start, stop)]
+        attends: list[Attend | None] = []
+        for i in range(start, stop):
+            if self.args.layer_kinds[i] == "attention":
+                attends.append(attention_for(caches[i], i))
+            else:
+                recurrent_for(caches[i], i)
+                attends.append(None)
         if masks is None:
             masks = self.masks(h.shape[1], list(caches))
         for i, attend in zip(range(start, stop), attends):
@@ -88,16 +98,25 @@ class DecoderModel(nn.Module):
 
     def masks(self, n: int, caches: list[Any]) -> list[Any]:
         """Per layer, the attention mask for ``n`` new tokens over ``caches``: one per
-        distinct window, from the first cache of a layer with it."""
+        distinct window, from the first cache of an attention layer with it;
+        recurrent layers share the padding mask of the first one's cache."""
         by_window: dict[int | None, Any] = {}
-        for window, c in zip(self.args.layer_windows, caches):
-            if window not in by_window:
+        recurrent: list[Any] = []
+        kinds = self.args.layer_kinds
+        for kind, window, c in zip(kinds, self.args.layer_windows, caches):
+            if kind != "attention":
+                if not recurrent:
+                    recurrent.append(None if c is None else c.make_mask(n))
+            elif window not in by_window:
                 by_window[window] = (
                     create_attention_mask(n, offset=0, window_size=window)
                     if c is None
                     else c.make_mask(n, return_array=False, window_size=window)
                 )
-        return [by_window[w] for w in self.args.layer_windows]
+        return [
+            by_window[w] if kind == "attention" else recurrent[0]
+            for kind, w in zip(kinds, self.args.layer_windows)
+        ]
 
 
 class Model(nn.Module):
@@ -186,7 +205,10 @@ def init_weights(model: nn.Module, seed: int) -> nn.Module:
             scale = value.shape[-1] ** -0.5
             params.append((name, scale * mx.random.normal(value.shape, key=key)))
         else:
-            fan_in = value.shape[-1] if name.endswith("weight") else value.shape[0]
+            if name.endswith("conv1d.weight"):  # [channels, kernel, 1]: a depthwise conv
+                fan_in = value.shape[1]
+            else:
+                fan_in = value.shape[-1] if name.endswith("weight") else value.shape[0]
             bound = fan_in**-0.5
             params.append((name, mx.random.uniform(-bound, bound, value.shape, key=key)))
     model.update(tree_unflatten(params))

@@ -12,7 +12,16 @@ storage_policy         "lossless"  never: a different value is an error
 max_bytes              None        yes: an explicit value replaces the stored
 namespace_max_bytes    None        yes: an explicit value replaces the stored
 namespace_budgets      {}          with ``store.set_budget(..., namespace=)``
+checkpoint_stride      8           yes: an explicit value replaces the stored
 =====================  ==========  ========================================
+
+``checkpoint_stride`` (issue 16): a save of a hybrid model's caches keeps its
+recurrent layers' checkpoint every this many blocks, besides the ones its
+rules always keep (the last block boundary of the prompt before its last
+token, the end of the saved sequence and its last block boundary, the point
+where a prompt leaves a stored prefix); 0 keeps only those. It is written to
+the meta record only when not the default, so a store that never changed it
+stays readable by kvstore versions that do not know it.
 
 ``storage_policy`` is ``"lossless"`` (each layer in its own family's
 encoding) or the signature plain layers are stored as, of a family that
@@ -69,7 +78,7 @@ META_FORMAT = 1
 
 
 FIXED_SETTINGS = ("block_size", "storage_policy")
-MUTABLE_SETTINGS = ("max_bytes", "namespace_max_bytes")
+MUTABLE_SETTINGS = ("max_bytes", "namespace_max_bytes", "checkpoint_stride")
 
 
 def _config_error(name: str, rule: str, value: object) -> StoreConfigError:
@@ -201,6 +210,7 @@ SETTING_PARSERS: dict[str, Callable[[object], Any]] = {
     "storage_policy": parse_storage_policy,
     "max_bytes": parse_optional_byte_size("max_bytes"),
     "namespace_max_bytes": parse_optional_byte_size("namespace_max_bytes"),
+    "checkpoint_stride": lambda v: parse_int(v, "checkpoint_stride", 0, 1 << 20),
 }
 
 
@@ -233,6 +243,8 @@ def resolve_settings(
 def encode_meta(settings: StoreSettings, created: float | None = None) -> bytes:
     body = asdict(settings)
     body["namespace_budgets"] = dict(settings.namespace_budgets)
+    if settings.checkpoint_stride == StoreSettings.checkpoint_stride:
+        del body["checkpoint_stride"]  # older readers refuse fields they do not know
     return msgpack.packb(
         {
             "format": META_FORMAT,

@@ -2,19 +2,31 @@
 
 The parity oracle for our caches and our model: no hub downloads, just
 ``mlx_lm.models.<arch>.Model(ModelArgs(...))`` with deterministic weights.
-Needs the ``mlx-lm`` extra.
+:func:`write_model_dir` writes one as an offline mlx-lm model directory that
+``mlx_lm.load`` and ``mlx_lm.server`` take: weights, config, a byte-level
+tokenizer (every text encodes, every id decodes) and a ChatML chat template.
+Needs the ``mlx-lm`` extra (and ``tokenizers`` for the directory).
 """
 
 from __future__ import annotations
 
 import importlib
+import json
+from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 
-__all__ = ["TINY_ARGS", "build_mlx_lm_model", "seed_weights"]
+__all__ = [
+    "TINY_ARGS",
+    "build_mlx_lm_model",
+    "seed_weights",
+    "write_model_dir",
+    "SPECIAL_TOKENS",
+    "CHAT_TEMPLATE",
+]
 
 #: Small args per architecture; head_dim 64 so every affine group (32/64) fits.
 TINY_ARGS: dict[str, dict[str, Any]] = {
@@ -57,6 +69,19 @@ TINY_ARGS: dict[str, dict[str, Any]] = {
         rope_theta=1000000.0,
         tie_word_embeddings=True,
     ),
+    "phi3": dict(
+        model_type="phi3",
+        hidden_size=128,
+        num_hidden_layers=2,
+        intermediate_size=256,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        rms_norm_eps=1e-5,
+        vocab_size=256,
+        rope_theta=10000.0,
+        max_position_embeddings=4096,
+        original_max_position_embeddings=4096,
+    ),
     "gemma3_text": dict(
         model_type="gemma3_text",
         hidden_size=128,
@@ -71,6 +96,55 @@ TINY_ARGS: dict[str, dict[str, Any]] = {
         sliding_window=16,
         sliding_window_pattern=2,
         max_position_embeddings=4096,
+    ),
+    # Qwen3.5: 3 Gated-DeltaNet layers, then 1 gated attention layer (Dk = Dv = 64, K = 4).
+    "qwen3_5": dict(
+        model_type="qwen3_5",
+        hidden_size=128,
+        num_hidden_layers=4,
+        intermediate_size=256,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        rms_norm_eps=1e-6,
+        vocab_size=256,
+        max_position_embeddings=4096,
+        tie_word_embeddings=True,
+        full_attention_interval=4,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=64,
+        linear_value_head_dim=64,
+        linear_conv_kernel_dim=4,
+        rope_parameters={"type": "default", "rope_theta": 100000.0, "partial_rotary_factor": 0.25},
+    ),
+    # Qwen3-Next (MoE off): mlx-lm's own hybrid, for stock ArraysCache caches.
+    "qwen3_next": dict(
+        model_type="qwen3_next",
+        hidden_size=128,
+        num_hidden_layers=4,
+        intermediate_size=256,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        rms_norm_eps=1e-6,
+        vocab_size=256,
+        max_position_embeddings=4096,
+        tie_word_embeddings=True,
+        full_attention_interval=4,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=64,
+        linear_value_head_dim=64,
+        linear_conv_kernel_dim=4,
+        num_experts=0,
+        num_experts_per_tok=0,
+        decoder_sparse_step=1,
+        shared_expert_intermediate_size=0,
+        mlp_only_layers=[],
+        moe_intermediate_size=0,
+        rope_theta=100000.0,
+        partial_rotary_factor=0.25,
     ),
 }
 
@@ -92,9 +166,69 @@ def seed_weights(model: nn.Module, seed: int, scale: float = 0.08) -> nn.Module:
     return model
 
 
-def build_mlx_lm_model(arch: str, seed: int = 0, **overrides: Any) -> nn.Module:
+def build_mlx_lm_model(
+    arch: str, seed: int = 0, *, scale: float = 0.08, **overrides: Any
+) -> nn.Module:
     """mlx-lm's own ``arch`` model from :data:`TINY_ARGS` (plus ``overrides``), seeded."""
     module = importlib.import_module(f"mlx_lm.models.{arch}")
     args = module.ModelArgs.from_dict({**TINY_ARGS[arch], **overrides})
     model = module.Model(args)
-    return seed_weights(model, seed)
+    return seed_weights(model, seed, scale)
+
+
+#: The tokenizer's special tokens, after the 256 byte tokens (ids 256, 257, 258).
+SPECIAL_TOKENS = ("<|im_start|>", "<|im_end|>", "<|endoftext|>")
+
+#: ChatML, as Qwen models ship it.
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def _write_tokenizer(path: Path) -> int:
+    """A byte-level BPE with no merges: one token per byte, plus :data:`SPECIAL_TOKENS`."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    vocab = {ch: i for i, ch in enumerate(alphabet)}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(list(SPECIAL_TOKENS))
+    tok.save(str(path / "tokenizer.json"))
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "eos_token": "<|im_end|>",
+        "pad_token": "<|endoftext|>",
+        "bos_token": None,
+        "chat_template": CHAT_TEMPLATE,
+        "model_max_length": 1 << 20,
+    }
+    (path / "tokenizer_config.json").write_text(json.dumps(config, indent=1))
+    return len(vocab) + len(SPECIAL_TOKENS)
+
+
+def write_model_dir(
+    path: str | Path, arch: str = "llama", seed: int = 0, *, scale: float = 0.15, **overrides: Any
+) -> Path:
+    """Write the tiny ``arch`` model as an mlx-lm model directory at ``path``.
+
+    The vocabulary is the tokenizer's (259 ids); ``overrides`` change the model
+    args (``num_hidden_layers=4``...). Weights are drawn with standard deviation
+    ``scale``: 0.15 makes the tiny llama write varied bytes (0.08 repeats one), so
+    a wrong cache shows in the text. Returns the directory.
+    """
+    from mlx.utils import tree_flatten
+
+    root = Path(path)
+    root.mkdir(parents=True, exist_ok=True)
+    vocab_size = _write_tokenizer(root)
+    config = {**TINY_ARGS[arch], "vocab_size": vocab_size, **overrides}
+    extra = {"eos_token_id": vocab_size - 2, "pad_token_id": vocab_size - 1}  # im_end, eot
+    model = build_mlx_lm_model(arch, seed, scale=scale, **config)
+    config.update(extra)
+    weights = dict(tree_flatten(model.parameters()))
+    mx.save_safetensors(str(root / "model.safetensors"), weights)  # type: ignore[arg-type]
+    (root / "config.json").write_text(json.dumps(config, indent=1))
+    return root

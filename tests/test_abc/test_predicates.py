@@ -122,10 +122,12 @@ def test_objects_without_a_signature_fail_closed(obj):
 
 
 def test_kv_predicates_fail_closed_on_another_state(registries_restored):
-    # Issue 16 adds recurrent state; until a predicate knows it, every KV predicate is false.
-    from kvstore.family import Family, register_family
+    # Issue 16 added recurrent state: every KV predicate is false on it.
+    from kvstore.family import RECURRENT_STATE, Family, register_family
 
-    register_family(Family("kv:toy-recurrent", "a test family of recurrent state", state="x"))
+    register_family(
+        Family("kv:toy-recurrent", "a test family of recurrent state", state=RECURRENT_STATE)
+    )
 
     class Recurrent:
         def signature(self):
@@ -138,7 +140,8 @@ def test_kv_predicates_fail_closed_on_another_state(registries_restored):
             return n
 
     cache = Recurrent()
-    assert preds.family_of(cache).state == "x"
+    assert preds.family_of(cache).state == RECURRENT_STATE
+    assert preds.is_recurrent_cache(cache)
     assert true_predicates(cache) == {"can_trim"}  # trimming is the cache's own answer
     with pytest.raises(CapabilityError):
         preds.quantized_attention_params(cache)

@@ -113,7 +113,7 @@ def test_a_corrupt_or_missing_tokens_file(make_store, tmp_path, capsys):
         ("kv:bogus", "Unknown signature kind 'kv:bogus'"),
         ("quant8", "Unknown signature kind"),
         ("kv:quant:8", "takes 2 parameter(s)"),
-        ("batch:kv:plain", "Unknown signature kind 'batch:kv'"),
+        ("batch:kv:plain", "is a wrapper signature; stored layers are families"),
     ],
 )
 def test_a_signature_that_does_not_parse(signature, fragment, make_store, tmp_path, capsys):

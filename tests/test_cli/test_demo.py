@@ -1,15 +1,17 @@
 """``kvstore demo``: sessions in fresh processes reuse a shared context through the store.
 
 The demo runs for real with the ``tiny`` config and a 300-token context: in
-process (cold), then as a subprocess on the same store (warm). Tests assert on
-the table's content -- what was reused, hits, the follow-up turn, warm -- never
-on times.
+process (cold), then as a subprocess on the same store (warm); and once as a
+subprocess on the shipped model (its default), with a 120-token context. Tests
+assert on the table's content -- what was reused, hits, the follow-up turn,
+warm, the answers' text and that it reads as code -- never on times.
 """
 
 from __future__ import annotations
 
 import io
 import json
+import keyword
 import re
 import sys
 from contextlib import redirect_stdout
@@ -19,6 +21,7 @@ import pytest
 
 from kvstore.cli import main
 from kvstore.demo.blas import OPENBLAS, BlasChoice, choose_blas
+from kvstore.demo.dense import dequantize
 from kvstore.demo.report import TABLE_HEADERS
 from kvstore.demo.runner import (
     CONTEXT_TOKENS,
@@ -27,9 +30,18 @@ from kvstore.demo.runner import (
     plan_context,
     prepare_model,
 )
-from kvstore.demo.script import TURNS, TextCodec
+from kvstore.demo.script import (
+    PENALTY_CONTEXT,
+    PRESENCE_PENALTY,
+    TURNS,
+    TextCodec,
+    Turn,
+    question_text,
+    question_tokens,
+)
+from kvstore.demo.shipped import SHIPPED_FILES, SHIPPED_MODEL, shipped_model_dir
 from kvstore.errors import ModelLoadError
-from kvstore.model import NAMED_CONFIGS
+from kvstore.model import NAMED_CONFIGS, load_model
 
 from .conftest import kvstore_cli
 from .test_bad_input import check_one_line
@@ -53,6 +65,21 @@ def table(text: str) -> list[dict[str, str]]:
         assert len(cells) == len(TABLE_HEADERS), line
         rows.append(dict(zip(TABLE_HEADERS, cells)))
     return rows
+
+
+def answers(text: str) -> dict[str, list[str]]:
+    """The answers block under the table: each question and the lines of its answer."""
+    lines = text.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("answers"))
+    found: dict[str, list[str]] = {}
+    for line in lines[start + 1 :]:
+        if not line:  # the block's end (an answer's blank lines keep their indent)
+            break
+        if re.match(r"\s{0,2}\d+  ", line):
+            found[line.split(None, 1)[1]] = []
+        else:
+            list(found.values())[-1].append(line[7:])
+    return found
 
 
 def field(text: str, name: str) -> str:
@@ -99,6 +126,8 @@ def test_bytes_are_measured_against_mlx_lm_files(cold):
     _, text = cold
     rows = table(text)
     assert all(r["mlx-lm file"].endswith(("KiB", "MiB")) for r in rows)
+    # each cold-run session stores the blocks it computed (counted once the writer commits)
+    assert all(r["saved"].endswith(("KiB", "MiB")) for r in rows), rows
     stored = field(text, "stored")
     assert re.match(r"[\d.]+ (KiB|MiB) in \d+ blocks for this model", stored), stored
     mlx_lm = field(text, "mlx-lm")
@@ -119,6 +148,148 @@ def test_a_second_run_as_a_subprocess_starts_warm(cold):
         assert int(row["reused"]) == int(row["prompt"]) - 1 and row["lookup"] == "hit", row
         assert row["saved"] == "0 B"  # the answers are the same: nothing new to store
     assert "(0 B added by this run)" in field(text, "stored")
+
+
+# ---------------------------------------------------------------- the shipped model
+
+#: Enough of an answer to tell code from a loop, and still a short run.
+SHIPPED_CODE = ["--context-tokens", "120", "--answer-tokens", "24"]
+ROUND_TRIPS = ("def naïve(x):\n\treturn {'ü': x}  # ✓\r\n", "\x00\x7f — 日本語 🐍", "")
+
+
+def test_the_shipped_model_is_a_small_4bit_mlx_lm_directory():
+    path = shipped_model_dir()
+    assert sorted(p.name for p in path.iterdir()) == sorted(SHIPPED_FILES)
+    assert sum(p.stat().st_size for p in path.iterdir()) <= 8_000_000  # issue 15's budget
+    config = json.loads((path / "config.json").read_text())
+    assert config["model_type"] == "llama" and config["tie_word_embeddings"] is True
+    assert config["quantization"] == {"group_size": 64, "bits": 4, "mode": "affine"}
+
+
+def test_the_shipped_model_loads_with_kvstore_and_mlx_lm():
+    pytest.importorskip("mlx_lm")
+    import mlx.core as mx
+    import mlx.nn as nn
+    from mlx_lm import load
+
+    model, tokenizer = load_model(SHIPPED_MODEL)
+    assert isinstance(model.layers[0].self_attn.q_proj, nn.QuantizedLinear)
+    assert isinstance(model.model.embed_tokens, nn.QuantizedEmbedding)  # the tied head too
+    ids = tokenizer.encode("import json\n\ndef load(s):\n    return json.loads(s)\n")
+    theirs, wrapper = load(str(SHIPPED_MODEL))
+    ours_logits, their_logits = model(mx.array([ids])), theirs(mx.array([ids]))
+    assert mx.array_equal(ours_logits.argmax(-1), their_logits.argmax(-1)).item()
+    assert mx.allclose(ours_logits, their_logits, atol=1e-2).item()
+    # mlx-lm formats a conversation the way the demo writes its prompts
+    chat = wrapper.apply_chat_template(
+        [{"role": "user", "content": "How?"}], add_generation_prompt=True
+    )
+    assert chat[0] == wrapper.bos_token_id == 0 and wrapper.eos_token_ids == {0}
+    assert chat == question_tokens(TextCodec(tokenizer, 4096), Turn("How?"))
+    # a follow-up: the earlier answer, then a new file for the next question
+    messages = [
+        {"role": "system", "content": "Be brief.\nUse json."},
+        {"role": "user", "content": "How?"},
+        {"role": "assistant", "content": "import json"},
+        {"role": "user", "content": "And?"},
+    ]
+    eot = "<|endoftext|>"
+    assert wrapper.apply_chat_template(messages, tokenize=False) == (
+        f"{eot}# Be brief.\n# Use json.\n{eot}{question_text(Turn('How?'))}import json"
+        f"{eot}{question_text(Turn('And?'))}"
+    )
+
+
+def test_the_shipped_model_dir_is_printed_for_other_tools(capsys):
+    """``--model "$(kvstore demo --shipped-model-dir)"``: for mlx_lm and kvstore serve."""
+    assert main(["demo", "--shipped-model-dir"]) == 0
+    assert capsys.readouterr().out == f"{SHIPPED_MODEL}\n"
+
+
+def test_the_shipped_tokenizer_round_trips_text():
+    _, tokenizer = load_model(SHIPPED_MODEL, lazy=True)
+    for text in ROUND_TRIPS:
+        assert tokenizer.decode(tokenizer.encode(text, add_special_tokens=False)) == text
+    # a document starts with <|endoftext|>, which also ends answers
+    assert tokenizer.encode("x = 1")[0] == 0 and tokenizer.eos_token_ids == {0}
+
+
+def test_dense_weights_compute_what_the_quantized_ones_do():
+    import mlx.core as mx
+
+    # the quantized kernels, fed float32 scales and activations, as the reference
+    quantized, _ = load_model(SHIPPED_MODEL, dtype=mx.float32)
+    dense, _ = load_model(SHIPPED_MODEL)
+    assert dequantize(dense) == 1 + 7 * len(dense.layers)  # the embedding, 7 linears a layer
+    assert dense.model.norm.weight.dtype == mx.float32
+    tokens = mx.array([[0, 10, 200, 31, 7, 99]])
+    assert mx.allclose(dense(tokens), quantized(tokens), atol=1e-4, rtol=1e-4).item()
+
+
+def test_the_shipped_model_is_package_data():
+    tomllib = pytest.importorskip("tomllib")
+    from fnmatch import fnmatch
+
+    from .conftest import ROOT
+
+    patterns = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"][
+        "package-data"
+    ]["kvstore"]
+    for name in SHIPPED_FILES:
+        assert any(fnmatch(f"demo/model/{name}", p) for p in patterns), name
+
+
+def reads_as_code(answer: list[str]) -> list[str]:
+    """What keeps ``answer`` (its lines) from reading as code; empty when it does.
+
+    Code here: mostly printable ASCII, Python keywords and identifiers among its
+    words, and no line (a loop such as ``self.args = args``) repeated back to back.
+    """
+    text = "\n".join(answer)
+    problems = []
+    if sum(c.isascii() and (c.isprintable() or c.isspace()) for c in text) < 0.95 * len(text):
+        problems.append("not mostly printable ASCII")
+    words = re.findall(r"[A-Za-z_][A-Za-z0-9_]*", text)
+    if not any(keyword.iskeyword(w) or w == "self" for w in words) or len(set(words)) < 3:
+        problems.append(f"no Python keywords among a few identifiers: {words}")
+    lines = [line.strip() for line in answer if line.strip()]
+    if any(a == b for a, b in zip(lines, lines[1:])):
+        problems.append("a line repeated back to back")
+    return problems
+
+
+def test_reads_as_code():
+    code = ["class Parser(object):", '    """Parse it."""', "", "    def run(self):"]
+    assert reads_as_code(code) == []
+    loop = ["        self.args = args"] * 3
+    assert reads_as_code(["def f(self):", *loop]) == ["a line repeated back to back"]
+    assert reads_as_code(["#   -*-", "#   -----"])[0].startswith("no Python keywords")
+
+
+def test_the_demo_writes_code_on_the_shipped_model(tmp_path):
+    """No --model, no --config: the shipped model; answers are decoded text that reads
+    as code (greedy with a presence penalty), and later sessions reuse the context."""
+    done = kvstore_cli("demo", *SHIPPED_CODE, "--store", str(tmp_path / "store"), "--no-progress")
+    assert done.returncode == 0, done.stderr
+    text = done.stdout
+    assert "model    the shipped demo model (llama" in text
+    assert "text     tokenizer (tokenizers)" in text
+    assert (
+        f"decoding greedy, presence penalty {PRESENCE_PENALTY:g} over the newest "
+        f"{PENALTY_CONTEXT} tokens" in text
+    )
+    rows = table(text)
+    assert rows[0]["lookup"] == "miss (cold)"
+    for row in rows[1:]:  # each later session restores at least the whole context
+        assert int(row["reused"]) >= 120 and row["lookup"] == "hit", row
+    written = answers(text)
+    assert list(written) == [turn.question for turn in TURNS]
+    for question, answer in written.items():
+        assert answer and reads_as_code(answer) == [], (question, answer)
+    # the penalty covers the turn it follows: plain greedy copies that answer (measured)
+    follow_up = TURNS[FOLLOW_UP]
+    assert written[follow_up.question] != written[TURNS[follow_up.follows].question]
+    assert "seeded weights write no text" not in text
 
 
 @pytest.mark.skipif(not PYCODE.is_dir(), reason="pycode-lm fixture not present")
@@ -211,6 +382,13 @@ def test_a_model_directory_with_a_tokenizer(tmp_path, monkeypatch):
 def test_demo_bad_input(tmp_path, capsys):
     check_one_line(capsys, ["demo", "--store", "memory://x"], "lives only as long as its process")
     check_one_line(capsys, ["demo", "--config", "huge"], "Unknown --config 'huge'", "tiny")
+    for bad in ("-1", "inf", "x"):  # argparse's usage error
+        with pytest.raises(SystemExit):
+            main(["demo", "--presence-penalty", bad])
+        assert f"takes a number >= 0; received '{bad}'" in capsys.readouterr().err
+    check_one_line(
+        capsys, ["demo", "--model", str(tmp_path), "--config", "tiny"], "are alternatives"
+    )
     check_one_line(
         capsys, ["demo", "--model", str(tmp_path / "none")], "does not exist", "model directory"
     )

@@ -55,6 +55,29 @@ def test_quant_to_other_quant_is_lossy():
     assert result.snapshot.signature == "kv:quant:4:32"
 
 
+@pytest.mark.parametrize(
+    "cache, target",
+    [
+        (lambda: filled(KVCache()), "kv:quant:8:64"),
+        (lambda: filled(QuantizedKVCache(64, 8)), "kv:plain"),
+        (lambda: filled(TurboQuantKVCache(4, 4)), "kv:plain"),
+    ],
+    ids=["plain-to-q8", "q8-to-plain", "tq-to-plain"],
+)
+def test_transcode_waits_on_no_host_sync(cache, target, monkeypatch):
+    # A restore or save transcodes every layer: a sync per layer is a device round
+    # trip each (issue 13). transcode_measured is the one that measures.
+    snap = snapshot(cache())
+    items = []
+    real_item = mx.array.item
+    monkeypatch.setattr(mx.array, "item", lambda a: items.append(a) or real_item(a))
+    out = transcode(snap, target)
+    assert items == []
+    monkeypatch.undo()
+    measured = transcode_measured(snap, target).snapshot
+    assert_snapshots_equal([measured], [out])
+
+
 def test_same_signature_is_the_identity():
     snap = snapshot(filled(KVCache()))
     assert transcode(snap, "kv:plain") is snap

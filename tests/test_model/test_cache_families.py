@@ -191,12 +191,22 @@ class MisspelledSignature(KVCache):
 
 class UnregisteredWrapper(KVCache):
     def signature(self):
-        return "batch:kv:plain"  # no wrapper family is registered (issue 15 adds them)
+        return "wrap:kv:plain"  # no wrapper family "wrap" is registered
+
+
+class BatchOfRows(KVCache):
+    def signature(self):
+        return "batch:kv:plain"  # registered (issue 15), but a batch holds no one sequence's KV
 
 
 @pytest.mark.parametrize(
     "bad, signature",
-    [(NoSignature, "unknown"), (MisspelledSignature, "unknown"), (UnregisteredWrapper, "unknown")],
+    [
+        (NoSignature, "unknown"),
+        (MisspelledSignature, "unknown"),
+        (UnregisteredWrapper, "unknown"),
+        (BatchOfRows, "batch:kv:plain"),
+    ],
 )
 def test_unknown_family_fails_closed_before_any_cache_changes(bad, signature):
     model = build_model("tiny")

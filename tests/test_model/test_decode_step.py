@@ -250,3 +250,21 @@ def test_a_step_mlx_cannot_compile_is_never_used(monkeypatch):
     step = model.decode_step(model.make_cache())
     assert step.path == "generic" and "failed to compile: no kernel" in step.reason
     assert model.decode_step(model.make_cache()) is step  # decided once per layout
+
+
+@pytest.mark.parametrize(
+    "interval, reason",
+    [(4, "layer 0 is a gated-delta layer"), (1, "layer 0's attention gates its output")],
+)
+def test_hybrid_and_gated_attention_models_keep_the_generic_path(interval, reason):
+    """A Qwen3.5 model: its Gated-DeltaNet layers have no attention to cut at, and its
+    attention's output gate would be lost between two segments (issue 16)."""
+    model = build_model(dict(named_config("tiny-qwen3_5"), full_attention_interval=interval))
+    prompt = prompt_tokens(n=40, vocab=model.args.vocab_size)
+    model.decode_steps.enabled = False
+    expected, _ = generate_tokens(model, prompt, max_tokens=12)
+    model.decode_steps.enabled, model.decode_steps.build_after = True, 2
+    got, _ = generate_tokens(model, prompt, max_tokens=12)
+    assert got == expected
+    (step,) = model.decode_steps.built().values()
+    assert step.path == "generic" and reason in step.reason

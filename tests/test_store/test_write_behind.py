@@ -55,6 +55,37 @@ def test_a_lookup_sees_the_saves_handed_off_before_it(tmp_path, tiny):
         assert_same_caches(restored, token_by_token(model, tokens[:-1]))
 
 
+def test_a_lookup_waits_only_for_the_saves_that_can_add_to_it(tmp_path, tiny):
+    """A server's lookups: one that parted from a pending save before the rows it adds
+    does not wait for its commit; one that shares them waits, and sees them."""
+    _, tokens, caches = tiny
+    stored = 2 * BLOCK
+    gate = threading.Event()
+    with open_store(f"lmdb://{tmp_path / 's'}", block_size=BLOCK) as store:
+        store.save("ns", tokens[:stored], caches)
+        real = store.put_blocks_many
+
+        def held(saves):
+            gate.wait(30)  # the commit waits for the test
+            return real(saves)
+
+        store.put_blocks_many = held  # type: ignore[method-assign]
+        handle = store.save_behind("ns", tokens, caches)  # adds rows from `stored` on
+        called = []
+        handle.add_done_callback(called.append)
+        parted = [*tokens[:stored], (tokens[stored] + 1) % 256, *tokens[stored + 1 :]]
+        assert store.lookup("ns", parted).tokens == stored  # what was stored before
+        assert store.lookup("other", tokens).tokens == 0
+        assert not handle.done() and called == []  # neither lookup waited for the commit
+        gate.set()
+        assert store.lookup("ns", [*tokens, 1]).tokens == len(tokens)  # waited: its rows
+        assert called == [handle] and handle.done()
+        assert handle.queued_s >= 0 and handle.commit_s >= 0
+        late: list = []
+        handle.add_done_callback(late.append)
+        assert late == [handle]  # done already: called at once
+
+
 def test_close_commits_what_was_handed_off(tmp_path, tiny):
     _, tokens, caches = tiny
     url = f"lmdb://{tmp_path / 's'}"

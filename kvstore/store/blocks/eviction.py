@@ -42,6 +42,8 @@ class Block:
     nbytes: int
     last_use: float
     children: int = 0
+    #: Of ``nbytes``, a recurrent checkpoint's (issue 16; 0 for a KV-only record).
+    checkpoint_nbytes: int = 0
 
     @property
     def record_key(self) -> bytes:
@@ -56,6 +58,7 @@ def load_blocks(view: ReadView, namespaces: Iterable[bytes]) -> dict[bytes, Bloc
         for sub in (b".c/", b".t/"):
             for key, e in iter_entries(view, base + sub, with_tokens=False):
                 block = Block(ns, e.digest, e.parent, key, e.depth, e.nbytes, e.created)
+                block.checkpoint_nbytes = e.checkpoint_nbytes
                 blocks[block.record_key] = block
         uses = base + b".u/"
         for key, value in view.scan(uses):

@@ -9,6 +9,13 @@ what lookup, eviction and verification need without touching the record:
 
 ``flags`` bit 0 marks a full block. Entries are written in the same
 transaction as their record.
+
+A block whose record carries a recurrent checkpoint at its end (issue 16) has
+flags bit 1 set and is a version-2 entry: the same bytes, then
+``<u64 checkpoint nbytes>`` (the checkpoint's share of ``nbytes``). Entries
+without one stay version 1, byte for byte.
+
+.. versionchanged:: 0.1 entry version 2: checkpointed blocks.
 """
 
 from __future__ import annotations
@@ -36,8 +43,11 @@ __all__ = [
 
 _USE = struct.Struct("<d")
 _HEADER = struct.Struct("<BBHIQd32s32sB")
+_CHECKPOINT_BYTES = struct.Struct("<Q")
 _VERSION = 1
+_VERSION_CHECKPOINT = 2
 _FULL = 1
+_CHECKPOINT = 2
 
 
 @dataclass(frozen=True)
@@ -53,14 +63,22 @@ class IndexEntry:
     family: str
     full: bool
     tokens: np.ndarray | None = None
+    #: Bytes of the record that are a recurrent checkpoint at the block's end (0: none).
+    checkpoint_nbytes: int = 0
+
+    @property
+    def checkpointed(self) -> bool:
+        """The record carries the recurrent layers' checkpoint at the block's end."""
+        return self.checkpoint_nbytes > 0
 
 
 def encode_entry(entry: IndexEntry) -> bytes:
     assert entry.tokens is not None
     family = entry.family.encode("utf-8")[:255]
+    checkpointed = entry.checkpoint_nbytes > 0
     head = _HEADER.pack(
-        _VERSION,
-        _FULL if entry.full else 0,
+        _VERSION_CHECKPOINT if checkpointed else _VERSION,
+        (_FULL if entry.full else 0) | (_CHECKPOINT if checkpointed else 0),
         entry.ntokens,
         entry.depth,
         entry.nbytes,
@@ -69,7 +87,8 @@ def encode_entry(entry: IndexEntry) -> bytes:
         entry.parent,
         len(family),
     )
-    return head + family + np.ascontiguousarray(entry.tokens, dtype="<u4").tobytes()
+    body = head + family + np.ascontiguousarray(entry.tokens, dtype="<u4").tobytes()
+    return body + _CHECKPOINT_BYTES.pack(entry.checkpoint_nbytes) if checkpointed else body
 
 
 def decode_entry(value: Buffer, *, with_tokens: bool = True) -> IndexEntry:
@@ -87,19 +106,34 @@ def decode_entry(value: Buffer, *, with_tokens: bool = True) -> IndexEntry:
     version, flags, ntokens, depth, nbytes, created, digest, parent, flen = _HEADER.unpack_from(
         value
     )
-    if version != _VERSION:
+    if version not in (_VERSION, _VERSION_CHECKPOINT):
         raise FormatVersionError(
             f"[index] Index entry version {version} is not one this reader knows (reads "
-            f"{_VERSION}). Upgrade kvstore.",
+            f"{_VERSION}-{_VERSION_CHECKPOINT}). Upgrade kvstore.",
             found=version,
-            supported=(_VERSION,),
+            supported=(_VERSION, _VERSION_CHECKPOINT),
         )
     start = _HEADER.size + flen
-    if len(value) != start + 4 * ntokens:
+    extra = _CHECKPOINT_BYTES.size if version == _VERSION_CHECKPOINT else 0
+    if len(value) != start + 4 * ntokens + extra:
         raise CorruptEntryError(
-            f"[index] An index entry of {ntokens} tokens is {start + 4 * ntokens} bytes; "
-            f"received {len(value)}.",
+            f"[index] An index entry of {ntokens} tokens is {start + 4 * ntokens + extra} "
+            f"bytes; received {len(value)}.",
             found=len(value),
+        )
+    checkpoint_nbytes = 0
+    if extra:
+        (checkpoint_nbytes,) = _CHECKPOINT_BYTES.unpack_from(value, start + 4 * ntokens)
+        if not (flags & _CHECKPOINT and 0 < checkpoint_nbytes <= nbytes):
+            raise CorruptEntryError(
+                f"[index] A version-2 entry carries a checkpoint of 1 to nbytes ({nbytes}) "
+                f"bytes, flagged; received {checkpoint_nbytes} bytes, flags {flags:#x}.",
+                found=checkpoint_nbytes,
+            )
+    elif flags & _CHECKPOINT:
+        raise CorruptEntryError(
+            "[index] A version-1 entry cannot be flagged as carrying a checkpoint.",
+            found=flags,
         )
     family = bytes(value[_HEADER.size : start]).decode("utf-8", "replace")
     tokens = (
@@ -108,7 +142,16 @@ def decode_entry(value: Buffer, *, with_tokens: bool = True) -> IndexEntry:
         else None
     )
     return IndexEntry(
-        digest, parent, depth, ntokens, nbytes, created, family, bool(flags & _FULL), tokens
+        digest,
+        parent,
+        depth,
+        ntokens,
+        nbytes,
+        created,
+        family,
+        bool(flags & _FULL),
+        tokens,
+        checkpoint_nbytes,
     )
 
 

@@ -14,7 +14,7 @@ from kvstore.errors import CorruptEntryError, FormatVersionError
 from kvstore.store import keys as K
 from kvstore.store.blocks.index import IndexEntry, decode_entry, iter_entries
 from kvstore.store.blocks.removal import delete_subtree
-from kvstore.store.blocks.stats import add_totals, all_totals
+from kvstore.store.blocks.stats import add_totals, all_checkpoint_totals, all_totals
 
 __all__ = ["Survey"]
 
@@ -30,9 +30,11 @@ class Survey:
         self.corrupt: list[bytes] = []
         self.newer: list[bytes] = []
         self.totals: dict[bytes, tuple[int, int]] = {}
+        self.checkpoint_totals: dict[bytes, tuple[int, int]] = {}
 
     def run(self, view: ReadView, verify: RecordVerifier) -> None:
         self.totals = all_totals(view)
+        self.checkpoint_totals = all_checkpoint_totals(view)
         for key, value in view.scan(K.SCHEMA):
             if key == K.META_KEY or key.startswith(K.NS_TOTALS_DIR):
                 continue
@@ -77,15 +79,25 @@ class Survey:
         dangling += [rkey for rkey in self.records if rkey not in self.entries]
         dangling += [ukey for ukey, rkey in self.uses if rkey not in self.entries]
         counted: dict[bytes, tuple[int, int]] = {}
+        checkpoints: dict[bytes, tuple[int, int]] = {}
         for rkey, (_, entry) in self.entries.items():
             ns = K.split_record_key(rkey)[0]  # type: ignore[index]
             b, n = counted.get(ns, (0, 0))
             counted[ns] = (b + 1, n + entry.nbytes)
+            if entry.checkpointed:
+                c, cb = checkpoints.get(ns, (0, 0))
+                checkpoints[ns] = (c + 1, cb + entry.checkpoint_nbytes)
         mismatch = []
         for ns in sorted(set(self.totals) | set(counted)):
             stored, found = self.totals.get(ns, (0, 0)), counted.get(ns, (0, 0))
             if stored != found:
                 mismatch.append(f"{ns.decode()}: stored {stored}, counted {found}")
+            stored_ck = self.checkpoint_totals.get(ns, (0, 0))
+            found_ck = checkpoints.get(ns, (0, 0))
+            if stored_ck != found_ck:
+                mismatch.append(
+                    f"{ns.decode()}: checkpoints stored {stored_ck}, counted {found_ck}"
+                )
         return sorted(orphans), sorted(dangling), mismatch, sorted({*self.corrupt, *orphans})
 
     def report(self, repaired: bool) -> VerifyReport:
@@ -113,9 +125,18 @@ class Survey:
         for key, _ in list(txn.scan(K.NS_TOTALS_DIR)):
             txn.delete(key)
         for ns in {K.split_record_key(r)[0] for r in self.entries}:  # type: ignore[index]
-            blocks = nbytes = 0
+            blocks = nbytes = checkpoints = checkpoint_bytes = 0
             for sub in (b".c/", b".t/"):
                 for _, entry in iter_entries(txn, K.namespace_dir(ns) + sub, with_tokens=False):
                     blocks += 1
                     nbytes += entry.nbytes
-            add_totals(txn, ns, blocks, nbytes)
+                    checkpoints += entry.checkpointed
+                    checkpoint_bytes += entry.checkpoint_nbytes
+            add_totals(
+                txn,
+                ns,
+                blocks,
+                nbytes,
+                checkpoints=checkpoints,
+                checkpoint_bytes=checkpoint_bytes,
+            )

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field, replace
 from functools import partial
@@ -66,10 +66,10 @@ from kvstore.store.blocks import meta, saving
 from kvstore.store.blocks.checks import check_records
 from kvstore.store.blocks.eviction import Block, Budget, budgets, enforce
 from kvstore.store.blocks.housekeeping import Housekeeper, Pending, apply_pending
-from kvstore.store.blocks.index import best_child, iter_entries
+from kvstore.store.blocks.index import IndexEntry, best_child, decode_entry, iter_entries
 from kvstore.store.blocks.integrity import Survey
 from kvstore.store.blocks.removal import delete_extending
-from kvstore.store.blocks.stats import Counters, all_totals
+from kvstore.store.blocks.stats import Counters, all_checkpoint_totals, all_totals
 from kvstore.store.kv import CacheMethods
 from kvstore.store.kv.writer import DEFAULT_GROUP_WINDOW
 from kvstore.store.settings import (
@@ -115,6 +115,7 @@ STORE_OPTIONS: dict[str, Callable[[Any], Any]] = {
     "touch_interval": lambda v: parse_seconds(v, "touch_interval"),
     "clock": _parse_callable("clock"),
     "low_water": lambda v: parse_fraction(v, "low_water"),
+    "describe": _parse_callable("describe"),
     "durability": parse_durability,
     "group_window": lambda v: parse_seconds(v, "group_window"),
 }
@@ -160,6 +161,19 @@ def _accept(record: memoryview) -> None:
     """``verify=None``: records are opaque bytes; nothing to check."""
 
 
+def kv_checkpoint_nbytes(record: Any) -> int:
+    """The default ``describe``: bytes of a kvstore record that are recurrent
+    checkpoints (:func:`kvstore.codecs.record.checkpoint_nbytes`); imported on first use."""
+    from kvstore.codecs.record import checkpoint_nbytes
+
+    return checkpoint_nbytes(record)
+
+
+def _opaque(record: Any) -> int:
+    """``describe=None``: records are opaque; none is known to carry a checkpoint."""
+    return 0
+
+
 class BlockPrefixStore(CacheMethods, PrefixStore):
     """A prefix store of chained blocks over any :class:`~kvstore.abc.store.Backend`.
 
@@ -175,6 +189,10 @@ class BlockPrefixStore(CacheMethods, PrefixStore):
             (``0``: only when the store writes anyway, or on :meth:`flush`).
         clock: the time source for recency (seconds; tests pass a counter).
         low_water: a save over budget evicts down to this fraction of it.
+        describe: ``describe(record)`` says how many of a record's bytes are a
+            recurrent checkpoint at its block's end (issue 16), kept in the index
+            and counted apart. Default: :func:`kv_checkpoint_nbytes` (kvstore's
+            records, by their header); ``None``: 0 for every record.
         durability: ``"group"`` (default), ``"sync"`` or ``"os"``: how commits are
             made durable (:mod:`kvstore.store.kv.writer`; an LMDB backend is opened
             without syncing for ``"os"``).
@@ -192,6 +210,7 @@ class BlockPrefixStore(CacheMethods, PrefixStore):
         touch_interval: float = 1.0,
         clock: Callable[[], float] | None = None,
         low_water: float = 0.9,
+        describe: Callable[[Any], int] | None = kv_checkpoint_nbytes,
         durability: str = DURABILITY_MODES[0],
         group_window: float = DEFAULT_GROUP_WINDOW,
         **settings: Any,
@@ -208,6 +227,9 @@ class BlockPrefixStore(CacheMethods, PrefixStore):
                 found=sorted(unknown),
             )
         self._verify = verify or _accept
+        # Opaque records (verify=None) are not kvstore records: none carries a checkpoint.
+        opaque = verify is None and describe is kv_checkpoint_nbytes
+        self._describe = _opaque if opaque or describe is None else describe
         self._clock = clock or time.time
         self._low_water = parse_fraction(low_water, "low_water")
         self._counters = Counters()
@@ -246,12 +268,19 @@ class BlockPrefixStore(CacheMethods, PrefixStore):
 
     # ------------------------------------------------------------------ lookup
 
-    def lookup(self, namespace: str, tokens: Any) -> Match:
-        """The longest reusable prefix of ``tokens`` in ``namespace`` (module docstring)."""
+    def lookup(self, namespace: str, tokens: Any, *, checkpoints: bool = False) -> Match:
+        """The longest reusable prefix of ``tokens`` in ``namespace`` (module docstring).
+
+        With ``checkpoints`` (a hybrid model: its recurrent layers can only be
+        restored from a checkpoint), the match ends where the last matched
+        block whose record carries a checkpoint ends, and ``Match.kv_tokens``
+        says how far the KV matched; KV matched without a checkpoint is a
+        miss of reason ``no_checkpoint``.
+        """
         self._check_open("lookup")
         ns = K.parse_namespace(namespace)
-        self.wait_for_saves(namespace)  # a process reads its own saves handed off
         toks = K.as_tokens(tokens, "lookup")
+        self.wait_for_saves(namespace, toks)  # a process reads its own saves handed off
         size, bsize = len(toks), self._settings.block_size
         self._counters.add(lookups=1)
         if size < 2:
@@ -260,12 +289,15 @@ class BlockPrefixStore(CacheMethods, PrefixStore):
         quarantine = self._quarantine
         refs: list[BlockRef] = []
         parent = K.ROOT
+        parents: list[bytes] = []
+        child: IndexEntry | None = None
         with self._unavailable_is_a_miss(), self._backend.reader() as view:
             for i, digest in enumerate(self._stored_chain(view, ns, toks)):
                 key = K.record_key(ns, digest)
                 if key in quarantine:
                     break
                 refs.append(BlockRef(key, i, i * bsize, bsize, bsize))
+                parents.append(parent)
                 parent = digest
             matched = len(refs) * bsize
             if matched < size:
@@ -277,19 +309,62 @@ class BlockPrefixStore(CacheMethods, PrefixStore):
                     key = K.record_key(ns, entry.digest)
                     if key not in quarantine:
                         refs.append(BlockRef(key, len(refs), matched, lcp, entry.ntokens))
+                        child = entry
+            if checkpoints:
+                ends = self._checkpointed(view, ns, toks, refs, parents, child, size - 1)
         n = refs[-1].stop if refs else 0
         if n >= size:  # leave the last prompt token to the model
             last = refs.pop()
             if last.rows > 1:
                 refs.append(replace(last, rows=last.rows - 1))
             n = size - 1
+        kv = n
+        if checkpoints:
+            # Reuse ends where a checkpoint does: a whole block, at most the prompt but one.
+            usable = [i for i, ref in enumerate(refs) if i in ends and ref.rows == ref.stored_rows]
+            refs = refs[: usable[-1] + 1] if usable else []
+            n = refs[-1].stop if refs else 0
+            if kv and not n:
+                self._counters.miss(MissReason.NO_CHECKPOINT)
+                return Match(namespace, 0, size, bsize, kv_tokens=kv)
         if not n:
             self._counters.miss(MissReason.COLD)
             return Match(namespace, 0, size, bsize)
         self._counters.add(hits=1, hit_tokens=n)
         if self._house is not None:
             self._house.touch([r.key for r in refs], self._clock())
-        return Match(namespace, n, size, bsize, tuple(refs))
+        return Match(namespace, n, size, bsize, tuple(refs), kv_tokens=kv)
+
+    def _checkpointed(
+        self,
+        view: ReadView,
+        ns: bytes,
+        toks: np.ndarray,
+        refs: list[BlockRef],
+        parents: list[bytes],
+        child: IndexEntry | None,
+        limit: int,
+    ) -> set[int]:
+        """The index of the last matched block that ends at most at ``limit``, whole,
+        with a record carrying a checkpoint at its end (walking back from the end)."""
+        bsize = self._settings.block_size
+        for i in range(len(refs) - 1, -1, -1):
+            if refs[i].stop > limit or refs[i].rows != refs[i].stored_rows:
+                continue
+            if i == len(parents):  # the child the match ends in: its entry is known
+                assert child is not None
+                flagged = child.checkpointed and refs[i].rows == child.ntokens
+            else:
+                block = toks[i * bsize : (i + 1) * bsize]
+                digest = K.split_record_key(refs[i].key)[1]  # type: ignore[index]
+                raw = view.get(K.child_key(ns, parents[i], block, digest, True))
+                try:
+                    flagged = raw is not None and decode_entry(raw, with_tokens=False).checkpointed
+                except (CorruptEntryError, FormatVersionError):
+                    flagged = False
+            if flagged:
+                return {i}
+        return set()
 
     def _stored_chain(self, view: ReadView, ns: bytes, toks: np.ndarray) -> Iterator[bytes]:
         """Digests of the prompt's leading full blocks that are stored, in order.
@@ -401,7 +476,13 @@ class BlockPrefixStore(CacheMethods, PrefixStore):
     # ------------------------------------------------------------------ save
 
     def put_blocks(
-        self, namespace: str, tokens: Any, encode: RecordEncoder, *, family: str = ""
+        self,
+        namespace: str,
+        tokens: Any,
+        encode: RecordEncoder,
+        *,
+        family: str = "",
+        checkpoints: Collection[int] = (),
     ) -> SaveResult:
         """Store the blocks of ``tokens`` that are not stored yet, in one atomic write.
 
@@ -413,12 +494,17 @@ class BlockPrefixStore(CacheMethods, PrefixStore):
                 order; the last one may be a partial tail). Not called when
                 nothing is missing.
             family: a label kept with each new block for ``stats(by_family=True)``.
+            checkpoints: positions the caller can give a recurrent checkpoint for
+                (issue 16): a block ending at one is encoded with
+                ``BlockSpan.checkpoint``, and a stored one whose record lacks a
+                checkpoint is encoded again and replaced (an upgrade).
 
         Raises:
             StoreFullError: the blocks do not fit the budget even after evicting
                 every unpinned leaf, or the map/disk is full; nothing was written.
         """
-        return self.put_blocks_many([BlockSave(namespace, tokens, encode, family)])[0]
+        save = BlockSave(namespace, tokens, encode, family, frozenset(checkpoints))
+        return self.put_blocks_many([save])[0]
 
     def put_blocks_many(self, saves: Sequence[BlockSave]) -> list[SaveResult]:
         """Every save's missing blocks in one atomic write (one sync: a group commit);
@@ -430,9 +516,17 @@ class BlockPrefixStore(CacheMethods, PrefixStore):
             with self._backend.reader() as view:
                 for job in jobs:
                     if job.result is None:
-                        job.existing, job.cover, job.missing = saving.survey(
-                            view, job.ns, job.spans
+                        job.existing, job.cover, missing = saving.survey(view, job.ns, job.spans)
+                        absent = {s.index for s in missing}
+                        # Stored blocks ending where this save has a checkpoint and
+                        # their record none: encoded again, replaced (issue 16).
+                        upgrades = saving.upgradable(
+                            view,
+                            job.ns,
+                            [s for s in job.spans if s.index not in absent],
+                            job.save.checkpoints,
                         )
+                        job.missing = [*missing, *upgrades]
             writing = []
             for job in jobs:
                 if job.result is not None:
@@ -449,7 +543,9 @@ class BlockPrefixStore(CacheMethods, PrefixStore):
                     )
                     continue
                 todo = [s for s in job.missing if s.index not in job.encoded]
-                saving.encode_missing(job.ns, todo, job.encoded, job.save.encode)
+                saving.encode_missing(
+                    job.ns, todo, job.encoded, job.save.encode, job.save.checkpoints
+                )
                 writing.append(job)
             if not writing:
                 break
@@ -461,6 +557,7 @@ class BlockPrefixStore(CacheMethods, PrefixStore):
             except saving.Stale:
                 continue
             for job, out in zip(writing, outs, strict=True):
+                evicted_checkpoint_bytes = sum(b.checkpoint_nbytes for b in out.evicted)
                 self._counters.add(
                     saves=1,
                     saved_blocks=len(out.written),
@@ -468,6 +565,7 @@ class BlockPrefixStore(CacheMethods, PrefixStore):
                     deduplicated_blocks=out.deduplicated,
                     evictions=len(out.evicted),
                     evicted_bytes=sum(b.nbytes for b in out.evicted),
+                    evicted_checkpoint_bytes=evicted_checkpoint_bytes,
                 )
                 job.result = SaveResult(
                     job.save.namespace,
@@ -479,6 +577,10 @@ class BlockPrefixStore(CacheMethods, PrefixStore):
                     len(out.evicted),
                     sum(b.nbytes for b in out.evicted),
                     out.covered_by,
+                    out.checkpoints,
+                    out.checkpoint_bytes,
+                    out.upgraded,
+                    evicted_checkpoint_bytes,
                 )
             break
         else:
@@ -502,6 +604,8 @@ class BlockPrefixStore(CacheMethods, PrefixStore):
                 encoded=job.encoded,
                 now=now,
                 family=job.save.family,
+                checkpoints=job.save.checkpoints,
+                describe=self._describe,
                 make_room=partial(self._make_room_in, ns=job.ns),
             )
             for job in jobs
@@ -543,7 +647,11 @@ class BlockPrefixStore(CacheMethods, PrefixStore):
 
         gone = self._write_with_pending(run)
         freed = sum(b.nbytes for b in gone)
-        self._counters.add(evictions=len(gone), evicted_bytes=freed)
+        self._counters.add(
+            evictions=len(gone),
+            evicted_bytes=freed,
+            evicted_checkpoint_bytes=sum(b.checkpoint_nbytes for b in gone),
+        )
         return freed
 
     # ------------------------------------------------------------------ delete
@@ -632,6 +740,7 @@ class BlockPrefixStore(CacheMethods, PrefixStore):
         self.wait_for_saves()  # after the saves handed off before this call
         with self._backend.reader() as view:
             totals = all_totals(view)
+            checkpoints = all_checkpoint_totals(view)
             settings = self._budgets(view)
             families: dict[str, int] | None = None
             if by_family:
@@ -642,12 +751,16 @@ class BlockPrefixStore(CacheMethods, PrefixStore):
                         for _, e in iter_entries(view, prefix, with_tokens=False):
                             families[e.family] = families.get(e.family, 0) + e.nbytes
         namespaces = {
-            n.decode(): NamespaceStats(b, nb, settings.budget_for(n.decode()))
+            n.decode(): NamespaceStats(
+                b, nb, settings.budget_for(n.decode()), *checkpoints.get(n, (0, 0))
+            )
             for n, (b, nb) in totals.items()
         }
         return StoreStats(
             blocks=sum(s.blocks for s in namespaces.values()),
             bytes=sum(s.bytes for s in namespaces.values()),
+            checkpoints=sum(s.checkpoints for s in namespaces.values()),
+            checkpoint_bytes=sum(s.checkpoint_bytes for s in namespaces.values()),
             namespaces=namespaces,
             max_bytes=settings.max_bytes,
             by_family=families,

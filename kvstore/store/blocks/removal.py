@@ -19,7 +19,20 @@ __all__ = ["delete_block", "delete_subtree", "delete_namespace", "delete_extendi
 
 
 def delete_block(txn: WriteView, ns: bytes, index_key: bytes, digest: bytes) -> None:
-    """Remove one block's record, index entry and last use."""
+    """Remove one block's record, index entry and last use.
+
+    A block carrying a recurrent checkpoint takes its checkpoint back out of the
+    namespace's checkpoint counters here (issue 16); its blocks and bytes are
+    the caller's to adjust, as for every block.
+    """
+    raw = txn.get(index_key)
+    if raw is not None:
+        try:
+            entry = decode_entry(raw, with_tokens=False)
+        except (CorruptEntryError, FormatVersionError):
+            entry = None
+        if entry is not None and entry.checkpointed:
+            add_totals(txn, ns, 0, 0, checkpoints=-1, checkpoint_bytes=-entry.checkpoint_nbytes)
     txn.delete(K.record_key(ns, digest))
     txn.delete(index_key)
     txn.delete(K.use_key(ns, digest))

@@ -7,24 +7,33 @@ in one transaction (:func:`commit_blocks`): records, index entries and last
 uses, stored tails the new blocks extend removed (*superseded*), totals
 adjusted. A block another process evicted between the survey and the commit
 makes the commit raise :class:`Stale`; the caller encodes it too and retries.
+
+Checkpoints (issue 16): a save may name positions it can give a recurrent
+checkpoint for. A block ending at one is encoded with ``BlockSpan.checkpoint``;
+a stored block ending at one whose record lacks a checkpoint is *upgraded* --
+encoded again with it and its record and index entry replaced in the same
+commit (:func:`upgradable`). How many of a record's bytes are its checkpoint
+is the record's to say (``describe``, kvstore's records by their header); the
+index entry keeps it, and the totals count it apart.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Collection
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
 
 from kvstore.abc.store import BlockSpan, ReadView, RecordEncoder, WriteView
-from kvstore.errors import StoreConfigError
+from kvstore.errors import CorruptEntryError, FormatVersionError, StoreConfigError
 from kvstore.store import keys as K
 from kvstore.store.blocks.eviction import Block
 from kvstore.store.blocks.housekeeping import touch_in
 from kvstore.store.blocks.index import (
     IndexEntry,
     best_child,
+    decode_entry,
     encode_entry,
     encode_use,
     iter_entries,
@@ -33,6 +42,7 @@ from kvstore.store.blocks.removal import delete_block
 from kvstore.store.blocks.stats import add_totals
 
 __all__ = [
+    "Describe",
     "Span",
     "SaveOutcome",
     "Stale",
@@ -45,6 +55,8 @@ __all__ = [
 
 #: ``make_room(txn, incoming bytes, pinned record keys) -> evicted blocks``.
 MakeRoom = Callable[[WriteView, int, set[bytes]], list[Block]]
+#: ``describe(record) -> bytes of it that are a recurrent checkpoint`` (0: none).
+Describe = Callable[[Any], int]
 
 
 class Stale(Exception):
@@ -71,6 +83,9 @@ class SaveOutcome:
     superseded: int
     evicted: tuple[Block, ...]
     covered_by: bytes | None
+    checkpoints: int = 0
+    checkpoint_bytes: int = 0
+    upgraded: int = 0
 
 
 def spans_of(ns: bytes, toks: np.ndarray, block_size: int) -> list[Span]:
@@ -107,6 +122,34 @@ def survey(
     return existing, cover, missing
 
 
+def _entry_of(view: ReadView, ns: bytes, span: Span) -> tuple[bytes, IndexEntry] | None:
+    """The index key and entry of a stored span (``None`` if absent or unreadable)."""
+    key = K.child_key(ns, span.parent, span.tokens, span.digest, span.full)
+    raw = view.get(key)
+    if raw is None:
+        return None
+    try:
+        return key, decode_entry(raw)
+    except (CorruptEntryError, FormatVersionError):
+        return None
+
+
+def upgradable(
+    view: ReadView, ns: bytes, spans: list[Span], checkpoints: Collection[int]
+) -> list[Span]:
+    """Stored spans ending at one of ``checkpoints`` whose record carries none."""
+    if not checkpoints:
+        return []
+    out = []
+    for span in spans:
+        if span.start + len(span.tokens) not in checkpoints:
+            continue
+        found = _entry_of(view, ns, span)
+        if found is not None and not found[1].checkpointed:
+            out.append(span)
+    return out
+
+
 def _covering(view: ReadView, ns: bytes, span: Span) -> bytes | None:
     """The record key of a stored sibling whose tokens start with the tail's, if any."""
     dirs = (K.children_dir(ns, span.parent), K.tails_dir(ns, span.parent))
@@ -117,7 +160,11 @@ def _covering(view: ReadView, ns: bytes, span: Span) -> bytes | None:
 
 
 def encode_missing(
-    ns: bytes, spans: list[Span], encoded: dict[int, Any], encode: RecordEncoder
+    ns: bytes,
+    spans: list[Span],
+    encoded: dict[int, Any],
+    encode: RecordEncoder,
+    checkpoints: Collection[int] = (),
 ) -> None:
     """Encode ``spans`` (outside the write lock) into ``encoded``, checking what comes back."""
     if not spans:
@@ -125,7 +172,13 @@ def encode_missing(
     records = list(
         encode(
             [
-                BlockSpan(s.index, s.start, s.start + len(s.tokens), K.record_key(ns, s.digest))
+                BlockSpan(
+                    s.index,
+                    s.start,
+                    s.start + len(s.tokens),
+                    K.record_key(ns, s.digest),
+                    s.start + len(s.tokens) in checkpoints,
+                )
                 for s in spans
             ]
         )
@@ -151,8 +204,11 @@ def commit_blocks(
     now: float,
     family: str,
     make_room: MakeRoom,
+    checkpoints: Collection[int] = (),
+    describe: Describe | None = None,
 ) -> SaveOutcome:
-    """Write the prompt's missing blocks in ``txn`` (see the module docstring).
+    """Write the prompt's missing blocks, and upgrade the stored ones that lack a
+    checkpoint at one of ``checkpoints``, in ``txn`` (see the module docstring).
 
     Raises:
         Stale: a block the caller did not encode is missing now.
@@ -161,13 +217,29 @@ def commit_blocks(
     existing, covered_by, new = survey(txn, ns, spans)
     if any(span.index not in encoded for span in new):
         raise Stale
+    # Upgrades the caller encoded whose record does carry a checkpoint (else the
+    # stored record stays: rewriting it would gain nothing).
+    measure = describe or (lambda record: 0)
+    upgrades = []
+    fresh = {s.index for s in new}
+    for span in upgradable(txn, ns, [s for s in spans if s.index not in fresh], checkpoints):
+        if span.index in encoded and measure(encoded[span.index]) > 0:
+            found = _entry_of(txn, ns, span)
+            assert found is not None
+            upgrades.append((span, *found))
     superseded = _superseded(txn, ns, new)
     new_bytes = sum(record_nbytes(encoded[s.index]) for s in new)
+    grown = sum(record_nbytes(encoded[s.index]) - e.nbytes for s, _, e in upgrades)
     freed = sum(e.nbytes for _, e in superseded)
     pinned = {*existing, *(K.record_key(ns, e.digest) for _, e in superseded)}
-    evicted = make_room(txn, new_bytes - freed, pinned) if new_bytes > freed else []
+    incoming = new_bytes + grown - freed
+    evicted = make_room(txn, incoming, pinned) if incoming > 0 else []
+    checkpoints_written = checkpoint_bytes = 0
     for span in new:
         record = encoded[span.index]
+        ckpt = measure(record)
+        checkpoints_written += ckpt > 0
+        checkpoint_bytes += ckpt
         txn.put(K.record_key(ns, span.digest), record)
         entry = IndexEntry(
             span.digest,
@@ -179,15 +251,31 @@ def commit_blocks(
             family,
             span.full,
             span.tokens,
+            ckpt,
         )
         index_key = K.child_key(ns, span.parent, span.tokens, span.digest, span.full)
         txn.put(index_key, encode_entry(entry))
         txn.put(K.use_key(ns, span.digest), encode_use(now, index_key))
+    for span, index_key, old in upgrades:
+        record = encoded[span.index]
+        ckpt = measure(record)
+        checkpoints_written += 1
+        checkpoint_bytes += ckpt
+        txn.put(K.record_key(ns, span.digest), record)
+        upgraded = replace(old, nbytes=record_nbytes(record), checkpoint_nbytes=ckpt)
+        txn.put(index_key, encode_entry(upgraded))
     for index_key, entry in superseded:
         delete_block(txn, ns, index_key, entry.digest)
     for key in existing:
         touch_in(txn, key, now)
-    add_totals(txn, ns, len(new) - len(superseded), new_bytes - freed)
+    add_totals(
+        txn,
+        ns,
+        len(new) - len(superseded),
+        new_bytes + grown - freed,
+        checkpoints=checkpoints_written,
+        checkpoint_bytes=checkpoint_bytes,
+    )
     return SaveOutcome(
         tuple(K.record_key(ns, s.digest) for s in new),
         new_bytes,
@@ -195,6 +283,9 @@ def commit_blocks(
         len(superseded),
         tuple(evicted),
         covered_by,
+        checkpoints_written,
+        checkpoint_bytes,
+        len(upgrades),
     )
 
 

@@ -33,7 +33,7 @@ from __future__ import annotations
 import queue
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import asdict, replace
 from functools import partial
@@ -224,10 +224,10 @@ class TieredPrefixStore(CacheMethods, PrefixStore):
 
     # ------------------------------------------------------------------ lookup
 
-    def lookup(self, namespace: str, tokens: Any) -> Match:
+    def lookup(self, namespace: str, tokens: Any, *, checkpoints: bool = False) -> Match:
         self._check_open("lookup")
-        self.wait_for_saves(namespace)  # a process reads its own saves handed off
         toks = K.as_tokens(tokens, "lookup")
+        self.wait_for_saves(namespace, toks)  # a process reads its own saves handed off
         self._counters.add(lookups=1)
         best: Match | None = None
         holders: dict[bytes, int] = {}
@@ -235,13 +235,13 @@ class TieredPrefixStore(CacheMethods, PrefixStore):
         for i, tier in enumerate(self.tiers):
             asked = i + 1
             try:
-                match = tier.lookup(namespace, toks)
+                match = tier.lookup(namespace, toks, checkpoints=checkpoints)
             except StoreUnavailableError:
                 self._counters.miss(MissReason.UNAVAILABLE)
                 continue
             for ref in match.blocks:
                 holders.setdefault(ref.key, i)
-            if best is None or match.tokens > best.tokens:
+            if best is None or (match.tokens, match.kv_matched) > (best.tokens, best.kv_matched):
                 best = match
             if match.prompt_tokens < 2 or match.tokens >= match.prompt_tokens - 1:
                 break  # nothing slower can match more
@@ -250,8 +250,12 @@ class TieredPrefixStore(CacheMethods, PrefixStore):
                 f"[lookup] No tier of {self.url} could be reached.", url=self.url
             )
         if not best.hit:
-            short = best.prompt_tokens < 2
-            self._counters.miss(MissReason.SHORT_PROMPT if short else MissReason.COLD)
+            if best.prompt_tokens < 2:
+                self._counters.miss(MissReason.SHORT_PROMPT)
+            elif best.kv_matched:
+                self._counters.miss(MissReason.NO_CHECKPOINT)
+            else:
+                self._counters.miss(MissReason.COLD)
             return best
         self._counters.add(hits=1, hit_tokens=best.tokens)
         self._remember(best, toks, holders)
@@ -383,24 +387,38 @@ class TieredPrefixStore(CacheMethods, PrefixStore):
     # ------------------------------------------------------------------ save
 
     def put_blocks(
-        self, namespace: str, tokens: Any, encode: RecordEncoder, *, family: str = ""
+        self,
+        namespace: str,
+        tokens: Any,
+        encode: RecordEncoder,
+        *,
+        family: str = "",
+        checkpoints: Collection[int] = (),
     ) -> SaveResult:
         self._check_open("save")
         records = _Records(encode)
         self._counters.add(saves=1)
         if self.write == "back":
             toks = np.array(K.as_tokens(tokens, "save"))  # owned: the caller may reuse its list
-            result = self.tiers[0].put_blocks(namespace, toks, records, family=family)
+            result = self.tiers[0].put_blocks(
+                namespace, toks, records, family=family, checkpoints=checkpoints
+            )
             self._count_save(result)
             fallback = _Records(None, self._reader_of(self.tiers[0]))
             fallback.by_key.update(records.by_key)
-            self._background.submit(lambda: self._write_back(namespace, toks, fallback, family))
+            self._background.submit(
+                lambda: self._write_back(namespace, toks, fallback, family, checkpoints)
+            )
             return result
         results: list[SaveResult] = []
         unavailable: StoreUnavailableError | None = None
         for tier in self.tiers:
             try:
-                results.append(tier.put_blocks(namespace, tokens, records, family=family))
+                results.append(
+                    tier.put_blocks(
+                        namespace, tokens, records, family=family, checkpoints=checkpoints
+                    )
+                )
             except StoreUnavailableError as exc:
                 unavailable = unavailable or exc
         if unavailable is not None:
@@ -415,9 +433,16 @@ class TieredPrefixStore(CacheMethods, PrefixStore):
             deduplicated_blocks=result.deduplicated,
         )
 
-    def _write_back(self, namespace: str, toks: np.ndarray, records: _Records, family: str) -> None:
+    def _write_back(
+        self,
+        namespace: str,
+        toks: np.ndarray,
+        records: _Records,
+        family: str,
+        checkpoints: Collection[int] = (),
+    ) -> None:
         for tier in self.tiers[1:]:
-            tier.put_blocks(namespace, toks, records, family=family)
+            tier.put_blocks(namespace, toks, records, family=family, checkpoints=checkpoints)
 
     @staticmethod
     def _reader_of(tier: PrefixStore) -> Callable[[list[BlockSpan]], list[Any]]:
@@ -475,7 +500,7 @@ class TieredPrefixStore(CacheMethods, PrefixStore):
         self.wait_for_saves()  # after the saves handed off before this call
         per_tier = [t.stats(by_family=by_family) for t in self.tiers]
         own = self._counters.snapshot()
-        for name in ("evictions", "evicted_bytes"):
+        for name in ("evictions", "evicted_bytes", "evicted_checkpoint_bytes"):
             del own[name]  # the slowest tier's: it holds the authoritative copy
         last = per_tier[-1]
         return replace(

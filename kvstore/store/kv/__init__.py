@@ -57,10 +57,11 @@ class CacheMethods:
             self._writer = WriteBehind(self, self.durability, self.group_window)
         return self._writer.submit(namespace, tokens, caches, captured)
 
-    def wait_for_saves(self, namespace: str | None = None) -> None:
-        """Until the saves handed off (of ``namespace``, or all) are committed."""
+    def wait_for_saves(self, namespace: str | None = None, tokens: Any = None) -> None:
+        """Until the saves handed off (of ``namespace``, or all) are committed; with
+        ``tokens`` (a lookup's, canonical), only those that can add rows to it."""
         if self._writer is not None:
-            self._writer.wait(namespace)
+            self._writer.wait(namespace, tokens=tokens)
 
     def stop_writer(self) -> None:
         """Commit what is handed off and stop the writer thread (``close``)."""

@@ -10,7 +10,10 @@ layer needs:
   windowed model reuses any stored prefix, not only one saved at that length;
 * a match ending inside a block uses that block's first rows only;
 * a layer stored in another encoding (a lossy storage policy) is transcoded
-  into the family of its cache.
+  into the family of its cache;
+* a recurrent layer (a hybrid model, issue 16) from the checkpoint the match's
+  last block carries at its end (:mod:`.checkpoints`), so the match is cut back
+  to the last block that has one.
 
 When a block a layer needs cannot serve it -- unreadable (corrupt, vanished),
 or the layer is ``None`` in it (a window had moved on when it was saved) --
@@ -30,7 +33,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kvstore.abc.cache import is_sliding_window_cache, signature_of
+from kvstore.abc.cache import is_recurrent_cache, is_sliding_window_cache, signature_of
 from kvstore.abc.codec import RestorePlan, Snapshot
 from kvstore.abc.store import BlockRef, Match, PrefixStore
 from kvstore.codecs import cuda, decode_record, get_codec, read_header, transcode
@@ -43,6 +46,7 @@ from kvstore.errors import (
     UnknownSignatureError,
 )
 from kvstore.signature import parse_signature
+from kvstore.store.kv.checkpoints import checkpoint_block, usable_checkpoint
 
 __all__ = ["LayerNeed", "layer_needs", "restore_caches", "blocks_needed"]
 
@@ -54,10 +58,12 @@ class LayerNeed:
     Attributes:
         signature: the family of the layer's cache (what to restore into).
         window: ``(max_size, keep)`` of a sliding-window cache, else ``None``.
+        checkpoint: a recurrent layer: rebuilt from the checkpoint at the match's end.
     """
 
     signature: str
     window: tuple[int, int] | None = None
+    checkpoint: bool = False
 
 
 def layer_needs(caches: Sequence[Any]) -> list[LayerNeed]:
@@ -76,12 +82,14 @@ def layer_needs(caches: Sequence[Any]) -> list[LayerNeed]:
                 layer=i,
             )
         window = (int(cache.max_size), int(cache.keep)) if is_sliding_window_cache(cache) else None
-        needs.append(LayerNeed(str(sig), window))
+        needs.append(LayerNeed(str(sig), window, is_recurrent_cache(cache)))
     return needs
 
 
 def blocks_needed(match: Match, need: LayerNeed) -> tuple[BlockRef, ...]:
     """The blocks of ``match`` that ``need``'s layer is rebuilt from."""
+    if need.checkpoint:
+        return checkpoint_block(match)
     return match.blocks if need.window is None else match.for_window(*need.window)
 
 
@@ -161,7 +169,7 @@ def _restorable(match: Match, needs: Sequence[LayerNeed], headers: Sequence[Reco
             _usable(by_key.get(ref.key), ref, i, need, len(needs))
             for i, need in enumerate(needs)
             for ref in blocks_needed(cut, need)
-        ):
+        ) and all(blocks_needed(cut, need) for need in needs if need.checkpoint):
             return tokens
     return 0
 
@@ -174,6 +182,8 @@ def _usable(
     if len(header.layers) != layers:  # not a record of this model's caches
         return False
     entry = header.layers[layer]
+    if need.checkpoint:
+        return usable_checkpoint(entry, ref, need.signature)
     if entry is None or entry.start != ref.start or entry.stop != ref.start + ref.stored_rows:
         return False
     if need.window is not None:
@@ -208,7 +218,7 @@ def _plans(
         for ref in blocks_needed(match, need):
             snap = records[ref.key][layer]
             assert snap is not None  # _usable checked it
-            snaps.append(_first_rows(snap, ref.rows))
+            snaps.append(snap if need.checkpoint else _first_rows(snap, ref.rows))
         layers.append(snaps)
     recoded = [i for i, need in enumerate(needs) if layers[i][0].signature != need.signature]
     if recoded and cuda.available():

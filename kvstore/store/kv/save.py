@@ -13,6 +13,12 @@ A sliding window forgets rows as prefill moves on, so
 :class:`kvstore.bridge.capture.BlockCapture` (an ``on_prefill_chunk`` callback)
 snapshots each completed block of such layers while the window still holds it;
 the save takes those snapshots instead of asking the live cache.
+
+A hybrid model's recurrent layers (issue 16) are stored as checkpoints at
+block ends, all of them or none in a record (:mod:`.checkpoints`): at every
+position where each has a state -- captured (``captured[(layer, position)]``,
+a snapshot with ``start == stop``) or live -- the store is asked for one, and
+a stored block there that lacks it is upgraded.
 """
 
 from __future__ import annotations
@@ -20,7 +26,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from kvstore.abc.cache import signature_string
+from kvstore.abc.cache import is_recurrent_cache, signature_string
 from kvstore.abc.codec import KVCodec, Snapshot
 from kvstore.abc.store import BlockSpan, PrefixStore, SaveResult
 from kvstore.codecs import codec_for
@@ -29,11 +35,18 @@ from kvstore.codecs.record import plan_record
 from kvstore.errors import CapabilityError
 from kvstore.signature import UNKNOWN
 from kvstore.store import keys as K
+from kvstore.store.kv.checkpoints import (
+    checkpoint_layers,
+    checkpoint_positions,
+    live_positions,
+    recurrent_layers,
+)
 from kvstore.store.kv.policy import apply_policy, stored_signature
 
 __all__ = ["save_caches", "check_caches", "BlockEncoder", "Captured"]
 
-#: Snapshots taken during prefill: ``(layer, block start) -> Snapshot`` of a whole block.
+#: Snapshots taken during prefill: ``(layer, block start) -> Snapshot`` of a whole block;
+#: for a recurrent layer ``(layer, position) -> `` its checkpoint there (``start == stop``).
 Captured = Mapping[tuple[int, int], Snapshot]
 
 
@@ -55,6 +68,7 @@ def save_caches(
         caches: the model's live caches, one per layer (ours or mlx-lm's).
         captured: snapshots of whole blocks taken while a sliding window held
             them (:class:`kvstore.bridge.capture.BlockCapture`); they replace what the caches lost.
+            For recurrent layers, checkpoints at positions the state has left.
 
     Returns:
         What :meth:`~kvstore.abc.store.PrefixStore.put_blocks` did.
@@ -66,15 +80,29 @@ def save_caches(
     """
     toks = K.as_tokens(tokens, "save")
     check_caches(toks, caches)
-    encoder = BlockEncoder(caches, store.settings.storage_policy, captured or {})
-    return store.put_blocks(namespace, toks, encoder, family=encoder.family)
+    captured = captured or {}
+    encoder = BlockEncoder(caches, store.settings.storage_policy, captured, len(toks))
+    positions = checkpoint_positions(caches, captured, len(toks))
+    # Only a hybrid model's save names checkpoints (a wrapped put_blocks may predate them).
+    options = {"checkpoints": positions} if positions else {}
+    return store.put_blocks(namespace, toks, encoder, family=encoder.family, **options)
 
 
 def check_caches(tokens: Any, caches: Sequence[Any]) -> None:
     """Raise ValueError unless every one of ``caches`` holds KV for all of ``tokens``."""
     if not caches:
         raise ValueError("[save] No caches: pass the model's caches, one per layer.")
-    short = sorted({int(c.offset) for c in caches if int(c.offset) < len(tokens)})
+    # The offset first, the predicate only for a short cache (a state has no rows; mlx-lm's
+    # ArraysCache keeps no offset): a save handed off pays this on the generating thread.
+    short = sorted(
+        {
+            int(offset)
+            for c in caches
+            if (offset := getattr(c, "offset", None)) is not None
+            and int(offset) < len(tokens)
+            and not is_recurrent_cache(c)
+        }
+    )
     if short:
         raise ValueError(
             f"[save] {len(tokens)} tokens were given but a cache holds only {short[0]}; pass "
@@ -86,8 +114,12 @@ class BlockEncoder:
     """``encode(spans)`` for :meth:`~kvstore.abc.store.PrefixStore.put_blocks`:
     the record of each span, built from live caches (and captured snapshots)."""
 
-    def __init__(self, caches: Sequence[Any], policy: str, captured: Captured) -> None:
+    def __init__(
+        self, caches: Sequence[Any], policy: str, captured: Captured, tokens: int | None = None
+    ) -> None:
         self._caches = list(caches)
+        self._recurrent = set(recurrent_layers(self._caches))
+        self._tokens = tokens
         self._codecs: list[KVCodec] | None = None  # looked up when a block is encoded
         self._policy = policy
         self._captured = captured
@@ -98,14 +130,24 @@ class BlockEncoder:
 
     def __call__(self, spans: Sequence[BlockSpan]) -> list[memoryview]:
         # Into this thread's arena: reused pages, several threads (pinned memory on a GPU).
-        return write_records([plan_record(self.layers(s.start, s.stop)) for s in spans])
+        return write_records(
+            [plan_record(self.layers(s.start, s.stop, checkpoint=s.checkpoint)) for s in spans]
+        )
 
-    def layers(self, start: int, stop: int) -> list[Snapshot | None]:
-        """Every layer's snapshot of the tokens ``[start, stop)``, as stored (or ``None``)."""
+    def layers(self, start: int, stop: int, *, checkpoint: bool = False) -> list[Snapshot | None]:
+        """Every layer's snapshot of the tokens ``[start, stop)``, as stored (or ``None``);
+        with ``checkpoint``, the recurrent layers' checkpoints at ``stop`` (all or none)."""
         if self._codecs is None:
             self._codecs = [codec_for(cache) for cache in self._caches]
+        states: dict[int, Snapshot] | None = None
+        if checkpoint and self._recurrent:
+            live = live_positions(self._caches, stop if self._tokens is None else self._tokens)
+            states = checkpoint_layers(self._caches, self._codecs, self._captured, stop, live)
         out: list[Snapshot | None] = []
         for i, (cache, codec) in enumerate(zip(self._caches, self._codecs, strict=True)):
+            if i in self._recurrent:
+                out.append(None if states is None else states[i])
+                continue
             snap = self._captured.get((i, start))
             if snap is None or snap.stop != stop:
                 try:

@@ -12,7 +12,7 @@
 Everything else happens on the store's writer thread: the storage policy's
 encoding (on the device), the records (:mod:`kvstore.codecs.arena`), the
 checksums and the commit. On an H200 the hand-off of a 4096-token llama-8B
-save holds the generating thread for about a millisecond (BENCHMARKS.md G3).
+save holds the generating thread for about 2 ms (G3, tools/bench/results/gpu).
 
 Durability (the store's ``durability`` option; README "Durability"):
 
@@ -25,8 +25,9 @@ A process killed at any point loses at most the saves not committed yet (the
 window) and never corrupts the store: every commit is one transaction.
 ``store.flush()`` waits until every save handed off before it is committed;
 ``close()`` does too, and so does the interpreter's exit; a lookup first waits
-for the namespace's pending saves (``stats``, ``delete``, ``evict``, ``verify``
-for all of them), so a process always reads its own writes.
+for the namespace's pending saves that could add rows to it (:meth:`_Job.extends`;
+``stats``, ``delete``, ``evict``, ``verify`` for all of them), so a process
+always reads its own writes.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ import threading
 import time
 import weakref
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -49,6 +50,7 @@ from kvstore.abc.store import DURABILITY_MODES, BlockSave, PrefixStore, SaveResu
 from kvstore.codecs import codec_for, get_codec
 from kvstore.errors import CapabilityError, StoreError
 from kvstore.store import keys as K
+from kvstore.store.kv.checkpoints import checkpoint_layers, checkpoint_positions, live_positions
 from kvstore.store.kv.save import BlockEncoder, Captured, check_caches
 
 __all__ = ["PendingSave", "WriteBehind", "HandedOff", "DEFAULT_GROUP_WINDOW"]
@@ -65,19 +67,25 @@ class PendingSave:
     Attributes:
         namespace, tokens: what is being saved.
         held_s: seconds the hand-off kept the caller's thread.
+        queued_s: seconds from the hand-off to the start of its commit.
+        commit_s: seconds of the commit it was part of (a group's, under ``"group"``).
     """
 
     def __init__(self, namespace: str, tokens: int) -> None:
         self.namespace = namespace
         self.tokens = tokens
-        self.held_s = 0.0
+        self.held_s = self.queued_s = self.commit_s = 0.0
+        self._handed = time.perf_counter()
+        self._finished = False  # result or error set (the event follows the callbacks)
         self._done = threading.Event()
         self._result: SaveResult | None = None
         self._error: BaseException | None = None
+        self._callbacks: list[Callable[[PendingSave], None]] = []
+        self._lock = threading.Lock()
 
     def done(self) -> bool:
         """True once the save is committed (or failed)."""
-        return self._done.is_set()
+        return self._finished
 
     def result(self, timeout: float | None = None) -> SaveResult:
         """The save's result once committed.
@@ -86,16 +94,38 @@ class PendingSave:
             TimeoutError: not committed within ``timeout`` seconds.
             The save's own error (StoreFullError, StoreUnavailableError...).
         """
-        if not self._done.wait(timeout):
+        if not self._finished and not self._done.wait(timeout):
             raise TimeoutError(f"[save] The save of {self.tokens} tokens is not committed yet.")
         if self._error is not None:
             raise self._error
         assert self._result is not None
         return self._result
 
+    def add_done_callback(self, fn: Callable[[PendingSave], None]) -> None:
+        """Call ``fn(self)`` once the save is committed or failed: on the writer thread,
+        or at once if it is done already. An error ``fn`` raises is logged. Callbacks
+        run before waiters wake: after ``flush()`` (or ``result()``) they have run."""
+        with self._lock:
+            if not self._finished:
+                self._callbacks.append(fn)
+                return
+        _call(fn, self)
+
     def _finish(self, result: SaveResult | None, error: BaseException | None) -> None:
-        self._result, self._error = result, error
+        with self._lock:
+            self._result, self._error = result, error
+            self._finished = True
+            callbacks, self._callbacks = self._callbacks, []
+        for fn in callbacks:
+            _call(fn, self)
         self._done.set()
+
+
+def _call(fn: Callable[[PendingSave], None], pending: PendingSave) -> None:
+    try:
+        fn(pending)
+    except Exception:  # a listener's bug must not stop the writer
+        log.exception("kvstore: a save's done callback failed")
 
 
 @dataclass
@@ -104,6 +134,23 @@ class _Job:
     tokens: np.ndarray
     encoder: HandedOff
     pending: PendingSave
+    #: The first row the save may write (blocks the store lacked at the hand-off, or a
+    #: stored block a hybrid's save upgrades with its checkpoint).
+    start: int
+
+    def extends(self, tokens: np.ndarray | None) -> bool:
+        """Whether this save can add rows to a lookup of ``tokens`` (``None``: any).
+
+        Its new records start at :attr:`start`; a lookup reaches one (or a prefix
+        of one) only if it agrees with the save's tokens beyond ``start``. One that
+        parts from it earlier cannot see anything it writes.
+        """
+        if tokens is None:
+            return True
+        start = self.start
+        if start >= len(self.tokens) or len(tokens) <= start:
+            return False
+        return bool(np.array_equal(tokens[: start + 1], self.tokens[: start + 1]))
 
 
 class WriteBehind:
@@ -142,7 +189,13 @@ class WriteBehind:
             (start, len(toks)),
             self._store.block_size,
         )
-        job = _Job(namespace, np.array(toks), encoder, pending)
+        # A hybrid's save may also upgrade stored blocks with their checkpoint: a lookup
+        # of those blocks waits for it too (it would not see its own checkpoints).
+        bsize = self._store.block_size
+        upgrades = [p - bsize for p in encoder.checkpoints if p <= start and p % bsize == 0]
+        job = _Job(namespace, np.array(toks), encoder, pending, min([start, *upgrades]))
+        pending._handed = time.perf_counter()
+        pending.held_s = pending._handed - t0
         with self._cond:
             if self._closed:
                 raise StoreError(
@@ -157,7 +210,6 @@ class WriteBehind:
                 # A process that exits without closing its store still commits what it handed off.
                 atexit.register(_close_at_exit, weakref.ref(self))
             self._cond.notify_all()
-        pending.held_s = time.perf_counter() - t0
         return pending
 
     def _first_missing(self, namespace: str, toks: np.ndarray) -> int:
@@ -173,10 +225,21 @@ class WriteBehind:
         return first * bsize
 
     # -- waiting ------------------------------------------------------------------------
-    def wait(self, namespace: str | None = None, timeout: float | None = None) -> None:
-        """Until every save handed off so far (of ``namespace``, or all) is committed."""
+    def wait(
+        self,
+        namespace: str | None = None,
+        timeout: float | None = None,
+        tokens: np.ndarray | None = None,
+    ) -> None:
+        """Until every save handed off so far (of ``namespace``, or all) is committed;
+        with ``tokens``, only those that can add rows to a lookup of them (a server's
+        lookup does not wait for the saves of conversations it parted from)."""
         with self._cond:
-            jobs = [j for j in (*self._busy, *self._queue) if namespace in (None, j.namespace)]
+            jobs = [
+                j
+                for j in (*self._busy, *self._queue)
+                if namespace in (None, j.namespace) and j.extends(tokens)
+            ]
         deadline = None if timeout is None else time.monotonic() + timeout
         for job in jobs:
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
@@ -217,7 +280,11 @@ class WriteBehind:
                 self._cond.notify_all()
 
     def _commit(self, jobs: list[_Job]) -> None:
-        saves = [BlockSave(j.namespace, j.tokens, j.encoder, j.encoder.family) for j in jobs]
+        started = time.perf_counter()
+        saves = [
+            BlockSave(j.namespace, j.tokens, j.encoder, j.encoder.family, j.encoder.checkpoints)
+            for j in jobs
+        ]
         results: list[SaveResult | BaseException] = []
         try:
             if not self._group or len(saves) == 1:
@@ -230,8 +297,11 @@ class WriteBehind:
                     results.extend(self._store.put_blocks_many([save]))
                 except Exception as one:  # this save's own error, for its handle
                     results.append(one)
+        committed = time.perf_counter()
         for job, result in zip(jobs, results, strict=True):
             job.encoder.release()
+            job.pending.queued_s = started - job.pending._handed
+            job.pending.commit_s = committed - started
             if isinstance(result, BaseException):
                 log.warning("kvstore: a save handed off failed: %s", result)
                 job.pending._finish(None, result)
@@ -246,6 +316,12 @@ class HandedOff(BlockEncoder):
     Growing layers are copied once, tokens ``[start, stop)``, and cut into blocks
     with their codec's ``slice``; windowed layers (and families that cannot be
     cut) are snapshotted and copied block by block now, while they hold the rows.
+
+    A hybrid model's recurrent layers (issue 16) are taken as checkpoints now, at
+    every position the save can checkpoint (:attr:`checkpoints`: captured, or the
+    live state, which the next decode step moves on). A stored block ending at
+    one of them may lack its checkpoint and be rewritten with it (an upgrade), so
+    the attention layers' rows of such a block are copied too, even before ``start``.
     """
 
     def __init__(
@@ -256,16 +332,39 @@ class HandedOff(BlockEncoder):
         rows: tuple[int, int],
         block_size: int,
     ) -> None:
-        super().__init__(caches, policy, captured)
+        super().__init__(caches, policy, captured, rows[1])
         codecs = self._codecs = [codec_for(cache) for cache in caches]
         self._ranges: dict[int, Snapshot] = {}
         self._stored: dict[int, Snapshot] = {}
         self._blocks: dict[tuple[int, int], Snapshot | None] = {}
         copies: list[mx.array] = []
         start, stop = rows
+        #: Positions this save has a checkpoint for (``BlockSave.checkpoints``).
+        self.checkpoints = (
+            checkpoint_positions(caches, captured, stop) if self._recurrent else frozenset()
+        )
+        self._states: dict[int, dict[int, Snapshot] | None] = {}
+        if self.checkpoints:
+            live = live_positions(caches, stop)
+            for p in self.checkpoints:
+                # References, not copies: a recurrent layer replaces its arrays, never
+                # writes into them (a checkpoint of Qwen3.5-35B-A3B is 61 MiB). Queued
+                # for evaluation here: the writer's thread cannot evaluate this one's graph.
+                states = self._states[p] = checkpoint_layers(caches, codecs, captured, p, live)
+                for snap in (states or {}).values():
+                    copies.extend(t for t in snap.tensors.values() if isinstance(t, mx.array))
+            kv = [i for i in range(len(caches)) if i not in self._recurrent]
+            for p in sorted(self.checkpoints):  # stored blocks a commit may upgrade
+                if p <= start and p % block_size == 0:
+                    for i in kv:
+                        self._blocks[(i, p - block_size)] = self._snapshot_now(
+                            i, caches[i], codecs[i], p - block_size, p, copies
+                        )
         for i, (cache, codec) in enumerate(zip(caches, codecs, strict=True)):
             if start >= stop:
                 break
+            if i in self._recurrent:  # no rows: its checkpoints are taken above
+                continue
             try:
                 if any(layer == i for layer, _ in captured):
                     raise CapabilityError("a window's blocks, kept as captured")
@@ -289,10 +388,14 @@ class HandedOff(BlockEncoder):
         except CapabilityError:  # a window that moved on: the layer sits this block out
             return None
 
-    def layers(self, start: int, stop: int) -> list[Snapshot | None]:
+    def layers(self, start: int, stop: int, *, checkpoint: bool = False) -> list[Snapshot | None]:
         out: list[Snapshot | None] = []
         assert self._codecs is not None
+        states = self._states.get(stop) if checkpoint else None
         for i in range(len(self._codecs)):
+            if i in self._recurrent:
+                out.append(None if states is None else states[i])
+                continue
             whole = self._ranges.get(i)
             if whole is not None and whole.start <= start and stop <= whole.stop:
                 # The policy's encoding of the whole range once, then cut (one encode a layer).
@@ -316,6 +419,7 @@ class HandedOff(BlockEncoder):
         self._ranges.clear()
         self._stored.clear()
         self._blocks.clear()
+        self._states.clear()
 
 
 class _OneByOne(Exception):

@@ -165,7 +165,14 @@ def copy_block(
     txn.put(block.record_key, record)
     txn.put(block.index_key, encode_entry(entry))
     txn.put(block.use_key, encode_use(entry.created, block.index_key) if use is None else use)
-    add_totals(txn, block.namespace, 1, nbytes)
+    add_totals(
+        txn,
+        block.namespace,
+        1,
+        nbytes,
+        checkpoints=int(entry.checkpointed),
+        checkpoint_bytes=entry.checkpoint_nbytes,
+    )
     return nbytes
 
 

@@ -148,10 +148,16 @@ def target_for(source: str, to: str) -> str:
     """The family a layer stored as ``source`` becomes when migrating ``--to to``:
     ``to`` itself, or its counterpart of the source's window kind.
 
+    A layer of recurrent state (a hybrid model's checkpoint, issue 16) has one
+    encoding: it stays as it is.
+
     Raises:
         CapabilityError: ``source`` is a sliding-window layer and no windowed
             family keeps a window of ``to``'s.
     """
+    stored = parse_signature(source)
+    if not stored.family.holds_kv:
+        return str(stored)
     target = parse_signature(to)
     if is_sliding(source) == target.family.windowed:
         return str(target)

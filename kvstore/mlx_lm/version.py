@@ -1,0 +1,65 @@
+"""The mlx-lm releases this integration is tested with, enforced where it starts.
+
+:mod:`kvstore.mlx_lm` subclasses mlx-lm's ``LRUPromptCache`` and ``kvstore serve``
+builds on ``mlx_lm.server``'s classes (its request handler, response
+generator and model provider), which are not a stable API: a release outside
+the tested range may change them under us. The range is checked once, at
+start, with a message that says what is installed and what to install.
+"""
+
+from __future__ import annotations
+
+import re
+from importlib import metadata
+
+from kvstore.errors import CapabilityError
+
+__all__ = ["TESTED_MLX_LM", "mlx_lm_version", "check_mlx_lm_version"]
+
+#: ``(lowest, first untested)``: the releases the integration and the server are tested with.
+TESTED_MLX_LM: tuple[tuple[int, int, int], tuple[int, int, int]] = ((0, 32, 2), (0, 33, 0))
+
+
+def _parse(text: str) -> tuple[int, int, int]:
+    parts = [int(p) for p in re.findall(r"\d+", text)[:3]]
+    return (parts + [0, 0, 0])[0], (parts + [0, 0, 0])[1], (parts + [0, 0, 0])[2]
+
+
+def _dotted(version: tuple[int, int, int]) -> str:
+    return ".".join(map(str, version))
+
+
+def mlx_lm_version() -> str | None:
+    """The installed mlx-lm's version string, or ``None`` when it is not installed."""
+    try:
+        return metadata.version("mlx-lm")
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def check_mlx_lm_version(operation: str = "kvstore.mlx_lm") -> str:
+    """The installed mlx-lm version, if inside :data:`TESTED_MLX_LM`.
+
+    Raises:
+        CapabilityError: mlx-lm is missing, or its version is outside the tested
+            range (``exc.found``, ``exc.supported``).
+    """
+    low, high = TESTED_MLX_LM
+    wanted = f">={_dotted(low)},<{_dotted(high)}"
+    found = mlx_lm_version()
+    if found is None:
+        raise CapabilityError(
+            f"[{operation}] mlx-lm is not installed; install it with "
+            f"pip install 'mlx-kvstore[serve]' (mlx-lm{wanted}).",
+            found=None,
+            supported=wanted,
+        )
+    if not low <= _parse(found) < high:
+        raise CapabilityError(
+            f"[{operation}] mlx-lm {found} is installed; this kvstore is tested with "
+            f"mlx-lm{wanted} (it builds on mlx-lm's prompt cache and server internals). "
+            f"Install a tested release: pip install 'mlx-lm{wanted}'.",
+            found=found,
+            supported=wanted,
+        )
+    return found

@@ -1,0 +1,109 @@
+"""Where a durable save's time goes: encode and checksum, LMDB's copy, the commit and fsync.
+
+A llama-8B-shaped KV (fewer layers by default) is saved ``--repeats`` times
+into a fresh LMDB store, each time as a new prefix, under cProfile (the
+caller's thread: the record threads' work shows as the wait for them).
+Printed per policy: the median save, mlx-lm's ``save_prompt_cache`` of the
+same caches in the same run (the G3 peer, not synced), and the profile's
+shares of the save: building the records (snapshot, policy encode, copy into
+the arena, xxh3 -- ``write_records``), LMDB's ``put`` (its copy into the
+transaction's pages) and ``commit`` (the write-out and, with ``sync``, the
+fsync). Nothing in the library is changed::
+
+    .venv/bin/python tools/bench/save_profile.py --layers 8 --tokens 4096
+
+The shares are what issue 13's G3 note rests on; the times are this machine's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import pstats
+import shutil
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from kvstore.bench.workloads import KVShape, SyntheticKV
+from kvstore.store import open_store
+
+#: Profile rows to report: label -> substrings of pstats' function key.
+PARTS = {
+    "records (snapshot, encode, copy, xxh3)": ("write_records",),
+    "policy encode": ("apply_policy",),
+    "lmdb put (copy into its pages)": ("'put' of 'Transaction'",),
+    "lmdb commit (write-out + fsync)": ("'commit' of 'Transaction'",),
+}
+
+
+def _cumulative(stats: pstats.Stats, needles: tuple[str, ...]) -> float:
+    total = 0.0
+    for (file, line, name), row in stats.stats.items():  # type: ignore[attr-defined]
+        key = f"{file}:{line}({name})"
+        if any(n in key for n in needles):
+            total += row[3]
+    return total
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--tokens", type=int, default=4096)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--policies", default="lossless,kv:quant:8:64")
+    parser.add_argument("--durability", default="sync")
+    parser.add_argument("--top", type=int, default=0, help="also print the top N functions")
+    args = parser.parse_args()
+
+    from mlx_lm.models.cache import save_prompt_cache
+
+    kv = SyntheticKV(KVShape("llama8b", layers=args.layers, kv_heads=8, head_dim=128), args.tokens)
+    caches, peer_caches = kv.ours(), kv.mlx_lm()
+    scratch = Path(tempfile.mkdtemp(prefix="save-profile-"))
+    mib = 2 * args.layers * 8 * 128 * 2 * args.tokens / 2**20
+    print(f"{args.layers} layers x {args.tokens} tokens ({mib:.0f} MiB bf16), {args.durability}")
+    try:
+        peer = []
+        for i in range(args.repeats):
+            start = time.perf_counter()
+            save_prompt_cache(str(scratch / f"peer-{i}.safetensors"), peer_caches)
+            peer.append(time.perf_counter() - start)
+            (scratch / f"peer-{i}.safetensors").unlink()
+        print(f"mlx-lm save_prompt_cache (not synced): {1e3 * statistics.median(peer):.0f} ms")
+        for policy in args.policies.split(","):
+            options: dict[str, Any] = {"map_size": 1 << 34, "durability": args.durability}
+            if policy != "lossless":
+                options["storage_policy"] = policy
+            url = f"lmdb://{scratch / policy.replace(':', '-')}"
+            with open_store(url, **options) as store:
+                store.save("warm", list(range(256)), caches)
+                profile, times = cProfile.Profile(), []
+                for i in range(args.repeats):
+                    tokens = [i + 1] + [0] * (args.tokens - 1)  # a new prefix each time
+                    start = time.perf_counter()
+                    profile.enable()
+                    store.save("ns", tokens, caches)
+                    profile.disable()
+                    times.append(time.perf_counter() - start)
+            stats = pstats.Stats(profile)
+            if args.top:
+                stats.sort_stats("cumulative").print_stats(args.top)
+            total = sum(times)
+            med = statistics.median(times)
+            ratio = statistics.median(peer) / med
+            print(f"{policy}: save {1e3 * med:.0f} ms (median); vs mlx-lm {ratio:.2f}x")
+            for label, needles in PARTS.items():
+                part = _cumulative(stats, needles)
+                print(
+                    f"  {label:<40} {100 * part / total:5.1f}%  {1e3 * part / args.repeats:7.1f} ms"
+                )
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

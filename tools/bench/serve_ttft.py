@@ -1,0 +1,216 @@
+"""Figure: time to first token after a server restart, ``kvstore serve`` vs stock ``mlx_lm.server``.
+
+One conversation over a long shared context (a system prompt of ``--context``
+tokens): turn 1 is asked, both servers are restarted, turn 2 (turn 1, its
+answer and a new question) is asked. After the restart stock ``mlx_lm.server``
+has an empty prompt cache and prefills everything; ``kvstore serve`` restores
+turn 1 from its store (a fresh LMDB directory per repeat) and prefills only
+the new question. For reference, the same turn 2 is also asked of the stock
+server *without* a restart (its in-memory cache serves it).
+
+TTFT is measured by the client: from sending a streaming chat request to the
+first SSE data chunk (one per generated token). Servers run side by side,
+started together, requests interleaved; the median of ``--repeats`` is reported
+with ``cached_tokens`` as each server reported it. The model is an mlx-lm
+llama directory written here with the reference model's ``small`` shape
+(6 layers, hidden 512, head dim 128; a byte-level tokenizer), or ``--model DIR``.
+Model compute depends ~10x on the BLAS (BENCHMARKS.md): run with OpenBLAS
+preloaded, which the servers inherit::
+
+    LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3 \\
+        .venv/bin/python tools/bench/serve_ttft.py [--context 4000] [--repeats 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from kvstore.testing.mlx_lm_models import write_model_dir
+from kvstore.testing.serve_processes import ServerProcess
+
+SMALL = dict(
+    hidden_size=512,
+    num_hidden_layers=6,
+    intermediate_size=1408,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=128,
+    max_position_embeddings=16384,
+)
+
+
+def context_text(tokens: int) -> str:
+    """About ``tokens`` tokens (one per byte) of standard-library source text."""
+    import inspect
+    import textwrap
+
+    parts, size = [], 0
+    for module in ("argparse", "json.decoder", "textwrap", "inspect", "tempfile", "statistics"):
+        source = inspect.getsource(__import__(module, fromlist=["_"]))
+        parts.append(source)
+        size += len(source.encode())
+        if size >= tokens:
+            break
+    text = "".join(parts).encode()[:tokens].decode("ascii", "ignore")
+    return textwrap.dedent(text)
+
+
+def ttft(server: ServerProcess, messages: list[dict[str, str]], max_tokens: int) -> dict[str, Any]:
+    """Stream one greedy chat completion: seconds to the first token, its text, cached tokens."""
+    body = json.dumps(
+        {
+            "messages": messages,
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+    )
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=600)
+    start = time.perf_counter()
+    conn.request("POST", "/v1/chat/completions", body, {"Content-Type": "application/json"})
+    response = conn.getresponse()
+    first = None
+    text, cached = [], None
+    for raw in response:
+        line = raw.decode().strip()
+        if not line.startswith("data: ") or line == "data: [DONE]":
+            continue
+        chunk = json.loads(line[6:])
+        if chunk.get("choices") and first is None:
+            first = time.perf_counter() - start
+        for choice in chunk.get("choices", []):
+            text.append(choice.get("delta", {}).get("content") or "")
+        if chunk.get("usage"):
+            cached = chunk["usage"].get("prompt_tokens_details", {}).get("cached_tokens")
+            prompt = chunk["usage"]["prompt_tokens"]
+    conn.close()
+    return {
+        "ttft_s": first,
+        "text": "".join(text),
+        "cached_tokens": cached,
+        "prompt_tokens": prompt,
+    }
+
+
+def handoff_seconds(server: ServerProcess) -> list[float]:
+    """``[sum, count]`` of the seconds the generating thread gave saves (``/metrics``)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    _, body = server.get("/metrics")
+    values = {}
+    for family in text_string_to_metric_families(body.decode()):
+        for sample in family.samples:
+            if sample.name.startswith("kvstore_save_handoff_seconds_"):
+                values[sample.name.rsplit("_", 1)[1]] = sample.value
+    return [values.get("sum", 0.0), values.get("count", 0.0)]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", help="an mlx-lm model directory (default: written here)")
+    parser.add_argument("--context", type=int, default=4000, help="system prompt tokens")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--answer", type=int, default=16, help="turn 1 answer tokens")
+    parser.add_argument("--json", help="write every sample here")
+    args = parser.parse_args(argv)
+
+    work = Path(tempfile.mkdtemp(prefix="kvstore-serve-ttft-"))
+    model = Path(args.model) if args.model else write_model_dir(work / "model", "llama", **SMALL)
+    env = {"KVSTORE_CACHE_DIR": str(work / "digests")}
+    blas = "OpenBLAS (preloaded)" if "openblas" in os.environ.get("LD_PRELOAD", "") else "bundled"
+    system = context_text(args.context)
+    turn1 = [
+        {"role": "system", "content": system},
+        {"role": "user", "content": "What does the first function above do?"},
+    ]
+    samples: list[dict[str, Any]] = []
+    for rep in range(args.repeats):
+        logs, store = work / f"logs-{rep}", f"lmdb://{work / f'store-{rep}'}"
+        stock = ServerProcess.stock(model, log=logs / "stock.log", env=env)
+        ours = ServerProcess.kvstore(model, store, log=logs / "ours.log", env=env)
+        ServerProcess.start_all(stock, ours)
+        first = {"stock": ttft(stock, turn1, args.answer), "ours": ttft(ours, turn1, args.answer)}
+        answer = first["ours"]["text"]
+        assert answer == first["stock"]["text"], "the servers disagree on turn 1"
+        turn2 = [
+            *turn1,
+            {"role": "assistant", "content": answer},
+            {"role": "user", "content": "And the second one?"},
+        ]
+        warm_stock = ttft(stock, turn2, 1)  # stock, no restart: its in-memory cache
+        ours.wait_saved()
+        handoff = handoff_seconds(ours)
+        stock.stop()
+        ours.stop()
+        stock = ServerProcess.stock(model, log=logs / "stock-2.log", env=env)
+        ours = ServerProcess.kvstore(model, store, log=logs / "ours-2.log", env=env)
+        ServerProcess.start_all(stock, ours)
+        # Each server's first request pays one-off costs (MLX kernels, imports):
+        # a short unrelated request first, then turn 2, servers alternating.
+        for server in (stock, ours):
+            ttft(server, [{"role": "user", "content": "hi"}], 1)
+        order = [("stock", stock), ("ours", ours)]
+        results = {}
+        for name, server in order if rep % 2 == 0 else order[::-1]:
+            results[name] = ttft(server, turn2, 8)
+        assert results["stock"]["text"] == results["ours"]["text"], "turn 2 texts differ"
+        stock.stop()
+        ours.stop()
+        samples.append(
+            {
+                "turn1": first,
+                "stock_no_restart": warm_stock,
+                "stock_restarted": results["stock"],
+                "ours_restarted": results["ours"],
+                "save_handoff_s": handoff,
+            }
+        )
+        print(
+            f"repeat {rep + 1}: stock {results['stock']['ttft_s'] * 1e3:.0f} ms, "
+            f"kvstore serve {results['ours']['ttft_s'] * 1e3:.0f} ms "
+            f"(cached {results['ours']['cached_tokens']} of "
+            f"{results['ours']['prompt_tokens']})",
+            file=sys.stderr,
+        )
+
+    def med(key: str) -> float:
+        return statistics.median(s[key]["ttft_s"] for s in samples)
+
+    last = samples[-1]
+    rows = [
+        ("stock mlx_lm.server, after a restart", "stock_restarted"),
+        ("stock mlx_lm.server, no restart (memory)", "stock_no_restart"),
+        ("kvstore serve, after a restart (store)", "ours_restarted"),
+    ]
+    print(
+        f"turn 2: {last['ours_restarted']['prompt_tokens']} prompt tokens; BLAS: {blas}; "
+        f"model {model}; median of {args.repeats}"
+    )
+    print(f"{'server':44} {'TTFT':>9} {'cached_tokens':>14}")
+    for label, key in rows:
+        print(f"{label:44} {med(key) * 1e3:7.0f} ms {last[key]['cached_tokens']!s:>14}")
+    print(f"speed-up after a restart: {med('stock_restarted') / med('ours_restarted'):.1f}x")
+    total = sum(s["save_handoff_s"][0] for s in samples)
+    saves = sum(s["save_handoff_s"][1] for s in samples)
+    if saves:
+        print(
+            f"saves: the generating thread gave each {total / saves * 1e3:.2f} ms on average "
+            f"(kvstore_save_handoff_seconds, {saves:.0f} saves of turn 1)"
+        )
+    if args.json:
+        Path(args.json).write_text(json.dumps({"blas": blas, "samples": samples}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
