@@ -4,10 +4,17 @@ The choice is made only through the capability predicates of
 :mod:`kvstore.abc.cache` (never ``isinstance``/``hasattr`` on a cache): a
 cache whose signature we do not know fails closed with ``CapabilityError``
 before any layer touches it.
+
+A quantized cache is attended over its packed rows with ``mx.quantized_matmul``
+(:func:`quantized_attention`), except where :func:`dequantizes_queries` says a
+call of that many queries attends the rows dequantized (:func:`dequantized_attention`):
+by default, more than one query on MLX's CUDA backend, which has no
+``quantized_matmul`` kernel for a prefill's shapes.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from functools import partial
 from typing import Any
@@ -22,14 +29,27 @@ from kvstore.abc.cache import (
     uses_dense_attention,
     uses_quantized_attention,
 )
-from kvstore.errors import CapabilityError
+from kvstore.errors import CapabilityError, KVStoreError
 from kvstore.family import families
 
-__all__ = ["Attend", "attention_for", "recurrent_for", "dense_attention", "quantized_attention"]
+__all__ = [
+    "Attend",
+    "DEQUANTIZED_PREFILL",
+    "attention_for",
+    "recurrent_for",
+    "dense_attention",
+    "dequantized_attention",
+    "dequantizes_queries",
+    "packed_attention",
+    "quantized_attention",
+]
 
 #: ``attend(queries, keys, values, scale, mask) -> output``; keys/values are
 #: what the cache's ``update_and_fetch`` returned.
 Attend = Callable[[mx.array, Any, Any, float, Any], mx.array]
+#: A quantized cache's rows: affine ``(q, scales, biases)``; microscaling ``(q, scales)``
+#: (typed as the longer: both are unpacked into MLX's calls).
+PackedRows = tuple[mx.array, mx.array, mx.array]
 
 
 def dense_attention(
@@ -41,8 +61,8 @@ def dense_attention(
 
 def quantized_attention(
     queries: mx.array,
-    keys: tuple[mx.array, mx.array, mx.array],
-    values: tuple[mx.array, mx.array, mx.array],
+    keys: PackedRows,
+    values: PackedRows,
     scale: float,
     mask: Any,
     *,
@@ -83,6 +103,92 @@ def quantized_attention(
     return out
 
 
+def dequantized_attention(
+    queries: mx.array,
+    keys: PackedRows,
+    values: PackedRows,
+    scale: float,
+    mask: Any,
+    *,
+    group_size: int,
+    bits: int,
+    mode: str = "affine",
+) -> mx.array:
+    """:func:`quantized_attention`'s result by another route: the packed rows
+    dequantized to the queries' dtype, then the fused dense kernel (the same
+    decoded values, summed in another order)."""
+
+    def rows(packed: PackedRows) -> mx.array:
+        return mx.dequantize(
+            *packed, group_size=group_size, bits=bits, mode=mode, dtype=queries.dtype
+        )
+
+    return dense_attention(queries, rows(keys), rows(values), scale, mask)
+
+
+#: The environment variable choosing when quantized caches are attended dequantized:
+#: ``auto`` (the default: calls of more than one query on MLX's CUDA backend),
+#: ``always`` (every call of more than one query) or ``never``.
+DEQUANTIZED_PREFILL = "KVSTORE_DEQUANTIZED_PREFILL"
+_DEQUANTIZED_PREFILL_CHOICES = ("auto", "always", "never")
+
+
+def dequantizes_queries(n_queries: int) -> bool:
+    """Whether a call of ``n_queries`` queries over a quantized cache attends its rows
+    dequantized (:data:`DEQUANTIZED_PREFILL`).
+
+    One query (a decode step) always reads the packed rows: that is where a quantized
+    cache saves bandwidth, and MLX has a kernel for it everywhere.
+
+    Raises:
+        KVStoreError: :data:`DEQUANTIZED_PREFILL` is set to something else than
+            ``auto``, ``always`` or ``never``.
+    """
+    if n_queries <= 1:
+        return False
+    choice = os.environ.get(DEQUANTIZED_PREFILL, "auto")
+    if choice == "auto":
+        # MLX 0.32.4's CUDA quantized_matmul raised "[quantized_matmul] No implementation
+        # for problem shape: 2047x4095x128x32, transpose: true, ..." on a prefill chunk
+        # over a 4-bit cache (G5 on the H200). Its dispatch (mlx/backend/cuda/quantized/
+        # quantized.cpp) has a tiled kernel only for key counts that are multiples of 128,
+        # and naive and vector kernels that want row-contiguous operands (a prefill's
+        # queries are heads transposed out of tokens; a cache's rows a view of its buffer).
+        # Dequantizing costs one pass over the rows per call, little beside many queries'
+        # attention, and the fused kernel never materialises the scores.
+        return bool(mx.default_device() == mx.gpu and mx.cuda.is_available())
+    if choice == "always":
+        return True
+    if choice == "never":
+        return False
+    raise KVStoreError(
+        f"[attention] {DEQUANTIZED_PREFILL} must be one of "
+        f"{', '.join(_DEQUANTIZED_PREFILL_CHOICES)}; got {choice!r}. Unset it for the "
+        f"default (auto: dequantized on MLX's CUDA backend only).",
+        found=choice,
+        supported=_DEQUANTIZED_PREFILL_CHOICES,
+    )
+
+
+def packed_attention(
+    queries: mx.array,
+    keys: PackedRows,
+    values: PackedRows,
+    scale: float,
+    mask: Any,
+    *,
+    group_size: int,
+    bits: int,
+    mode: str = "affine",
+) -> mx.array:
+    """The kernel for a quantized cache's rows: :func:`quantized_attention`, or
+    :func:`dequantized_attention` where :func:`dequantizes_queries` says so."""
+    attend = (
+        dequantized_attention if dequantizes_queries(queries.shape[-2]) else quantized_attention
+    )
+    return attend(queries, keys, values, scale, mask, group_size=group_size, bits=bits, mode=mode)
+
+
 def attention_for(cache: object, layer: int | None = None) -> Attend:
     """The kernel for the rows ``cache.update_and_fetch`` returns.
 
@@ -96,7 +202,7 @@ def attention_for(cache: object, layer: int | None = None) -> Attend:
         return dense_attention
     if uses_quantized_attention(cache):
         q = quantized_attention_params(cache)
-        return partial(quantized_attention, group_size=q.group_size, bits=q.bits, mode=q.mode)
+        return partial(packed_attention, group_size=q.group_size, bits=q.bits, mode=q.mode)
     signature = signature_string(cache)
     where = "" if layer is None else f" at layer {layer}"
     kv = [f for f in families() if f.holds_kv]

@@ -201,6 +201,44 @@ def test_g5_times_both_decode_paths_per_layout_and_checks_their_logits(tmp_path)
     assert {c.status for c in evaluate(decode_speed.FIGURE, result)} == {NOT_MEASURED}
 
 
+#: What MLX 0.32.4 raised on the H200 (G5, bench-results.json of tools/bench/results/gpu).
+H200_NO_KERNEL = (
+    "[quantized_matmul] No implementation for problem shape: 2047x4095x128x32, transpose: "
+    'true, activation: bfloat16, bits: 4, group size: 64, mode: "affine".'
+)
+H200_NO_HEADERS = (
+    "Failed to compile kernel: mlx/backend/cuda/device/cute_dequant.cuh: cannot open "
+    'source file "cute/numeric/numeric_types.hpp"'
+)
+
+
+def test_g5_names_the_mlx_limitation_of_a_layout_it_cannot_run(tmp_path, monkeypatch):
+    from importlib import metadata
+
+    def no_kernel(model):
+        raise RuntimeError(H200_NO_KERNEL)  # as MLX raised it, where this CPU has kernels
+
+    layouts = {"plain": decode_speed.LAYOUTS["plain"], "no kernel here": no_kernel}
+    monkeypatch.setattr(decode_speed, "LAYOUTS", layouts)
+    result = decode_speed.FIGURE.run(context(tmp_path))
+    plain, missing = result.rows
+    assert plain.pending is None and plain.values["logits bit-exact"] == 1.0
+    assert missing.params["layout"] == "no kernel here" and not missing.samples
+    version = metadata.version("mlx")
+    assert missing.pending == (
+        f"MLX {version} has no kernel here for this layout's shapes: {H200_NO_KERNEL}"
+    )
+    headers = decode_speed.mlx_limitation(RuntimeError(H200_NO_HEADERS))
+    assert headers is not None and "tools/bench/gpu/README.md" in headers
+
+    def our_bug(model):
+        raise RuntimeError("[update_and_fetch] something of ours")
+
+    monkeypatch.setattr(decode_speed, "LAYOUTS", {"ours": our_bug})
+    with pytest.raises(RuntimeError, match="something of ours"):
+        decode_speed.FIGURE.run(context(tmp_path))
+
+
 def test_d1_record_holds_each_layers_attended_rows():
     from kvstore.bench.workloads import SyntheticKV
     from kvstore.codecs import decode_record

@@ -4,7 +4,8 @@
 
 Prints one line per check (staging round trip, a restore through staging equal
 to its record, a save's records equal to encode_record's, the row-digest kernel
-equal to xxhash) and exits 1 if any fails, so run.sh stops before measuring a
+equal to xxhash, the model over quantized caches: prefill, then decode) and exits 1
+if any fails, so run.sh stops before measuring a
 path that is not the one meant. Falling back is not failing: a path that is off
 says so (``staging False``) and the figures then measure the fallback.
 """
@@ -69,7 +70,56 @@ def main() -> int:
     kernel = digests._kernel() is not False
     print(f"row digests here == host: {ok} (kernel {kernel}, {elapsed * 1e3:.0f} ms)", flush=True)
     failed += not _store_round_trips()
+    failed += not _quantized_attention_runs()
     return 1 if failed else 0
+
+
+def _quantized_attention_runs() -> bool:
+    """Per quantized layout of G5: a chunked prefill (the second chunk over cached rows,
+    as the one MLX 0.32.4 had no kernel for) and decode steps, close to plain caches'
+    logits. Also says whether MLX has a quantized_matmul kernel for that prefill here
+    (KVSTORE_DEQUANTIZED_PREFILL=never): the model does not need one."""
+    import os
+
+    from kvstore.bench.figures.decode_speed import LLAMA8B
+    from kvstore.model import CachePolicy, build_model
+    from kvstore.model.attention import DEQUANTIZED_PREFILL
+
+    args = dict(LLAMA8B, num_hidden_layers=2, vocab_size=1024)
+    model = build_model(args, dtype=mx.bfloat16)
+    tokens = mx.random.randint(0, 1024, (1, 304), key=mx.random.key(3))
+
+    def logits(caches: list, chunks: tuple[int, ...] = (0, 200, 300)) -> mx.array:
+        out = [model(tokens[:, b:e], cache=caches)[0, -1:] for b, e in zip(chunks, chunks[1:])]
+        out += [model(tokens[:, i : i + 1], cache=caches)[0] for i in range(300, 304)]
+        return mx.concatenate(out).astype(mx.float32)
+
+    plain = logits(model.make_cache())
+    ok = True
+    for bits in (4, 8):
+        policy = CachePolicy(kv_bits=bits, kv_group_size=64)
+        try:
+            got = logits(model.make_cache(policy))
+            diff = float(mx.max(mx.abs(got - plain)).item())
+            good = diff < 1.0
+            line = f"{good} (max |logit diff| vs plain {diff:.3g})"
+        except RuntimeError as exc:
+            good, line = False, f"False: {exc}"
+        os.environ[DEQUANTIZED_PREFILL] = "never"
+        try:
+            mx.eval(logits(model.make_cache(policy)))
+            kernel = "runs"
+        except RuntimeError as exc:
+            kernel = f"no kernel: {exc}"
+        finally:
+            del os.environ[DEQUANTIZED_PREFILL]
+        print(f"model over kv:quant:{bits}:64, prefill + decode: {line}", flush=True)
+        print(
+            f"  quantized_matmul for that prefill, {DEQUANTIZED_PREFILL}=never: {kernel}",
+            flush=True,
+        )
+        ok = ok and good
+    return ok
 
 
 def _store_round_trips() -> bool:

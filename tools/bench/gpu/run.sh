@@ -11,6 +11,13 @@
 # commit. The bench stops itself after BENCH_TIMEOUT seconds (default 540, inside a
 # call's 600) so what it measured comes back. Other figures (issue 17's decode figure)
 # join by their ids: bash tools/bench/gpu/run.sh G1,G2,G3,G4,G5
+#
+# MLX's C++ headers: its CUDA JIT compiles the quantized matmul kernels (G2's kv:quant
+# policies, G5's quantized layout, check.py's model line) from mlx/include, which
+# prepare.sh strips. Pack them here first with `bash tools/bench/gpu/headers.sh` and carry
+# [".gpu/b", ".gpu/inc"]: this script extracts .gpu/inc/mlxinc.tar.xz beside the installed
+# mlx package. Without them those kernels fail to compile ("cannot open source file
+# cute/numeric/numeric_types.hpp") and G5 says so in its row.
 set -uo pipefail
 figures=${1:-G1,G2,G3,G4}
 out=${2:-${OUT:-tools/bench/results/gpu}}
@@ -18,6 +25,14 @@ root=$(cd "$(dirname "$0")/../../.." && pwd)
 export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 mkdir -p "$out"
 cd "$root"
+mlx_dir=$(python3 -c "import mlx, os; print(list(mlx.__path__)[0])" 2>/dev/null || true)
+if [ -n "$mlx_dir" ] && [ ! -d "$mlx_dir/include/cute" ]; then
+  if [ -s .gpu/inc/mlxinc.tar.xz ]; then
+    tar -xJf .gpu/inc/mlxinc.tar.xz -C "$(dirname "$mlx_dir")" && echo "run.sh: MLX's headers extracted into $mlx_dir/include"
+  else
+    echo "run.sh: warning: $mlx_dir/include/cute is missing and .gpu/inc/mlxinc.tar.xz was not carried (tools/bench/gpu/headers.sh): quantized matmul kernels will not compile"
+  fi
+fi
 timeout "${CHECK_TIMEOUT:-90}" python3 tools/bench/gpu/check.py 2>&1 | tee "$out/gpu-check.txt"
 timeout "${BENCH_TIMEOUT:-540}" python3 -m kvstore.cli bench --only "$figures" \
   --repeats "${REPEATS:-5}" --out "$out" > "$out/bench-table.txt" 2> "$out/bench-log.txt"
