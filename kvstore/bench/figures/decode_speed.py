@@ -40,32 +40,18 @@ import time
 from collections.abc import Callable
 from typing import Any, cast
 
+from kvstore.bench.figures.gpu_common import LLAMA8B
 from kvstore.bench.harness import BenchContext, Case, Figure, Ratio, at_least
 from kvstore.bench.results import FigureResult, Row
 
 __all__ = [
     "FIGURE",
-    "LLAMA8B",
     "TOKENS_PER_CALL",
     "LAYOUTS",
     "decode_tokens",
     "mlx_limitation",
 ]
 
-#: BENCHMARKS.md's GPU model: the llama-8B shape.
-LLAMA8B: dict[str, Any] = {
-    "model_type": "llama",
-    "hidden_size": 4096,
-    "num_hidden_layers": 32,
-    "intermediate_size": 14336,
-    "num_attention_heads": 32,
-    "num_key_value_heads": 8,
-    "head_dim": 128,
-    "vocab_size": 128256,
-    "rms_norm_eps": 1e-5,
-    "rope_theta": 500000.0,
-    "tie_word_embeddings": False,
-}
 TOKENS_PER_CALL = 16
 CHECK_STEPS = 32
 RATIO = "specialised vs generic"

@@ -81,7 +81,7 @@ def _quantized_attention_runs() -> bool:
     (KVSTORE_DEQUANTIZED_PREFILL=never): the model does not need one."""
     import os
 
-    from kvstore.bench.figures.decode_speed import LLAMA8B
+    from kvstore.bench.figures.gpu_common import LLAMA8B
     from kvstore.model import CachePolicy, build_model
     from kvstore.model.attention import DEQUANTIZED_PREFILL
 
