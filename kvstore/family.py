@@ -198,7 +198,7 @@ class Family:
         elif self.state != KV_STATE and (
             self.window_of is not None or self.storage_policy or self.attention != "dense"
         ):
-            problems.append("a family of non-KV state has no window, storage policy or attention")
+            problems.append(f"a {self.state} family has no window, storage policy or attention")
         if self.storage_policy and (not self.lossy or self.window_of is not None):
             problems.append("a storage policy is a lossy growing family")
         if isinstance(self.attention, QuantizedAttention):
