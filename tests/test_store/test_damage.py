@@ -406,6 +406,32 @@ def test_rebuild_keeps_an_intact_store_whole(url, path, capsys):
         assert restore(store)[0].offset == len(TOKENS)
 
 
+def test_a_rebuild_leaves_behind_keys_lmdb_cannot_hold(path, tmp_path, monkeypatch):
+    # A flipped key size in a leaf can make the salvaged key empty or longer than LMDB
+    # allows (the sweep's MDB_BAD_VALSIZE from mdb_put): such a key is damage, not data.
+    import lmdb
+
+    import kvstore.store.maintenance.rebuild as rebuild
+
+    real = rebuild.salvage
+    intact = dict(real(Path(path)))
+
+    def with_damaged_keys(store):
+        yield b"", b"an empty key"
+        yield b"kvstore/" + b"k" * 600, b"a key longer than LMDB's maximum"
+        yield from real(store)
+
+    monkeypatch.setattr(rebuild, "salvage", with_damaged_keys)
+    keys, _ = rebuild._copy_into(Path(path), tmp_path / "fresh", 1 << 20)
+    assert keys == len(intact)
+    env = lmdb.open(str(tmp_path / "fresh"), readonly=True, subdir=True)
+    try:
+        with env.begin() as txn:
+            assert dict(txn.cursor()) == intact
+    finally:
+        env.close()
+
+
 def raw_items(url):
     backend = open_backend(url)
     try:

@@ -127,11 +127,16 @@ def _copy_into(store: Path, fresh: Path, size_hint: int) -> tuple[int, int]:
     keys = nbytes = 0
     try:
         items = salvage(store)
+        # A key whose size bits were flipped can read as one LMDB cannot hold (empty,
+        # or longer than its maximum): it is not an intact key, so it is left behind.
+        longest = out.max_key_size()
         done = False
         while not done:
             with out.begin(write=True) as txn:
                 batch = 0
                 for key, value in items:
+                    if not 0 < len(key) <= longest:
+                        continue
                     txn.put(key, value)
                     keys, nbytes, batch = keys + 1, nbytes + len(value), batch + len(value)
                     if batch >= _BATCH_BYTES:
