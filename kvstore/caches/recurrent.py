@@ -77,26 +77,16 @@ class _Round:
     forwards: list[tuple[mx.array, int, Replay]] = field(default_factory=list)
 
 
-class GatedDeltaCache:
-    """Conv window + float32 state of one Gated-DeltaNet layer, with an ``offset``.
+class _Slots:
+    """What both recurrent caches share of mlx-lm's ``ArraysCache`` protocol: state
+    arrays indexed as ``cache[i]``, an ``offset``, and the batch bookkeeping
+    (``lengths``, ``left_padding``; ``None`` for a single sequence)."""
 
-    ``family``: :data:`GATED_DELTA_FAMILY`.
+    cache: list[Any]
+    offset: int
+    lengths: mx.array | None
+    left_padding: mx.array | None
 
-    ``cache[0]``: ``[B, K - 1, conv_dim]`` last conv inputs (``None`` before the
-    first token); ``cache[1]``: ``[B, Hv, Dv, Dk]`` float32 state.
-    """
-
-    def __init__(self) -> None:
-        self.cache: list[Any] = [None, None]
-        self.offset = 0
-        # mlx-lm's batch bookkeeping; a single sequence keeps both None.
-        self.lengths: mx.array | None = None
-        self.left_padding: mx.array | None = None
-        self._round: _Round | None = None
-
-    family = GATED_DELTA_FAMILY
-
-    # -- mlx-lm ArraysCache protocol ----------------------------------------------------
     def __getitem__(self, idx: int) -> Any:
         return self.cache[idx]
 
@@ -122,6 +112,27 @@ class GatedDeltaCache:
             mask = in_length if mask is None else (mask & in_length)
         return mask
 
+
+class GatedDeltaCache(_Slots):
+    """Conv window + float32 state of one Gated-DeltaNet layer, with an ``offset``.
+
+    ``family``: :data:`GATED_DELTA_FAMILY`.
+
+    ``cache[0]``: ``[B, K - 1, conv_dim]`` last conv inputs (``None`` before the
+    first token); ``cache[1]``: ``[B, Hv, Dv, Dk]`` float32 state.
+    """
+
+    def __init__(self) -> None:
+        self.cache: list[Any] = [None, None]
+        self.offset = 0
+        # mlx-lm's batch bookkeeping; a single sequence keeps both None.
+        self.lengths: mx.array | None = None
+        self.left_padding: mx.array | None = None
+        self._round: _Round | None = None
+
+    family = GATED_DELTA_FAMILY
+
+    # -- mlx-lm ArraysCache protocol ----------------------------------------------------
     # -- kvstore cache interface ----------------------------------------------------------
     def signature(self) -> str:
         return "rec:gated-delta"
@@ -253,7 +264,7 @@ class GatedDeltaCache:
         return f"GatedDeltaCache(rec:gated-delta, offset={self.offset})"
 
 
-class ArraysCache:
+class ArraysCache(_Slots):
     """mlx-lm's ``ArraysCache`` (``slots`` arrays of any shape, mlx-lm's batch verbs),
     with a signature (``rec:arrays:{slots}``) and an ``offset``.
 
@@ -267,12 +278,6 @@ class ArraysCache:
         self.left_padding = mx.array(left_padding) if left_padding else None
         self.lengths: mx.array | None = None
         self.offset = 0
-
-    def __getitem__(self, idx: int) -> Any:
-        return self.cache[idx]
-
-    def __setitem__(self, idx: int, value: Any) -> None:
-        self.cache[idx] = value
 
     def signature(self) -> str:
         return f"rec:arrays:{len(self.cache)}"
@@ -365,23 +370,6 @@ class ArraysCache:
     def finalize(self) -> None:
         self.lengths = None
         self.left_padding = None
-
-    def advance(self, n: int) -> None:
-        self.offset += n
-        if self.lengths is not None:
-            self.lengths -= n
-        if self.left_padding is not None:
-            self.left_padding -= n
-
-    def make_mask(self, N: int, **_: Any) -> mx.array | None:
-        pos = mx.arange(N)
-        mask = None
-        if self.left_padding is not None:
-            mask = pos >= self.left_padding[:, None]
-        if self.lengths is not None:
-            in_length = pos < self.lengths[:, None]
-            mask = in_length if mask is None else (mask & in_length)
-        return mask
 
     def empty(self) -> bool:
         return self.cache[0] is None
