@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import collections
 import gzip
+import hashlib
 import json
 import os
 import random
@@ -95,18 +96,38 @@ class World:
         generate_tokens(self.models[label], tokens, store=store, max_tokens=1, chunk_size=chunk)
 
 
+#: Every timestamp the sweep store writes (settings, index entries, last uses).
+BUILT_AT = 1_700_000_000.0
+
+
 def build(path: Path) -> None:
-    """The sweep store: every prompt of every model saved, one tail superseded, one deleted."""
+    """The sweep store: every prompt of every model saved, one tail superseded, one deleted.
+
+    It is the same bytes every time (:func:`store_digest`), so ``--again`` replays
+    a position exactly: the clock is fixed (a ticking one is read a varying number
+    of times by the writer thread) and every save is its own commit (``group``
+    durability batches saves by how they fall in its window, and the batches
+    decide which pages are freed and reused), committed before the next save
+    looks up (a read transaction open during a commit keeps pages from reuse).
+    """
     from kvstore.store import open_store
 
     world = World()
-    with open_store(f"lmdb://{path}", block_size=BLOCK, touch_interval=0) as store:
+    options = {"touch_interval": 0, "clock": lambda: BUILT_AT, "durability": "sync"}
+    with open_store(f"lmdb://{path}", block_size=BLOCK, **options) as store:
         for label, _, tokens in world.cases():
-            world.save(store, label, tokens[: len(tokens) - 7])  # a tail, superseded next
-            world.save(store, label, tokens)
+            for saved in (tokens[: len(tokens) - 7], tokens):  # a tail, superseded next
+                world.save(store, label, saved)
+                store.flush()  # committed before the next lookup's read (readers pin pages)
         extra = _prompt(9, 40, (1, 16))
         world.save(store, "plain", extra)
+        store.flush()
         store.delete(world.namespaces["plain"], extra[:32])  # frees pages
+
+
+def store_digest(path: Path) -> str:
+    """SHA-256 of the store's ``data.mdb``: what a replay checks it damages the same file."""
+    return hashlib.sha256((path / "data.mdb").read_bytes()).hexdigest()
 
 
 # ---------------------------------------------------------------- one position
@@ -398,6 +419,7 @@ def summarise(results: list[dict[str, Any]], seconds: float, base: Path) -> dict
         "positions": len(results),
         "seconds": round(seconds, 1),
         "store_bytes": (base / "data.mdb").stat().st_size,
+        "store_sha256": store_digest(base),
         "total": dict(total),
         "by_page_kind": {k: dict(v) for k, v in sorted(by_kind.items())},
     }
@@ -435,11 +457,14 @@ def write_summary(out: Path, summary: dict[str, Any], args: Any, complete: bool)
     command = (
         f".venv/bin/python tools/damage/sweep.py --positions {args.positions} "
         f"--workers {args.workers} --seed {args.seed}"
+        + ("" if args.again is None else f" --again {args.again}")
     )
     state = "" if complete else f" (stopped early: {summary['positions']} done)"
     head = (
         f"{command}{state}\n{summary['positions']} positions in {summary['seconds']} s, "
-        f"store {summary['store_bytes']} bytes\n\n"
+        f"store {summary['store_bytes']} bytes, sha256 {summary['store_sha256']}\n"
+        + (f"{summary['replay']}\n" if summary.get("replay") else "")
+        + "\n"
     )
     (out / "sweep-summary.txt").write_text(head + table(summary) + "\n")
 
@@ -454,6 +479,22 @@ def failed_positions(path: Path) -> list[tuple[int, int, str]]:
             if r.get("crashes") or r.get("foreign") or r.get("wrong") or not r.get("reusable"):
                 out.append((r["pos"], r["bit"], r["kind"]))
     return out
+
+
+def replay_check(again: Path, digest: str) -> str:
+    """Whether ``--again`` damages the very file the earlier sweep did: one line saying so.
+    (The earlier run's ``sweep-summary.json`` beside its positions has the store's hash;
+    code that changed what a save writes builds another file, so its positions hit other bytes.)"""
+    try:
+        earlier = json.loads((again.parent / "sweep-summary.json").read_text())
+    except (OSError, ValueError):
+        earlier = {}
+    was = earlier.get("store_sha256")
+    if was is None:
+        return f"replay of {again}: that run recorded no store hash (not comparable byte for byte)"
+    if was != digest:
+        return f"replay of {again}: NOT the same store (was {was}): positions hit other bytes"
+    return f"replay of {again}: the same store, byte for byte"
 
 
 def main() -> int:
@@ -478,8 +519,11 @@ def main() -> int:
         base = work / "store"
         build(base)
         todo = positions(base / "data.mdb", args.positions, args.seed)
+        replay = ""
         if args.again is not None:
             todo = failed_positions(args.again)
+            replay = replay_check(args.again, store_digest(base))
+            print(replay, file=sys.stderr)
         results: list[dict[str, Any]] = []
         t0 = time.perf_counter()
 
@@ -491,6 +535,7 @@ def main() -> int:
                 print(f"{len(results)}/{len(todo)} positions", file=sys.stderr, flush=True)
                 # A long run that is stopped still leaves what it measured.
                 partial = summarise(results, time.perf_counter() - t0, base)
+                partial["replay"] = replay
                 write_summary(args.out, partial, args, complete=False)
 
         pool = Pool(base, args.workers)
@@ -499,6 +544,7 @@ def main() -> int:
         finally:
             pool.close()
         summary = summarise(results, time.perf_counter() - t0, base)
+        summary["replay"] = replay
         write_summary(args.out, summary, args, complete=True)
         with gzip.open(args.out / "sweep-positions.jsonl.gz", "wt") as f:
             for r in sorted(results, key=lambda r: (r["pos"], r["bit"])):

@@ -18,7 +18,9 @@ size of its blocks; storage policy and budgets back to their defaults), which
 
 from __future__ import annotations
 
+import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -111,9 +113,16 @@ def rebuilt_settings(view: ReadView) -> StoreSettings:
 
 
 def open_settings(
-    backend: Backend, explicit: dict[str, Any], *, recover: bool = False
+    backend: Backend,
+    explicit: dict[str, Any],
+    *,
+    recover: bool = False,
+    clock: Callable[[], float] = time.time,
 ) -> StoreSettings:
     """The settings of the store in ``backend``, creating, updating or repairing its record.
+
+    ``clock`` stamps a record created now (the store's clock, so a store built
+    with a fixed clock is the same bytes every time).
 
     Raises:
         StoreConfigError: a read-only open of an empty location, a location holding
@@ -132,11 +141,13 @@ def open_settings(
     # A damaged copy is rewritten now, except where verify is to report and repair it.
     mend = stored is not None and bool(stored.problems) and not recover
     if (changed or mend) and backend.supports_writes:
-        settings = backend.transact(lambda txn: _write_meta(backend, txn, explicit))
+        settings = backend.transact(lambda txn: _write_meta(backend, txn, explicit, clock))
     return settings
 
 
-def _write_meta(backend: Backend, txn: WriteView, explicit: dict[str, Any]) -> StoreSettings:
+def _write_meta(
+    backend: Backend, txn: WriteView, explicit: dict[str, Any], clock: Callable[[], float]
+) -> StoreSettings:
     # Re-read inside the transaction: another process may have created the
     # store (or changed a budget) since we looked.
     stored = read_settings(txn, backend.url)
@@ -144,7 +155,7 @@ def _write_meta(backend: Backend, txn: WriteView, explicit: dict[str, Any]) -> S
         _refuse_foreign(backend)  # consistent: we hold the write lock, nothing else commits
     settings, changed = resolve_settings(None if stored is None else stored.settings, explicit)
     if changed or stored is None or stored.problems:
-        _put(txn, settings, None if stored is None else stored.created)
+        _put(txn, settings, clock() if stored is None else stored.created)
     return settings
 
 
