@@ -31,7 +31,7 @@ from kvstore.codecs.record import read_header
 from kvstore.errors import CorruptEntryError, KVStoreError
 from kvstore.store import keys as K
 from kvstore.store import open_backend, open_store
-from kvstore.testing.lmdb_pages import find_leaf_node, flip_bit, read_pages
+from kvstore.testing.lmdb_pages import find_leaf_node, flip_bit, leaf_nodes, read_pages
 
 from .kv_helpers import BLOCK, CHUNK, assert_same_caches, model_for, prefilled, prompt
 
@@ -224,6 +224,39 @@ def test_a_damaged_branch_page_is_found_and_the_file_rebuilt(url, path, capsys):
     flip_bit(f"{path}/data.mdb", branch.offset + last, 0)  # its page number, off by one
     status, report = verify_json(capsys, path)
     assert status == 1 and report["found"]["engine"]
+    status, out, _ = run_cli(capsys, "verify", path, "--fix")
+    assert status == 0 and "rebuilt the damaged file" in out
+    status, report = verify_json(capsys, path)
+    assert status == 0 and report["clean"]
+    assert_fully_reusable(url)
+
+
+def test_a_value_size_grown_into_the_next_node_is_found_and_the_file_rebuilt(
+    url, path, capsys
+):
+    # Found by the sweep (leaf 312856 bit 6): a flipped size bit made the value at the
+    # bottom of a leaf page (its lowest node, at ``upper``: there an index entry, here
+    # the namespace totals) run 64 bytes into the node above it. LMDB reads it (a wrong
+    # value: orphans, dangling keys, totals); verify --fix rewriting it in place, which
+    # LMDB does by deleting the node at its stored size, raised the page's free-space
+    # mark into the node above, and the next write overwrote that one: the store was
+    # MDB_CORRUPTED ("Located page was wrong type") after --fix.
+    data = f"{path}/data.mdb"
+    psize = read_pages(data)[0]
+    by_page: dict[int, list] = {}
+    for n in leaf_nodes(data):
+        by_page.setdefault(n.offset // psize, []).append(n)
+    node, above = next(
+        (low, above)
+        for nodes in by_page.values()
+        for low, above in [sorted(nodes, key=lambda n: n.offset)[:2]]
+        if low.overflow_pgno is None
+        and not low.size & 0x40
+        and low.offset + 8 + len(low.key) + low.size + 0x40 > above.offset
+    )
+    flip_bit(data, node.offset, 6)  # its size + 64
+    status, report = verify_json(capsys, path)
+    assert status == 1 and any("runs into" in p for p in report["found"]["engine"])
     status, out, _ = run_cli(capsys, "verify", path, "--fix")
     assert status == 0 and "rebuilt the damaged file" in out
     status, report = verify_json(capsys, path)
@@ -511,6 +544,24 @@ def test_a_meta_page_lmdb_refuses_is_rebuilt(url, path, capsys, offset, bit, wha
             open_store(url)
     status, report = verify_json(capsys, path)
     assert status == 1 and "meta page 0 is damaged" in report["found"]["engine"], what
+    status, report = verify_json(capsys, path, "--fix")
+    assert status == 0 and report["clean"]
+    assert_fully_reusable(url)
+
+
+def test_a_flipped_tree_flag_in_the_meta_page_is_found_and_the_file_rebuilt(url, path, capsys):
+    # Found by the sweep (meta position 92 bit 1): a flip in the newer meta page's flags
+    # of the main tree set MDB_REVERSEKEY; LMDB then compares keys from their ends and
+    # finds none, so the store refused to open ("both copies are missing") and verify
+    # --fix, reading the same page, could not repair it.
+    data = Path(path, "data.mdb").read_bytes()
+    psize = read_pages(f"{path}/data.mdb")[0]
+    newer = max((0, 1), key=lambda slot: struct.unpack_from("<Q", data, slot * psize + 144)[0])
+    flip_bit(f"{path}/data.mdb", newer * psize + 92, 1)  # the main tree's md_flags: 0x02
+    with pytest.raises(CorruptEntryError, match="Run 'kvstore verify .* --fix'"):
+        open_store(url)
+    status, report = verify_json(capsys, path)
+    assert status == 1 and f"meta page {newer} is damaged" in report["found"]["engine"]
     status, report = verify_json(capsys, path, "--fix")
     assert status == 0 and report["clean"]
     assert_fully_reusable(url)

@@ -10,9 +10,10 @@ with plain bounded reads (a damaged length is an error message here, never
 a fault), and checks what LMDB relies on (LMDB 0.9's layout, ``mdb.c``):
 
 * the meta page LMDB will use (the higher intact ``txnid``): magic, version,
-  page size, roots and last page inside the file;
+  page size, the trees' flags, roots and last page inside the file;
 * every page of both B-trees (the main one and the free list's): its number,
-  its kind, its bounds (``lower``/``upper``), every node inside the page, keys
+  its kind, its bounds (``lower``/``upper``), every node inside the page and
+  clear of the node above it (a grown size overlaps its neighbour), keys
   strictly ascending within a page and inside their parent's separators,
   every leaf at the tree's depth, no page reached twice; overflow runs inside
   the file, of the right kind and length for their value, overlapping nothing;
@@ -45,6 +46,7 @@ _VERSION = 1
 _MAX_MAP = 1 << 46
 _P_BRANCH, _P_LEAF, _P_OVERFLOW = 0x01, 0x02, 0x04
 _F_BIGDATA = 0x01
+_MDB_INTEGERKEY = 0x08
 _INVALID = (1 << 64) - 1
 _MAX_DEPTH = 64
 #: Problems listed before the check stops collecting (a wrecked file has thousands).
@@ -114,6 +116,11 @@ def _meta_at(f: _File, slot: int, psize: int) -> _Meta | None:
     last_pg, txnid = struct.unpack_from("<QQ", raw, 136)
     if dbs[0][0] != psize:
         return None
+    # The trees' flags decide how LMDB compares keys and reads nodes (a flipped
+    # MDB_REVERSEKEY hides every key from lookups): the free list's are MDB_INTEGERKEY,
+    # the main tree's none (how kvstore's engine opens it).
+    if (dbs[0][1], dbs[1][1]) != (_MDB_INTEGERKEY, 0):
+        return None
     # LMDB maps mapsize bytes at open (a damaged one: ENOMEM, or MAP_RESIZED below
     # last_pg) and a non-zero address asks for a fixed map (EINVAL): damage either way.
     if address != 0 or not (last_pg + 1) * psize <= mapsize <= _MAX_MAP:
@@ -181,7 +188,21 @@ def _nodes(walk: _Walk, pgno: int, page: bytes) -> list[tuple[int, int, int, int
             walk.check.add(f"{walk.name}: page {pgno} node {i}'s key runs past the page")
             return None
         out.append((ptr, lo, hi, flags, ksize))
+    for i, ((ptr, _, _, _, ksize), room) in enumerate(zip(out, _room(out, psize))):
+        if ptr + _NODE.size + ksize > room:
+            walk.check.add(f"{walk.name}: page {pgno} node {i}'s key runs into the node above it")
+            return None
     return out
+
+
+def _room(nodes: list[tuple[int, int, int, int, int]], psize: int) -> list[int]:
+    """For each node, where the node above it in the page begins (the page's end for the
+    topmost one). LMDB packs a page's nodes from ``upper`` to the end, so a node reaching
+    past that has a damaged size: its value holds its neighbour's bytes, and LMDB, which
+    moves nodes by their sizes, would wreck the page deleting it (issue 18's sweep)."""
+    starts = sorted({ptr for ptr, *_ in nodes})
+    above = {a: b for a, b in zip(starts, starts[1:])}
+    return [above.get(ptr, psize) for ptr, *_ in nodes]
 
 
 def _walk(
@@ -235,8 +256,9 @@ def _walk(
             continue
         walk.leaf += 1
         walk.leaf_depths.add(level)
-        for (ptr, lo, hi, nflags, ksize), key in zip(nodes, keys):
+        for (ptr, lo, hi, nflags, ksize), key, room in zip(nodes, keys, _room(nodes, psize)):
             size = lo | hi << 16
+            past = "past the page" if room == psize else "into the node above it"
             data_at = ptr + _NODE.size + ksize
             if nflags & ~_F_BIGDATA:
                 walk.check.add(f"{walk.name}: page {pgno} has a node with flags {nflags:#x}")
@@ -247,15 +269,15 @@ def _walk(
                 walk.check.add(f"{walk.name}: page {pgno} has a malformed free-list node")
                 continue
             if not nflags & _F_BIGDATA:
-                if data_at + size > psize:
-                    walk.check.add(f"{walk.name}: page {pgno} has a value running past the page")
+                if data_at + size > room:
+                    walk.check.add(f"{walk.name}: page {pgno} has a value that runs {past}")
                     continue
                 walk.entries += 1
                 if values or not main:
                     yield key, page[data_at : data_at + size]
                 continue
-            if data_at + 8 > psize:
-                walk.check.add(f"{walk.name}: page {pgno} has an overflow node past the page")
+            if data_at + 8 > room:
+                walk.check.add(f"{walk.name}: page {pgno} has an overflow node that runs {past}")
                 continue
             first = _Q.unpack_from(page, data_at)[0]
             value = _overflow(walk, first, size)
