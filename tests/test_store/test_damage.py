@@ -231,9 +231,7 @@ def test_a_damaged_branch_page_is_found_and_the_file_rebuilt(url, path, capsys):
     assert_fully_reusable(url)
 
 
-def test_a_value_size_grown_into_the_next_node_is_found_and_the_file_rebuilt(
-    url, path, capsys
-):
+def test_a_value_size_grown_into_the_next_node_is_found_and_the_file_rebuilt(url, path, capsys):
     # Found by the sweep (leaf 312856 bit 6): a flipped size bit made the value at the
     # bottom of a leaf page (its lowest node, at ``upper``: there an index entry, here
     # the namespace totals) run 64 bytes into the node above it. LMDB reads it (a wrong
