@@ -1,7 +1,7 @@
 """Flip bits all over a small store's ``data.mdb`` and check what every entry point does.
 
     .venv/bin/python tools/damage/sweep.py [--positions 20000] [--workers 2] [--seed 0]
-        [--out tools/damage/results]
+        [--out tools/damage/results] [--every-bit START:END ...] [--again POSITIONS]
 
 It builds one small LMDB store (two models' namespaces, plain and sliding-window
 layers, prompts sharing prefixes, a tail superseded and a prompt deleted, so the
@@ -291,6 +291,19 @@ def worker_main(base: Path) -> int:
 # ---------------------------------------------------------------- the parent
 
 
+def every_bit(data: Path, spans: list[str]) -> list[tuple[int, int, str]]:
+    """Every bit of the byte spans ``START:END`` (``--every-bit``), with each one's page kind."""
+    from kvstore.testing.lmdb_pages import read_pages
+
+    psize, pages = read_pages(data)
+    out = []
+    for span in spans:
+        start, end = (int(x, 0) for x in span.split(":"))
+        for pos in range(start, min(end, len(pages) * psize)):
+            out += [(pos, bit, pages[pos // psize].kind) for bit in range(8)]
+    return out
+
+
 def positions(data: Path, count: int, seed: int) -> list[tuple[int, int, str]]:
     """``count`` (byte, bit, page kind) spread evenly over the kinds of page present."""
     from kvstore.testing.lmdb_pages import read_pages
@@ -457,6 +470,7 @@ def write_summary(out: Path, summary: dict[str, Any], args: Any, complete: bool)
     command = (
         f".venv/bin/python tools/damage/sweep.py --positions {args.positions} "
         f"--workers {args.workers} --seed {args.seed}"
+        + "".join(f" --every-bit {span}" for span in args.every_bit or ())
         + ("" if args.again is None else f" --again {args.again}")
     )
     state = "" if complete else f" (stopped early: {summary['positions']} done)"
@@ -509,6 +523,12 @@ def main() -> int:
         default=None,
         help="a sweep-positions.jsonl.gz: run again only its positions that failed",
     )
+    parser.add_argument(
+        "--every-bit",
+        action="append",
+        metavar="START:END",
+        help="flip every bit of these bytes of data.mdb instead (e.g. 16:160, a meta page's)",
+    )
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--base", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -520,6 +540,8 @@ def main() -> int:
         build(base)
         todo = positions(base / "data.mdb", args.positions, args.seed)
         replay = ""
+        if args.every_bit:
+            todo = every_bit(base / "data.mdb", args.every_bit)
         if args.again is not None:
             todo = failed_positions(args.again)
             replay = replay_check(args.again, store_digest(base))
