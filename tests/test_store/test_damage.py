@@ -28,7 +28,7 @@ from kvstore.bridge import generate_tokens
 from kvstore.bridge.namespace import namespace_for_model
 from kvstore.cli import main
 from kvstore.codecs.record import read_header
-from kvstore.errors import CorruptEntryError, KVStoreError
+from kvstore.errors import CorruptEntryError, KVStoreError, StoreError
 from kvstore.store import keys as K
 from kvstore.store import open_backend, open_store
 from kvstore.testing.lmdb_pages import find_leaf_node, flip_bit, leaf_nodes, read_pages
@@ -541,27 +541,64 @@ def test_a_meta_page_lmdb_refuses_is_rebuilt(url, path, capsys, offset, bit, wha
         with pytest.raises(KVStoreError):
             open_store(url)
     status, report = verify_json(capsys, path)
-    assert status == 1 and "meta page 0 is damaged" in report["found"]["engine"], what
+    assert status == 1, what
+    assert any(p.startswith("meta page 0 is damaged") for p in report["found"]["engine"]), what
     status, report = verify_json(capsys, path, "--fix")
     assert status == 0 and report["clean"]
     assert_fully_reusable(url)
 
 
-def test_a_flipped_tree_flag_in_the_meta_page_is_found_and_the_file_rebuilt(url, path, capsys):
+def newer_meta_page(path):
+    """``(page size, slot)`` of the meta page LMDB opens the file with (the higher txnid)."""
+    data = Path(path, "data.mdb").read_bytes()
+    psize = read_pages(f"{path}/data.mdb")[0]
+    return psize, max(
+        (0, 1), key=lambda slot: struct.unpack_from("<Q", data, slot * psize + 144)[0]
+    )
+
+
+def test_a_flipped_tree_flag_in_the_meta_page_is_refused_and_the_file_rebuilt(url, path, capsys):
     # Found by the sweep (meta position 92 bit 1): a flip in the newer meta page's flags
     # of the main tree set MDB_REVERSEKEY; LMDB then compares keys from their ends and
     # finds none, so the store refused to open ("both copies are missing") and verify
     # --fix, reading the same page, could not repair it.
-    data = Path(path, "data.mdb").read_bytes()
-    psize = read_pages(f"{path}/data.mdb")[0]
-    newer = max((0, 1), key=lambda slot: struct.unpack_from("<Q", data, slot * psize + 144)[0])
+    psize, newer = newer_meta_page(path)
     flip_bit(f"{path}/data.mdb", newer * psize + 92, 1)  # the main tree's md_flags: 0x02
-    with pytest.raises(CorruptEntryError, match="Run 'kvstore verify .* --fix'"):
+    with pytest.raises(StoreError, match=r"tree flags 0x8/0x2.*run 'kvstore verify .* --fix'"):
         open_store(url)
     status, report = verify_json(capsys, path)
-    assert status == 1 and f"meta page {newer} is damaged" in report["found"]["engine"]
+    assert status == 1
+    assert f"meta page {newer} is damaged: tree flags" in report["found"]["engine"][0]
     status, report = verify_json(capsys, path, "--fix")
     assert status == 0 and report["clean"]
+    assert_fully_reusable(url)
+
+
+def test_meta_damage_lmdb_copies_into_the_other_page_keeps_every_block(url, path, capsys):
+    # Found by the sweep (meta bytes 37-39, 44-45, 92-93, 140 of the newer page): LMDB
+    # takes a meta page's map size, flags and pad on trust and writes them into the
+    # other meta page with its next commit. Then neither page read as intact, and
+    # --fix rebuilt an empty store. Now the store refuses to open on such a page (no
+    # commit spreads it), and where LMDB spread it anyway, the tree under it is kept.
+    import lmdb
+
+    psize, newer = newer_meta_page(path)
+    flip_bit(f"{path}/data.mdb", newer * psize + 38, 0)  # the map size + 2**48
+    with pytest.raises(StoreError, match=r"meta page \d is damaged: map size"):
+        open_store(url)
+    env = lmdb.open(path, subdir=True, max_dbs=0)  # LMDB itself: it opens, and commits
+    with env.begin(write=True) as txn:
+        txn.put(K.META_KEY, txn.get(K.META_KEY))
+    env.close()
+    data = Path(path, "data.mdb").read_bytes()
+    sizes = {struct.unpack_from("<Q", data, slot * psize + 32)[0] for slot in (0, 1)}
+    assert len(sizes) == 1 and sizes.pop() > 1 << 48  # both pages carry it now
+    status, report = verify_json(capsys, path)
+    assert status == 1 and len(report["found"]["engine"]) == 2
+    status, report = verify_json(capsys, path, "--fix")
+    assert status == 0 and report["clean"]
+    with open_store(url, readonly=True, touch_interval=0) as store:
+        assert restore(store)[0].offset == len(TOKENS)  # nothing lost: before any re-save
     assert_fully_reusable(url)
 
 

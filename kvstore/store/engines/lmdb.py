@@ -34,7 +34,7 @@ from kvstore.errors import (
     StoreUnavailableError,
 )
 from kvstore.store.engines.boundary import Translation, translate_errors
-from kvstore.store.engines.lmdb_file import check_file
+from kvstore.store.engines.lmdb_file import check_file, meta_damage
 from kvstore.store.engines.lmdb_guard import DAMAGED, NodeGuard
 from kvstore.store.keys import prefix_successor
 
@@ -361,6 +361,7 @@ class LMDBBackend(Backend):
         self._readonly = readonly
         self._max_map_size = max_map_size
         self._check_path(create and not readonly)
+        self._check_meta()
         with translate_errors(LMDB_ERRORS, "open_store", self.url):
             self._shared: _SharedEnv | None = _SharedEnv.acquire(
                 self.path,
@@ -377,6 +378,23 @@ class LMDBBackend(Backend):
             )
         self._env = self._shared.env
         self._gate = self._shared.gate
+
+    def _check_meta(self) -> None:
+        """Refuse a file whose meta page LMDB would take damage from on trust: LMDB would
+        write it into the other meta page with the next commit, and could abort on it."""
+        if not (self.path / "data.mdb").exists():
+            return
+        try:
+            damage = meta_damage(self.path)
+        except OSError:
+            return  # unreadable: LMDB's own open says why
+        if damage is not None:
+            raise StoreError(
+                f"[open_store] {self.url}: {damage}. The LMDB file is damaged; run "
+                f"'kvstore verify {self.url} --fix', which rebuilds it.",
+                url=self.url,
+                problem=damage,
+            )
 
     def _check_path(self, create: bool) -> None:
         p = self.path

@@ -9,8 +9,10 @@ LMDB's API until it goes wrong, so :func:`check_file` reads the file itself,
 with plain bounded reads (a damaged length is an error message here, never
 a fault), and checks what LMDB relies on (LMDB 0.9's layout, ``mdb.c``):
 
-* the meta page LMDB will use (the higher intact ``txnid``): magic, version,
-  page size, the trees' flags, roots and last page inside the file;
+* both meta pages: magic, version, page size, last page inside the map, and the
+  fields LMDB takes on trust and copies into every later meta page (map address
+  and size, the trees' flags and pad; :func:`meta_damage`, which the engine asks
+  before it opens a file); the tree of the newer one that reads is walked;
 * every page of both B-trees (the main one and the free list's): its number,
   its kind, its bounds (``lower``/``upper``), every node inside the page and
   clear of the node above it (a grown size overlaps its neighbour), keys
@@ -34,7 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["FileCheck", "check_file", "salvage"]
+__all__ = ["FileCheck", "check_file", "meta_damage", "salvage"]
 
 _PAGE_HEADER = 16
 _HEADER = struct.Struct("<QHHHH")  # pgno, pad, flags, lower, upper
@@ -65,6 +67,8 @@ class _Meta:
     root: tuple[int, int]
     last_pg: int
     txnid: int
+    #: What is wrong in the fields LMDB takes on trust (``""``: nothing); the tree reads.
+    damage: str = ""
 
 
 @dataclass
@@ -114,19 +118,30 @@ def _meta_at(f: _File, slot: int, psize: int) -> _Meta | None:
     address, mapsize = struct.unpack_from("<QQ", raw, 24)
     dbs = [struct.unpack_from("<IHHQQQQQ", raw, 40 + 48 * i) for i in (0, 1)]
     last_pg, txnid = struct.unpack_from("<QQ", raw, 136)
-    if dbs[0][0] != psize:
-        return None
-    # The trees' flags decide how LMDB compares keys and reads nodes (a flipped
-    # MDB_REVERSEKEY hides every key from lookups): the free list's are MDB_INTEGERKEY,
-    # the main tree's none (how kvstore's engine opens it).
-    if (dbs[0][1], dbs[1][1]) != (_MDB_INTEGERKEY, 0):
-        return None
-    # LMDB maps mapsize bytes at open (a damaged one: ENOMEM, or MAP_RESIZED below
-    # last_pg) and a non-zero address asks for a fixed map (EINVAL): damage either way.
-    if address != 0 or not (last_pg + 1) * psize <= mapsize <= _MAX_MAP:
-        return None
+    if dbs[0][0] != psize or (last_pg + 1) * psize > mapsize:
+        return None  # (LMDB's map would not hold the pages the meta names)
     pair = lambda i: (dbs[0][i], dbs[1][i])  # noqa: E731
-    return _Meta(slot, psize, pair(2), pair(3), pair(4), pair(5), pair(6), pair(7), last_pg, txnid)
+    damage = _trusted_damage(address, mapsize, dbs[0][1], dbs[1][1], dbs[1][0])
+    return _Meta(
+        slot, psize, pair(2), pair(3), pair(4), pair(5), pair(6), pair(7), last_pg, txnid, damage
+    )
+
+
+def _trusted_damage(address: int, mapsize: int, free_flags: int, flags: int, pad: int) -> str:
+    """What is wrong in the meta fields LMDB takes on trust and copies into the meta page
+    of every later commit, so one flip outlives its page (issue 18's sweep: after a
+    write both pages carried it, and a rebuild that refused such pages found nothing).
+    They do not locate anything, so the tree under a page damaged here still reads."""
+    if address != 0:
+        return f"map address {address:#x} (LMDB would ask for a fixed map)"
+    if mapsize > _MAX_MAP:
+        return f"map size {mapsize} (LMDB would map that much)"
+    # The flags decide how LMDB compares keys (a flipped MDB_REVERSEKEY hides every
+    # key from lookups) and reads nodes; the free list's also hold the environment's
+    # flags. The main tree's pad is a fixed value size (LMDB refuses large ones).
+    if (free_flags, flags, pad) != (_MDB_INTEGERKEY, 0, 0):
+        return f"tree flags {free_flags:#x}/{flags:#x}, pad {pad} (kvstore's: 0x8/0x0, 0)"
+    return ""
 
 
 def _metas(f: _File) -> list[_Meta]:
@@ -362,8 +377,10 @@ def check_file(path: str | os.PathLike[str]) -> FileCheck:
             check.add("neither meta page is intact")
             return check
         meta = metas[0]
-        if len(metas) < 2:
-            check.add(f"meta page {1 - meta.slot} is damaged")
+        for slot in (0, 1):
+            read = next((m for m in metas if m.slot == slot), None)
+            if read is None or read.damage:
+                check.add(f"meta page {slot} is damaged" + (f": {read.damage}" if read else ""))
         # (The last page may lie past the file's end: LMDB does not write pages that
         # were freed before they were ever written.)
         used: dict[int, str] = {}
@@ -390,6 +407,27 @@ def check_file(path: str | os.PathLike[str]) -> FileCheck:
         if len(set(free_pages)) != len(free_pages):
             check.add("free list: a page is listed free twice")
         return check
+    finally:
+        f.close()
+
+
+def meta_damage(path: str | os.PathLike[str]) -> str | None:
+    """What is wrong in the meta page LMDB would open ``path`` with (the newest that
+    reads), in the fields LMDB takes on trust and writes into every later commit;
+    ``None`` where nothing is (or no meta page reads: LMDB refuses that file itself).
+    Two reads of the file: the LMDB engine asks before every open, so such damage is
+    refused at once instead of spreading to the other meta page with the next write.
+    (The fields checked never change in an intact store, so a commit by another
+    process meanwhile cannot make this say a healthy store is damaged.)
+
+    Raises:
+        OSError: the file cannot be read.
+    """
+    f, metas = _open(path)
+    try:
+        if not metas or not metas[0].damage:
+            return None
+        return f"meta page {metas[0].slot} is damaged: {metas[0].damage}"
     finally:
         f.close()
 
