@@ -467,9 +467,9 @@ def table(summary: dict[str, Any]) -> str:
 def write_summary(out: Path, summary: dict[str, Any], args: Any, complete: bool) -> None:
     summary = {**summary, "complete": complete, "seed": args.seed, "workers": args.workers}
     (out / "sweep-summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    sampled = "" if args.every_bit else f" --positions {args.positions} --seed {args.seed}"
     command = (
-        f".venv/bin/python tools/damage/sweep.py --positions {args.positions} "
-        f"--workers {args.workers} --seed {args.seed}"
+        f".venv/bin/python tools/damage/sweep.py{sampled} --workers {args.workers}"
         + "".join(f" --every-bit {span}" for span in args.every_bit or ())
         + ("" if args.again is None else f" --again {args.again}")
     )
