@@ -38,7 +38,7 @@ from kvstore.abc.codec import RestorePlan, Snapshot
 from kvstore.abc.store import BlockRef, Match, PrefixStore
 from kvstore.codecs import cuda, decode_record, get_codec, read_header, transcode
 from kvstore.codecs.plans import join_runs, run_plans
-from kvstore.codecs.record import RecordHeader
+from kvstore.codecs.record import Record, RecordHeader, decode_records_on_device
 from kvstore.errors import (
     CapabilityError,
     CorruptEntryError,
@@ -125,13 +125,23 @@ def restore_caches(store: PrefixStore, match: Match, caches: Sequence[Any]) -> l
             if best == tokens:
                 # The store verified every view it handed out; the header parse is remembered.
                 records = {
-                    ref.key: decode_record(view, verify=False).layers
-                    for ref, view in zip(wanted, views)
+                    ref.key: record.layers
+                    for ref, record in zip(wanted, _decoded(views, needs), strict=True)
                 }
                 # Every layer planned first, then all arrays allocated in one evaluation.
                 return run_plans(_plans(cut, needs, records))
         tokens = best
     return list(caches)
+
+
+def _decoded(views: Sequence[memoryview], needs: Sequence[LayerNeed]) -> list[Record]:
+    """The verified records of ``views``: on a CUDA GPU with every tensor on the device
+    (each record crosses the bus whole; rows are joined and decoded there), else as
+    numpy views into the store's pages. Recurrent checkpoints stay on the host (their
+    plans fill host buffers)."""
+    if cuda.available() and not any(need.checkpoint for need in needs):
+        return decode_records_on_device(views)
+    return [decode_record(view, verify=False) for view in views]
 
 
 def _union(match: Match, needs: Sequence[LayerNeed]) -> list[BlockRef]:

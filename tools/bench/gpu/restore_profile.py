@@ -229,7 +229,8 @@ def main() -> int:
             return {"error": done.stderr[-2000:]}
         return dict(json.loads(done.stdout.strip().splitlines()[-1]))
 
-    print(f"{args.layers} layers x {args.tokens} tokens, 8 KV heads x 128, bf16; {mx.default_device()}")
+    shape = f"{args.layers} layers x {args.tokens} tokens, 8 KV heads x 128, bf16"
+    print(f"{shape}; {mx.default_device()}")
     print("memory:", json.dumps(child("memory", "-")), flush=True)
     kv = SyntheticKV(KVShape("llama8b", layers=args.layers, kv_heads=8, head_dim=128), args.tokens)
     caches = kv.ours()
