@@ -80,8 +80,8 @@ def test_a_restore_through_staging_is_the_cpu_restore(tmp_path, staged):
     assert_same_caches(restored, token_by_token(model, tokens[:-1]))
 
 
-@pytest.mark.parametrize("family", ["plain", "quant", "window", "window-quant", "turboquant"])
-def test_a_staged_restore_uploads_each_record_whole_and_equals_the_cpu_restore(
+@pytest.mark.parametrize("family", ["plain", "window"])
+def test_a_staged_lossy_restore_uploads_each_record_whole_and_equals_the_cpu_restore(
     tmp_path, staged, monkeypatch, family
 ):
     from tests.test_store.kv_helpers import (
@@ -96,12 +96,14 @@ def test_a_staged_restore_uploads_each_record_whole_and_equals_the_cpu_restore(
     config, policy = FAMILIES[family]
     model = model_for(config)
     tokens = prompt(5, 5 * BLOCK + 3)
-    with open_store(f"lmdb://{tmp_path / 's'}", block_size=BLOCK) as store:
+    url = f"lmdb://{tmp_path / 's'}"
+    with open_store(url, block_size=BLOCK, storage_policy="kv:quant:8:64") as store:
         store.save("ns", tokens, prefilled(model, tokens, policy))
         match = store.lookup("ns", tokens)
         before = staged.uploads
         restored = store.restore(match, model.make_cache(policy))
-        # One upload per record read (a window layer reads fewer), none per array.
+        # Stored in another encoding: one upload per record read (a window layer reads
+        # fewer), none per array; the rows are joined and decoded on the device.
         assert 0 < staged.uploads - before <= len(match.blocks)
         monkeypatch.setattr(cuda, "TRANSPORT", False)
         plain = store.restore(match, model.make_cache(policy))

@@ -117,12 +117,12 @@ def child_restore(url: str, tokens: int, layers: int) -> dict[str, Any]:
         return Ctx()
 
     store.read = read  # type: ignore[method-assign]
-    for attr in ("_headers", "decode_record", "_plans", "run_plans", "transcode", "join_runs"):
+    for attr in ("_headers", "_decoded", "_plans", "run_plans", "transcode", "join_runs"):
         if hasattr(restore, attr):
             line.wrap(restore, attr)
     line.wrap(plans, "filled_arrays", "plans.filled_arrays")
     if cuda.available():
-        line.wrap(cuda, "_local_slot", "cuda slot (grow)")
+        line.wrap(cuda, "_take_slot", "cuda slot (take)")
         transport = cuda._transport()
         line.wrap(transport, "to_device", "cuda to_device (kernel+eval)")
         real_upload = cuda.upload
