@@ -1,7 +1,8 @@
 """Flip bits all over a small store's ``data.mdb`` and check what every entry point does.
 
     .venv/bin/python tools/damage/sweep.py [--positions 20000] [--workers 2] [--seed 0]
-        [--out tools/damage/results] [--every-bit START:END ...] [--again POSITIONS]
+        [--out tools/damage/results] [--every-bit START:END ...] [--leaf-headers]
+        [--again POSITIONS]
 
 It builds one small LMDB store (two models' namespaces, plain and sliding-window
 layers, prompts sharing prefixes, a tail superseded and a prompt deleted, so the
@@ -304,6 +305,16 @@ def every_bit(data: Path, spans: list[str]) -> list[tuple[int, int, str]]:
     return out
 
 
+def leaf_headers(data: Path) -> list[tuple[int, int, str]]:
+    """Every bit of every live leaf node's 8-byte header (``--leaf-headers``): its value's
+    size, its flags and its key's size, by which LMDB finds and moves the node's bytes."""
+    from kvstore.testing.lmdb_pages import leaf_nodes
+
+    return [
+        (n.offset + i, bit, "leaf") for n in leaf_nodes(data) for i in range(8) for bit in range(8)
+    ]
+
+
 def positions(data: Path, count: int, seed: int) -> list[tuple[int, int, str]]:
     """``count`` (byte, bit, page kind) spread evenly over the kinds of page present."""
     from kvstore.testing.lmdb_pages import read_pages
@@ -467,10 +478,12 @@ def table(summary: dict[str, Any]) -> str:
 def write_summary(out: Path, summary: dict[str, Any], args: Any, complete: bool) -> None:
     summary = {**summary, "complete": complete, "seed": args.seed, "workers": args.workers}
     (out / "sweep-summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    sampled = "" if args.every_bit else f" --positions {args.positions} --seed {args.seed}"
+    listed = args.every_bit or args.leaf_headers
+    sampled = "" if listed else f" --positions {args.positions} --seed {args.seed}"
     command = (
         f".venv/bin/python tools/damage/sweep.py{sampled} --workers {args.workers}"
         + "".join(f" --every-bit {span}" for span in args.every_bit or ())
+        + (" --leaf-headers" if args.leaf_headers else "")
         + ("" if args.again is None else f" --again {args.again}")
     )
     state = "" if complete else f" (stopped early: {summary['positions']} done)"
@@ -529,6 +542,11 @@ def main() -> int:
         metavar="START:END",
         help="flip every bit of these bytes of data.mdb instead (e.g. 16:160, a meta page's)",
     )
+    parser.add_argument(
+        "--leaf-headers",
+        action="store_true",
+        help="flip every bit of every leaf node's header (value size, flags, key size) instead",
+    )
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--base", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -542,6 +560,8 @@ def main() -> int:
         replay = ""
         if args.every_bit:
             todo = every_bit(base / "data.mdb", args.every_bit)
+        if args.leaf_headers:
+            todo = leaf_headers(base / "data.mdb")
         if args.again is not None:
             todo = failed_positions(args.again)
             replay = replay_check(args.again, store_digest(base))
