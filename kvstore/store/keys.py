@@ -53,6 +53,7 @@ __all__ = [
     "NS_TOTALS_DIR",
     "as_tokens",
     "parse_namespace",
+    "is_namespace",
     "block_digest",
     "chain_digests",
     "iter_chain_digests",
@@ -146,6 +147,11 @@ def parse_namespace(namespace: object) -> bytes:
             found=namespace,
         )
     return namespace.encode("ascii")
+
+
+def is_namespace(raw: bytes) -> bool:
+    """Whether ``raw`` (read from a key) is a namespace: a damaged key's may not be."""
+    return _NAMESPACE.fullmatch(raw.decode("ascii", "replace")) is not None
 
 
 def block_digest(parent: bytes, namespace: bytes, tokens_le: Any) -> bytes:

@@ -155,6 +155,22 @@ def test_totals_that_disagree_with_the_blocks_repair_themselves(url, path, capsy
     assert_fully_reusable(url)
 
 
+def test_a_totals_key_that_names_no_namespace_is_a_dangling_key(url, path, capsys):
+    # Found by the sweep (--leaf-headers, bytes 739682 and 741016): a grown key size made
+    # a totals key read with bytes of the node beside it, a name that is no namespace
+    # (nor UTF-8), and stats() raised a foreign UnicodeDecodeError.
+    good = K.totals_key(ns().encode())
+    raw_put(url, good + b"\x80\xc0", raw_get(url, good))
+    with open_store(url, touch_interval=0) as store:
+        assert list(store.stats().namespaces) == [ns()]
+    status, report = verify_json(capsys, path)
+    assert status == 1 and len(report["found"]["dangling"]) == 1
+    status, report = verify_json(capsys, path, "--fix")
+    assert status == 0 and report["clean"]
+    assert raw_get(url, good + b"\x80\xc0") is None
+    assert_fully_reusable(url)
+
+
 def test_damaged_totals_values_are_counted_from_the_blocks(url):
     totals = K.totals_key(ns().encode())
     good = raw_get(url, totals)

@@ -44,7 +44,11 @@ class Survey:
     def run(self, view: ReadView, verify: RecordVerifier) -> None:
         self.totals = stored_totals(view)
         for key, value in view.scan(K.SCHEMA):
-            if key in K.META_KEYS or key.startswith(K.NS_TOTALS_DIR):
+            if key in K.META_KEYS:
+                continue
+            if key.startswith(K.NS_TOTALS_DIR):
+                if not K.is_namespace(key[len(K.NS_TOTALS_DIR) :]):
+                    self.bad_entries.append(key)  # a damaged key: see stored_totals
                 continue
             parts = K.split_record_key(key)
             if parts is not None:

@@ -148,10 +148,16 @@ def take_repairs() -> int:
 
 
 def stored_totals(view: ReadView) -> dict[bytes, Totals | None]:
-    """Totals of every namespace as stored (``None``: a damaged value), for ``verify``."""
-    return {
-        key[len(K.NS_TOTALS_DIR) :]: _decode(value) for key, value in view.scan(K.NS_TOTALS_DIR)
-    }
+    """Totals of every namespace as stored (``None``: a damaged value), for ``verify``.
+
+    A totals key whose name is no namespace (its bytes or LMDB's key size flipped) is
+    left out: it names nothing stats or budgets can show, and verify lists it as a
+    dangling key (its namespace's own totals are then missing, and counted again)."""
+    out: dict[bytes, Totals | None] = {}
+    for key, value in view.scan(K.NS_TOTALS_DIR):
+        if K.is_namespace(ns := key[len(K.NS_TOTALS_DIR) :]):
+            out[ns] = _decode(value)
+    return out
 
 
 def _all(view: ReadView) -> dict[bytes, Totals]:
