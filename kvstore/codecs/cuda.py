@@ -13,11 +13,11 @@ page-locked once with ``cuMemHostRegister`` through the CUDA driver API
 and write them over PCIe; two tiny MLX CUDA kernels copy between such a
 buffer and a device array in MLX's own stream order:
 
-* :func:`upload`: arrays built from host bytes. Worker threads (one pinned slot
-  each, kept for the process) fill their slot with an array's bytes -- from
-  store pages, say, already in the cache's layout -- and launch the copy into a
-  fresh device array; while one array crosses the bus the other workers are
-  filling theirs.
+* :func:`upload`: arrays built from host bytes. Worker threads (each taking a
+  pinned slot of :func:`slot_min_bytes` or more, all kept for the process) fill
+  a slot with an array's bytes -- from store pages, say, already in the cache's
+  layout -- and launch the copy into a fresh device array; while one array
+  crosses the bus the other workers are filling theirs.
 * :func:`download`: the bytes of a device array into a pinned buffer (a save's
   records are then hashed and written from there).
 
@@ -37,6 +37,7 @@ from __future__ import annotations
 import ctypes
 import mmap
 import os
+import queue
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -251,7 +252,9 @@ class KernelTransport:
 TRANSPORT: Transport | None | bool = None
 _LOCK = threading.Lock()
 _POOL: ThreadPoolExecutor | None = None
-_LOCAL = threading.local()
+#: Staging slots not in use; a worker takes one for an array and gives it back after.
+_FREE: queue.SimpleQueue[PinnedBuffer] = queue.SimpleQueue()
+_SLOTS_MADE = False
 
 
 def workers() -> int:
@@ -313,13 +316,36 @@ def _pool() -> ThreadPoolExecutor:
         return _POOL
 
 
-def _local_slot(nbytes: int) -> PinnedBuffer:
-    """This worker's slot, grown (and kept) to hold ``nbytes``."""
-    slot: PinnedBuffer | None = getattr(_LOCAL, "slot", None)
-    if slot is None or slot.nbytes < nbytes:
-        if slot is not None:
-            slot.release()
-        slot = _LOCAL.slot = _transport().slot(max(nbytes, 1 << 20))
+def slot_min_bytes() -> int:
+    """The size every staging slot starts at (``KVSTORE_CUDA_SLOT_MIB``, default 32 MiB):
+    one record of a 256-token block of a llama-8B-shaped model, or one layer's keys of a
+    16k-token prompt, so a restore does not grow slots (page-locking is a ~1 ms call per
+    8 MiB, touching the pages more)."""
+    return int(float(os.environ.get("KVSTORE_CUDA_SLOT_MIB", "32")) * (1 << 20))
+
+
+def _prepare_slots() -> None:
+    """The staging slots, one per worker, made at once on the workers (the first upload
+    of a process pays this, not the ones after)."""
+    global _SLOTS_MADE
+    with _LOCK:
+        if _SLOTS_MADE:
+            return
+        _SLOTS_MADE = True
+    size = slot_min_bytes()
+    for slot in _pool().map(lambda _: _transport().slot(size), range(workers())):
+        _FREE.put(slot)
+
+
+def _take_slot(nbytes: int) -> PinnedBuffer:
+    """A free slot of at least ``nbytes`` (one grown, or a new one, when none is)."""
+    try:
+        slot = _FREE.get_nowait()
+    except queue.Empty:
+        return _transport().slot(max(nbytes, slot_min_bytes()))
+    if slot.nbytes < nbytes:
+        slot.release()
+        slot = _transport().slot(max(nbytes, slot_min_bytes()))
     return slot
 
 
@@ -339,17 +365,22 @@ def upload(specs: Sequence[LeafSpec], fill: Fill) -> list[mx.array]:
         Whatever ``fill`` raises.
     """
     transport = _transport()
+    _prepare_slots()
 
     def one(i: int) -> mx.array:
         nbytes = _nbytes(specs[i])
         shape, name = specs[i]
-        slot = _local_slot(nbytes)
-        view = slot.array[:nbytes].view(numpy_dtype(name)).reshape(shape)
-        fill(i, view)
-        flat = transport.to_device(slot, nbytes)
-        # Evaluated here: MLX evaluates a graph only on the thread whose stream built it.
-        array = flat.view(MLX_DTYPES[name]).reshape(shape)
-        mx.eval(array)
+        slot = _take_slot(nbytes)
+        try:
+            view = slot.array[:nbytes].view(numpy_dtype(name)).reshape(shape)
+            fill(i, view)
+            flat = transport.to_device(slot, nbytes)
+            # Evaluated here: MLX evaluates a graph only on the thread whose stream built it
+            # (and the slot is free again only once its bytes have crossed).
+            array = flat.view(MLX_DTYPES[name]).reshape(shape)
+            mx.eval(array)
+        finally:
+            _FREE.put(slot)
         return array
 
     return list(_pool().map(one, range(len(specs))))

@@ -92,9 +92,11 @@ class RowsJoin:
         dtype = MLX_DTYPES[name]
         pieces = [as_device(piece).astype(dtype) for piece in self.columns[column]]
         rows = sum(int(p.shape[2]) for p in pieces)
-        if rows < self.capacity:
-            pieces.append(mx.zeros((*shape[:2], self.capacity - rows, *shape[3:]), dtype))
-        return pieces[0] if len(pieces) == 1 else mx.concatenate(pieces, axis=2)
+        # Zeros to capacity -- none, for a lone piece: a piece may be a view into a
+        # record's device buffer, and the cache must own its buffer (an update of a
+        # shared one copies the whole array every step).
+        pieces.append(mx.zeros((*shape[:2], self.capacity - rows, *shape[3:]), dtype))
+        return mx.concatenate(pieces, axis=2)
 
     def fill_leaf(self, column: int, target: np.ndarray) -> None:
         """Write leaf ``column`` into ``target`` (uninitialised memory of
@@ -255,14 +257,19 @@ def join_runs(layers: Sequence[Sequence[Snapshot]]) -> list[list[Snapshot]]:
                 rows = sum(s.tokens for s in run)
                 joins += [(id(run), n, RowsJoin([s.tensors[n] for s in run], rows)) for n in names]
     mx.eval([a for _, _, join in joins for a in join.lazy()])
+    # Rows already on the device (records decoded there) are joined there.
+    on_device = {i for i, (_, _, join) in enumerate(joins) if join.holds_mlx(0)}
+    hosted = [i for i in range(len(joins)) if i not in on_device]
 
-    def fill(i: int, target: np.ndarray) -> None:
-        joins[i][2].fill_leaf(0, target)
+    def fill(k: int, target: np.ndarray) -> None:
+        joins[hosted[k]][2].fill_leaf(0, target)
 
-    arrays = filled_arrays([join.leaves()[0] for _, _, join in joins], fill)
+    arrays: dict[int, mx.array] = {i: joins[i][2].join_on_device(0) for i in on_device}
+    filled = filled_arrays([joins[i][2].leaves()[0] for i in hosted], fill)
+    arrays.update(zip(hosted, filled, strict=True))
     joined: dict[int, dict[str, mx.array]] = {}
-    for (run_id, name, _), array in zip(joins, arrays, strict=True):
-        joined.setdefault(run_id, {})[name] = array
+    for i, (run_id, name, _) in enumerate(joins):
+        joined.setdefault(run_id, {})[name] = arrays[i]
     out = []
     for grouped in runs:
         layer = []

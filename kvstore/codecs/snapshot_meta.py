@@ -21,6 +21,7 @@ this module holds the bounds and builds the described snapshot they check.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -56,18 +57,23 @@ def position_problem(meta: Mapping[str, Any], field: str, at_least: int) -> str 
     return None
 
 
-def _described_tensor(dtype: str, shape: Sequence[int]) -> np.ndarray:
-    # Shape and dtype without data: a zero-stride view of one element.
-    return np.lib.stride_tricks.as_strided(
-        np.zeros(1, dtype=DTYPES[dtype]), shape=tuple(shape), strides=(0,) * len(shape)
+@functools.lru_cache(maxsize=1024)
+def _described_tensor(dtype: str, shape: tuple[int, ...]) -> np.ndarray:
+    # Shape and dtype without data: a read-only zero-stride view of one element,
+    # remembered (each record of a prefix describes the same few shapes; building
+    # them was half the header parse of a 32-layer record).
+    view = np.lib.stride_tricks.as_strided(
+        np.zeros(1, dtype=DTYPES[dtype]), shape=shape, strides=(0,) * len(shape)
     )
+    view.flags.writeable = False
+    return view
 
 
 def described(entry: Any) -> Snapshot:
     """The snapshot a header's layer entry describes (a
     :class:`kvstore.codecs.header.LayerEntry`): its tensors have the described shapes
     and dtypes and no data (zero-stride arrays), for the codecs' checks."""
-    tensors = {t.name: _described_tensor(t.dtype, t.shape) for t in entry.tensors}
+    tensors = {t.name: _described_tensor(t.dtype, tuple(t.shape)) for t in entry.tensors}
     return Snapshot(entry.signature, entry.start, entry.stop, tensors, entry.meta)
 
 

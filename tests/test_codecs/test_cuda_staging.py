@@ -80,6 +80,59 @@ def test_a_restore_through_staging_is_the_cpu_restore(tmp_path, staged):
     assert_same_caches(restored, token_by_token(model, tokens[:-1]))
 
 
+@pytest.mark.parametrize("family", ["plain", "window"])
+def test_a_staged_lossy_restore_uploads_each_record_whole_and_equals_the_cpu_restore(
+    tmp_path, staged, monkeypatch, family
+):
+    from tests.test_store.kv_helpers import (
+        BLOCK,
+        FAMILIES,
+        assert_same_caches,
+        model_for,
+        prefilled,
+        prompt,
+    )
+
+    config, policy = FAMILIES[family]
+    model = model_for(config)
+    tokens = prompt(5, 5 * BLOCK + 3)
+    url = f"lmdb://{tmp_path / 's'}"
+    with open_store(url, block_size=BLOCK, storage_policy="kv:quant:8:64") as store:
+        store.save("ns", tokens, prefilled(model, tokens, policy))
+        match = store.lookup("ns", tokens)
+        before = staged.uploads
+        restored = store.restore(match, model.make_cache(policy))
+        # Stored in another encoding: one upload per record read (a window layer reads
+        # fewer), none per array; the rows are joined and decoded on the device.
+        assert 0 < staged.uploads - before <= len(match.blocks)
+        monkeypatch.setattr(cuda, "TRANSPORT", False)
+        plain = store.restore(match, model.make_cache(policy))
+    assert int(restored[0].offset) == int(plain[0].offset) > 4 * BLOCK
+    assert_same_caches(restored, plain)
+
+
+def test_records_decoded_on_the_device_equal_host_decodes(staged):
+    from kvstore.caches import KVCache
+    from kvstore.codecs import codec_for
+    from kvstore.codecs.record import decode_record, decode_records_on_device
+
+    cache = KVCache()
+    rows = mx.random.normal((1, 2, 40, 64)).astype(mx.bfloat16)
+    cache.update_and_fetch(rows, rows * 2)
+    codec = codec_for(cache)
+    records = [encode_record([codec.snapshot(cache, s, s + 20), None]) for s in (0, 20)]
+    on_device = decode_records_on_device(records)
+    assert staged.uploads == 2
+    for got, record in zip(on_device, records, strict=True):
+        want = decode_record(record)
+        assert got.layers[1] is None and want.layers[1] is None
+        a, b = got.layers[0], want.layers[0]
+        assert (a.start, a.stop, a.signature, a.meta) == (b.start, b.stop, b.signature, b.meta)
+        for name, array in a.tensors.items():
+            assert isinstance(array, mx.array)
+            assert np.array_equal(np.array(array.view(mx.uint16)), b.tensors[name].view(np.uint16))
+
+
 @pytest.mark.parametrize("policy", ["kv:quant:8:64", "kv:turboquant:4:4", "kv:mxfp8", "kv:nvfp4"])
 def test_a_lossy_restore_through_staging_decodes_on_the_device_as_the_cpu_does(
     tmp_path, staged, monkeypatch, policy

@@ -1,0 +1,267 @@
+"""Where a fresh process's restore spends its time, phase by phase (issue 13's profile).
+
+    python3 tools/bench/gpu/restore_profile.py [--tokens 4096] [--layers 32] [--repeats 3]
+
+Saves a llama-8B-shaped KV (random bf16) into one LMDB store per storage
+policy, then restores it in fresh child processes the way G1/G2's sessions
+do (a warm-up restore of one block, MLX's buffer cache given back, then the
+timed restore). The child wraps the restore's phases -- the store's read and
+verify, the record decode, the plans (row joins and transcodes of lossy
+records), the arrays' allocation and fill -- and the CUDA staging's slot
+growth, fills and uploads, and prints each phase's count, summed time and
+first-start/last-end on the restore's clock. A second child measures what
+fresh device memory costs there: MLX's CUDA allocator hands out managed
+memory, whose pages reach the GPU on first touch.
+
+Nothing in the library is changed; runs on the CPU too (no staging rows).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections import defaultdict
+from typing import Any
+
+POLICIES = ("lossless", "kv:quant:8:64", "kv:turboquant:4:4")
+
+
+class Timeline:
+    """(name, start, end) of every wrapped call, on one clock."""
+
+    def __init__(self) -> None:
+        self.t0 = time.perf_counter()
+        self.events: list[tuple[str, float, float, int]] = []
+        self.lock = threading.Lock()
+
+    def wrap(self, owner: Any, attr: str, name: str | None = None) -> None:
+        real = getattr(owner, attr)
+        label = name or attr
+
+        @functools.wraps(real)
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return real(*args, **kwargs)
+            finally:
+                end = time.perf_counter()
+                with self.lock:
+                    self.events.append((label, start, end, threading.get_ident()))
+
+        setattr(owner, attr, timed)
+
+    def summary(self) -> dict[str, Any]:
+        by: dict[str, list[tuple[float, float, int]]] = defaultdict(list)
+        for name, s, e, tid in self.events:
+            by[name].append((s, e, tid))
+        out = {}
+        for name, spans in by.items():
+            out[name] = {
+                "n": len(spans),
+                "sum_ms": round(1e3 * sum(e - s for s, e, _ in spans), 2),
+                "first_ms": round(1e3 * (min(s for s, _, _ in spans) - self.t0), 2),
+                "last_ms": round(1e3 * (max(e for _, e, _ in spans) - self.t0), 2),
+                "threads": len({t for _, _, t in spans}),
+            }
+        return out
+
+
+def child_restore(url: str, tokens: int, layers: int) -> dict[str, Any]:
+    import gc
+
+    import mlx.core as mx
+
+    from kvstore.caches import KVCache
+    from kvstore.codecs import cuda, plans
+    from kvstore.store import open_store
+    from kvstore.store.kv import restore
+
+    prompt = list(range(tokens + 1))
+    store = open_store(url, readonly=True)
+    head = prompt[: store.block_size + 1]
+    warm = store.restore(store.lookup("ns", head), [KVCache() for _ in range(layers)])
+    mx.eval([c.keys for c in warm])
+    del warm
+    gc.collect()
+    mx.clear_cache()
+
+    line = Timeline()
+    real_read = store.read
+
+    def read(wanted: Any) -> Any:
+        start = time.perf_counter()
+        ctx = real_read(wanted)
+        views = ctx.__enter__()
+        line.events.append(("store.read enter (get+verify)", start, time.perf_counter(), 0))
+
+        class Ctx:
+            def __enter__(self) -> Any:
+                return views
+
+            def __exit__(self, *exc: Any) -> Any:
+                s = time.perf_counter()
+                try:
+                    return ctx.__exit__(*exc)
+                finally:
+                    line.events.append(("store.read exit", s, time.perf_counter(), 0))
+
+        return Ctx()
+
+    store.read = read  # type: ignore[method-assign]
+    for attr in ("_headers", "_decoded", "_plans", "run_plans", "transcode", "join_runs"):
+        if hasattr(restore, attr):
+            line.wrap(restore, attr)
+    line.wrap(plans, "filled_arrays", "plans.filled_arrays")
+    if cuda.available():
+        line.wrap(cuda, "_take_slot", "cuda slot (take)")
+        transport = cuda._transport()
+        line.wrap(transport, "to_device", "cuda to_device (kernel+eval)")
+        real_upload = cuda.upload
+
+        def upload(specs: Any, fill: Any) -> Any:
+            def timed_fill(i: int, view: Any) -> None:
+                s = time.perf_counter()
+                fill(i, view)
+                with line.lock:
+                    line.events.append(("cuda fill", s, time.perf_counter(), threading.get_ident()))
+
+            return real_upload(specs, timed_fill)
+
+        cuda.upload = upload  # type: ignore[assignment]
+        line.wrap(cuda, "upload", "cuda.upload")
+    line.t0 = time.perf_counter()
+    match = store.lookup("ns", prompt)
+    t1 = time.perf_counter()
+    restored = store.restore(match, [KVCache() for _ in range(layers)])
+    mx.eval([c.keys for c in restored])
+    t2 = time.perf_counter()
+    assert restored[0].offset == tokens, restored[0].offset
+    store.close()
+    return {
+        "lookup_ms": round(1e3 * (t1 - line.t0), 2),
+        "restore_ms": round(1e3 * (t2 - t1), 2),
+        "phases": line.summary(),
+    }
+
+
+def child_memory(layers: int, nbytes: int) -> dict[str, Any]:
+    """Fresh vs reused device memory, written by MLX and by the staging upload."""
+    import gc
+
+    import mlx.core as mx
+    import numpy as np
+
+    from kvstore.codecs import cuda
+
+    n = 2 * layers
+    out: dict[str, Any] = {"arrays": n, "MiB_each": nbytes >> 20}
+
+    def timed(label: str, fn: Any) -> None:
+        start = time.perf_counter()
+        result = fn()
+        mx.eval(result)
+        out[label] = round(1e3 * (time.perf_counter() - start), 2)
+        del result
+        gc.collect()
+
+    mx.eval(mx.zeros((16,), mx.uint8))
+    timed("mx.zeros fresh", lambda: [mx.zeros((nbytes,), mx.uint8) for _ in range(n)])
+    timed("mx.zeros reused", lambda: [mx.zeros((nbytes,), mx.uint8) for _ in range(n)])
+    mx.clear_cache()
+    timed("mx.ones fresh", lambda: [mx.ones((nbytes,), mx.uint8) for _ in range(n)])
+    if cuda.available():
+        source = np.random.default_rng(0).integers(0, 256, nbytes, dtype=np.uint8)
+        specs = [((nbytes,), "uint8")] * n
+
+        def nothing(_: int, view: Any) -> None:
+            pass
+
+        def copy(_: int, view: Any) -> None:
+            np.copyto(view, source)
+
+        cuda.upload(specs[:2], nothing)  # slots grown, kernels loaded
+        mx.clear_cache()
+        timed("upload (no fill) fresh", lambda: cuda.upload(specs, nothing))
+        timed("upload (no fill) reused", lambda: cuda.upload(specs, nothing))
+        timed("upload (copy fill) reused", lambda: cuda.upload(specs, copy))
+        mx.clear_cache()
+        timed("upload (copy fill) fresh", lambda: cuda.upload(specs, copy))
+        out["workers"] = cuda.workers()
+    return out
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tokens", type=int, default=4096)
+    parser.add_argument("--layers", type=int, default=32)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--policies", default=",".join(POLICIES))
+    parser.add_argument("--child", nargs=2, metavar=("KIND", "URL"))
+    args = parser.parse_args()
+    if args.child:
+        kind, url = args.child
+        if kind == "memory":
+            result = child_memory(args.layers, args.tokens * 8 * 128 * 2)
+        else:
+            result = child_restore(url, args.tokens, args.layers)
+        print(json.dumps(result), flush=True)
+        return 0
+
+    import mlx.core as mx
+
+    from kvstore.bench.workloads import KVShape, SyntheticKV
+    from kvstore.store import open_store
+
+    def child(kind: str, url: str) -> dict[str, Any]:
+        cmd = [sys.executable, __file__, "--child", kind, url, "--tokens", str(args.tokens)]
+        cmd += ["--layers", str(args.layers)]
+        done = subprocess.run(cmd, capture_output=True, text=True, env=os.environ.copy())
+        if done.returncode:
+            return {"error": done.stderr[-2000:]}
+        return dict(json.loads(done.stdout.strip().splitlines()[-1]))
+
+    shape = f"{args.layers} layers x {args.tokens} tokens, 8 KV heads x 128, bf16"
+    print(f"{shape}; {mx.default_device()}")
+    print("memory:", json.dumps(child("memory", "-")), flush=True)
+    kv = SyntheticKV(KVShape("llama8b", layers=args.layers, kv_heads=8, head_dim=128), args.tokens)
+    caches = kv.ours()
+    scratch = tempfile.mkdtemp(prefix="restore-profile-")
+    try:
+        for policy in args.policies.split(","):
+            options: dict[str, Any] = {"map_size": 1 << 34, "touch_interval": 0}
+            if policy != "lossless":
+                options["storage_policy"] = policy
+            url = f"lmdb://{scratch}/{policy.replace(':', '-')}"
+            with open_store(url, **options) as store:
+                store.save("ns", list(range(args.tokens)), caches)
+                store.flush()
+            runs = [child("restore", url) for _ in range(args.repeats)]
+            good = [r for r in runs if "error" not in r]
+            if not good:
+                print(policy, "error:", runs[0]["error"], flush=True)
+                continue
+            ms = statistics.median(r["restore_ms"] for r in good)
+            print(f"== {policy}: restore {ms:.1f} ms (median of {len(good)})")
+            best = min(good, key=lambda r: abs(r["restore_ms"] - ms))
+            for name, p in sorted(best["phases"].items(), key=lambda kv: kv[1]["first_ms"]):
+                print(
+                    f"   {name:<34} n={p['n']:<4} sum {p['sum_ms']:>8.2f} ms  "
+                    f"[{p['first_ms']:>7.2f} .. {p['last_ms']:>7.2f}]  threads {p['threads']}"
+                )
+            sys.stdout.flush()
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
