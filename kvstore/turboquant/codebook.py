@@ -6,7 +6,7 @@ codebook per bit width serves every head dimension. The 1- to 4-bit tables
 are Max's (1960) classical values, stored to nine digits as the spec prints
 them; the 5-bit table is not in the spec (its ``tq`` v1 stops at 4 bits) and
 is the Lloyd fixed point to nine digits, what :func:`lloyd_max` converges to
-(Max tabulates 32 levels to four digits, which it matches). :func:`lloyd_max`
+from a uniform start (tolerance 1e-13). :func:`lloyd_max`
 re-derives every table from the Gaussian density so a test can prove each is
 the Lloyd fixed point (each centroid the conditional mean of its cell, each
 threshold the midpoint of its neighbours).
