@@ -80,7 +80,6 @@ def child_restore(url: str, tokens: int, layers: int) -> dict[str, Any]:
 
     import mlx.core as mx
 
-    from kvstore.abc.store import CheckingViews
     from kvstore.caches import KVCache
     from kvstore.codecs import cuda, plans
     from kvstore.store import open_store
@@ -96,14 +95,13 @@ def child_restore(url: str, tokens: int, layers: int) -> dict[str, Any]:
     mx.clear_cache()
 
     line = Timeline()
-    real_read = store.read_checking
-    line.wrap(CheckingViews, "intact", "views.intact (checks waited for)")
+    real_read = store.read
 
     def read(wanted: Any) -> Any:
         start = time.perf_counter()
         ctx = real_read(wanted)
         views = ctx.__enter__()
-        line.events.append(("store.read_checking enter", start, time.perf_counter(), 0))
+        line.events.append(("store.read enter (get+verify)", start, time.perf_counter(), 0))
 
         class Ctx:
             def __enter__(self) -> Any:
@@ -118,7 +116,7 @@ def child_restore(url: str, tokens: int, layers: int) -> dict[str, Any]:
 
         return Ctx()
 
-    store.read_checking = read  # type: ignore[method-assign]
+    store.read = read  # type: ignore[method-assign]
     for attr in ("_headers", "_decoded", "_plans", "run_plans", "transcode", "join_runs"):
         if hasattr(restore, attr):
             line.wrap(restore, attr)
