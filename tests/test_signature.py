@@ -17,8 +17,8 @@ VALID = [
     "kv:rotating-plain",
     *(f"kv:quant:{b}:{g}" for b in (2, 3, 4, 5, 6, 8) for g in (32, 64, 128)),
     *(f"kv:rotating-quant:{b}:{g}" for b in (2, 3, 4, 5, 6, 8) for g in (32, 64, 128)),
-    *(f"kv:turboquant:{k}:{v}" for k in (2, 3, 4) for v in (2, 3, 4)),
-    *(f"kv:rotating-turboquant:{k}:{v}" for k in (2, 3, 4) for v in (2, 3, 4)),
+    *(f"kv:turboquant:{k}:{v}" for k in (2, 3, 4, 5) for v in (2, 3, 4, 5)),
+    *(f"kv:rotating-turboquant:{k}:{v}" for k in (2, 3, 4, 5) for v in (2, 3, 4, 5)),
 ]
 
 
@@ -46,7 +46,8 @@ def test_parsed_fields():
     [
         ("kv:quant:7:64", "2, 3, 4, 5, 6, 8"),
         ("kv:quant:4:48", "32, 64, 128"),
-        ("kv:turboquant:5:3", "2, 3, 4"),
+        ("kv:turboquant:6:3", "kbits must be one of 2, 3, 4, 5; received 6"),
+        ("kv:turboquant:4:1", "vbits must be one of 2, 3, 4, 5; received 1"),
         ("kv:quant:04:64", "2, 3, 4, 5, 6, 8"),
         ("kv:quant:+4:64", "2, 3, 4, 5, 6, 8"),
         ("kv:quant:4:", "32, 64, 128"),

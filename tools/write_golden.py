@@ -88,6 +88,23 @@ FIXTURES: dict[str, dict[str, Any]] = {
             ),
         ],
     },
+    # 5-bit codes (issue 17; beyond the spec's 2-4): exact packing at D=128, a padded
+    # last word at D=80 (13 words), and the dense rotation there.
+    "kv-turboquant-5bit": {
+        "description": (
+            "kv:turboquant 5/4 (bfloat16, head_dim 128, RHT) and 3/5 seed 7 with key "
+            "mean-centering (float16, head_dim 80: 13-word 5-bit rows, the dense rotation)"
+        ),
+        "layers": [
+            ("TurboQuantKVCache", {"kbits": 5, "vbits": 4}, "bfloat16", 128),
+            (
+                "TurboQuantKVCache",
+                {"kbits": 3, "vbits": 5, "seed": 7, "center": True},
+                "float16",
+                80,
+            ),
+        ],
+    },
     "kv-rotating-turboquant": {
         "description": (
             "kv:rotating-turboquant 3/3 window 32 keep 4 (head_dim 96) and 4/2 window 16 "

@@ -26,6 +26,7 @@ from kvstore.family import Family, ParamSpec
 from kvstore.turboquant.quantizer import (
     DEFAULT_SCALE_MODE,
     SCALE_MODES,
+    TQ_BITS,
     ScaleMode,
     TurboQuantizer,
     quantizer_for,
@@ -45,7 +46,7 @@ __all__ = [
 #: Key mean-centering estimates mu from at most this many prefill tokens (spec option).
 CENTER_PREFIX_TOKENS = 512
 
-_TQ_PARAMS = (ParamSpec("kbits", (2, 3, 4)), ParamSpec("vbits", (2, 3, 4)))
+_TQ_PARAMS = (ParamSpec("kbits", TQ_BITS), ParamSpec("vbits", TQ_BITS))
 
 TURBOQUANT_FAMILY = Family(
     kind="kv:turboquant",
@@ -326,8 +327,8 @@ class TurboQuantKVCache(TurboQuantRows, GrowingKVCache):
     """TurboQuant-encoded rows growing in steps of 256; attention gets decoded rows.
 
     Args:
-        kbits: key index width (2, 3 or 4).
-        vbits: value index width (2, 3 or 4).
+        kbits: key index width (2 to 5).
+        vbits: value index width (2 to 5).
         seed: rotation seed (uint64); sign vectors per spec SplitMix64.
         key_scale_mode: ``"matched"`` (spec default), ``"l2"`` or ``"ls"``.
         value_scale_mode: ``"ls"`` (spec default), ``"l2"`` or ``"matched"``.

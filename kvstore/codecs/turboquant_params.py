@@ -16,7 +16,7 @@ What travels in every block record and what is only identified, weighed
 against a block of 256 tokens, whose rows cost ``256*H*(4W + 2)`` bytes per
 layer and kind (102 KiB at 8 KV heads, D=128, 3 bits; 13 KiB at 2 heads, D=64):
 
-* The codebook table (``2**b`` floats, at most ~150 bytes of header per kind)
+* The codebook table (``2**b`` floats: 147 bytes of header per kind at 4 bits, 291 at 5)
   and the RHT sign vectors (``rounds * D`` characters): in every snapshot,
   well under 1% of a block at 8 heads, so every record decodes on its own on
   any host. A reader checks them against their ids: the table of

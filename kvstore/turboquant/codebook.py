@@ -2,11 +2,17 @@
 
 TurboQuant rotates each vector so its coordinates are (nearly) i.i.d.
 N(0, 1/D); scaled by ``sqrt(D)/||x||`` they are unit-variance, so one scalar
-codebook per bit width serves every head dimension. The tables are Max's
-(1960) classical values, stored to nine digits as the spec prints them;
-:func:`lloyd_max` re-derives them from the Gaussian density so a test can
-prove they are the Lloyd fixed point (each centroid the conditional mean of
-its cell, each threshold the midpoint of its neighbours).
+codebook per bit width serves every head dimension. The 1- to 4-bit tables
+are Max's (1960) classical values, stored to nine digits as the spec prints
+them; the 5-bit table is not in the spec (its ``tq`` v1 stops at 4 bits) and
+is the Lloyd fixed point to nine digits, what :func:`lloyd_max` converges to
+from a uniform start (tolerance 1e-13). :func:`lloyd_max`
+re-derives every table from the Gaussian density so a test can prove each is
+the Lloyd fixed point (each centroid the conditional mean of its cell, each
+threshold the midpoint of its neighbours).
+
+.. versionchanged:: 0.2 a 5-bit table, for ``kv:turboquant`` keys or values at
+   5 bits (issue 17: a width between TurboQuant 4/4 and affine 4/32 to tune with).
 """
 
 from __future__ import annotations
@@ -44,9 +50,28 @@ _POSITIVE_CENTROIDS: dict[int, tuple[float, ...]] = {
         2.069017227,
         2.732589571,
     ),
+    # Not in the spec: the Lloyd fixed point, lloyd_max(5) rounded to nine digits.
+    5: (
+        0.065889660,
+        0.198051830,
+        0.331378306,
+        0.466699523,
+        0.604933624,
+        0.747135704,
+        0.894565117,
+        1.048783320,
+        1.211804381,
+        1.386340340,
+        1.576228079,
+        1.787233218,
+        2.028728399,
+        2.317739404,
+        2.691119577,
+        3.260732493,
+    ),
 }
 
-#: Bit widths with a table (TurboQuant caches use 2, 3 and 4).
+#: Bit widths with a table (TurboQuant caches use 2 to 5).
 CODEBOOK_BITS: tuple[int, ...] = tuple(_POSITIVE_CENTROIDS)
 
 
@@ -83,7 +108,7 @@ class Codebook:
 
 @functools.cache
 def codebook(bits: int) -> Codebook:
-    """The ``gauss-lm-v1`` table for ``bits`` (1 to 4).
+    """The ``gauss-lm-v1`` table for ``bits`` (1 to 5).
 
     Raises:
         ValueError: no table for ``bits``.

@@ -50,8 +50,9 @@ SCALE_MODES: tuple[str, ...] = ("l2", "matched", "ls")
 DEFAULT_SCALE_MODE: dict[str, ScaleMode] = {"k": "matched", "v": "ls"}
 #: Scales beyond this (or non-finite) make the encoder store float32 scales.
 FLOAT16_SCALE_LIMIT = 60000.0
-#: Bit widths a TurboQuant code may use.
-TQ_BITS: tuple[int, ...] = (2, 3, 4)
+#: Bit widths a TurboQuant code may use: the spec's 2 to 4, and 5 (issue 17; the
+#: codebook's own table, packed exactly like the others).
+TQ_BITS: tuple[int, ...] = (2, 3, 4, 5)
 #: On the CPU, encode and decode work on blocks of rows holding about this many values
 #: (2 MiB of float32): every pass over a block then stays in cache, which makes a large
 #: prefill ~1.7x faster than one pass per op over the whole tensor. On a GPU the
@@ -112,7 +113,7 @@ class TurboQuantizer:
     """Encodes and decodes ``[..., D]`` vectors of one kind (keys or values).
 
     Args:
-        bits: index width, 2, 3 or 4.
+        bits: index width, one of :data:`TQ_BITS` (2 to 5).
         dim: the vector length D (head_dim).
         kind: ``"k"`` or ``"v"``; selects the rotation's sign stream and the
             default scale mode.
@@ -139,7 +140,10 @@ class TurboQuantizer:
         scale_dtype: str = "float16",
     ) -> None:
         if bits not in TQ_BITS:
-            raise ValueError(f"[turboquant] bits must be one of 2, 3, 4; received {bits!r}.")
+            raise ValueError(
+                f"[turboquant] bits must be one of {', '.join(map(str, TQ_BITS))}; "
+                f"received {bits!r}."
+            )
         mode = DEFAULT_SCALE_MODE.get(kind, "l2") if scale_mode is None else scale_mode
         if mode not in SCALE_MODES:
             raise ValueError(

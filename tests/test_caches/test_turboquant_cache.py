@@ -35,6 +35,8 @@ FAMILIES = {
     "tq-2-4-centred": lambda: TurboQuantKVCache(2, 4, center=True),
     "rot-tq-4-3": lambda: RotatingTurboQuantKVCache(24, keep=4, kbits=4, vbits=3),
     "rot-tq-3-3-centred": lambda: RotatingTurboQuantKVCache(16, kbits=3, vbits=3, center=True),
+    "tq-5-4": lambda: TurboQuantKVCache(5, 4),  # 5 bits: not in the spec (issue 17)
+    "rot-tq-4-5": lambda: RotatingTurboQuantKVCache(24, keep=4, kbits=4, vbits=5),
 }
 
 
@@ -83,9 +85,9 @@ def test_signatures_and_predicates():
 @pytest.mark.parametrize(
     "make,match",
     [
-        (lambda: TurboQuantKVCache(5, 4), "kbits must be one of 2, 3, 4"),
-        (lambda: TurboQuantKVCache(4, 1), "vbits must be one of 2, 3, 4"),
-        (lambda: RotatingTurboQuantKVCache(8, kbits=8), "kbits must be one of 2, 3, 4"),
+        (lambda: TurboQuantKVCache(6, 4), "kbits must be one of 2, 3, 4, 5; received 6"),
+        (lambda: TurboQuantKVCache(4, 1), "vbits must be one of 2, 3, 4, 5; received 1"),
+        (lambda: RotatingTurboQuantKVCache(8, kbits=8), "kbits must be one of 2, 3, 4, 5"),
         (lambda: TurboQuantKVCache(4, 4, key_scale_mode="max"), "key_scale_mode must be one of"),
         (lambda: TurboQuantKVCache(4, 4, seed=-1), "seed must be a uint64 int"),
         (lambda: RotatingTurboQuantKVCache(0), "max_size must be a positive int"),
@@ -97,7 +99,7 @@ def test_bad_parameters(make, match):
 
 
 # -- storage -------------------------------------------------------------------------------
-@pytest.mark.parametrize("kbits,vbits", [(4, 4), (4, 3), (3, 3), (2, 2)])
+@pytest.mark.parametrize("kbits,vbits", [(4, 4), (4, 3), (3, 3), (2, 2), (5, 4), (5, 5)])
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_stored_arrays_and_bytes_per_token_formula(kbits, vbits, head_dim):
     cache = TurboQuantKVCache(kbits, vbits)

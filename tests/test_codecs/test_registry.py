@@ -127,7 +127,7 @@ def test_bad_parameters_of_a_known_kind_are_a_value_error():
     with pytest.raises(ValueError, match="bits must be one of"):
         get_codec("kv:quant:7:64")
     with pytest.raises(ValueError, match="kv:turboquant"):
-        get_codec("kv:turboquant:5:4")
+        get_codec("kv:turboquant:6:4")
 
 
 @pytest.mark.parametrize(

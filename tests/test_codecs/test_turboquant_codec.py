@@ -25,6 +25,7 @@ from kvstore.codecs import (
 )
 from kvstore.codecs import turboquant_params as params_module
 from kvstore.errors import CorruptEntryError
+from kvstore.signature import parse_signature
 from kvstore.testing.codec import (
     assert_arrays_equal,
     assert_snapshots_equal,
@@ -91,12 +92,15 @@ def test_another_seed_gives_other_codes():
     assert sa.meta["tq"]["k"]["rotation"] != sb.meta["tq"]["k"]["rotation"]
 
 
-@pytest.mark.parametrize("family", ["kv:turboquant:4:3", "kv:rotating-turboquant:4:3"])
+@pytest.mark.parametrize(
+    "family", ["kv:turboquant:4:3", "kv:rotating-turboquant:4:3", "kv:turboquant:5:4"]
+)
 def test_rows_are_stored_as_the_cache_holds_them_and_restored_the_same(family):
+    sig = parse_signature(family)
     cache = (
-        TurboQuantKVCache(4, 3)
-        if family.startswith("kv:turboquant")
-        else RotatingTurboQuantKVCache(64, kbits=4, vbits=3)
+        TurboQuantKVCache(sig.kbits, sig.vbits)
+        if sig.kind == "kv:turboquant"
+        else RotatingTurboQuantKVCache(64, kbits=sig.kbits, vbits=sig.vbits)
     )
     filled(cache, (30, 1, 1))
     snap = snapshot(cache)
@@ -145,7 +149,7 @@ def test_two_rounds_store_two_sign_vectors():
     assert restore(snapshot(cache)).rounds == 2
 
 
-@pytest.mark.parametrize("kbits, vbits", [(4, 4), (3, 3), (2, 2), (4, 2)])
+@pytest.mark.parametrize("kbits, vbits", [(4, 4), (3, 3), (2, 2), (4, 2), (5, 4), (4, 5)])
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 def test_stored_rows_cost_the_spec_formula(kbits, vbits, head_dim):
     heads, tokens = 2, 256

@@ -224,8 +224,8 @@ def test_policy_validation():
         CachePolicy(kv_bits=7)
     with pytest.raises(ValueError, match="exclusive"):
         CachePolicy(kv_bits=4, turboquant=(4, 4))
-    with pytest.raises(ValueError, match="kbits must be one of 2, 3, 4"):
-        CachePolicy(turboquant=(5, 4))
+    with pytest.raises(ValueError, match="kbits must be one of 2, 3, 4, 5; received 6"):
+        CachePolicy(turboquant=(6, 4))
     with pytest.raises(ValueError, match="keep must be >= 0"):
         CachePolicy(keep=-1)
     with pytest.raises(ValueError, match="kv_bits, family are exclusive"):

@@ -6,6 +6,8 @@ cache with an unknown signature, or one whose signature changed, takes the
 generic path.
 """
 
+from pathlib import Path
+
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
@@ -20,12 +22,15 @@ from kvstore.caches import (
     TurboQuantKVCache,
 )
 from kvstore.errors import CapabilityError
-from kvstore.model import CachePolicy, build_model, generate_tokens
+from kvstore.model import CachePolicy, build_model, generate_tokens, load_model
 from kvstore.model.args import named_config
 
 from .conftest import prompt_tokens
 
 PREFILL, STEPS = 200, 64  # growing buffers cross 256 rows; 32-token windows wrap
+PYCODE = Path("/work/shared/fixtures/pycode-lm")
+#: What ``kvstore tune`` chose on pycode-lm at 4.125 bits per value (5-bit keys in layer 1).
+TUNED_PYCODE = Path(__file__).parents[2] / "tools/quality/results/tune/layout-4.125.json"
 
 
 def per_layer(model, make):
@@ -78,6 +83,10 @@ LAYOUTS = {
     "sliding-global-mixed-quant": ("tiny-gemma3", lambda m: per_layer(m, mixed_quant)),
     "turboquant": ("tiny", lambda m: m.make_cache(CachePolicy(turboquant=(3, 3)))),
     "turboquant-sliding": ("tiny-gemma3", lambda m: m.make_cache(CachePolicy(turboquant=(4, 4)))),
+    "turboquant-5bit": (
+        "tiny",
+        lambda m: m.make_cache(CachePolicy(layout="default=kv:turboquant:5:4;1=kv:turboquant:4:5")),
+    ),
     "mixed-families": ("tiny-gemma3", lambda m: per_layer(m, mixed_families)),
     "qwen3-bf16-quant": ("tiny-qwen3-bf16", lambda m: m.make_cache(CachePolicy(kv_bits=8))),
     "llama3-rope-quantized-weights": (
@@ -150,6 +159,24 @@ def test_specialised_step_equals_the_generic_path_bit_for_bit(models, layout):
     specialised, paths = decode(model, make(model), tokens, enabled=True)
     assert set(generic_paths) == {"generic"}
     assert set(paths) == {"specialised"}
+    assert mx.array_equal(specialised, generic).item()
+
+
+@pytest.mark.skipif(not PYCODE.is_dir(), reason="pycode-lm fixture not present")
+def test_the_layout_tune_chose_on_pycode_lm_decodes_bit_for_bit():
+    model, _ = load_model(PYCODE)
+    policy = CachePolicy.from_file(TUNED_PYCODE)
+    caches = model.make_cache(policy)
+    assert [c.signature() for c in caches] == [
+        "kv:turboquant:4:4",
+        "kv:turboquant:5:4",
+        "kv:turboquant:4:4",
+        "kv:turboquant:4:3",
+    ]
+    tokens = prompt_tokens(n=PREFILL + STEPS, vocab=model.args.vocab_size)
+    generic, generic_paths = decode(model, caches, tokens, enabled=False)
+    specialised, paths = decode(model, model.make_cache(policy), tokens, enabled=True)
+    assert set(generic_paths) == {"generic"} and set(paths) == {"specialised"}
     assert mx.array_equal(specialised, generic).item()
 
 

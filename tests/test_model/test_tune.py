@@ -56,6 +56,8 @@ def test_bits_per_value_come_from_what_each_familys_cache_stores():
         "kv:turboquant:2:2": 2.25,
         "kv:plain": 16.0,
     }
+    # 5-bit keys (issue 17) add one bit per key value and nothing else: (5.25 + 4.25) / 2.
+    assert layer_bytes_per_token("kv:turboquant:5:4", GLOBAL) * 8 / values == 4.75
     assert layer_bytes_per_token("kv:quant:4:128", GLOBAL) is None  # the group does not fit
 
 
@@ -64,7 +66,7 @@ def test_candidates_are_every_registered_growing_family_plain_first():
     assert every[0] == "kv:plain" and "kv:rotating-plain" not in every
     assert {"kv:quant:2:32", "kv:quant:8:128", "kv:turboquant:4:2"} <= set(every)
     assert candidate_signatures(["kv:turboquant", "kv:quant:4:64"]) == sorted(
-        [f"kv:turboquant:{k}:{v}" for k in (2, 3, 4) for v in (2, 3, 4)] + ["kv:quant:4:64"]
+        [f"kv:turboquant:{k}:{v}" for k in (2, 3, 4, 5) for v in (2, 3, 4, 5)] + ["kv:quant:4:64"]
     )
     with pytest.raises(ValueError, match="Unknown candidate"):
         candidate_signatures(["kv:nope"])

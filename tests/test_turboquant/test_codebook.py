@@ -17,6 +17,16 @@ SPEC = {
         3.765,
         [0.101882, 0.097423, 0.088709, 0.076164, 0.060482, 0.042714, 0.024446, 0.008180],
     ),
+    # Not in the spec (its tq v1 stops at 4 bits): the 32-level Lloyd-Max quantizer's
+    # figures, as its table gives them (issue 17).
+    5: (
+        0.002505,
+        4.730,
+        [
+            *(0.052496, 0.051889, 0.050682, 0.048890, 0.046533, 0.043644, 0.040259, 0.036430),
+            *(0.032217, 0.027694, 0.022955, 0.018114, 0.013315, 0.008749, 0.004672, 0.001461),
+        ],
+    ),
 }
 
 
@@ -47,6 +57,15 @@ def test_mse_probabilities_and_entropy_match_spec(bits):
     assert -(p * np.log2(p)).sum() == pytest.approx(entropy, abs=1e-3)
 
 
+def test_mse_over_the_lower_bound_rises_towards_panter_dite():
+    # The spec's ratios to the Theorem-3 bound 4^-b (1.454, 1.880, 2.211, 2.432) rise
+    # towards the high-resolution limit sqrt(3)*pi/2; a wider table must continue the rise.
+    ratios = [codebook(b).mse_per_coordinate() * 4**b for b in CODEBOOK_BITS]
+    assert ratios[:4] == pytest.approx([1.454, 1.880, 2.211, 2.432], abs=1e-3)
+    assert all(a < b for a, b in zip(ratios, ratios[1:]))
+    assert ratios[-1] < math.sqrt(3) * math.pi / 2
+
+
 def test_printed_thresholds_match_spec():
     assert codebook(3).thresholds[4:].tolist() == pytest.approx(
         [0.0 + 0.500549730, 1.049957280, 1.747927492], abs=1e-9
@@ -57,7 +76,9 @@ def test_printed_thresholds_match_spec():
     )
 
 
-@pytest.mark.parametrize("bits", [0, 5, 8, "4"])
+@pytest.mark.parametrize("bits", [0, 6, 8, "4"])
 def test_unknown_width_is_refused(bits):
-    with pytest.raises(ValueError, match=r"\[turboquant.codebook\] bits must be one of 1, 2, 3, 4"):
+    with pytest.raises(
+        ValueError, match=r"\[turboquant.codebook\] bits must be one of 1, 2, 3, 4, 5; received"
+    ):
         codebook(bits)

@@ -13,6 +13,7 @@ from kvstore.turboquant.packing import (
     unpack_indices_dequantize,
     unpack_indices_reference,
 )
+from kvstore.turboquant.quantizer import TQ_BITS
 
 ALL_BITS = [1, 2, 3, 4, 5, 6, 8]
 
@@ -57,7 +58,7 @@ def test_dequantize_unpack_equals_reference(bits, dim):
     assert mx.array_equal(unpack_indices(codes, bits, dim), reference).item()
 
 
-@pytest.mark.parametrize("bits", [2, 3, 4])
+@pytest.mark.parametrize("bits", TQ_BITS)
 def test_unpack_of_a_strided_slice(bits):
     # Cache buffers are sliced along tokens; unpacking a view must read the right bytes.
     idx = mx.random.randint(0, 1 << bits, (2, 3, 40, 128)).astype(mx.uint8)
@@ -89,7 +90,7 @@ def test_layout_is_mx_quantize_layout(bits):
     assert mx.array_equal(codes, pack_indices(mx.array(idx.astype(np.uint8)), bits)).item()
 
 
-@pytest.mark.parametrize("bits", [2, 3, 4])
+@pytest.mark.parametrize("bits", TQ_BITS)
 def test_single_bit_probes(bits):
     # Each set bit of a word decodes to exactly one index bit, wherever a value
     # crosses a word boundary.
@@ -105,6 +106,6 @@ def test_single_bit_probes(bits):
 
 
 def test_packed_words_is_ceil():
-    assert [packed_words(128, b) for b in (2, 3, 4)] == [8, 12, 16]
+    assert [packed_words(128, b) for b in (2, 3, 4, 5)] == [8, 12, 16, 20]
     assert packed_words(256, 3) == 24  # mlx-lm's D // (32 // bits) would say 25
     assert packed_words(80, 3) == 8 and packed_words(80, 5) == 13
