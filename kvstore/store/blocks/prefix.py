@@ -162,8 +162,7 @@ class BlockPrefixStore(CacheMethods, PrefixStore):
             included); ``None``: records are opaque, nothing is checked.
         touch_interval: seconds between background writes of recency updates
             (``0``: only when the store writes anyway, or on :meth:`flush`).
-        clock: the time source for recency and creation times (seconds; tests pass
-            a counter, the damage sweep a constant).
+        clock: the time source for recency and creation (seconds; tests pass a counter).
         low_water: a save over budget evicts down to this fraction of it.
         recover: open a store whose settings record is damaged (both copies) with
             settings rebuilt from its blocks, for :meth:`verify` to report and repair
@@ -216,9 +215,8 @@ class BlockPrefixStore(CacheMethods, PrefixStore):
         self._counters = Counters()
         self._quarantine: set[bytes] = set()
         try:
-            self._settings = meta.open_settings(
-                backend, settings, recover=recover, clock=self._clock
-            )
+            resolved = meta.open_settings(backend, settings, recover=recover, clock=self._clock)
+            self._settings = resolved
         except BaseException:
             backend.close()
             raise
