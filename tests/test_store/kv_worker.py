@@ -137,7 +137,8 @@ def writer(url: str, seed: str) -> None:
     print("READY", flush=True)
     for length in writer_lengths(int(seed)):
         store.save(namespace, tokens[:length], caches)
-        print("ACK", length, flush=True)
+        sys.stdout.write(f"ACK {length}\n")  # one write: a SIGKILL cannot cut the line
+        sys.stdout.flush()
     print("END", flush=True)
 
 

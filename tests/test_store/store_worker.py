@@ -36,7 +36,10 @@ def save(store, tokens, filler: int = 0):
 
 
 def say(*words: object) -> None:
-    print(*words, flush=True)
+    # One write per line: print() writes each word and separator on its own when the
+    # output is a pipe, and a SIGKILL between them leaves a cut "ACK" (a CI failure).
+    sys.stdout.write(" ".join(map(str, words)) + "\n")
+    sys.stdout.flush()
 
 
 def writer(path: str, seed: int, filler: str) -> None:
