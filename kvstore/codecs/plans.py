@@ -92,9 +92,9 @@ class RowsJoin:
         dtype = MLX_DTYPES[name]
         pieces = [as_device(piece).astype(dtype) for piece in self.columns[column]]
         rows = sum(int(p.shape[2]) for p in pieces)
-        # Zeros to capacity -- none, for a lone piece: a piece may be a view into a
-        # record's device buffer, and the cache must own its buffer (an update of a
-        # shared one copies the whole array every step).
+        # Zeros to capacity, and a concatenation even when they are no rows: a lone
+        # piece may be a view into a record's device buffer, and the cache must own
+        # its buffer (an update of a shared one copies the whole array every step).
         pieces.append(mx.zeros((*shape[:2], self.capacity - rows, *shape[3:]), dtype))
         return mx.concatenate(pieces, axis=2)
 

@@ -33,6 +33,7 @@ buffer must outlive them); :func:`snapshot_to_mlx` and
 
 from __future__ import annotations
 
+import functools
 import struct
 import threading
 from collections.abc import Mapping, Sequence
@@ -408,14 +409,12 @@ def decode_record_to_mlx(buffer: Any) -> Record:
     _verify(header, computed[0], "decode_record")
 
     def tensor(entry: Any) -> mx.array:
+        if not entry.nbytes:
+            return _mlx_tensor(entry, None)
         start, _, flat = next(seg for seg in segments if seg[0] <= entry.offset < seg[1])
-        cut = flat[entry.offset - start : entry.offset - start + entry.nbytes]
-        return cut.view(MLX_DTYPES[entry.dtype]).reshape(entry.shape)
+        return _mlx_tensor(entry, flat, start)
 
-    def empty(entry: Any) -> mx.array:
-        return mx.zeros(entry.shape, MLX_DTYPES[entry.dtype])
-
-    record = Record(header, _snapshots(header, lambda t: tensor(t) if t.nbytes else empty(t)))
+    record = Record(header, _snapshots(header, tensor))
     mx.eval([a for snap in record.layers if snap is not None for a in snap.tensors.values()])
     return record
 
@@ -447,17 +446,20 @@ def decode_records_on_device(buffers: Sequence[Any]) -> list[Record]:
     uploaded = cuda.upload([((len(payloads[i]),), "uint8") for i in sized], fill)
     flats: dict[int, mx.array] = dict(zip(sized, uploaded, strict=True))
 
-    def tensors(flat: mx.array | None) -> Any:
-        def tensor(entry: Any) -> mx.array:
-            dtype = MLX_DTYPES[entry.dtype]
-            if not entry.nbytes or flat is None:
-                return mx.zeros(entry.shape, dtype)
-            cut = flat[entry.offset : entry.offset + entry.nbytes]
-            return cut.view(dtype).reshape(entry.shape)
+    return [
+        Record(h, _snapshots(h, functools.partial(_mlx_tensor, flat=flats.get(i))))
+        for i, h in enumerate(headers)
+    ]
 
-        return tensor
 
-    return [Record(h, _snapshots(h, tensors(flats.get(i)))) for i, h in enumerate(headers)]
+def _mlx_tensor(entry: Any, flat: mx.array | None, start: int = 0) -> mx.array:
+    """Tensor ``entry`` of a header as a view into ``flat``, the payload's bytes from
+    ``start`` on in MLX memory (zeros for a tensor of no bytes)."""
+    dtype = MLX_DTYPES[entry.dtype]
+    if not entry.nbytes or flat is None:
+        return mx.zeros(entry.shape, dtype)
+    cut = flat[entry.offset - start : entry.offset - start + entry.nbytes]
+    return cut.view(dtype).reshape(entry.shape)
 
 
 def _segments(header: RecordHeader) -> list[tuple[int, int]]:

@@ -145,12 +145,16 @@ def _decoded(
     Rows kept as stored are gathered on the host into each layer's array and staged
     once (on the device, joining 16 record views per array cost more: 105 ms against
     96). Recurrent checkpoints stay on the host (their plans fill host buffers)."""
-    recoded = any(
-        layer is not None and layer.signature != need.signature
-        for header in headers
-        for layer, need in zip(header.layers, needs, strict=False)
-    )
-    if recoded and cuda.available() and not any(need.checkpoint for need in needs):
+    # Asked in this order so that a restore off CUDA pays nothing more.
+    if (
+        cuda.available()
+        and not any(need.checkpoint for need in needs)
+        and any(
+            layer is not None and layer.signature != need.signature
+            for header in headers
+            for layer, need in zip(header.layers, needs, strict=False)
+        )
+    ):
         return decode_records_on_device(views)
     return [decode_record(view, verify=False) for view in views]
 
