@@ -83,6 +83,16 @@ def assert_fully_reusable(url):
     assert_same_caches(caches, prefilled(model(), TOKENS))
 
 
+def assert_fix_rebuilds_the_file(capsys, url, path):
+    """``verify --fix`` rebuilds the damaged file; the store is then clean and, after a
+    re-save, fully reusable."""
+    status, out, _ = run_cli(capsys, "verify", path, "--fix")
+    assert status == 0 and "rebuilt the damaged file" in out
+    status, report = verify_json(capsys, path)
+    assert status == 0 and report["clean"]
+    assert_fully_reusable(url)
+
+
 def run_cli(capsys, *argv):
     status = main([*argv])
     out = capsys.readouterr()
@@ -240,11 +250,7 @@ def test_a_damaged_branch_page_is_found_and_the_file_rebuilt(url, path, capsys):
     flip_bit(f"{path}/data.mdb", branch.offset + last, 0)  # its page number, off by one
     status, report = verify_json(capsys, path)
     assert status == 1 and report["found"]["engine"]
-    status, out, _ = run_cli(capsys, "verify", path, "--fix")
-    assert status == 0 and "rebuilt the damaged file" in out
-    status, report = verify_json(capsys, path)
-    assert status == 0 and report["clean"]
-    assert_fully_reusable(url)
+    assert_fix_rebuilds_the_file(capsys, url, path)
 
 
 def test_a_value_size_grown_into_the_next_node_is_found_and_the_file_rebuilt(url, path, capsys):
@@ -271,11 +277,7 @@ def test_a_value_size_grown_into_the_next_node_is_found_and_the_file_rebuilt(url
     flip_bit(data, node.offset, 6)  # its size + 64
     status, report = verify_json(capsys, path)
     assert status == 1 and any("runs into" in p for p in report["found"]["engine"])
-    status, out, _ = run_cli(capsys, "verify", path, "--fix")
-    assert status == 0 and "rebuilt the damaged file" in out
-    status, report = verify_json(capsys, path)
-    assert status == 0 and report["clean"]
-    assert_fully_reusable(url)
+    assert_fix_rebuilds_the_file(capsys, url, path)
 
 
 # ---------------------------------------------------------------- 3. settings
