@@ -86,6 +86,7 @@ __all__ = [
     "RecordVerifier",
     "BlockSave",
     "SaveHandle",
+    "CheckingViews",
     "DURABILITY_MODES",
     "PrefixStore",
 ]
@@ -604,6 +605,26 @@ class SaveHandle(Protocol):
         counts its saves without a thread waiting on each."""
 
 
+class CheckingViews(list[memoryview]):
+    """Views of records whose checks may still be running (:meth:`PrefixStore.read_checking`).
+
+    Their headers have been checked by the reader's own parse, their payloads
+    maybe not yet: nothing made from them may leave the caller before
+    :meth:`intact` says they passed.
+    """
+
+    def __init__(self, views: Iterable[memoryview], intact: Callable[[], int]) -> None:
+        super().__init__(views)
+        self._intact = intact
+        self._count: int | None = None
+
+    def intact(self) -> int:
+        """How many leading views passed their checks (waits for the checks)."""
+        if self._count is None:
+            self._count = self._intact()
+        return self._count
+
+
 class PrefixStore(ABC):
     """A persistent, deduplicated store of KV blocks keyed by token prefixes.
 
@@ -699,6 +720,17 @@ class PrefixStore(ABC):
     @abstractmethod
     def read(self, blocks: Sequence[BlockRef]) -> AbstractContextManager[list[memoryview]]:
         """Verified zero-copy views of the records of ``blocks`` (valid inside the ``with``)."""
+
+    @contextmanager
+    def read_checking(self, blocks: Sequence[BlockRef]) -> Iterator[CheckingViews]:
+        """:meth:`read`, handing the views out while their checksums are still being
+        computed, so the caller's copy of them overlaps the store's hashing (a restore's
+        two passes over the same bytes, on different cores). The views are those of
+        the leading stored records; ``views.intact()`` waits for the checks and says
+        how many of them passed, counting the rest as :meth:`read` would. A store that
+        checks as it reads (this default) hands out verified views."""
+        with self.read(blocks) as views:
+            yield CheckingViews(views, lambda: len(views))
 
     @abstractmethod
     def holds(self, keys: Sequence[bytes]) -> list[bool]:

@@ -55,7 +55,10 @@ __all__ = [
     "Transport",
     "TRANSPORT",
     "available",
+    "transport",
+    "pool",
     "workers",
+    "nbytes_of",
     "upload",
     "download",
 ]
@@ -67,6 +70,7 @@ Fill = Callable[[int, np.ndarray], None]
 
 _CU_MEMHOSTREGISTER_PORTABLE = 0x01
 _CU_MEMHOSTREGISTER_DEVICEMAP = 0x02
+_CU_MEMHOSTREGISTER_READ_ONLY = 0x08
 #: Threads per copy kernel launch (and per block): enough to saturate PCIe.
 _GRID, _BLOCK = 1024 * 256, 256
 
@@ -89,6 +93,42 @@ _COPY_BODY = """
 _UPLOAD_SOURCE = _COPY_BODY.format(src="params[0]", dst="out", done="")
 #: Device array ``inp`` -> host (pinned, ``params[0]``).
 _DOWNLOAD_SOURCE = _COPY_BODY.format(src="inp", dst="params[0]", done="done[0] = 1;")
+#: Segments of registered host memory -> the new device array ``out``
+#: (:mod:`kvstore.codecs.cuda_pages`). ``params``: the segment count, then six words
+#: per segment, ``src, src_pitch, dst_offset, dst_pitch, width, height`` (bytes; ``src``
+#: 0 writes zeros). Block ``b`` copies a share of segment ``b % count``, 16 bytes at a
+#: time where the segment's addresses and pitches allow (a row's last ``width % 16``
+#: bytes one at a time).
+_GATHER_SOURCE = """
+    const unsigned long long* p = reinterpret_cast<const unsigned long long*>(params);
+    unsigned long long count = p[0];
+    unsigned long long seg = blockIdx.x % count;
+    unsigned long long part = blockIdx.x / count, parts = gridDim.x / count;
+    const unsigned long long* s = p + 1 + seg * 6;
+    unsigned long long src = s[0], sp = s[1], doff = s[2], dp = s[3], w = s[4], h = s[5];
+    unsigned char* d = reinterpret_cast<unsigned char*>(out);
+    unsigned long long first = part * blockDim.x + threadIdx.x, step = parts * blockDim.x;
+    if (((src | sp | doff | dp) & 15) == 0) {
+        const uint4* s16 = reinterpret_cast<const uint4*>(src);
+        uint4* d16 = reinterpret_cast<uint4*>(d + doff);
+        unsigned long long w16 = w / 16, tail = w - w16 * 16;
+        for (unsigned long long j = first; j < w16 * h; j += step) {
+            unsigned long long r = j / w16, c = j - r * w16;
+            d16[r * (dp / 16) + c] = src ? s16[r * (sp / 16) + c] : make_uint4(0, 0, 0, 0);
+        }
+        const unsigned char* s1 = reinterpret_cast<const unsigned char*>(src);
+        for (unsigned long long j = first; j < tail * h; j += step) {
+            unsigned long long r = j / tail, c = w16 * 16 + j - r * tail;
+            d[doff + r * dp + c] = src ? s1[r * sp + c] : 0;
+        }
+    } else {
+        const unsigned char* s1 = reinterpret_cast<const unsigned char*>(src);
+        for (unsigned long long j = first; j < w * h; j += step) {
+            unsigned long long r = j / w, c = j - r * w;
+            d[doff + r * dp + c] = src ? s1[r * sp + c] : 0;
+        }
+    }
+"""
 
 
 class PinnedBuffer:
@@ -179,6 +219,31 @@ class Driver:
         self.bind()
         self._cu.cuMemHostUnregister(ctypes.c_void_p(array.ctypes.data))
 
+    def register_pages(self, base: int, nbytes: int) -> int:
+        """Page-lock ``nbytes`` at ``base`` (whole pages, maybe a read-only file map)
+        for the GPU to read: its device address."""
+        self.bind()
+        flags = (
+            _CU_MEMHOSTREGISTER_PORTABLE
+            | _CU_MEMHOSTREGISTER_DEVICEMAP
+            | _CU_MEMHOSTREGISTER_READ_ONLY
+        )
+        address = ctypes.c_void_p(base)
+        self._check(
+            self._cu.cuMemHostRegister_v2(address, ctypes.c_size_t(nbytes), flags),
+            "cuMemHostRegister",
+        )
+        pointer = ctypes.c_uint64()
+        code = self._cu.cuMemHostGetDevicePointer_v2(ctypes.byref(pointer), address, 0)
+        if code != 0:
+            self._cu.cuMemHostUnregister(address)
+            self._check(code, "cuMemHostGetDevicePointer")
+        return int(pointer.value)
+
+    def unregister_pages(self, base: int) -> None:
+        self.bind()
+        self._cu.cuMemHostUnregister(ctypes.c_void_p(base))
+
 
 class Transport(Protocol):
     """How bytes cross between a pinned slot and the device (swapped in tests)."""
@@ -192,12 +257,24 @@ class Transport(Protocol):
     def to_host(self, array: mx.array, slot: PinnedBuffer, offset: int) -> None:
         """Copy the bytes of the contiguous uint8 ``array`` to ``slot[offset:]`` (waits)."""
 
+    def register(self, base: int, nbytes: int) -> int:
+        """Page-lock host pages ``[base, base + nbytes)`` for the GPU to read: the
+        device address of ``base`` (raises OSError/RuntimeError when refused)."""
+
+    def unregister(self, base: int) -> None:
+        """Let go of the pages :meth:`register` locked at ``base``."""
+
+    def gather(self, params: np.ndarray, nbytes: int) -> mx.array:
+        """A new lazy uint8 device array of ``nbytes`` written by the segments of
+        ``params`` (uint64 words: see :data:`_GATHER_SOURCE`) from registered pages."""
+
 
 class KernelTransport:
     """The real one: the driver for pinned memory, MLX CUDA kernels for the copies."""
 
     _upload: Any
     _download: Any
+    _gather: Any
 
     def __init__(self) -> None:
         self.driver = Driver()
@@ -212,6 +289,12 @@ class KernelTransport:
             input_names=["params", "inp"],
             output_names=["done"],
             source=_DOWNLOAD_SOURCE,
+        )
+        self._gather = mx.fast.cuda_kernel(
+            name="kvstore_gather",
+            input_names=["params"],
+            output_names=["out"],
+            source=_GATHER_SOURCE,
         )
 
     def slot(self, nbytes: int) -> PinnedBuffer:
@@ -245,6 +328,27 @@ class KernelTransport:
             threadgroup=(_BLOCK, 1, 1),
         )
         mx.eval(done)
+
+    def register(self, base: int, nbytes: int) -> int:
+        return self.driver.register_pages(base, nbytes)
+
+    def unregister(self, base: int) -> None:
+        self.driver.unregister_pages(base)
+
+    def gather(self, params: np.ndarray, nbytes: int) -> mx.array:
+        count = int(params[0])
+        words = params[1:].reshape(count, 6)
+        largest = int((words[:, 4] * words[:, 5]).max()) if count else 0
+        # Enough blocks per segment for each thread to copy a few 16-byte words.
+        parts = max(1, min(64, largest // (16 * _BLOCK * 4)))
+        (out,) = self._gather(
+            inputs=[mx.array(params)],
+            output_shapes=[(nbytes,)],
+            output_dtypes=[mx.uint8],
+            grid=(count * parts * _BLOCK, 1, 1),
+            threadgroup=(_BLOCK, 1, 1),
+        )
+        return out
 
 
 #: The transport in use; ``None`` until first needed (then a :class:`KernelTransport`,
@@ -301,14 +405,15 @@ def _checked(transport: KernelTransport) -> KernelTransport | bool:
     return transport if ok else False
 
 
-def _transport() -> Transport:
+def transport() -> Transport:
     if not available():
         raise RuntimeError("[cuda] No CUDA staging here (see kvstore.codecs.cuda.available).")
     assert TRANSPORT is not None and TRANSPORT is not False and TRANSPORT is not True
     return TRANSPORT
 
 
-def _pool() -> ThreadPoolExecutor:
+def pool() -> ThreadPoolExecutor:
+    """The staging threads (:func:`workers` of them), kept for the process."""
     global _POOL
     with _LOCK:
         if _POOL is None:
@@ -333,7 +438,7 @@ def _prepare_slots() -> None:
             return
         _SLOTS_MADE = True
     size = slot_min_bytes()
-    for slot in _pool().map(lambda _: _transport().slot(size), range(workers())):
+    for slot in pool().map(lambda _: transport().slot(size), range(workers())):
         _FREE.put(slot)
 
 
@@ -342,14 +447,14 @@ def _take_slot(nbytes: int) -> PinnedBuffer:
     try:
         slot = _FREE.get_nowait()
     except queue.Empty:
-        return _transport().slot(max(nbytes, slot_min_bytes()))
+        return transport().slot(max(nbytes, slot_min_bytes()))
     if slot.nbytes < nbytes:
         slot.release()
-        slot = _transport().slot(max(nbytes, slot_min_bytes()))
+        slot = transport().slot(max(nbytes, slot_min_bytes()))
     return slot
 
 
-def _nbytes(spec: LeafSpec) -> int:
+def nbytes_of(spec: LeafSpec) -> int:
     shape, name = spec
     return int(np.prod(shape, dtype=np.int64)) * numpy_dtype(name).itemsize
 
@@ -364,17 +469,17 @@ def upload(specs: Sequence[LeafSpec], fill: Fill) -> list[mx.array]:
         RuntimeError: no CUDA staging here (call :func:`available` first).
         Whatever ``fill`` raises.
     """
-    transport = _transport()
+    staging = transport()
     _prepare_slots()
 
     def one(i: int) -> mx.array:
-        nbytes = _nbytes(specs[i])
+        nbytes = nbytes_of(specs[i])
         shape, name = specs[i]
         slot = _take_slot(nbytes)
         try:
             view = slot.array[:nbytes].view(numpy_dtype(name)).reshape(shape)
             fill(i, view)
-            flat = transport.to_device(slot, nbytes)
+            flat = staging.to_device(slot, nbytes)
             # Evaluated here: MLX evaluates a graph only on the thread whose stream built it
             # (and the slot is free again only once its bytes have crossed).
             array = flat.view(MLX_DTYPES[name]).reshape(shape)
@@ -383,18 +488,18 @@ def upload(specs: Sequence[LeafSpec], fill: Fill) -> list[mx.array]:
             _FREE.put(slot)
         return array
 
-    return list(_pool().map(one, range(len(specs))))
+    return list(pool().map(one, range(len(specs))))
 
 
 def download(arrays: Sequence[mx.array], slot: PinnedBuffer, offsets: Sequence[int]) -> None:
     """The bytes of each contiguous device array into ``slot`` at its offset (waits)."""
-    transport = _transport()
+    staging = transport()
     flats = [a.reshape(-1).view(mx.uint8) for a in arrays]
     mx.eval(flats)
     for flat, offset in zip(flats, offsets, strict=True):
-        transport.to_host(flat, slot, offset)
+        staging.to_host(flat, slot, offset)
 
 
 def new_buffer(nbytes: int) -> PinnedBuffer:
     """A pinned buffer of at least ``nbytes`` (a save's record arena)."""
-    return _transport().slot(nbytes)
+    return transport().slot(nbytes)

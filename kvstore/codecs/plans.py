@@ -10,7 +10,8 @@ each plan copies its rows in and builds its cache.
 
 Rows in host memory (store pages) are written once into the arrays
 (:func:`~kvstore.codecs.fill.filled_arrays`: straight into MLX's buffers on
-the CPU, through pinned staging on a CUDA GPU). Rows that are already MLX
+the CPU, through pinned staging on a CUDA GPU), or, on a CUDA GPU, read by
+the GPU out of the store's pages (:mod:`~kvstore.codecs.cuda_pages`). Rows that are already MLX
 arrays on a GPU (decoded there from a lossy record) are joined there, by one
 concatenation per array: bringing them to the host would cost two trips over
 the bus.
@@ -27,7 +28,7 @@ import numpy as np
 
 from kvstore.abc.codec import RestorePlan, Snapshot
 from kvstore.caches.base import Tree
-from kvstore.codecs import cuda
+from kvstore.codecs import cuda, cuda_pages
 from kvstore.codecs.arrays import MLX_DTYPES, as_numpy_all, dtype_name, owned_arrays
 from kvstore.codecs.fill import LeafSpec, filled_arrays
 
@@ -187,13 +188,17 @@ def as_device(piece: Any) -> mx.array:
     return as_mlx(piece)
 
 
-def run_plans(plans: Sequence[RestorePlan]) -> list[Any]:
+def run_plans(
+    plans: Sequence[RestorePlan], pages: cuda_pages.PinnedPages | None = None
+) -> list[Any]:
     """The caches of ``plans``: every array of every plan allocated and filled in one go.
 
     A :class:`CachePlan`'s arrays are written once, straight from the row
     pieces into MLX's memory (:func:`~kvstore.codecs.fill.filled_arrays`), or,
-    on a CUDA GPU, joined on the device when their pieces are MLX arrays
-    already; any other plan gets zero-filled buffers of its ``leaves``.
+    on a CUDA GPU, read by the GPU from the host pages the pieces are in
+    (:func:`~kvstore.codecs.cuda_pages.gathered`; ``pages``: those pages, pinned
+    already), or joined on the device when their pieces are MLX arrays already;
+    any other plan gets zero-filled buffers of its ``leaves``.
     """
     mx.eval([a for plan in plans if isinstance(plan, CachePlan) for a in plan.lazy()])
     on_gpu = cuda.available()
@@ -204,12 +209,15 @@ def run_plans(plans: Sequence[RestorePlan]) -> list[Any]:
         if on_gpu and join.holds_mlx(col)
     }
     writers = [(i, c) for i, c in enumerate(columns) if i not in joined]
+    specs = [join.leaves()[column] for _, (join, column) in writers]
+    filled = _gathered(specs, writers, pages) if on_gpu else None
+    if filled is None:
 
-    def fill(k: int, target: np.ndarray) -> None:
-        _, (join, column) = writers[k]
-        join.fill_leaf(column, target)
+        def fill(k: int, target: np.ndarray) -> None:
+            _, (join, column) = writers[k]
+            join.fill_leaf(column, target)
 
-    filled = filled_arrays([join.leaves()[column] for _, (join, column) in writers], fill)
+        filled = filled_arrays(specs, fill)
     arrays: list[mx.array] = [None] * len(columns)  # type: ignore[list-item]
     for (i, _), array in zip(writers, filled, strict=True):
         arrays[i] = array
@@ -225,6 +233,22 @@ def run_plans(plans: Sequence[RestorePlan]) -> list[Any]:
         caches.append(plan.assemble(arrays[at : at + n]))
         at += n
     return caches
+
+
+def _gathered(
+    specs: Sequence[LeafSpec],
+    writers: Sequence[tuple[int, tuple[RowsJoin, int]]],
+    pages: cuda_pages.PinnedPages | None,
+) -> list[mx.array] | None:
+    """The arrays of ``writers`` read by the GPU straight from the host pages their
+    pieces are in (store pages, pinned already as ``pages``), when every piece is such
+    a view; else ``None``."""
+    pieces = []
+    for _, (join, column) in writers:
+        if join.holds_mlx(column):
+            return None
+        pieces.append(join.columns[column])
+    return cuda_pages.gathered(specs, pieces, pages)
 
 
 def join_runs(layers: Sequence[Sequence[Snapshot]]) -> list[list[Snapshot]]:

@@ -46,7 +46,7 @@ import numpy as np
 import xxhash
 
 from kvstore.abc.codec import Snapshot
-from kvstore.codecs import cuda
+from kvstore.codecs import cuda, cuda_pages
 from kvstore.codecs.arrays import (
     MLX_DTYPES,
     as_mlx,
@@ -375,8 +375,15 @@ def verify_record(buffer: Any) -> None:
         FormatVersionError: a format (or codec version) this reader does not read.
     """
     view = _bytes_view(buffer, "verify")
+    # The payload is hashed before the header is parsed: xxhash releases the GIL and
+    # the parse holds it, so checks on several threads hash at once while the reader
+    # parses the same headers (a restore on a GPU: its parse is remembered here).
+    computed = _payload_digest(view)
     header = _read_header(view, "verify")
-    _verify(header, xxhash.xxh3_64_intdigest(_payload(view, header, "verify")), "verify")
+    payload = _payload(view, header, "verify")
+    if computed is None:
+        computed = xxhash.xxh3_64_intdigest(payload)
+    _verify(header, computed, "verify")
 
 
 def decode_record_to_mlx(buffer: Any) -> Record:
@@ -419,7 +426,9 @@ def decode_record_to_mlx(buffer: Any) -> Record:
     return record
 
 
-def decode_records_on_device(buffers: Sequence[Any]) -> list[Record]:
+def decode_records_on_device(
+    buffers: Sequence[Any], pages: cuda_pages.PinnedPages | None = None
+) -> list[Record]:
     """Verified records decoded with every tensor on the CUDA device.
 
     Each record's payload crosses the bus whole, on every staging thread at
@@ -428,8 +437,11 @@ def decode_records_on_device(buffers: Sequence[Any]) -> list[Record]:
     so joining a layer's rows and decoding lossy ones happen there, not on
     the host (measured on an H200, 4096 tokens of llama-8B in 16 records:
     64 per-layer arrays gathered on the host took 54 ms to stage; the issue 13
-    profile, ``tools/bench/gpu/restore_profile.py``). The checksums are not
-    checked again: only for bytes the caller verified (a store's ``read``).
+    profile, ``tools/bench/gpu/restore_profile.py``). With ``pages`` (the
+    buffers' pages, pinned: :func:`kvstore.codecs.cuda_pages.pin`) the GPU reads
+    each payload from them instead, and the host copies nothing. The checksums
+    are not checked again: only for bytes the caller verified (a store's
+    ``read``).
 
     Raises:
         RuntimeError: no CUDA staging here.
@@ -439,11 +451,19 @@ def decode_records_on_device(buffers: Sequence[Any]) -> list[Record]:
     headers = [_read_header(view, "decode_record") for view in views]
     payloads = [_payload(v, h, "decode_record") for v, h in zip(views, headers, strict=True)]
     sized = [i for i, payload in enumerate(payloads) if len(payload)]
+    # Each payload as one row of bytes (a gather's [batch, heads, rows, ...] layout).
+    rows = [np.frombuffer(payloads[i], np.uint8).reshape(1, 1, -1, 1) for i in sized]
+    uploaded = cuda_pages.gathered(
+        [(row.shape, "uint8") for row in rows], [[row] for row in rows], pages
+    )
+    if uploaded is None:
 
-    def fill(k: int, target: np.ndarray) -> None:
-        np.copyto(target, np.frombuffer(payloads[sized[k]], np.uint8))
+        def fill(k: int, target: np.ndarray) -> None:
+            np.copyto(target, np.frombuffer(payloads[sized[k]], np.uint8))
 
-    uploaded = cuda.upload([((len(payloads[i]),), "uint8") for i in sized], fill)
+        uploaded = cuda.upload([((len(payloads[i]),), "uint8") for i in sized], fill)
+    else:
+        uploaded = [flat.reshape(-1) for flat in uploaded]
     flats: dict[int, mx.array] = dict(zip(sized, uploaded, strict=True))
 
     return [
@@ -616,6 +636,15 @@ def _check_extents(op: str, layers: Sequence[LayerEntry | None], payload_nbytes:
     for (_, end), (start, _) in zip(extents, extents[1:], strict=False):
         if start < end:
             raise corrupt(op, "Two tensors overlap in the payload.")
+
+
+def _payload_digest(view: memoryview) -> int | None:
+    """The checksum of the payload the prefix places (``None``: it places none); the
+    header, parsed next, says whether that is the payload and the sum it must have."""
+    if len(view) < _PREFIX.size:
+        return None
+    offset = _align(_PREFIX.size + _PREFIX.unpack_from(view)[3])
+    return xxhash.xxh3_64_intdigest(view[offset:]) if offset <= len(view) else None
 
 
 def _payload(view: memoryview, header: RecordHeader, op: str) -> memoryview:

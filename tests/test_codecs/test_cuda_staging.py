@@ -5,6 +5,9 @@ tools/bench/gpu/run.sh checks them there before any figure.)"""
 
 from __future__ import annotations
 
+import ctypes
+import mmap
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -14,13 +17,21 @@ from kvstore.codecs.arena import write_records
 from kvstore.codecs.record import encode_record, plan_record
 from kvstore.store import open_store
 
+#: Where the stand-in's "GPU" sees registered pages: elsewhere than the host, so a
+#: gather that used a host address unconverted would read the wrong bytes (and fault).
+DEVICE_OFFSET = 1 << 44
+
 
 class HostTransport:
-    """What a GPU does, in host memory: a slot's bytes become an array, and back."""
+    """What a GPU does, in host memory: a slot's bytes become an array, and back;
+    registered pages are read through their "device" addresses."""
 
     def __init__(self) -> None:
         self.uploads = 0
         self.downloads = 0
+        self.gathers = 0
+        self.registered: dict[int, int] = {}
+        self.refuse = False
 
     def slot(self, nbytes: int) -> cuda.PinnedBuffer:
         return cuda.PinnedBuffer(nbytes, None)
@@ -35,6 +46,33 @@ class HostTransport:
         self.downloads += 1
         data = np.asarray(array)
         slot.array[offset : offset + data.nbytes] = data
+
+    def register(self, base: int, nbytes: int) -> int:
+        if self.refuse:
+            raise RuntimeError("[cuda] cuMemHostRegister failed with CUresult 2.")
+        assert base % mmap.PAGESIZE == 0 and nbytes % mmap.PAGESIZE == 0
+        assert all(base + nbytes <= b or b + n <= base for b, n in self.registered.items())
+        self.registered[base] = nbytes
+        return base + DEVICE_OFFSET
+
+    def unregister(self, base: int) -> None:
+        del self.registered[base]
+
+    def gather(self, params: np.ndarray, nbytes: int) -> mx.array:
+        self.gathers += 1
+        out = np.full(nbytes, 0xAB, np.uint8)  # bytes no segment writes show up
+        words = params[1:].reshape(int(params[0]), 6).tolist()
+        for src, src_pitch, offset, pitch, width, height in words:
+            assert offset + (height - 1) * pitch + width <= nbytes
+            for r in range(height):
+                at = out.ctypes.data + offset + r * pitch
+                if not src:
+                    ctypes.memset(at, 0, width)
+                    continue
+                host = src - DEVICE_OFFSET + r * src_pitch
+                assert any(b <= host and host + width <= b + n for b, n in self.registered.items())
+                ctypes.memmove(at, host, width)
+        return mx.array(out)
 
 
 @pytest.fixture

@@ -17,12 +17,12 @@ import itertools
 import os
 import threading
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, TypeVar
 
 from kvstore.errors import CorruptEntryError, FormatVersionError
 
-__all__ = ["PARALLEL_MIN_BYTES", "Verdict", "check_records", "served_run"]
+__all__ = ["PARALLEL_MIN_BYTES", "Verdict", "check_records", "served_run", "in_background"]
 
 #: Below this many bytes in all, the records are checked on the caller's thread.
 PARALLEL_MIN_BYTES = 8 << 20
@@ -121,3 +121,17 @@ def served_run(
             return views, verdict, None
         views.append(mv)
     return views, None, (len(stored) if len(stored) < len(values) else None)
+
+
+T = TypeVar("T")
+_BACKGROUND: ThreadPoolExecutor | None = None
+
+
+def in_background(fn: Callable[[], T]) -> Future[T]:
+    """``fn`` (a read's checks) on a thread of its own, so the reader's copy of the
+    views overlaps them; it fans out to the checking threads as usual."""
+    global _BACKGROUND
+    with _LOCK:
+        if _BACKGROUND is None:
+            _BACKGROUND = ThreadPoolExecutor(4, thread_name_prefix="kvstore-read-check")
+    return _BACKGROUND.submit(fn)

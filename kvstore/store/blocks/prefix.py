@@ -27,19 +27,21 @@ Re-saving a stored prefix only hashes and reads.
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 from collections.abc import Callable, Collection, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import replace
 from functools import partial
-from typing import Any
+from typing import Any, cast
 
 from kvstore.abc.store import (
     DURABILITY_MODES,
     Backend,
     BlockRef,
     BlockSave,
+    CheckingViews,
     Match,
     MissReason,
     PrefixStore,
@@ -60,7 +62,7 @@ from kvstore.errors import (
 )
 from kvstore.store import keys as K
 from kvstore.store.blocks import meta, saving
-from kvstore.store.blocks.checks import served_run
+from kvstore.store.blocks.checks import Verdict, in_background, served_run
 from kvstore.store.blocks.eviction import Block, Budget, budgets, enforce
 from kvstore.store.blocks.housekeeping import Housekeeper, Pending, apply_pending
 from kvstore.store.blocks.integrity import Survey
@@ -317,6 +319,17 @@ class BlockPrefixStore(CacheMethods, PrefixStore):
         skipped and kept. Views are released on exit, and arrays or slices
         made from them must not outlive the block either: copy what you keep.
         """
+        with self._read(blocks, checking=False) as views:
+            yield views
+
+    @contextmanager
+    def read_checking(self, blocks: Sequence[BlockRef]) -> Iterator[CheckingViews]:
+        with self._read(blocks, checking=True) as views:
+            assert isinstance(views, CheckingViews)
+            yield views
+
+    @contextmanager
+    def _read(self, blocks: Sequence[BlockRef], *, checking: bool) -> Iterator[list[memoryview]]:
         self._check_open("read")
         corrupt: list[bytes] = []
         keys: list[bytes] = []
@@ -328,27 +341,54 @@ class BlockPrefixStore(CacheMethods, PrefixStore):
         with ExitStack() as stack:
             with self._unavailable_is_a_miss():
                 values = stack.enter_context(self._backend.view_many(keys))
-                padded = [values[i] if i < len(values) else None for i in range(len(blocks))]
+            padded = [values[i] if i < len(values) else None for i in range(len(blocks))]
+            served: list[list[memoryview]] = []
+
+            def check() -> int:
                 views, verdict, absent = served_run(self._verify, padded)
-                if isinstance(verdict, CorruptEntryError):
-                    corrupt.append(blocks[len(views)].key)
-                    self._counters.miss(MissReason.CORRUPT)
-                    self._counters.add(corruptions=1)
-                elif isinstance(verdict, FormatVersionError):
-                    self._counters.miss(MissReason.VERSION)
-                elif absent is not None:
-                    reason = self._absent(blocks[absent].key)
-                    self._counters.miss(reason)
-                    if reason == MissReason.SERVER_EVICTED:
-                        corrupt.append(blocks[absent].key)  # removed like a corrupt block
+                served.append(views)
+                self._count_read(blocks, len(views), verdict, absent, corrupt)
+                return len(views)
+
+            if checking:
+                stored = [memoryview(cast(Any, v)) for v in itertools.takewhile(_is_stored, padded)]
+                pending = in_background(check)
+                out: list[memoryview] = CheckingViews(stored, pending.result)
+            else:
+                check()
+                out = stored = served[0]
             try:
-                yield views
+                yield out
             finally:
-                self._release(views)
+                if checking:
+                    pending.result()  # the hashing threads read the views: wait, then release
+                self._release(stored)
+                self._release(served[0] if served else [])
         if corrupt:
             self._quarantine.update(corrupt)
             if self._house is not None:
                 self._house.remove(corrupt)
+
+    def _count_read(
+        self,
+        blocks: Sequence[BlockRef],
+        served: int,
+        verdict: Verdict,
+        absent: int | None,
+        corrupt: list[bytes],
+    ) -> None:
+        """Count what ended a read's run of ``blocks`` (``served`` of them intact)."""
+        if isinstance(verdict, CorruptEntryError):
+            corrupt.append(blocks[served].key)
+            self._counters.miss(MissReason.CORRUPT)
+            self._counters.add(corruptions=1)
+        elif isinstance(verdict, FormatVersionError):
+            self._counters.miss(MissReason.VERSION)
+        elif absent is not None:
+            reason = self._absent(blocks[absent].key)
+            self._counters.miss(reason)
+            if reason == MissReason.SERVER_EVICTED:
+                corrupt.append(blocks[absent].key)  # removed like a corrupt block
 
     def holds(self, keys: Sequence[bytes]) -> list[bool]:
         self._check_open("holds")
@@ -648,3 +688,7 @@ class BlockPrefixStore(CacheMethods, PrefixStore):
             self._counters.add(corruptions=len(report.corrupt))
             report = replace(report, repaired=True)
         return report
+
+
+def _is_stored(value: Any) -> bool:
+    return value is not None

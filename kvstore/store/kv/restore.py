@@ -23,8 +23,10 @@ prefill of those tokens would hold; at worst it returns the templates
 untouched (nothing reused).
 
 Each layer's rows go from the store's pages into one MLX buffer per tensor,
-in one copy (:func:`kvstore.codecs.rows.join_rows`); the records were
-verified by the store's ``verify`` as they were read.
+in one copy (:func:`kvstore.codecs.rows.join_rows`; on a CUDA GPU, the GPU
+reads them out of the pages: :mod:`kvstore.codecs.cuda_pages`); the records
+were verified by the store's ``verify`` as they were read (on a CUDA GPU,
+while the restore parsed and planned, and before anything is returned).
 """
 
 from __future__ import annotations
@@ -35,8 +37,8 @@ from typing import Any
 
 from kvstore.abc.cache import is_recurrent_cache, is_sliding_window_cache, signature_of
 from kvstore.abc.codec import RestorePlan, Snapshot
-from kvstore.abc.store import BlockRef, Match, PrefixStore
-from kvstore.codecs import cuda, decode_record, get_codec, read_header, transcode
+from kvstore.abc.store import BlockRef, CheckingViews, Match, PrefixStore
+from kvstore.codecs import cuda, cuda_pages, decode_record, get_codec, read_header, transcode
 from kvstore.codecs.plans import join_runs, run_plans
 from kvstore.codecs.record import Record, RecordHeader, decode_records_on_device
 from kvstore.errors import (
@@ -113,38 +115,62 @@ def restore_caches(store: PrefixStore, match: Match, caches: Sequence[Any]) -> l
     """
     needs = layer_needs(caches)
     tokens = match.tokens
+    on_gpu = cuda.available()
     while tokens > 0:
         cut = match.truncated(tokens)
         wanted = _union(cut, needs)
-        with store.read(wanted) as views:
-            headers = _headers(wanted, views)
-            if len(headers) < len(wanted):  # the rest of the prefix is unreadable
-                tokens = wanted[len(headers)].start
-                continue
-            best = _restorable(cut, needs, headers)
-            if best == tokens:
-                # The store verified every view it handed out; the header parse is remembered.
-                records = {
-                    ref.key: record.layers
-                    for ref, record in zip(wanted, _decoded(views, headers, needs), strict=True)
-                }
-                # Every layer planned first, then all arrays allocated in one evaluation.
-                return run_plans(_plans(cut, needs, records))
+        # On a CUDA GPU the store's pages are page-locked and checksummed on other
+        # threads while this one parses and plans, and the GPU reads the rows from
+        # them (H200, 4096 tokens of llama-8B: the checks were 29 ms of a 76 ms
+        # restore, run before anything else). Nothing is returned before they pass.
+        reading = store.read_checking if on_gpu else store.read
+        with reading(wanted) as views:
+            pages = cuda_pages.pin(views) if on_gpu else None
+            try:
+                headers = _headers(wanted, views)
+                if len(headers) < len(wanted):  # the rest of the prefix is unreadable
+                    tokens = wanted[len(headers)].start
+                    continue
+                best = _restorable(cut, needs, headers)
+                if best == tokens:
+                    # Each header's own checksum was checked by its parse, which is
+                    # remembered.
+                    records = {
+                        ref.key: record.layers
+                        for ref, record in zip(
+                            wanted, _decoded(views, headers, needs, pages), strict=True
+                        )
+                    }
+                    # Every layer planned first, then all arrays allocated in one go.
+                    restored = run_plans(_plans(cut, needs, records), pages)
+                    intact = views.intact() if isinstance(views, CheckingViews) else len(views)
+                    if intact == len(wanted):
+                        return restored
+                    del restored  # made from a record that failed its checksum: not served
+                    tokens = wanted[intact].start
+                    continue
+            finally:
+                if pages is not None:
+                    pages.release()
         tokens = best
     return list(caches)
 
 
 def _decoded(
-    views: Sequence[memoryview], headers: Sequence[RecordHeader], needs: Sequence[LayerNeed]
+    views: Sequence[memoryview],
+    headers: Sequence[RecordHeader],
+    needs: Sequence[LayerNeed],
+    pages: cuda_pages.PinnedPages | None,
 ) -> list[Record]:
     """The verified records of ``views``, as numpy views into the store's pages -- or,
     when some layer is stored in another encoding (a lossy storage policy) on a CUDA
     GPU, with every tensor on the device: each record crosses the bus whole, and its
     rows are joined and decoded there (H200, 4096 tokens of llama-8B: a
     ``kv:quant:8:64`` restore 176 -> 138 ms; ``tools/bench/gpu/restore_profile.py``).
-    Rows kept as stored are gathered on the host into each layer's array and staged
-    once (on the device, joining 16 record views per array cost more: 105 ms against
-    96). Recurrent checkpoints stay on the host (their plans fill host buffers)."""
+    Rows kept as stored stay views into the store's pages, which the GPU gathers
+    each layer's array from (``pages``, pinned: :mod:`kvstore.codecs.cuda_pages`);
+    joining 16 record views per array on the device cost more (105 ms against 96).
+    Recurrent checkpoints stay on the host (their plans fill host buffers)."""
     # Asked in this order so that a restore off CUDA pays nothing more.
     if (
         cuda.available()
@@ -155,7 +181,7 @@ def _decoded(
             for layer, need in zip(header.layers, needs, strict=False)
         )
     ):
-        return decode_records_on_device(views)
+        return decode_records_on_device(views, pages)
     return [decode_record(view, verify=False) for view in views]
 
 

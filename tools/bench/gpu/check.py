@@ -22,7 +22,7 @@ import numpy as np
 def main() -> int:
     from kvstore.bridge import digests
     from kvstore.caches import KVCache
-    from kvstore.codecs import codec_for, cuda
+    from kvstore.codecs import codec_for, cuda, cuda_pages
     from kvstore.codecs.arena import write_records
     from kvstore.codecs.record import encode_record, plan_record
 
@@ -59,6 +59,10 @@ def main() -> int:
     )
     failed += not ok
     print(f"filled arrays (staged: {staging}) bit-exact: {ok}", flush=True)
+    if staging:
+        ok = cuda_pages._works()
+        failed += not ok
+        print(f"rows gathered from registered host pages bit-exact: {ok}", flush=True)
     probe = mx.random.randint(0, 255, (3 * digests.ROW_BYTES + 777,), dtype=mx.uint8)
     mx.eval(probe)
     t = time.perf_counter()

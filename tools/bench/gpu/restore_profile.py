@@ -81,7 +81,7 @@ def child_restore(url: str, tokens: int, layers: int) -> dict[str, Any]:
     import mlx.core as mx
 
     from kvstore.caches import KVCache
-    from kvstore.codecs import cuda, plans
+    from kvstore.codecs import cuda, cuda_pages, plans
     from kvstore.store import open_store
     from kvstore.store.kv import restore
 
@@ -123,7 +123,7 @@ def child_restore(url: str, tokens: int, layers: int) -> dict[str, Any]:
     line.wrap(plans, "filled_arrays", "plans.filled_arrays")
     if cuda.available():
         line.wrap(cuda, "_take_slot", "cuda slot (take)")
-        transport = cuda._transport()
+        transport = cuda.transport()
         line.wrap(transport, "to_device", "cuda to_device (kernel+eval)")
         real_upload = cuda.upload
 
@@ -138,6 +138,9 @@ def child_restore(url: str, tokens: int, layers: int) -> dict[str, Any]:
 
         cuda.upload = upload  # type: ignore[assignment]
         line.wrap(cuda, "upload", "cuda.upload")
+        line.wrap(cuda_pages, "gathered", "cuda_pages.gathered")
+        line.wrap(transport, "register", "cuda register (page-lock)")
+        line.wrap(transport, "gather", "cuda gather (launch)")
     line.t0 = time.perf_counter()
     match = store.lookup("ns", prompt)
     t1 = time.perf_counter()

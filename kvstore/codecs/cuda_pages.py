@@ -1,0 +1,336 @@
+"""Arrays a CUDA GPU gathers straight out of host pages: the store's own.
+
+A lossless restore's rows sit in the store's pages (numpy views into the LMDB
+map), each layer's rows spread over one record per block. Staged the plain way
+(:func:`kvstore.codecs.cuda.upload`), a host thread first copies each layer's
+rows out of those pages into a pinned slot, and only then do they cross the
+bus: on an H200 host that gather runs at about 2 GB/s per thread over freshly
+mapped 4 KiB pages, and it was 34 of a 76 ms restore of 4096 tokens of
+llama-8B.
+
+Here the host copies nothing. The pages the rows are in are page-locked where
+they are (``cuMemHostRegister`` with ``CU_MEMHOSTREGISTER_READ_ONLY``: the map
+is read-only), and one kernel per array reads its rows from them over PCIe,
+the zeros past the rows included. Measured there
+(``tools/bench/gpu/pages_probe.py``, 16 records of 32 MiB, a fresh process):
+registering the 512 MiB takes 14 ms on 12 threads, the 64 gathers 13 ms
+(40 GB/s), bit-exact; unregistering (7 ms) happens after the restore returns,
+on a staging thread.
+
+The caller keeps the pages mapped until the arrays are evaluated (a restore
+gathers inside its read transaction). Pages another thread's gather holds are
+not registered twice: such a restore, and any whose rows are not laid out as a
+gather reads them, gets ``None`` and stages the plain way.
+"""
+
+from __future__ import annotations
+
+import bisect
+import mmap
+import os
+import threading
+from collections.abc import Iterable, Sequence
+from concurrent.futures import Future
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+
+from kvstore.codecs import cuda
+from kvstore.codecs.arrays import MLX_DTYPES, dtype_name, numpy_dtype
+
+__all__ = ["GATHER_MIN_BYTES", "PinnedPages", "pin", "gathered", "segments", "settle"]
+
+#: Below this many bytes in all, staging through slots costs less than page-locking.
+GATHER_MIN_BYTES = int(float(os.environ.get("KVSTORE_CUDA_GATHER_MIN_MIB", "16")) * (1 << 20))
+
+#: Six words per segment: ``src, src_pitch, dst_offset, dst_pitch, width, height``
+#: (bytes; ``src`` 0 writes zeros): ``height`` runs of ``width`` bytes.
+SEGMENT_WORDS = 6
+
+_PAGE = mmap.PAGESIZE
+_LOCK = threading.Lock()
+#: Page spans registered now, as sorted ``(start, end)``, and the unregistrations
+#: still running (a new registration waits for them before giving up on an overlap).
+_HELD: list[tuple[int, int]] = []
+_PENDING: list[Future[None]] = []
+
+
+def segments(pieces: Sequence[np.ndarray], shape: tuple[int, ...], name: str) -> list[int] | None:
+    """The gather of ``pieces`` (``[B, H, rows, ...]`` host arrays, joined along rows)
+    into a C-ordered ``shape`` array, zeros past their rows: the segment words
+    (host addresses), or ``None`` when the pieces are not laid out for one (another
+    dtype, other leading or trailing dims, rows that are not contiguous)."""
+    itemsize = numpy_dtype(name).itemsize
+    batch, heads, capacity, rest = shape[0], shape[1], shape[2], shape[3:]
+    row_bytes = int(np.prod(rest, dtype=np.int64)) * itemsize
+    words: list[int] = []
+    pos = 0
+    for piece in pieces:
+        if (
+            not isinstance(piece, np.ndarray)
+            or piece.ndim != len(shape)
+            or piece.shape[:2] != (batch, heads)
+            or piece.shape[3:] != rest
+            or piece.itemsize != itemsize
+            or dtype_name(piece) != name
+            or not _rows_contiguous(piece)
+        ):
+            return None
+        rows = int(piece.shape[2])
+        if rows == 0:
+            continue
+        if pos + rows > capacity:
+            return None
+        address = int(piece.ctypes.data)
+        for b in range(batch):
+            words += [
+                address + b * piece.strides[0],
+                piece.strides[1],
+                (b * heads * capacity + pos) * row_bytes,
+                capacity * row_bytes,
+                rows * row_bytes,
+                heads,
+            ]
+        pos += rows
+    if pos < capacity:  # the zeros up to capacity, every (batch, head) row of them
+        words += [0, 0, pos * row_bytes, capacity * row_bytes, (capacity - pos) * row_bytes]
+        words.append(batch * heads)
+    for k in range(0, len(words), SEGMENT_WORDS):
+        if words[k + 5] == 1:  # one run: no pitch (which would cost the 16-byte copies)
+            words[k + 1] = words[k + 3] = 0
+    return words
+
+
+def _rows_contiguous(piece: np.ndarray) -> bool:
+    """Whether each (batch, head) run of ``piece``'s rows is one contiguous span."""
+    step = piece.itemsize
+    for axis in range(piece.ndim - 1, 1, -1):
+        if piece.shape[axis] > 1 and piece.strides[axis] != step:
+            return False
+        step *= piece.shape[axis]
+    return all(s >= 0 for s in piece.strides)
+
+
+class PinnedPages:
+    """Host pages page-locked for the GPU to read, the registrations running on the
+    staging threads from the moment :func:`pin` returns (a restore parses and plans
+    meanwhile). :meth:`release` lets them go, after the gathers that read them."""
+
+    def __init__(self, transport: cuda.Transport, spans: list[tuple[int, int]]) -> None:
+        self._transport = transport
+        self.spans = spans
+        self._starts = [start for start, _ in spans]
+        self._futures = [cuda.pool().submit(_register_one, transport, span) for span in spans]
+        self._bases: list[int] | None = None
+        self._released = False
+
+    def ready(self) -> bool:
+        """Whether every span is registered (waits for the registrations)."""
+        if self._bases is None:
+            bases = [future.result() for future in self._futures]
+            if any(base is None for base in bases):
+                self._unregister(
+                    [s for s, b in zip(self.spans, bases, strict=True) if b is not None]
+                )
+                self._released = True
+                return False
+            self._bases = [b for b in bases if b is not None]
+        return not self._released
+
+    def device_address(self, address: int, nbytes: int) -> int | None:
+        """Where the GPU sees host ``address`` (``nbytes`` from it inside one span), or
+        ``None`` outside every span."""
+        at = bisect.bisect_right(self._starts, address) - 1
+        if at < 0 or address + nbytes > self.spans[at][1] or self._bases is None:
+            return None
+        return self._bases[at] + address - self._starts[at]
+
+    def release(self) -> None:
+        """Let the pages go, on a staging thread (after their registrations finish)."""
+        if self._released:
+            return
+        self._released = True
+
+        def let_go() -> None:
+            bases = [future.result() for future in self._futures]
+            self._unregister([s for s, b in zip(self.spans, bases, strict=True) if b is not None])
+
+        with _LOCK:
+            _PENDING.append(cuda.pool().submit(let_go))
+
+    def _unregister(self, spans: Sequence[tuple[int, int]]) -> None:
+        for start, _ in spans:
+            self._transport.unregister(start)
+        with _LOCK:
+            for span in self.spans:
+                if span in _HELD:
+                    _HELD.remove(span)
+
+
+def pin(buffers: Sequence[Any]) -> PinnedPages | None:
+    """Start page-locking the memory of ``buffers`` (a read's record views) for the GPU
+    to gather from; ``None`` (nothing done) when too few bytes, no gather route here,
+    or pages another gather holds."""
+    if sum(memoryview(b).nbytes for b in buffers) < GATHER_MIN_BYTES or not _route():
+        return None
+    ranges = []
+    for buffer in buffers:
+        view = np.frombuffer(buffer, np.uint8)
+        if view.size:
+            ranges.append((int(view.ctypes.data), int(view.ctypes.data) + view.size))
+    return _pinned(_spans(ranges))
+
+
+def _pinned(spans: list[tuple[int, int]]) -> PinnedPages | None:
+    settle()  # earlier gathers' pages let go before these are taken
+    with _LOCK:
+        if any(s < e2 and s2 < e for s, e in spans for s2, e2 in _HELD):
+            return None  # another thread's gather holds some of these pages
+        _HELD.extend(spans)
+        _HELD.sort()
+    return PinnedPages(cuda.transport(), spans)
+
+
+def _register_one(transport: cuda.Transport, span: tuple[int, int]) -> int | None:
+    try:
+        return transport.register(span[0], span[1] - span[0])
+    except (OSError, RuntimeError):
+        return None
+
+
+def gathered(
+    specs: Sequence[cuda.LeafSpec],
+    pieces: Sequence[Sequence[np.ndarray]],
+    pages: PinnedPages | None = None,
+) -> list[mx.array] | None:
+    """Evaluated device arrays of ``specs``, array ``i`` the rows of ``pieces[i]`` joined
+    (zeros past them), read by the GPU out of the pieces' own pages; ``None`` (nothing
+    done) when that cannot be: too few bytes, pieces not laid out for it, pages some
+    other gather holds, or a registration the driver refuses.
+
+    Args:
+        pages: the pieces' pages, pinned already (:func:`pin`); else they are pinned
+            here, and let go after.
+
+    The pieces' memory must stay mapped until this returns.
+    """
+    if not specs or sum(map(cuda.nbytes_of, specs)) < GATHER_MIN_BYTES or not _works():
+        return None
+    return _gather(specs, pieces, pages)
+
+
+def _gather(
+    specs: Sequence[cuda.LeafSpec],
+    pieces: Sequence[Sequence[np.ndarray]],
+    pages: PinnedPages | None,
+) -> list[mx.array] | None:
+    plans = [segments(p, shape, name) for p, (shape, name) in zip(pieces, specs, strict=True)]
+    if any(words is None for words in plans):
+        return None
+    own = pages is None
+    if pages is None:
+        pages = _pinned(
+            _spans(
+                (int(piece.ctypes.data), int(piece.ctypes.data) + _extent(piece))
+                for column in pieces
+                for piece in column
+                if piece.size
+            )
+        )
+        if pages is None:
+            return None
+    try:
+        if not pages.ready():
+            return None
+        params = []
+        for words in plans:
+            assert words is not None
+            device = list(words)
+            for k in range(0, len(device), SEGMENT_WORDS):
+                if device[k]:  # a host address -> where the GPU sees it
+                    extent = (device[k + 5] - 1) * device[k + 1] + device[k + 4]
+                    address = pages.device_address(device[k], extent)
+                    if address is None:  # rows outside the pinned pages
+                        return None
+                    device[k] = address
+            params.append(np.array([len(device) // SEGMENT_WORDS, *device], np.uint64))
+        transport = cuda.transport()
+        arrays = [
+            transport.gather(words, cuda.nbytes_of(spec)).view(MLX_DTYPES[spec[1]]).reshape(spec[0])
+            for words, spec in zip(params, specs, strict=True)
+        ]
+        mx.eval(arrays)
+    finally:
+        if own:  # the kernels have read every byte: let go off the restore's path
+            pages.release()
+    return arrays
+
+
+_WORKS: bool | None = None
+_WORKS_FUTURE: Future[bool] | None = None
+_TRY_LOCK = threading.Lock()
+
+
+def _route() -> bool:
+    """Whether gathers may be tried here: staging works and the once-per-process try of
+    a gather (:func:`_works`) has not failed. The try starts in the background, so that
+    a fresh process's first restore does not wait for the kernel to load."""
+    global _WORKS_FUTURE
+    if not cuda.available() or _WORKS is False:
+        return False
+    with _LOCK:
+        if _WORKS is None and _WORKS_FUTURE is None:
+            _WORKS_FUTURE = cuda.pool().submit(_works)
+    return True
+
+
+def _works() -> bool:
+    """Whether a gather here returns the bytes it was asked for (its kernel compiles and
+    reads registered pages), tried once per process on a few pages of its own."""
+    global _WORKS
+    if _WORKS is None:
+        with _TRY_LOCK:
+            if _WORKS is None:
+                _WORKS = _try_a_gather()
+    return _WORKS
+
+
+def _try_a_gather() -> bool:
+    rng = np.random.default_rng(0)
+    host = rng.integers(0, 1 << 16, (1, 2, 3 * _PAGE // 64, 40), dtype=np.uint16)
+    pieces = [host[:, :, 1:9], host[:, :, 20:31]]  # strided, unaligned rows
+    want = np.zeros((1, 2, 24, 40), np.uint16)
+    want[:, :, :19] = np.concatenate(pieces, axis=2)
+    try:
+        got = _gather([((1, 2, 24, 40), "uint16")], [pieces], None)
+        return got is not None and bool(np.array_equal(np.array(got[0]), want))
+    except (OSError, RuntimeError, ValueError):
+        return False
+
+
+def _extent(piece: np.ndarray) -> int:
+    """Bytes from ``piece``'s first element to the end of its last."""
+    return (
+        sum((n - 1) * s for n, s in zip(piece.shape, piece.strides, strict=True)) + piece.itemsize
+    )
+
+
+def _spans(ranges: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Byte ranges widened to whole pages, overlapping or touching ones merged, sorted."""
+    merged: list[tuple[int, int]] = []
+    for start, end in sorted((s - s % _PAGE, -(-e // _PAGE) * _PAGE) for s, e in ranges):
+        if merged and start <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], end))
+        else:
+            merged.append((start, end))
+    return merged
+
+
+def settle() -> None:
+    """Wait until every page an earlier gather registered is let go (each gather's are,
+    after it returns, on a staging thread)."""
+    with _LOCK:
+        pending, _PENDING[:] = list(_PENDING), []
+    for future in pending:
+        future.result()

@@ -1,0 +1,191 @@
+"""Arrays gathered by the GPU straight from host pages (kvstore.codecs.cuda_pages), with
+the transport swapped for host memory: the segments, registrations and fallbacks run here
+as on a GPU, and a restore through them is bit-exact. (The kernel itself is checked on the
+device machine: tools/bench/gpu/check.py.)"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from kvstore.codecs import cuda, cuda_pages
+from kvstore.store import open_store
+from tests.test_codecs.test_cuda_staging import HostTransport
+
+
+@pytest.fixture
+def staged(monkeypatch):
+    transport = HostTransport()
+    monkeypatch.setattr(cuda, "TRANSPORT", transport)
+    monkeypatch.setattr(cuda_pages, "GATHER_MIN_BYTES", 0)
+    monkeypatch.setattr(cuda_pages, "_WORKS", None)
+    monkeypatch.setattr(cuda_pages, "_WORKS_FUTURE", None)
+    assert cuda_pages._works()  # the once-per-process try, on pages of its own
+    cuda_pages.settle()
+    transport.gathers = 0
+    yield transport
+    cuda_pages.settle()
+    monkeypatch.setattr(cuda, "TRANSPORT", None)
+
+
+def pieces_of(rng, blocks, batch=1, heads=3, rows=5, dim=8):
+    """Row pieces as a restore has them: token ranges of bigger host buffers (strided)."""
+    out = []
+    for _ in range(blocks):
+        buffer = rng.integers(0, 1 << 16, (batch, heads, rows + 4, dim), dtype=np.uint16)
+        out.append(buffer.view(np.float16)[:, :, 1 : 1 + rows])
+    return out
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+def test_a_gather_joins_strided_pieces_and_zeros_to_capacity(staged, batch):
+    rng = np.random.default_rng(0)
+    columns = [pieces_of(rng, 3, batch), pieces_of(rng, 2, batch, rows=7)]
+    specs = [((batch, 3, 20, 8), "float16"), ((batch, 3, 14, 8), "float16")]
+    arrays = cuda_pages.gathered(specs, columns)
+    assert arrays is not None and staged.gathers == 2
+    for array, pieces, (shape, _) in zip(arrays, columns, specs, strict=True):
+        want = np.zeros(shape, np.float16)
+        joined = np.concatenate(pieces, axis=2)
+        want[:, :, : joined.shape[2]] = joined
+        assert np.array_equal(np.array(array).view(np.uint16), want.view(np.uint16))
+    cuda_pages.settle()
+    assert staged.registered == {}  # every page let go once the arrays were made
+
+
+def test_unaligned_rows_are_copied_byte_by_byte(staged):
+    rng = np.random.default_rng(1)
+    pieces = [rng.integers(0, 255, (1, 2, 3, 3), dtype=np.uint8) for _ in range(2)]
+    (array,) = cuda_pages.gathered([((1, 2, 7, 3), "uint8")], [pieces])
+    want = np.zeros((1, 2, 7, 3), np.uint8)
+    want[:, :, :6] = np.concatenate(pieces, axis=2)
+    assert np.array_equal(np.array(array), want)
+
+
+@pytest.mark.parametrize(
+    "piece, shape, why",
+    [
+        (np.zeros((1, 2, 4, 8), np.float32), ((1, 2, 8, 8), "float16"), "another dtype"),
+        (np.zeros((1, 3, 4, 8), np.float16), ((1, 2, 8, 8), "float16"), "other heads"),
+        (np.zeros((1, 2, 4, 16), np.float16)[..., ::2], ((1, 2, 8, 8), "float16"), "strided rows"),
+        (np.zeros((1, 2, 9, 8), np.float16), ((1, 2, 8, 8), "float16"), "past capacity"),
+    ],
+)
+def test_pieces_a_gather_cannot_read_are_left_to_staging(staged, piece, shape, why):
+    assert cuda_pages.gathered([shape], [[piece]]) is None, why
+    assert staged.gathers == 0 and staged.registered == {}
+
+
+def test_pages_another_gather_holds_are_not_registered_twice(staged):
+    rng = np.random.default_rng(2)
+    pieces = pieces_of(rng, 2)
+    spec = ((1, 3, 10, 8), "float16")
+    held = cuda_pages._spans((int(p.ctypes.data), int(p.ctypes.data) + p.nbytes) for p in pieces)
+    cuda_pages._HELD.extend(held)  # as if another thread's gather were running
+    try:
+        assert cuda_pages.gathered([spec], [pieces]) is None
+    finally:
+        del cuda_pages._HELD[:]
+    assert staged.gathers == 0 and staged.registered == {}
+
+
+def test_a_gather_that_returns_wrong_bytes_turns_the_route_off(staged, monkeypatch):
+    real = staged.gather
+    monkeypatch.setattr(staged, "gather", lambda params, n: real(params, n) + 1)
+    monkeypatch.setattr(cuda_pages, "_WORKS", None)
+    pieces = pieces_of(np.random.default_rng(4), 2)
+    assert cuda_pages.gathered([((1, 3, 10, 8), "float16")], [pieces]) is None
+    assert cuda_pages._WORKS is False and staged.gathers == 1  # the try, then no more
+    cuda_pages.settle()
+    assert staged.registered == {}
+
+
+def test_a_refused_registration_leaves_nothing_registered(staged):
+    staged.refuse = True
+    pieces = pieces_of(np.random.default_rng(3), 2)
+    assert cuda_pages.gathered([((1, 3, 10, 8), "float16")], [pieces]) is None
+    assert staged.registered == {} and cuda_pages._HELD == []
+
+
+@pytest.mark.parametrize("family", ["plain", "window"])
+def test_a_lossless_restore_gathers_from_the_store_pages_and_equals_the_cpu_restore(
+    tmp_path, staged, monkeypatch, family
+):
+    from tests.test_store.kv_helpers import (
+        BLOCK,
+        FAMILIES,
+        assert_same_caches,
+        model_for,
+        prefilled,
+        prompt,
+    )
+
+    config, policy = FAMILIES[family]
+    model = model_for(config)
+    tokens = prompt(6, 5 * BLOCK + 3)
+    with open_store(f"lmdb://{tmp_path / 's'}", block_size=BLOCK) as store:
+        store.save("ns", tokens, prefilled(model, tokens, policy))
+        match = store.lookup("ns", tokens)
+        restored = store.restore(match, model.make_cache(policy))
+        # Every array read by the GPU from the store's pages: no slot staged.
+        assert staged.gathers == 2 * len(restored) and staged.uploads == 0
+        cuda_pages.settle()
+        assert staged.registered == {}
+        monkeypatch.setattr(cuda, "TRANSPORT", False)
+        plain = store.restore(match, model.make_cache(policy))
+    assert int(restored[0].offset) == int(plain[0].offset) > 4 * BLOCK
+    assert_same_caches(restored, plain)
+    for cache in restored:  # each cache owns its buffers (an update copies nothing else)
+        assert isinstance(cache.keys, mx.array)
+
+
+def test_a_restore_on_the_gpu_path_never_serves_rows_of_a_record_that_fails_its_checksum(
+    tmp_path, staged
+):
+    from kvstore.abc.store import MissReason
+    from kvstore.store import open_backend
+    from tests.test_store.kv_helpers import BLOCK, assert_same_caches, model_for, prefilled, prompt
+
+    model = model_for("tiny")
+    tokens = prompt(7, 4 * BLOCK + 3)
+    url = f"lmdb://{tmp_path / 's'}"
+    with open_store(url, block_size=BLOCK, touch_interval=0) as store:
+        store.save("ns", tokens, prefilled(model, tokens))
+        blocks = store.lookup("ns", tokens).blocks
+    backend = open_backend(url)
+    try:  # the last payload byte of the third block flipped, its header intact
+        value = bytearray(backend.get_many([blocks[2].key])[0])
+        value[-1] ^= 0x10
+        backend.put_many([(blocks[2].key, bytes(value))])
+    finally:
+        backend.close()
+    with open_store(url, block_size=BLOCK, touch_interval=0) as store:
+        restored = store.restore(store.lookup("ns", tokens), model.make_cache())
+        assert store.activity()["misses"][MissReason.CORRUPT] == 1
+    assert staged.gathers > 0  # the rows were gathered before the checks had all passed
+    assert int(restored[0].offset) == blocks[2].start == 2 * BLOCK
+    assert_same_caches(restored, prefilled(model, tokens[: 2 * BLOCK]))
+
+
+@pytest.mark.parametrize("policy", ["kv:quant:8:64", "kv:turboquant:4:4"])
+def test_a_lossy_restore_reads_each_payload_from_the_pinned_pages(
+    tmp_path, staged, monkeypatch, policy
+):
+    from tests.test_store.kv_helpers import BLOCK, model_for, prompt, token_by_token
+
+    model = model_for("tiny")
+    tokens = prompt(8, 3 * BLOCK + 7)
+    url = f"lmdb://{tmp_path / 's'}"
+    with open_store(url, block_size=BLOCK, storage_policy=policy) as store:
+        store.save("ns", tokens, token_by_token(model, tokens))
+        match = store.lookup("ns", tokens)
+        on_device = store.restore(match, model.make_cache())
+        # One gather per record's payload, then the rows joined and decoded there.
+        assert staged.gathers >= len(match.blocks) and staged.uploads == 0
+        monkeypatch.setattr(cuda, "TRANSPORT", False)
+        plain = store.restore(match, model.make_cache())
+    for a, b in zip(on_device, plain, strict=True):
+        n = int(a.offset)
+        assert n == int(b.offset) == len(tokens) - 1
+        assert np.array_equal(np.array(a.keys[..., :n, :]), np.array(b.keys[..., :n, :]))

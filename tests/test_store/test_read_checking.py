@@ -1,0 +1,75 @@
+"""read_checking: views handed out while their checksums are computed (issue 13), and a
+restore that never serves what fails them."""
+
+from __future__ import annotations
+
+from kvstore.abc.store import MissReason
+from kvstore.bridge import generate_tokens
+from kvstore.bridge.namespace import namespace_for_model
+from kvstore.store import open_backend, open_store
+
+from .kv_helpers import BLOCK, CHUNK, assert_same_caches, model_for, prefilled, prompt
+
+TOKENS = prompt(12, 70)  # 4 full blocks and a tail of 6
+
+
+def _saved(tmp_path):
+    url = f"lmdb://{tmp_path / 'store'}"
+    with open_store(url, block_size=BLOCK, touch_interval=0) as store:
+        generate_tokens(model_for("tiny"), TOKENS, store=store, max_tokens=1, chunk_size=CHUNK)
+    return url
+
+
+def _match(store):
+    return store.lookup(namespace_for_model(model_for("tiny")), [*TOKENS, 1])
+
+
+def _flip_payload(url, key):
+    """The record of ``key`` with its last payload byte flipped (its header intact)."""
+    backend = open_backend(url)
+    try:
+        value = bytearray(backend.get_many([key])[0])
+        value[-1] ^= 0x10
+        backend.put_many([(key, bytes(value))])
+    finally:
+        backend.close()
+
+
+def test_views_come_before_their_checks_and_intact_counts_the_good_ones(tmp_path):
+    url = _saved(tmp_path)
+    with open_store(url, readonly=True, touch_interval=0) as store:
+        blocks = _match(store).blocks
+    _flip_payload(url, blocks[2].key)
+    with open_store(url, touch_interval=0) as store:
+        with store.read_checking(blocks) as views:
+            assert len(views) == len(blocks)  # every stored record, handed out unchecked
+            assert views.intact() == 2  # the checks stop at the flipped one
+            assert views.intact() == 2
+        assert store.activity()["misses"][MissReason.CORRUPT] == 1
+        with store.read(blocks) as views:  # quarantined: never served again
+            assert len(views) == 2
+
+
+def test_a_restore_never_serves_rows_filled_from_a_record_that_fails_its_checksum(tmp_path):
+    url = _saved(tmp_path)
+    with open_store(url, readonly=True, touch_interval=0) as store:
+        blocks = _match(store).blocks
+    _flip_payload(url, blocks[2].key)
+    model = model_for("tiny")
+    with open_store(url, touch_interval=0) as store:
+        restored = store.restore(_match(store), model.make_cache())
+        assert store.activity()["misses"][MissReason.CORRUPT] == 1
+    assert restored[0].offset == blocks[2].start == 2 * BLOCK
+    assert_same_caches(restored, prefilled(model, TOKENS[: 2 * BLOCK]))
+
+
+def test_an_intact_store_reads_the_same_either_way(tmp_path):
+    url = _saved(tmp_path)
+    with open_store(url, readonly=True, touch_interval=0) as store:
+        blocks = _match(store).blocks
+        with store.read(blocks) as eager:
+            want = [bytes(v) for v in eager]
+        with store.read_checking(blocks) as views:
+            got = [bytes(v) for v in views]
+            assert views.intact() == len(blocks)
+    assert got == want and len(want) == len(blocks)
