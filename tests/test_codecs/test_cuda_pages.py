@@ -94,8 +94,13 @@ def test_a_gather_that_returns_wrong_bytes_turns_the_route_off(staged, monkeypat
     real = staged.gather
     monkeypatch.setattr(staged, "gather", lambda params, n: real(params, n) + 1)
     monkeypatch.setattr(cuda_pages, "_WORKS", None)
+    monkeypatch.setattr(cuda_pages, "_WORKS_FUTURE", None)
     pieces = pieces_of(np.random.default_rng(4), 2)
-    assert cuda_pages.gathered([((1, 3, 10, 8), "float16")], [pieces]) is None
+    spec = ((1, 3, 10, 8), "float16")
+    # The first call starts the try in the background and does not wait for it.
+    assert cuda_pages.gathered([spec], [pieces]) is None
+    assert cuda_pages._WORKS_FUTURE.result() is False
+    assert cuda_pages.gathered([spec], [pieces]) is None
     assert cuda_pages._WORKS is False and staged.gathers == 1  # the try, then no more
     cuda_pages.settle()
     assert staged.registered == {}
@@ -189,3 +194,12 @@ def test_a_lossy_restore_reads_each_payload_from_the_pinned_pages(
         n = int(a.offset)
         assert n == int(b.offset) == len(tokens) - 1
         assert np.array_equal(np.array(a.keys[..., :n, :]), np.array(b.keys[..., :n, :]))
+
+
+def test_ranges_sharing_a_page_are_one_span_and_touching_ones_stay_apart():
+    page = cuda_pages._PAGE
+    spans = cuda_pages._spans(
+        [(3 * page + 10, 5 * page), (5 * page, 6 * page - 1), (page, page + 5)]
+    )
+    assert spans == [(page, 2 * page), (3 * page, 5 * page), (5 * page, 6 * page)]
+    assert cuda_pages._spans([(0, page + 1), (page + 7, 3 * page)]) == [(0, 3 * page)]

@@ -293,3 +293,62 @@ def test_record_of_held_ring_snapshots_keeps_ring_meta():
 def test_msgpack_header_holds_the_design_fields():
     header = header_of(small_record())
     assert set(header) == {"format", "writer", "layers", "meta", "payload_nbytes", "checksum"}
+
+
+def _parse_race(monkeypatch, outcome):
+    """Eight threads reading one record's header while its first parse is slow: how
+    many parses ran, and what each thread got."""
+    import threading
+    import time
+
+    from kvstore.caches import KVCache
+    from kvstore.codecs import codec_for
+    from kvstore.codecs import record as R
+
+    cache = KVCache()
+    rows = mx.random.normal((1, 2, 16, 8))
+    cache.update_and_fetch(rows, rows)
+    record = bytes(R.encode_record([codec_for(cache).snapshot(cache, 0, 16)] * 3))
+    calls = []
+
+    def slow_parse(*args):
+        calls.append(1)
+        time.sleep(0.05)  # the others arrive while this one runs
+        return outcome(*args)
+
+    monkeypatch.setattr(R, "_parse_header", slow_parse)
+    R.forget_parsed_headers()
+    got: list = [None] * 8
+
+    def read(i):
+        try:
+            got[i] = R.read_header(record)
+        except CorruptEntryError as exc:
+            got[i] = exc
+
+    threads = [threading.Thread(target=read, args=(i,)) for i in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    R.forget_parsed_headers()
+    return len(calls), got
+
+
+def test_threads_reading_one_header_at_once_parse_it_once(monkeypatch):
+    from kvstore.codecs import record as R
+
+    parses, got = _parse_race(monkeypatch, R._parse_header)
+    assert parses == 1
+    assert all(header is got[0] for header in got) and got[0].layers
+
+
+def test_a_parse_that_fails_fails_for_every_thread_waiting_on_it(monkeypatch):
+    from kvstore.codecs.header import corrupt
+
+    def broken(*args):
+        raise corrupt("read_header", "The header is not valid msgpack: planted.")
+
+    parses, got = _parse_race(monkeypatch, broken)
+    assert all(isinstance(e, CorruptEntryError) and "planted" in str(e) for e in got)
+    assert parses >= 1
