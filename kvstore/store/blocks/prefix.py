@@ -27,14 +27,13 @@ Re-saving a stored prefix only hashes and reads.
 
 from __future__ import annotations
 
-import itertools
 import threading
 import time
 from collections.abc import Callable, Collection, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import replace
 from functools import partial
-from typing import Any, cast
+from typing import Any
 
 from kvstore.abc.store import (
     DURABILITY_MODES,
@@ -54,19 +53,17 @@ from kvstore.abc.store import (
     WriteView,
 )
 from kvstore.errors import (
-    CorruptEntryError,
-    FormatVersionError,
     StoreConfigError,
     StoreError,
     StoreUnavailableError,
 )
 from kvstore.store import keys as K
 from kvstore.store.blocks import meta, saving
-from kvstore.store.blocks.checks import Verdict, in_background, served_run
 from kvstore.store.blocks.eviction import Block, Budget, budgets, enforce
 from kvstore.store.blocks.housekeeping import Housekeeper, Pending, apply_pending
 from kvstore.store.blocks.integrity import Survey
 from kvstore.store.blocks.matching import last_checkpointed, walk
+from kvstore.store.blocks.reading import count_read_end, served_views, why_absent
 from kvstore.store.blocks.removal import delete_extending
 from kvstore.store.blocks.stats import Counters, all_totals, store_contents, take_repairs
 from kvstore.store.kv import CacheMethods
@@ -342,73 +339,23 @@ class BlockPrefixStore(CacheMethods, PrefixStore):
             with self._unavailable_is_a_miss():
                 values = stack.enter_context(self._backend.view_many(keys))
             padded = [values[i] if i < len(values) else None for i in range(len(blocks))]
-            served: list[list[memoryview]] = []
-
-            def check() -> int:
-                views, verdict, absent = served_run(self._verify, padded)
-                served.append(views)
-                self._count_read(blocks, len(views), verdict, absent, corrupt)
-                return len(views)
-
-            if checking:
-                stored = [memoryview(cast(Any, v)) for v in itertools.takewhile(_is_stored, padded)]
-                pending = in_background(check)
-                out: list[memoryview] = CheckingViews(stored, pending.result)
-            else:
-                check()
-                out = stored = served[0]
-            try:
-                yield out
-            finally:
-                if checking:
-                    pending.result()  # the hashing threads read the views: wait, then release
-                self._release(stored)
-                self._release(served[0] if served else [])
+            report = partial(
+                count_read_end, self._counters, self._why_absent, blocks, corrupt=corrupt
+            )
+            with served_views(padded, self._verify, report, checking=checking) as views:
+                yield views
         if corrupt:
             self._quarantine.update(corrupt)
             if self._house is not None:
                 self._house.remove(corrupt)
 
-    def _count_read(
-        self,
-        blocks: Sequence[BlockRef],
-        served: int,
-        verdict: Verdict,
-        absent: int | None,
-        corrupt: list[bytes],
-    ) -> None:
-        """Count what ended a read's run of ``blocks`` (``served`` of them intact)."""
-        if isinstance(verdict, CorruptEntryError):
-            corrupt.append(blocks[served].key)
-            self._counters.miss(MissReason.CORRUPT)
-            self._counters.add(corruptions=1)
-        elif isinstance(verdict, FormatVersionError):
-            self._counters.miss(MissReason.VERSION)
-        elif absent is not None:
-            reason = self._absent(blocks[absent].key)
-            self._counters.miss(reason)
-            if reason == MissReason.SERVER_EVICTED:
-                corrupt.append(blocks[absent].key)  # removed like a corrupt block
+    def _why_absent(self, key: bytes) -> str:
+        return why_absent(key, self._quarantine, self._backend)
 
     def holds(self, keys: Sequence[bytes]) -> list[bool]:
         self._check_open("holds")
         with self._unavailable_is_a_miss():
             return self._backend.contains_many(list(keys))
-
-    def _absent(self, key: bytes) -> str:
-        """Why a matched block's record could not be read."""
-        if key in self._quarantine:
-            return MissReason.CORRUPT
-        if self._backend.contains_many([key])[0]:
-            return MissReason.SERVER_EVICTED  # indexed, but the server dropped its record
-        return MissReason.VANISHED
-
-    @staticmethod
-    def _release(views: list[memoryview]) -> None:
-        # Using a released view raises instead of reading pages LMDB may reuse.
-        # (Arrays or slices made from a view cannot be revoked: copy inside.)
-        for mv in views:
-            mv.release()
 
     # ------------------------------------------------------------------ save
 
@@ -688,7 +635,3 @@ class BlockPrefixStore(CacheMethods, PrefixStore):
             self._counters.add(corruptions=len(report.corrupt))
             report = replace(report, repaired=True)
         return report
-
-
-def _is_stored(value: Any) -> bool:
-    return value is not None
