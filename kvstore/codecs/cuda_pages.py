@@ -166,6 +166,7 @@ class PinnedPages:
             self._unregister([s for s, b in zip(self.spans, bases, strict=True) if b is not None])
 
         with _LOCK:
+            _PENDING[:] = [f for f in _PENDING if not f.done()]  # bounded in a long process
             _PENDING.append(cuda.pool().submit(let_go))
 
     def _unregister(self, spans: Sequence[tuple[int, int]]) -> None:
@@ -192,14 +193,21 @@ def pin(buffers: Sequence[Any]) -> PinnedPages | None:
 
 
 def _pinned(spans: list[tuple[int, int]], *, inline: bool = False) -> PinnedPages | None:
-    if not inline:
-        settle()  # earlier gathers' pages let go before these are taken
-    with _LOCK:
-        if any(s < e2 and s2 < e for s, e in spans for s2, e2 in _HELD):
-            return None  # another thread's gather holds some of these pages
-        _HELD.extend(spans)
-        _HELD.sort()
-    return PinnedPages(cuda.transport(), spans, inline=inline)
+    for attempt in range(2):
+        with _LOCK:
+            if not _overlaps(spans):
+                _HELD.extend(spans)
+                _HELD.sort()
+                return PinnedPages(cuda.transport(), spans, inline=inline)
+        if attempt or inline:
+            break
+        settle()  # an earlier gather's pages, being let go: wait, and look again
+    return None  # another thread's gather holds some of these pages
+
+
+def _overlaps(spans: Sequence[tuple[int, int]]) -> bool:
+    """Whether any of ``spans`` shares a page with one registered now (under _LOCK)."""
+    return any(s < e2 and s2 < e for s, e in spans for s2, e2 in _HELD)
 
 
 def _register_one(transport: cuda.Transport, span: tuple[int, int]) -> int | None:
