@@ -12,6 +12,15 @@ import pytest
 from kvstore.codecs import cuda, cuda_pages
 from kvstore.store import open_store
 from tests.test_codecs.test_cuda_staging import HostTransport
+from tests.test_store.kv_helpers import (
+    BLOCK,
+    FAMILIES,
+    assert_same_caches,
+    model_for,
+    prefilled,
+    prompt,
+    token_by_token,
+)
 
 
 @pytest.fixture
@@ -117,14 +126,6 @@ def test_a_refused_registration_leaves_nothing_registered(staged):
 def test_a_lossless_restore_gathers_from_the_store_pages_and_equals_the_cpu_restore(
     tmp_path, staged, monkeypatch, family
 ):
-    from tests.test_store.kv_helpers import (
-        BLOCK,
-        FAMILIES,
-        assert_same_caches,
-        model_for,
-        prefilled,
-        prompt,
-    )
 
     config, policy = FAMILIES[family]
     model = model_for(config)
@@ -150,7 +151,6 @@ def test_a_restore_on_the_gpu_path_never_serves_rows_of_a_record_that_fails_its_
 ):
     from kvstore.abc.store import MissReason
     from kvstore.store import open_backend
-    from tests.test_store.kv_helpers import BLOCK, assert_same_caches, model_for, prefilled, prompt
 
     model = model_for("tiny")
     tokens = prompt(7, 4 * BLOCK + 3)
@@ -177,7 +177,6 @@ def test_a_restore_on_the_gpu_path_never_serves_rows_of_a_record_that_fails_its_
 def test_a_lossy_restore_reads_each_payload_from_the_pinned_pages(
     tmp_path, staged, monkeypatch, policy
 ):
-    from tests.test_store.kv_helpers import BLOCK, model_for, prompt, token_by_token
 
     model = model_for("tiny")
     tokens = prompt(8, 3 * BLOCK + 7)
