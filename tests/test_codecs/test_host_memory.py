@@ -1,0 +1,57 @@
+"""The host allocator setting a CPU restore applies (kvstore.codecs.host_memory): freed
+blocks are kept for the next arrays instead of given back and faulted in again. Each
+case runs in a fresh process, since the setting is the process's."""
+
+from __future__ import annotations
+
+import os
+import platform
+import subprocess
+import sys
+
+import pytest
+
+SCRIPT = """
+import numpy as np
+from kvstore.codecs import fill, host_memory
+
+def rss_kib():
+    with open("/proc/self/status") as f:
+        return int(next(l for l in f if l.startswith("VmRSS")).split()[1])
+
+fill.filled_arrays([((2, 3), "float32")], lambda i, view: view.fill(1))  # a restore's fill
+print(host_memory._APPLIED)
+block = np.ones(64 << 20, np.uint8)  # 64 MiB, every page touched
+peak = rss_kib()
+del block
+print(peak - rss_kib())  # KiB the free gave back to the kernel
+"""
+
+pytestmark = pytest.mark.skipif(
+    platform.system() != "Linux" or platform.libc_ver()[0] != "glibc",
+    reason="the setting is glibc's (elsewhere keep_freed_memory does nothing)",
+)
+
+
+def _run(**env: str) -> tuple[str, int]:
+    out = subprocess.run(
+        [sys.executable, "-c", SCRIPT],
+        env={**os.environ, **env},
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=120,
+    ).stdout.split()
+    return out[0], int(out[1])
+
+
+def test_a_cpu_restores_fill_keeps_freed_blocks_for_the_next_arrays():
+    applied, given_back_kib = _run()
+    assert applied == "True"
+    assert given_back_kib < 16 << 10  # the 64 MiB stayed in the heap, for reuse
+
+
+def test_kvstore_host_malloc_os_leaves_the_allocator_as_it_was():
+    applied, given_back_kib = _run(KVSTORE_HOST_MALLOC="os")
+    assert applied == "False"
+    assert given_back_kib > 48 << 10  # glibc's own way: the block went back to the kernel
