@@ -26,17 +26,17 @@ def test_generation_recomputes_when_the_server_dies_mid_restore_and_reuses_after
         generate_tokens(model, tokens, store=store, max_tokens=4, chunk_size=CHUNK)
 
         # The server hangs as the restore starts reading blocks, then dies.
-        read = store.read
+        read = store.read_checking  # what a restore reads through
 
         def read_as_the_server_dies(blocks):
             server.pause()
             threading.Timer(0.3, server.kill).start()
             return read(blocks)
 
-        store.read = read_as_the_server_dies
+        store.read_checking = read_as_the_server_dies
         with caplog.at_level(logging.WARNING, "kvstore"):
             got, stats = generate_tokens(model, tokens, store=store, max_tokens=4, chunk_size=CHUNK)
-        store.read = read
+        store.read_checking = read
         assert got == want  # recomputed from scratch
         assert stats.reused_tokens == 0
         assert stats.store_error.startswith("StoreUnavailableError")
