@@ -201,33 +201,20 @@ class Driver:
         self._check(self._cu.cuCtxSetCurrent(self._ctx), "cuCtxSetCurrent")
 
     def register(self, array: np.ndarray) -> int:
-        self.bind()
-        address = ctypes.c_void_p(array.ctypes.data)
-        flags = _CU_MEMHOSTREGISTER_PORTABLE | _CU_MEMHOSTREGISTER_DEVICEMAP
-        self._check(
-            self._cu.cuMemHostRegister_v2(address, ctypes.c_size_t(array.nbytes), flags),
-            "cuMemHostRegister",
-        )
-        pointer = ctypes.c_uint64()
-        self._check(
-            self._cu.cuMemHostGetDevicePointer_v2(ctypes.byref(pointer), address, 0),
-            "cuMemHostGetDevicePointer",
-        )
-        return int(pointer.value)
+        """Page-lock ``array``'s memory (a staging slot the GPU reads and writes)."""
+        return self.register_pages(int(array.ctypes.data), array.nbytes, read_only=False)
 
     def unregister(self, array: np.ndarray) -> None:
-        self.bind()
-        self._cu.cuMemHostUnregister(ctypes.c_void_p(array.ctypes.data))
+        self.unregister_pages(int(array.ctypes.data))
 
-    def register_pages(self, base: int, nbytes: int) -> int:
-        """Page-lock ``nbytes`` at ``base`` (whole pages, maybe a read-only file map)
-        for the GPU to read: its device address."""
+    def register_pages(self, base: int, nbytes: int, *, read_only: bool = True) -> int:
+        """Page-lock ``nbytes`` at ``base`` for the GPU (``read_only``: it only reads
+        them, which a read-only file map needs): their device address. Nothing stays
+        registered when a call fails."""
         self.bind()
-        flags = (
-            _CU_MEMHOSTREGISTER_PORTABLE
-            | _CU_MEMHOSTREGISTER_DEVICEMAP
-            | _CU_MEMHOSTREGISTER_READ_ONLY
-        )
+        flags = _CU_MEMHOSTREGISTER_PORTABLE | _CU_MEMHOSTREGISTER_DEVICEMAP
+        if read_only:
+            flags |= _CU_MEMHOSTREGISTER_READ_ONLY
         address = ctypes.c_void_p(base)
         self._check(
             self._cu.cuMemHostRegister_v2(address, ctypes.c_size_t(nbytes), flags),
