@@ -59,6 +59,7 @@ __all__ = [
     "pool",
     "workers",
     "nbytes_of",
+    "SEGMENT_WORDS",
     "upload",
     "download",
 ]
@@ -93,18 +94,21 @@ _COPY_BODY = """
 _UPLOAD_SOURCE = _COPY_BODY.format(src="params[0]", dst="out", done="")
 #: Device array ``inp`` -> host (pinned, ``params[0]``).
 _DOWNLOAD_SOURCE = _COPY_BODY.format(src="inp", dst="params[0]", done="done[0] = 1;")
+#: Words per gather segment: ``src, src_pitch, dst_offset, dst_pitch, width, height``.
+SEGMENT_WORDS = 6
 #: Segments of registered host memory -> the new device array ``out``
-#: (:mod:`kvstore.codecs.cuda_pages`). ``params``: the segment count, then six words
-#: per segment, ``src, src_pitch, dst_offset, dst_pitch, width, height`` (bytes; ``src``
+#: (:mod:`kvstore.codecs.cuda_pages`). ``params``: the segment count, then
+#: :data:`SEGMENT_WORDS` words per segment, as named there (bytes; ``src``
 #: 0 writes zeros). Block ``b`` copies a share of segment ``b % count``, 16 bytes at a
 #: time where the segment's addresses and pitches allow (a row's last ``width % 16``
 #: bytes one at a time).
-_GATHER_SOURCE = """
+_GATHER_SOURCE = (
+    """
     const unsigned long long* p = reinterpret_cast<const unsigned long long*>(params);
     unsigned long long count = p[0];
     unsigned long long seg = blockIdx.x % count;
     unsigned long long part = blockIdx.x / count, parts = gridDim.x / count;
-    const unsigned long long* s = p + 1 + seg * 6;
+    const unsigned long long* s = p + 1 + seg * SEGMENT_WORDS;
     unsigned long long src = s[0], sp = s[1], doff = s[2], dp = s[3], w = s[4], h = s[5];
     unsigned char* d = reinterpret_cast<unsigned char*>(out);
     unsigned long long first = part * blockDim.x + threadIdx.x, step = parts * blockDim.x;
@@ -129,6 +133,7 @@ _GATHER_SOURCE = """
         }
     }
 """
+).replace("SEGMENT_WORDS", str(SEGMENT_WORDS))
 
 
 class PinnedBuffer:
@@ -324,7 +329,7 @@ class KernelTransport:
 
     def gather(self, params: np.ndarray, nbytes: int) -> mx.array:
         count = int(params[0])
-        words = params[1:].reshape(count, 6)
+        words = params[1:].reshape(count, SEGMENT_WORDS)
         largest = int((words[:, 4] * words[:, 5]).max()) if count else 0
         # Enough blocks per segment for each thread to copy a few 16-byte words.
         parts = max(1, min(64, largest // (16 * _BLOCK * 4)))

@@ -44,9 +44,9 @@ __all__ = ["GATHER_MIN_BYTES", "PinnedPages", "pin", "gathered", "segments", "se
 #: Below this many bytes in all, staging through slots costs less than page-locking.
 GATHER_MIN_BYTES = int(float(os.environ.get("KVSTORE_CUDA_GATHER_MIN_MIB", "16")) * (1 << 20))
 
-#: Six words per segment: ``src, src_pitch, dst_offset, dst_pitch, width, height``
-#: (bytes; ``src`` 0 writes zeros): ``height`` runs of ``width`` bytes.
-SEGMENT_WORDS = 6
+#: Words per segment (``src, src_pitch, dst_offset, dst_pitch, width, height``, bytes;
+#: ``src`` 0 writes zeros): ``height`` runs of ``width`` bytes. The kernel's layout.
+SEGMENT_WORDS = cuda.SEGMENT_WORDS
 
 _PAGE = mmap.PAGESIZE
 _LOCK = threading.Lock()

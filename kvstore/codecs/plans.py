@@ -210,7 +210,9 @@ def run_plans(
     }
     writers = [(i, c) for i, c in enumerate(columns) if i not in joined]
     specs = [join.leaves()[column] for _, (join, column) in writers]
-    filled = _gathered(specs, writers, pages) if on_gpu else None
+    # On a GPU every writer's pieces are host arrays here (the MLX ones were joined).
+    pieces = [join.columns[column] for _, (join, column) in writers]
+    filled = cuda_pages.gathered(specs, pieces, pages) if on_gpu else None
     if filled is None:
 
         def fill(k: int, target: np.ndarray) -> None:
@@ -233,22 +235,6 @@ def run_plans(
         caches.append(plan.assemble(arrays[at : at + n]))
         at += n
     return caches
-
-
-def _gathered(
-    specs: Sequence[LeafSpec],
-    writers: Sequence[tuple[int, tuple[RowsJoin, int]]],
-    pages: cuda_pages.PinnedPages | None,
-) -> list[mx.array] | None:
-    """The arrays of ``writers`` read by the GPU straight from the host pages their
-    pieces are in (store pages, pinned already as ``pages``), when every piece is such
-    a view; else ``None``."""
-    pieces = []
-    for _, (join, column) in writers:
-        if join.holds_mlx(column):
-            return None
-        pieces.append(join.columns[column])
-    return cuda_pages.gathered(specs, pieces, pages)
 
 
 def join_runs(layers: Sequence[Sequence[Snapshot]]) -> list[list[Snapshot]]:

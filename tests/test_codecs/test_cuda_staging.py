@@ -61,7 +61,7 @@ class HostTransport:
     def gather(self, params: np.ndarray, nbytes: int) -> mx.array:
         self.gathers += 1
         out = np.full(nbytes, 0xAB, np.uint8)  # bytes no segment writes show up
-        words = params[1:].reshape(int(params[0]), 6).tolist()
+        words = params[1:].reshape(int(params[0]), cuda.SEGMENT_WORDS).tolist()
         for src, src_pitch, offset, pitch, width, height in words:
             assert offset + (height - 1) * pitch + width <= nbytes
             for r in range(height):
