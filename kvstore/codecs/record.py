@@ -119,6 +119,12 @@ def _align(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
 
 
+def _payload_offset(header_length: int) -> int:
+    """Where the payload starts: after the prefix and a header of ``header_length``
+    bytes, at the next aligned offset (the writer pads with zeros up to it)."""
+    return _align(_PREFIX.size + header_length)
+
+
 @dataclass(frozen=True)
 class RecordHeader:
     """A record's parsed header: enough to list, inspect and locate, no payload touched."""
@@ -190,7 +196,7 @@ class RecordPlan:
         fixed = _PREFIX.pack(MAGIC, FORMAT_VERSION, 0, len(packed), 0)[:_FIXED]
         header_sum = xxhash.xxh3_64_intdigest(fixed + packed)
         head = _PREFIX.pack(MAGIC, FORMAT_VERSION, 0, len(packed), header_sum) + packed
-        return head + bytes(_align(len(head)) - len(head))
+        return head + bytes(_payload_offset(len(packed)) - len(head))
 
     @property
     def nbytes_bound(self) -> int:
@@ -572,7 +578,10 @@ def _read_header(view: memoryview, op: str) -> RecordHeader:
     parsed = _PARSED.get(raw)
     if parsed is None:
         parsed = _parsed_once(
-            raw, lambda: _parse_header(op, view[_PREFIX.size : end], version, flags, _align(end))
+            raw,
+            lambda: _parse_header(
+                op, view[_PREFIX.size : end], version, flags, _payload_offset(length)
+            ),
         )
     return parsed
 
@@ -676,7 +685,7 @@ def _payload_digest(view: memoryview) -> int | None:
     header, parsed next, says whether that is the payload and the sum it must have."""
     if len(view) < _PREFIX.size:
         return None
-    offset = _align(_PREFIX.size + _PREFIX.unpack_from(view)[3])
+    offset = _payload_offset(_PREFIX.unpack_from(view)[3])
     return xxhash.xxh3_64_intdigest(view[offset:]) if offset <= len(view) else None
 
 
