@@ -310,13 +310,7 @@ def _proven() -> bool:
     """Whether the try of a gather here (:func:`_works`) is done and passed; starts it
     in the background when it has not run. A restore does not wait for it (the first
     load of its kernel on a machine compiles it, about a second): it stages as before."""
-    if _WORKS is None:
-        _route()
-        with _LOCK:
-            future = _WORKS_FUTURE
-        if future is None or not future.done():
-            return False
-    return bool(_WORKS)
+    return _route() and _WORKS is True  # _WORKS is set once the try is done
 
 
 def _works() -> bool:
