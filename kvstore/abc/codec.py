@@ -157,9 +157,12 @@ class KVCodec(ABC):
         """What is wrong with ``snapshot`` as a record header describes it -- its meta,
         and tensors that have shapes and dtypes but no data -- or ``None``.
 
-        Decoding a record calls it for every layer (``CorruptEntryError`` naming the
-        field), so a snapshot that restore would refuse never gets that far. A codec
-        checks here what its restore relies on; the default checks nothing.
+        Decoding a record calls it for the layers of its header (``CorruptEntryError``
+        naming the field), so a snapshot that restore would refuse never gets that far.
+        A codec checks here what its restore relies on; the default checks nothing. The
+        answer must depend on ``snapshot`` alone (its signature, range, tensor names,
+        dtypes and shapes, and meta): a header's layers that describe the same snapshot
+        are checked once.
         """
         return None
 

@@ -27,10 +27,10 @@ from kvstore.codecs.header import (
     FORMAT_VERSION,
     corrupt,
     layer_entry,
-    parse_header,
     tensor_manifest,
     writer,
 )
+from kvstore.codecs.header_parse import parse_header
 
 __all__ = ["METADATA_KEY", "save_snapshots", "load_snapshots", "read_safetensors"]
 

@@ -25,9 +25,8 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
-from kvstore.abc.codec import Snapshot
+from kvstore.abc.codec import KVCodec, Snapshot
 from kvstore.codecs.arrays import DTYPES, dtype_name
-from kvstore.codecs.snapshot_meta import check_layers
 from kvstore.errors import CorruptEntryError, FormatVersionError, UnknownSignatureError
 
 __all__ = [
@@ -37,11 +36,19 @@ __all__ = [
     "BOUNDS",
     "TensorEntry",
     "LayerEntry",
+    "MAX_INT",
+    "MAX_STR_CHARS",
+    "LAYER_FIELDS",
+    "TENSOR_FIELDS",
+    "LOCATED_TENSOR_FIELDS",
     "check_bounds",
+    "is_bounded",
     "check_format",
     "parse_fields",
-    "parse_header",
+    "header_fields",
+    "checked_header",
     "parse_layers",
+    "check_codec_versions",
     "layer_entry",
     "writer",
 ]
@@ -51,8 +58,10 @@ FORMAT_VERSION = 1
 #: The formats this module reads.
 SUPPORTED_VERSIONS: tuple[int, ...] = (1,)
 
-# Generous enough for 4k layers and a 100k-token id list in user meta.
-_MAX_INT = (1 << 63) - 1
+#: The largest int a header field may hold (positions, sizes, offsets).
+MAX_INT = (1 << 63) - 1
+#: The longest name, signature or writer a header field may hold.
+MAX_STR_CHARS = 256
 
 
 @dataclass(frozen=True)
@@ -73,7 +82,13 @@ class Bounds:
 BOUNDS = Bounds()
 
 
-@dataclass(frozen=True)
+# The entries set their fields with one dict update: the generated frozen __init__
+# calls object.__setattr__ per field, three times the cost, and a header parse builds
+# an entry per layer and per tensor. Nothing else differs (no defaults but these, no
+# __post_init__, no slots): fields, eq, hash, repr and immutability are the dataclass's.
+
+
+@dataclass(frozen=True, init=False)
 class TensorEntry:
     """One tensor of a layer: where its bytes are and how to view them."""
 
@@ -83,8 +98,13 @@ class TensorEntry:
     offset: int = 0
     nbytes: int = 0
 
+    def __init__(
+        self, name: str, dtype: str, shape: tuple[int, ...], offset: int = 0, nbytes: int = 0
+    ) -> None:
+        self.__dict__.update(name=name, dtype=dtype, shape=shape, offset=offset, nbytes=nbytes)
 
-@dataclass(frozen=True)
+
+@dataclass(frozen=True, init=False)
 class LayerEntry:
     """One layer's snapshot, described."""
 
@@ -95,6 +115,26 @@ class LayerEntry:
     stop: int
     meta: Mapping[str, Any]
     tensors: tuple[TensorEntry, ...]
+
+    def __init__(
+        self,
+        signature: str,
+        codec: str,
+        codec_version: int,
+        start: int,
+        stop: int,
+        meta: Mapping[str, Any],
+        tensors: tuple[TensorEntry, ...],
+    ) -> None:
+        self.__dict__.update(
+            signature=signature,
+            codec=codec,
+            codec_version=codec_version,
+            start=start,
+            stop=stop,
+            meta=meta,
+            tensors=tensors,
+        )
 
 
 def writer() -> str:
@@ -177,17 +217,54 @@ def check_bounds(op: str, value: Any, bounds: Bounds = BOUNDS) -> None:
 _SCALARS = (int, float, bool, type(None))
 
 
+def is_bounded(value: Any, depth: int, bounds: Bounds = BOUNDS) -> bool:
+    """True when ``value``, sitting ``depth`` levels down a header (1: the header
+    itself), breaks none of :func:`check_bounds`' rules."""
+    kind = type(value)
+    if kind is dict:
+        if len(value) > bounds.map_len:
+            return False
+        for key in value:
+            if type(key) is not str or len(key) > bounds.str_len:
+                return False
+        items: Any = value.values()
+    elif kind is list:
+        if len(value) > bounds.array_len:
+            return False
+        items = value
+    elif depth > bounds.depth:
+        return False
+    elif kind is str:
+        return len(value) <= bounds.str_len
+    elif kind is bytes:
+        return len(value) <= bounds.bin_len
+    else:
+        return kind in _SCALARS
+    if depth >= bounds.depth:  # its items would sit too deep
+        return depth == bounds.depth and not value
+    for item in items:  # scalars inline: a call each would be most of the walk
+        kind = type(item)
+        if kind is str:
+            if len(item) > bounds.str_len:
+                return False
+        elif kind is int or kind is float or kind is bool or item is None:
+            continue
+        elif not is_bounded(item, depth + 1, bounds):
+            return False
+    return True
+
+
 # -- field validation ------------------------------------------------------------------
 
 Check = Callable[[Any], bool]
 
 
 def is_int(value: Any) -> bool:
-    return type(value) is int and 0 <= value <= _MAX_INT
+    return type(value) is int and 0 <= value <= MAX_INT
 
 
 def is_str(value: Any) -> bool:
-    return isinstance(value, str) and 0 < len(value) <= 256
+    return isinstance(value, str) and 0 < len(value) <= MAX_STR_CHARS
 
 
 def is_map(value: Any) -> bool:
@@ -239,9 +316,9 @@ def _is_shape(value: Any) -> bool:
     return type(value) is list and 0 < len(value) <= BOUNDS.rank and all(map(is_int, value))
 
 
-_TENSOR_FIELDS: dict[str, Check] = {"name": is_str, "dtype": _is_dtype, "shape": _is_shape}
-_LOCATED_TENSOR_FIELDS: dict[str, Check] = {**_TENSOR_FIELDS, "offset": is_int, "nbytes": is_int}
-_LAYER_FIELDS: dict[str, Check] = {
+TENSOR_FIELDS: dict[str, Check] = {"name": is_str, "dtype": _is_dtype, "shape": _is_shape}
+LOCATED_TENSOR_FIELDS: dict[str, Check] = {**TENSOR_FIELDS, "offset": is_int, "nbytes": is_int}
+LAYER_FIELDS: dict[str, Check] = {
     "signature": is_str,
     "codec": is_str,
     "codec_version": is_int,
@@ -254,10 +331,10 @@ _LAYER_FIELDS: dict[str, Check] = {
 
 def _parse_tensor(op: str, obj: Any, where: Callable[[], str], located: bool) -> TensorEntry:
     try:
-        f = parse_fields(op, obj, "", _LOCATED_TENSOR_FIELDS if located else _TENSOR_FIELDS)
+        f = parse_fields(op, obj, "", LOCATED_TENSOR_FIELDS if located else TENSOR_FIELDS)
     except (CorruptEntryError, FormatVersionError):
         # Parse again for the message: where it is costs a format on every tensor.
-        parse_fields(op, obj, where(), _LOCATED_TENSOR_FIELDS if located else _TENSOR_FIELDS)
+        parse_fields(op, obj, where(), LOCATED_TENSOR_FIELDS if located else TENSOR_FIELDS)
         raise
     shape = tuple(f["shape"])
     size = DTYPES[f["dtype"]].itemsize
@@ -285,7 +362,7 @@ def parse_layers(op: str, obj: Any, located: bool) -> tuple[LayerEntry | None, .
             layers.append(None)
             continue
         where = f"layers[{i}]"
-        f = parse_fields(op, item, where, _LAYER_FIELDS)
+        f = parse_fields(op, item, where, LAYER_FIELDS)
         if f["start"] > f["stop"]:
             raise corrupt(op, f"{where} covers [{f['start']}, {f['stop']}): start after stop.")
         tensors = tuple(
@@ -308,29 +385,33 @@ def parse_layers(op: str, obj: Any, located: bool) -> tuple[LayerEntry | None, .
     return tuple(layers)
 
 
-def parse_header(
-    op: str, obj: Any, *, located: bool, extra: Mapping[str, Check] | None = None
-) -> tuple[dict[str, Any], tuple[LayerEntry | None, ...]]:
-    """The fields and layers of a header (record or file), bounds and all checked.
-
-    Common fields are ``format``, ``writer``, ``layers`` and ``meta``; ``extra``
-    adds a container's own. ``located``: tensors carry ``offset``/``nbytes``.
-    """
-    check_bounds(op, obj)
-    if isinstance(obj, dict) and "format" in obj:
-        check_format(op, obj["format"])
-    fields: dict[str, Check] = {
+def header_fields(extra: Mapping[str, Check] | None) -> dict[str, Check]:
+    """The fields of a header and their checks: the common ones and a container's ``extra``."""
+    return {
         "format": lambda v: type(v) is int,
         "writer": is_str,
         "layers": lambda v: isinstance(v, list),
         "meta": is_map,
         **(extra or {}),
     }
+
+
+def checked_header(
+    op: str, obj: Any, fields: Mapping[str, Check], located: bool
+) -> tuple[dict[str, Any], tuple[LayerEntry | None, ...]]:
+    """The header's fields and layers, each rule checked in turn: the error names the
+    first one broken (:func:`kvstore.codecs.header_parse.usual_header` is the fast way to
+    the same answer).
+
+    Raises:
+        CorruptEntryError: a bound, a field or a layer's rule broken.
+        FormatVersionError: a format, or a field, this reader does not read.
+    """
+    check_bounds(op, obj)
+    if isinstance(obj, dict) and "format" in obj:
+        check_format(op, obj["format"])
     f = parse_fields(op, obj, "header", fields)
-    layers = parse_layers(op, f["layers"], located=located)
-    check_codec_versions(op, layers)
-    check_layers(op, layers)
-    return f, layers
+    return f, parse_layers(op, f["layers"], located=located)
 
 
 def layer_entry(snapshot: Snapshot, tensors: Sequence[dict[str, Any]]) -> dict[str, Any]:
@@ -366,17 +447,23 @@ def check_codec_versions(op: str, layers: Sequence[LayerEntry | None]) -> None:
     does not read the version it was written with."""
     from kvstore.codecs.registry import find_codec_class, kind_of
 
+    # A header's layers mostly share one signature: it is looked up once.
+    classes: dict[str, type[KVCodec] | None] = {}
     for i, layer in enumerate(layers):
         if layer is None:
             continue
-        try:
-            cls = find_codec_class(kind_of(layer.signature))
-        except UnknownSignatureError:  # a kind not installed here: its records still decode
-            cls = None
-        except (ValueError, TypeError) as exc:
-            raise corrupt(
-                op, f"layers[{i}].signature {layer.signature!r} is malformed: {exc}"
-            ) from exc
+        if layer.signature in classes:
+            cls = classes[layer.signature]
+        else:
+            try:
+                cls = find_codec_class(kind_of(layer.signature))
+            except UnknownSignatureError:  # a kind not installed here: its records still decode
+                cls = None
+            except (ValueError, TypeError) as exc:
+                raise corrupt(
+                    op, f"layers[{i}].signature {layer.signature!r} is malformed: {exc}"
+                ) from exc
+            classes[layer.signature] = cls
         if cls is not None and layer.codec_version not in cls.reads:
             raise FormatVersionError(
                 f"[{op}] layers[{i}] ({layer.signature}) was written by {layer.codec} "

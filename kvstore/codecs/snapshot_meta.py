@@ -6,7 +6,7 @@ window that never slides), ``keep = 2**31``, an ``offset`` that is a string
 or a map, or ``dtype = "float64"`` over float32 rows, and recompute the
 checksums. So every layer of a record header is checked by its own codec as
 the header is parsed (:func:`check_layers`, called by
-:func:`kvstore.codecs.header.parse_header`), against the tensors the header
+:func:`kvstore.codecs.header_parse.parse_header`), against the tensors the header
 describes and against the bounds here; a problem is a ``CorruptEntryError``
 naming the layer and the field -- in a store, a counted miss, removed by
 ``verify --fix``.
@@ -22,7 +22,9 @@ this module holds the bounds and builds the described snapshot they check.
 from __future__ import annotations
 
 import functools
+import marshal
 from collections.abc import Mapping, Sequence
+from operator import attrgetter
 from typing import Any
 
 import numpy as np
@@ -35,6 +37,7 @@ __all__ = [
     "MAX_POSITION",
     "MAX_WINDOW",
     "described",
+    "description_key",
     "position_problem",
     "check_layers",
 ]
@@ -77,14 +80,47 @@ def described(entry: Any) -> Snapshot:
     return Snapshot(entry.signature, entry.start, entry.stop, tensors, entry.meta)
 
 
+def description_key(entry: Any) -> tuple[Any, ...] | None:
+    """Everything a codec's description check reads of a header's layer entry (signature,
+    range, each tensor's name, dtype and shape in order, meta), as one value: two entries
+    with equal keys describe the same snapshot, types and all, so no check can tell them
+    apart. ``None`` when the meta cannot be said in bytes.
+
+    For entries a header parse builds, whose fixed fields are exactly ``str``, ``int``
+    and tuples of ``int`` (``==`` is exact on those). The meta is free-form, so it is
+    compared as marshal writes it: each value's exact type and every bit (``1``,
+    ``1.0`` and ``True`` differ, as do ``0.0`` and ``-0.0``, which ``==`` equates);
+    format 2 has no back-references, so the bytes do not depend on how objects are shared.
+    """
+    try:
+        meta = marshal.dumps(entry.meta, 2)
+    except ValueError:  # not marshallable: a value of another type
+        return None
+    tensors = tuple(map(_DESCRIBED_TENSOR, entry.tensors))
+    return (entry.signature, entry.start, entry.stop, tensors, meta)
+
+
+_DESCRIBED_TENSOR = attrgetter("name", "dtype", "shape")
+
+
 def check_layers(op: str, layers: Sequence[Any]) -> None:
     """Raise ``CorruptEntryError`` for the first layer whose codec finds its meta or
     tensors wrong. Layers of kinds no installed codec serves are not checked here
-    (their restore needs the codec anyway)."""
+    (their restore needs the codec anyway).
+
+    A layer whose :func:`description_key` equals one already passed is not checked
+    again: a record's layers usually differ only in their tensors' offsets, and the
+    check of 32 identical layers was most of a header's parse.
+    """
     from kvstore.codecs.registry import get_codec
 
+    passed: set[tuple[Any, ...]] = set()
+    last = None  # the layer before, usually the same again: compared, not hashed
     for i, layer in enumerate(layers):
         if layer is None:
+            continue
+        key = description_key(layer)
+        if key is not None and (key == last or key in passed):  # its stop too: it passed
             continue
         if layer.stop > MAX_POSITION:
             raise CorruptEntryError(
@@ -97,3 +133,6 @@ def check_layers(op: str, layers: Sequence[Any]) -> None:
         problem = codec.description_problem(described(layer))
         if problem:
             raise CorruptEntryError(f"[{op}] layers[{i}] ({layer.signature}): {problem}.", layer=i)
+        if key is not None:
+            passed.add(key)
+            last = key
