@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import marshal
 from collections.abc import Mapping, Sequence
-from itertools import chain
+from itertools import chain, compress
 from math import prod
 from operator import itemgetter, le, mul
 from typing import Any
@@ -116,6 +116,7 @@ def _usual_layers(obj: Any, located: bool) -> tuple[LayerEntry | None, ...] | No
     if type(obj) is not list or len(obj) > min(BOUNDS.layers, BOUNDS.array_len):
         return None
     items = [item for item in obj if item is not None]
+    absent = len(obj) - len(items)
     if not items:
         return tuple(obj)
     # A map holds exactly its fields when it has as many and each is there
@@ -135,7 +136,7 @@ def _usual_layers(obj: Any, located: bool) -> tuple[LayerEntry | None, ...] | No
         and _are_ints(stops)
         and all(map(le, starts, stops))
         and set(map(type, metas)) <= _DICT
-        and all([is_bounded(meta, _LAYER_META_DEPTH) for meta in metas])
+        and _are_bounded(metas, _LAYER_META_DEPTH)
         and set(map(type, tensor_lists)) <= _LIST
         and max(map(len, tensor_lists)) <= BOUNDS.tensors_per_layer
     ):
@@ -143,7 +144,10 @@ def _usual_layers(obj: Any, located: bool) -> tuple[LayerEntry | None, ...] | No
     tables = _tensor_tables(tensor_lists, located)
     if tables is None:
         return None
-    built = iter(list(map(LayerEntry, signatures, codecs, versions, starts, stops, metas, tables)))
+    layers = list(map(LayerEntry, signatures, codecs, versions, starts, stops, metas, tables))
+    if not absent:
+        return tuple(layers)
+    built = iter(layers)
     return tuple(None if item is None else next(built) for item in obj)
 
 
@@ -226,6 +230,27 @@ def _usual_tensors(items: list[Any], located: bool) -> list[TensorEntry] | None:
     else:
         offsets, nbytes = (0,) * len(items), tuple(sizes)
     return list(map(TensorEntry, names, dtypes, map(tuple, shapes), offsets, nbytes))
+
+
+def _are_bounded(maps: tuple[dict[str, Any], ...], depth: int) -> bool:
+    """Every one of ``maps``, sitting ``depth`` levels down, passes ``is_bounded``: the
+    usual flat ones (scalars and strings only) by C loops, any other one by the walk."""
+    keys = list(chain.from_iterable(maps))
+    values = list(chain.from_iterable(map(dict.values, maps)))
+    if (
+        depth < BOUNDS.depth
+        and max(map(len, maps)) <= BOUNDS.map_len
+        and set(map(type, keys)) <= _STR
+        and max(map(len, keys), default=0) <= BOUNDS.str_len
+        and set(map(type, values)) <= _FLAT
+        and max(map(len, compress(values, map(_STR.__contains__, map(type, values)))), default=0)
+        <= BOUNDS.str_len
+    ):
+        return True
+    return all([is_bounded(value, depth) for value in maps])
+
+
+_FLAT = frozenset({str, int, float, bool, type(None)})
 
 
 def _are_names(column: Any) -> bool:

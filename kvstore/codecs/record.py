@@ -38,7 +38,7 @@ import struct
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from itertools import compress
+from itertools import chain, compress
 from operator import add, attrgetter, le
 from typing import Any
 
@@ -667,7 +667,7 @@ def _is_u64(value: Any) -> bool:
 
 
 def _check_extents(op: str, layers: Sequence[LayerEntry | None], payload_nbytes: int) -> None:
-    tensors = [t for layer in layers if layer is not None for t in layer.tensors]
+    tensors = list(chain.from_iterable(map(_TENSORS, filter(None, layers))))
     offsets = list(map(_OFFSET, tensors))
     ends = list(map(add, offsets, map(_NBYTES, tensors)))
     sized = list(map(_NBYTES, tensors))
@@ -694,7 +694,7 @@ def _check_extents(op: str, layers: Sequence[LayerEntry | None], payload_nbytes:
             raise corrupt(op, "Two tensors overlap in the payload.")
 
 
-_OFFSET, _NBYTES = attrgetter("offset"), attrgetter("nbytes")
+_OFFSET, _NBYTES, _TENSORS = attrgetter("offset"), attrgetter("nbytes"), attrgetter("tensors")
 
 
 def _payload_digest(view: memoryview) -> int | None:

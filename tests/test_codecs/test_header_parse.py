@@ -258,6 +258,32 @@ def test_damaged_headers(name):
     assert_same_as_checked(CASES[name])
 
 
+def ring_with(change) -> dict[str, Any]:
+    out = copy.deepcopy(RING_HEADER)  # flat metas only: the checks of all at once
+    change(out["layers"][1])
+    return out
+
+
+FLAT_CASES = {
+    "a long string": ring_with(lambda e: e["meta"].update(x="x" * (BOUNDS.str_len + 1))),
+    "a string at the bound": ring_with(lambda e: e["meta"].update(x="x" * BOUNDS.str_len)),
+    "a long key": ring_with(lambda e: e["meta"].update({"k" * (BOUNDS.str_len + 1): 1})),
+    "a non-str key": ring_with(lambda e: e["meta"].update({b"k": 1})),
+    "too many entries": ring_with(
+        lambda e: e["meta"].update({f"k{i}": i for i in range(BOUNDS.map_len)})
+    ),
+    "bytes": ring_with(lambda e: e["meta"].update(x=b"x")),
+    "a float": ring_with(lambda e: e["meta"].update(x=1.5)),
+    "a list": ring_with(lambda e: e["meta"].update(x=[1])),
+    "a set": ring_with(lambda e: e["meta"].update(x={1})),
+}
+
+
+@pytest.mark.parametrize("name", FLAT_CASES)
+def test_damaged_flat_metas(name):
+    assert_same_as_checked(FLAT_CASES[name])
+
+
 def repeated(change_second) -> dict[str, Any]:
     """RING_HEADER, whose plain layers 1 and 2 describe the same snapshot, with layer 2
     changed: a remembered verdict must not carry over to it."""
