@@ -26,6 +26,7 @@ gather reads them, gets ``None`` and stages the plain way.
 from __future__ import annotations
 
 import bisect
+import itertools
 import mmap
 import os
 import threading
@@ -43,6 +44,12 @@ __all__ = ["GATHER_MIN_BYTES", "PinnedPages", "pin", "gathered", "segments", "se
 
 #: Below this many bytes in all, staging through slots costs less than page-locking.
 GATHER_MIN_BYTES = int(float(os.environ.get("KVSTORE_CUDA_GATHER_MIN_MIB", "16")) * (1 << 20))
+
+#: Each record's pages are locked in pieces of about this many bytes
+#: (``KVSTORE_CUDA_PIN_PIECE_MIB``; 0: a record at once), the first piece of every
+#: record first: a layer's gather starts as soon as the pieces holding its rows are
+#: locked, while the later layers' are still being locked.
+PIECE_BYTES = int(float(os.environ.get("KVSTORE_CUDA_PIN_PIECE_MIB", "4")) * (1 << 20))
 
 #: Words per segment (``src, src_pitch, dst_offset, dst_pitch, width, height``, bytes;
 #: ``src`` 0 writes zeros): ``height`` runs of ``width`` bytes. The kernel's layout.
@@ -115,45 +122,43 @@ def _rows_contiguous(piece: np.ndarray) -> bool:
 class PinnedPages:
     """Host pages page-locked for the GPU to read, the registrations running on the
     staging threads from the moment :func:`pin` returns (a restore parses and plans
-    meanwhile). :meth:`release` lets them go, after the gathers that read them."""
+    meanwhile), in the order given. :meth:`device_address` waits only for the spans
+    it needs, so a gather can start while later spans are still being locked.
+    :meth:`release` lets them go, after the gathers that read them."""
 
     def __init__(
         self, transport: cuda.Transport, spans: list[tuple[int, int]], *, inline: bool = False
     ) -> None:
         self._transport = transport
-        self.spans = spans
-        self._starts = [start for start, _ in spans]
-        if inline:  # registered here, now (a staging thread's own small gather)
-            self._futures = []
-            for span in spans:
-                done: Future[int | None] = Future()
-                done.set_result(_register_one(transport, span))
-                self._futures.append(done)
-        else:
-            self._futures = [cuda.pool().submit(_register_one, transport, s) for s in spans]
-        self._bases: list[int] | None = None
+        self.spans = sorted(spans)
+        self._starts = [start for start, _ in self.spans]
+        at = {span: i for i, span in enumerate(self.spans)}
+        self._futures: list[Future[int | None]] = [Future() for _ in self.spans]
+        for span in spans:  # submitted in the order asked for
+            if inline:  # registered here, now (a staging thread's own small gather)
+                self._futures[at[span]].set_result(_register_one(transport, span))
+            else:
+                self._futures[at[span]] = cuda.pool().submit(_register_one, transport, span)
         self._released = False
 
-    def ready(self) -> bool:
-        """Whether every span is registered (waits for the registrations)."""
-        if self._bases is None:
-            bases = [future.result() for future in self._futures]
-            if any(base is None for base in bases):
-                self._unregister(
-                    [s for s, b in zip(self.spans, bases, strict=True) if b is not None]
-                )
-                self._released = True
-                return False
-            self._bases = [b for b in bases if b is not None]
-        return not self._released
-
     def device_address(self, address: int, nbytes: int) -> int | None:
-        """Where the GPU sees host ``address`` (``nbytes`` from it inside one span), or
-        ``None`` outside every span."""
+        """Where the GPU sees host ``address`` (``nbytes`` from it), once the spans
+        holding those bytes are registered (waits for them); ``None`` when some of
+        them are outside every span, refused by the driver, or released."""
         at = bisect.bisect_right(self._starts, address) - 1
-        if at < 0 or address + nbytes > self.spans[at][1] or self._bases is None:
-            return None
-        return self._bases[at] + address - self._starts[at]
+        end, delta = address + nbytes, None
+        while at >= 0 and at < len(self.spans) and not self._released:
+            start, stop = self.spans[at]
+            base = self._futures[at].result()
+            if base is None or (delta is not None and base - start != delta):
+                return None  # refused, or not where the last span's bytes continue
+            delta = base - start
+            if end <= stop:
+                return address + delta
+            if at + 1 == len(self.spans) or self.spans[at + 1][0] != stop:
+                return None  # a gap after this span
+            at += 1
+        return None
 
     def release(self) -> None:
         """Let the pages go, on a staging thread (after their registrations finish)."""
@@ -162,20 +167,16 @@ class PinnedPages:
         self._released = True
 
         def let_go() -> None:
-            bases = [future.result() for future in self._futures]
-            self._unregister([s for s, b in zip(self.spans, bases, strict=True) if b is not None])
+            for span, future in zip(self.spans, self._futures, strict=True):
+                if future.result() is not None:
+                    self._transport.unregister(span[0])
+            mine = set(self.spans)
+            with _LOCK:
+                _HELD[:] = [span for span in _HELD if span not in mine]
 
         with _LOCK:
             _PENDING[:] = [f for f in _PENDING if not f.done()]  # bounded in a long process
             _PENDING.append(cuda.pool().submit(let_go))
-
-    def _unregister(self, spans: Sequence[tuple[int, int]]) -> None:
-        for start, _ in spans:
-            self._transport.unregister(start)
-        with _LOCK:
-            for span in self.spans:
-                if span in _HELD:
-                    _HELD.remove(span)
 
 
 def pin(buffers: Sequence[Any]) -> PinnedPages | None:
@@ -189,7 +190,7 @@ def pin(buffers: Sequence[Any]) -> PinnedPages | None:
         view = np.frombuffer(buffer, np.uint8)
         if view.size:
             ranges.append((int(view.ctypes.data), int(view.ctypes.data) + view.size))
-    return _pinned(_spans(ranges))
+    return _pinned(_in_pieces(_spans(ranges)))
 
 
 def _pinned(spans: list[tuple[int, int]], *, inline: bool = False) -> PinnedPages | None:
@@ -206,8 +207,30 @@ def _pinned(spans: list[tuple[int, int]], *, inline: bool = False) -> PinnedPage
 
 
 def _overlaps(spans: Sequence[tuple[int, int]]) -> bool:
-    """Whether any of ``spans`` shares a page with one registered now (under _LOCK)."""
-    return any(s < e2 and s2 < e for s, e in spans for s2, e2 in _HELD)
+    """Whether any of ``spans`` shares a page with one registered now (under _LOCK;
+    ``_HELD`` is sorted and its spans are disjoint)."""
+    for start, end in spans:
+        at = bisect.bisect_left(_HELD, (start, start))
+        if at < len(_HELD) and _HELD[at][0] < end:
+            return True  # one starting inside
+        if at and _HELD[at - 1][1] > start:
+            return True  # the one before reaching into it
+    return False
+
+
+def _in_pieces(spans: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
+    """``spans`` cut into pieces of about :data:`PIECE_BYTES` (whole pages), in the
+    order to lock them: every span's first piece, then every second one, and so on.
+    A restore's spans are its records, which all lay their layers out in the same
+    order, so the pieces holding the first layers' rows are locked first."""
+    if PIECE_BYTES <= 0:
+        return list(spans)
+    cut = []
+    for start, end in spans:
+        count = -(-(end - start) // PIECE_BYTES)
+        step = -(-(end - start) // count // _PAGE) * _PAGE
+        cut.append([(at, min(at + step, end)) for at in range(start, end, step)])
+    return [piece for rank in itertools.zip_longest(*cut) for piece in rank if piece]
 
 
 def _register_one(transport: cuda.Transport, span: tuple[int, int]) -> int | None:
@@ -250,39 +273,38 @@ def _gather(
         return None
     own = pages is None
     if pages is None:
-        pages = _pinned(
-            _spans(
-                (int(piece.ctypes.data), int(piece.ctypes.data) + _extent(piece))
-                for column in pieces
-                for piece in column
-                if piece.size
-            ),
-            inline=inline,
+        extents = (
+            (int(piece.ctypes.data), int(piece.ctypes.data) + _extent(piece))
+            for column in pieces
+            for piece in column
+            if piece.size
         )
+        pages = _pinned(_in_pieces(_spans(extents)), inline=inline)
         if pages is None:
             return None
+    transport = cuda.transport()
+    arrays: list[mx.array] = []
+    done = False
     try:
-        if not pages.ready():
-            return None
-        params = []
-        for words in plans:
+        for words, spec in zip(plans, specs, strict=True):
             assert words is not None
             device = list(words)
             for k in range(0, len(device), SEGMENT_WORDS):
-                if device[k]:  # a host address -> where the GPU sees it
+                if device[k]:  # a host address -> where the GPU sees it, once locked
                     extent = (device[k + 5] - 1) * device[k + 1] + device[k + 4]
                     address = pages.device_address(device[k], extent)
-                    if address is None:  # rows outside the pinned pages
+                    if address is None:  # rows outside the pinned pages, or refused
                         return None
                     device[k] = address
-            params.append(np.array([len(device) // SEGMENT_WORDS, *device], np.uint64))
-        transport = cuda.transport()
-        arrays = [
-            transport.gather(words, cuda.nbytes_of(spec)).view(MLX_DTYPES[spec[1]]).reshape(spec[0])
-            for words, spec in zip(params, specs, strict=True)
-        ]
+            params = np.array([len(device) // SEGMENT_WORDS, *device], np.uint64)
+            array = transport.gather(params, cuda.nbytes_of(spec))
+            mx.async_eval(array)  # runs while the next arrays' pages are still being locked
+            arrays.append(array.view(MLX_DTYPES[spec[1]]).reshape(spec[0]))
         mx.eval(arrays)
+        done = True
     finally:
+        if not done and arrays:
+            mx.eval(arrays)  # kernels in flight read the pages: let them finish first
         if own:  # the kernels have read every byte: let go off the restore's path
             pages.release()
     return arrays

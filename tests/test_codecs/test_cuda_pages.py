@@ -5,6 +5,10 @@ device machine: tools/bench/gpu/check.py.)"""
 
 from __future__ import annotations
 
+import mmap
+import threading
+import time
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -119,6 +123,7 @@ def test_a_refused_registration_leaves_nothing_registered(staged):
     staged.refuse = True
     pieces = pieces_of(np.random.default_rng(3), 2)
     assert cuda_pages.gathered([((1, 3, 10, 8), "float16")], [pieces]) is None
+    cuda_pages.settle()  # the pages are let go on a staging thread
     assert staged.registered == {} and cuda_pages._HELD == []
 
 
@@ -202,3 +207,64 @@ def test_ranges_sharing_a_page_are_one_span_and_touching_ones_stay_apart():
     )
     assert spans == [(page, 2 * page), (3 * page, 5 * page), (5 * page, 6 * page)]
     assert cuda_pages._spans([(0, page + 1), (page + 7, 3 * page)]) == [(0, 3 * page)]
+
+
+def test_records_are_locked_in_pieces_every_records_first_piece_first(monkeypatch):
+    page = cuda_pages._PAGE
+    monkeypatch.setattr(cuda_pages, "PIECE_BYTES", 4 * page)
+    records = [(0, 10 * page), (10 * page, 17 * page)]  # back to back, as in the store
+    assert cuda_pages._in_pieces(records) == [
+        (0, 4 * page),
+        (10 * page, 14 * page),
+        (4 * page, 8 * page),
+        (14 * page, 17 * page),
+        (8 * page, 10 * page),
+    ]
+    monkeypatch.setattr(cuda_pages, "PIECE_BYTES", 0)
+    assert cuda_pages._in_pieces(records) == records
+
+
+def test_a_gather_starts_before_the_later_pieces_are_locked(staged, monkeypatch):
+    """Array i's kernel is launched once the pieces holding its rows are locked; a row
+    lying across two pieces is read through both (they are contiguous for the GPU)."""
+    page = cuda_pages._PAGE
+    monkeypatch.setattr(cuda_pages, "PIECE_BYTES", 2 * page)
+    rng = np.random.default_rng(9)
+    # Two "records" of three layers each, a layer's rows 4 pages: rows cross pieces.
+    rows = page
+    maps = [mmap.mmap(-1, 16 * page) for _ in range(2)]  # records start on pages of their own
+    record_a, record_b = (
+        np.frombuffer(m, np.uint16, 3 * rows * 2, offset=64).reshape(3, 1, 1, rows, 2)
+        for m in maps
+    )
+    for record in (record_a, record_b):
+        record[...] = rng.integers(0, 1 << 16, record.shape, dtype=np.uint16)
+    columns = [[record_a[i], record_b[i]] for i in range(3)]
+    specs = [((1, 1, 2 * rows, 2), "uint16")] * 3
+    last_layer = [
+        (int(r[2].ctypes.data), int(r.ctypes.data) + r.nbytes) for r in (record_a, record_b)
+    ]
+    gate = threading.Event()
+    real = staged.register
+
+    def register(base: int, nbytes: int) -> int:
+        if any(base < end and start < base + nbytes for start, end in last_layer):
+            assert gate.wait(10)  # the pieces holding the last layer's rows wait
+        return real(base, nbytes)
+
+    monkeypatch.setattr(staged, "register", register)
+    result: list = []
+    worker = threading.Thread(target=lambda: result.append(cuda_pages.gathered(specs, columns)))
+    worker.start()
+    deadline = time.monotonic() + 10
+    while staged.gathers < 1 and time.monotonic() < deadline:
+        worker.join(0.01)
+    launched_early = staged.gathers
+    gate.set()
+    worker.join(10)
+    # The first layer's (the second's too, when its last piece holds no row of the third).
+    assert 1 <= launched_early < 3 and not worker.is_alive()
+    (arrays,) = result
+    assert arrays is not None
+    for array, pieces in zip(arrays, columns, strict=True):
+        assert np.array_equal(np.array(array), np.concatenate(pieces, axis=2))

@@ -58,6 +58,16 @@ class HostTransport:
     def unregister(self, base: int) -> None:
         del self.registered[base]
 
+    def covered(self, start: int, end: int) -> bool:
+        """Whether registered regions, back to back, hold every byte of [start, end)."""
+        regions = dict(self.registered)
+        while start < end:
+            base = next((b for b, n in regions.items() if b <= start < b + n), None)
+            if base is None:
+                return False
+            start = base + regions.pop(base)
+        return True
+
     def gather(self, params: np.ndarray, nbytes: int) -> mx.array:
         self.gathers += 1
         out = np.full(nbytes, 0xAB, np.uint8)  # bytes no segment writes show up
@@ -70,7 +80,7 @@ class HostTransport:
                     ctypes.memset(at, 0, width)
                     continue
                 host = src - DEVICE_OFFSET + r * src_pitch
-                assert any(b <= host and host + width <= b + n for b, n in self.registered.items())
+                assert self.covered(host, host + width)
                 ctypes.memmove(at, host, width)
         return mx.array(out)
 
