@@ -6,6 +6,7 @@ device machine: tools/bench/gpu/check.py.)"""
 from __future__ import annotations
 
 import mmap
+import sys
 import threading
 import time
 
@@ -179,7 +180,7 @@ def test_a_restore_on_the_gpu_path_never_serves_rows_of_a_record_that_fails_its_
 
 
 @pytest.mark.parametrize("policy", ["kv:quant:8:64", "kv:turboquant:4:4"])
-def test_a_lossy_restore_reads_each_payload_from_the_pinned_pages(
+def test_a_lossy_restore_gathers_each_tensors_joined_rows_from_the_pinned_pages(
     tmp_path, staged, monkeypatch, policy
 ):
 
@@ -190,8 +191,9 @@ def test_a_lossy_restore_reads_each_payload_from_the_pinned_pages(
         store.save("ns", tokens, token_by_token(model, tokens))
         match = store.lookup("ns", tokens)
         on_device = store.restore(match, model.make_cache())
-        # One gather per record's payload, then the rows joined and decoded there.
-        assert staged.gathers >= len(match.blocks) and staged.uploads == 0
+        # One gather per stored row tensor of each layer (its rows of every record
+        # joined), then decoded on the device; nothing staged through slots.
+        assert staged.gathers >= 2 * len(on_device) and staged.uploads == 0
         monkeypatch.setattr(cuda, "TRANSPORT", False)
         plain = store.restore(match, model.make_cache())
     for a, b in zip(on_device, plain, strict=True):
@@ -209,52 +211,37 @@ def test_ranges_sharing_a_page_are_one_span_and_touching_ones_stay_apart():
     assert cuda_pages._spans([(0, page + 1), (page + 7, 3 * page)]) == [(0, 3 * page)]
 
 
-def test_records_are_locked_in_pieces_every_records_first_piece_first(monkeypatch):
+def test_a_gather_starts_before_later_records_are_locked_and_the_gil_is_handed_on_sooner(
+    staged, monkeypatch
+):
+    """Array i's kernel is launched once the pages holding its rows are locked (a lossy
+    restore gathers each record's payload as soon as that record is locked), and while
+    registrations run the GIL switch interval is short, then back as it was."""
     page = cuda_pages._PAGE
-    monkeypatch.setattr(cuda_pages, "PIECE_BYTES", 4 * page)
-    records = [(0, 10 * page), (10 * page, 17 * page)]  # back to back, as in the store
-    assert cuda_pages._in_pieces(records) == [
-        (0, 4 * page),
-        (10 * page, 14 * page),
-        (4 * page, 8 * page),
-        (14 * page, 17 * page),
-        (8 * page, 10 * page),
-    ]
-    monkeypatch.setattr(cuda_pages, "PIECE_BYTES", 0)
-    assert cuda_pages._in_pieces(records) == records
-
-
-def test_a_gather_starts_before_the_later_pieces_are_locked(staged, monkeypatch):
-    """Array i's kernel is launched once the pieces holding its rows are locked; a row
-    lying across two pieces is read through both (they are contiguous for the GPU)."""
-    page = cuda_pages._PAGE
-    monkeypatch.setattr(cuda_pages, "PIECE_BYTES", 2 * page)
     rng = np.random.default_rng(9)
-    # Two "records" of three layers each, a layer's rows 4 pages: rows cross pieces.
-    rows = page
-    maps = [mmap.mmap(-1, 16 * page) for _ in range(2)]  # records start on pages of their own
-    record_a, record_b = (
-        np.frombuffer(m, np.uint16, 3 * rows * 2, offset=64).reshape(3, 1, 1, rows, 2)
-        for m in maps
-    )
-    for record in (record_a, record_b):
-        record[...] = rng.integers(0, 1 << 16, record.shape, dtype=np.uint16)
-    columns = [[record_a[i], record_b[i]] for i in range(3)]
-    specs = [((1, 1, 2 * rows, 2), "uint16")] * 3
-    last_layer = [
-        (int(r[2].ctypes.data), int(r.ctypes.data) + r.nbytes) for r in (record_a, record_b)
-    ]
+    maps = [mmap.mmap(-1, 4 * page) for _ in range(2)]  # records on pages of their own
+    records = [np.frombuffer(m, np.uint8, 3 * page, offset=64).reshape(1, 1, -1, 1) for m in maps]
+    records.sort(key=lambda r: int(r.ctypes.data))  # spans are locked in address order
+    for record in records:
+        record[...] = rng.integers(0, 256, record.shape, dtype=np.uint8)
+    specs = [(r.shape, "uint8") for r in records]
+    second = int(records[1].ctypes.data) // page * page
     gate = threading.Event()
     real = staged.register
+    during: list[float] = []
 
     def register(base: int, nbytes: int) -> int:
-        if any(base < end and start < base + nbytes for start, end in last_layer):
-            assert gate.wait(10)  # the pieces holding the last layer's rows wait
+        if base == second:
+            during.append(sys.getswitchinterval())
+            assert gate.wait(10)  # the second record's pages wait
         return real(base, nbytes)
 
     monkeypatch.setattr(staged, "register", register)
+    before = sys.getswitchinterval()
     result: list = []
-    worker = threading.Thread(target=lambda: result.append(cuda_pages.gathered(specs, columns)))
+    worker = threading.Thread(
+        target=lambda: result.append(cuda_pages.gathered(specs, [[r] for r in records]))
+    )
     worker.start()
     deadline = time.monotonic() + 10
     while staged.gathers < 1 and time.monotonic() < deadline:
@@ -262,9 +249,10 @@ def test_a_gather_starts_before_the_later_pieces_are_locked(staged, monkeypatch)
     launched_early = staged.gathers
     gate.set()
     worker.join(10)
-    # The first layer's (the second's too, when its last piece holds no row of the third).
-    assert 1 <= launched_early < 3 and not worker.is_alive()
+    assert launched_early == 1 and not worker.is_alive()
     (arrays,) = result
     assert arrays is not None
-    for array, pieces in zip(arrays, columns, strict=True):
-        assert np.array_equal(np.array(array), np.concatenate(pieces, axis=2))
+    for array, record in zip(arrays, records, strict=True):
+        assert np.array_equal(np.array(array), record)
+    assert during == [cuda_pages.SWITCH_SECONDS]
+    assert sys.getswitchinterval() == before
