@@ -281,7 +281,7 @@ def join_runs(
     # On a CUDA GPU the host rows are read by the GPU from the store's pages (pinned:
     # ``pages``), each joined array one gather, as a lossless restore's are.
     filled = (
-        cuda_pages.gathered(specs, [joins[i][2].columns[0] for i in hosted], pages)
+        cuda_pages.gathered(specs, [joins[i][2].columns[0] for i in hosted], pages, one_buffer=True)
         if hosted and cuda.available()
         else None
     )

@@ -68,6 +68,17 @@ def test_a_gather_joins_strided_pieces_and_zeros_to_capacity(staged, batch):
     assert staged.registered == {}  # every page let go once the arrays were made
 
 
+def test_one_buffer_gathers_every_array_in_one_kernel(staged):
+    rng = np.random.default_rng(5)
+    columns = [pieces_of(rng, 3), pieces_of(rng, 2, rows=7, dim=3)]  # 90 bytes a row: unaligned
+    specs = [((1, 3, 15, 8), "float16"), ((1, 3, 14, 3), "float16")]
+    arrays = cuda_pages.gathered(specs, columns, one_buffer=True)
+    assert arrays is not None and staged.gathers == 1
+    for array, pieces in zip(arrays, columns, strict=True):
+        joined = np.concatenate(pieces, axis=2)
+        assert np.array_equal(np.array(array).view(np.uint16), joined.view(np.uint16))
+
+
 def test_unaligned_rows_are_copied_byte_by_byte(staged):
     rng = np.random.default_rng(1)
     pieces = [rng.integers(0, 255, (1, 2, 3, 3), dtype=np.uint8) for _ in range(2)]
@@ -191,9 +202,9 @@ def test_a_lossy_restore_gathers_each_tensors_joined_rows_from_the_pinned_pages(
         store.save("ns", tokens, token_by_token(model, tokens))
         match = store.lookup("ns", tokens)
         on_device = store.restore(match, model.make_cache())
-        # One gather per stored row tensor of each layer (its rows of every record
-        # joined), then decoded on the device; nothing staged through slots.
-        assert staged.gathers >= 2 * len(on_device) and staged.uploads == 0
+        # One kernel gathers every stored row tensor of every layer (its rows of every
+        # record joined), then each is decoded on the device; nothing staged via slots.
+        assert staged.gathers == 1 and staged.uploads == 0
         monkeypatch.setattr(cuda, "TRANSPORT", False)
         plain = store.restore(match, model.make_cache())
     for a, b in zip(on_device, plain, strict=True):
@@ -256,3 +267,11 @@ def test_a_gather_starts_before_later_records_are_locked_and_the_gil_is_handed_o
         assert np.array_equal(np.array(array), record)
     assert during == [cuda_pages.SWITCH_SECONDS]
     assert sys.getswitchinterval() == before
+
+
+def test_a_first_small_restore_starts_the_try_of_a_gather(staged, monkeypatch):
+    monkeypatch.setattr(cuda_pages, "_WORKS", None)
+    monkeypatch.setattr(cuda_pages, "_WORKS_FUTURE", None)
+    monkeypatch.setattr(cuda_pages, "GATHER_MIN_BYTES", 1 << 30)
+    assert cuda_pages.pin([bytes(100)]) is None  # too small to pin
+    assert cuda_pages._WORKS_FUTURE is not None and cuda_pages._WORKS_FUTURE.result() is True
