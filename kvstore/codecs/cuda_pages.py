@@ -33,6 +33,7 @@ import sys
 import threading
 from collections.abc import Iterable, Sequence
 from concurrent.futures import Future
+from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
@@ -54,6 +55,12 @@ GATHER_MIN_BYTES = int(float(os.environ.get("KVSTORE_CUDA_GATHER_MIN_MIB", "16")
 #: (Locking each record in pieces, to start gathers sooner, cost more than it saved:
 #: 74-97 ms with pieces of 8, 4 or 2 MiB, a call costing about 4 ms whatever its size.)
 SWITCH_SECONDS = 0.0005
+
+#: Whether a restore copies each record to a device buffer as soon as its pages are
+#: locked (``KVSTORE_CUDA_PAGES_COPY``, on by default), on the staging thread that
+#: locked them, so the bus carries the rows while the restore's thread still parses
+#: and plans, and the gathers then read device memory.
+COPY = os.environ.get("KVSTORE_CUDA_PAGES_COPY", "1") != "0"
 
 #: Words per segment (``src, src_pitch, dst_offset, dst_pitch, width, height``, bytes;
 #: ``src`` 0 writes zeros): ``height`` runs of ``width`` bytes. The kernel's layout.
@@ -147,23 +154,29 @@ def _rows_contiguous(piece: np.ndarray) -> bool:
 class PinnedPages:
     """Host pages page-locked for the GPU to read, the registrations running on the
     staging threads from the moment :func:`pin` returns (a restore parses and plans
-    meanwhile), in the order given. :meth:`device_address` waits only for the spans
-    it needs, so a gather can start while later spans are still being locked.
-    :meth:`release` lets them go, after the gathers that read them."""
+    meanwhile), in the order given. With ``copy`` (:data:`COPY`), each span is also
+    copied whole to a device buffer as soon as it is locked, on the same thread, and
+    let go: the gathers then read device memory. :meth:`device_address` waits only for
+    the spans it needs. :meth:`release` lets everything go, after the gathers."""
 
     def __init__(
-        self, transport: cuda.Transport, spans: list[tuple[int, int]], *, inline: bool = False
+        self,
+        transport: cuda.Transport,
+        spans: list[tuple[int, int]],
+        *,
+        inline: bool = False,
+        copy: bool = False,
     ) -> None:
         self._transport = transport
         self.spans = sorted(spans)
         self._starts = [start for start, _ in self.spans]
         at = {span: i for i, span in enumerate(self.spans)}
-        self._futures: list[Future[int | None]] = [Future() for _ in self.spans]
+        self._futures: list[Future[_Locked | None]] = [Future() for _ in self.spans]
         if spans and not inline:
             _hurry(+1)
             left = [len(spans)]
 
-            def one_done(_: Future[int | None]) -> None:
+            def one_done(_: Future[_Locked | None]) -> None:
                 with _HURRY_LOCK:
                     left[0] -= 1
                     last = not left[0]
@@ -171,25 +184,26 @@ class PinnedPages:
                     _hurry(-1)
 
         for span in spans:  # submitted in the order asked for
-            if inline:  # registered here, now (a staging thread's own small gather)
-                self._futures[at[span]].set_result(_register_one(transport, span))
+            if inline:  # locked here, now (a staging thread's own small gather)
+                self._futures[at[span]].set_result(_lock(transport, span, copy))
             else:
-                self._futures[at[span]] = cuda.pool().submit(_register_one, transport, span)
-                self._futures[at[span]].add_done_callback(one_done)  # noqa: F821 - set above
+                future = cuda.pool().submit(_lock, transport, span, copy)
+                future.add_done_callback(one_done)  # noqa: F821 - defined above
+                self._futures[at[span]] = future
         self._released = False
 
     def device_address(self, address: int, nbytes: int) -> int | None:
         """Where the GPU sees host ``address`` (``nbytes`` from it), once the spans
-        holding those bytes are registered (waits for them); ``None`` when some of
-        them are outside every span, refused by the driver, or released."""
+        holding those bytes are locked (and copied; waits for them); ``None`` when some
+        of them are outside every span, refused by the driver, or released."""
         at = bisect.bisect_right(self._starts, address) - 1
         end, delta = address + nbytes, None
         while at >= 0 and at < len(self.spans) and not self._released:
             start, stop = self.spans[at]
-            base = self._futures[at].result()
-            if base is None or (delta is not None and base - start != delta):
+            locked = self._futures[at].result()
+            if locked is None or (delta is not None and locked.address - start != delta):
                 return None  # refused, or not where the last span's bytes continue
-            delta = base - start
+            delta = locked.address - start
             if end <= stop:
                 return address + delta
             if at + 1 == len(self.spans) or self.spans[at + 1][0] != stop:
@@ -198,15 +212,18 @@ class PinnedPages:
         return None
 
     def release(self) -> None:
-        """Let the pages go, on a staging thread (after their registrations finish)."""
+        """Let the pages (and copies) go, on a staging thread (after their registrations
+        finish)."""
         if self._released:
             return
         self._released = True
 
         def let_go() -> None:
             for span, future in zip(self.spans, self._futures, strict=True):
-                if future.result() is not None:
+                locked = future.result()
+                if locked is not None and locked.copy is None:
                     self._transport.unregister(span[0])
+            self._futures = []  # the device copies go with their futures' results
             mine = set(self.spans)
             with _LOCK:
                 _HELD[:] = [span for span in _HELD if span not in mine]
@@ -214,6 +231,34 @@ class PinnedPages:
         with _LOCK:
             _PENDING[:] = [f for f in _PENDING if not f.done()]  # bounded in a long process
             _PENDING.append(cuda.pool().submit(let_go))
+
+
+@dataclass(frozen=True)
+class _Locked:
+    """A span the GPU can read: at ``address`` -- its registered pages, or ``copy``, a
+    device buffer of its bytes (the pages let go already)."""
+
+    address: int
+    copy: mx.array | None = None
+
+
+def _lock(transport: cuda.Transport, span: tuple[int, int], copy: bool) -> _Locked | None:
+    """Page-lock ``span`` (and, with ``copy``, copy it to a device buffer and let the
+    pages go); ``None`` when the driver refuses."""
+    try:
+        base = transport.register(span[0], span[1] - span[0])
+    except (OSError, RuntimeError):
+        return None
+    if not copy:
+        return _Locked(base)
+    try:
+        buffer = transport.copy_in(base, span[1] - span[0])
+        mx.eval(buffer)
+        return _Locked(transport.address_of(buffer), buffer)
+    except (OSError, RuntimeError, ValueError):
+        return None
+    finally:
+        transport.unregister(span[0])
 
 
 _HURRY_LOCK = threading.Lock()
@@ -257,7 +302,7 @@ def _pinned(spans: list[tuple[int, int]], *, inline: bool = False) -> PinnedPage
             if not _overlaps(spans):
                 _HELD.extend(spans)
                 _HELD.sort()
-                return PinnedPages(cuda.transport(), spans, inline=inline)
+                return PinnedPages(cuda.transport(), spans, inline=inline, copy=COPY)
         if attempt or inline:
             break
         settle()  # an earlier gather's pages, being let go: wait, and look again
@@ -274,13 +319,6 @@ def _overlaps(spans: Sequence[tuple[int, int]]) -> bool:
         if at and _HELD[at - 1][1] > start:
             return True  # the one before reaching into it
     return False
-
-
-def _register_one(transport: cuda.Transport, span: tuple[int, int]) -> int | None:
-    try:
-        return transport.register(span[0], span[1] - span[0])
-    except (OSError, RuntimeError):
-        return None
 
 
 def gathered(

@@ -37,7 +37,7 @@ def staged(monkeypatch):
     monkeypatch.setattr(cuda_pages, "_WORKS_FUTURE", None)
     assert cuda_pages._works()  # the once-per-process try, on pages of its own
     cuda_pages.settle()
-    transport.gathers = 0
+    transport.gathers = transport.copies = 0
     yield transport
     cuda_pages.settle()
     monkeypatch.setattr(cuda, "TRANSPORT", None)
@@ -139,20 +139,36 @@ def test_a_refused_registration_leaves_nothing_registered(staged):
     assert staged.registered == {} and cuda_pages._HELD == []
 
 
+@pytest.mark.parametrize("copy", [True, False], ids=["copied", "from-pages"])
 @pytest.mark.parametrize("family", ["plain", "window"])
 def test_a_lossless_restore_gathers_from_the_store_pages_and_equals_the_cpu_restore(
-    tmp_path, staged, monkeypatch, family
+    tmp_path, staged, monkeypatch, family, copy
 ):
 
     config, policy = FAMILIES[family]
     model = model_for(config)
     tokens = prompt(6, 5 * BLOCK + 3)
+    monkeypatch.setattr(cuda_pages, "COPY", copy)
+    real = staged.gather
+    locked_at_gathers: list[int] = []
+
+    def gather(params, nbytes):
+        locked_at_gathers.append(len(staged.registered))
+        return real(params, nbytes)
+
+    monkeypatch.setattr(staged, "gather", gather)
     with open_store(f"lmdb://{tmp_path / 's'}", block_size=BLOCK) as store:
         store.save("ns", tokens, prefilled(model, tokens, policy))
         match = store.lookup("ns", tokens)
         restored = store.restore(match, model.make_cache(policy))
-        # Every array read by the GPU from the store's pages: no slot staged.
+        # Every array read by the GPU from the store's pages (copied to the device as
+        # each record was locked, its pages let go before the gathers): no slot staged.
         assert staged.gathers == 2 * len(restored) and staged.uploads == 0
+        if copy:
+            assert staged.copies == len(match.blocks)
+            assert set(locked_at_gathers) == {0}
+        else:
+            assert staged.copies == 0 and min(locked_at_gathers) > 0
         cuda_pages.settle()
         assert staged.registered == {}
         monkeypatch.setattr(cuda, "TRANSPORT", False)
@@ -275,3 +291,14 @@ def test_a_first_small_restore_starts_the_try_of_a_gather(staged, monkeypatch):
     monkeypatch.setattr(cuda_pages, "GATHER_MIN_BYTES", 1 << 30)
     assert cuda_pages.pin([bytes(100)]) is None  # too small to pin
     assert cuda_pages._WORKS_FUTURE is not None and cuda_pages._WORKS_FUTURE.result() is True
+
+
+def test_a_copy_the_device_refuses_leaves_the_gather_to_staging(staged, monkeypatch):
+    def refuse(address: int, nbytes: int):
+        raise RuntimeError("[cuda] out of memory")
+
+    monkeypatch.setattr(staged, "copy_in", refuse)
+    pieces = pieces_of(np.random.default_rng(3), 2)
+    assert cuda_pages.gathered([((1, 3, 10, 8), "float16")], [pieces]) is None
+    cuda_pages.settle()
+    assert staged.registered == {} and cuda_pages._HELD == [] and staged.gathers == 0
