@@ -57,10 +57,11 @@ GATHER_MIN_BYTES = int(float(os.environ.get("KVSTORE_CUDA_GATHER_MIN_MIB", "16")
 SWITCH_SECONDS = 0.0005
 
 #: Whether a restore copies each record to a device buffer as soon as its pages are
-#: locked (``KVSTORE_CUDA_PAGES_COPY``, on by default), on the staging thread that
-#: locked them, so the bus carries the rows while the restore's thread still parses
-#: and plans, and the gathers then read device memory.
-COPY = os.environ.get("KVSTORE_CUDA_PAGES_COPY", "1") != "0"
+#: locked (``KVSTORE_CUDA_PAGES_COPY=1``), on the staging thread that locked them, so
+#: the bus carries the rows while the restore's thread still parses and plans, and the
+#: gathers then read device memory. Off by default until measured on a GPU: built and
+#: tested against the host stand-in in a session the device machine was not lent.
+COPY = os.environ.get("KVSTORE_CUDA_PAGES_COPY", "0") == "1"
 
 #: Words per segment (``src, src_pitch, dst_offset, dst_pitch, width, height``, bytes;
 #: ``src`` 0 writes zeros): ``height`` runs of ``width`` bytes. The kernel's layout.

@@ -238,12 +238,14 @@ def test_ranges_sharing_a_page_are_one_span_and_touching_ones_stay_apart():
     assert cuda_pages._spans([(0, page + 1), (page + 7, 3 * page)]) == [(0, 3 * page)]
 
 
+@pytest.mark.parametrize("copy", [False, True], ids=["from-pages", "copied"])
 def test_a_gather_starts_before_later_records_are_locked_and_the_gil_is_handed_on_sooner(
-    staged, monkeypatch
+    staged, monkeypatch, copy
 ):
     """Array i's kernel is launched once the pages holding its rows are locked (a lossy
     restore gathers each record's payload as soon as that record is locked), and while
     registrations run the GIL switch interval is short, then back as it was."""
+    monkeypatch.setattr(cuda_pages, "COPY", copy)
     page = cuda_pages._PAGE
     rng = np.random.default_rng(9)
     maps = [mmap.mmap(-1, 4 * page) for _ in range(2)]  # records on pages of their own
@@ -283,6 +285,7 @@ def test_a_gather_starts_before_later_records_are_locked_and_the_gil_is_handed_o
         assert np.array_equal(np.array(array), record)
     assert during == [cuda_pages.SWITCH_SECONDS]
     assert sys.getswitchinterval() == before
+    assert staged.copies == (2 if copy else 0)
 
 
 def test_a_first_small_restore_starts_the_try_of_a_gather(staged, monkeypatch):
@@ -297,6 +300,7 @@ def test_a_copy_the_device_refuses_leaves_the_gather_to_staging(staged, monkeypa
     def refuse(address: int, nbytes: int):
         raise RuntimeError("[cuda] out of memory")
 
+    monkeypatch.setattr(cuda_pages, "COPY", True)
     monkeypatch.setattr(staged, "copy_in", refuse)
     pieces = pieces_of(np.random.default_rng(3), 2)
     assert cuda_pages.gathered([((1, 3, 10, 8), "float16")], [pieces]) is None
