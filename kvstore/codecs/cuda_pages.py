@@ -260,6 +260,9 @@ def _lock(transport: cuda.Transport, span: tuple[int, int], copy: bool) -> _Lock
         return None
     finally:
         transport.unregister(span[0])
+        with _LOCK:  # let go already: another restore of these pages may lock them now
+            if span in _HELD:
+                _HELD.remove(span)
 
 
 _HURRY_LOCK = threading.Lock()
@@ -300,10 +303,12 @@ def pin(buffers: Sequence[Any]) -> PinnedPages | None:
 def _pinned(spans: list[tuple[int, int]], *, inline: bool = False) -> PinnedPages | None:
     for attempt in range(2):
         with _LOCK:
-            if not _overlaps(spans):
+            free = not _overlaps(spans)
+            if free:
                 _HELD.extend(spans)
                 _HELD.sort()
-                return PinnedPages(cuda.transport(), spans, inline=inline, copy=COPY)
+        if free:  # made outside the lock: an inline copy lets its span go under it
+            return PinnedPages(cuda.transport(), spans, inline=inline, copy=COPY)
         if attempt or inline:
             break
         settle()  # an earlier gather's pages, being let go: wait, and look again

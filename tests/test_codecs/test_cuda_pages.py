@@ -306,3 +306,50 @@ def test_a_copy_the_device_refuses_leaves_the_gather_to_staging(staged, monkeypa
     assert cuda_pages.gathered([((1, 3, 10, 8), "float16")], [pieces]) is None
     cuda_pages.settle()
     assert staged.registered == {} and cuda_pages._HELD == [] and staged.gathers == 0
+
+
+@pytest.mark.parametrize("copy", [False, True], ids=["from-pages", "copied"])
+def test_concurrent_restores_of_one_prefix_are_each_bit_exact_and_let_everything_go(
+    tmp_path, staged, monkeypatch, copy
+):
+    """Threads restoring the same prefix at once: each gathers (or, where another holds
+    the pages, stages) the same caches; afterwards nothing is registered or held and
+    the GIL switch interval is what it was."""
+    monkeypatch.setattr(cuda_pages, "COPY", copy)
+    model = model_for("tiny")
+    tokens = prompt(10, 5 * BLOCK + 3)
+    before = sys.getswitchinterval()
+    with open_store(f"lmdb://{tmp_path / 's'}", block_size=BLOCK) as store:
+        store.save("ns", tokens, prefilled(model, tokens))
+        match = store.lookup("ns", tokens)
+        want = store.restore(match, model.make_cache())
+        errors: list[BaseException] = []
+
+        def restore_a_few() -> None:
+            try:
+                for _ in range(3):
+                    assert_same_caches(store.restore(match, model.make_cache()), want)
+            except BaseException as exc:  # noqa: BLE001 - reported by the test thread
+                errors.append(exc)
+
+        workers = [threading.Thread(target=restore_a_few) for _ in range(4)]
+        for worker in workers:
+            worker.start()
+        for worker in workers:
+            worker.join(60)
+    cuda_pages.settle()
+    assert not errors and not any(w.is_alive() for w in workers)
+    assert staged.gathers > 0
+    assert staged.registered == {} and cuda_pages._HELD == []
+    assert sys.getswitchinterval() == before
+
+
+def test_the_try_of_a_gather_passes_through_device_copies(staged, monkeypatch):
+    monkeypatch.setattr(cuda_pages, "COPY", True)
+    monkeypatch.setattr(cuda_pages, "_WORKS", None)
+    monkeypatch.setattr(cuda_pages, "_WORKS_FUTURE", None)
+    assert cuda_pages._route()  # starts the try on a staging thread
+    assert cuda_pages._WORKS_FUTURE.result(timeout=30)  # (a lock taken twice hung here)
+    assert staged.copies == 1  # its pages, copied inline
+    cuda_pages.settle()
+    assert staged.registered == {} and cuda_pages._HELD == []
