@@ -26,11 +26,14 @@ gather reads them, gets ``None`` and stages the plain way.
 from __future__ import annotations
 
 import bisect
+import itertools
 import mmap
 import os
+import sys
 import threading
 from collections.abc import Iterable, Sequence
 from concurrent.futures import Future
+from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
@@ -43,6 +46,22 @@ __all__ = ["GATHER_MIN_BYTES", "PinnedPages", "pin", "gathered", "segments", "se
 
 #: Below this many bytes in all, staging through slots costs less than page-locking.
 GATHER_MIN_BYTES = int(float(os.environ.get("KVSTORE_CUDA_GATHER_MIN_MIB", "16")) * (1 << 20))
+
+#: The GIL switch interval while pages are being locked (Python's default is 5 ms).
+#: Each registration is a ctypes call, whose thread takes the GIL to make it and again
+#: to return, while the restore's own thread parses and plans, keeping the GIL for a
+#: whole interval each time. H200, 4096 tokens of llama-8B, 16 records: the
+#: registrations ended 45.7 -> 21.8 ms into the restore, which took 67.8 -> 51.2 ms.
+#: (Locking each record in pieces, to start gathers sooner, cost more than it saved:
+#: 74-97 ms with pieces of 8, 4 or 2 MiB, a call costing about 4 ms whatever its size.)
+SWITCH_SECONDS = 0.0005
+
+#: Whether a restore copies each record to a device buffer as soon as its pages are
+#: locked (``KVSTORE_CUDA_PAGES_COPY=1``), on the staging thread that locked them, so
+#: the bus carries the rows while the restore's thread still parses and plans, and the
+#: gathers then read device memory. Off by default until measured on a GPU: built and
+#: tested against the host stand-in in a session the device machine was not lent.
+COPY = os.environ.get("KVSTORE_CUDA_PAGES_COPY", "0") == "1"
 
 #: Words per segment (``src, src_pitch, dst_offset, dst_pitch, width, height``, bytes;
 #: ``src`` 0 writes zeros): ``height`` runs of ``width`` bytes. The kernel's layout.
@@ -67,15 +86,19 @@ def segments(pieces: Sequence[np.ndarray], shape: tuple[int, ...], name: str) ->
     words: list[int] = []
     pos = 0
     for piece in pieces:
-        if (
-            not isinstance(piece, np.ndarray)
-            or piece.ndim != len(shape)
-            or piece.shape[:2] != (batch, heads)
-            or piece.shape[3:] != rest
-            or piece.itemsize != itemsize
-            or dtype_name(piece) != name
-            or not _rows_contiguous(piece)
-        ):
+        if type(piece) is not np.ndarray:
+            return None
+        # A restore's pieces share a few layouts (one per tensor kind): checked once each
+        # (13 -> 5 us a piece here; 1024 pieces in a 4096-token llama-8B restore).
+        dtype = piece.dtype
+        tag = dtype.metadata.get("dtype") if dtype.metadata else None  # equality ignores it
+        key = (piece.shape, piece.strides, dtype, tag, shape, name)
+        fits = _FITS.get(key)
+        if fits is None:
+            if len(_FITS) > 4096:  # bounded in a long process
+                _FITS.clear()
+            fits = _FITS[key] = _fits(piece, shape, name, itemsize)
+        if not fits:
             return None
         rows = int(piece.shape[2])
         if rows == 0:
@@ -102,6 +125,23 @@ def segments(pieces: Sequence[np.ndarray], shape: tuple[int, ...], name: str) ->
     return words
 
 
+#: Whether a piece of a layout (its shape, strides and dtype) fits a gather into
+#: an array of a shape and dtype: :func:`_fits`, remembered.
+_FITS: dict[tuple[Any, ...], bool] = {}
+
+
+def _fits(piece: np.ndarray, shape: tuple[int, ...], name: str, itemsize: int) -> bool:
+    """Whether ``piece``'s rows can be gathered into a ``shape`` array of ``name``."""
+    return (
+        piece.ndim == len(shape)
+        and piece.shape[:2] == tuple(shape[:2])
+        and piece.shape[3:] == tuple(shape[3:])
+        and piece.itemsize == itemsize
+        and dtype_name(piece) == name
+        and _rows_contiguous(piece)
+    )
+
+
 def _rows_contiguous(piece: np.ndarray) -> bool:
     """Whether each (batch, head) run of ``piece``'s rows is one contiguous span."""
     step = piece.itemsize
@@ -115,74 +155,142 @@ def _rows_contiguous(piece: np.ndarray) -> bool:
 class PinnedPages:
     """Host pages page-locked for the GPU to read, the registrations running on the
     staging threads from the moment :func:`pin` returns (a restore parses and plans
-    meanwhile). :meth:`release` lets them go, after the gathers that read them."""
+    meanwhile), in the order given. With ``copy`` (:data:`COPY`), each span is also
+    copied whole to a device buffer as soon as it is locked, on the same thread, and
+    let go: the gathers then read device memory. :meth:`device_address` waits only for
+    the spans it needs. :meth:`release` lets everything go, after the gathers."""
 
     def __init__(
-        self, transport: cuda.Transport, spans: list[tuple[int, int]], *, inline: bool = False
+        self,
+        transport: cuda.Transport,
+        spans: list[tuple[int, int]],
+        *,
+        inline: bool = False,
+        copy: bool = False,
     ) -> None:
         self._transport = transport
-        self.spans = spans
-        self._starts = [start for start, _ in spans]
-        if inline:  # registered here, now (a staging thread's own small gather)
-            self._futures = []
-            for span in spans:
-                done: Future[int | None] = Future()
-                done.set_result(_register_one(transport, span))
-                self._futures.append(done)
-        else:
-            self._futures = [cuda.pool().submit(_register_one, transport, s) for s in spans]
-        self._bases: list[int] | None = None
+        self.spans = sorted(spans)
+        self._starts = [start for start, _ in self.spans]
+        at = {span: i for i, span in enumerate(self.spans)}
+        self._futures: list[Future[_Locked | None]] = [Future() for _ in self.spans]
+        if spans and not inline:
+            _hurry(+1)
+            left = [len(spans)]
+
+            def one_done(_: Future[_Locked | None]) -> None:
+                with _HURRY_LOCK:
+                    left[0] -= 1
+                    last = not left[0]
+                if last:
+                    _hurry(-1)
+
+        for span in spans:  # submitted in the order asked for
+            if inline:  # locked here, now (a staging thread's own small gather)
+                self._futures[at[span]].set_result(_lock(transport, span, copy))
+            else:
+                future = cuda.pool().submit(_lock, transport, span, copy)
+                future.add_done_callback(one_done)  # noqa: F821 - defined above
+                self._futures[at[span]] = future
         self._released = False
 
-    def ready(self) -> bool:
-        """Whether every span is registered (waits for the registrations)."""
-        if self._bases is None:
-            bases = [future.result() for future in self._futures]
-            if any(base is None for base in bases):
-                self._unregister(
-                    [s for s, b in zip(self.spans, bases, strict=True) if b is not None]
-                )
-                self._released = True
-                return False
-            self._bases = [b for b in bases if b is not None]
-        return not self._released
-
     def device_address(self, address: int, nbytes: int) -> int | None:
-        """Where the GPU sees host ``address`` (``nbytes`` from it inside one span), or
-        ``None`` outside every span."""
+        """Where the GPU sees host ``address`` (``nbytes`` from it), once the spans
+        holding those bytes are locked (and copied; waits for them); ``None`` when some
+        of them are outside every span, refused by the driver, or released."""
         at = bisect.bisect_right(self._starts, address) - 1
-        if at < 0 or address + nbytes > self.spans[at][1] or self._bases is None:
-            return None
-        return self._bases[at] + address - self._starts[at]
+        end, delta = address + nbytes, None
+        while at >= 0 and at < len(self.spans) and not self._released:
+            start, stop = self.spans[at]
+            locked = self._futures[at].result()
+            if locked is None or (delta is not None and locked.address - start != delta):
+                return None  # refused, or not where the last span's bytes continue
+            delta = locked.address - start
+            if end <= stop:
+                return address + delta
+            if at + 1 == len(self.spans) or self.spans[at + 1][0] != stop:
+                return None  # a gap after this span
+            at += 1
+        return None
 
     def release(self) -> None:
-        """Let the pages go, on a staging thread (after their registrations finish)."""
+        """Let the pages (and copies) go, on a staging thread (after their registrations
+        finish)."""
         if self._released:
             return
         self._released = True
 
         def let_go() -> None:
-            bases = [future.result() for future in self._futures]
-            self._unregister([s for s, b in zip(self.spans, bases, strict=True) if b is not None])
+            for span, future in zip(self.spans, self._futures, strict=True):
+                locked = future.result()
+                if locked is not None and locked.copy is None:
+                    self._transport.unregister(span[0])
+            self._futures = []  # the device copies go with their futures' results
+            mine = set(self.spans)
+            with _LOCK:
+                _HELD[:] = [span for span in _HELD if span not in mine]
 
         with _LOCK:
             _PENDING[:] = [f for f in _PENDING if not f.done()]  # bounded in a long process
             _PENDING.append(cuda.pool().submit(let_go))
 
-    def _unregister(self, spans: Sequence[tuple[int, int]]) -> None:
-        for start, _ in spans:
-            self._transport.unregister(start)
-        with _LOCK:
-            for span in self.spans:
-                if span in _HELD:
-                    _HELD.remove(span)
+
+@dataclass(frozen=True)
+class _Locked:
+    """A span the GPU can read: at ``address`` -- its registered pages, or ``copy``, a
+    device buffer of its bytes (the pages let go already)."""
+
+    address: int
+    copy: mx.array | None = None
+
+
+def _lock(transport: cuda.Transport, span: tuple[int, int], copy: bool) -> _Locked | None:
+    """Page-lock ``span`` (and, with ``copy``, copy it to a device buffer and let the
+    pages go); ``None`` when the driver refuses."""
+    try:
+        base = transport.register(span[0], span[1] - span[0])
+    except (OSError, RuntimeError):
+        return None
+    if not copy:
+        return _Locked(base)
+    try:
+        buffer = transport.copy_in(base, span[1] - span[0])
+        mx.eval(buffer)
+        return _Locked(transport.address_of(buffer), buffer)
+    except (OSError, RuntimeError, ValueError):
+        return None
+    finally:
+        transport.unregister(span[0])
+        with _LOCK:  # let go already: another restore of these pages may lock them now
+            if span in _HELD:
+                _HELD.remove(span)
+
+
+_HURRY_LOCK = threading.Lock()
+#: Pinned pages with registrations still running, and the switch interval before them.
+_HURRIED = [0]
+_SAVED_INTERVAL = [0.0]
+
+
+def _hurry(step: int) -> None:
+    """One more (``+1``) or one fewer (``-1``) set of registrations running: the GIL
+    switch interval is :data:`SWITCH_SECONDS` while any are, and back to what it was
+    after the last."""
+    with _HURRY_LOCK:
+        if step > 0 and not _HURRIED[0]:
+            _SAVED_INTERVAL[0] = sys.getswitchinterval()
+            sys.setswitchinterval(min(_SAVED_INTERVAL[0], SWITCH_SECONDS))
+        _HURRIED[0] += step
+        if step < 0 and not _HURRIED[0]:
+            sys.setswitchinterval(_SAVED_INTERVAL[0])
 
 
 def pin(buffers: Sequence[Any]) -> PinnedPages | None:
     """Start page-locking the memory of ``buffers`` (a read's record views) for the GPU
     to gather from; ``None`` (nothing done) when too few bytes, no gather route here,
     or pages another gather holds."""
-    if sum(memoryview(b).nbytes for b in buffers) < GATHER_MIN_BYTES or not _route():
+    # The route first: a process's first restore of any size starts the try of a gather
+    # (a restore of one small block, a session's warm-up, then leaves it done).
+    if not _route() or sum(memoryview(b).nbytes for b in buffers) < GATHER_MIN_BYTES:
         return None
     ranges = []
     for buffer in buffers:
@@ -195,10 +303,12 @@ def pin(buffers: Sequence[Any]) -> PinnedPages | None:
 def _pinned(spans: list[tuple[int, int]], *, inline: bool = False) -> PinnedPages | None:
     for attempt in range(2):
         with _LOCK:
-            if not _overlaps(spans):
+            free = not _overlaps(spans)
+            if free:
                 _HELD.extend(spans)
                 _HELD.sort()
-                return PinnedPages(cuda.transport(), spans, inline=inline)
+        if free:  # made outside the lock: an inline copy lets its span go under it
+            return PinnedPages(cuda.transport(), spans, inline=inline, copy=COPY)
         if attempt or inline:
             break
         settle()  # an earlier gather's pages, being let go: wait, and look again
@@ -206,21 +316,23 @@ def _pinned(spans: list[tuple[int, int]], *, inline: bool = False) -> PinnedPage
 
 
 def _overlaps(spans: Sequence[tuple[int, int]]) -> bool:
-    """Whether any of ``spans`` shares a page with one registered now (under _LOCK)."""
-    return any(s < e2 and s2 < e for s, e in spans for s2, e2 in _HELD)
-
-
-def _register_one(transport: cuda.Transport, span: tuple[int, int]) -> int | None:
-    try:
-        return transport.register(span[0], span[1] - span[0])
-    except (OSError, RuntimeError):
-        return None
+    """Whether any of ``spans`` shares a page with one registered now (under _LOCK;
+    ``_HELD`` is sorted and its spans are disjoint)."""
+    for start, end in spans:
+        at = bisect.bisect_left(_HELD, (start, start))
+        if at < len(_HELD) and _HELD[at][0] < end:
+            return True  # one starting inside
+        if at and _HELD[at - 1][1] > start:
+            return True  # the one before reaching into it
+    return False
 
 
 def gathered(
     specs: Sequence[cuda.LeafSpec],
     pieces: Sequence[Sequence[np.ndarray]],
     pages: PinnedPages | None = None,
+    *,
+    one_buffer: bool = False,
 ) -> list[mx.array] | None:
     """Evaluated device arrays of ``specs``, array ``i`` the rows of ``pieces[i]`` joined
     (zeros past them), read by the GPU out of the pieces' own pages; ``None`` (nothing
@@ -230,12 +342,16 @@ def gathered(
     Args:
         pages: the pieces' pages, pinned already (:func:`pin`); else they are pinned
             here, and let go after.
+        one_buffer: every array in one kernel, the arrays views into its one output
+            (for arrays a restore decodes and drops: a lossy restore's 192 joined
+            tensors took 40 ms as a kernel each on an H200); else each array a kernel
+            and a buffer of its own, launched as soon as its pages are locked.
 
     The pieces' memory must stay mapped until this returns.
     """
     if not specs or sum(map(cuda.nbytes_of, specs)) < GATHER_MIN_BYTES or not _proven():
         return None
-    return _gather(specs, pieces, pages)
+    return _gather(specs, pieces, pages, one_buffer=one_buffer)
 
 
 def _gather(
@@ -244,48 +360,78 @@ def _gather(
     pages: PinnedPages | None,
     *,
     inline: bool = False,
+    one_buffer: bool = False,
 ) -> list[mx.array] | None:
     plans = [segments(p, shape, name) for p, (shape, name) in zip(pieces, specs, strict=True)]
     if any(words is None for words in plans):
         return None
     own = pages is None
     if pages is None:
-        pages = _pinned(
-            _spans(
-                (int(piece.ctypes.data), int(piece.ctypes.data) + _extent(piece))
-                for column in pieces
-                for piece in column
-                if piece.size
-            ),
-            inline=inline,
+        extents = (
+            (int(piece.ctypes.data), int(piece.ctypes.data) + _extent(piece))
+            for column in pieces
+            for piece in column
+            if piece.size
         )
+        pages = _pinned(_spans(extents), inline=inline)
         if pages is None:
             return None
+    transport = cuda.transport()
+    arrays: list[mx.array] = []
+    done = False
     try:
-        if not pages.ready():
-            return None
-        params = []
-        for words in plans:
-            assert words is not None
-            device = list(words)
-            for k in range(0, len(device), SEGMENT_WORDS):
-                if device[k]:  # a host address -> where the GPU sees it
-                    extent = (device[k + 5] - 1) * device[k + 1] + device[k + 4]
-                    address = pages.device_address(device[k], extent)
-                    if address is None:  # rows outside the pinned pages
-                        return None
-                    device[k] = address
-            params.append(np.array([len(device) // SEGMENT_WORDS, *device], np.uint64))
-        transport = cuda.transport()
-        arrays = [
-            transport.gather(words, cuda.nbytes_of(spec)).view(MLX_DTYPES[spec[1]]).reshape(spec[0])
-            for words, spec in zip(params, specs, strict=True)
-        ]
+        if one_buffer:
+            sizes = [-(-cuda.nbytes_of(spec) // 16) * 16 for spec in specs]  # 16-byte words
+            starts = list(itertools.accumulate(sizes, initial=0))
+            joined = [w for plan, at in zip(plans, starts) for w in _shifted(plan, at)]
+            device = _on_device(joined, pages)
+            if device is None:
+                return None
+            flat = transport.gather(device, starts[-1])
+            for at, (shape, name) in zip(starts, specs, strict=False):
+                cut = flat[at : at + cuda.nbytes_of((shape, name))]
+                arrays.append(cut.view(MLX_DTYPES[name]).reshape(shape))
+        else:
+            for words, spec in zip(plans, specs, strict=True):
+                device = _on_device(words, pages)
+                if device is None:
+                    return None
+                array = transport.gather(device, cuda.nbytes_of(spec))
+                mx.async_eval(array)  # runs while later arrays' pages are still being locked
+                arrays.append(array.view(MLX_DTYPES[spec[1]]).reshape(spec[0]))
         mx.eval(arrays)
+        done = True
     finally:
+        if not done and arrays:
+            mx.eval(arrays)  # kernels in flight read the pages: let them finish first
         if own:  # the kernels have read every byte: let go off the restore's path
             pages.release()
     return arrays
+
+
+def _shifted(words: list[int] | None, offset: int) -> list[int]:
+    """Segment ``words`` writing ``offset`` bytes further into the output."""
+    assert words is not None
+    out = list(words)
+    for k in range(2, len(out), SEGMENT_WORDS):
+        out[k] += offset
+    return out
+
+
+def _on_device(words: list[int] | None, pages: PinnedPages) -> np.ndarray | None:
+    """The kernel's parameters for segment ``words``: each host address where the GPU
+    sees it, once its pages are locked (waits for them); ``None`` for rows outside the
+    pinned pages, or pages the driver refused."""
+    assert words is not None
+    device = list(words)
+    for k in range(0, len(device), SEGMENT_WORDS):
+        if device[k]:
+            extent = (device[k + 5] - 1) * device[k + 1] + device[k + 4]
+            address = pages.device_address(device[k], extent)
+            if address is None:
+                return None
+            device[k] = address
+    return np.array([len(device) // SEGMENT_WORDS, *device], np.uint64)
 
 
 _WORKS: bool | None = None

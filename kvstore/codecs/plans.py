@@ -237,7 +237,9 @@ def run_plans(
     return caches
 
 
-def join_runs(layers: Sequence[Sequence[Snapshot]]) -> list[list[Snapshot]]:
+def join_runs(
+    layers: Sequence[Sequence[Snapshot]], pages: cuda_pages.PinnedPages | None = None
+) -> list[list[Snapshot]]:
     """Each layer's snapshots with every run of consecutive ones (``stop`` of one is
     ``start`` of the next) joined into one snapshot of MLX arrays.
 
@@ -275,7 +277,16 @@ def join_runs(layers: Sequence[Sequence[Snapshot]]) -> list[list[Snapshot]]:
         joins[hosted[k]][2].fill_leaf(0, target)
 
     arrays: dict[int, mx.array] = {i: joins[i][2].join_on_device(0) for i in on_device}
-    filled = filled_arrays([joins[i][2].leaves()[0] for i in hosted], fill)
+    specs = [joins[i][2].leaves()[0] for i in hosted]
+    # On a CUDA GPU the host rows are read by the GPU from the store's pages (pinned:
+    # ``pages``), each joined array one gather, as a lossless restore's are.
+    filled = (
+        cuda_pages.gathered(specs, [joins[i][2].columns[0] for i in hosted], pages, one_buffer=True)
+        if hosted and cuda.available()
+        else None
+    )
+    if filled is None:
+        filled = filled_arrays(specs, fill)
     arrays.update(zip(hosted, filled, strict=True))
     joined: dict[int, dict[str, mx.array]] = {}
     for i, (run_id, name, _) in enumerate(joins):

@@ -5,6 +5,11 @@ device machine: tools/bench/gpu/check.py.)"""
 
 from __future__ import annotations
 
+import mmap
+import sys
+import threading
+import time
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -32,7 +37,7 @@ def staged(monkeypatch):
     monkeypatch.setattr(cuda_pages, "_WORKS_FUTURE", None)
     assert cuda_pages._works()  # the once-per-process try, on pages of its own
     cuda_pages.settle()
-    transport.gathers = 0
+    transport.gathers = transport.copies = 0
     yield transport
     cuda_pages.settle()
     monkeypatch.setattr(cuda, "TRANSPORT", None)
@@ -61,6 +66,17 @@ def test_a_gather_joins_strided_pieces_and_zeros_to_capacity(staged, batch):
         assert np.array_equal(np.array(array).view(np.uint16), want.view(np.uint16))
     cuda_pages.settle()
     assert staged.registered == {}  # every page let go once the arrays were made
+
+
+def test_one_buffer_gathers_every_array_in_one_kernel(staged):
+    rng = np.random.default_rng(5)
+    columns = [pieces_of(rng, 3), pieces_of(rng, 2, rows=7, dim=3)]  # 90 bytes a row: unaligned
+    specs = [((1, 3, 15, 8), "float16"), ((1, 3, 14, 3), "float16")]
+    arrays = cuda_pages.gathered(specs, columns, one_buffer=True)
+    assert arrays is not None and staged.gathers == 1
+    for array, pieces in zip(arrays, columns, strict=True):
+        joined = np.concatenate(pieces, axis=2)
+        assert np.array_equal(np.array(array).view(np.uint16), joined.view(np.uint16))
 
 
 def test_unaligned_rows_are_copied_byte_by_byte(staged):
@@ -119,23 +135,40 @@ def test_a_refused_registration_leaves_nothing_registered(staged):
     staged.refuse = True
     pieces = pieces_of(np.random.default_rng(3), 2)
     assert cuda_pages.gathered([((1, 3, 10, 8), "float16")], [pieces]) is None
+    cuda_pages.settle()  # the pages are let go on a staging thread
     assert staged.registered == {} and cuda_pages._HELD == []
 
 
+@pytest.mark.parametrize("copy", [True, False], ids=["copied", "from-pages"])
 @pytest.mark.parametrize("family", ["plain", "window"])
 def test_a_lossless_restore_gathers_from_the_store_pages_and_equals_the_cpu_restore(
-    tmp_path, staged, monkeypatch, family
+    tmp_path, staged, monkeypatch, family, copy
 ):
 
     config, policy = FAMILIES[family]
     model = model_for(config)
     tokens = prompt(6, 5 * BLOCK + 3)
+    monkeypatch.setattr(cuda_pages, "COPY", copy)
+    real = staged.gather
+    locked_at_gathers: list[int] = []
+
+    def gather(params, nbytes):
+        locked_at_gathers.append(len(staged.registered))
+        return real(params, nbytes)
+
+    monkeypatch.setattr(staged, "gather", gather)
     with open_store(f"lmdb://{tmp_path / 's'}", block_size=BLOCK) as store:
         store.save("ns", tokens, prefilled(model, tokens, policy))
         match = store.lookup("ns", tokens)
         restored = store.restore(match, model.make_cache(policy))
-        # Every array read by the GPU from the store's pages: no slot staged.
+        # Every array read by the GPU from the store's pages (copied to the device as
+        # each record was locked, its pages let go before the gathers): no slot staged.
         assert staged.gathers == 2 * len(restored) and staged.uploads == 0
+        if copy:
+            assert staged.copies == len(match.blocks)
+            assert set(locked_at_gathers) == {0}
+        else:
+            assert staged.copies == 0 and min(locked_at_gathers) > 0
         cuda_pages.settle()
         assert staged.registered == {}
         monkeypatch.setattr(cuda, "TRANSPORT", False)
@@ -174,7 +207,7 @@ def test_a_restore_on_the_gpu_path_never_serves_rows_of_a_record_that_fails_its_
 
 
 @pytest.mark.parametrize("policy", ["kv:quant:8:64", "kv:turboquant:4:4"])
-def test_a_lossy_restore_reads_each_payload_from_the_pinned_pages(
+def test_a_lossy_restore_gathers_each_tensors_joined_rows_from_the_pinned_pages(
     tmp_path, staged, monkeypatch, policy
 ):
 
@@ -185,8 +218,9 @@ def test_a_lossy_restore_reads_each_payload_from_the_pinned_pages(
         store.save("ns", tokens, token_by_token(model, tokens))
         match = store.lookup("ns", tokens)
         on_device = store.restore(match, model.make_cache())
-        # One gather per record's payload, then the rows joined and decoded there.
-        assert staged.gathers >= len(match.blocks) and staged.uploads == 0
+        # One kernel gathers every stored row tensor of every layer (its rows of every
+        # record joined), then each is decoded on the device; nothing staged via slots.
+        assert staged.gathers == 1 and staged.uploads == 0
         monkeypatch.setattr(cuda, "TRANSPORT", False)
         plain = store.restore(match, model.make_cache())
     for a, b in zip(on_device, plain, strict=True):
@@ -202,3 +236,120 @@ def test_ranges_sharing_a_page_are_one_span_and_touching_ones_stay_apart():
     )
     assert spans == [(page, 2 * page), (3 * page, 5 * page), (5 * page, 6 * page)]
     assert cuda_pages._spans([(0, page + 1), (page + 7, 3 * page)]) == [(0, 3 * page)]
+
+
+@pytest.mark.parametrize("copy", [False, True], ids=["from-pages", "copied"])
+def test_a_gather_starts_before_later_records_are_locked_and_the_gil_is_handed_on_sooner(
+    staged, monkeypatch, copy
+):
+    """Array i's kernel is launched once the pages holding its rows are locked (a lossy
+    restore gathers each record's payload as soon as that record is locked), and while
+    registrations run the GIL switch interval is short, then back as it was."""
+    monkeypatch.setattr(cuda_pages, "COPY", copy)
+    page = cuda_pages._PAGE
+    rng = np.random.default_rng(9)
+    maps = [mmap.mmap(-1, 4 * page) for _ in range(2)]  # records on pages of their own
+    records = [np.frombuffer(m, np.uint8, 3 * page, offset=64).reshape(1, 1, -1, 1) for m in maps]
+    records.sort(key=lambda r: int(r.ctypes.data))  # spans are locked in address order
+    for record in records:
+        record[...] = rng.integers(0, 256, record.shape, dtype=np.uint8)
+    specs = [(r.shape, "uint8") for r in records]
+    second = int(records[1].ctypes.data) // page * page
+    gate = threading.Event()
+    real = staged.register
+    during: list[float] = []
+
+    def register(base: int, nbytes: int) -> int:
+        if base == second:
+            during.append(sys.getswitchinterval())
+            assert gate.wait(10)  # the second record's pages wait
+        return real(base, nbytes)
+
+    monkeypatch.setattr(staged, "register", register)
+    before = sys.getswitchinterval()
+    result: list = []
+    worker = threading.Thread(
+        target=lambda: result.append(cuda_pages.gathered(specs, [[r] for r in records]))
+    )
+    worker.start()
+    deadline = time.monotonic() + 10
+    while staged.gathers < 1 and time.monotonic() < deadline:
+        worker.join(0.01)
+    launched_early = staged.gathers
+    gate.set()
+    worker.join(10)
+    assert launched_early == 1 and not worker.is_alive()
+    (arrays,) = result
+    assert arrays is not None
+    for array, record in zip(arrays, records, strict=True):
+        assert np.array_equal(np.array(array), record)
+    assert during == [cuda_pages.SWITCH_SECONDS]
+    assert sys.getswitchinterval() == before
+    assert staged.copies == (2 if copy else 0)
+
+
+def test_a_first_small_restore_starts_the_try_of_a_gather(staged, monkeypatch):
+    monkeypatch.setattr(cuda_pages, "_WORKS", None)
+    monkeypatch.setattr(cuda_pages, "_WORKS_FUTURE", None)
+    monkeypatch.setattr(cuda_pages, "GATHER_MIN_BYTES", 1 << 30)
+    assert cuda_pages.pin([bytes(100)]) is None  # too small to pin
+    assert cuda_pages._WORKS_FUTURE is not None and cuda_pages._WORKS_FUTURE.result() is True
+
+
+def test_a_copy_the_device_refuses_leaves_the_gather_to_staging(staged, monkeypatch):
+    def refuse(address: int, nbytes: int):
+        raise RuntimeError("[cuda] out of memory")
+
+    monkeypatch.setattr(cuda_pages, "COPY", True)
+    monkeypatch.setattr(staged, "copy_in", refuse)
+    pieces = pieces_of(np.random.default_rng(3), 2)
+    assert cuda_pages.gathered([((1, 3, 10, 8), "float16")], [pieces]) is None
+    cuda_pages.settle()
+    assert staged.registered == {} and cuda_pages._HELD == [] and staged.gathers == 0
+
+
+@pytest.mark.parametrize("copy", [False, True], ids=["from-pages", "copied"])
+def test_concurrent_restores_of_one_prefix_are_each_bit_exact_and_let_everything_go(
+    tmp_path, staged, monkeypatch, copy
+):
+    """Threads restoring the same prefix at once: each gathers (or, where another holds
+    the pages, stages) the same caches; afterwards nothing is registered or held and
+    the GIL switch interval is what it was."""
+    monkeypatch.setattr(cuda_pages, "COPY", copy)
+    model = model_for("tiny")
+    tokens = prompt(10, 5 * BLOCK + 3)
+    before = sys.getswitchinterval()
+    with open_store(f"lmdb://{tmp_path / 's'}", block_size=BLOCK) as store:
+        store.save("ns", tokens, prefilled(model, tokens))
+        match = store.lookup("ns", tokens)
+        want = store.restore(match, model.make_cache())
+        errors: list[BaseException] = []
+
+        def restore_a_few() -> None:
+            try:
+                for _ in range(3):
+                    assert_same_caches(store.restore(match, model.make_cache()), want)
+            except BaseException as exc:  # noqa: BLE001 - reported by the test thread
+                errors.append(exc)
+
+        workers = [threading.Thread(target=restore_a_few) for _ in range(4)]
+        for worker in workers:
+            worker.start()
+        for worker in workers:
+            worker.join(60)
+    cuda_pages.settle()
+    assert not errors and not any(w.is_alive() for w in workers)
+    assert staged.gathers > 0
+    assert staged.registered == {} and cuda_pages._HELD == []
+    assert sys.getswitchinterval() == before
+
+
+def test_the_try_of_a_gather_passes_through_device_copies(staged, monkeypatch):
+    monkeypatch.setattr(cuda_pages, "COPY", True)
+    monkeypatch.setattr(cuda_pages, "_WORKS", None)
+    monkeypatch.setattr(cuda_pages, "_WORKS_FUTURE", None)
+    assert cuda_pages._route()  # starts the try on a staging thread
+    assert cuda_pages._WORKS_FUTURE.result(timeout=30)  # (a lock taken twice hung here)
+    assert staged.copies == 1  # its pages, copied inline
+    cuda_pages.settle()
+    assert staged.registered == {} and cuda_pages._HELD == []

@@ -31,6 +31,8 @@ class HostTransport:
         self.downloads = 0
         self.gathers = 0
         self.registered: dict[int, int] = {}
+        self.buffers: dict[int, tuple[int, mx.array]] = {}
+        self.copies = 0
         self.refuse = False
 
     def slot(self, nbytes: int) -> cuda.PinnedBuffer:
@@ -58,6 +60,33 @@ class HostTransport:
     def unregister(self, base: int) -> None:
         del self.registered[base]
 
+    def copy_in(self, address: int, nbytes: int) -> mx.array:
+        host = address - DEVICE_OFFSET
+        assert self.covered(host, host + nbytes)
+        self.copies += 1
+        return mx.array(np.frombuffer((ctypes.c_char * nbytes).from_address(host), np.uint8))
+
+    def address_of(self, array: mx.array) -> int:
+        """The "device" address of ``array``: its host memory, offset, which gathers may
+        read while the array lives."""
+        mx.eval(array)
+        view = np.asarray(memoryview(array))
+        host = int(view.ctypes.data)
+        self.buffers[host] = (view.nbytes, array)
+        return host + DEVICE_OFFSET
+
+    def covered(self, start: int, end: int) -> bool:
+        """Whether registered regions (or device buffers handed out), back to back, hold
+        every byte of [start, end)."""
+        regions = dict(self.registered)
+        regions.update({b: n for b, (n, _) in self.buffers.items()})
+        while start < end:
+            base = next((b for b, n in regions.items() if b <= start < b + n), None)
+            if base is None:
+                return False
+            start = base + regions.pop(base)
+        return True
+
     def gather(self, params: np.ndarray, nbytes: int) -> mx.array:
         self.gathers += 1
         out = np.full(nbytes, 0xAB, np.uint8)  # bytes no segment writes show up
@@ -70,7 +99,7 @@ class HostTransport:
                     ctypes.memset(at, 0, width)
                     continue
                 host = src - DEVICE_OFFSET + r * src_pitch
-                assert any(b <= host and host + width <= b + n for b, n in self.registered.items())
+                assert self.covered(host, host + width)
                 ctypes.memmove(at, host, width)
         return mx.array(out)
 

@@ -142,7 +142,7 @@ def restore_caches(store: PrefixStore, match: Match, caches: Sequence[Any]) -> l
                         )
                     }
                     # Every layer planned first, then all arrays allocated in one go.
-                    restored = run_plans(_plans(cut, needs, records), pages)
+                    restored = run_plans(_plans(cut, needs, records, pages), pages)
                     intact = views.intact()
                     if intact == len(wanted):
                         return restored
@@ -164,16 +164,19 @@ def _decoded(
 ) -> list[Record]:
     """The verified records of ``views``, as numpy views into the store's pages -- or,
     when some layer is stored in another encoding (a lossy storage policy) on a CUDA
-    GPU, with every tensor on the device: each record crosses the bus whole, and its
-    rows are joined and decoded there (H200, 4096 tokens of llama-8B: a
-    ``kv:quant:8:64`` restore 176 -> 138 ms; ``tools/bench/gpu/restore_profile.py``).
-    Rows kept as stored stay views into the store's pages, which the GPU gathers
-    each layer's array from (``pages``, pinned: :mod:`kvstore.codecs.cuda_pages`);
-    joining 16 record views per array on the device cost more (105 ms against 96).
+    GPU whose pages are not pinned (``pages`` is ``None``: a small restore), with every
+    tensor on the device: each record crosses the bus whole, and its rows are joined
+    and decoded there (H200, 4096 tokens of llama-8B: a ``kv:quant:8:64`` restore
+    176 -> 138 ms; ``tools/bench/gpu/restore_profile.py``). With ``pages`` (pinned:
+    :mod:`kvstore.codecs.cuda_pages`) the GPU gathers every array, lossless rows and
+    each lossy tensor's joined rows alike, from the views (:func:`_plans`): slicing
+    each record's payload into its 3072 tensors on the device cost 33 ms of a
+    162 ms ``kv:quant:8:64`` restore there, and joining them 26 more.
     Recurrent checkpoints stay on the host (their plans fill host buffers)."""
     # Asked in this order so that a restore off CUDA pays nothing more.
     if (
-        cuda.available()
+        pages is None
+        and cuda.available()
         and not any(need.checkpoint for need in needs)
         and any(
             layer is not None and layer.signature != need.signature
@@ -257,12 +260,16 @@ def _convertible(stored: str, wanted: str) -> bool:
 
 
 def _plans(
-    match: Match, needs: Sequence[LayerNeed], records: Mapping[bytes, list[Snapshot | None]]
+    match: Match,
+    needs: Sequence[LayerNeed],
+    records: Mapping[bytes, list[Snapshot | None]],
+    pages: cuda_pages.PinnedPages | None = None,
 ) -> list[RestorePlan]:
     """Every layer's restore plan. Layers stored in another encoding (a lossy storage
     policy) are decoded into the cache's family: on a CUDA GPU their rows are joined
-    first, all layers at once, and decoded there once per run of blocks (a decode
-    per block is a host round trip each); on the CPU block by block, as read."""
+    first, all layers at once (gathered from ``pages``, the records' pinned pages,
+    when they are), and decoded there once per run of blocks (a decode per block is
+    a host round trip each); on the CPU block by block, as read."""
     layers = []
     for layer, need in enumerate(needs):
         snaps = []
@@ -273,7 +280,8 @@ def _plans(
         layers.append(snaps)
     recoded = [i for i, need in enumerate(needs) if layers[i][0].signature != need.signature]
     if recoded and cuda.available():
-        for i, joined in zip(recoded, join_runs([layers[i] for i in recoded]), strict=True):
+        joins = join_runs([layers[i] for i in recoded], pages)
+        for i, joined in zip(recoded, joins, strict=True):
             layers[i] = joined
     for i in recoded:
         layers[i] = [transcode(s, needs[i].signature) for s in layers[i]]

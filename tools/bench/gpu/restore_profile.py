@@ -75,7 +75,7 @@ class Timeline:
         return out
 
 
-def child_restore(url: str, tokens: int, layers: int) -> dict[str, Any]:
+def child_restore(url: str, tokens: int, layers: int, switch_ms: float) -> dict[str, Any]:
     import gc
 
     import mlx.core as mx
@@ -143,6 +143,8 @@ def child_restore(url: str, tokens: int, layers: int) -> dict[str, Any]:
         line.wrap(cuda_pages, "gathered", "cuda_pages.gathered")
         line.wrap(transport, "register", "cuda register (page-lock)")
         line.wrap(transport, "gather", "cuda gather (launch)")
+    if switch_ms:
+        sys.setswitchinterval(switch_ms / 1e3)
     line.t0 = time.perf_counter()
     match = store.lookup("ns", prompt)
     t1 = time.perf_counter()
@@ -210,6 +212,9 @@ def main() -> int:
     parser.add_argument("--layers", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--policies", default=",".join(POLICIES))
+    parser.add_argument(
+        "--switch-ms", type=float, default=0.0, help="the GIL switch interval of the timed restore"
+    )
     parser.add_argument("--child", nargs=2, metavar=("KIND", "URL"))
     args = parser.parse_args()
     if args.child:
@@ -217,7 +222,7 @@ def main() -> int:
         if kind == "memory":
             result = child_memory(args.layers, args.tokens * 8 * 128 * 2)
         else:
-            result = child_restore(url, args.tokens, args.layers)
+            result = child_restore(url, args.tokens, args.layers, args.switch_ms)
         print(json.dumps(result), flush=True)
         return 0
 
@@ -228,14 +233,15 @@ def main() -> int:
 
     def child(kind: str, url: str) -> dict[str, Any]:
         cmd = [sys.executable, __file__, "--child", kind, url, "--tokens", str(args.tokens)]
-        cmd += ["--layers", str(args.layers)]
+        cmd += ["--layers", str(args.layers), "--switch-ms", str(args.switch_ms)]
         done = subprocess.run(cmd, capture_output=True, text=True, env=os.environ.copy())
         if done.returncode:
             return {"error": done.stderr[-2000:]}
         return dict(json.loads(done.stdout.strip().splitlines()[-1]))
 
     shape = f"{args.layers} layers x {args.tokens} tokens, 8 KV heads x 128, bf16"
-    print(f"{shape}; {mx.default_device()}")
+    knobs = {k: v for k, v in os.environ.items() if k.startswith("KVSTORE_")}
+    print(f"{shape}; {mx.default_device()}; switch {args.switch_ms or 'default'} ms; {knobs}")
     print("memory:", json.dumps(child("memory", "-")), flush=True)
     kv = SyntheticKV(KVShape("llama8b", layers=args.layers, kv_heads=8, head_dim=128), args.tokens)
     caches = kv.ours()

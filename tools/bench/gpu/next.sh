@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# Issue 13's open GPU measurements, in the order the next device session should take
+# them (each step fits one call; run after stage 1, carry [".gpu/b", ".gpu/inc"]):
+#
+#   source .gpu/b/setup.sh >/dev/null 2>&1; KVSTORE_BENCH_GIT=<rev> bash tools/bench/gpu/next.sh STEP $OUT
+#
+# STEP profiles  the restore phase by phase, the device-copy route off and on
+#                (KVSTORE_CUDA_PAGES_COPY), lossless and kv:quant:8:64: ~150 s
+# STEP g1-4k     G1 at 4096 tokens (KVSTORE_CUDA_PAGES_COPY as the profiles said): ~150 s
+# STEP g1-16k    G1 at 16384 tokens: ~230 s
+# STEP g2        G2 at 4096 tokens (every lossy policy): ~400 s
+#
+# Results under OUT; copy them to tools/bench/results/gpu/<rev>/ to commit.
+set -uo pipefail
+step=${1:?step}
+out=${2:-${OUT:?OUT}}
+rev=${KVSTORE_BENCH_GIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}  # no .git there: pass it
+cd "$(dirname "$0")/../../.."
+profile="python3 tools/bench/gpu/restore_profile.py --repeats 3"
+case "$step" in
+  profiles)
+    for copy in 0 1; do
+      echo "#### KVSTORE_CUDA_PAGES_COPY=$copy"
+      KVSTORE_CUDA_PAGES_COPY=$copy timeout 140 $profile --policies lossless,kv:quant:8:64
+    done 2>&1 | tee "$out/restore-profiles.txt" ;;
+  g1-4k)
+    KVSTORE_BENCH_GPU_TOKENS=4096 KVSTORE_BENCH_GIT=$rev CHECK_TIMEOUT=60 BENCH_TIMEOUT=400 \
+      REPEATS=5 bash tools/bench/gpu/run.sh G1 "$out/g1-4k" ;;
+  g1-16k)
+    KVSTORE_BENCH_GPU_TOKENS=16384 KVSTORE_BENCH_GIT=$rev CHECK_TIMEOUT=1 BENCH_TIMEOUT=520 \
+      REPEATS=5 bash tools/bench/gpu/run.sh G1 "$out/g1-16k" ;;
+  g2)
+    KVSTORE_BENCH_GPU_TOKENS=4096 KVSTORE_BENCH_GIT=$rev CHECK_TIMEOUT=1 BENCH_TIMEOUT=540 \
+      REPEATS=5 bash tools/bench/gpu/run.sh G2 "$out/g2" ;;
+  *) echo "next.sh: unknown step $step (profiles, g1-4k, g1-16k, g2)"; exit 2 ;;
+esac
