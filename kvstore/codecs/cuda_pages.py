@@ -155,10 +155,10 @@ def _rows_contiguous(piece: np.ndarray) -> bool:
 class PinnedPages:
     """Host pages page-locked for the GPU to read, the registrations running on the
     staging threads from the moment :func:`pin` returns (a restore parses and plans
-    meanwhile), in the order given. With ``copy`` (:data:`COPY`), each span is also
+    meanwhile), in address order. With ``copy`` (:data:`COPY`), each span is also
     copied whole to a device buffer as soon as it is locked, on the same thread, and
     let go: the gathers then read device memory. :meth:`device_address` waits only for
-    the spans it needs. :meth:`release` lets everything go, after the gathers."""
+    the span it needs. :meth:`release` lets everything go, after the gathers."""
 
     def __init__(
         self,
@@ -171,46 +171,38 @@ class PinnedPages:
         self._transport = transport
         self.spans = sorted(spans)
         self._starts = [start for start, _ in self.spans]
-        at = {span: i for i, span in enumerate(self.spans)}
-        self._futures: list[Future[_Locked | None]] = [Future() for _ in self.spans]
-        if spans and not inline:
-            _hurry(+1)
-            left = [len(spans)]
-
-            def one_done(_: Future[_Locked | None]) -> None:
-                with _HURRY_LOCK:
-                    left[0] -= 1
-                    last = not left[0]
-                if last:
-                    _hurry(-1)
-
-        for span in spans:  # submitted in the order asked for
-            if inline:  # locked here, now (a staging thread's own small gather)
-                self._futures[at[span]].set_result(_lock(transport, span, copy))
-            else:
-                future = cuda.pool().submit(_lock, transport, span, copy)
-                future.add_done_callback(one_done)  # noqa: F821 - defined above
-                self._futures[at[span]] = future
+        self._futures: list[Future[_Locked | None]] = []
         self._released = False
+        if inline:  # locked here, now (a staging thread's own small gather)
+            for span in self.spans:
+                self._futures.append(Future())
+                self._futures[-1].set_result(_lock(transport, span, copy))
+            return
+        if not self.spans:
+            return
+        _hurry(+1)
+        left = [len(self.spans)]
+
+        def one_done(_: Future[_Locked | None]) -> None:
+            with _HURRY_LOCK:
+                left[0] -= 1
+                last = not left[0]
+            if last:
+                _hurry(-1)
+
+        for span in self.spans:
+            self._futures.append(cuda.pool().submit(_lock, transport, span, copy))
+            self._futures[-1].add_done_callback(one_done)
 
     def device_address(self, address: int, nbytes: int) -> int | None:
-        """Where the GPU sees host ``address`` (``nbytes`` from it), once the spans
-        holding those bytes are locked (and copied; waits for them); ``None`` when some
-        of them are outside every span, refused by the driver, or released."""
+        """Where the GPU sees host ``address`` (``nbytes`` from it, inside one span),
+        once that span is locked (and copied; waits for it); ``None`` outside every
+        span, or for a span the driver refused, or once released."""
         at = bisect.bisect_right(self._starts, address) - 1
-        end, delta = address + nbytes, None
-        while at >= 0 and at < len(self.spans) and not self._released:
-            start, stop = self.spans[at]
-            locked = self._futures[at].result()
-            if locked is None or (delta is not None and locked.address - start != delta):
-                return None  # refused, or not where the last span's bytes continue
-            delta = locked.address - start
-            if end <= stop:
-                return address + delta
-            if at + 1 == len(self.spans) or self.spans[at + 1][0] != stop:
-                return None  # a gap after this span
-            at += 1
-        return None
+        if at < 0 or address + nbytes > self.spans[at][1] or self._released:
+            return None
+        locked = self._futures[at].result()
+        return None if locked is None else locked.address + address - self._starts[at]
 
     def release(self) -> None:
         """Let the pages (and copies) go, on a staging thread (after their registrations

@@ -76,16 +76,12 @@ class HostTransport:
         return host + DEVICE_OFFSET
 
     def covered(self, start: int, end: int) -> bool:
-        """Whether registered regions (or device buffers handed out), back to back, hold
-        every byte of [start, end)."""
-        regions = dict(self.registered)
-        regions.update({b: n for b, (n, _) in self.buffers.items()})
-        while start < end:
-            base = next((b for b, n in regions.items() if b <= start < b + n), None)
-            if base is None:
-                return False
-            start = base + regions.pop(base)
-        return True
+        """Whether one registered region (or device buffer handed out) holds every byte
+        of [start, end)."""
+        # dict() copies in one step: other threads register and hand out buffers meanwhile.
+        buffers = dict(self.buffers)
+        regions = [*dict(self.registered).items(), *((b, n) for b, (n, _) in buffers.items())]
+        return any(b <= start and end <= b + n for b, n in regions)
 
     def gather(self, params: np.ndarray, nbytes: int) -> mx.array:
         self.gathers += 1
