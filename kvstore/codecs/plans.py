@@ -279,7 +279,7 @@ def join_runs(
     arrays: dict[int, mx.array] = {i: joins[i][2].join_on_device(0) for i in on_device}
     specs = [joins[i][2].leaves()[0] for i in hosted]
     # On a CUDA GPU the host rows are read by the GPU from the store's pages (pinned:
-    # ``pages``), each joined array one gather, as a lossless restore's are.
+    # ``pages``), every joined array in one kernel.
     filled = (
         cuda_pages.gathered(specs, [joins[i][2].columns[0] for i in hosted], pages, one_buffer=True)
         if hosted and cuda.available()

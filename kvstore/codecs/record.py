@@ -437,9 +437,7 @@ def decode_record_to_mlx(buffer: Any) -> Record:
     return record
 
 
-def decode_records_on_device(
-    buffers: Sequence[Any], pages: cuda_pages.PinnedPages | None = None
-) -> list[Record]:
+def decode_records_on_device(buffers: Sequence[Any]) -> list[Record]:
     """Verified records decoded with every tensor on the CUDA device.
 
     Each record's payload crosses the bus whole, on every staging thread at
@@ -448,11 +446,12 @@ def decode_records_on_device(
     so joining a layer's rows and decoding lossy ones happen there, not on
     the host (measured on an H200, 4096 tokens of llama-8B in 16 records:
     64 per-layer arrays gathered on the host took 54 ms to stage; the issue 13
-    profile, ``tools/bench/gpu/restore_profile.py``). With ``pages`` (the
-    buffers' pages, pinned: :func:`kvstore.codecs.cuda_pages.pin`) the GPU reads
-    each payload from them instead, and the host copies nothing. The checksums
-    are not checked again: only for bytes the caller verified (a store's
-    ``read``).
+    profile, ``tools/bench/gpu/restore_profile.py``). Where the gather route
+    can take them (:func:`kvstore.codecs.cuda_pages.gathered`), the GPU reads each
+    payload from the buffers' own pages instead. (A restore whose pages are pinned
+    gathers its lossy rows in :func:`kvstore.codecs.plans.join_runs`, not here.)
+    The checksums are not checked again: only for bytes the caller verified (a
+    store's ``read``).
 
     Raises:
         RuntimeError: no CUDA staging here.
@@ -464,9 +463,7 @@ def decode_records_on_device(
     sized = [i for i, payload in enumerate(payloads) if len(payload)]
     # Each payload as one row of bytes (a gather's [batch, heads, rows, ...] layout).
     rows = [np.frombuffer(payloads[i], np.uint8).reshape(1, 1, -1, 1) for i in sized]
-    uploaded = cuda_pages.gathered(
-        [(row.shape, "uint8") for row in rows], [[row] for row in rows], pages
-    )
+    uploaded = cuda_pages.gathered([(row.shape, "uint8") for row in rows], [[row] for row in rows])
     if uploaded is None:
 
         def fill(k: int, target: np.ndarray) -> None:

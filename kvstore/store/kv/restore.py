@@ -184,7 +184,7 @@ def _decoded(
             for layer, need in zip(header.layers, needs, strict=False)
         )
     ):
-        return decode_records_on_device(views, pages)
+        return decode_records_on_device(views)
     return [decode_record(view, verify=False) for view in views]
 
 
