@@ -247,7 +247,20 @@ def _are_bounded(maps: tuple[dict[str, Any], ...], depth: int) -> bool:
         <= BOUNDS.str_len
     ):
         return True
-    return all([is_bounded(value, depth) for value in maps])
+    # A record's layers usually carry one nested meta 32 times over (a TurboQuant
+    # codebook and rotation each): a map equal to one that passed passes too (``==``
+    # equates only maps of the same keys and of values that are bounded alike: equal
+    # strings have equal lengths, and a number equals only numbers), so it is
+    # compared in C instead of walked (a 4096-token kv:turboquant:4:4 restore's 16
+    # headers: 18.8 -> 14.9 ms here).
+    passed: list[dict[str, Any]] = []
+    for value in maps:
+        if value in passed:  # identity, then ==
+            continue
+        if not is_bounded(value, depth):
+            return False
+        passed.append(value)
+    return True
 
 
 _FLAT = frozenset({str, int, float, bool, type(None)})

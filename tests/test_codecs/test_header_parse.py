@@ -436,3 +436,25 @@ def test_is_bounded_is_check_bounds_at_any_depth(depth, value):
 
     nested = deep(depth - 1, value)  # value sits at `depth`
     assert is_bounded(value, depth) == (outcome(check_bounds, "t", nested)[0] == "ok")
+
+
+@pytest.mark.parametrize(
+    ("second", "bounded"),
+    [
+        ({"tq": {"k": {"c": [0.5, -0.5], "s": "+-"}}}, True),  # equal to the first
+        ({"tq": {"k": {"c": [0.5, -0.5], "s": "+" * (BOUNDS.str_len + 1)}}}, False),  # too long
+        ({"tq": {"k": {"c": [0.5, deep(BOUNDS.depth)], "s": "+-"}}}, False),  # too deep
+        ({"tq": {"k": {"c": [0.5, b"x" * (BOUNDS.bin_len + 1)], "s": "+-"}}}, False),
+        ({"tq": {"k": {"c": [0.5, -0.5], "s": b"+-"}}}, True),  # unequal, walked: bounded
+    ],
+)
+def test_a_nested_meta_passes_only_as_the_one_it_equals(second, bounded):
+    # Nested metas equal to one already walked are not walked again: the
+    # differential check shows the shortcut refuses exactly what the walk refuses.
+    obj = copy.deepcopy(HEADER)
+    layer = obj["layers"][0]
+    first = {**layer, "meta": {**layer["meta"], "tq": {"k": {"c": [0.5, -0.5], "s": "+-"}}}}
+    obj["layers"] = [first, {**copy.deepcopy(first), "meta": {**layer["meta"], **second}}, first]
+    assert_same_as_checked(obj)
+    taken = usual_header(obj, header_fields(RECORD_EXTRA), True) is not None
+    assert taken == bounded
