@@ -320,3 +320,18 @@ def test_a_gpu_session_runs_in_a_fresh_interpreter(tmp_path):
     session = gpu_common.spawn_session(setup.spec("ours"))
     assert session.restored == 299 and session.argmax_equal and session.max_abs_diff == 0.0
     gpu_common.release_all()
+
+
+def test_g2_policies_narrow_by_name_and_refuse_unknown_ones(monkeypatch):
+    from kvstore.bench.figures import gpu_ttft
+
+    monkeypatch.delenv(gpu_ttft.POLICIES_ENV, raising=False)
+    assert gpu_ttft.lossy_policies() == gpu_ttft.POLICIES
+    monkeypatch.setenv(gpu_ttft.POLICIES_ENV, "kv:turboquant:3:3, kv:quant:8:64")
+    assert gpu_ttft.lossy_policies() == ("kv:turboquant:3:3", "kv:quant:8:64")
+    monkeypatch.setenv(gpu_ttft.POLICIES_ENV, "kv:quant:8:64,kv:quant:2:64")
+    with pytest.raises(ValueError, match=r"names kv:quant:2:64; G2 measures kv:quant:8:64, "):
+        gpu_ttft.lossy_policies()
+    monkeypatch.setenv(gpu_ttft.POLICIES_ENV, " , ")
+    with pytest.raises(ValueError, match="names no policy"):
+        gpu_ttft.lossy_policies()
