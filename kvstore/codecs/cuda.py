@@ -94,13 +94,6 @@ _COPY_BODY = """
 _UPLOAD_SOURCE = _COPY_BODY.format(src="params[0]", dst="out", done="")
 #: Device array ``inp`` -> host (pinned, ``params[0]``).
 _DOWNLOAD_SOURCE = _COPY_BODY.format(src="inp", dst="params[0]", done="done[0] = 1;")
-#: The device address of ``inp`` -> ``out[0]``: a restore's gathers then read device
-#: buffers that are not their inputs (one per record: :mod:`kvstore.codecs.cuda_pages`).
-_ADDRESS_SOURCE = """
-    if (blockIdx.x == 0 && threadIdx.x == 0) {
-        out[0] = (uint64_t)reinterpret_cast<uintptr_t>(inp);
-    }
-"""
 #: Words per gather segment: ``src, src_pitch, dst_offset, dst_pitch, width, height``.
 SEGMENT_WORDS = 6
 #: Segments of registered host memory -> the new device array ``out``
@@ -265,16 +258,7 @@ class Transport(Protocol):
 
     def gather(self, params: np.ndarray, nbytes: int) -> mx.array:
         """A new lazy uint8 device array of ``nbytes`` written by the segments of
-        ``params`` (uint64 words: see :data:`_GATHER_SOURCE`) from registered pages
-        (or device buffers: see :meth:`address_of`)."""
-
-    def copy_in(self, address: int, nbytes: int) -> mx.array:
-        """A new lazy uint8 device array of the ``nbytes`` the GPU sees at ``address``
-        (registered pages)."""
-
-    def address_of(self, array: mx.array) -> int:
-        """Where the GPU sees the first byte of the contiguous ``array`` (evaluated;
-        waits). Valid while the array lives."""
+        ``params`` (uint64 words: see :data:`_GATHER_SOURCE`) from registered pages."""
 
 
 class KernelTransport:
@@ -283,7 +267,6 @@ class KernelTransport:
     _upload: Any
     _download: Any
     _gather: Any
-    _address: Any
 
     def __init__(self) -> None:
         self.driver = Driver()
@@ -305,23 +288,12 @@ class KernelTransport:
             output_names=["out"],
             source=_GATHER_SOURCE,
         )
-        self._address = mx.fast.cuda_kernel(
-            name="kvstore_address",
-            input_names=["inp"],
-            output_names=["out"],
-            source=_ADDRESS_SOURCE,
-        )
 
     def slot(self, nbytes: int) -> PinnedBuffer:
         return PinnedBuffer(nbytes, self.driver)
 
     def to_device(self, slot: PinnedBuffer, nbytes: int) -> mx.array:
-        out = self.copy_in(slot.device_pointer, nbytes)
-        mx.eval(out)
-        return out
-
-    def copy_in(self, address: int, nbytes: int) -> mx.array:
-        params = mx.array(np.array([address, nbytes], np.uint64))
+        params = mx.array(np.array([slot.device_pointer, nbytes], np.uint64))
         (out,) = self._upload(
             inputs=[params],
             output_shapes=[(nbytes,)],
@@ -329,17 +301,8 @@ class KernelTransport:
             grid=(_GRID, 1, 1),
             threadgroup=(_BLOCK, 1, 1),
         )
+        mx.eval(out)
         return out
-
-    def address_of(self, array: mx.array) -> int:
-        (out,) = self._address(
-            inputs=[array],
-            output_shapes=[(1,)],
-            output_dtypes=[mx.uint64],
-            grid=(1, 1, 1),
-            threadgroup=(1, 1, 1),
-        )
-        return int(np.array(out)[0])
 
     def to_host(self, array: mx.array, slot: PinnedBuffer, offset: int) -> None:
         nbytes = int(array.nbytes)

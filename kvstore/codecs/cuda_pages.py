@@ -33,7 +33,6 @@ import sys
 import threading
 from collections.abc import Iterable, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
@@ -55,13 +54,6 @@ GATHER_MIN_BYTES = int(float(os.environ.get("KVSTORE_CUDA_GATHER_MIN_MIB", "16")
 #: (Locking each record in pieces, to start gathers sooner, cost more than it saved:
 #: 74-97 ms with pieces of 8, 4 or 2 MiB, a call costing about 4 ms whatever its size.)
 SWITCH_SECONDS = 0.0005
-
-#: Whether a restore copies each record to a device buffer as soon as its pages are
-#: locked (``KVSTORE_CUDA_PAGES_COPY=1``), on the staging thread that locked them, so
-#: the bus carries the rows while the restore's thread still parses and plans, and the
-#: gathers then read device memory. Off by default until measured on a GPU: built and
-#: tested against the host stand-in in a session the device machine was not lent.
-COPY = os.environ.get("KVSTORE_CUDA_PAGES_COPY", "0") == "1"
 
 #: Words per segment (``src, src_pitch, dst_offset, dst_pitch, width, height``, bytes;
 #: ``src`` 0 writes zeros): ``height`` runs of ``width`` bytes. The kernel's layout.
@@ -155,10 +147,9 @@ def _rows_contiguous(piece: np.ndarray) -> bool:
 class PinnedPages:
     """Host pages page-locked for the GPU to read, the registrations running on the
     staging threads from the moment :func:`pin` returns (a restore parses and plans
-    meanwhile), in address order. With ``copy`` (:data:`COPY`), each span is also
-    copied whole to a device buffer as soon as it is locked, on the same thread, and
-    let go: the gathers then read device memory. :meth:`device_address` waits only for
-    the span it needs. :meth:`release` lets everything go, after the gathers."""
+    meanwhile), in address order. :meth:`device_address` waits only for the span it
+    needs, so a gather can start while later spans are still being locked.
+    :meth:`release` lets them go, after the gathers that read them."""
 
     def __init__(
         self,
@@ -166,24 +157,24 @@ class PinnedPages:
         spans: list[tuple[int, int]],
         *,
         inline: bool = False,
-        copy: bool = False,
     ) -> None:
         self._transport = transport
         self.spans = sorted(spans)
         self._starts = [start for start, _ in self.spans]
-        self._futures: list[Future[_Locked | None]] = []
+        #: Each span's device address once locked; ``None`` where the driver refused.
+        self._futures: list[Future[int | None]] = []
         self._released = False
         if inline:  # locked here, now (a staging thread's own small gather)
             for span in self.spans:
                 self._futures.append(Future())
-                self._futures[-1].set_result(_lock(transport, span, copy))
+                self._futures[-1].set_result(_lock(transport, span))
             return
         if not self.spans:
             return
         _hurry(+1)
         left = [len(self.spans)]
 
-        def one_done(_: Future[_Locked | None]) -> None:
+        def one_done(_: Future[int | None]) -> None:
             with _HURRY_LOCK:
                 left[0] -= 1
                 last = not left[0]
@@ -191,32 +182,29 @@ class PinnedPages:
                 _hurry(-1)
 
         for span in self.spans:
-            self._futures.append(cuda.pool().submit(_lock, transport, span, copy))
+            self._futures.append(cuda.pool().submit(_lock, transport, span))
             self._futures[-1].add_done_callback(one_done)
 
     def device_address(self, address: int, nbytes: int) -> int | None:
         """Where the GPU sees host ``address`` (``nbytes`` from it, inside one span),
-        once that span is locked (and copied; waits for it); ``None`` outside every
-        span, or for a span the driver refused, or once released."""
+        once that span is locked (waits for it); ``None`` outside every span, or for a
+        span the driver refused, or once released."""
         at = bisect.bisect_right(self._starts, address) - 1
         if at < 0 or address + nbytes > self.spans[at][1] or self._released:
             return None
-        locked = self._futures[at].result()
-        return None if locked is None else locked.address + address - self._starts[at]
+        base = self._futures[at].result()
+        return None if base is None else base + address - self._starts[at]
 
     def release(self) -> None:
-        """Let the pages (and copies) go, on a staging thread (after their registrations
-        finish)."""
+        """Let the pages go, on a staging thread (after their registrations finish)."""
         if self._released:
             return
         self._released = True
 
         def let_go() -> None:
             for span, future in zip(self.spans, self._futures, strict=True):
-                locked = future.result()
-                if locked is not None and locked.copy is None:
+                if future.result() is not None:
                     self._transport.unregister(span[0])
-            self._futures = []  # the device copies go with their futures' results
             mine = set(self.spans)
             with _LOCK:
                 _HELD[:] = [span for span in _HELD if span not in mine]
@@ -226,35 +214,13 @@ class PinnedPages:
             _PENDING.append(cuda.pool().submit(let_go))
 
 
-@dataclass(frozen=True)
-class _Locked:
-    """A span the GPU can read: at ``address`` -- its registered pages, or ``copy``, a
-    device buffer of its bytes (the pages let go already)."""
-
-    address: int
-    copy: mx.array | None = None
-
-
-def _lock(transport: cuda.Transport, span: tuple[int, int], copy: bool) -> _Locked | None:
-    """Page-lock ``span`` (and, with ``copy``, copy it to a device buffer and let the
-    pages go); ``None`` when the driver refuses."""
+def _lock(transport: cuda.Transport, span: tuple[int, int]) -> int | None:
+    """Page-lock ``span``: the device address of its start; ``None`` when the driver
+    refuses."""
     try:
-        base = transport.register(span[0], span[1] - span[0])
+        return transport.register(span[0], span[1] - span[0])
     except (OSError, RuntimeError):
         return None
-    if not copy:
-        return _Locked(base)
-    try:
-        buffer = transport.copy_in(base, span[1] - span[0])
-        mx.eval(buffer)
-        return _Locked(transport.address_of(buffer), buffer)
-    except (OSError, RuntimeError, ValueError):
-        return None
-    finally:
-        transport.unregister(span[0])
-        with _LOCK:  # let go already: another restore of these pages may lock them now
-            if span in _HELD:
-                _HELD.remove(span)
 
 
 _HURRY_LOCK = threading.Lock()
@@ -295,12 +261,10 @@ def pin(buffers: Sequence[Any]) -> PinnedPages | None:
 def _pinned(spans: list[tuple[int, int]], *, inline: bool = False) -> PinnedPages | None:
     for attempt in range(2):
         with _LOCK:
-            free = not _overlaps(spans)
-            if free:
+            if not _overlaps(spans):
                 _HELD.extend(spans)
                 _HELD.sort()
-        if free:  # made outside the lock: an inline copy lets its span go under it
-            return PinnedPages(cuda.transport(), spans, inline=inline, copy=COPY)
+                return PinnedPages(cuda.transport(), spans, inline=inline)
         if attempt or inline:
             break
         settle()  # an earlier gather's pages, being let go: wait, and look again

@@ -37,7 +37,7 @@ def staged(monkeypatch):
     monkeypatch.setattr(cuda_pages, "_WORKS_FUTURE", None)
     assert cuda_pages._works()  # the once-per-process try, on pages of its own
     cuda_pages.settle()
-    transport.gathers = transport.copies = 0
+    transport.gathers = 0
     yield transport
     cuda_pages.settle()
     monkeypatch.setattr(cuda, "TRANSPORT", None)
@@ -139,16 +139,14 @@ def test_a_refused_registration_leaves_nothing_registered(staged):
     assert staged.registered == {} and cuda_pages._HELD == []
 
 
-@pytest.mark.parametrize("copy", [True, False], ids=["copied", "from-pages"])
 @pytest.mark.parametrize("family", ["plain", "window"])
 def test_a_lossless_restore_gathers_from_the_store_pages_and_equals_the_cpu_restore(
-    tmp_path, staged, monkeypatch, family, copy
+    tmp_path, staged, monkeypatch, family
 ):
 
     config, policy = FAMILIES[family]
     model = model_for(config)
     tokens = prompt(6, 5 * BLOCK + 3)
-    monkeypatch.setattr(cuda_pages, "COPY", copy)
     real = staged.gather
     locked_at_gathers: list[int] = []
 
@@ -161,14 +159,10 @@ def test_a_lossless_restore_gathers_from_the_store_pages_and_equals_the_cpu_rest
         store.save("ns", tokens, prefilled(model, tokens, policy))
         match = store.lookup("ns", tokens)
         restored = store.restore(match, model.make_cache(policy))
-        # Every array read by the GPU from the store's pages (copied to the device as
-        # each record was locked, its pages let go before the gathers): no slot staged.
+        # Every array read by the GPU from the store's pages, still locked while the
+        # gathers ran: no slot staged.
         assert staged.gathers == 2 * len(restored) and staged.uploads == 0
-        if copy:
-            assert staged.copies == len(match.blocks)
-            assert set(locked_at_gathers) == {0}
-        else:
-            assert staged.copies == 0 and min(locked_at_gathers) > 0
+        assert min(locked_at_gathers) > 0
         cuda_pages.settle()
         assert staged.registered == {}
         monkeypatch.setattr(cuda, "TRANSPORT", False)
@@ -238,14 +232,12 @@ def test_ranges_sharing_a_page_are_one_span_and_touching_ones_stay_apart():
     assert cuda_pages._spans([(0, page + 1), (page + 7, 3 * page)]) == [(0, 3 * page)]
 
 
-@pytest.mark.parametrize("copy", [False, True], ids=["from-pages", "copied"])
 def test_a_gather_starts_before_later_records_are_locked_and_the_gil_is_handed_on_sooner(
-    staged, monkeypatch, copy
+    staged, monkeypatch
 ):
     """Array i's kernel is launched once the pages holding its rows are locked (a lossy
     restore gathers each record's payload as soon as that record is locked), and while
     registrations run the GIL switch interval is short, then back as it was."""
-    monkeypatch.setattr(cuda_pages, "COPY", copy)
     page = cuda_pages._PAGE
     rng = np.random.default_rng(9)
     maps = [mmap.mmap(-1, 4 * page) for _ in range(2)]  # records on pages of their own
@@ -285,7 +277,6 @@ def test_a_gather_starts_before_later_records_are_locked_and_the_gil_is_handed_o
         assert np.array_equal(np.array(array), record)
     assert during == [cuda_pages.SWITCH_SECONDS]
     assert sys.getswitchinterval() == before
-    assert staged.copies == (2 if copy else 0)
 
 
 def test_a_first_small_restore_starts_the_try_of_a_gather(staged, monkeypatch):
@@ -296,26 +287,12 @@ def test_a_first_small_restore_starts_the_try_of_a_gather(staged, monkeypatch):
     assert cuda_pages._WORKS_FUTURE is not None and cuda_pages._WORKS_FUTURE.result() is True
 
 
-def test_a_copy_the_device_refuses_leaves_the_gather_to_staging(staged, monkeypatch):
-    def refuse(address: int, nbytes: int):
-        raise RuntimeError("[cuda] out of memory")
-
-    monkeypatch.setattr(cuda_pages, "COPY", True)
-    monkeypatch.setattr(staged, "copy_in", refuse)
-    pieces = pieces_of(np.random.default_rng(3), 2)
-    assert cuda_pages.gathered([((1, 3, 10, 8), "float16")], [pieces]) is None
-    cuda_pages.settle()
-    assert staged.registered == {} and cuda_pages._HELD == [] and staged.gathers == 0
-
-
-@pytest.mark.parametrize("copy", [False, True], ids=["from-pages", "copied"])
 def test_concurrent_restores_of_one_prefix_are_each_bit_exact_and_let_everything_go(
-    tmp_path, staged, monkeypatch, copy
+    tmp_path, staged
 ):
     """Threads restoring the same prefix at once: each gathers (or, where another holds
     the pages, stages) the same caches; afterwards nothing is registered or held and
     the GIL switch interval is what it was."""
-    monkeypatch.setattr(cuda_pages, "COPY", copy)
     model = model_for("tiny")
     tokens = prompt(10, 5 * BLOCK + 3)
     before = sys.getswitchinterval()
@@ -342,14 +319,3 @@ def test_concurrent_restores_of_one_prefix_are_each_bit_exact_and_let_everything
     assert staged.gathers > 0
     assert staged.registered == {} and cuda_pages._HELD == []
     assert sys.getswitchinterval() == before
-
-
-def test_the_try_of_a_gather_passes_through_device_copies(staged, monkeypatch):
-    monkeypatch.setattr(cuda_pages, "COPY", True)
-    monkeypatch.setattr(cuda_pages, "_WORKS", None)
-    monkeypatch.setattr(cuda_pages, "_WORKS_FUTURE", None)
-    assert cuda_pages._route()  # starts the try on a staging thread
-    assert cuda_pages._WORKS_FUTURE.result(timeout=30)  # (a lock taken twice hung here)
-    assert staged.copies == 1  # its pages, copied inline
-    cuda_pages.settle()
-    assert staged.registered == {} and cuda_pages._HELD == []

@@ -31,8 +31,6 @@ class HostTransport:
         self.downloads = 0
         self.gathers = 0
         self.registered: dict[int, int] = {}
-        self.buffers: dict[int, tuple[int, mx.array]] = {}
-        self.copies = 0
         self.refuse = False
 
     def slot(self, nbytes: int) -> cuda.PinnedBuffer:
@@ -60,28 +58,10 @@ class HostTransport:
     def unregister(self, base: int) -> None:
         del self.registered[base]
 
-    def copy_in(self, address: int, nbytes: int) -> mx.array:
-        host = address - DEVICE_OFFSET
-        assert self.covered(host, host + nbytes)
-        self.copies += 1
-        return mx.array(np.frombuffer((ctypes.c_char * nbytes).from_address(host), np.uint8))
-
-    def address_of(self, array: mx.array) -> int:
-        """The "device" address of ``array``: its host memory, offset, which gathers may
-        read while the array lives."""
-        mx.eval(array)
-        view = np.asarray(memoryview(array))
-        host = int(view.ctypes.data)
-        self.buffers[host] = (view.nbytes, array)
-        return host + DEVICE_OFFSET
-
     def covered(self, start: int, end: int) -> bool:
-        """Whether one registered region (or device buffer handed out) holds every byte
-        of [start, end)."""
-        # dict() copies in one step: other threads register and hand out buffers meanwhile.
-        buffers = dict(self.buffers)
-        regions = [*dict(self.registered).items(), *((b, n) for b, (n, _) in buffers.items())]
-        return any(b <= start and end <= b + n for b, n in regions)
+        """Whether one registered region holds every byte of [start, end)."""
+        # dict() copies in one step: other threads register meanwhile.
+        return any(b <= start and end <= b + n for b, n in dict(self.registered).items())
 
     def gather(self, params: np.ndarray, nbytes: int) -> mx.array:
         self.gathers += 1

@@ -4,9 +4,8 @@
 #
 #   source .gpu/b/setup.sh >/dev/null 2>&1; KVSTORE_BENCH_GIT=<rev> bash tools/bench/gpu/next.sh STEP $OUT
 #
-# STEP profiles  the restore phase by phase, the device-copy route off and on
-#                (KVSTORE_CUDA_PAGES_COPY), lossless and kv:quant:8:64: ~150 s
-# STEP g1-4k     G1 at 4096 tokens (KVSTORE_CUDA_PAGES_COPY as the profiles said): ~150 s
+# STEP profiles  the restore phase by phase, lossless and every lossy policy: ~180 s
+# STEP g1-4k     G1 at 4096 tokens: ~150 s
 # STEP g1-16k    G1 at 16384 tokens: ~230 s
 # STEP g2a       G2 at 4096 tokens, lossless + kv:quant:8:64 and 4:64: ~330 s
 # STEP g2b       the same with kv:turboquant:4:4 and 3:3 (G2 whole, 30 sessions of ~18 s,
@@ -21,10 +20,8 @@ cd "$(dirname "$0")/../../.."
 profile="python3 tools/bench/gpu/restore_profile.py --repeats 3"
 case "$step" in
   profiles)
-    for copy in 0 1; do
-      echo "#### KVSTORE_CUDA_PAGES_COPY=$copy"
-      KVSTORE_CUDA_PAGES_COPY=$copy timeout 140 $profile --policies lossless,kv:quant:8:64
-    done 2>&1 | tee "$out/restore-profiles.txt" ;;
+    timeout 300 $profile --policies lossless,kv:quant:8:64,kv:quant:4:64,kv:turboquant:4:4,kv:turboquant:3:3 \
+      2>&1 | tee "$out/restore-profiles.txt" ;;
   g1-4k)
     KVSTORE_BENCH_GPU_TOKENS=4096 KVSTORE_BENCH_GIT=$rev CHECK_TIMEOUT=60 BENCH_TIMEOUT=400 \
       REPEATS=5 bash tools/bench/gpu/run.sh G1 "$out/g1-4k" ;;
