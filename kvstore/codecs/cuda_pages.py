@@ -26,6 +26,7 @@ gather reads them, gets ``None`` and stages the plain way.
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import itertools
 import mmap
 import os
@@ -33,6 +34,7 @@ import sys
 import threading
 from collections.abc import Iterable, Sequence
 from concurrent.futures import Future
+from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
@@ -67,15 +69,38 @@ _HELD: list[tuple[int, int]] = []
 _PENDING: list[Future[None]] = []
 
 
-def segments(pieces: Sequence[np.ndarray], shape: tuple[int, ...], name: str) -> list[int] | None:
+def segments(pieces: Sequence[np.ndarray], shape: tuple[int, ...], name: str) -> np.ndarray | None:
     """The gather of ``pieces`` (``[B, H, rows, ...]`` host arrays, joined along rows)
-    into a C-ordered ``shape`` array, zeros past their rows: the segment words
-    (host addresses), or ``None`` when the pieces are not laid out for one (another
-    dtype, other leading or trailing dims, rows that are not contiguous)."""
+    into a C-ordered ``shape`` array, zeros past their rows: its segments, one row of
+    :data:`SEGMENT_WORDS` uint64 words each (host addresses), or ``None`` when the
+    pieces are not laid out for one (another dtype, other leading or trailing dims,
+    rows that are not contiguous)."""
+    layout = _layout(pieces, shape, name)
+    return None if layout is None else _segment_table([layout], [0])
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """One array's pieces as a gather reads them: each piece's address, batch and head
+    strides and rows, and the array's batch, heads, capacity (rows) and row bytes."""
+
+    addresses: list[int]
+    batch_strides: list[int]
+    head_strides: list[int]
+    counts: list[int]
+    batch: int
+    heads: int
+    capacity: int
+    row_bytes: int
+
+
+def _layout(pieces: Sequence[np.ndarray], shape: tuple[int, ...], name: str) -> _Layout | None:
+    """What :func:`_segment_table` needs of ``pieces`` gathered into a ``shape`` array;
+    ``None`` when they are not laid out for it. Only what numpy cannot do for every
+    piece at once is done per piece here (a lossy restore gathers 3,072 of them)."""
     itemsize = numpy_dtype(name).itemsize
-    batch, heads, capacity, rest = shape[0], shape[1], shape[2], shape[3:]
-    row_bytes = int(np.prod(rest, dtype=np.int64)) * itemsize
-    words: list[int] = []
+    capacity = shape[2]
+    layout = _Layout([], [], [], [], shape[0], shape[1], capacity, 0)
     pos = 0
     for piece in pieces:
         if type(piece) is not np.ndarray:
@@ -92,29 +117,83 @@ def segments(pieces: Sequence[np.ndarray], shape: tuple[int, ...], name: str) ->
             fits = _FITS[key] = _fits(piece, shape, name, itemsize)
         if not fits:
             return None
-        rows = int(piece.shape[2])
+        rows = piece.shape[2]
         if rows == 0:
             continue
         if pos + rows > capacity:
             return None
-        address = int(piece.ctypes.data)
-        for b in range(batch):
-            words += [
-                address + b * piece.strides[0],
-                piece.strides[1],
-                (b * heads * capacity + pos) * row_bytes,
-                capacity * row_bytes,
-                rows * row_bytes,
-                heads,
-            ]
+        layout.addresses.append(piece.ctypes.data)
+        strides = piece.strides
+        layout.batch_strides.append(strides[0])
+        layout.head_strides.append(strides[1])
+        layout.counts.append(rows)
         pos += rows
-    if pos < capacity:  # the zeros up to capacity, every (batch, head) row of them
-        words += [0, 0, pos * row_bytes, capacity * row_bytes, (capacity - pos) * row_bytes]
-        words.append(batch * heads)
-    for k in range(0, len(words), SEGMENT_WORDS):
-        if words[k + 5] == 1:  # one run: no pitch (which would cost the 16-byte copies)
-            words[k + 1] = words[k + 3] = 0
-    return words
+    row_bytes = int(np.prod(shape[3:], dtype=np.int64)) * itemsize
+    return dataclasses.replace(layout, row_bytes=row_bytes)
+
+
+def _segment_table(layouts: Sequence[_Layout], offsets: Sequence[int]) -> np.ndarray:
+    """The segments of every one of ``layouts``, array ``i`` written ``offsets[i]``
+    bytes into the output: each piece's ``batch`` runs of ``heads`` rows, then each
+    array's zeros past its rows (:func:`_segment_tables` splits them by array)."""
+    return _segment_tables(layouts, offsets)[0]
+
+
+def _segment_tables(
+    layouts: Sequence[_Layout], offsets: Sequence[int]
+) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`_segment_table`, and which array each segment writes. Built by numpy for
+    every piece at once: with the addresses turned by :class:`_DeviceTable`, a lossy
+    restore's 3,072 pieces take 15.8 ms here against 20.9 ms built and turned one by
+    one (1,024 lossless pieces: 9.2 against 11.1 ms); what is left is mostly reading
+    each piece's address (``ctypes.data``, 2.8 us)."""
+    u64 = np.uint64
+    offsets = offsets[: len(layouts)]  # a running sum's last (the end) may follow
+    per = np.array([len(layout.counts) for layout in layouts], np.intp)
+
+    def column(values: Iterable[int]) -> np.ndarray:
+        return np.fromiter(values, u64)
+
+    def each_piece(values: Iterable[int]) -> np.ndarray:  # an array's value, per piece
+        return np.repeat(column(values), per)
+
+    counts = column(itertools.chain.from_iterable(layout.counts for layout in layouts))
+    batch = each_piece(layout.batch for layout in layouts)
+    heads = each_piece(layout.heads for layout in layouts)
+    capacity = each_piece(layout.capacity for layout in layouts)
+    row_bytes = each_piece(layout.row_bytes for layout in layouts)
+    offset = each_piece(offsets)
+    before = np.concatenate([np.zeros(1, u64), np.cumsum(counts)])  # rows before each piece
+    firsts = before[:-1] - np.repeat(before[np.cumsum(per) - per], per)  # in its array
+    # One segment per piece and batch row.
+    times = batch.astype(np.intp)  # segments per piece
+    which = np.repeat(np.arange(len(counts)), times)
+    b = np.arange(len(which), dtype=u64) - np.repeat(np.cumsum(batch) - batch, times)
+    rows_bytes = (capacity * row_bytes)[which]
+    table = np.empty((len(which), SEGMENT_WORDS), u64)
+    addresses = column(itertools.chain.from_iterable(layout.addresses for layout in layouts))
+    batch_strides = itertools.chain.from_iterable(layout.batch_strides for layout in layouts)
+    table[:, 0] = addresses[which] + b * column(batch_strides)[which]
+    table[:, 1] = column(itertools.chain.from_iterable(lay.head_strides for lay in layouts))[which]
+    table[:, 2] = offset[which] + b * heads[which] * rows_bytes + firsts[which] * row_bytes[which]
+    table[:, 3] = rows_bytes
+    table[:, 4] = (counts * row_bytes)[which]
+    table[:, 5] = heads[which]
+    # The zeros up to capacity, every (batch, head) row of them, of each array short of it.
+    filled = np.array([sum(layout.counts) for layout in layouts], u64)
+    every = [(lay.batch, lay.heads, lay.capacity, lay.row_bytes) for lay in layouts]
+    a_batch, a_heads, a_capacity, a_row_bytes = (column(v) for v in zip(*every, strict=True))
+    short = np.flatnonzero(filled < a_capacity)
+    zeros = np.zeros((len(short), SEGMENT_WORDS), u64)
+    zeros[:, 2] = column(offsets)[short] + filled[short] * a_row_bytes[short]
+    zeros[:, 3] = (a_capacity * a_row_bytes)[short]
+    zeros[:, 4] = ((a_capacity - filled) * a_row_bytes)[short]
+    zeros[:, 5] = (a_batch * a_heads)[short]
+    table = np.concatenate([table, zeros])
+    single = table[:, 5] == 1  # one run: no pitch (which would cost the 16-byte copies)
+    table[single, 1] = table[single, 3] = 0
+    owners = np.concatenate([np.repeat(np.arange(len(layouts)), per)[which], short])
+    return table, owners
 
 
 #: Whether a piece of a layout (its shape, strides and dtype) fits a gather into
@@ -147,8 +226,8 @@ def _rows_contiguous(piece: np.ndarray) -> bool:
 class PinnedPages:
     """Host pages page-locked for the GPU to read, the registrations running on the
     staging threads from the moment :func:`pin` returns (a restore parses and plans
-    meanwhile), in address order. :meth:`device_address` waits only for the span it
-    needs, so a gather can start while later spans are still being locked.
+    meanwhile), in address order. :meth:`shift` waits only for the span it needs, so a
+    gather can start while later spans are still being locked.
     :meth:`release` lets them go, after the gathers that read them."""
 
     def __init__(
@@ -160,7 +239,8 @@ class PinnedPages:
     ) -> None:
         self._transport = transport
         self.spans = sorted(spans)
-        self._starts = [start for start, _ in self.spans]
+        self._starts_array = np.array([start for start, _ in self.spans], np.uint64)
+        self._ends_array = np.array([end for _, end in self.spans], np.uint64)
         #: Each span's device address once locked; ``None`` where the driver refused.
         self._futures: list[Future[int | None]] = []
         self._released = False
@@ -185,15 +265,22 @@ class PinnedPages:
             self._futures.append(cuda.pool().submit(_lock, transport, span))
             self._futures[-1].add_done_callback(one_done)
 
-    def device_address(self, address: int, nbytes: int) -> int | None:
-        """Where the GPU sees host ``address`` (``nbytes`` from it, inside one span),
-        once that span is locked (waits for it); ``None`` outside every span, or for a
-        span the driver refused, or once released."""
-        at = bisect.bisect_right(self._starts, address) - 1
-        if at < 0 or address + nbytes > self.spans[at][1] or self._released:
+    def spans_holding(self, addresses: np.ndarray, nbytes: np.ndarray) -> np.ndarray | None:
+        """Which span holds each of host ``addresses`` (uint64; ``nbytes`` from each);
+        ``None`` when one lies outside every span, or once released. Waits for nothing."""
+        if self._released:
             return None
-        base = self._futures[at].result()
-        return None if base is None else base + address - self._starts[at]
+        at = np.searchsorted(self._starts_array, addresses, side="right") - 1
+        if len(at) and (at.min() < 0 or np.any(addresses + nbytes > self._ends_array[at])):
+            return None
+        return at
+
+    def shift(self, span: int) -> int | None:
+        """What turns a host address in span ``span`` into the GPU's (modulo 2**64, for
+        uint64 sums), once that span is locked (waits for it); ``None`` for a span the
+        driver refused."""
+        base = self._futures[span].result()
+        return None if base is None else (base - self.spans[span][0]) % (1 << 64)
 
     def release(self) -> None:
         """Let the pages go, on a staging thread (after their registrations finish)."""
@@ -318,8 +405,9 @@ def _gather(
     inline: bool = False,
     one_buffer: bool = False,
 ) -> list[mx.array] | None:
-    plans = [segments(p, shape, name) for p, (shape, name) in zip(pieces, specs, strict=True)]
-    if any(words is None for words in plans):
+    found = [_layout(p, shape, name) for p, (shape, name) in zip(pieces, specs, strict=True)]
+    layouts = [layout for layout in found if layout is not None]
+    if len(layouts) < len(found):
         return None
     own = pages is None
     if pages is None:
@@ -339,8 +427,7 @@ def _gather(
         if one_buffer:
             sizes = [-(-cuda.nbytes_of(spec) // 16) * 16 for spec in specs]  # 16-byte words
             starts = list(itertools.accumulate(sizes, initial=0))
-            joined = [w for plan, at in zip(plans, starts) for w in _shifted(plan, at)]
-            device = _on_device(joined, pages)
+            device = _DeviceTable(_segment_table(layouts, starts), pages).params()
             if device is None:
                 return None
             flat = transport.gather(device, starts[-1])
@@ -348,8 +435,12 @@ def _gather(
                 cut = flat[at : at + cuda.nbytes_of((shape, name))]
                 arrays.append(cut.view(MLX_DTYPES[name]).reshape(shape))
         else:
-            for words, spec in zip(plans, specs, strict=True):
-                device = _on_device(words, pages)
+            table, owners = _segment_tables(layouts, [0] * len(layouts))
+            order = np.argsort(owners, kind="stable")  # each array's segments together
+            on_device = _DeviceTable(table[order], pages)
+            ends = np.cumsum(np.bincount(owners, minlength=len(specs))).tolist()
+            for begin, end, spec in zip([0, *ends], ends, specs, strict=False):
+                device = on_device.params(begin, end)
                 if device is None:
                     return None
                 array = transport.gather(device, cuda.nbytes_of(spec))
@@ -365,29 +456,44 @@ def _gather(
     return arrays
 
 
-def _shifted(words: list[int] | None, offset: int) -> list[int]:
-    """Segment ``words`` writing ``offset`` bytes further into the output."""
-    assert words is not None
-    out = list(words)
-    for k in range(2, len(out), SEGMENT_WORDS):
-        out[k] += offset
-    return out
+class _DeviceTable:
+    """Segments ``table`` with each host address turned into the GPU's, a slice at a
+    time (:meth:`params`), each waiting only for the spans its rows lie in. The numpy
+    work is done once per span, not per slice (64 slices in a lossless restore)."""
 
+    def __init__(self, table: np.ndarray, pages: PinnedPages) -> None:
+        self.pages = pages
+        self.device = table.copy()
+        reads = np.flatnonzero(table[:, 0])  # the rest write zeros
+        src = table[reads, 0]
+        extent = (table[reads, 5] - 1) * table[reads, 1] + table[reads, 4]
+        at = pages.spans_holding(src, extent)
+        self.inside = at is not None
+        spans = np.full(len(table), -1, np.intp)  # each reading segment's span
+        self.rows: dict[int, np.ndarray] = {}  # each span's reading segments
+        if at is not None:
+            spans[reads] = at
+            order = np.argsort(at, kind="stable")
+            held, firsts = np.unique(at[order], return_index=True)
+            for span, rows in zip(held.tolist(), np.split(reads[order], firsts[1:]), strict=True):
+                self.rows[span] = rows
+        self.spans = spans.tolist()
+        self._locked: set[int] = {-1}
 
-def _on_device(words: list[int] | None, pages: PinnedPages) -> np.ndarray | None:
-    """The kernel's parameters for segment ``words``: each host address where the GPU
-    sees it, once its pages are locked (waits for them); ``None`` for rows outside the
-    pinned pages, or pages the driver refused."""
-    assert words is not None
-    device = list(words)
-    for k in range(0, len(device), SEGMENT_WORDS):
-        if device[k]:
-            extent = (device[k + 5] - 1) * device[k + 1] + device[k + 4]
-            address = pages.device_address(device[k], extent)
-            if address is None:
+    def params(self, begin: int = 0, end: int | None = None) -> np.ndarray | None:
+        """The kernel's parameters for segments ``[begin, end)``, once the pages they read
+        are locked; ``None`` for rows outside the pinned pages, or pages the driver
+        refused."""
+        if not self.inside:
+            return None
+        for span in sorted(set(self.spans[begin:end]) - self._locked):  # in locking order
+            shift = self.pages.shift(span)
+            if shift is None:
                 return None
-            device[k] = address
-    return np.array([len(device) // SEGMENT_WORDS, *device], np.uint64)
+            self.device[self.rows[span], 0] += np.uint64(shift)
+            self._locked.add(span)
+        table = self.device[begin:end]
+        return np.concatenate([np.array([len(table)], np.uint64), table.ravel()])
 
 
 _WORKS: bool | None = None

@@ -79,6 +79,35 @@ def test_one_buffer_gathers_every_array_in_one_kernel(staged):
         assert np.array_equal(np.array(array).view(np.uint16), joined.view(np.uint16))
 
 
+@pytest.mark.parametrize("one_buffer", [True, False])
+@pytest.mark.parametrize("batch", [1, 3])
+def test_arrays_full_short_empty_or_with_empty_pieces_gather_alike(staged, one_buffer, batch):
+    # The segments of every array are built at once (numpy over all pieces): arrays of
+    # every kind side by side, each checked byte for byte.
+    rng = np.random.default_rng(batch)
+    full = pieces_of(rng, 2, batch, rows=4)  # exactly its capacity: no zeros
+    gappy = [
+        *pieces_of(rng, 1, batch),
+        pieces_of(rng, 1, batch, rows=0)[0],
+        *pieces_of(rng, 1, batch),
+    ]
+    nothing = pieces_of(rng, 1, batch, rows=0)  # zeros only
+    columns = [full, gappy, nothing, pieces_of(rng, 3, batch, rows=2, dim=3)]
+    specs = [
+        ((batch, 3, 8, 8), "float16"),
+        ((batch, 3, 13, 8), "float16"),
+        ((batch, 3, 6, 8), "float16"),
+        ((batch, 3, 9, 3), "float16"),
+    ]
+    arrays = cuda_pages.gathered(specs, columns, one_buffer=one_buffer)
+    assert arrays is not None and staged.gathers == (1 if one_buffer else len(specs))
+    for array, pieces, (shape, _) in zip(arrays, columns, specs, strict=True):
+        want = np.zeros(shape, np.float16)
+        joined = np.concatenate(pieces, axis=2)
+        want[:, :, : joined.shape[2]] = joined
+        assert np.array_equal(np.array(array).view(np.uint16), want.view(np.uint16))
+
+
 def test_unaligned_rows_are_copied_byte_by_byte(staged):
     rng = np.random.default_rng(1)
     pieces = [rng.integers(0, 255, (1, 2, 3, 3), dtype=np.uint8) for _ in range(2)]
