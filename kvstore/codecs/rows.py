@@ -68,6 +68,18 @@ def join_rows(pieces: Sequence[Tree], capacity: int) -> Tree:
     return join.fill(owned_arrays(join.leaves()))
 
 
+@functools.cache
+def _names(parts: tuple[str, ...]) -> tuple[str, ...]:
+    """A row codec's tensor names, keys' then values' (one tuple per ``parts``: a
+    restore checks each of its snapshots' names, 512 of them at 4096 tokens)."""
+    return tuple(f"{side}{part}" for side in ("keys", "values") for part in parts)
+
+
+@functools.cache
+def _sorted_names(parts: tuple[str, ...]) -> list[str]:
+    return sorted(_names(parts))  # compared, never handed out
+
+
 class RowCodec(KVCodec):
     """How a family's rows are named in a snapshot and turned into dense rows."""
 
@@ -76,7 +88,7 @@ class RowCodec(KVCodec):
 
     # -- names -----------------------------------------------------------------
     def tensor_names(self) -> list[str]:
-        return [f"{side}{part}" for side in ("keys", "values") for part in self.parts]
+        return list(_names(tuple(self.parts)))
 
     def tensors_from_rows(self, keys: Tree, values: Tree) -> dict[str, Any]:
         out: dict[str, Any] = {}
@@ -87,11 +99,11 @@ class RowCodec(KVCodec):
         return out
 
     def rows_from_tensors(self, tensors: Mapping[str, Any]) -> tuple[Tree, Tree]:
-        def tree(side: str) -> Tree:
-            leaves = tuple(tensors[f"{side}{part}"] for part in self.parts)
-            return leaves if len(leaves) > 1 else leaves[0]
-
-        return tree("keys"), tree("values")
+        names = _names(tuple(self.parts))
+        half = len(names) // 2
+        if half == 1:
+            return tensors[names[0]], tensors[names[1]]
+        return tuple(tensors[n] for n in names[:half]), tuple(tensors[n] for n in names[half:])
 
     def rows_dtype(self, keys: Tree) -> str:
         """The float dtype of the rows (raw rows, or affine scales)."""
@@ -168,8 +180,9 @@ class RowCodec(KVCodec):
     def _snapshot_problem(self, snap: Snapshot) -> str | None:
         if snap.signature != self.signature:
             return f"snapshot of '{snap.signature}' given to the '{self.signature}' codec"
-        if sorted(snap.tensors) != sorted(self.tensor_names()):
-            return f"tensors {sorted(snap.tensors)} where {self.tensor_names()} belong"
+        names = _names(tuple(self.parts))
+        if sorted(snap.tensors) != _sorted_names(tuple(self.parts)):
+            return f"tensors {sorted(snap.tensors)} where {list(names)} belong"
         dtype = snap.meta.get("dtype")
         if not isinstance(dtype, str) or dtype not in MLX_DTYPES:
             return f"meta dtype {snap.meta.get('dtype')!r} is not a known dtype"
@@ -177,7 +190,7 @@ class RowCodec(KVCodec):
         if offset:
             return offset
         lead = None
-        for name in self.tensor_names():
+        for name in names:
             shape = tuple(snap.tensors[name].shape)
             if len(shape) < 3 or shape[2] != snap.stop - snap.start:
                 return f"tensor '{name}' has shape {shape}, not [B, H, {snap.tokens}, ...]"
@@ -204,7 +217,7 @@ class RowCodec(KVCodec):
                     f"{other.meta.get(key)!r} for [{other.start}, {other.stop}).",
                     signature=self.signature,
                 )
-        for name in self.tensor_names():
+        for name in _names(tuple(self.parts)):
             a, b = tuple(first.tensors[name].shape), tuple(other.tensors[name].shape)
             if a[:2] + a[3:] != b[:2] + b[3:]:
                 raise CorruptEntryError(
