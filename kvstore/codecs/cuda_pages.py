@@ -26,7 +26,6 @@ gather reads them, gets ``None`` and stages the plain way.
 from __future__ import annotations
 
 import bisect
-import dataclasses
 import itertools
 import mmap
 import os
@@ -43,7 +42,7 @@ import numpy as np
 from kvstore.codecs import cuda
 from kvstore.codecs.arrays import MLX_DTYPES, dtype_name, numpy_dtype
 
-__all__ = ["GATHER_MIN_BYTES", "PinnedPages", "pin", "gathered", "segments", "settle"]
+__all__ = ["GATHER_MIN_BYTES", "PinnedPages", "pin", "gathered", "settle"]
 
 #: Below this many bytes in all, staging through slots costs less than page-locking.
 GATHER_MIN_BYTES = int(float(os.environ.get("KVSTORE_CUDA_GATHER_MIN_MIB", "16")) * (1 << 20))
@@ -69,20 +68,11 @@ _HELD: list[tuple[int, int]] = []
 _PENDING: list[Future[None]] = []
 
 
-def segments(pieces: Sequence[np.ndarray], shape: tuple[int, ...], name: str) -> np.ndarray | None:
-    """The gather of ``pieces`` (``[B, H, rows, ...]`` host arrays, joined along rows)
-    into a C-ordered ``shape`` array, zeros past their rows: its segments, one row of
-    :data:`SEGMENT_WORDS` uint64 words each (host addresses), or ``None`` when the
-    pieces are not laid out for one (another dtype, other leading or trailing dims,
-    rows that are not contiguous)."""
-    layout = _layout(pieces, shape, name)
-    return None if layout is None else _segment_table([layout], [0])
-
-
-@dataclass(frozen=True)
+@dataclass
 class _Layout:
     """One array's pieces as a gather reads them: each piece's address, batch and head
-    strides and rows, and the array's batch, heads, capacity (rows) and row bytes."""
+    strides and rows (appended by :func:`_layout`), and the array's batch, heads,
+    capacity (rows) and row bytes."""
 
     addresses: list[int]
     batch_strides: list[int]
@@ -95,12 +85,15 @@ class _Layout:
 
 
 def _layout(pieces: Sequence[np.ndarray], shape: tuple[int, ...], name: str) -> _Layout | None:
-    """What :func:`_segment_table` needs of ``pieces`` gathered into a ``shape`` array;
-    ``None`` when they are not laid out for it. Only what numpy cannot do for every
+    """What :func:`_segment_table` needs of the gather of ``pieces`` (``[B, H, rows,
+    ...]`` host arrays, joined along rows) into a C-ordered ``shape`` array, zeros past
+    their rows; ``None`` when they are not laid out for one (another dtype, other
+    leading or trailing dims, rows that are not contiguous). Only what numpy cannot do for every
     piece at once is done per piece here (a lossy restore gathers 3,072 of them)."""
     itemsize = numpy_dtype(name).itemsize
     capacity = shape[2]
-    layout = _Layout([], [], [], [], shape[0], shape[1], capacity, 0)
+    row_bytes = int(np.prod(shape[3:], dtype=np.int64)) * itemsize
+    layout = _Layout([], [], [], [], shape[0], shape[1], capacity, row_bytes)
     pos = 0
     for piece in pieces:
         if type(piece) is not np.ndarray:
@@ -128,8 +121,7 @@ def _layout(pieces: Sequence[np.ndarray], shape: tuple[int, ...], name: str) -> 
         layout.head_strides.append(strides[1])
         layout.counts.append(rows)
         pos += rows
-    row_bytes = int(np.prod(shape[3:], dtype=np.int64)) * itemsize
-    return dataclasses.replace(layout, row_bytes=row_bytes)
+    return layout
 
 
 def _segment_table(layouts: Sequence[_Layout], offsets: Sequence[int]) -> np.ndarray:
