@@ -1,0 +1,139 @@
+"""The restore thread's Python on the CUDA page route, measured on any machine.
+
+On the H200 the restore's own thread is the critical path of a 4096-token restore
+(``tools/bench/results/gpu/e2e0be6/``): header parse, tensor views, plans and the
+gather's segment words run before the first kernel starts. This runs the same code
+here with a stand-in transport whose registrations and kernels cost nothing (pages
+"locked" at once, each gather a lazy zero array), so each phase's time is the Python
+alone. It saves 4096 tokens of a llama-8B-shaped cache (32 layers, 8 KV heads of 128,
+16 records) under a storage policy, restores it a few times in this process (headers
+parsed afresh each time), and prints each phase's median.
+
+    .venv/bin/python -m tools.bench.restore_python [--policy kv:quant:8:64] [--repetitions 5]
+
+The decode of a lossy restore (``run_plans``) runs on this machine's CPU, not a GPU:
+its figure here says nothing about the device. On a noisy host compare runs of the
+code before and after a change alternately.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+
+from kvstore.bench.workloads import KVShape, SyntheticKV
+from kvstore.caches import KVCache
+from kvstore.codecs import cuda, cuda_pages, record
+from kvstore.store import open_store
+from kvstore.store.kv import restore
+
+TOKENS = 4096
+LAYERS = 32
+
+
+class FreeTransport:
+    """A CUDA transport that does nothing: pages are "locked" at their own addresses,
+    and a gather is a lazy zero array of its size (its bytes are not the rows)."""
+
+    def slot(self, nbytes: int) -> cuda.PinnedBuffer:
+        return cuda.PinnedBuffer(nbytes, None)
+
+    def to_device(self, slot: cuda.PinnedBuffer, nbytes: int) -> mx.array:
+        return mx.array(slot.array[:nbytes].copy())
+
+    def to_host(self, array: mx.array, slot: cuda.PinnedBuffer, offset: int) -> None:
+        data = np.asarray(array)
+        slot.array[offset : offset + data.nbytes] = data
+
+    def register(self, base: int, nbytes: int) -> int:
+        return base
+
+    def unregister(self, base: int) -> None:
+        pass
+
+    def gather(self, params: np.ndarray, nbytes: int) -> mx.array:
+        return mx.zeros((nbytes,), mx.uint8)
+
+
+#: The phases timed: (module, function) on the restore's path.
+PHASES: tuple[tuple[Any, str], ...] = (
+    (restore, "_headers"),
+    (restore, "_decoded"),
+    (restore, "_plans"),
+    (restore, "join_runs"),
+    (cuda_pages, "_layout"),
+    (cuda_pages, "_segment_tables"),
+    (cuda_pages._DeviceTable, "params"),
+    (restore, "run_plans"),
+)
+
+
+def timed(spent: dict[str, float], owner: Any, name: str) -> Callable[[], None]:
+    """Wrap ``owner.name`` to add its time to ``spent[name]``; returns the undo."""
+    original = getattr(owner, name)
+
+    @functools.wraps(original)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        start = time.perf_counter()
+        try:
+            return original(*args, **kwargs)
+        finally:
+            spent[name] = spent.get(name, 0.0) + time.perf_counter() - start
+
+    setattr(owner, name, wrapper)
+    return lambda: setattr(owner, name, original)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--policy", default=None, help="a storage policy (default: lossless)")
+    parser.add_argument("--repetitions", type=int, default=5)
+    args = parser.parse_args(argv)
+    kv = SyntheticKV(KVShape("llama8b", layers=LAYERS, kv_heads=8, head_dim=128), TOKENS)
+    url = f"lmdb://{tempfile.mkdtemp(prefix='restore-python-')}/s"
+    options = {} if args.policy is None else {"storage_policy": args.policy}
+    with open_store(url, map_size=1 << 34, touch_interval=0, **options) as store:
+        store.save("ns", list(range(TOKENS)), kv.ours())
+        store.flush()
+    previous = cuda.TRANSPORT, cuda_pages._WORKS
+    cuda.TRANSPORT, cuda_pages._WORKS = FreeTransport(), True  # the route taken, untried
+    spent: dict[str, float] = {}
+    undo = [timed(spent, owner, name) for owner, name in PHASES]
+    runs: list[dict[str, float]] = []
+    try:
+        with open_store(url, readonly=True) as store:
+            for i in range(args.repetitions + 1):  # the first warms up
+                record.forget_parsed_headers()
+                spent.clear()
+                start = time.perf_counter()
+                match = store.lookup("ns", list(range(TOKENS + 1)))
+                caches = store.restore(match, [KVCache() for _ in range(LAYERS)])
+                mx.eval([c.keys for c in caches])
+                spent["restore"] = time.perf_counter() - start
+                if i:
+                    runs.append(dict(spent))
+    finally:
+        for step in undo:
+            step()
+        cuda.TRANSPORT, cuda_pages._WORKS = previous
+    print(
+        f"{args.policy or 'lossless'}: {TOKENS} tokens of llama-8B on the page route with a "
+        f"free transport, median of {len(runs)} (ms):"
+    )
+    for name in ["restore", *(name for _, name in PHASES)]:
+        values = [run[name] * 1e3 for run in runs if name in run]
+        if values:
+            print(f"  {name:16} {statistics.median(values):8.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
