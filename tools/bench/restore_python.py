@@ -11,19 +11,17 @@ parsed afresh each time), and prints each phase's median.
 
     .venv/bin/python -m tools.bench.restore_python [--policy kv:quant:8:64] [--repetitions 5]
 
-The decode of a lossy restore (``run_plans``) runs on this machine's CPU, not a GPU:
-its figure here says nothing about the device. On a noisy host compare runs of the
-code before and after a change alternately.
+``join_runs`` and ``run_plans`` also evaluate the arrays (the zeros, a lossy restore's
+decode) on this machine's CPU: their figures here say nothing about the device. On a
+noisy host compare runs of the code before and after a change alternately.
 """
 
 from __future__ import annotations
 
 import argparse
-import functools
 import statistics
 import tempfile
 import time
-from collections.abc import Callable
 from typing import Any
 
 import mlx.core as mx
@@ -34,6 +32,7 @@ from kvstore.caches import KVCache
 from kvstore.codecs import cuda, cuda_pages, record
 from kvstore.store import open_store
 from kvstore.store.kv import restore
+from tools.bench.gpu.restore_profile import Timeline  # one way of timing a wrapped call
 
 TOKENS = 4096
 LAYERS = 32
@@ -76,22 +75,6 @@ PHASES: tuple[tuple[Any, str], ...] = (
 )
 
 
-def timed(spent: dict[str, float], owner: Any, name: str) -> Callable[[], None]:
-    """Wrap ``owner.name`` to add its time to ``spent[name]``; returns the undo."""
-    original = getattr(owner, name)
-
-    @functools.wraps(original)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        start = time.perf_counter()
-        try:
-            return original(*args, **kwargs)
-        finally:
-            spent[name] = spent.get(name, 0.0) + time.perf_counter() - start
-
-    setattr(owner, name, wrapper)
-    return lambda: setattr(owner, name, original)
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--policy", default=None, help="a storage policy (default: lossless)")
@@ -105,31 +88,34 @@ def main(argv: list[str] | None = None) -> int:
         store.flush()
     previous = cuda.TRANSPORT, cuda_pages._WORKS
     cuda.TRANSPORT, cuda_pages._WORKS = FreeTransport(), True  # the route taken, untried
-    spent: dict[str, float] = {}
-    undo = [timed(spent, owner, name) for owner, name in PHASES]
+    originals = [(owner, name, getattr(owner, name)) for owner, name in PHASES]
+    timeline = Timeline()
+    for owner, name in PHASES:
+        timeline.wrap(owner, name)
     runs: list[dict[str, float]] = []
     try:
         with open_store(url, readonly=True) as store:
             for i in range(args.repetitions + 1):  # the first warms up
                 record.forget_parsed_headers()
-                spent.clear()
+                timeline.events.clear()
                 start = time.perf_counter()
                 match = store.lookup("ns", list(range(TOKENS + 1)))
                 caches = store.restore(match, [KVCache() for _ in range(LAYERS)])
                 mx.eval([c.keys for c in caches])
-                spent["restore"] = time.perf_counter() - start
+                spent = {name: p["sum_ms"] for name, p in timeline.summary().items()}
+                spent["restore"] = 1e3 * (time.perf_counter() - start)
                 if i:
-                    runs.append(dict(spent))
+                    runs.append(spent)
     finally:
-        for step in undo:
-            step()
+        for owner, name, original in originals:
+            setattr(owner, name, original)
         cuda.TRANSPORT, cuda_pages._WORKS = previous
     print(
         f"{args.policy or 'lossless'}: {TOKENS} tokens of llama-8B on the page route with a "
         f"free transport, median of {len(runs)} (ms):"
     )
     for name in ["restore", *(name for _, name in PHASES)]:
-        values = [run[name] * 1e3 for run in runs if name in run]
+        values = [run[name] for run in runs if name in run]
         if values:
             print(f"  {name:16} {statistics.median(values):8.2f}")
     return 0
