@@ -48,7 +48,7 @@ import numpy as np
 import xxhash
 
 from kvstore.abc.codec import Snapshot
-from kvstore.codecs import cuda, cuda_pages
+from kvstore.codecs import cuda, cuda_pages, header_template
 from kvstore.codecs.arrays import (
     MLX_DTYPES,
     as_mlx,
@@ -524,6 +524,7 @@ def forget_parsed_headers() -> None:
     (benchmarks measuring a first read call this)."""
     _PARSED.clear()
     forget_tensor_tables()
+    header_template.forget()
 
 
 def snapshot_to_mlx(snapshot: Snapshot) -> Snapshot:
@@ -580,11 +581,35 @@ def _read_header(view: memoryview, op: str) -> RecordHeader:
     if parsed is None:
         parsed = _parsed_once(
             raw,
-            lambda: _parse_header(
-                op, view[_PREFIX.size : end], version, flags, _payload_offset(length)
+            lambda: (
+                _from_template(op, raw[_PREFIX.size :], version, flags, length)
+                or _parse_header(
+                    op, view[_PREFIX.size : end], version, flags, _payload_offset(length)
+                )
             ),
         )
     return parsed
+
+
+def _from_template(
+    op: str, packed: bytes, version: int, flags: int, length: int
+) -> RecordHeader | None:
+    """The header ``packed`` read from an earlier one of its layout
+    (:mod:`~kvstore.codecs.header_template`); ``None`` when none vouches for it."""
+    filled = header_template.fill(op, version, packed)
+    if filled is None:
+        return None
+    f, layers, checksum = filled
+    return RecordHeader(
+        version,
+        flags,
+        f["writer"],
+        layers,
+        f["meta"],
+        _payload_offset(length),
+        f["payload_nbytes"],
+        checksum,
+    )
 
 
 def _parsed_once(raw: bytes, parse: Callable[[], RecordHeader]) -> RecordHeader:
@@ -647,6 +672,7 @@ def _parse_header(
         {"algorithm": lambda v: v == CHECKSUM_ALGORITHM, "value": _is_u64},
     )
     _check_extents(op, layers, f["payload_nbytes"])
+    header_template.learn(version, bytes(packed), f, layers, check["value"])
     return RecordHeader(
         version,
         flags,
