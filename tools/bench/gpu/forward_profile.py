@@ -1,0 +1,109 @@
+"""What the one-token forward after a restore costs, against the same forward over caches
+the model filled itself (issue 13: G1's warm TTFT is restore + this forward).
+
+    python3 tools/bench/gpu/forward_profile.py [--tokens 4096] [--repeats 5]
+
+Builds the llama-8B-shaped model (bf16, seeded), fills caches of ``tokens - 1`` rows
+(``update_and_fetch`` of random rows, as a prefill leaves them), saves them to an LMDB
+store and restores them. Then times the forward of the last prompt token in each case:
+right after ``mx.clear_cache()`` (as a fresh session meets it) and again with MLX's
+buffer cache warm; the graph's build (the model call) apart from its evaluation. Also
+prints each cache's capacity and dtype, and whether the restored arrays are what the
+model's own are (shape, strides by ``flags``). Medians of ``repeats``, in ms.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import statistics
+import tempfile
+import time
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+
+from kvstore.bench.figures.gpu_common import LLAMA8B, TINY, build
+from kvstore.store import open_store
+
+
+def native(model: Any, cfg: dict[str, Any], rows: int, seed: int = 0) -> list[Any]:
+    """Caches the model makes, filled with ``rows`` random rows each."""
+    caches = model.make_cache()
+    dtype = model.model.embed_tokens.weight.dtype
+    shape = (1, cfg["num_key_value_heads"], rows, cfg["head_dim"])
+    key = mx.random.key(seed)
+    for cache in caches:
+        k1, k2, key = mx.random.split(key, 3)
+        cache.update_and_fetch(
+            mx.random.normal(shape, key=k1).astype(dtype),
+            mx.random.normal(shape, key=k2).astype(dtype),
+        )
+    mx.eval([c.keys for c in caches] + [c.values for c in caches])
+    return caches
+
+
+def forward(model: Any, token: mx.array, caches: list[Any]) -> tuple[float, float]:
+    """(graph build, evaluation) of one token's forward over ``caches``, seconds."""
+    start = time.perf_counter()
+    logits = model(token, caches)[:, -1]
+    built = time.perf_counter()
+    mx.eval(logits)
+    return built - start, time.perf_counter() - built
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tokens", type=int, default=4096)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--tiny", action="store_true", help="the CPU stand-in (a smoke run)")
+    args = parser.parse_args(argv)
+    cfg = TINY if args.tiny else LLAMA8B
+    model = build(dict(cfg))
+    rows = args.tokens - 1
+    token = mx.array(np.array([[7]], np.int32))
+    filled = native(model, cfg, rows)
+    mx.eval(model(token, native(model, cfg, rows, 1)))  # kernels compiled
+    url = f"lmdb://{tempfile.mkdtemp(prefix='fwd-')}/s"
+    prompt = list(range(args.tokens))
+    store = open_store(url, map_size=4 << 30)
+    store.save("ns", prompt[:rows], filled)
+    store.flush()
+    match = store.lookup("ns", prompt)
+    print(f"restored rows {match.tokens} of {args.tokens}")
+
+    def restored() -> list[Any]:
+        caches = store.restore(match, model.make_cache())
+        mx.eval([c.keys for c in caches] + [c.values for c in caches])
+        return caches
+
+    cases = {"model's own caches": lambda: native(model, cfg, rows, 2), "restored caches": restored}
+    for name, make in cases.items():
+        sample = make()
+        c = sample[0]
+        print(f"{name}: {type(c).__name__} keys {c.keys.shape} {c.keys.dtype} offset {c.offset}")
+        del sample
+        for fresh in (True, False):
+            builds, evals = [], []
+            for _ in range(args.repeats):
+                caches = make()
+                gc.collect()
+                if fresh:
+                    mx.clear_cache()
+                b, e = forward(model, token, caches)
+                builds.append(b)
+                evals.append(e)
+                del caches
+            label = "after clear_cache" if fresh else "buffer cache warm"
+            print(
+                f"  forward, {label}: build {1e3 * statistics.median(builds):.2f} ms, "
+                f"eval {1e3 * statistics.median(evals):.2f} ms "
+                f"(all: {[round(1e3 * (b + e), 1) for b, e in zip(builds, evals, strict=True)]})"
+            )
+    store.close()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
