@@ -14,8 +14,9 @@ is read-only), and one kernel per array reads its rows from them over PCIe,
 the zeros past the rows included. Measured there
 (``tools/bench/gpu/pages_probe.py``, 16 records of 32 MiB, a fresh process):
 registering the 512 MiB takes 14 ms on 12 threads, the 64 gathers 13 ms
-(40 GB/s), bit-exact; unregistering (7 ms) happens after the restore returns,
-on a staging thread.
+(40 GB/s), bit-exact; unregistering (7 ms) happens on a staging thread a
+moment after the restore returns (:data:`RELEASE_DELAY_SECONDS`), off the first
+token's path.
 
 The caller keeps the pages mapped until the arrays are evaluated (a restore
 gathers inside its read transaction). Pages another thread's gather holds are
@@ -31,7 +32,7 @@ import mmap
 import os
 import sys
 import threading
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
@@ -42,7 +43,14 @@ import numpy as np
 from kvstore.codecs import cuda
 from kvstore.codecs.arrays import MLX_DTYPES, dtype_name, numpy_dtype
 
-__all__ = ["GATHER_MIN_BYTES", "PinnedPages", "pin", "gathered", "settle"]
+__all__ = [
+    "GATHER_MIN_BYTES",
+    "RELEASE_DELAY_SECONDS",
+    "PinnedPages",
+    "pin",
+    "gathered",
+    "settle",
+]
 
 #: Below this many bytes in all, staging through slots costs less than page-locking.
 GATHER_MIN_BYTES = int(float(os.environ.get("KVSTORE_CUDA_GATHER_MIN_MIB", "16")) * (1 << 20))
@@ -55,6 +63,15 @@ GATHER_MIN_BYTES = int(float(os.environ.get("KVSTORE_CUDA_GATHER_MIN_MIB", "16")
 #: (Locking each record in pieces, to start gathers sooner, cost more than it saved:
 #: 74-97 ms with pieces of 8, 4 or 2 MiB, a call costing about 4 ms whatever its size.)
 SWITCH_SECONDS = 0.0005
+
+#: How long a restore's pages stay locked after it returns. Unregistering 512 MiB takes
+#: the driver about 7 ms, and kernels launched meanwhile wait on it: H200, the one-token
+#: forward right after a 4096-token llama-8B restore evaluated in 13.2 ms with the pages
+#: let go at once, 9.5 ms with them let go first (8.5 ms over the model's own caches;
+#: ``tools/bench/results/gpu/0b78bf9/forward-profile.txt``). Let go later, that cost
+#: leaves the first token's path. A restore that needs the same pages sooner lets them go
+#: first (:func:`settle`), as before.
+RELEASE_DELAY_SECONDS = float(os.environ.get("KVSTORE_CUDA_RELEASE_DELAY_MS", "250")) / 1e3
 
 #: Words per segment (``src, src_pitch, dst_offset, dst_pitch, width, height``, bytes;
 #: ``src`` 0 writes zeros): ``height`` runs of ``width`` bytes. The kernel's layout.
@@ -273,23 +290,25 @@ class PinnedPages:
         base = self._futures[span].result()
         return None if base is None else (base - self.spans[span][0]) % (1 << 64)
 
-    def release(self) -> None:
-        """Let the pages go, on a staging thread (after their registrations finish)."""
+    def release(self, *, delay: float | None = None) -> None:
+        """Let the pages go, on a staging thread (after their registrations finish),
+        ``delay`` seconds from now (default :data:`RELEASE_DELAY_SECONDS`), or sooner
+        when :func:`settle` asks."""
         if self._released:
             return
         self._released = True
 
         def let_go() -> None:
-            for span, future in zip(self.spans, self._futures, strict=True):
-                if future.result() is not None:
-                    self._transport.unregister(span[0])
-            mine = set(self.spans)
-            with _LOCK:
-                _HELD[:] = [span for span in _HELD if span not in mine]
+            try:
+                for span, future in zip(self.spans, self._futures, strict=True):
+                    if future.result() is not None:
+                        self._transport.unregister(span[0])
+            finally:  # a refused unregistration must not keep the pages held forever
+                mine = set(self.spans)
+                with _LOCK:
+                    _HELD[:] = [span for span in _HELD if span not in mine]
 
-        with _LOCK:
-            _PENDING[:] = [f for f in _PENDING if not f.done()]  # bounded in a long process
-            _PENDING.append(cuda.pool().submit(let_go))
+        _let_go_later(let_go, RELEASE_DELAY_SECONDS if delay is None else delay)
 
 
 def _lock(transport: cuda.Transport, span: tuple[int, int]) -> int | None:
@@ -557,9 +576,41 @@ def _spans(ranges: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:
     return merged
 
 
+#: Releases waiting for their delay (:func:`_let_go_later`), by number.
+_WAITING: dict[int, Callable[[], None]] = {}
+_NUMBERS = itertools.count()
+
+
+def _let_go_later(let_go: Callable[[], None], delay: float) -> None:
+    """Run ``let_go`` on a staging thread ``delay`` seconds from now (at once for 0)."""
+    number = next(_NUMBERS)
+    with _LOCK:
+        _WAITING[number] = let_go
+    if delay <= 0:
+        _start_release(number)
+        return
+    timer = threading.Timer(delay, _start_release, (number,))
+    timer.daemon = True
+    timer.start()
+
+
+def _start_release(number: int) -> None:
+    with _LOCK:
+        let_go = _WAITING.pop(number, None)
+        if let_go is None:  # settle() started it already
+            return
+        _PENDING[:] = [f for f in _PENDING if not f.done()]  # bounded in a long process
+        _PENDING.append(cuda.pool().submit(let_go))
+
+
 def settle() -> None:
-    """Wait until every page an earlier gather registered is let go (each gather's are,
-    after it returns, on a staging thread)."""
+    """Let go at once of every page an earlier gather registered, and wait until they
+    are (each gather's are let go on a staging thread, :data:`RELEASE_DELAY_SECONDS`
+    after it returns)."""
+    with _LOCK:
+        waiting = list(_WAITING)
+    for number in waiting:
+        _start_release(number)
     with _LOCK:
         pending, _PENDING[:] = list(_PENDING), []
     for future in pending:

@@ -348,3 +348,33 @@ def test_concurrent_restores_of_one_prefix_are_each_bit_exact_and_let_everything
     assert staged.gathers > 0
     assert staged.registered == {} and cuda_pages._HELD == []
     assert sys.getswitchinterval() == before
+
+
+def test_a_restores_pages_are_let_go_after_the_delay_or_at_once_when_needed(
+    tmp_path, staged, monkeypatch
+):
+    # Unregistering pinned pages stalls kernels launched meanwhile (the first token's
+    # forward on the H200): a restore's pages stay locked for RELEASE_DELAY_SECONDS after
+    # it returns. A restore of the same pages before then lets them go first, and reads
+    # the same rows; settle() lets them go at once; the delay lets them go unasked.
+    monkeypatch.setattr(cuda_pages, "RELEASE_DELAY_SECONDS", 1.0)
+    config, policy = FAMILIES["plain"]
+    model = model_for(config)
+    tokens = prompt(7, 3 * BLOCK + 1)
+    with open_store(f"lmdb://{tmp_path / 's'}", block_size=BLOCK) as store:
+        store.save("ns", tokens, prefilled(model, tokens, policy))
+        match = store.lookup("ns", tokens)
+        first = store.restore(match, model.make_cache(policy))
+        assert staged.registered  # still locked after the restore returned
+        gathers = staged.gathers
+        again = store.restore(match, model.make_cache(policy))  # the same pages, at once
+        assert staged.gathers == 2 * gathers and staged.uploads == 0
+        assert_same_caches(first, again)
+        cuda_pages.settle()
+        assert staged.registered == {} and cuda_pages._HELD == []
+        store.restore(match, model.make_cache(policy))
+        assert staged.registered
+        deadline = time.monotonic() + 10
+        while staged.registered and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert staged.registered == {} and cuda_pages._HELD == []  # let go by the timer
