@@ -60,8 +60,6 @@ __all__ = [
     "workers",
     "nbytes_of",
     "SEGMENT_WORDS",
-    "GATHER_OUTPUTS",
-    "OUTPUT_SHIFT",
     "upload",
     "download",
 ]
@@ -112,7 +110,7 @@ _GATHER_SOURCE = (
     unsigned long long part = blockIdx.x / count, parts = gridDim.x / count;
     const unsigned long long* s = p + 1 + seg * SEGMENT_WORDS;
     unsigned long long src = s[0], sp = s[1], doff = s[2], dp = s[3], w = s[4], h = s[5];
-    OUTPUT
+    unsigned char* d = reinterpret_cast<unsigned char*>(out);
     unsigned long long first = part * blockDim.x + threadIdx.x, step = parts * blockDim.x;
     if (((src | sp | doff | dp) & 15) == 0) {
         const uint4* s16 = reinterpret_cast<const uint4*>(src);
@@ -136,22 +134,6 @@ _GATHER_SOURCE = (
     }
 """
 ).replace("SEGMENT_WORDS", str(SEGMENT_WORDS))
-#: Arrays one :meth:`KernelTransport.gather_many` kernel writes: output ``i`` takes the
-#: segments whose ``dst_offset`` has ``i`` in its top byte (:data:`OUTPUT_SHIFT`).
-GATHER_OUTPUTS = 8
-OUTPUT_SHIFT = 56
-_ONE_OUTPUT = "unsigned char* d = reinterpret_cast<unsigned char*>(out);"
-_MANY_OUTPUTS = (
-    f"unsigned char* outs[{GATHER_OUTPUTS}] = {{"
-    + ", ".join(f"reinterpret_cast<unsigned char*>(out{i})" for i in range(GATHER_OUTPUTS))
-    + f"}}; unsigned char* d = outs[doff >> {OUTPUT_SHIFT}];"
-    + f" doff &= (1ULL << {OUTPUT_SHIFT}) - 1;"
-)
-#: A device array's address (``inp``'s first byte), as one uint64.
-_ADDRESS_SOURCE = """
-    if (blockIdx.x == 0 && threadIdx.x == 0)
-        address[0] = reinterpret_cast<unsigned long long>(inp);
-"""
 
 
 class PinnedBuffer:
@@ -278,18 +260,6 @@ class Transport(Protocol):
         """A new lazy uint8 device array of ``nbytes`` written by the segments of
         ``params`` (uint64 words: see :data:`_GATHER_SOURCE`) from registered pages."""
 
-    def gather_many(self, params: np.ndarray, sizes: Sequence[int]) -> list[mx.array]:
-        """New lazy uint8 device arrays of ``sizes`` (at most :data:`GATHER_OUTPUTS`),
-        one kernel: :meth:`gather`, each segment writing the array its ``dst_offset``'s
-        top byte names (:data:`OUTPUT_SHIFT`)."""
-
-    def copy_in(self, address: int, nbytes: int) -> mx.array:
-        """A new lazy uint8 device array of the ``nbytes`` at device-visible ``address``
-        (registered pages)."""
-
-    def address_of(self, array: mx.array) -> int:
-        """The device address of ``array``'s first byte (evaluates it, and waits)."""
-
 
 class KernelTransport:
     """The real one: the driver for pinned memory, MLX CUDA kernels for the copies."""
@@ -297,8 +267,6 @@ class KernelTransport:
     _upload: Any
     _download: Any
     _gather: Any
-    _gather_many: Any
-    _address: Any
 
     def __init__(self) -> None:
         self.driver = Driver()
@@ -318,19 +286,7 @@ class KernelTransport:
             name="kvstore_gather",
             input_names=["params"],
             output_names=["out"],
-            source=_GATHER_SOURCE.replace("OUTPUT", _ONE_OUTPUT),
-        )
-        self._gather_many = mx.fast.cuda_kernel(
-            name="kvstore_gather_many",
-            input_names=["params"],
-            output_names=[f"out{i}" for i in range(GATHER_OUTPUTS)],
-            source=_GATHER_SOURCE.replace("OUTPUT", _MANY_OUTPUTS),
-        )
-        self._address = mx.fast.cuda_kernel(
-            name="kvstore_address",
-            input_names=["inp"],
-            output_names=["address"],
-            source=_ADDRESS_SOURCE,
+            source=_GATHER_SOURCE,
         )
 
     def slot(self, nbytes: int) -> PinnedBuffer:
@@ -372,61 +328,19 @@ class KernelTransport:
         self.driver.unregister_pages(base)
 
     def gather(self, params: np.ndarray, nbytes: int) -> mx.array:
+        count = int(params[0])
+        words = params[1:].reshape(count, SEGMENT_WORDS)
+        largest = int((words[:, 4] * words[:, 5]).max()) if count else 0
+        # Enough blocks per segment for each thread to copy a few 16-byte words.
+        parts = max(1, min(64, largest // (16 * _BLOCK * 4)))
         (out,) = self._gather(
             inputs=[mx.array(params)],
             output_shapes=[(nbytes,)],
             output_dtypes=[mx.uint8],
-            grid=(_gather_threads(params), 1, 1),
+            grid=(count * parts * _BLOCK, 1, 1),
             threadgroup=(_BLOCK, 1, 1),
         )
         return out
-
-    def gather_many(self, params: np.ndarray, sizes: Sequence[int]) -> list[mx.array]:
-        if not 0 < len(sizes) <= GATHER_OUTPUTS:
-            raise ValueError(
-                f"[cuda] A gather writes 1 to {GATHER_OUTPUTS} arrays; asked {len(sizes)}."
-            )
-        unused = [16] * (GATHER_OUTPUTS - len(sizes))  # no segment writes them
-        outs = self._gather_many(
-            inputs=[mx.array(params)],
-            output_shapes=[(n,) for n in [*sizes, *unused]],
-            output_dtypes=[mx.uint8] * GATHER_OUTPUTS,
-            grid=(_gather_threads(params), 1, 1),
-            threadgroup=(_BLOCK, 1, 1),
-        )
-        return list(outs[: len(sizes)])
-
-    def copy_in(self, address: int, nbytes: int) -> mx.array:
-        params = mx.array(np.array([address, nbytes], np.uint64))
-        (out,) = self._upload(
-            inputs=[params],
-            output_shapes=[(nbytes,)],
-            output_dtypes=[mx.uint8],
-            grid=(_GRID, 1, 1),
-            threadgroup=(_BLOCK, 1, 1),
-        )
-        return out
-
-    def address_of(self, array: mx.array) -> int:
-        (address,) = self._address(
-            inputs=[array],
-            output_shapes=[(1,)],
-            output_dtypes=[mx.uint64],
-            grid=(1, 1, 1),
-            threadgroup=(1, 1, 1),
-        )
-        mx.eval(address)  # releases the GIL while it waits (the copy before it, say)
-        return int(address.item())
-
-
-def _gather_threads(params: np.ndarray) -> int:
-    """Threads for a gather of ``params``: enough blocks per segment for each thread to
-    copy a few 16-byte words."""
-    count = int(params[0])
-    words = params[1:].reshape(count, SEGMENT_WORDS)
-    largest = int((words[:, 4] * words[:, 5]).max()) if count else 0
-    parts = max(1, min(64, largest // (16 * _BLOCK * 4)))
-    return count * parts * _BLOCK
 
 
 #: The transport in use; ``None`` until first needed (then a :class:`KernelTransport`,

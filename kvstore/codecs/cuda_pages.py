@@ -73,20 +73,6 @@ SWITCH_SECONDS = 0.0005
 #: first (:func:`settle`), as before.
 RELEASE_DELAY_SECONDS = float(os.environ.get("KVSTORE_CUDA_RELEASE_DELAY_MS", "250")) / 1e3
 
-#: Arrays a lossless restore gathers per kernel (``KVSTORE_CUDA_GATHER_GROUP``; 1: a
-#: kernel each, as before). Each launch costs the restore's thread about 0.18 ms on the
-#: H200 host: its 64 arrays' launches ran from 22.4 to 34.1 ms into a 4096-token llama-8B
-#: restore (results/gpu/0b78bf9/restore-profiles.txt).
-GATHER_GROUP = max(
-    1, min(cuda.GATHER_OUTPUTS, int(os.environ.get("KVSTORE_CUDA_GATHER_GROUP", "8")))
-)
-#: Whether each record is copied whole to device memory as soon as its pages are locked
-#: (``KVSTORE_CUDA_PAGES_COPY=1``), on the thread that locked them, so the bus carries the
-#: rows while the restore's thread still parses and plans; the gathers then read device
-#: memory. Off by default until measured (a first version, whose copies were unpinned at
-#: once and whose gathers were a kernel per array, measured slower at e2e0be6).
-COPY = os.environ.get("KVSTORE_CUDA_PAGES_COPY", "0") == "1"
-
 #: Words per segment (``src, src_pitch, dst_offset, dst_pitch, width, height``, bytes;
 #: ``src`` 0 writes zeros): ``height`` runs of ``width`` bytes. The kernel's layout.
 SEGMENT_WORDS = cuda.SEGMENT_WORDS
@@ -263,17 +249,13 @@ class PinnedPages:
         self.spans = sorted(spans)
         self._starts_array = np.array([start for start, _ in self.spans], np.uint64)
         self._ends_array = np.array([end for _, end in self.spans], np.uint64)
-        #: Each span's device address once locked (of its device copy, with
-        #: :data:`COPY`); ``None`` where the driver refused.
+        #: Each span's device address once locked; ``None`` where the driver refused.
         self._futures: list[Future[int | None]] = []
-        #: The device copies, by span (kept until the gathers that read them are done).
-        self._copies: dict[int, mx.array] = {}
-        self._copies_lock = threading.Lock()  # not _LOCK: an inline lock runs under it
         self._released = False
         if inline:  # locked here, now (a staging thread's own small gather)
-            for at in range(len(self.spans)):
+            for span in self.spans:
                 self._futures.append(Future())
-                self._futures[-1].set_result(self._lock(at))
+                self._futures[-1].set_result(_lock(transport, span))
             return
         if not self.spans:
             return
@@ -287,27 +269,9 @@ class PinnedPages:
             if last:
                 _hurry(-1)
 
-        for at in range(len(self.spans)):
-            self._futures.append(_registering().submit(self._lock, at))
+        for span in self.spans:
+            self._futures.append(_registering().submit(_lock, transport, span))
             self._futures[-1].add_done_callback(one_done)
-
-    def _lock(self, at: int) -> int | None:
-        """Page-lock span ``at``: the device address the gathers read it at (its device
-        copy's, with :data:`COPY`; else its pages'); ``None`` when the driver refuses."""
-        span = self.spans[at]
-        base = _lock(self._transport, span)
-        if base is None or not COPY:
-            return base
-        try:
-            copy = self._transport.copy_in(base, span[1] - span[0])
-            address = self._transport.address_of(copy)  # waits for the copy (GIL let go)
-        except (OSError, RuntimeError, ValueError):
-            return base  # the gathers read the pages themselves
-        with self._copies_lock:
-            if self._released:  # the restore is over: nothing will read it
-                return base
-            self._copies[at] = copy
-        return address
 
     def spans_holding(self, addresses: np.ndarray, nbytes: np.ndarray) -> np.ndarray | None:
         """Which span holds each of host ``addresses`` (uint64; ``nbytes`` from each);
@@ -330,11 +294,9 @@ class PinnedPages:
         """Let the pages go, on a staging thread (after their registrations finish),
         ``delay`` seconds from now (default :data:`RELEASE_DELAY_SECONDS`), or sooner
         when :func:`settle` asks."""
-        with self._copies_lock:
-            if self._released:
-                return
-            self._released = True
-            self._copies.clear()  # the gathers that read them are evaluated
+        if self._released:
+            return
+        self._released = True
 
         def let_go() -> None:
             try:
@@ -508,27 +470,15 @@ def _gather(
         else:
             table, owners = _segment_tables(layouts, [0] * len(layouts))
             order = np.argsort(owners, kind="stable")  # each array's segments together
-            table, owners = table[order], owners[order]
-            group = GATHER_GROUP
-            if group > 1:  # which of its kernel's outputs each segment writes
-                table[:, 2] |= (owners % group).astype(np.uint64) << np.uint64(cuda.OUTPUT_SHIFT)
-            on_device = _DeviceTable(table, pages)
+            on_device = _DeviceTable(table[order], pages)
             ends = np.cumsum(np.bincount(owners, minlength=len(specs))).tolist()
-            starts = [0, *ends]
-            for first in range(0, len(specs), group):
-                members = specs[first : first + group]
-                device = on_device.params(starts[first], ends[first + len(members) - 1])
+            for begin, end, spec in zip([0, *ends], ends, specs, strict=False):
+                device = on_device.params(begin, end)
                 if device is None:
                     return None
-                sizes = [cuda.nbytes_of(spec) for spec in members]
-                outs = (
-                    transport.gather_many(device, sizes)
-                    if len(members) > 1
-                    else [transport.gather(device, sizes[0])]  # its top byte is 0
-                )
-                mx.async_eval(outs)  # runs while later arrays' pages are still being locked
-                for out, (shape, name) in zip(outs, members, strict=True):
-                    arrays.append(out.view(MLX_DTYPES[name]).reshape(shape))
+                array = transport.gather(device, cuda.nbytes_of(spec))
+                mx.async_eval(array)  # runs while later arrays' pages are still being locked
+                arrays.append(array.view(MLX_DTYPES[spec[1]]).reshape(spec[0]))
         mx.eval(arrays)
         done = True
     finally:

@@ -28,15 +28,8 @@ from tests.test_store.kv_helpers import (
 )
 
 
-@pytest.fixture(
-    params=[(1, False), (8, False), (8, True)], ids=["kernel-each", "grouped", "copies"]
-)
-def staged(request, monkeypatch):
-    """The stand-in transport, each array a kernel of its own, or up to 8 arrays a kernel,
-    or that with every record copied to "device memory" as soon as it is locked."""
-    group, copy = request.param
-    monkeypatch.setattr(cuda_pages, "GATHER_GROUP", group)
-    monkeypatch.setattr(cuda_pages, "COPY", copy)
+@pytest.fixture
+def staged(monkeypatch):
     transport = HostTransport()
     monkeypatch.setattr(cuda, "TRANSPORT", transport)
     monkeypatch.setattr(cuda_pages, "GATHER_MIN_BYTES", 0)
@@ -44,15 +37,10 @@ def staged(request, monkeypatch):
     monkeypatch.setattr(cuda_pages, "_WORKS_FUTURE", None)
     assert cuda_pages._works()  # the once-per-process try, on pages of its own
     cuda_pages.settle()
-    transport.gathers = transport.copied = 0
+    transport.gathers = 0
     yield transport
     cuda_pages.settle()
     monkeypatch.setattr(cuda, "TRANSPORT", None)
-
-
-def kernels(arrays: int) -> int:
-    """The gather kernels of ``arrays`` arrays (GATHER_GROUP a kernel)."""
-    return -(-arrays // cuda_pages.GATHER_GROUP)
 
 
 def pieces_of(rng, blocks, batch=1, heads=3, rows=5, dim=8):
@@ -70,7 +58,7 @@ def test_a_gather_joins_strided_pieces_and_zeros_to_capacity(staged, batch):
     columns = [pieces_of(rng, 3, batch), pieces_of(rng, 2, batch, rows=7)]
     specs = [((batch, 3, 20, 8), "float16"), ((batch, 3, 14, 8), "float16")]
     arrays = cuda_pages.gathered(specs, columns)
-    assert arrays is not None and staged.gathers == kernels(2)
+    assert arrays is not None and staged.gathers == 2
     for array, pieces, (shape, _) in zip(arrays, columns, specs, strict=True):
         want = np.zeros(shape, np.float16)
         joined = np.concatenate(pieces, axis=2)
@@ -112,7 +100,7 @@ def test_arrays_full_short_empty_or_with_empty_pieces_gather_alike(staged, one_b
         ((batch, 3, 9, 3), "float16"),
     ]
     arrays = cuda_pages.gathered(specs, columns, one_buffer=one_buffer)
-    assert arrays is not None and staged.gathers == (1 if one_buffer else kernels(len(specs)))
+    assert arrays is not None and staged.gathers == (1 if one_buffer else len(specs))
     for array, pieces, (shape, _) in zip(arrays, columns, specs, strict=True):
         want = np.zeros(shape, np.float16)
         joined = np.concatenate(pieces, axis=2)
@@ -188,24 +176,22 @@ def test_a_lossless_restore_gathers_from_the_store_pages_and_equals_the_cpu_rest
     config, policy = FAMILIES[family]
     model = model_for(config)
     tokens = prompt(6, 5 * BLOCK + 3)
-    real = staged.gather_many
+    real = staged.gather
     locked_at_gathers: list[int] = []
 
-    def gather_many(params, sizes, **kwargs):
+    def gather(params, nbytes):
         locked_at_gathers.append(len(staged.registered))
-        return real(params, sizes, **kwargs)
+        return real(params, nbytes)
 
-    monkeypatch.setattr(staged, "gather_many", gather_many)  # gather() calls it too
+    monkeypatch.setattr(staged, "gather", gather)
     with open_store(f"lmdb://{tmp_path / 's'}", block_size=BLOCK) as store:
         store.save("ns", tokens, prefilled(model, tokens, policy))
         match = store.lookup("ns", tokens)
         restored = store.restore(match, model.make_cache(policy))
         # Every array read by the GPU from the store's pages, still locked while the
         # gathers ran: no slot staged.
-        assert staged.gathers == kernels(2 * len(restored)) and staged.uploads == 0
+        assert staged.gathers == 2 * len(restored) and staged.uploads == 0
         assert min(locked_at_gathers) > 0
-        # each record's span copied once (records sharing a page share a span)
-        assert (0 < staged.copied <= len(match.blocks)) if cuda_pages.COPY else not staged.copied
         cuda_pages.settle()
         assert staged.registered == {}
         monkeypatch.setattr(cuda, "TRANSPORT", False)
@@ -280,9 +266,7 @@ def test_a_gather_starts_before_later_records_are_locked_and_the_gil_is_handed_o
 ):
     """Array i's kernel is launched once the pages holding its rows are locked (a lossy
     restore gathers each record's payload as soon as that record is locked), and while
-    registrations run the GIL switch interval is short, then back as it was. (A kernel
-    of several arrays waits for the pages of them all: one array a kernel here.)"""
-    monkeypatch.setattr(cuda_pages, "GATHER_GROUP", 1)
+    registrations run the GIL switch interval is short, then back as it was."""
     page = cuda_pages._PAGE
     rng = np.random.default_rng(9)
     maps = [mmap.mmap(-1, 4 * page) for _ in range(2)]  # records on pages of their own

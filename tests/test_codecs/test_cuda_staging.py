@@ -20,8 +20,6 @@ from kvstore.store import open_store
 #: Where the stand-in's "GPU" sees registered pages: elsewhere than the host, so a
 #: gather that used a host address unconverted would read the wrong bytes (and fault).
 DEVICE_OFFSET = 1 << 44
-#: Where device copies are (address_of): elsewhere again.
-COPY_OFFSET = 1 << 45
 
 
 class HostTransport:
@@ -34,9 +32,6 @@ class HostTransport:
         self.gathers = 0
         self.registered: dict[int, int] = {}
         self.refuse = False
-        self.copied = 0
-        #: Device copies (address_of) by their "device" address.
-        self.copies: dict[int, np.ndarray] = {}
 
     def slot(self, nbytes: int) -> cuda.PinnedBuffer:
         return cuda.PinnedBuffer(nbytes, None)
@@ -69,48 +64,20 @@ class HostTransport:
         return any(b <= start and end <= b + n for b, n in dict(self.registered).items())
 
     def gather(self, params: np.ndarray, nbytes: int) -> mx.array:
-        return self.gather_many(params, [nbytes], one=True)[0]
-
-    def gather_many(
-        self, params: np.ndarray, sizes: list[int], *, one: bool = False
-    ) -> list[mx.array]:
         self.gathers += 1
-        assert 0 < len(sizes) <= cuda.GATHER_OUTPUTS
-        outs = [np.full(n, 0xAB, np.uint8) for n in sizes]  # bytes no segment writes show up
+        out = np.full(nbytes, 0xAB, np.uint8)  # bytes no segment writes show up
         words = params[1:].reshape(int(params[0]), cuda.SEGMENT_WORDS).tolist()
         for src, src_pitch, offset, pitch, width, height in words:
-            which, offset = (0, offset) if one else divmod(offset, 1 << cuda.OUTPUT_SHIFT)
-            out = outs[which]
-            assert offset + (height - 1) * pitch + width <= out.size
+            assert offset + (height - 1) * pitch + width <= nbytes
             for r in range(height):
                 at = out.ctypes.data + offset + r * pitch
                 if not src:
                     ctypes.memset(at, 0, width)
                     continue
-                ctypes.memmove(at, self.host_of(src + r * src_pitch, width), width)
-        return [mx.array(out) for out in outs]
-
-    def host_of(self, address: int, width: int) -> int:
-        """Where the "GPU" reads ``width`` bytes at device ``address``: a device copy, or
-        registered pages (asserted: a gather never reads anything else)."""
-        for start, copy in dict(self.copies).items():
-            if start <= address and address + width <= start + copy.size:
-                return int(copy.ctypes.data) + address - start
-        host = address - DEVICE_OFFSET
-        assert self.covered(host, host + width)
-        return host
-
-    def copy_in(self, address: int, nbytes: int) -> mx.array:
-        self.copied += 1
-        host = self.host_of(address, nbytes)
-        return mx.array(np.ctypeslib.as_array((ctypes.c_uint8 * nbytes).from_address(host)).copy())
-
-    def address_of(self, array: mx.array) -> int:
-        mx.eval(array)
-        copy = np.array(array, np.uint8)  # its "device memory", kept while the address is used
-        address = COPY_OFFSET + int(copy.ctypes.data)
-        self.copies[address] = copy
-        return address
+                host = src - DEVICE_OFFSET + r * src_pitch
+                assert self.covered(host, host + width)
+                ctypes.memmove(at, host, width)
+        return mx.array(out)
 
 
 @pytest.fixture

@@ -61,15 +61,6 @@ class FreeTransport:
     def gather(self, params: np.ndarray, nbytes: int) -> mx.array:
         return mx.zeros((nbytes,), mx.uint8)
 
-    def gather_many(self, params: np.ndarray, sizes: list[int]) -> list[mx.array]:
-        return [mx.zeros((n,), mx.uint8) for n in sizes]
-
-    def copy_in(self, address: int, nbytes: int) -> mx.array:
-        return mx.zeros((nbytes,), mx.uint8)
-
-    def address_of(self, array: mx.array) -> int:
-        return 1 << 40
-
 
 #: The phases timed: (module, function) on the restore's path.
 PHASES: tuple[tuple[Any, str], ...] = (
