@@ -33,7 +33,7 @@ import os
 import sys
 import threading
 from collections.abc import Callable, Iterable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
@@ -270,7 +270,7 @@ class PinnedPages:
                 _hurry(-1)
 
         for span in self.spans:
-            self._futures.append(_registering().submit(_lock, transport, span))
+            self._futures.append(cuda.pool().submit(_lock, transport, span))
             self._futures[-1].add_done_callback(one_done)
 
     def spans_holding(self, addresses: np.ndarray, nbytes: np.ndarray) -> np.ndarray | None:
@@ -309,29 +309,6 @@ class PinnedPages:
                     _HELD[:] = [span for span in _HELD if span not in mine]
 
         _let_go_later(let_go, RELEASE_DELAY_SECONDS if delay is None else delay)
-
-
-#: Threads page-locking a restore's records, one record each at a time
-#: (``KVSTORE_CUDA_REGISTER_THREADS``; default: every core). A registration is a driver
-#: call of about 4 ms plus 0.13 ms per MiB on the H200 host, and they run side by side:
-#: with the 12 staging threads, 16 records of 32 MiB took two rounds (locked 3.8 to
-#: 21.6 ms into a restore; results/gpu/0b78bf9/restore-profiles.txt).
-REGISTER_THREADS = int(os.environ.get("KVSTORE_CUDA_REGISTER_THREADS", "0")) or min(
-    32, os.cpu_count() or 1
-)
-_REGISTER_POOL: ThreadPoolExecutor | None = None
-_REGISTER_LOCK = threading.Lock()
-
-
-def _registering() -> ThreadPoolExecutor:
-    """The threads that page-lock records (:data:`REGISTER_THREADS`), kept for the process."""
-    global _REGISTER_POOL
-    with _REGISTER_LOCK:  # not _LOCK: pages are pinned under it
-        if _REGISTER_POOL is None:
-            _REGISTER_POOL = ThreadPoolExecutor(
-                REGISTER_THREADS, thread_name_prefix="kvstore-cuda-lock"
-            )
-        return _REGISTER_POOL
 
 
 def _lock(transport: cuda.Transport, span: tuple[int, int]) -> int | None:
