@@ -600,7 +600,10 @@ def _start_release(number: int) -> None:
         if let_go is None:  # settle() started it already
             return
         _PENDING[:] = [f for f in _PENDING if not f.done()]  # bounded in a long process
-        _PENDING.append(cuda.pool().submit(let_go))
+        try:
+            _PENDING.append(cuda.pool().submit(let_go))
+        except RuntimeError:  # the interpreter is exiting: the process lets go of it all
+            pass
 
 
 def settle() -> None:
