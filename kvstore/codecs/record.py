@@ -600,14 +600,26 @@ def _from_template(
     if filled is None:
         return None
     f, layers, checksum = filled
+    return _record_header(version, flags, f, layers, _payload_offset(length), checksum)
+
+
+def _record_header(
+    version: int,
+    flags: int,
+    fields: Mapping[str, Any],
+    layers: tuple[LayerEntry | None, ...],
+    payload_offset: int,
+    checksum: int,
+) -> RecordHeader:
+    """The parsed header of a record: its checked ``fields`` and ``layers``, and the rest."""
     return RecordHeader(
         version,
         flags,
-        f["writer"],
+        fields["writer"],
         layers,
-        f["meta"],
-        _payload_offset(length),
-        f["payload_nbytes"],
+        fields["meta"],
+        payload_offset,
+        fields["payload_nbytes"],
         checksum,
     )
 
@@ -673,16 +685,7 @@ def _parse_header(
     )
     _check_extents(op, layers, f["payload_nbytes"])
     header_template.learn(version, bytes(packed), f, layers, check["value"])
-    return RecordHeader(
-        version,
-        flags,
-        f["writer"],
-        layers,
-        f["meta"],
-        payload_offset,
-        f["payload_nbytes"],
-        check["value"],
-    )
+    return _record_header(version, flags, f, layers, payload_offset, check["value"])
 
 
 def _is_u64(value: Any) -> bool:
