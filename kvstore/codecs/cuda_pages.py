@@ -32,6 +32,7 @@ import mmap
 import os
 import sys
 import threading
+from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -79,10 +80,10 @@ SEGMENT_WORDS = cuda.SEGMENT_WORDS
 
 _PAGE = mmap.PAGESIZE
 _LOCK = threading.Lock()
-#: Page spans registered now, as sorted ``(start, end)``, and the unregistrations
-#: still running (a new registration waits for them before giving up on an overlap).
+#: Page spans registered now (or being), as sorted ``(start, end)``: a live gather's,
+#: or an earlier one's until its release (:data:`_RELEASES`) is done, when a later
+#: gather's span may share its pages (and be registered once it is let go).
 _HELD: list[tuple[int, int]] = []
-_PENDING: list[Future[None]] = []
 
 
 @dataclass
@@ -244,18 +245,21 @@ class PinnedPages:
         spans: list[tuple[int, int]],
         *,
         inline: bool = False,
+        after: Sequence[Sequence[Future[None]]] | None = None,
     ) -> None:
         self._transport = transport
         self.spans = sorted(spans)
+        #: Per span, the earlier releases of pages it shares, to finish before it is locked.
+        waits = list(after) if after is not None else [[] for _ in self.spans]
         self._starts_array = np.array([start for start, _ in self.spans], np.uint64)
         self._ends_array = np.array([end for _, end in self.spans], np.uint64)
         #: Each span's device address once locked; ``None`` where the driver refused.
         self._futures: list[Future[int | None]] = []
         self._released = False
         if inline:  # locked here, now (a staging thread's own small gather)
-            for span in self.spans:
+            for span, wait in zip(self.spans, waits, strict=True):
                 self._futures.append(Future())
-                self._futures[-1].set_result(_lock(transport, span))
+                self._futures[-1].set_result(_lock_after(transport, span, wait))
             return
         if not self.spans:
             return
@@ -269,8 +273,8 @@ class PinnedPages:
             if last:
                 _hurry(-1)
 
-        for span in self.spans:
-            self._futures.append(cuda.pool().submit(_lock, transport, span))
+        for span, wait in zip(self.spans, waits, strict=True):
+            self._futures.append(cuda.pool().submit(_lock_after, transport, span, wait))
             self._futures[-1].add_done_callback(one_done)
 
     def spans_holding(self, addresses: np.ndarray, nbytes: np.ndarray) -> np.ndarray | None:
@@ -304,11 +308,25 @@ class PinnedPages:
                     if future.result() is not None:
                         self._transport.unregister(span[0])
             finally:  # a refused unregistration must not keep the pages held forever
-                mine = set(self.spans)
                 with _LOCK:
-                    _HELD[:] = [span for span in _HELD if span not in mine]
+                    for span in self.spans:  # one each: a later gather may hold it too
+                        if span in _HELD:
+                            _HELD.remove(span)
 
-        _let_go_later(let_go, RELEASE_DELAY_SECONDS if delay is None else delay)
+        _let_go_later(self.spans, let_go, RELEASE_DELAY_SECONDS if delay is None else delay)
+
+
+def _lock_after(
+    transport: cuda.Transport, span: tuple[int, int], after: Sequence[Future[None]]
+) -> int | None:
+    """:func:`_lock`, once the releases ``after`` (of pages ``span`` shares) are done.
+    They were submitted to the same threads before this, so they run first."""
+    for release in after:
+        try:
+            release.result()
+        except Exception:  # noqa: BLE001 - its pages are let go of either way; if the
+            pass  # driver still holds them, this registration is refused and says so
+    return _lock(transport, span)
 
 
 def _lock(transport: cuda.Transport, span: tuple[int, int]) -> int | None:
@@ -356,26 +374,59 @@ def pin(buffers: Sequence[Any]) -> PinnedPages | None:
 
 
 def _pinned(spans: list[tuple[int, int]], *, inline: bool = False) -> PinnedPages | None:
+    """Pages ``spans`` pinned (or being pinned) for this gather; ``None`` when another
+    gather holds some of them. Pages an earlier gather holds only until its delayed
+    release are not waited for here: that release starts now, and each span sharing
+    its pages is locked, on its staging thread, once it is done (a restore of the same
+    prefix right after another, as a session's warm-up and then its first restore, no
+    longer holds its own thread for the driver's unregistration: ~7 ms on the H200,
+    ``results/gpu/c98ebeb/restore-profile.txt``)."""
+    ordered = sorted(spans)
     for attempt in range(2):
         with _LOCK:
-            if not _overlaps(spans):
-                _HELD.extend(spans)
+            leaving = [(number, release.spans) for number, release in _RELEASES.items()]
+            blocked = _overlaps(ordered, _staying(leaving))
+            if not blocked:
+                waits = [
+                    [number for number, gone in leaving if _shares(span, gone)] for span in ordered
+                ]
+                _HELD.extend(ordered)
                 _HELD.sort()
-                return PinnedPages(cuda.transport(), spans, inline=inline)
+        if not blocked:
+            started = {number: _start_release(number) for number in set().union(*waits)}
+            after = [[f for number in wait if (f := started[number]) is not None] for wait in waits]
+            return PinnedPages(cuda.transport(), ordered, inline=inline, after=after)
         if attempt or inline:
             break
         settle()  # an earlier gather's pages, being let go: wait, and look again
     return None  # another thread's gather holds some of these pages
 
 
-def _overlaps(spans: Sequence[tuple[int, int]]) -> bool:
-    """Whether any of ``spans`` shares a page with one registered now (under _LOCK;
-    ``_HELD`` is sorted and its spans are disjoint)."""
+def _staying(leaving: Sequence[tuple[int, list[tuple[int, int]]]]) -> list[tuple[int, int]]:
+    """The spans registered now less those of ``leaving`` releases (under _LOCK): the
+    pages live gathers hold, sorted and disjoint."""
+    going = Counter(span for _, gone in leaving for span in gone)
+    staying = []
+    for span in _HELD:
+        if going[span]:
+            going[span] -= 1
+        else:
+            staying.append(span)
+    return staying
+
+
+def _shares(span: tuple[int, int], others: Sequence[tuple[int, int]]) -> bool:
+    """Whether ``span`` shares a page with any of ``others``."""
+    return any(start < span[1] and span[0] < end for start, end in others)
+
+
+def _overlaps(spans: Sequence[tuple[int, int]], held: Sequence[tuple[int, int]]) -> bool:
+    """Whether any of ``spans`` shares a page with one of ``held`` (sorted, disjoint)."""
     for start, end in spans:
-        at = bisect.bisect_left(_HELD, (start, start))
-        if at < len(_HELD) and _HELD[at][0] < end:
+        at = bisect.bisect_left(held, (start, start))
+        if at < len(held) and held[at][0] < end:
             return True  # one starting inside
-        if at and _HELD[at - 1][1] > start:
+        if at and held[at - 1][1] > start:
             return True  # the one before reaching into it
     return False
 
@@ -576,16 +627,27 @@ def _spans(ranges: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:
     return merged
 
 
-#: Releases waiting for their delay (:func:`_let_go_later`), by number.
-_WAITING: dict[int, Callable[[], None]] = {}
+@dataclass
+class _Release:
+    """An earlier gather's pages on their way out: its spans, what lets them go, and
+    the future of that once started (``None`` while it waits for its delay)."""
+
+    spans: list[tuple[int, int]]
+    let_go: Callable[[], None]
+    future: Future[None] | None = None
+
+
+#: Releases not finished, by number (:func:`_let_go_later`).
+_RELEASES: dict[int, _Release] = {}
 _NUMBERS = itertools.count()
 
 
-def _let_go_later(let_go: Callable[[], None], delay: float) -> None:
-    """Run ``let_go`` on a staging thread ``delay`` seconds from now (at once for 0)."""
+def _let_go_later(spans: list[tuple[int, int]], let_go: Callable[[], None], delay: float) -> None:
+    """Run ``let_go`` (which lets ``spans`` go) on a staging thread ``delay`` seconds
+    from now (at once for 0)."""
     number = next(_NUMBERS)
     with _LOCK:
-        _WAITING[number] = let_go
+        _RELEASES[number] = _Release(list(spans), let_go)
     if delay <= 0:
         _start_release(number)
         return
@@ -594,16 +656,27 @@ def _let_go_later(let_go: Callable[[], None], delay: float) -> None:
     timer.start()
 
 
-def _start_release(number: int) -> None:
+def _start_release(number: int) -> Future[None] | None:
+    """Start release ``number`` now, if it waits: its future; ``None`` when it is done
+    (or the interpreter is exiting: the process lets go of everything)."""
     with _LOCK:
-        let_go = _WAITING.pop(number, None)
-        if let_go is None:  # settle() started it already
-            return
-        _PENDING[:] = [f for f in _PENDING if not f.done()]  # bounded in a long process
-        try:
-            _PENDING.append(cuda.pool().submit(let_go))
-        except RuntimeError:  # the interpreter is exiting: the process lets go of it all
-            pass
+        release = _RELEASES.get(number)
+        if release is None:
+            return None
+        if release.future is None:
+            try:
+                release.future = cuda.pool().submit(_run_release, number, release.let_go)
+            except RuntimeError:  # the interpreter is exiting
+                return None
+        return release.future
+
+
+def _run_release(number: int, let_go: Callable[[], None]) -> None:
+    try:
+        let_go()
+    finally:
+        with _LOCK:
+            _RELEASES.pop(number, None)
 
 
 def settle() -> None:
@@ -611,10 +684,7 @@ def settle() -> None:
     are (each gather's are let go on a staging thread, :data:`RELEASE_DELAY_SECONDS`
     after it returns)."""
     with _LOCK:
-        waiting = list(_WAITING)
-    for number in waiting:
-        _start_release(number)
-    with _LOCK:
-        pending, _PENDING[:] = list(_PENDING), []
-    for future in pending:
-        future.result()
+        numbers = list(_RELEASES)
+    for future in [_start_release(number) for number in numbers]:
+        if future is not None:
+            future.result()

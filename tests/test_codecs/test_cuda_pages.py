@@ -316,12 +316,15 @@ def test_a_first_small_restore_starts_the_try_of_a_gather(staged, monkeypatch):
     assert cuda_pages._WORKS_FUTURE is not None and cuda_pages._WORKS_FUTURE.result() is True
 
 
+@pytest.mark.parametrize("delay", [0.0, 0.01, 60.0])
 def test_concurrent_restores_of_one_prefix_are_each_bit_exact_and_let_everything_go(
-    tmp_path, staged
+    tmp_path, staged, monkeypatch, delay
 ):
     """Threads restoring the same prefix at once: each gathers (or, where another holds
     the pages, stages) the same caches; afterwards nothing is registered or held and
-    the GIL switch interval is what it was."""
+    the GIL switch interval is what it was. Pages are let go at once, by timers racing
+    the restores, or only when a later restore needs them."""
+    monkeypatch.setattr(cuda_pages, "RELEASE_DELAY_SECONDS", delay)
     model = model_for("tiny")
     tokens = prompt(10, 5 * BLOCK + 3)
     before = sys.getswitchinterval()
@@ -333,7 +336,7 @@ def test_concurrent_restores_of_one_prefix_are_each_bit_exact_and_let_everything
 
         def restore_a_few() -> None:
             try:
-                for _ in range(3):
+                for _ in range(6):
                     assert_same_caches(store.restore(match, model.make_cache()), want)
             except BaseException as exc:  # noqa: BLE001 - reported by the test thread
                 errors.append(exc)
@@ -378,3 +381,47 @@ def test_a_restores_pages_are_let_go_after_the_delay_or_at_once_when_needed(
         while staged.registered and time.monotonic() < deadline:
             time.sleep(0.05)
         assert staged.registered == {} and cuda_pages._HELD == []  # let go by the timer
+
+
+def test_a_restore_of_pages_waiting_for_release_does_not_wait_for_it_on_its_thread(
+    tmp_path, staged, monkeypatch
+):
+    # A session's warm-up restores a prefix's first block and its first real restore the
+    # whole prefix right after, while the warm-up's pages wait for their delayed release.
+    # That release now starts at once on a staging thread, the shared pages are locked
+    # after it, and the restore's own thread goes on meanwhile: here, the unregistration
+    # waits for the restore's thread to reach its header parse (with a settle on that
+    # thread, as before, it would wait in vain). Bit-exact, and everything let go after.
+    from kvstore.store.kv import restore as restore_module
+
+    monkeypatch.setattr(cuda_pages, "RELEASE_DELAY_SECONDS", 60.0)
+    config, policy = FAMILIES["plain"]
+    model = model_for(config)
+    tokens = prompt(8, 3 * BLOCK + 1)
+    parsing = threading.Event()
+    saw_parsing: list[bool] = []
+    real_unregister, real_headers = staged.unregister, restore_module._headers
+
+    def unregister(base: int) -> None:
+        saw_parsing.append(parsing.wait(10))
+        real_unregister(base)
+
+    def headers(*args, **kwargs):
+        parsing.set()
+        return real_headers(*args, **kwargs)
+
+    with open_store(f"lmdb://{tmp_path / 's'}", block_size=BLOCK) as store:
+        store.save("ns", tokens, prefilled(model, tokens, policy))
+        match = store.lookup("ns", tokens)
+        first = store.restore(match, model.make_cache(policy))
+        held = dict(staged.registered)
+        assert held  # waiting for their release
+        monkeypatch.setattr(staged, "unregister", unregister)
+        monkeypatch.setattr(restore_module, "_headers", headers)
+        gathers = staged.gathers
+        again = store.restore(match, model.make_cache(policy))
+        assert saw_parsing and all(saw_parsing)  # let go while the restore went on
+        assert staged.gathers == 2 * gathers and staged.uploads == 0  # no staging
+        assert_same_caches(first, again)
+        cuda_pages.settle()
+        assert staged.registered == {} and cuda_pages._HELD == []
