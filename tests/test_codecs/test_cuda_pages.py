@@ -9,6 +9,7 @@ import mmap
 import sys
 import threading
 import time
+from contextlib import contextmanager
 
 import mlx.core as mx
 import numpy as np
@@ -353,6 +354,18 @@ def test_concurrent_restores_of_one_prefix_are_each_bit_exact_and_let_everything
     assert sys.getswitchinterval() == before
 
 
+@contextmanager
+def plain_prefix(tmp_path, seed: int):
+    """A store holding a plain prefix of 3 blocks and a token: ``(store, match, model,
+    policy)``."""
+    config, policy = FAMILIES["plain"]
+    model = model_for(config)
+    tokens = prompt(seed, 3 * BLOCK + 1)
+    with open_store(f"lmdb://{tmp_path / 's'}", block_size=BLOCK) as store:
+        store.save("ns", tokens, prefilled(model, tokens, policy))
+        yield store, store.lookup("ns", tokens), model, policy
+
+
 def test_a_restores_pages_are_let_go_after_the_delay_or_at_once_when_needed(
     tmp_path, staged, monkeypatch
 ):
@@ -361,12 +374,7 @@ def test_a_restores_pages_are_let_go_after_the_delay_or_at_once_when_needed(
     # it returns. A restore of the same pages before then lets them go first, and reads
     # the same rows; settle() lets them go at once; the delay lets them go unasked.
     monkeypatch.setattr(cuda_pages, "RELEASE_DELAY_SECONDS", 1.0)
-    config, policy = FAMILIES["plain"]
-    model = model_for(config)
-    tokens = prompt(7, 3 * BLOCK + 1)
-    with open_store(f"lmdb://{tmp_path / 's'}", block_size=BLOCK) as store:
-        store.save("ns", tokens, prefilled(model, tokens, policy))
-        match = store.lookup("ns", tokens)
+    with plain_prefix(tmp_path, 7) as (store, match, model, policy):
         first = store.restore(match, model.make_cache(policy))
         assert staged.registered  # still locked after the restore returned
         gathers = staged.gathers
@@ -395,9 +403,6 @@ def test_a_restore_of_pages_waiting_for_release_does_not_wait_for_it_on_its_thre
     from kvstore.store.kv import restore as restore_module
 
     monkeypatch.setattr(cuda_pages, "RELEASE_DELAY_SECONDS", 60.0)
-    config, policy = FAMILIES["plain"]
-    model = model_for(config)
-    tokens = prompt(8, 3 * BLOCK + 1)
     parsing = threading.Event()
     saw_parsing: list[bool] = []
     real_unregister, real_headers = staged.unregister, restore_module._headers
@@ -410,9 +415,7 @@ def test_a_restore_of_pages_waiting_for_release_does_not_wait_for_it_on_its_thre
         parsing.set()
         return real_headers(*args, **kwargs)
 
-    with open_store(f"lmdb://{tmp_path / 's'}", block_size=BLOCK) as store:
-        store.save("ns", tokens, prefilled(model, tokens, policy))
-        match = store.lookup("ns", tokens)
+    with plain_prefix(tmp_path, 8) as (store, match, model, policy):
         first = store.restore(match, model.make_cache(policy))
         held = dict(staged.registered)
         assert held  # waiting for their release
