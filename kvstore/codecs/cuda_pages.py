@@ -70,8 +70,8 @@ SWITCH_SECONDS = 0.0005
 #: forward right after a 4096-token llama-8B restore evaluated in 13.2 ms with the pages
 #: let go at once, 9.5 ms with them let go first (8.5 ms over the model's own caches;
 #: ``tools/bench/results/gpu/0b78bf9/forward-profile.txt``). Let go later, that cost
-#: leaves the first token's path. A restore that needs the same pages sooner lets them go
-#: first (:func:`settle`), as before.
+#: leaves the first token's path. A restore that needs the same pages sooner starts
+#: their release at once and locks them after it (:func:`_pinned`).
 RELEASE_DELAY_SECONDS = float(os.environ.get("KVSTORE_CUDA_RELEASE_DELAY_MS", "250")) / 1e3
 
 #: Words per segment (``src, src_pitch, dst_offset, dst_pitch, width, height``, bytes;
@@ -294,10 +294,10 @@ class PinnedPages:
         base = self._futures[span].result()
         return None if base is None else (base - self.spans[span][0]) % (1 << 64)
 
-    def release(self, *, delay: float | None = None) -> None:
+    def release(self) -> None:
         """Let the pages go, on a staging thread (after their registrations finish),
-        ``delay`` seconds from now (default :data:`RELEASE_DELAY_SECONDS`), or sooner
-        when :func:`settle` asks."""
+        :data:`RELEASE_DELAY_SECONDS` from now, or sooner when a restore needs them
+        (:func:`_pinned`) or :func:`settle` asks."""
         if self._released:
             return
         self._released = True
@@ -313,7 +313,7 @@ class PinnedPages:
                         if span in _HELD:
                             _HELD.remove(span)
 
-        _let_go_later(self.spans, let_go, RELEASE_DELAY_SECONDS if delay is None else delay)
+        _let_go_later(self.spans, let_go, RELEASE_DELAY_SECONDS)
 
 
 def _lock_after(
