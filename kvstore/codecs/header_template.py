@@ -79,17 +79,11 @@ _TEMPLATES: dict[tuple[int, tuple[bytes, ...]], Template] = {}
 _LOCK = threading.Lock()
 
 
-def _cut(packed: bytes) -> tuple[tuple[bytes, ...], list[bytes]]:
-    """``packed`` split at its cut integers: the skeleton (see :class:`Template`) and
-    the integers' encodings, in order."""
+def _skeleton(packed: bytes) -> tuple[bytes, ...]:
+    """``packed`` split at its cut integers: its skeleton (see :class:`Template`)."""
     parts = _CUT.split(packed)
     between, keys = parts[0::3], parts[1::3]
-    skeleton = tuple(map(bytes.__add__, between, keys)) + (between[-1],)
-    return skeleton, parts[2::3]
-
-
-def _value(encoded: bytes) -> int:
-    return encoded[0] if len(encoded) == 1 else int.from_bytes(encoded[1:], "big")
+    return tuple(map(bytes.__add__, between, keys)) + (between[-1],)
 
 
 def learn(
@@ -102,12 +96,12 @@ def learn(
     """Remember the header ``packed`` (msgpack, parsed and checked in full into
     ``fields`` and ``layers``, its payload checksum ``checksum``) as a template, when
     its cut integers are exactly its layers' ranges and its checksum."""
-    skeleton, encoded = _cut(packed)
+    skeleton = _skeleton(packed)
     key = (version, skeleton)
     if key in _TEMPLATES:
         return
     present = tuple(layer for layer in layers if layer is not None)
-    if not _cuts_are_ranges(packed, layers, checksum, len(encoded)):
+    if not _cuts_are_ranges(skeleton, packed, layers, present, checksum):
         return
     kinds = _kinds(present)
     if kinds is None:
@@ -119,10 +113,14 @@ def learn(
 
 
 def _cuts_are_ranges(
-    packed: bytes, layers: Sequence[LayerEntry | None], checksum: int, cuts: int
+    skeleton: tuple[bytes, ...],
+    packed: bytes,
+    layers: Sequence[LayerEntry | None],
+    present: Sequence[LayerEntry],
+    checksum: int,
 ) -> bool:
-    """Whether the cut integers of ``packed`` are exactly every present layer's start
-    and stop, in order, then the payload checksum.
+    """Whether the cut integers of ``packed`` (whose skeleton is ``skeleton``) are
+    exactly every present layer's start and stop, in order, then the payload checksum.
 
     Proven by decoding the header with a distinct marker (a uint64 no header holds)
     in each cut: each marker must come back in its field and the fields must hold
@@ -130,14 +128,15 @@ def _cuts_are_ranges(
     decode would fail or differ."""
     want = [(i, end) for i, layer in enumerate(layers) if layer is not None for end in (0, 1)]
     want.append((-1, 0))
+    cuts = len(skeleton) - 1
     if len(want) != cuts:
         return False
     markers = [(1 << 64) - 1 - i for i in range(cuts)]
-    pieces = _CUT.split(packed)
-    for i, marker in enumerate(markers):
-        pieces[3 * i + 2] = b"\xcf" + struct.pack(">Q", marker)
+    encoded = [b"\xcf" + struct.pack(">Q", marker) for marker in markers]
     try:
-        marked = msgpack.unpackb(b"".join(pieces), raw=False, strict_map_key=True)
+        marked = msgpack.unpackb(
+            b"".join(map(bytes.__add__, skeleton, [*encoded, b""])), raw=False, strict_map_key=True
+        )
         got = []
         for i, end in want:
             if i < 0:
@@ -148,9 +147,8 @@ def _cuts_are_ranges(
         return False
     if got != markers:
         return False
-    present = [layer for layer in layers if layer is not None]
     values = [v for layer in present for v in (layer.start, layer.stop)] + [checksum]
-    return [_value(e) for e in _CUT.split(packed)[2::3]] == values
+    return _integers(skeleton, packed) == values
 
 
 def _kinds(layers: Sequence[LayerEntry]) -> tuple[int, ...] | None:
