@@ -417,8 +417,7 @@ def test_a_restore_of_pages_waiting_for_release_does_not_wait_for_it_on_its_thre
 
     with plain_prefix(tmp_path, 8) as (store, match, model, policy):
         first = store.restore(match, model.make_cache(policy))
-        held = dict(staged.registered)
-        assert held  # waiting for their release
+        assert staged.registered  # waiting for their release
         monkeypatch.setattr(staged, "unregister", unregister)
         monkeypatch.setattr(restore_module, "_headers", headers)
         gathers = staged.gathers

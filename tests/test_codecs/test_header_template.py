@@ -59,8 +59,8 @@ def filled_from_template(record: bytes) -> bool:
 
 
 def block_records(family: str, blocks: int = 3, rows: int = 8) -> list[bytes]:
-    """Records of consecutive blocks of one cache of ``family``, two layers each (a
-    window's whole content, for a rotating one, which has no blocks)."""
+    """Records of consecutive blocks of ``rows`` tokens of one cache of ``family`` (a
+    window's blocks too: 24 tokens stay inside a window of 32), two layers each."""
     caches = [FAMILIES[family]() for _ in range(2)]
     for cache in caches:
         fill_cache(cache, [blocks * rows], heads=2, head_dim=64)
