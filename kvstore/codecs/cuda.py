@@ -35,6 +35,7 @@ swap :data:`TRANSPORT` for a host-memory stand-in to exercise the threading.
 from __future__ import annotations
 
 import ctypes
+import math
 import mmap
 import os
 import queue
@@ -47,6 +48,7 @@ import mlx.core as mx
 import numpy as np
 
 from kvstore.codecs.arrays import MLX_DTYPES, numpy_dtype
+from kvstore.threads import started_pool, threads_from_env
 
 __all__ = [
     "LeafSpec",
@@ -355,8 +357,8 @@ _SLOTS_MADE = False
 
 def workers() -> int:
     """Staging threads: most of the cores, at most 12 (34 GB/s measured there; the
-    bus, not the cores, is the limit beyond)."""
-    return max(1, min(12, (os.cpu_count() or 1) - 2))
+    bus, not the cores, is the limit beyond); ``KVSTORE_CUDA_THREADS`` sets them."""
+    return threads_from_env("KVSTORE_CUDA_THREADS", max(1, min(12, (os.cpu_count() or 1) - 2)))
 
 
 def available() -> bool:
@@ -409,7 +411,7 @@ def pool() -> ThreadPoolExecutor:
     global _POOL
     with _LOCK:
         if _POOL is None:
-            _POOL = ThreadPoolExecutor(workers(), thread_name_prefix="kvstore-cuda")
+            _POOL = started_pool(workers(), "kvstore-cuda")
         return _POOL
 
 
@@ -448,7 +450,7 @@ def _take_slot(nbytes: int) -> PinnedBuffer:
 
 def nbytes_of(spec: LeafSpec) -> int:
     shape, name = spec
-    return int(np.prod(shape, dtype=np.int64)) * numpy_dtype(name).itemsize
+    return math.prod(shape) * numpy_dtype(name).itemsize
 
 
 def upload(specs: Sequence[LeafSpec], fill: Fill) -> list[mx.array]:

@@ -25,6 +25,7 @@ again the plain way: ``mx.zeros`` plus a writable numpy view of each
 from __future__ import annotations
 
 import json
+import math
 import struct
 import sys
 import threading
@@ -75,7 +76,7 @@ _HEADER_ALIGN = 8
 
 def _nbytes(spec: LeafSpec) -> int:
     shape, name = spec
-    return int(np.prod(shape, dtype=np.int64)) * numpy_dtype(name).itemsize
+    return math.prod(shape) * numpy_dtype(name).itemsize
 
 
 class LeafStream:

@@ -69,6 +69,9 @@ class RowsJoin:
             raise ValueError(f"[join_rows] {rows} rows do not fit a capacity of {capacity}.")
         self.capacity = capacity
         self._leaves: list[LeafSpec] | None = None
+        #: Each column's pieces that are MLX arrays, found once (a lossy restore asks
+        #: :meth:`lazy` and :meth:`holds_mlx` of 192 joins of 16 pieces).
+        self._mlx = [[p for p in column if isinstance(p, mx.array)] for column in self.columns]
 
     def leaves(self) -> list[LeafSpec]:
         if self._leaves is None:
@@ -80,11 +83,11 @@ class RowsJoin:
 
     def lazy(self) -> list[mx.array]:
         """Pieces that are unevaluated MLX arrays (to evaluate before :meth:`fill`)."""
-        return [leaf for column in self.columns for leaf in column if isinstance(leaf, mx.array)]
+        return [leaf for column in self._mlx for leaf in column]
 
     def holds_mlx(self, column: int) -> bool:
         """Whether any piece of leaf ``column`` is an MLX array (not host memory)."""
-        return any(isinstance(piece, mx.array) for piece in self.columns[column])
+        return bool(self._mlx[column])
 
     def join_on_device(self, column: int) -> mx.array:
         """Leaf ``column`` as one lazy MLX array: the pieces concatenated, zeros to

@@ -21,6 +21,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, TypeVar
 
 from kvstore.errors import CorruptEntryError, FormatVersionError
+from kvstore.threads import started_pool, threads_from_env
 
 __all__ = ["PARALLEL_MIN_BYTES", "Verdict", "check_records", "served_run", "in_background"]
 
@@ -39,6 +40,7 @@ def check_records(
 
     Any exception but ``CorruptEntryError``/``FormatVersionError`` propagates.
     """
+    pool = _pool()  # made at a process's first check, a small one's too: not in a big one
     if len(records) < 2 or sum(r.nbytes for r in records) < PARALLEL_MIN_BYTES:
         verdicts: list[Verdict] = []
         for record in records:
@@ -60,7 +62,7 @@ def check_records(
                 raised.append(exc)
                 return
 
-    helpers = [_pool().submit(work) for _ in range(min(_workers(), len(records)) - 1)]
+    helpers = [pool.submit(work) for _ in range(min(_workers(), len(records)) - 1)]
     try:
         work()
     finally:
@@ -81,14 +83,14 @@ def _workers() -> int:
     process's first read faults the store's pages in as it hashes them, and faults scale
     with threads (an H200 host's 16 cores copied fresh pages at 18 GB/s on 8 threads, 25
     on 16: ``tools/bench/gpu/probe.py``)."""
-    return max(2, min(16, os.cpu_count() or 1))
+    return threads_from_env("KVSTORE_VERIFY_THREADS", max(2, min(16, os.cpu_count() or 1)))
 
 
 def _pool() -> ThreadPoolExecutor:
     global _POOL
     with _LOCK:
         if _POOL is None:
-            _POOL = ThreadPoolExecutor(_workers() - 1, thread_name_prefix="kvstore-verify")
+            _POOL = started_pool(max(1, _workers() - 1), "kvstore-verify")
         return _POOL
 
 

@@ -1,0 +1,47 @@
+"""Thread pools whose threads are all running before their first real task.
+
+A :class:`~concurrent.futures.ThreadPoolExecutor` starts a thread on a
+``submit`` that finds none idle. Started inside a restore, each new thread
+waits for the GIL its first steps need while the restore's own thread holds it:
+on an H200 host a pool of 16 threads made inside the first timed restore held
+its header parse up by about 15 ms (``tools/bench/results/gpu/9a9d5cb/``). A
+pool made here has every thread waiting for work when it returns, so the cost
+is paid once, where the pool is made (a process's first read, its warm-up).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+__all__ = ["started_pool", "threads_from_env"]
+
+
+def started_pool(workers: int, prefix: str) -> ThreadPoolExecutor:
+    """A pool of ``workers`` threads (named ``prefix``), every one started."""
+    pool = ThreadPoolExecutor(workers, thread_name_prefix=prefix)
+    # Each task waits for all the others, so no thread is idle at a later submit and
+    # the pool starts a new one for each.
+    barrier = threading.Barrier(workers)
+    for future in [pool.submit(barrier.wait) for _ in range(workers)]:
+        future.result()
+    return pool
+
+
+def threads_from_env(name: str, default: int) -> int:
+    """``default``, unless the environment variable ``name`` sets a positive count.
+
+    Raises:
+        ValueError: ``name`` is set to something other than a positive integer.
+    """
+    value = os.environ.get(name, "").strip()
+    if not value:
+        return default
+    try:
+        count = int(value)
+    except ValueError:
+        count = 0
+    if count < 1:
+        raise ValueError(f"{name}={value!r}: expected a positive number of threads.")
+    return count

@@ -1,0 +1,100 @@
+"""Fresh-process restores under several environments, interleaved (issue 13's A/B).
+
+    python3 tools/bench/gpu/ab_env.py --policies lossless,kv:quant:8:64 --repeats 5 \\
+        base: 'v4:KVSTORE_VERIFY_THREADS=4' 'c8:KVSTORE_CUDA_THREADS=8 KVSTORE_VERIFY_THREADS=4'
+
+Saves each policy's store once (4096 tokens of a llama-8B-shaped KV, as
+``restore_profile.py``), then restores it in fresh child processes
+(``restore_profile.py --child``: a warm-up restore of one block, then the
+timed one, phase by phase), taking the settings in turn round after round so
+that a host's drift falls on all of them alike. Prints each setting's median
+restore and, from the child nearest that median, when its phases ended.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+PROFILE = Path(__file__).with_name("restore_profile.py")
+PHASES = ("_headers", "_decoded", "_plans", "cuda register (page-lock)", "cuda gather (launch)")
+
+
+def settings(specs: list[str]) -> dict[str, dict[str, str]]:
+    """``name:VAR=value VAR=value`` -> {name: {VAR: value}}."""
+    out = {}
+    for spec in specs:
+        name, _, assignments = spec.partition(":")
+        out[name] = dict(a.split("=", 1) for a in assignments.split())
+    return out
+
+
+def child(url: str, tokens: int, layers: int, env: dict[str, str]) -> dict[str, Any]:
+    cmd = [sys.executable, str(PROFILE), "--child", "restore", url]
+    cmd += ["--tokens", str(tokens), "--layers", str(layers)]
+    done = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **env})
+    if done.returncode:
+        return {"error": done.stderr[-1500:]}
+    return dict(json.loads(done.stdout.strip().splitlines()[-1]))
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("settings", nargs="+", help="name:VAR=value ... (name: alone: as is)")
+    parser.add_argument("--policies", default="lossless")
+    parser.add_argument("--tokens", type=int, default=4096)
+    parser.add_argument("--layers", type=int, default=32)
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args()
+    named = settings(args.settings)
+
+    from kvstore.bench.workloads import KVShape, SyntheticKV
+    from kvstore.store import open_store
+
+    kv = SyntheticKV(KVShape("llama8b", layers=args.layers, kv_heads=8, head_dim=128), args.tokens)
+    caches = kv.ours()
+    scratch = tempfile.mkdtemp(prefix="ab-env-")
+    try:
+        for policy in args.policies.split(","):
+            options: dict[str, Any] = {"map_size": 1 << 34, "touch_interval": 0}
+            if policy != "lossless":
+                options["storage_policy"] = policy
+            url = f"lmdb://{scratch}/{policy.replace(':', '-')}"
+            with open_store(url, **options) as store:
+                store.save("ns", list(range(args.tokens)), caches)
+                store.flush()
+            runs: dict[str, list[dict[str, Any]]] = {name: [] for name in named}
+            for _ in range(args.repeats):
+                for name, env in named.items():
+                    runs[name].append(child(url, args.tokens, args.layers, env))
+            print(f"== {policy}")
+            for name, results in runs.items():
+                good = [r for r in results if "error" not in r]
+                if not good:
+                    print(f"   {name}: error {results[0]['error']}")
+                    continue
+                times = sorted(r["restore_ms"] for r in good)
+                ms = statistics.median(times)
+                near = min(good, key=lambda r: abs(r["restore_ms"] - ms))
+                ends = "  ".join(
+                    f"{phase.split(' (')[0]} {p['first_ms']:.1f}-{p['last_ms']:.1f}"
+                    for phase in PHASES
+                    if (p := near["phases"].get(phase))
+                )
+                print(f"   {name:10} restore {ms:6.1f} ms  {times}  | {ends}")
+            sys.stdout.flush()
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
