@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from kvstore.caches import KVCache
-from kvstore.codecs import fill, snapshot
+from kvstore.codecs import cuda, fill, snapshot
 from kvstore.codecs.record import encode_record, forget_parsed_headers, verify_record
 from kvstore.errors import CorruptEntryError, FormatVersionError
 from kvstore.store.blocks import checks
@@ -87,3 +87,36 @@ def test_restores_through_the_large_read_paths_are_bit_exact(family, lmdb_url, m
     assert restored[0].offset == 70
     assert len(streams) == 1 and streams[0].complete  # filled by the loader, no fallback
     assert_same_caches(restored, expected)
+
+
+@pytest.mark.parametrize(
+    ("cores", "on_gpu", "setting", "want"),
+    [
+        (16, False, None, 16),  # every core hashes
+        (64, False, None, 16),  # at most 16
+        (2, False, None, 2),
+        (16, True, None, 4),  # the 12 staging threads lock pages meanwhile: 4 left
+        (8, True, None, 2),  # at least 2
+        (16, True, "6", 6),
+    ],
+)
+def test_the_checking_threads_are_the_cores_the_staging_leaves(
+    monkeypatch, cores, on_gpu, setting, want
+):
+    monkeypatch.setattr(checks.os, "cpu_count", lambda: cores)
+    monkeypatch.setattr(cuda.os, "cpu_count", lambda: cores)
+    monkeypatch.setattr(cuda, "available", lambda: on_gpu)
+    monkeypatch.delenv("KVSTORE_CUDA_THREADS", raising=False)
+    if setting is None:
+        monkeypatch.delenv("KVSTORE_VERIFY_THREADS", raising=False)
+    else:
+        monkeypatch.setenv("KVSTORE_VERIFY_THREADS", setting)
+    assert checks._workers() == want
+
+
+@pytest.mark.parametrize("setting", ["0", "-3", "four"])
+def test_a_thread_count_that_is_not_positive_is_refused_by_name(monkeypatch, setting):
+    monkeypatch.setenv("KVSTORE_VERIFY_THREADS", setting)
+    want = f"KVSTORE_VERIFY_THREADS='{setting}': expected a positive number of threads"
+    with pytest.raises(ValueError, match=want):
+        checks._workers()

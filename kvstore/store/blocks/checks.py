@@ -20,6 +20,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, TypeVar
 
+from kvstore.codecs import cuda
 from kvstore.errors import CorruptEntryError, FormatVersionError
 from kvstore.threads import started_pool, threads_from_env
 
@@ -79,11 +80,17 @@ _LOCK = threading.Lock()
 
 
 def _workers() -> int:
-    """Threads checking at once, the caller's included: the cores, at most 16. A fresh
-    process's first read faults the store's pages in as it hashes them, and faults scale
-    with threads (an H200 host's 16 cores copied fresh pages at 18 GB/s on 8 threads, 25
-    on 16: ``tools/bench/gpu/probe.py``)."""
-    return threads_from_env("KVSTORE_VERIFY_THREADS", max(2, min(16, os.cpu_count() or 1)))
+    """Threads checking at once, the caller's included: the cores left to them, at most
+    16 (``KVSTORE_VERIFY_THREADS`` sets them). A fresh process's first read faults the
+    store's pages in as it hashes them, and faults scale with threads (an H200 host's
+    16 cores copied fresh pages at 18 GB/s on 8 threads, 25 on 16:
+    ``tools/bench/gpu/probe.py``). On a CUDA GPU the staging threads lock the same
+    pages meanwhile, and the cores are theirs first: there a 4096-token restore took
+    45.5 ms checked on 16 threads, 39.2 on 8 and 37.1 on 4, the 16 - 12 left
+    (median of 5 fresh processes, ``tools/bench/results/gpu/71cbce0/ab-env.txt``)."""
+    cores = os.cpu_count() or 1
+    staging = cuda.workers() if cuda.available() else 0
+    return threads_from_env("KVSTORE_VERIFY_THREADS", max(2, min(16, cores - staging)))
 
 
 def _pool() -> ThreadPoolExecutor:

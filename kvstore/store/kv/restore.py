@@ -41,6 +41,7 @@ from kvstore.abc.store import BlockRef, Match, PrefixStore
 from kvstore.codecs import cuda, cuda_pages, decode_record, get_codec, read_header, transcode
 from kvstore.codecs.plans import join_runs, run_plans
 from kvstore.codecs.record import Record, RecordHeader, decode_records_on_device
+from kvstore.collector import collection_paused
 from kvstore.errors import (
     CapabilityError,
     CorruptEntryError,
@@ -114,6 +115,13 @@ def restore_caches(store: PrefixStore, match: Match, caches: Sequence[Any]) -> l
         StoreUnavailableError: the store could not be reached (a miss it counted).
     """
     needs = layer_needs(caches)
+    with collection_paused():
+        return _restored(store, match, caches, needs)
+
+
+def _restored(
+    store: PrefixStore, match: Match, caches: Sequence[Any], needs: Sequence[LayerNeed]
+) -> list[Any]:
     tokens = match.tokens
     on_gpu = cuda.available()
     while tokens > 0:
