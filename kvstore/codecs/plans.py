@@ -63,7 +63,11 @@ class RowsJoin:
     def __init__(self, pieces: Sequence[Tree], capacity: int) -> None:
         self.is_tuple = isinstance(pieces[0], tuple)
         #: One list per leaf (``keys`` or ``q``/``scales``/``biases``): its pieces in order.
-        self.columns = [list(column) for column in zip(*map(row_leaves_of, pieces), strict=True)]
+        if any(isinstance(piece, (tuple, list)) for piece in pieces):
+            leaves = zip(*map(row_leaves_of, pieces), strict=True)
+            self.columns = [list(column) for column in leaves]
+        else:  # bare arrays (a lossy restore's 3,072 pieces): one column, no tuples made
+            self.columns = [list(pieces)]
         rows = sum(int(p.shape[2]) for p in self.columns[0])
         if rows > capacity:
             raise ValueError(f"[join_rows] {rows} rows do not fit a capacity of {capacity}.")
@@ -131,6 +135,9 @@ def _joined_dtype(column: Sequence[Any]) -> str:
     Raises:
         ValueError: pieces of dtypes that do not widen into one another.
     """
+    first = column[0].dtype
+    if all(piece.dtype is first for piece in column):  # one dtype object: one name
+        return dtype_name(column[0])
     names = {dtype_name(piece) for piece in column}
     if len(names) == 1:
         return names.pop()
@@ -312,7 +319,8 @@ def join_runs(
 def _row_names(run: Sequence[Snapshot]) -> list[str]:
     """The row tensors of a run worth joining (none for a run of one MLX-array snapshot,
     already where a decode wants it, or of one-token snapshots)."""
-    if any(s.tokens < 2 for s in run):
+    sized = [(s.tensors, s.tokens) for s in run]
+    if any(tokens < 2 for _, tokens in sized):
         return []
     if len(run) == 1 and all(isinstance(t, mx.array) for t in run[0].tensors.values()):
         return []
@@ -320,9 +328,7 @@ def _row_names(run: Sequence[Snapshot]) -> list[str]:
         name
         for name in run[0].tensors
         if all(
-            name in s.tensors
-            and len(s.tensors[name].shape) >= 3
-            and int(s.tensors[name].shape[2]) == s.tokens
-            for s in run
+            name in tensors and len(shape := tensors[name].shape) >= 3 and int(shape[2]) == tokens
+            for tensors, tokens in sized
         )
     ]
