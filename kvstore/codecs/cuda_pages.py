@@ -49,7 +49,9 @@ __all__ = [
     "GATHER_MIN_BYTES",
     "RELEASE_DELAY_SECONDS",
     "PinnedPages",
+    "RowsLayout",
     "pin",
+    "stored_layout",
     "gathered",
     "settle",
 ]
@@ -88,7 +90,7 @@ _HELD: list[tuple[int, int]] = []
 
 
 @dataclass
-class _Layout:
+class RowsLayout:
     """One array's pieces as a gather reads them: each piece's address, batch and head
     strides and rows (appended by :func:`_layout`), and the array's batch, heads,
     capacity (rows) and row bytes."""
@@ -103,7 +105,45 @@ class _Layout:
     row_bytes: int
 
 
-def _layout(pieces: Sequence[np.ndarray], shape: tuple[int, ...], name: str) -> _Layout | None:
+def stored_layout(
+    addresses: Sequence[int],
+    shapes: Sequence[tuple[int, ...]],
+    counts: Sequence[int],
+    dtypes: Sequence[str],
+    shape: tuple[int, ...],
+    name: str,
+) -> RowsLayout | None:
+    """:func:`_layout` of C-ordered tensors described, not viewed: each at host
+    ``addresses[i]``, stored as ``shapes[i]`` of dtype ``dtypes[i]``, its first
+    ``counts[i]`` rows read (a record's header entries:
+    :class:`~kvstore.codecs.payload_tensors.PayloadTensors`); ``None`` when they do not
+    fit a gather into a ``shape`` array of ``name``."""
+    if set(dtypes) != {name}:
+        return None
+    for piece_shape in set(shapes):
+        if len(piece_shape) != len(shape) or piece_shape[:2] != shape[:2]:
+            return None
+        if piece_shape[3:] != shape[3:]:
+            return None
+    if any(not 0 <= rows <= piece[2] for rows, piece in zip(counts, shapes, strict=True)):
+        return None
+    if sum(counts) > shape[2]:
+        return None
+    row_bytes = math.prod(shape[3:]) * numpy_dtype(name).itemsize
+    kept = [i for i, rows in enumerate(counts) if rows]
+    return RowsLayout(
+        [addresses[i] for i in kept],
+        [shapes[i][1] * shapes[i][2] * row_bytes for i in kept],  # C order: batch, heads, rows
+        [shapes[i][2] * row_bytes for i in kept],
+        [counts[i] for i in kept],
+        shape[0],
+        shape[1],
+        shape[2],
+        row_bytes,
+    )
+
+
+def _layout(pieces: Sequence[np.ndarray], shape: tuple[int, ...], name: str) -> RowsLayout | None:
     """What :func:`_segment_table` needs of the gather of ``pieces`` (``[B, H, rows,
     ...]`` host arrays, joined along rows) into a C-ordered ``shape`` array, zeros past
     their rows; ``None`` when they are not laid out for one (another dtype, other
@@ -134,7 +174,7 @@ def _layout(pieces: Sequence[np.ndarray], shape: tuple[int, ...], name: str) -> 
     counts = [piece.shape[2] for piece in kept]
     if sum(counts) > capacity:
         return None
-    return _Layout(
+    return RowsLayout(
         [piece.ctypes.data for piece in kept],
         [piece.strides[0] for piece in kept],
         [piece.strides[1] for piece in kept],
@@ -146,7 +186,7 @@ def _layout(pieces: Sequence[np.ndarray], shape: tuple[int, ...], name: str) -> 
     )
 
 
-def _segment_table(layouts: Sequence[_Layout], offsets: Sequence[int]) -> np.ndarray:
+def _segment_table(layouts: Sequence[RowsLayout], offsets: Sequence[int]) -> np.ndarray:
     """The segments of every one of ``layouts``, array ``i`` written ``offsets[i]``
     bytes into the output: each piece's ``batch`` runs of ``heads`` rows, then each
     array's zeros past its rows (:func:`_segment_tables` splits them by array)."""
@@ -154,7 +194,7 @@ def _segment_table(layouts: Sequence[_Layout], offsets: Sequence[int]) -> np.nda
 
 
 def _segment_tables(
-    layouts: Sequence[_Layout], offsets: Sequence[int]
+    layouts: Sequence[RowsLayout], offsets: Sequence[int]
 ) -> tuple[np.ndarray, np.ndarray]:
     """:func:`_segment_table`, and which array each segment writes. Built by numpy for
     every piece at once: with the addresses turned by :class:`_DeviceTable`, a lossy
@@ -437,13 +477,14 @@ def _overlaps(spans: Sequence[tuple[int, int]], held: Sequence[tuple[int, int]])
 
 def gathered(
     specs: Sequence[cuda.LeafSpec],
-    pieces: Sequence[Sequence[np.ndarray]],
+    pieces: Sequence[Sequence[np.ndarray] | RowsLayout],
     pages: PinnedPages | None = None,
     *,
     one_buffer: bool = False,
 ) -> list[mx.array] | None:
     """Evaluated device arrays of ``specs``, array ``i`` the rows of ``pieces[i]`` joined
-    (zeros past them), read by the GPU out of the pieces' own pages; ``None`` (nothing
+    (zeros past them; host arrays, or a :func:`stored_layout` of rows in ``pages``),
+    read by the GPU out of the pieces' own pages; ``None`` (nothing
     done) when that cannot be: too few bytes, pieces not laid out for it, pages some
     other gather holds, or a registration the driver refuses.
 
@@ -464,21 +505,27 @@ def gathered(
 
 def _gather(
     specs: Sequence[cuda.LeafSpec],
-    pieces: Sequence[Sequence[np.ndarray]],
+    pieces: Sequence[Sequence[np.ndarray] | RowsLayout],
     pages: PinnedPages | None,
     *,
     inline: bool = False,
     one_buffer: bool = False,
 ) -> list[mx.array] | None:
-    found = [_layout(p, shape, name) for p, (shape, name) in zip(pieces, specs, strict=True)]
+    found = [
+        p if isinstance(p, RowsLayout) else _layout(p, shape, name)
+        for p, (shape, name) in zip(pieces, specs, strict=True)
+    ]
     layouts = [layout for layout in found if layout is not None]
     if len(layouts) < len(found):
         return None
     own = pages is None
     if pages is None:
+        if any(isinstance(p, RowsLayout) for p in pieces):
+            return None  # described rows are read from pages pinned already
         extents = (
             (int(piece.ctypes.data), int(piece.ctypes.data) + _extent(piece))
             for column in pieces
+            if not isinstance(column, RowsLayout)
             for piece in column
             if piece.size
         )

@@ -19,9 +19,9 @@ the bus.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import mlx.core as mx
 import numpy as np
@@ -31,6 +31,7 @@ from kvstore.caches.base import Tree
 from kvstore.codecs import cuda, cuda_pages
 from kvstore.codecs.arrays import MLX_DTYPES, as_numpy_all, dtype_name, owned_arrays
 from kvstore.codecs.fill import LeafSpec, filled_arrays
+from kvstore.codecs.payload_tensors import PayloadTensors, stored
 
 __all__ = [
     "Tree",
@@ -271,27 +272,38 @@ def join_runs(
             else:
                 grouped.append([snap])
         runs.append(grouped)
-    joins: list[tuple[int, str, RowsJoin]] = []
+    joins: list[tuple[int, str, RowsJoin | _StoredRows]] = []
     for grouped in runs:
         for run in grouped:
             names = _row_names(run)
-            if names:
-                rows = sum(s.tokens for s in run)
-                joins += [(id(run), n, RowsJoin([s.tensors[n] for s in run], rows)) for n in names]
-    mx.eval([a for _, _, join in joins for a in join.lazy()])
+            if not names:
+                continue
+            rows = sum(s.tokens for s in run)
+            described = [stored(s.tensors) for s in run]
+            every = cast(list[PayloadTensors], described) if all(described) else None
+            for name in names:
+                join = _StoredRows.of(every, name, rows) if every else None
+                joins.append(
+                    (id(run), name, join or RowsJoin([s.tensors[name] for s in run], rows))
+                )
+    rows_joins = {i: join for i, (_, _, join) in enumerate(joins) if isinstance(join, RowsJoin)}
+    mx.eval([a for join in rows_joins.values() for a in join.lazy()])
     # Rows already on the device (records decoded there) are joined there.
-    on_device = {i for i, (_, _, join) in enumerate(joins) if join.holds_mlx(0)}
+    on_device = {i: join for i, join in rows_joins.items() if join.holds_mlx(0)}
     hosted = [i for i in range(len(joins)) if i not in on_device]
 
     def fill(k: int, target: np.ndarray) -> None:
         joins[hosted[k]][2].fill_leaf(0, target)
 
-    arrays: dict[int, mx.array] = {i: joins[i][2].join_on_device(0) for i in on_device}
+    arrays: dict[int, mx.array] = {i: join.join_on_device(0) for i, join in on_device.items()}
     specs = [joins[i][2].leaves()[0] for i in hosted]
     # On a CUDA GPU the host rows are read by the GPU from the store's pages (pinned:
-    # ``pages``), every joined array in one kernel.
+    # ``pages``), every joined array in one kernel; rows of described tensors (lossy
+    # layers on pinned pages) from where their headers say they lie.
     filled = (
-        cuda_pages.gathered(specs, [joins[i][2].columns[0] for i in hosted], pages, one_buffer=True)
+        cuda_pages.gathered(
+            specs, [_gathered_from(joins[i][2]) for i in hosted], pages, one_buffer=True
+        )
         if hosted and cuda.available()
         else None
     )
@@ -309,17 +321,69 @@ def join_runs(
             if cut is None:
                 layer.extend(run)
                 continue
-            tensors = {**run[0].tensors, **cut}
+            # The first snapshot's other tensors (a described one's views made now;
+            # the views of its rows never are).
+            tensors = {n: cut[n] if n in cut else run[0].tensors[n] for n in run[0].tensors}
             first, last = run[0], run[-1]
             layer.append(Snapshot(first.signature, first.start, last.stop, tensors, last.meta))
         out.append(layer)
     return out
 
 
+class _StoredRows:
+    """Tensor ``name`` of a run whose snapshots all lie in records' payloads
+    (:class:`PayloadTensors`): joined by a gather reading it where it lies, from what
+    the headers say (no view of any piece made); where no gather runs, joined from
+    views as a :class:`RowsJoin`."""
+
+    def __init__(self, tensors: list[PayloadTensors], name: str, spec: LeafSpec) -> None:
+        self.tensors, self.name, self.spec = tensors, name, spec
+        self._join: RowsJoin | None = None
+
+    @classmethod
+    def of(cls, tensors: list[PayloadTensors], name: str, capacity: int) -> _StoredRows | None:
+        """The join of ``tensors[i][name]`` into ``capacity`` rows; ``None`` when its pieces
+        differ in dtype (a widening join: :class:`RowsJoin`)."""
+        first = tensors[0].entries[name]
+        if any(t.entries[name].dtype != first.dtype for t in tensors) or len(first.shape) < 3:
+            return None
+        return cls(tensors, name, ((*first.shape[:2], capacity, *first.shape[3:]), first.dtype))
+
+    def leaves(self) -> list[LeafSpec]:
+        return [self.spec]
+
+    def layout(self) -> cuda_pages.RowsLayout | None:
+        """Where a gather reads the rows (:func:`cuda_pages.stored_layout`)."""
+        name = self.name
+        entries = [t.entries[name] for t in self.tensors]
+        return cuda_pages.stored_layout(
+            [t.payload.address + e.offset for t, e in zip(self.tensors, entries, strict=True)],
+            [e.shape for e in entries],
+            [t.shape(name)[2] for t in self.tensors],
+            [e.dtype for e in entries],
+            *self.spec,
+        )
+
+    def rows_join(self) -> RowsJoin:
+        if self._join is None:
+            self._join = RowsJoin([t[self.name] for t in self.tensors], self.spec[0][2])
+        return self._join
+
+    def fill_leaf(self, column: int, target: np.ndarray) -> None:
+        self.rows_join().fill_leaf(column, target)
+
+
+def _gathered_from(join: RowsJoin | _StoredRows) -> Sequence[Any] | cuda_pages.RowsLayout:
+    """What a gather of ``join``'s rows reads: where they lie, or their views."""
+    if isinstance(join, _StoredRows):
+        return join.layout() or join.rows_join().columns[0]
+    return join.columns[0]
+
+
 def _row_names(run: Sequence[Snapshot]) -> list[str]:
     """The row tensors of a run worth joining (none for a run of one MLX-array snapshot,
     already where a decode wants it, or of one-token snapshots)."""
-    sized = [(s.tensors, s.tokens) for s in run]
+    sized = [(_shapes(s.tensors), s.tokens) for s in run]
     if any(tokens < 2 for _, tokens in sized):
         return []
     if len(run) == 1 and all(isinstance(t, mx.array) for t in run[0].tensors.values()):
@@ -328,7 +392,15 @@ def _row_names(run: Sequence[Snapshot]) -> list[str]:
         name
         for name in run[0].tensors
         if all(
-            name in tensors and len(shape := tensors[name].shape) >= 3 and int(shape[2]) == tokens
-            for tensors, tokens in sized
+            name in shapes and len(shape := shapes[name]) >= 3 and int(shape[2]) == tokens
+            for shapes, tokens in sized
         )
     ]
+
+
+def _shapes(tensors: Mapping[str, Any]) -> Mapping[str, tuple[int, ...]]:
+    """Each tensor's shape (a described one's from its header entry: no view made)."""
+    described = stored(tensors)
+    if described is not None:
+        return {name: described.shape(name) for name in described.entries}
+    return {name: tuple(array.shape) for name, array in tensors.items()}

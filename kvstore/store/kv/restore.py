@@ -39,6 +39,7 @@ from kvstore.abc.cache import is_recurrent_cache, is_sliding_window_cache, signa
 from kvstore.abc.codec import RestorePlan, Snapshot
 from kvstore.abc.store import BlockRef, Match, PrefixStore
 from kvstore.codecs import cuda, cuda_pages, decode_record, get_codec, read_header, transcode
+from kvstore.codecs.payload_tensors import stored
 from kvstore.codecs.plans import join_runs, run_plans
 from kvstore.codecs.record import Record, RecordHeader, decode_records_on_device
 from kvstore.collector import collection_paused
@@ -193,7 +194,22 @@ def _decoded(
         )
     ):
         return decode_records_on_device(views)
-    return [decode_record(view, verify=False) for view in views]
+    if pages is None:
+        return [decode_record(view, verify=False) for view in views]
+    # The lossy layers' tensors as where they lie, no views: the join reads them there.
+    return [
+        decode_record(view, verify=False, lazy_layers=_recoded(header, needs))
+        for view, header in zip(views, headers, strict=False)
+    ]
+
+
+def _recoded(header: RecordHeader, needs: Sequence[LayerNeed]) -> set[int]:
+    """The layers of ``header`` stored in another encoding than their cache's."""
+    return {
+        i
+        for i, (layer, need) in enumerate(zip(header.layers, needs, strict=False))
+        if layer is not None and layer.signature != need.signature and not need.checkpoint
+    }
 
 
 def _union(match: Match, needs: Sequence[LayerNeed]) -> list[BlockRef]:
@@ -300,5 +316,10 @@ def _first_rows(snap: Snapshot, rows: int) -> Snapshot:
     """``snap`` cut to its first ``rows`` tokens (a match ending inside the block)."""
     if rows == snap.tokens:
         return snap
+    described = stored(snap.tensors)
+    if described is not None:  # still described: a gather reads the rows where they lie
+        return Snapshot(
+            snap.signature, snap.start, snap.start + rows, described.cut(rows), snap.meta
+        )
     tensors = {name: array[:, :, :rows] for name, array in snap.tensors.items()}
     return Snapshot(snap.signature, snap.start, snap.start + rows, tensors, snap.meta)

@@ -1,0 +1,108 @@
+"""A lazily decoded layer (kvstore.codecs.payload_tensors): the same views a decode
+makes, made only when asked, and where a gather reads them (cuda_pages.stored_layout)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kvstore.codecs import cuda_pages, decode_record, encode_record
+from kvstore.codecs.payload_tensors import PayloadTensors, stored
+
+from .test_record import mixed_layers
+
+
+@pytest.fixture
+def record():
+    return bytes(encode_record(mixed_layers()))
+
+
+def test_lazy_layers_hold_the_views_a_decode_makes_made_only_when_asked(record):
+    eager = decode_record(record)
+    lazy = decode_record(record, lazy_layers={0, 2})
+    for i, (a, b) in enumerate(zip(eager.layers, lazy.layers, strict=True)):
+        if a is None:
+            assert b is None
+            continue
+        assert (a.signature, a.start, a.stop, a.meta) == (b.signature, b.start, b.stop, b.meta)
+        described = stored(b.tensors)
+        assert (described is not None) == (i in {0, 2})
+        if described is not None:
+            for name in a.tensors:  # asked about without a view made
+                assert name in described
+                assert described.shape(name) == a.tensors[name].shape
+                assert described.address(name) == a.tensors[name].ctypes.data
+            assert "nothing" not in described and described._views == {}
+        assert list(b.tensors) == list(a.tensors)
+        for name, view in a.tensors.items():
+            got = b.tensors[name]
+            assert got.dtype == view.dtype and got.dtype.metadata == view.dtype.metadata
+            assert got.ctypes.data == view.ctypes.data  # a view of the same bytes
+            assert np.array_equal(got, view)
+
+
+def test_a_cut_holds_each_tensors_first_rows(record):
+    eager = decode_record(record).layers[0]
+    described = stored(decode_record(record, lazy_layers={0}).layers[0].tensors)
+    assert described is not None
+    cut = described.cut(5)
+    for name, view in eager.tensors.items():
+        assert cut.shape(name) == view[:, :, :5].shape
+        assert np.array_equal(cut[name], view[:, :, :5])
+        assert cut.address(name) == view.ctypes.data
+    assert described.rows is None and cut.rows == 5  # the uncut one is unchanged
+
+
+def described_keys(record: bytes, rows: int | None = None) -> tuple[PayloadTensors, str]:
+    tensors = stored(decode_record(record, lazy_layers={0}).layers[0].tensors)
+    assert tensors is not None
+    return (tensors if rows is None else tensors.cut(rows)), "keys"
+
+
+def test_a_stored_layout_reads_what_the_views_layout_reads(record):
+    a, name = described_keys(record)
+    b, _ = described_keys(record, 7)
+    shape = (*a.shape(name)[:2], 30, *a.shape(name)[3:])
+    dtype = a.entries[name].dtype
+    got = cuda_pages.stored_layout(
+        [t.address(name) for t in (a, b)],
+        [t.entries[name].shape for t in (a, b)],
+        [t.shape(name)[2] for t in (a, b)],
+        [dtype, dtype],
+        shape,
+        dtype,
+    )
+    assert got == cuda_pages._layout([a[name], b[name]], shape, dtype)
+
+
+@pytest.mark.parametrize(
+    ("change", "why"),
+    [
+        ("dtype", "another dtype"),
+        ("heads", "other leading dims"),
+        ("width", "other trailing dims"),
+        ("rows", "more rows than stored"),
+        ("capacity", "more rows than the array holds"),
+    ],
+)
+def test_a_stored_layout_that_cannot_be_gathered_is_none(record, change, why):
+    tensors, name = described_keys(record)
+    stored_shape = tensors.entries[name].shape
+    dtype = tensors.entries[name].dtype
+    shape = (*stored_shape[:2], 2 * stored_shape[2], *stored_shape[3:])
+    counts = [stored_shape[2]] * 2
+    dtypes = [dtype, dtype]
+    shapes = [stored_shape, stored_shape]
+    if change == "dtype":
+        dtypes[1] = "float32" if dtype != "float32" else "float16"
+    elif change == "heads":
+        shapes[1] = (stored_shape[0], stored_shape[1] + 1, *stored_shape[2:])
+    elif change == "width":
+        shapes[1] = (*stored_shape[:3], stored_shape[3] + 1)
+    elif change == "rows":
+        counts[1] = stored_shape[2] + 1
+    else:
+        shape = (*stored_shape[:2], 2 * stored_shape[2] - 1, *stored_shape[3:])
+    address = tensors.address(name)
+    got = cuda_pages.stored_layout([address] * 2, shapes, counts, dtypes, shape, dtype)
+    assert got is None, why
