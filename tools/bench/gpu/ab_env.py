@@ -1,6 +1,6 @@
 """Fresh-process restores under several environments, interleaved (issue 13's A/B).
 
-    python3 tools/bench/gpu/ab_env.py --policies lossless,kv:quant:8:64 --repeats 5 \\
+    python3 -m tools.bench.gpu.ab_env --policies lossless,kv:quant:8:64 --repeats 5 \\
         base: 'v4:KVSTORE_VERIFY_THREADS=4' 'c8:KVSTORE_CUDA_THREADS=8 KVSTORE_VERIFY_THREADS=4'
 
 Saves each policy's store once (4096 tokens of a llama-8B-shaped KV, as
@@ -23,6 +23,8 @@ import sys
 import tempfile
 from pathlib import Path
 from typing import Any
+
+from tools.bench.gpu.restore_profile import saved_store
 
 PROFILE = Path(__file__).with_name("restore_profile.py")
 PHASES = ("_headers", "_decoded", "_plans", "cuda register (page-lock)", "cuda gather (launch)")
@@ -57,20 +59,13 @@ def main() -> int:
     named = settings(args.settings)
 
     from kvstore.bench.workloads import KVShape, SyntheticKV
-    from kvstore.store import open_store
 
     kv = SyntheticKV(KVShape("llama8b", layers=args.layers, kv_heads=8, head_dim=128), args.tokens)
     caches = kv.ours()
     scratch = tempfile.mkdtemp(prefix="ab-env-")
     try:
         for policy in args.policies.split(","):
-            options: dict[str, Any] = {"map_size": 1 << 34, "touch_interval": 0}
-            if policy != "lossless":
-                options["storage_policy"] = policy
-            url = f"lmdb://{scratch}/{policy.replace(':', '-')}"
-            with open_store(url, **options) as store:
-                store.save("ns", list(range(args.tokens)), caches)
-                store.flush()
+            url = saved_store(scratch, policy, args.tokens, caches)
             runs: dict[str, list[dict[str, Any]]] = {name: [] for name in named}
             for _ in range(args.repeats):
                 for name, env in named.items():

@@ -206,6 +206,21 @@ def child_memory(layers: int, nbytes: int) -> dict[str, Any]:
     return out
 
 
+def saved_store(scratch: str, policy: str, tokens: int, caches: Any) -> str:
+    """The URL of a store in ``scratch`` holding ``caches`` (``tokens`` of them) saved
+    under ``policy`` ("lossless": none); one per policy, as every profile here reads."""
+    from kvstore.store import open_store
+
+    options: dict[str, Any] = {"map_size": 1 << 34, "touch_interval": 0}
+    if policy != "lossless":
+        options["storage_policy"] = policy
+    url = f"lmdb://{scratch}/{policy.replace(':', '-')}"
+    with open_store(url, **options) as store:
+        store.save("ns", list(range(tokens)), caches)
+        store.flush()
+    return url
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=4096)
@@ -229,7 +244,6 @@ def main() -> int:
     import mlx.core as mx
 
     from kvstore.bench.workloads import KVShape, SyntheticKV
-    from kvstore.store import open_store
 
     def child(kind: str, url: str) -> dict[str, Any]:
         cmd = [sys.executable, __file__, "--child", kind, url, "--tokens", str(args.tokens)]
@@ -248,13 +262,7 @@ def main() -> int:
     scratch = tempfile.mkdtemp(prefix="restore-profile-")
     try:
         for policy in args.policies.split(","):
-            options: dict[str, Any] = {"map_size": 1 << 34, "touch_interval": 0}
-            if policy != "lossless":
-                options["storage_policy"] = policy
-            url = f"lmdb://{scratch}/{policy.replace(':', '-')}"
-            with open_store(url, **options) as store:
-                store.save("ns", list(range(args.tokens)), caches)
-                store.flush()
+            url = saved_store(scratch, policy, args.tokens, caches)
             runs = [child("restore", url) for _ in range(args.repeats)]
             good = [r for r in runs if "error" not in r]
             if not good:
