@@ -361,6 +361,12 @@ def workers() -> int:
     return threads_from_env("KVSTORE_CUDA_THREADS", max(1, min(12, (os.cpu_count() or 1) - 2)))
 
 
+def in_use() -> bool:
+    """Whether :func:`available` has found CUDA staging working in this process; sets
+    nothing up (a store read alone does not compile the staging kernels)."""
+    return TRANSPORT is not None and TRANSPORT is not False
+
+
 def available() -> bool:
     """True when the default device is a CUDA GPU and staging works here."""
     global TRANSPORT

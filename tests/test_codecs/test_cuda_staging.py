@@ -224,3 +224,13 @@ def test_an_arena_still_referenced_is_not_reused():
     second = write_records([plan_record([codec_for(cache).snapshot(cache, 0, 8)])])
     assert bytes(first[0]) == kept  # the second save took another buffer
     del first, second
+
+
+def test_in_use_asks_nothing_of_the_device(monkeypatch):
+    monkeypatch.setattr(cuda, "TRANSPORT", None)
+    assert not cuda.in_use()
+    assert cuda.TRANSPORT is None  # nothing set up: a store read alone compiles no kernels
+    monkeypatch.setattr(cuda, "TRANSPORT", HostTransport())
+    assert cuda.in_use()
+    monkeypatch.setattr(cuda, "TRANSPORT", False)
+    assert not cuda.in_use()

@@ -105,7 +105,7 @@ def test_the_checking_threads_are_the_cores_the_staging_leaves(
 ):
     monkeypatch.setattr(checks.os, "cpu_count", lambda: cores)
     monkeypatch.setattr(cuda.os, "cpu_count", lambda: cores)
-    monkeypatch.setattr(cuda, "available", lambda: on_gpu)
+    monkeypatch.setattr(cuda, "in_use", lambda: on_gpu)
     monkeypatch.delenv("KVSTORE_CUDA_THREADS", raising=False)
     if setting is None:
         monkeypatch.delenv("KVSTORE_VERIFY_THREADS", raising=False)

@@ -89,7 +89,7 @@ def _workers() -> int:
     45.5 ms checked on 16 threads, 39.2 on 8 and 37.1 on 4, the 16 - 12 left
     (median of 5 fresh processes, ``tools/bench/results/gpu/71cbce0/ab-env.txt``)."""
     cores = os.cpu_count() or 1
-    staging = cuda.workers() if cuda.available() else 0
+    staging = cuda.workers() if cuda.in_use() else 0  # a restore on a GPU set it up first
     return threads_from_env("KVSTORE_VERIFY_THREADS", max(2, min(16, cores - staging)))
 
 
