@@ -264,6 +264,37 @@ def test_a_lossy_restore_gathers_each_tensors_joined_rows_from_the_pinned_pages(
         assert np.array_equal(np.array(a.keys[..., :n, :]), np.array(b.keys[..., :n, :]))
 
 
+def test_described_lossy_rows_no_gather_reads_are_filled_from_their_views(
+    tmp_path, staged, monkeypatch
+):
+    """Pages pinned, but no gather taken (the process's try not passed yet): the rows the
+    headers describe are joined from views on the host instead, bit-exact."""
+    model = model_for("tiny")
+    tokens = prompt(9, 3 * BLOCK + 5)
+    url = f"lmdb://{tmp_path / 's'}"
+    with open_store(url, block_size=BLOCK, storage_policy="kv:quant:8:64") as store:
+        store.save("ns", tokens, token_by_token(model, tokens))
+        match = store.lookup("ns", tokens)
+        monkeypatch.setattr(cuda_pages, "_proven", lambda: False)
+        pinned = []
+        real_pin = cuda_pages.pin
+
+        def pin(buffers):
+            pinned.append(real_pin(buffers))
+            return pinned[-1]
+
+        monkeypatch.setattr(cuda_pages, "pin", pin)
+        filled = store.restore(match, model.make_cache())
+        assert len(pinned) == 1 and pinned[0] is not None  # the layers were described
+        assert staged.gathers == 0  # ...and none gathered
+        monkeypatch.setattr(cuda, "TRANSPORT", False)
+        plain = store.restore(match, model.make_cache())
+    for a, b in zip(filled, plain, strict=True):
+        n = int(a.offset)
+        assert n == int(b.offset) == len(tokens) - 1
+        assert np.array_equal(np.array(a.keys[..., :n, :]), np.array(b.keys[..., :n, :]))
+
+
 def test_ranges_sharing_a_page_are_one_span_and_touching_ones_stay_apart():
     page = cuda_pages._PAGE
     spans = cuda_pages._spans(
