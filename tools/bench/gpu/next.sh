@@ -4,6 +4,9 @@
 #
 #   source .gpu/b/setup.sh >/dev/null 2>&1; KVSTORE_BENCH_GIT=<rev> bash tools/bench/gpu/next.sh STEP $OUT
 #
+# STEP ab        fresh-process restores of lossless, q8 and TQ 4/4, 5 each, the medians and
+#                when each phase ended (tools/bench/gpu/ab_env.py; more settings: run it
+#                directly): ~170 s
 # STEP profiles  the restore phase by phase, lossless and every lossy policy: ~180 s
 # STEP g1-4k     G1 at 4096 tokens: ~150 s
 # STEP g1-16k    G1 at 16384 tokens: ~230 s
@@ -22,6 +25,9 @@ case "$step" in
   profiles)
     timeout 300 $profile --policies lossless,kv:quant:8:64,kv:quant:4:64,kv:turboquant:4:4,kv:turboquant:3:3 \
       2>&1 | tee "$out/restore-profiles.txt" ;;
+  ab)
+    timeout 300 python3 -m tools.bench.gpu.ab_env --repeats 5 base: \
+      --policies lossless,kv:quant:8:64,kv:turboquant:4:4 2>&1 | tee "$out/ab-env.txt" ;;
   g1-4k)
     KVSTORE_BENCH_GPU_TOKENS=4096 KVSTORE_BENCH_GIT=$rev CHECK_TIMEOUT=60 BENCH_TIMEOUT=400 \
       REPEATS=5 bash tools/bench/gpu/run.sh G1 "$out/g1-4k" ;;
@@ -32,5 +38,5 @@ case "$step" in
     [ "$step" = g2a ] && policies=kv:quant:8:64,kv:quant:4:64 || policies=kv:turboquant:4:4,kv:turboquant:3:3
     KVSTORE_BENCH_G2_POLICIES=$policies KVSTORE_BENCH_GPU_TOKENS=4096 KVSTORE_BENCH_GIT=$rev \
       CHECK_TIMEOUT=1 BENCH_TIMEOUT=540 REPEATS=5 bash tools/bench/gpu/run.sh G2 "$out/$step" ;;
-  *) echo "next.sh: unknown step $step (profiles, g1-4k, g1-16k, g2a, g2b)"; exit 2 ;;
+  *) echo "next.sh: unknown step $step (ab, profiles, g1-4k, g1-16k, g2a, g2b)"; exit 2 ;;
 esac
