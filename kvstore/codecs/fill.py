@@ -25,7 +25,6 @@ again the plain way: ``mx.zeros`` plus a writable numpy view of each
 from __future__ import annotations
 
 import json
-import math
 import struct
 import sys
 import threading
@@ -74,11 +73,6 @@ _SAFETENSORS_DTYPES = {
 _HEADER_ALIGN = 8
 
 
-def _nbytes(spec: LeafSpec) -> int:
-    shape, name = spec
-    return math.prod(shape) * numpy_dtype(name).itemsize
-
-
 class LeafStream:
     """A read-only file object that MLX's loader reads as a safetensors file.
 
@@ -100,7 +94,7 @@ class LeafStream:
         header, offset, self._starts = {}, 0, {}
         for i, spec in enumerate(self._specs):
             shape, name = spec
-            nbytes = _nbytes(spec)
+            nbytes = cuda.nbytes_of(spec)
             header[str(i)] = {
                 "dtype": _SAFETENSORS_DTYPES[name],
                 "shape": list(shape),
@@ -191,7 +185,7 @@ def filled_arrays(
         return cuda.upload(specs, fill)
     keep_freed_memory()  # the arrays reuse freed heap, not fresh pages (3x, host_memory)
     if direct is None:
-        direct = sum(map(_nbytes, specs)) >= DIRECT_MIN_BYTES
+        direct = sum(map(cuda.nbytes_of, specs)) >= DIRECT_MIN_BYTES
     if direct:
         stream = LeafStream(specs, fill)
         unshared = sys.getrefcount(stream)
