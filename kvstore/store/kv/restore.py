@@ -182,19 +182,14 @@ def _decoded(
     each record's payload into its 3072 tensors on the device cost 33 ms of a
     162 ms ``kv:quant:8:64`` restore there, and joining them 26 more.
     Recurrent checkpoints stay on the host (their plans fill host buffers)."""
-    # Asked in this order so that a restore off CUDA pays nothing more.
-    if (
-        pages is None
-        and cuda.available()
-        and not any(need.checkpoint for need in needs)
-        and any(
-            layer is not None and layer.signature != need.signature
-            for header in headers
-            for layer, need in zip(header.layers, needs, strict=False)
-        )
-    ):
-        return decode_records_on_device(views)
     if pages is None:
+        # Asked in this order so that a restore off CUDA pays nothing more.
+        if (
+            cuda.available()
+            and not any(need.checkpoint for need in needs)
+            and any(_recoded(header, needs) for header in headers)
+        ):
+            return decode_records_on_device(views)
         return [decode_record(view, verify=False) for view in views]
     # The lossy layers' tensors as where they lie, no views: the join reads them there.
     return [
