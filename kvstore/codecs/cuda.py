@@ -104,38 +104,60 @@ SEGMENT_WORDS = 6
 #: 0 writes zeros). Block ``b`` copies a share of segment ``b % count``, 16 bytes at a
 #: time where the segment's addresses and pitches allow (a row's last ``width % 16``
 #: bytes one at a time).
-_GATHER_SOURCE = (
-    """
+_SEGMENTS_BODY = """
+    {prologue}
     const unsigned long long* p = reinterpret_cast<const unsigned long long*>(params);
     unsigned long long count = p[0];
     unsigned long long seg = blockIdx.x % count;
     unsigned long long part = blockIdx.x / count, parts = gridDim.x / count;
     const unsigned long long* s = p + 1 + seg * SEGMENT_WORDS;
     unsigned long long src = s[0], sp = s[1], doff = s[2], dp = s[3], w = s[4], h = s[5];
+    const unsigned char* s1 = {source};
+    unsigned long long at = reinterpret_cast<unsigned long long>(s1);
     unsigned char* d = reinterpret_cast<unsigned char*>(out);
     unsigned long long first = part * blockDim.x + threadIdx.x, step = parts * blockDim.x;
-    if (((src | sp | doff | dp) & 15) == 0) {
-        const uint4* s16 = reinterpret_cast<const uint4*>(src);
+    if (((at | sp | doff | dp) & 15) == 0) {{
+        const uint4* s16 = reinterpret_cast<const uint4*>(s1);
         uint4* d16 = reinterpret_cast<uint4*>(d + doff);
         unsigned long long w16 = w / 16, tail = w - w16 * 16;
-        for (unsigned long long j = first; j < w16 * h; j += step) {
+        for (unsigned long long j = first; j < w16 * h; j += step) {{
             unsigned long long r = j / w16, c = j - r * w16;
             d16[r * (dp / 16) + c] = src ? s16[r * (sp / 16) + c] : make_uint4(0, 0, 0, 0);
-        }
-        const unsigned char* s1 = reinterpret_cast<const unsigned char*>(src);
-        for (unsigned long long j = first; j < tail * h; j += step) {
+        }}
+        for (unsigned long long j = first; j < tail * h; j += step) {{
             unsigned long long r = j / tail, c = w16 * 16 + j - r * tail;
             d[doff + r * dp + c] = src ? s1[r * sp + c] : 0;
-        }
-    } else {
-        const unsigned char* s1 = reinterpret_cast<const unsigned char*>(src);
-        for (unsigned long long j = first; j < w * h; j += step) {
+        }}
+    }} else {{
+        for (unsigned long long j = first; j < w * h; j += step) {{
             unsigned long long r = j / w, c = j - r * w;
             d[doff + r * dp + c] = src ? s1[r * sp + c] : 0;
-        }
-    }
-"""
-).replace("SEGMENT_WORDS", str(SEGMENT_WORDS))
+        }}
+    }}
+""".replace("SEGMENT_WORDS", str(SEGMENT_WORDS))
+_GATHER_SOURCE = _SEGMENTS_BODY.format(
+    prologue="", source="reinterpret_cast<const unsigned char*>(src)"
+)
+#: Inputs of the assemble kernel besides ``params``: the buffers its segments read.
+ASSEMBLE_INPUTS = 4
+#: Bits of an assemble segment's ``src`` that hold the offset into its buffer; the bits
+#: above hold the buffer's number plus one (``src`` 0 still writes zeros).
+ASSEMBLE_OFFSET_BITS = 48
+#: Segments of device buffers ``b0`` .. ``b3`` -> the new device array ``out``: as
+#: :data:`_GATHER_SOURCE`, each ``src`` naming a buffer and an offset into it
+#: (:data:`ASSEMBLE_OFFSET_BITS`). How :mod:`kvstore.codecs.cuda_pages` joins rows it
+#: gathered a group of pages at a time, while later pages were still being locked.
+_ASSEMBLE_SOURCE = (
+    _SEGMENTS_BODY.format(
+        prologue="const unsigned char* bufs[ASSEMBLE_INPUTS] = {"
+        + ", ".join(f"reinterpret_cast<const unsigned char*>(b{i})" for i in range(ASSEMBLE_INPUTS))
+        + "};",
+        source="src ? bufs[(src >> ASSEMBLE_OFFSET_BITS) - 1] + "
+        "(src & ((1ull << ASSEMBLE_OFFSET_BITS) - 1)) : nullptr",
+    )
+    .replace("ASSEMBLE_INPUTS", str(ASSEMBLE_INPUTS))
+    .replace("ASSEMBLE_OFFSET_BITS", str(ASSEMBLE_OFFSET_BITS))
+)
 
 
 class PinnedBuffer:
@@ -262,6 +284,11 @@ class Transport(Protocol):
         """A new lazy uint8 device array of ``nbytes`` written by the segments of
         ``params`` (uint64 words: see :data:`_GATHER_SOURCE`) from registered pages."""
 
+    def assemble(self, params: np.ndarray, buffers: Sequence[mx.array], nbytes: int) -> mx.array:
+        """A new lazy uint8 device array of ``nbytes`` written by the segments of
+        ``params`` from the uint8 device ``buffers`` (at most :data:`ASSEMBLE_INPUTS`;
+        see :data:`_ASSEMBLE_SOURCE`)."""
+
 
 class KernelTransport:
     """The real one: the driver for pinned memory, MLX CUDA kernels for the copies."""
@@ -289,6 +316,12 @@ class KernelTransport:
             input_names=["params"],
             output_names=["out"],
             source=_GATHER_SOURCE,
+        )
+        self._assemble = mx.fast.cuda_kernel(
+            name="kvstore_assemble",
+            input_names=["params", *(f"b{i}" for i in range(ASSEMBLE_INPUTS))],
+            output_names=["out"],
+            source=_ASSEMBLE_SOURCE,
         )
 
     def slot(self, nbytes: int) -> PinnedBuffer:
@@ -330,13 +363,23 @@ class KernelTransport:
         self.driver.unregister_pages(base)
 
     def gather(self, params: np.ndarray, nbytes: int) -> mx.array:
+        return self._segments(self._gather, params, [], nbytes)
+
+    def assemble(self, params: np.ndarray, buffers: Sequence[mx.array], nbytes: int) -> mx.array:
+        if len(buffers) > ASSEMBLE_INPUTS:
+            raise ValueError(f"[cuda] {len(buffers)} buffers; assemble reads {ASSEMBLE_INPUTS}.")
+        unused = [mx.zeros((16,), mx.uint8)] * (ASSEMBLE_INPUTS - len(buffers))  # read by none
+        return self._segments(self._assemble, params, [*buffers, *unused], nbytes)
+
+    @staticmethod
+    def _segments(kernel: Any, params: np.ndarray, inputs: list[mx.array], nbytes: int) -> mx.array:
         count = int(params[0])
         words = params[1:].reshape(count, SEGMENT_WORDS)
         largest = int((words[:, 4] * words[:, 5]).max()) if count else 0
         # Enough blocks per segment for each thread to copy a few 16-byte words.
         parts = max(1, min(64, largest // (16 * _BLOCK * 4)))
-        (out,) = self._gather(
-            inputs=[mx.array(params)],
+        (out,) = kernel(
+            inputs=[mx.array(params), *inputs],
             output_shapes=[(nbytes,)],
             output_dtypes=[mx.uint8],
             grid=(count * parts * _BLOCK, 1, 1),

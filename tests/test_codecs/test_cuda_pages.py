@@ -38,7 +38,7 @@ def staged(monkeypatch):
     monkeypatch.setattr(cuda_pages, "_WORKS_FUTURE", None)
     assert cuda_pages._works()  # the once-per-process try, on pages of its own
     cuda_pages.settle()
-    transport.gathers = 0
+    transport.gathers = transport.assembles = 0
     yield transport
     cuda_pages.settle()
     monkeypatch.setattr(cuda, "TRANSPORT", None)
@@ -53,13 +53,27 @@ def pieces_of(rng, blocks, batch=1, heads=3, rows=5, dim=8):
     return out
 
 
+def kernels(columns) -> tuple[int, int]:
+    """The gathers and assembles that make one array per column of ``columns``: a gather
+    each when their pages are one span; else a gather per group of spans, an assemble
+    per array."""
+    spans = cuda_pages._spans(
+        (int(p.ctypes.data), int(p.ctypes.data) + cuda_pages._extent(p))
+        for column in columns
+        for p in column
+        if p.size
+    )
+    groups = min(cuda.ASSEMBLE_INPUTS, len(spans))
+    return (groups, len(columns)) if groups > 1 else (len(columns), 0)
+
+
 @pytest.mark.parametrize("batch", [1, 2])
 def test_a_gather_joins_strided_pieces_and_zeros_to_capacity(staged, batch):
     rng = np.random.default_rng(0)
     columns = [pieces_of(rng, 3, batch), pieces_of(rng, 2, batch, rows=7)]
     specs = [((batch, 3, 20, 8), "float16"), ((batch, 3, 14, 8), "float16")]
     arrays = cuda_pages.gathered(specs, columns)
-    assert arrays is not None and staged.gathers == 2
+    assert arrays is not None and (staged.gathers, staged.assembles) == kernels(columns)
     for array, pieces, (shape, _) in zip(arrays, columns, specs, strict=True):
         want = np.zeros(shape, np.float16)
         joined = np.concatenate(pieces, axis=2)
@@ -156,7 +170,68 @@ def test_a_gather_that_returns_wrong_bytes_turns_the_route_off(staged, monkeypat
     assert cuda_pages.gathered([spec], [pieces]) is None
     assert cuda_pages._WORKS_FUTURE.result() is False
     assert cuda_pages.gathered([spec], [pieces]) is None
-    assert cuda_pages._WORKS is False and staged.gathers == 1  # the try, then no more
+    # The try's two groups of pages, then no more.
+    assert cuda_pages._WORKS is False and staged.gathers == 2
+    cuda_pages.settle()
+    assert staged.registered == {}
+
+
+def test_an_assemble_that_returns_wrong_bytes_turns_the_route_off(staged, monkeypatch):
+    real = staged.assemble
+    monkeypatch.setattr(staged, "assemble", lambda params, b, n: real(params, b, n) + 1)
+    monkeypatch.setattr(cuda_pages, "_WORKS", None)
+    monkeypatch.setattr(cuda_pages, "_WORKS_FUTURE", None)
+    assert cuda_pages._works() is False  # the try joins two groups of pages, as a restore
+    pieces = pieces_of(np.random.default_rng(4), 2)
+    assert cuda_pages.gathered([((1, 3, 10, 8), "float16")], [pieces]) is None
+    cuda_pages.settle()
+    assert staged.registered == {}
+
+
+def test_rows_in_many_spans_cross_a_group_at_a_time_before_the_last_pages_are_locked(
+    staged, monkeypatch
+):
+    """Every array has rows in every record (a block each), so a gather per array would
+    wait for the last record's pages. The rows go instead a group of spans at a time
+    into buffers of their own, the first launched while the last span is still being
+    locked, and one kernel per array joins them, zeros past the rows: bit-exact."""
+    page = cuda_pages._PAGE
+    rng = np.random.default_rng(11)
+    maps = [mmap.mmap(-1, 2 * page) for _ in range(6)]  # six records, six spans
+    records = [np.frombuffer(m, np.float16, 2 * 3 * 40 * 8).reshape(2, 3, 40, 8) for m in maps]
+    records.sort(key=lambda r: int(r.ctypes.data))  # spans are locked in address order
+    for record in records:
+        record[...] = rng.standard_normal(record.shape)
+    columns = [[r[:, :, :5] for r in records], [r[:, :, 9:16] for r in records]]  # 2 arrays
+    specs = [((2, 3, 33, 8), "float16"), ((2, 3, 42, 8), "float16")]
+    last = int(records[-1].ctypes.data) // page * page
+    gate = threading.Event()
+    real = staged.register
+
+    def register(base: int, nbytes: int) -> int:
+        if base == last:
+            assert gate.wait(10)  # the last record's pages wait
+        return real(base, nbytes)
+
+    monkeypatch.setattr(staged, "register", register)
+    result: list = []
+    worker = threading.Thread(target=lambda: result.append(cuda_pages.gathered(specs, columns)))
+    worker.start()
+    deadline = time.monotonic() + 10
+    while staged.gathers < cuda.ASSEMBLE_INPUTS - 1 and time.monotonic() < deadline:
+        worker.join(0.01)
+    launched_early = staged.gathers
+    gate.set()
+    worker.join(10)
+    assert not worker.is_alive()
+    assert launched_early == cuda.ASSEMBLE_INPUTS - 1  # every group but the last one's
+    assert (staged.gathers, staged.assembles) == (cuda.ASSEMBLE_INPUTS, 2) == kernels(columns)
+    (arrays,) = result
+    for array, pieces, (shape, _) in zip(arrays, columns, specs, strict=True):
+        want = np.zeros(shape, np.float16)
+        joined = np.concatenate(pieces, axis=2)
+        want[:, :, : joined.shape[2]] = joined
+        assert np.array_equal(np.array(array).view(np.uint16), want.view(np.uint16))
     cuda_pages.settle()
     assert staged.registered == {}
 
@@ -190,8 +265,13 @@ def test_a_lossless_restore_gathers_from_the_store_pages_and_equals_the_cpu_rest
         match = store.lookup("ns", tokens)
         restored = store.restore(match, model.make_cache(policy))
         # Every array read by the GPU from the store's pages, still locked while the
-        # gathers ran: no slot staged.
-        assert staged.gathers == 2 * len(restored) and staged.uploads == 0
+        # gathers ran: no slot staged. (A kernel per array; or, the records' pages in
+        # several spans, a gather per group of them and an assemble per array.)
+        arrays = 2 * len(restored)
+        assert staged.uploads == 0
+        assert (staged.gathers, staged.assembles) == (arrays, 0) or (
+            1 < staged.gathers <= cuda.ASSEMBLE_INPUTS and staged.assembles == arrays
+        )
         assert min(locked_at_gathers) > 0
         cuda_pages.settle()
         assert staged.registered == {}

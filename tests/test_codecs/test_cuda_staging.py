@@ -30,6 +30,7 @@ class HostTransport:
         self.uploads = 0
         self.downloads = 0
         self.gathers = 0
+        self.assembles = 0
         self.registered: dict[int, int] = {}
         self.refuse = False
 
@@ -77,6 +78,28 @@ class HostTransport:
                 host = src - DEVICE_OFFSET + r * src_pitch
                 assert self.covered(host, host + width)
                 ctypes.memmove(at, host, width)
+        return mx.array(out)
+
+    def assemble(self, params: np.ndarray, buffers, nbytes: int) -> mx.array:
+        """The assemble kernel's segments, each ``src`` a buffer's number + 1 (high
+        bits) and an offset into it."""
+        assert len(buffers) <= cuda.ASSEMBLE_INPUTS
+        self.assembles += 1
+        sources = [np.array(buffer) for buffer in buffers]
+        out = np.full(nbytes, 0xAB, np.uint8)
+        words = params[1:].reshape(int(params[0]), cuda.SEGMENT_WORDS).tolist()
+        bits = cuda.ASSEMBLE_OFFSET_BITS
+        for src, src_pitch, offset, pitch, width, height in words:
+            assert offset + (height - 1) * pitch + width <= nbytes
+            for r in range(height):
+                at = offset + r * pitch
+                if not src:
+                    out[at : at + width] = 0
+                    continue
+                source = sources[(src >> bits) - 1]
+                first = (src & ((1 << bits) - 1)) + r * src_pitch
+                assert first + width <= source.size
+                out[at : at + width] = source[first : first + width]
         return mx.array(out)
 
 

@@ -27,7 +27,14 @@ from typing import Any
 from tools.bench.gpu.restore_profile import saved_store
 
 PROFILE = Path(__file__).with_name("restore_profile.py")
-PHASES = ("_headers", "_decoded", "_plans", "cuda register (page-lock)", "cuda gather (launch)")
+PHASES = (
+    "_headers",
+    "_decoded",
+    "_plans",
+    "cuda register (page-lock)",
+    "cuda gather (launch)",
+    "cuda assemble (launch)",
+)
 
 
 def settings(specs: list[str]) -> dict[str, dict[str, str]]:

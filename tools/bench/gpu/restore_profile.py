@@ -143,6 +143,7 @@ def child_restore(url: str, tokens: int, layers: int, switch_ms: float) -> dict[
         line.wrap(cuda_pages, "gathered", "cuda_pages.gathered")
         line.wrap(transport, "register", "cuda register (page-lock)")
         line.wrap(transport, "gather", "cuda gather (launch)")
+        line.wrap(transport, "assemble", "cuda assemble (launch)")
     if switch_ms:
         sys.setswitchinterval(switch_ms / 1e3)
     line.t0 = time.perf_counter()
