@@ -59,6 +59,13 @@ __all__ = [
 #: Below this many bytes in all, staging through slots costs less than page-locking.
 GATHER_MIN_BYTES = int(float(os.environ.get("KVSTORE_CUDA_GATHER_MIN_MIB", "16")) * (1 << 20))
 
+#: Groups of spans a gather of rows in several spans crosses the bus in (at most
+#: :data:`~kvstore.codecs.cuda.ASSEMBLE_INPUTS`; 1: a gather per array, after every span
+#: is locked): :func:`_group_buffers`.
+GATHER_GROUPS = max(
+    1, min(cuda.ASSEMBLE_INPUTS, int(os.environ.get("KVSTORE_CUDA_GATHER_GROUPS", "4")))
+)
+
 #: The GIL switch interval while pages are being locked (Python's default is 5 ms).
 #: Each registration is a ctypes call, whose thread takes the GIL to make it and again
 #: to return, while the restore's own thread parses and plans, keeping the GIL for a
@@ -553,7 +560,7 @@ def _gather(
             order = np.argsort(owners, kind="stable")  # each array's segments together
             on_device = _DeviceTable(table[order], pages)
             ends = np.cumsum(np.bincount(owners, minlength=len(specs))).tolist()
-            groups = min(cuda.ASSEMBLE_INPUTS, len(pages.spans))
+            groups = min(GATHER_GROUPS, len(pages.spans))
             if groups > 1:  # rows gathered a group of pages at a time, then joined
                 grouped = _group_buffers(transport, on_device, groups, launched)
                 if grouped is None:

@@ -63,12 +63,14 @@ def kernels(columns) -> tuple[int, int]:
         for p in column
         if p.size
     )
-    groups = min(cuda.ASSEMBLE_INPUTS, len(spans))
+    groups = min(cuda_pages.GATHER_GROUPS, len(spans))
     return (groups, len(columns)) if groups > 1 else (len(columns), 0)
 
 
+@pytest.mark.parametrize("groups", [1, 2, 4])
 @pytest.mark.parametrize("batch", [1, 2])
-def test_a_gather_joins_strided_pieces_and_zeros_to_capacity(staged, batch):
+def test_a_gather_joins_strided_pieces_and_zeros_to_capacity(staged, monkeypatch, batch, groups):
+    monkeypatch.setattr(cuda_pages, "GATHER_GROUPS", groups)  # 1: a gather per array
     rng = np.random.default_rng(0)
     columns = [pieces_of(rng, 3, batch), pieces_of(rng, 2, batch, rows=7)]
     specs = [((batch, 3, 20, 8), "float16"), ((batch, 3, 14, 8), "float16")]
