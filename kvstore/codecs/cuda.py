@@ -139,11 +139,11 @@ _GATHER_SOURCE = _SEGMENTS_BODY.format(
     prologue="", source="reinterpret_cast<const unsigned char*>(src)"
 )
 #: Inputs of the assemble kernel besides ``params``: the buffers its segments read.
-ASSEMBLE_INPUTS = 4
+ASSEMBLE_INPUTS = 8
 #: Bits of an assemble segment's ``src`` that hold the offset into its buffer; the bits
 #: above hold the buffer's number plus one (``src`` 0 still writes zeros).
 ASSEMBLE_OFFSET_BITS = 48
-#: Segments of device buffers ``b0`` .. ``b3`` -> the new device array ``out``: as
+#: Segments of device buffers ``b0`` .. ``b7`` -> the new device array ``out``: as
 #: :data:`_GATHER_SOURCE`, each ``src`` naming a buffer and an offset into it
 #: (:data:`ASSEMBLE_OFFSET_BITS`). How :mod:`kvstore.codecs.cuda_pages` joins rows it
 #: gathered a group of pages at a time, while later pages were still being locked.

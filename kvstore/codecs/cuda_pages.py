@@ -35,7 +35,7 @@ import sys
 import threading
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,6 +44,7 @@ import numpy as np
 
 from kvstore.codecs import cuda
 from kvstore.codecs.arrays import MLX_DTYPES, dtype_name, numpy_dtype
+from kvstore.threads import started_pool, threads_from_env
 
 __all__ = [
     "GATHER_MIN_BYTES",
@@ -63,8 +64,17 @@ GATHER_MIN_BYTES = int(float(os.environ.get("KVSTORE_CUDA_GATHER_MIN_MIB", "16")
 #: :data:`~kvstore.codecs.cuda.ASSEMBLE_INPUTS`; 1: a gather per array, after every span
 #: is locked): :func:`_group_buffers`.
 GATHER_GROUPS = max(
-    1, min(cuda.ASSEMBLE_INPUTS, int(os.environ.get("KVSTORE_CUDA_GATHER_GROUPS", "4")))
+    1, min(cuda.ASSEMBLE_INPUTS, int(os.environ.get("KVSTORE_CUDA_GATHER_GROUPS", "8")))
 )
+
+#: Registrations at once (``KVSTORE_CUDA_REGISTER_THREADS``). The driver locks a
+#: restore's pages no faster on more threads, only all of them later: H200, 4096 tokens
+#: of llama-8B (16 records), the last registration ended 20.6 ms into the restore on 12
+#: threads and on 4 alike, 22.5 on 3, 27.5 on 2. On 4, in address order, the first
+#: records are locked by 9 ms and their rows cross the bus while the rest are
+#: (:data:`GATHER_GROUPS`): restore 35.7 ms on 12 threads, a gather per array, against
+#: 33.6 on 4 in 4 groups (``tools/bench/results/gpu/0a997c3/ab-threads*.txt``).
+REGISTER_THREADS_DEFAULT = 4
 
 #: The GIL switch interval while pages are being locked (Python's default is 5 ms).
 #: Each registration is a ctypes call, whose thread takes the GIL to make it and again
@@ -325,7 +335,7 @@ class PinnedPages:
                 _hurry(-1)
 
         for span, wait in zip(self.spans, waits, strict=True):
-            self._futures.append(cuda.pool().submit(_lock_after, transport, span, wait))
+            self._futures.append(_register_pool().submit(_lock_after, transport, span, wait))
             self._futures[-1].add_done_callback(one_done)
 
     def spans_holding(self, addresses: np.ndarray, nbytes: np.ndarray) -> np.ndarray | None:
@@ -649,11 +659,11 @@ def _group_buffers(
     arrays. ``None``: rows outside the pinned pages, or pages the driver refused.
 
     A gather per array must wait for every span (each array has rows in every
-    record), so the GPU would sit idle until the last page was locked. H200, 4096
-    tokens of llama-8B: the 16 records' registrations ended 15 to 30 ms into the
-    restore, on 10 threads, and the 64 gathers ran after them, 15 ms. Gathered a group
-    at a time, the first groups cross the bus while the last records are locked, and
-    the join is a copy within the device (512 MiB in about 0.5 ms)."""
+    record), so the GPU sits idle until the last page is locked. Here the first groups
+    cross the bus while later spans are still being locked (on
+    :data:`REGISTER_THREADS_DEFAULT` threads, in address order, the spans are locked a
+    few at a time), and the join is a copy within the device (512 MiB in about
+    0.5 ms)."""
     table = on_device.table
     width, height = table[:, 4], table[:, 5]
     pitch = -(-width // 16) * 16  # each run at a 16-byte boundary: the kernel's fast path
@@ -691,14 +701,30 @@ _TRY_LOCK = threading.Lock()
 def _route() -> bool:
     """Whether gathers may be tried here: staging works and the once-per-process try of
     a gather (:func:`_works`) has not failed. The try starts in the background, so that
-    a fresh process's first restore does not wait for the kernel to load."""
+    a fresh process's first restore does not wait for the kernel to load (nor, later,
+    for the registration threads to start)."""
     global _WORKS_FUTURE
     if not cuda.available() or _WORKS is False:
         return False
     with _LOCK:
         if _WORKS is None and _WORKS_FUTURE is None:
             _WORKS_FUTURE = cuda.pool().submit(_works)
+    _register_pool()
     return True
+
+
+_REGISTER_POOL: ThreadPoolExecutor | None = None
+
+
+def _register_pool() -> ThreadPoolExecutor:
+    """The threads that lock pages (:data:`REGISTER_THREADS_DEFAULT`), in submission
+    order; kept for the process."""
+    global _REGISTER_POOL
+    with _LOCK:
+        if _REGISTER_POOL is None:
+            threads = threads_from_env("KVSTORE_CUDA_REGISTER_THREADS", REGISTER_THREADS_DEFAULT)
+            _REGISTER_POOL = started_pool(threads, "kvstore-cuda-register")
+        return _REGISTER_POOL
 
 
 def _proven() -> bool:

@@ -117,7 +117,8 @@ def test_arrays_full_short_empty_or_with_empty_pieces_gather_alike(staged, one_b
         ((batch, 3, 9, 3), "float16"),
     ]
     arrays = cuda_pages.gathered(specs, columns, one_buffer=one_buffer)
-    assert arrays is not None and staged.gathers == (1 if one_buffer else len(specs))
+    want = (1, 0) if one_buffer else kernels(columns)
+    assert arrays is not None and (staged.gathers, staged.assembles) == want
     for array, pieces, (shape, _) in zip(arrays, columns, specs, strict=True):
         want = np.zeros(shape, np.float16)
         joined = np.concatenate(pieces, axis=2)
@@ -199,13 +200,13 @@ def test_rows_in_many_spans_cross_a_group_at_a_time_before_the_last_pages_are_lo
     locked, and one kernel per array joins them, zeros past the rows: bit-exact."""
     page = cuda_pages._PAGE
     rng = np.random.default_rng(11)
-    maps = [mmap.mmap(-1, 2 * page) for _ in range(6)]  # six records, six spans
+    maps = [mmap.mmap(-1, 2 * page) for _ in range(10)]  # ten records, ten spans
     records = [np.frombuffer(m, np.float16, 2 * 3 * 40 * 8).reshape(2, 3, 40, 8) for m in maps]
     records.sort(key=lambda r: int(r.ctypes.data))  # spans are locked in address order
     for record in records:
         record[...] = rng.standard_normal(record.shape)
     columns = [[r[:, :, :5] for r in records], [r[:, :, 9:16] for r in records]]  # 2 arrays
-    specs = [((2, 3, 33, 8), "float16"), ((2, 3, 42, 8), "float16")]
+    specs = [((2, 3, 53, 8), "float16"), ((2, 3, 70, 8), "float16")]  # zeros past the first
     last = int(records[-1].ctypes.data) // page * page
     gate = threading.Event()
     real = staged.register
@@ -218,16 +219,19 @@ def test_rows_in_many_spans_cross_a_group_at_a_time_before_the_last_pages_are_lo
     monkeypatch.setattr(staged, "register", register)
     result: list = []
     worker = threading.Thread(target=lambda: result.append(cuda_pages.gathered(specs, columns)))
+    assert sum(p.shape[2] for p in columns[0]) < specs[0][0][2]
     worker.start()
     deadline = time.monotonic() + 10
-    while staged.gathers < cuda.ASSEMBLE_INPUTS - 1 and time.monotonic() < deadline:
+    groups = cuda_pages.GATHER_GROUPS
+    assert 1 < groups < len(records)  # some groups of two spans
+    while staged.gathers < groups - 1 and time.monotonic() < deadline:
         worker.join(0.01)
     launched_early = staged.gathers
     gate.set()
     worker.join(10)
     assert not worker.is_alive()
-    assert launched_early == cuda.ASSEMBLE_INPUTS - 1  # every group but the last one's
-    assert (staged.gathers, staged.assembles) == (cuda.ASSEMBLE_INPUTS, 2) == kernels(columns)
+    assert launched_early == groups - 1  # every group but the last one's
+    assert (staged.gathers, staged.assembles) == (groups, 2) == kernels(columns)
     (arrays,) = result
     for array, pieces, (shape, _) in zip(arrays, columns, specs, strict=True):
         want = np.zeros(shape, np.float16)
@@ -547,3 +551,22 @@ def test_a_restore_of_pages_waiting_for_release_does_not_wait_for_it_on_its_thre
         assert_same_caches(first, again)
         cuda_pages.settle()
         assert staged.registered == {} and cuda_pages._HELD == []
+
+
+def test_pages_are_locked_on_threads_of_their_own_as_many_as_the_environment_says(monkeypatch):
+    monkeypatch.setattr(cuda_pages, "_REGISTER_POOL", None)
+    monkeypatch.delenv("KVSTORE_CUDA_REGISTER_THREADS", raising=False)
+    pool = cuda_pages._register_pool()
+    assert cuda_pages._register_pool() is pool  # kept for the process
+    assert pool._max_workers == cuda_pages.REGISTER_THREADS_DEFAULT
+    assert len(pool._threads) == pool._max_workers  # all started when made
+    pool.shutdown()
+    monkeypatch.setattr(cuda_pages, "_REGISTER_POOL", None)
+    monkeypatch.setenv("KVSTORE_CUDA_REGISTER_THREADS", "3")
+    pool = cuda_pages._register_pool()
+    assert pool._max_workers == 3
+    pool.shutdown()
+    monkeypatch.setattr(cuda_pages, "_REGISTER_POOL", None)
+    monkeypatch.setenv("KVSTORE_CUDA_REGISTER_THREADS", "0")
+    with pytest.raises(ValueError, match="KVSTORE_CUDA_REGISTER_THREADS"):
+        cuda_pages._register_pool()
