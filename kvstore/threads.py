@@ -29,8 +29,9 @@ def started_pool(workers: int, prefix: str) -> ThreadPoolExecutor:
     return pool
 
 
-def threads_from_env(name: str, default: int) -> int:
-    """``default``, unless the environment variable ``name`` sets a positive count.
+def threads_from_env(name: str, default: int, what: str = "threads") -> int:
+    """``default``, unless the environment variable ``name`` sets a positive count (of
+    ``what``, for the error).
 
     Raises:
         ValueError: ``name`` is set to something other than a positive integer.
@@ -43,5 +44,5 @@ def threads_from_env(name: str, default: int) -> int:
     except ValueError:
         count = 0
     if count < 1:
-        raise ValueError(f"{name}={value!r}: expected a positive number of threads.")
+        raise ValueError(f"{name}={value!r}: expected a positive number of {what}.")
     return count

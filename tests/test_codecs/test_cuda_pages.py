@@ -570,3 +570,18 @@ def test_pages_are_locked_on_threads_of_their_own_as_many_as_the_environment_say
     monkeypatch.setenv("KVSTORE_CUDA_REGISTER_THREADS", "0")
     with pytest.raises(ValueError, match="KVSTORE_CUDA_REGISTER_THREADS"):
         cuda_pages._register_pool()
+
+
+def test_a_group_count_that_is_not_positive_is_refused_by_name():
+    import os
+    import subprocess
+
+    env = {**os.environ, "KVSTORE_CUDA_GATHER_GROUPS": "0"}
+    done = subprocess.run(
+        [sys.executable, "-c", "import kvstore.codecs.cuda_pages"],
+        capture_output=True,
+        text=True,
+        env=env,
+    )
+    assert done.returncode != 0
+    assert "KVSTORE_CUDA_GATHER_GROUPS='0': expected a positive number of groups" in done.stderr

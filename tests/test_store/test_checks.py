@@ -95,18 +95,17 @@ def test_restores_through_the_large_read_paths_are_bit_exact(family, lmdb_url, m
         (16, False, None, 16),  # every core hashes
         (64, False, None, 16),  # at most 16
         (2, False, None, 2),
-        (16, True, None, 4),  # the 12 staging threads lock pages meanwhile: 4 left
-        (8, True, None, 2),  # at least 2
+        (16, True, None, 12),  # 4 threads lock pages meanwhile: 12 left
+        (5, True, None, 2),  # at least 2
         (16, True, "6", 6),
     ],
 )
-def test_the_checking_threads_are_the_cores_the_staging_leaves(
+def test_the_checking_threads_are_the_cores_the_page_locking_leaves(
     monkeypatch, cores, on_gpu, setting, want
 ):
     monkeypatch.setattr(checks.os, "cpu_count", lambda: cores)
-    monkeypatch.setattr(cuda.os, "cpu_count", lambda: cores)
     monkeypatch.setattr(cuda, "in_use", lambda: on_gpu)
-    monkeypatch.delenv("KVSTORE_CUDA_THREADS", raising=False)
+    monkeypatch.delenv("KVSTORE_CUDA_REGISTER_THREADS", raising=False)
     if setting is None:
         monkeypatch.delenv("KVSTORE_VERIFY_THREADS", raising=False)
     else:
@@ -120,3 +119,11 @@ def test_a_thread_count_that_is_not_positive_is_refused_by_name(monkeypatch, set
     want = f"KVSTORE_VERIFY_THREADS='{setting}': expected a positive number of threads"
     with pytest.raises(ValueError, match=want):
         checks._workers()
+
+
+def test_page_locking_threads_set_by_the_environment_leave_the_rest_to_the_checks(monkeypatch):
+    monkeypatch.setattr(checks.os, "cpu_count", lambda: 16)
+    monkeypatch.setattr(cuda, "in_use", lambda: True)
+    monkeypatch.delenv("KVSTORE_VERIFY_THREADS", raising=False)
+    monkeypatch.setenv("KVSTORE_CUDA_REGISTER_THREADS", "6")
+    assert checks._workers() == 10

@@ -20,7 +20,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, TypeVar
 
-from kvstore.codecs import cuda
+from kvstore.codecs import cuda, cuda_pages
 from kvstore.errors import CorruptEntryError, FormatVersionError
 from kvstore.threads import started_pool, threads_from_env
 
@@ -85,12 +85,15 @@ def _workers() -> int:
     store's pages in as it hashes them, and faults scale with threads (an H200 host's
     16 cores copied fresh pages at 18 GB/s on 8 threads, 25 on 16:
     ``tools/bench/gpu/probe.py``). On a CUDA GPU the staging threads lock the same
-    pages meanwhile, and the cores are theirs first: there a 4096-token restore took
-    45.5 ms checked on 16 threads, 39.2 on 8 and 37.1 on 4, the 16 - 12 left
-    (median of 5 fresh processes, ``tools/bench/results/gpu/71cbce0/ab-env.txt``)."""
+    pages meanwhile, and the cores are theirs first. When 12 threads locked them, a
+    4096-token restore took 45.5 ms checked on 16 threads and 37.1 on the 4 left
+    (median of 5 fresh processes, ``tools/bench/results/gpu/71cbce0/ab-env.txt``); now
+    4 lock them (:func:`~kvstore.codecs.cuda_pages.register_threads`), and on the 12
+    left it took 33.9 ms against 37.3 on 6 (``0a997c3/ab-threads2.txt``)."""
     cores = os.cpu_count() or 1
-    staging = cuda.workers() if cuda.in_use() else 0  # a restore on a GPU set it up first
-    return threads_from_env("KVSTORE_VERIFY_THREADS", max(2, min(16, cores - staging)))
+    # A restore on a GPU sets CUDA up before its first check.
+    locking = cuda_pages.register_threads() if cuda.in_use() else 0
+    return threads_from_env("KVSTORE_VERIFY_THREADS", max(2, min(16, cores - locking)))
 
 
 def _pool() -> ThreadPoolExecutor:
