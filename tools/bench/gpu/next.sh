@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Issue 13's open GPU measurements, in the order the next device session should take
-# them (each step fits one call; run after stage 1, carry [".gpu/b", ".gpu/inc"]):
+# Issue 13's open GPU measurements (the order to take them: tools/bench/gpu/README.md;
+# each step fits one call; run after stage 1, carry [".gpu/b", ".gpu/inc"]):
 #
 #   source .gpu/b/setup.sh >/dev/null 2>&1; KVSTORE_BENCH_GIT=<rev> bash tools/bench/gpu/next.sh STEP $OUT
 #
