@@ -37,6 +37,7 @@ import numpy as np
 
 from kvstore.codecs import cuda
 from kvstore.codecs.arrays import numpy_dtype, owned_arrays
+from kvstore.codecs.copies import spread
 from kvstore.codecs.host_memory import keep_freed_memory
 
 __all__ = ["DIRECT_MIN_BYTES", "LeafSpec", "Fill", "LeafStream", "filled_arrays"]
@@ -147,7 +148,8 @@ class LeafStream:
             return
         shape, name = self._specs[i]
         view = np.frombuffer(buffer, dtype=numpy_dtype(name)).reshape(shape)
-        self._fill(i, view)
+        with spread():  # MLX reads one array at a time: its copies go on every core
+            self._fill(i, view)
         with self._lock:
             twice, self._filled[i] = self._filled[i], True
         if twice:
@@ -204,7 +206,10 @@ def filled_arrays(
             return [loaded[str(i)] for i in range(len(specs))]
         del loaded  # an array not filled completely is never handed out
     arrays = []
-    for i, ((array, view), (_, name)) in enumerate(zip(owned_arrays(specs), specs, strict=True)):
-        fill(i, view.view(numpy_dtype(name)))
-        arrays.append(array)
+    with spread():
+        for i, ((array, view), (_, name)) in enumerate(
+            zip(owned_arrays(specs), specs, strict=True)
+        ):
+            fill(i, view.view(numpy_dtype(name)))
+            arrays.append(array)
     return arrays

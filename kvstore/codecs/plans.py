@@ -30,6 +30,7 @@ from kvstore.abc.codec import RestorePlan, Snapshot
 from kvstore.caches.base import Tree
 from kvstore.codecs import cuda, cuda_pages
 from kvstore.codecs.arrays import MLX_DTYPES, as_numpy_all, dtype_name, owned_arrays
+from kvstore.codecs.copies import copy_all
 from kvstore.codecs.fill import LeafSpec, filled_arrays
 from kvstore.codecs.payload_tensors import PayloadTensors, stored
 
@@ -110,14 +111,15 @@ class RowsJoin:
     def fill_leaf(self, column: int, target: np.ndarray) -> None:
         """Write leaf ``column`` into ``target`` (uninitialised memory of
         :meth:`leaves`' shape): the pieces in order, then zeros up to capacity."""
-        pos = 0
+        pos, copies = 0, []
         for view in as_numpy_all(self.columns[column]):
             rows = int(view.shape[2])
-            # "safe": pieces of one column differ only by widening (float16
-            # TurboQuant scales next to float32 ones); anything else raises.
-            np.copyto(target[:, :, pos : pos + rows], view, casting="safe")
+            copies.append((target[:, :, pos : pos + rows], view))
             pos += rows
         target[:, :, pos:] = 0
+        # "safe": pieces of one column differ only by widening (float16 TurboQuant
+        # scales next to float32 ones); anything else raises.
+        copy_all(copies, casting="safe")
 
     def tree(self, arrays: Sequence[mx.array]) -> Tree:
         """The joined row tree, given the filled arrays of :meth:`leaves`."""

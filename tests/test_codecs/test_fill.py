@@ -165,3 +165,21 @@ def test_a_plan_finished_on_zeroed_buffers_equals_the_direct_fill(family):
     ):
         assert mx.array_equal(a, b).item()
     assert by_finish.offset == by_run.offset == cache.offset
+
+
+@pytest.mark.parametrize("direct", [True, False])
+def test_each_array_is_written_with_its_copies_spread_over_the_cores(direct):
+    # MLX's loader (and the fallback) hands out one array at a time, so the writes of
+    # each may use every core (kvstore.codecs.copies); elsewhere they may not.
+    from kvstore.codecs import copies
+
+    seen: list[bool] = []
+    write = writer(sources())
+
+    def fill(i, view):
+        seen.append(getattr(copies._HERE, "on", False))
+        write(i, view)
+
+    filled_arrays(SPECS, fill, direct=direct)
+    assert seen and all(seen)
+    assert not getattr(copies._HERE, "on", False)
