@@ -17,6 +17,7 @@ from kvstore.codecs import copies
 def two_threads(monkeypatch):
     monkeypatch.setenv("KVSTORE_COPY_THREADS", "2")
     monkeypatch.setattr(copies, "PARALLEL_MIN_BYTES", 0)
+    monkeypatch.setattr(copies, "PIECE_MIN_BYTES", 0)
     threads: list[set[int]] = []
     real = copies._copy
 
@@ -99,3 +100,12 @@ def test_a_copy_thread_count_that_is_not_positive_is_refused_by_name(monkeypatch
     monkeypatch.setenv("KVSTORE_COPY_THREADS", setting)
     with pytest.raises(ValueError, match=f"KVSTORE_COPY_THREADS='{setting}'"):
         copies.threads()
+
+
+def test_many_small_pieces_stay_on_the_calling_thread(two_threads, monkeypatch):
+    # A hand-off and each piece's Python cost more than they save (qwen-0.5B's rows).
+    monkeypatch.setattr(copies, "PIECE_MIN_BYTES", 1 << 20)
+    _, pairs = pairs_of(np.random.default_rng(4))
+    with copies.spread():
+        copies.copy_all(pairs)
+    assert two_threads == [{threading.get_ident()}]
