@@ -13,9 +13,10 @@ from __future__ import annotations
 
 import os
 import threading
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
-__all__ = ["started_pool", "threads_from_env"]
+__all__ = ["KeptPool", "started_pool", "threads_from_env"]
 
 
 def started_pool(workers: int, prefix: str) -> ThreadPoolExecutor:
@@ -27,6 +28,31 @@ def started_pool(workers: int, prefix: str) -> ThreadPoolExecutor:
     for future in [pool.submit(barrier.wait) for _ in range(workers)]:
         future.result()
     return pool
+
+
+class KeptPool:
+    """A :func:`started_pool` made at its first use (``workers()`` threads then) and
+    kept for the process."""
+
+    def __init__(self, prefix: str, workers: Callable[[], int]) -> None:
+        self._prefix = prefix
+        self._workers = workers
+        self._lock = threading.Lock()
+        self._pool: ThreadPoolExecutor | None = None
+
+    def get(self) -> ThreadPoolExecutor:
+        """The pool, made now if it is not yet."""
+        with self._lock:
+            if self._pool is None:
+                self._pool = started_pool(self._workers(), self._prefix)
+            return self._pool
+
+    def forget(self) -> None:
+        """Shut the pool down (after its tasks) and make the next :meth:`get` a new one."""
+        with self._lock:
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown()
 
 
 def threads_from_env(name: str, default: int, what: str = "threads") -> int:

@@ -14,13 +14,13 @@ from __future__ import annotations
 import os
 import threading
 from collections.abc import Iterator, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from contextlib import contextmanager
 from typing import Literal
 
 import numpy as np
 
-from kvstore.threads import started_pool, threads_from_env
+from kvstore.threads import KeptPool, threads_from_env
 
 __all__ = ["PARALLEL_MIN_BYTES", "PIECE_MIN_BYTES", "copy_all", "spread", "threads"]
 
@@ -34,8 +34,6 @@ PIECE_MIN_BYTES = 256 << 10
 
 Casting = Literal["no", "equiv", "safe", "same_kind", "unsafe"]
 
-_LOCK = threading.Lock()
-_POOL: ThreadPoolExecutor | None = None
 #: Whether this thread's copies may be spread (:func:`spread`).
 _HERE = threading.local()
 
@@ -59,12 +57,8 @@ def threads() -> int:
     return threads_from_env("KVSTORE_COPY_THREADS", max(1, min(8, os.cpu_count() or 1)))
 
 
-def _pool(workers: int) -> ThreadPoolExecutor:
-    global _POOL
-    with _LOCK:
-        if _POOL is None:
-            _POOL = started_pool(workers, "kvstore-copy")
-        return _POOL
+#: The threads besides a copy's caller.
+_POOL = KeptPool("kvstore-copy", lambda: max(1, threads() - 1))
 
 
 def copy_all(pairs: Sequence[tuple[np.ndarray, np.ndarray]], *, casting: Casting = "safe") -> None:
@@ -94,7 +88,7 @@ def copy_all(pairs: Sequence[tuple[np.ndarray, np.ndarray]], *, casting: Casting
                 share.append((dst[:, start:stop], src[:, start:stop]))
         else:
             shares[k % count].append((dst, src))
-    pool = _pool(count - 1)
+    pool = _POOL.get()
     futures: list[Future[None]] = [pool.submit(_copy, share, casting) for share in shares[1:]]
     try:
         _copy(shares[0], casting)

@@ -48,7 +48,7 @@ import mlx.core as mx
 import numpy as np
 
 from kvstore.codecs.arrays import MLX_DTYPES, numpy_dtype
-from kvstore.threads import started_pool, threads_from_env
+from kvstore.threads import KeptPool, threads_from_env
 
 __all__ = [
     "LeafSpec",
@@ -368,7 +368,9 @@ class KernelTransport:
     def assemble(self, params: np.ndarray, buffers: Sequence[mx.array], nbytes: int) -> mx.array:
         if len(buffers) > ASSEMBLE_INPUTS:
             raise ValueError(f"[cuda] {len(buffers)} buffers; assemble reads {ASSEMBLE_INPUTS}.")
-        unused = [mx.zeros((16,), mx.uint8)] * (ASSEMBLE_INPUTS - len(buffers))  # read by none
+        # No segment reads the inputs past the buffers: bound to one of them, no new array.
+        spare = buffers[0] if buffers else mx.zeros((16,), mx.uint8)
+        unused = [spare] * (ASSEMBLE_INPUTS - len(buffers))
         return self._segments(self._assemble, params, [*buffers, *unused], nbytes)
 
     @staticmethod
@@ -392,7 +394,7 @@ class KernelTransport:
 #: or ``False`` when there is none to be had).
 TRANSPORT: Transport | None | bool = None
 _LOCK = threading.Lock()
-_POOL: ThreadPoolExecutor | None = None
+_POOL = KeptPool("kvstore-cuda", lambda: workers())
 #: Staging slots not in use; a worker takes one for an array and gives it back after.
 _FREE: queue.SimpleQueue[PinnedBuffer] = queue.SimpleQueue()
 _SLOTS_MADE = False
@@ -457,11 +459,7 @@ def transport() -> Transport:
 
 def pool() -> ThreadPoolExecutor:
     """The staging threads (:func:`workers` of them), kept for the process."""
-    global _POOL
-    with _LOCK:
-        if _POOL is None:
-            _POOL = started_pool(workers(), "kvstore-cuda")
-        return _POOL
+    return _POOL.get()
 
 
 def slot_min_bytes() -> int:

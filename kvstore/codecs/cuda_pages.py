@@ -44,7 +44,7 @@ import numpy as np
 
 from kvstore.codecs import cuda
 from kvstore.codecs.arrays import MLX_DTYPES, dtype_name, numpy_dtype
-from kvstore.threads import started_pool, threads_from_env
+from kvstore.threads import KeptPool, threads_from_env
 
 __all__ = [
     "GATHER_MIN_BYTES",
@@ -715,17 +715,10 @@ def _route() -> bool:
     return True
 
 
-_REGISTER_POOL: ThreadPoolExecutor | None = None
-
-
 def _register_pool() -> ThreadPoolExecutor:
-    """The threads that lock pages (:data:`REGISTER_THREADS_DEFAULT`), in submission
-    order; kept for the process."""
-    global _REGISTER_POOL
-    with _LOCK:
-        if _REGISTER_POOL is None:
-            _REGISTER_POOL = started_pool(register_threads(), "kvstore-cuda-register")
-        return _REGISTER_POOL
+    """The threads that lock pages (:func:`register_threads`), in submission order;
+    kept for the process."""
+    return _REGISTER_POOL.get()
 
 
 def register_threads() -> int:
@@ -733,6 +726,9 @@ def register_threads() -> int:
     ``KVSTORE_CUDA_REGISTER_THREADS``): the cores a big restore on a CUDA GPU keeps busy
     besides its own thread and the checks."""
     return threads_from_env("KVSTORE_CUDA_REGISTER_THREADS", REGISTER_THREADS_DEFAULT)
+
+
+_REGISTER_POOL = KeptPool("kvstore-cuda-register", register_threads)
 
 
 def _proven() -> bool:

@@ -17,6 +17,7 @@ import pytest
 
 from kvstore.codecs import cuda, cuda_pages
 from kvstore.store import open_store
+from kvstore.threads import KeptPool
 from tests.test_codecs.test_cuda_staging import HostTransport
 from tests.test_store.kv_helpers import (
     BLOCK,
@@ -554,19 +555,18 @@ def test_a_restore_of_pages_waiting_for_release_does_not_wait_for_it_on_its_thre
 
 
 def test_pages_are_locked_on_threads_of_their_own_as_many_as_the_environment_says(monkeypatch):
-    monkeypatch.setattr(cuda_pages, "_REGISTER_POOL", None)
+    monkeypatch.setattr(cuda_pages, "_REGISTER_POOL", KeptPool("test-register", lambda: 0))
+    pool = cuda_pages._REGISTER_POOL
+    monkeypatch.setattr(pool, "_workers", cuda_pages.register_threads)
     monkeypatch.delenv("KVSTORE_CUDA_REGISTER_THREADS", raising=False)
-    pool = cuda_pages._register_pool()
-    assert cuda_pages._register_pool() is pool  # kept for the process
-    assert pool._max_workers == cuda_pages.REGISTER_THREADS_DEFAULT
-    assert len(pool._threads) == pool._max_workers  # all started when made
-    pool.shutdown()
-    monkeypatch.setattr(cuda_pages, "_REGISTER_POOL", None)
+    made = cuda_pages._register_pool()
+    assert cuda_pages._register_pool() is made  # kept for the process
+    assert made._max_workers == cuda_pages.REGISTER_THREADS_DEFAULT
+    assert len(made._threads) == made._max_workers  # all started when made
+    pool.forget()
     monkeypatch.setenv("KVSTORE_CUDA_REGISTER_THREADS", "3")
-    pool = cuda_pages._register_pool()
-    assert pool._max_workers == 3
-    pool.shutdown()
-    monkeypatch.setattr(cuda_pages, "_REGISTER_POOL", None)
+    assert cuda_pages._register_pool()._max_workers == 3
+    pool.forget()
     monkeypatch.setenv("KVSTORE_CUDA_REGISTER_THREADS", "0")
     with pytest.raises(ValueError, match="KVSTORE_CUDA_REGISTER_THREADS"):
         cuda_pages._register_pool()

@@ -15,14 +15,13 @@ from __future__ import annotations
 
 import itertools
 import os
-import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, TypeVar
 
 from kvstore.codecs import cuda, cuda_pages
 from kvstore.errors import CorruptEntryError, FormatVersionError
-from kvstore.threads import started_pool, threads_from_env
+from kvstore.threads import KeptPool, threads_from_env
 
 __all__ = ["PARALLEL_MIN_BYTES", "Verdict", "check_records", "served_run", "in_background"]
 
@@ -75,10 +74,6 @@ def check_records(
     return found if first_bad is None else found[: first_bad + 1]
 
 
-_POOL: ThreadPoolExecutor | None = None
-_LOCK = threading.Lock()
-
-
 def _workers() -> int:
     """Threads checking at once, the caller's included: the cores left to them, at most
     16 (``KVSTORE_VERIFY_THREADS`` sets them). A fresh process's first read faults the
@@ -96,12 +91,12 @@ def _workers() -> int:
     return threads_from_env("KVSTORE_VERIFY_THREADS", max(2, min(16, cores - locking)))
 
 
+#: The threads besides a check's caller.
+_POOL = KeptPool("kvstore-verify", lambda: max(1, _workers() - 1))
+
+
 def _pool() -> ThreadPoolExecutor:
-    global _POOL
-    with _LOCK:
-        if _POOL is None:
-            _POOL = started_pool(max(1, _workers() - 1), "kvstore-verify")
-        return _POOL
+    return _POOL.get()
 
 
 def _check(verify: Callable[[memoryview], None], record: memoryview) -> Verdict:
@@ -136,14 +131,10 @@ def served_run(
 
 
 T = TypeVar("T")
-_BACKGROUND: ThreadPoolExecutor | None = None
+_BACKGROUND = KeptPool("kvstore-read-check", lambda: 4)
 
 
 def in_background(fn: Callable[[], T]) -> Future[T]:
     """``fn`` (a read's checks) on a thread of its own, so the reader's copy of the
     views overlaps them; it fans out to the checking threads as usual."""
-    global _BACKGROUND
-    with _LOCK:
-        if _BACKGROUND is None:
-            _BACKGROUND = ThreadPoolExecutor(4, thread_name_prefix="kvstore-read-check")
-    return _BACKGROUND.submit(fn)
+    return _BACKGROUND.get().submit(fn)

@@ -1,0 +1,65 @@
+"""Thread pools started before their first real task (kvstore.threads)."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from kvstore.threads import KeptPool, started_pool, threads_from_env
+
+
+def test_a_started_pool_has_every_thread_running_when_it_returns():
+    pool = started_pool(3, "test-started")
+    try:
+        assert len(pool._threads) == 3
+        names = {pool.submit(lambda: threading.current_thread().name).result() for _ in range(9)}
+        assert all(name.startswith("test-started") for name in names)
+    finally:
+        pool.shutdown()
+
+
+def test_a_kept_pool_is_made_at_its_first_use_with_the_workers_then_and_kept():
+    asked = []
+
+    def workers() -> int:
+        asked.append(1)
+        return 2
+
+    kept = KeptPool("test-kept", workers)
+    assert not asked  # nothing made until used
+    pool = kept.get()
+    assert kept.get() is pool and len(asked) == 1
+    assert len(pool._threads) == 2
+    kept.forget()
+    assert kept.get() is not pool and len(asked) == 2
+    kept.forget()
+
+
+def test_one_pool_is_made_when_many_threads_ask_at_once():
+    kept = KeptPool("test-race", lambda: 2)
+    got: list = []
+    askers = [threading.Thread(target=lambda: got.append(kept.get())) for _ in range(8)]
+    for asker in askers:
+        asker.start()
+    for asker in askers:
+        asker.join()
+    assert len({id(pool) for pool in got}) == 1
+    kept.forget()
+
+
+@pytest.mark.parametrize("value, want", [(None, 7), ("3", 3), (" 12 ", 12)])
+def test_a_count_from_the_environment_or_the_default(monkeypatch, value, want):
+    if value is None:
+        monkeypatch.delenv("KVSTORE_TEST_COUNT", raising=False)
+    else:
+        monkeypatch.setenv("KVSTORE_TEST_COUNT", value)
+    assert threads_from_env("KVSTORE_TEST_COUNT", 7) == want
+
+
+def test_a_count_that_is_not_positive_names_the_variable_and_what_it_counts(monkeypatch):
+    monkeypatch.setenv("KVSTORE_TEST_COUNT", "-1")
+    with pytest.raises(
+        ValueError, match="KVSTORE_TEST_COUNT='-1': expected a positive number of groups"
+    ):
+        threads_from_env("KVSTORE_TEST_COUNT", 7, "groups")
