@@ -61,8 +61,15 @@ def test_copies_outside_spread_stay_on_the_calling_thread(two_threads):
     assert got[:, :, 23:].min() == 3.5
 
 
-def test_small_copies_stay_on_the_calling_thread(two_threads, monkeypatch):
-    monkeypatch.setattr(copies, "PARALLEL_MIN_BYTES", 1 << 30)
+@pytest.mark.parametrize(
+    "floor",
+    [
+        "PARALLEL_MIN_BYTES",  # too few bytes in all
+        "PIECE_MIN_BYTES",  # pieces too small: a hand-off and each piece's Python cost more
+    ],
+)
+def test_small_copies_stay_on_the_calling_thread(two_threads, monkeypatch, floor):
+    monkeypatch.setattr(copies, floor, 1 << 30)
     _, pairs = pairs_of(np.random.default_rng(2))
     with copies.spread():
         copies.copy_all(pairs)
@@ -100,12 +107,3 @@ def test_a_copy_thread_count_that_is_not_positive_is_refused_by_name(monkeypatch
     monkeypatch.setenv("KVSTORE_COPY_THREADS", setting)
     with pytest.raises(ValueError, match=f"KVSTORE_COPY_THREADS='{setting}'"):
         copies.threads()
-
-
-def test_many_small_pieces_stay_on_the_calling_thread(two_threads, monkeypatch):
-    # A hand-off and each piece's Python cost more than they save (qwen-0.5B's rows).
-    monkeypatch.setattr(copies, "PIECE_MIN_BYTES", 1 << 20)
-    _, pairs = pairs_of(np.random.default_rng(4))
-    with copies.spread():
-        copies.copy_all(pairs)
-    assert two_threads == [{threading.get_ident()}]
