@@ -572,7 +572,8 @@ def _gather(
             on_device = _DeviceTable(table[order], pages)
             ends = np.cumsum(np.bincount(owners, minlength=len(specs))).tolist()
             groups = min(GATHER_GROUPS, len(pages.spans))
-            if groups > 1:  # rows gathered a group of pages at a time, then joined
+            if groups > 1 and _room_for_twice(sum(map(cuda.nbytes_of, specs))):
+                # rows gathered a group of pages at a time, then joined
                 grouped = _group_buffers(transport, on_device, groups, launched)
                 if grouped is None:
                     return None
@@ -644,6 +645,15 @@ class _DeviceTable:
         """The kernel's parameters for segments ``[begin, end)`` (:meth:`rows`)."""
         table = self.rows(slice(begin, end))
         return None if table is None else _params(table)
+
+
+def _room_for_twice(nbytes: int) -> bool:
+    """Whether the device has room for ``nbytes`` of arrays twice over, as a gather in
+    groups needs for a moment (the group buffers, then the arrays joined from them):
+    within MLX's memory limit (on CUDA 0.8 of the device's) with what is allocated now;
+    a backend that reports no limit (0) has room. Else a gather per array."""
+    limit = mx.get_memory_limit()
+    return not limit or mx.get_active_memory() + 2 * nbytes <= limit
 
 
 def _params(table: np.ndarray) -> np.ndarray:

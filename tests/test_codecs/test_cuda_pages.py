@@ -585,3 +585,22 @@ def test_a_group_count_that_is_not_positive_is_refused_by_name():
     )
     assert done.returncode != 0
     assert "KVSTORE_CUDA_GATHER_GROUPS='0': expected a positive number of groups" in done.stderr
+
+
+def test_without_room_for_the_rows_twice_each_array_is_gathered_alone(staged, monkeypatch):
+    # The group buffers and the arrays joined from them are on the device at once; near
+    # MLX's memory limit each array is gathered from the pages instead, bit-exact.
+    rng = np.random.default_rng(12)
+    columns = [pieces_of(rng, 3), pieces_of(rng, 2, rows=7)]
+    specs = [((1, 3, 20, 8), "float16"), ((1, 3, 14, 8), "float16")]
+    assert kernels(columns)[1] == 2  # in several spans: groups, were there room
+    need = 2 * sum(cuda.nbytes_of(spec) for spec in specs)
+    monkeypatch.setattr(cuda_pages.mx, "get_active_memory", lambda: 1000)
+    monkeypatch.setattr(cuda_pages.mx, "get_memory_limit", lambda: 1000 + need - 1)
+    arrays = cuda_pages.gathered(specs, columns)
+    assert arrays is not None and (staged.gathers, staged.assembles) == (2, 0)
+    for array, pieces, (shape, _) in zip(arrays, columns, specs, strict=True):
+        want = np.zeros(shape, np.float16)
+        joined = np.concatenate(pieces, axis=2)
+        want[:, :, : joined.shape[2]] = joined
+        assert np.array_equal(np.array(array).view(np.uint16), want.view(np.uint16))
