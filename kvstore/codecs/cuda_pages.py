@@ -10,13 +10,19 @@ llama-8B.
 
 Here the host copies nothing. The pages the rows are in are page-locked where
 they are (``cuMemHostRegister`` with ``CU_MEMHOSTREGISTER_READ_ONLY``: the map
-is read-only), and one kernel per array reads its rows from them over PCIe,
-the zeros past the rows included. Measured there
+is read-only), and kernels read the rows from them over PCIe: a group of
+records' rows at a time into a buffer on the device, each group as soon as its
+records are locked (on :func:`register_threads` threads, in address order),
+then one kernel per array joins them there, the zeros past the rows included
+(:func:`_group_buffers`). Rows in one span of pages are read by one kernel per
+array straight away. Measured there
 (``tools/bench/gpu/pages_probe.py``, 16 records of 32 MiB, a fresh process):
 registering the 512 MiB takes 14 ms on 12 threads, the 64 gathers 13 ms
 (40 GB/s), bit-exact; unregistering (7 ms) happens on a staging thread a
 moment after the restore returns (:data:`RELEASE_DELAY_SECONDS`), off the first
-token's path.
+token's path. In a restore the registrations end about 21 ms in on 4 threads or
+12; in groups the first rows cross from ~14 ms in, and G1's restore took 39.7 ms
+(``tools/bench/results/gpu/7220a03/``).
 
 The caller keeps the pages mapped until the arrays are evaluated (a restore
 gathers inside its read transaction). Pages another thread's gather holds are
