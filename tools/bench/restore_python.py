@@ -61,6 +61,9 @@ class FreeTransport:
     def gather(self, params: np.ndarray, nbytes: int) -> mx.array:
         return mx.zeros((nbytes,), mx.uint8)
 
+    def assemble(self, params: np.ndarray, buffers: Any, nbytes: int) -> mx.array:
+        return mx.zeros((nbytes,), mx.uint8)
+
 
 #: The phases timed: (module, function) on the restore's path.
 PHASES: tuple[tuple[Any, str], ...] = (
@@ -71,6 +74,7 @@ PHASES: tuple[tuple[Any, str], ...] = (
     (cuda_pages, "_layout"),
     (cuda_pages, "_segment_tables"),
     (cuda_pages._DeviceTable, "params"),
+    (cuda_pages, "_group_buffers"),
     (restore, "run_plans"),
 )
 
