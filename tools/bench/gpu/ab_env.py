@@ -14,19 +14,13 @@ restore and, from the child nearest that median, when its phases ended.
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import shutil
-import statistics
-import subprocess
 import sys
 import tempfile
-from pathlib import Path
 from typing import Any
 
-from tools.bench.gpu.restore_profile import saved_store
+from tools.bench.gpu.restore_profile import median_run, run_child, saved_store
 
-PROFILE = Path(__file__).with_name("restore_profile.py")
 PHASES = (
     "_headers",
     "_decoded",
@@ -44,15 +38,6 @@ def settings(specs: list[str]) -> dict[str, dict[str, str]]:
         name, _, assignments = spec.partition(":")
         out[name] = dict(a.split("=", 1) for a in assignments.split())
     return out
-
-
-def child(url: str, tokens: int, layers: int, env: dict[str, str]) -> dict[str, Any]:
-    cmd = [sys.executable, str(PROFILE), "--child", "restore", url]
-    cmd += ["--tokens", str(tokens), "--layers", str(layers)]
-    done = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **env})
-    if done.returncode:
-        return {"error": done.stderr[-1500:]}
-    return dict(json.loads(done.stdout.strip().splitlines()[-1]))
 
 
 def main() -> int:
@@ -76,7 +61,7 @@ def main() -> int:
             runs: dict[str, list[dict[str, Any]]] = {name: [] for name in named}
             for _ in range(args.repeats):
                 for name, env in named.items():
-                    runs[name].append(child(url, args.tokens, args.layers, env))
+                    runs[name].append(run_child("restore", url, args.tokens, args.layers, env=env))
             print(f"== {policy}")
             for name, results in runs.items():
                 good = [r for r in results if "error" not in r]
@@ -84,8 +69,7 @@ def main() -> int:
                     print(f"   {name}: error {results[0]['error']}")
                     continue
                 times = sorted(r["restore_ms"] for r in good)
-                ms = statistics.median(times)
-                near = min(good, key=lambda r: abs(r["restore_ms"] - ms))
+                ms, near = median_run(good)
                 ends = "  ".join(
                     f"{phase.split(' (')[0]} {p['first_ms']:.1f}-{p['last_ms']:.1f}"
                     for phase in PHASES

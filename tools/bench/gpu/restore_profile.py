@@ -222,6 +222,32 @@ def saved_store(scratch: str, policy: str, tokens: int, caches: Any) -> str:
     return url
 
 
+def run_child(
+    kind: str,
+    url: str,
+    tokens: int,
+    layers: int,
+    *,
+    switch_ms: float = 0.0,
+    env: dict[str, str] | None = None,
+) -> dict[str, Any]:
+    """This script's ``--child kind url`` in a fresh process (``env`` added to this
+    one's): its JSON line, or ``{"error": its stderr's tail}``."""
+    cmd = [sys.executable, __file__, "--child", kind, url, "--tokens", str(tokens)]
+    cmd += ["--layers", str(layers), "--switch-ms", str(switch_ms)]
+    done = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **(env or {})})
+    if done.returncode:
+        return {"error": done.stderr[-2000:]}
+    return dict(json.loads(done.stdout.strip().splitlines()[-1]))
+
+
+def median_run(runs: list[dict[str, Any]]) -> tuple[float, dict[str, Any]]:
+    """The median restore of ``runs`` (children that succeeded), and the run nearest it
+    (whose phases stand for them)."""
+    ms = statistics.median(r["restore_ms"] for r in runs)
+    return ms, min(runs, key=lambda r: abs(r["restore_ms"] - ms))
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=4096)
@@ -247,12 +273,7 @@ def main() -> int:
     from kvstore.bench.workloads import KVShape, SyntheticKV
 
     def child(kind: str, url: str) -> dict[str, Any]:
-        cmd = [sys.executable, __file__, "--child", kind, url, "--tokens", str(args.tokens)]
-        cmd += ["--layers", str(args.layers), "--switch-ms", str(args.switch_ms)]
-        done = subprocess.run(cmd, capture_output=True, text=True, env=os.environ.copy())
-        if done.returncode:
-            return {"error": done.stderr[-2000:]}
-        return dict(json.loads(done.stdout.strip().splitlines()[-1]))
+        return run_child(kind, url, args.tokens, args.layers, switch_ms=args.switch_ms)
 
     shape = f"{args.layers} layers x {args.tokens} tokens, 8 KV heads x 128, bf16"
     knobs = {k: v for k, v in os.environ.items() if k.startswith("KVSTORE_")}
@@ -269,9 +290,8 @@ def main() -> int:
             if not good:
                 print(policy, "error:", runs[0]["error"], flush=True)
                 continue
-            ms = statistics.median(r["restore_ms"] for r in good)
+            ms, best = median_run(good)
             print(f"== {policy}: restore {ms:.1f} ms (median of {len(good)})")
-            best = min(good, key=lambda r: abs(r["restore_ms"] - ms))
             for name, p in sorted(best["phases"].items(), key=lambda kv: kv[1]["first_ms"]):
                 print(
                     f"   {name:<34} n={p['n']:<4} sum {p['sum_ms']:>8.2f} ms  "
