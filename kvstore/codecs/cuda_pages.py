@@ -515,10 +515,11 @@ def gathered(
     Args:
         pages: the pieces' pages, pinned already (:func:`pin`); else they are pinned
             here, and let go after.
-        one_buffer: every array in one kernel, the arrays views into its one output
-            (for arrays a restore decodes and drops: a lossy restore's 192 joined
-            tensors took 40 ms as a kernel each on an H200); else each array a kernel
-            and a buffer of its own, launched as soon as its pages are locked.
+        one_buffer: every array a view into one output (for arrays a restore decodes
+            and drops: a lossy restore's 192 joined tensors took 40 ms as a kernel each
+            on an H200), made by one gather, or, rows in several spans, by a gather per
+            group of spans as they are locked and one assemble of them all; else each
+            array a buffer of its own, launched as soon as its pages are locked.
 
     The pieces' memory must stay mapped until this returns.
     """
@@ -564,10 +565,20 @@ def _gather(
         if one_buffer:
             sizes = [-(-cuda.nbytes_of(spec) // 16) * 16 for spec in specs]  # 16-byte words
             starts = list(itertools.accumulate(sizes, initial=0))
-            device = _DeviceTable(_segment_table(layouts, starts), pages).params()
-            if device is None:
-                return None
-            flat = transport.gather(device, starts[-1])
+            on_device = _DeviceTable(_segment_table(layouts, starts), pages)
+            groups = min(GATHER_GROUPS, len(pages.spans))
+            if groups > 1 and _room_for_twice(starts[-1]):
+                # a group of spans at a time as they are locked, then one join of all
+                grouped = _group_buffers(transport, on_device, groups, launched)
+                if grouped is None:
+                    return None
+                buffers, joins = grouped
+                flat = transport.assemble(_params(joins), buffers, starts[-1])
+            else:
+                device = on_device.params()
+                if device is None:
+                    return None
+                flat = transport.gather(device, starts[-1])
             launched.append(flat)
             for at, (shape, name) in zip(starts, specs, strict=False):
                 cut = flat[at : at + cuda.nbytes_of((shape, name))]

@@ -39,7 +39,7 @@ def staged(monkeypatch):
     monkeypatch.setattr(cuda_pages, "_WORKS_FUTURE", None)
     assert cuda_pages._works()  # the once-per-process try, on pages of its own
     cuda_pages.settle()
-    transport.gathers = transport.assembles = 0
+    transport.gathers = transport.assembles = transport.registrations = 0
     yield transport
     cuda_pages.settle()
     monkeypatch.setattr(cuda, "TRANSPORT", None)
@@ -54,10 +54,10 @@ def pieces_of(rng, blocks, batch=1, heads=3, rows=5, dim=8):
     return out
 
 
-def kernels(columns) -> tuple[int, int]:
+def kernels(columns, one_buffer=False) -> tuple[int, int]:
     """The gathers and assembles that make one array per column of ``columns``: a gather
-    each when their pages are one span; else a gather per group of spans, an assemble
-    per array."""
+    each (``one_buffer``: one in all) when their pages are one span; else a gather per
+    group of spans, an assemble per array (``one_buffer``: one in all)."""
     spans = cuda_pages._spans(
         (int(p.ctypes.data), int(p.ctypes.data) + cuda_pages._extent(p))
         for column in columns
@@ -65,7 +65,8 @@ def kernels(columns) -> tuple[int, int]:
         if p.size
     )
     groups = min(cuda_pages.GATHER_GROUPS, len(spans))
-    return (groups, len(columns)) if groups > 1 else (len(columns), 0)
+    arrays = 1 if one_buffer else len(columns)
+    return (groups, arrays) if groups > 1 else (arrays, 0)
 
 
 @pytest.mark.parametrize("groups", [1, 2, 4])
@@ -86,12 +87,16 @@ def test_a_gather_joins_strided_pieces_and_zeros_to_capacity(staged, monkeypatch
     assert staged.registered == {}  # every page let go once the arrays were made
 
 
-def test_one_buffer_gathers_every_array_in_one_kernel(staged):
+@pytest.mark.parametrize("groups", [1, 2, 4])
+def test_one_buffer_makes_every_array_in_one_kernel_or_one_join(staged, monkeypatch, groups):
+    monkeypatch.setattr(cuda_pages, "GATHER_GROUPS", groups)  # 1: one gather of every span
     rng = np.random.default_rng(5)
     columns = [pieces_of(rng, 3), pieces_of(rng, 2, rows=7, dim=3)]  # 90 bytes a row: unaligned
     specs = [((1, 3, 15, 8), "float16"), ((1, 3, 14, 3), "float16")]
     arrays = cuda_pages.gathered(specs, columns, one_buffer=True)
-    assert arrays is not None and staged.gathers == 1
+    want = (groups, 1) if groups > 1 else (1, 0)
+    assert arrays is not None and (staged.gathers, staged.assembles) == want
+    assert want == kernels(columns, one_buffer=True)  # five pieces, five spans
     for array, pieces in zip(arrays, columns, strict=True):
         joined = np.concatenate(pieces, axis=2)
         assert np.array_equal(np.array(array).view(np.uint16), joined.view(np.uint16))
@@ -118,7 +123,7 @@ def test_arrays_full_short_empty_or_with_empty_pieces_gather_alike(staged, one_b
         ((batch, 3, 9, 3), "float16"),
     ]
     arrays = cuda_pages.gathered(specs, columns, one_buffer=one_buffer)
-    want = (1, 0) if one_buffer else kernels(columns)
+    want = kernels(columns, one_buffer)
     assert arrays is not None and (staged.gathers, staged.assembles) == want
     for array, pieces, (shape, _) in zip(arrays, columns, specs, strict=True):
         want = np.zeros(shape, np.float16)
@@ -337,9 +342,13 @@ def test_a_lossy_restore_gathers_each_tensors_joined_rows_from_the_pinned_pages(
         store.save("ns", tokens, token_by_token(model, tokens))
         match = store.lookup("ns", tokens)
         on_device = store.restore(match, model.make_cache())
-        # One kernel gathers every stored row tensor of every layer (its rows of every
-        # record joined), then each is decoded on the device; nothing staged via slots.
-        assert staged.gathers == 1 and staged.uploads == 0
+        # Every stored row tensor of every layer (its rows of every record joined) is
+        # made in one buffer: a gather per group of the records' spans, as they are
+        # locked, then one assemble; each is decoded on the device; nothing staged.
+        spans = staged.registrations  # one per span (the restore's first)
+        groups = min(cuda_pages.GATHER_GROUPS, spans)
+        assert spans == 4 and (staged.gathers, staged.assembles) == (groups, 1)
+        assert staged.uploads == 0
         # ...read where the headers say they lie, the last block's cut included: no
         # piece was viewed to find its address.
         assert viewed == []

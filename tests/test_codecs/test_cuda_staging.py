@@ -31,6 +31,7 @@ class HostTransport:
         self.downloads = 0
         self.gathers = 0
         self.assembles = 0
+        self.registrations = 0
         self.registered: dict[int, int] = {}
         self.refuse = False
 
@@ -54,6 +55,7 @@ class HostTransport:
         assert base % mmap.PAGESIZE == 0 and nbytes % mmap.PAGESIZE == 0
         assert all(base + nbytes <= b or b + n <= base for b, n in self.registered.items())
         self.registered[base] = nbytes
+        self.registrations += 1
         return base + DEVICE_OFFSET
 
     def unregister(self, base: int) -> None:
