@@ -7,6 +7,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvstore.turboquant.packing import (
+    _unpack_whole_bytes,
     pack_indices,
     packed_words,
     unpack_indices,
@@ -109,3 +110,16 @@ def test_packed_words_is_ceil():
     assert [packed_words(128, b) for b in (2, 3, 4, 5)] == [8, 12, 16, 20]
     assert packed_words(256, 3) == 24  # mlx-lm's D // (32 // bits) would say 25
     assert packed_words(80, 3) == 8 and packed_words(80, 5) == 13
+
+
+@pytest.mark.parametrize("bits", [1, 2, 4, 8])
+@pytest.mark.parametrize("dim", [8, 80, 128])
+def test_whole_byte_unpack_equals_reference(bits, dim):
+    # The path unpack_indices takes for 4 bits, held to the reference at every width
+    # whose values fill whole bytes (a strided slice included).
+    idx = mx.random.randint(0, 1 << bits, (2, 3, 9, dim)).astype(mx.uint8)
+    codes = pack_indices(idx, bits)[:, :, 2:7]
+    got = _unpack_whole_bytes(codes, bits, dim)
+    assert got.dtype == mx.uint32
+    assert mx.array_equal(got, unpack_indices_reference(codes, bits, dim)).item()
+    assert mx.array_equal(got, idx[:, :, 2:7].astype(mx.uint32)).item()
