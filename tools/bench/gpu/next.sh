@@ -9,6 +9,8 @@
 #                directly): ~170 s
 # STEP profiles  the restore phase by phase, lossless and every lossy policy: ~180 s
 # STEP probe     a lossy decode's steps on the device (decode_probe.py): ~60 s, 90 at most
+# STEP graphs    probe, then ab_env of lossless, q8 and TQ 4/4 with MLX's CUDA graphs on and
+#                off (MLX_USE_CUDA_GRAPHS=0), 4 each: ~330 s
 # STEP g1-4k     G1 at 4096 tokens: ~150 s
 # STEP g1-16k    G1 at 16384 tokens: ~230 s
 # STEP g2a       G2 at 4096 tokens, lossless + kv:quant:8:64 and 4:64: ~330 s
@@ -28,6 +30,10 @@ case "$step" in
       2>&1 | tee "$out/restore-profiles.txt" ;;
   probe)
     timeout 90 python3 tools/bench/gpu/decode_probe.py 2>&1 | tee "$out/decode-probe.txt" ;;
+  graphs)
+    timeout 90 python3 tools/bench/gpu/decode_probe.py 2>&1 | tee "$out/decode-probe.txt"
+    timeout 420 python3 -m tools.bench.gpu.ab_env --repeats 4 base: 'nograph:MLX_USE_CUDA_GRAPHS=0' \
+      --policies lossless,kv:quant:8:64,kv:turboquant:4:4 2>&1 | tee "$out/ab-graphs.txt" ;;
   ab)
     timeout 300 python3 -m tools.bench.gpu.ab_env --repeats 5 base: \
       --policies lossless,kv:quant:8:64,kv:turboquant:4:4 2>&1 | tee "$out/ab-env.txt" ;;
@@ -41,5 +47,5 @@ case "$step" in
     [ "$step" = g2a ] && policies=kv:quant:8:64,kv:quant:4:64 || policies=kv:turboquant:4:4,kv:turboquant:3:3
     KVSTORE_BENCH_G2_POLICIES=$policies KVSTORE_BENCH_GPU_TOKENS=4096 KVSTORE_BENCH_GIT=$rev \
       CHECK_TIMEOUT=1 BENCH_TIMEOUT=540 REPEATS=5 bash tools/bench/gpu/run.sh G2 "$out/$step" ;;
-  *) echo "next.sh: unknown step $step (ab, profiles, probe, g1-4k, g1-16k, g2a, g2b)"; exit 2 ;;
+  *) echo "next.sh: unknown step $step (ab, profiles, probe, graphs, g1-4k, g1-16k, g2a, g2b)"; exit 2 ;;
 esac
