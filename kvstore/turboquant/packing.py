@@ -170,10 +170,10 @@ def _unpack_whole_bytes(codes: mx.array, bits: int, dim: int) -> mx.array:
     read them all. On a GPU each element-wise step is a kernel: 4-bit rows unpack in
     3 full-size passes (shift, mask, widen) here against 9 through byte groups (H200:
     64 tensors of [1, 8, 4096, 128] took 9.9 ms that way,
-    ``tools/bench/results/gpu/08c4ce0/decode-probe.txt``). On the 2-core CPU 4-bit
-    rows unpack in the same time either way (32768 rows: 5.8-6.1 against 5.4-6.4 ms),
-    2-bit ones 20% slower (4.5 against 3.8 ms; byte groups take 5 passes there), so
-    :func:`unpack_indices` takes this path for 4 bits."""
+    ``tools/bench/results/gpu/08c4ce0/decode-probe.txt``). On the 2-core CPU it is
+    no faster: a TurboQuant 4/4 decode of 8192 rows took 0.5-3% longer this way (head
+    dims 64-256, alternating runs), 2-bit rows unpacked 20% slower (byte groups take
+    5 passes there). So :func:`unpack_indices` takes it for 4 bits on a GPU only."""
     stream = codes.view(mx.uint8)  # the words' little-endian bytes are the bitstream
     shifts = mx.arange(0, 8, bits, dtype=mx.uint8)
     values = (stream[..., None] >> shifts) & ((1 << bits) - 1)
@@ -198,11 +198,11 @@ def unpack_indices_dequantize(codes: mx.array, bits: int, dim: int) -> mx.array:
 
 def unpack_indices(codes: mx.array, bits: int, dim: int) -> mx.array:
     """The indices (uint32 ``[..., dim]``) of packed rows, by the fastest exact path:
-    whole bytes for 4 bits, byte groups for 2 and 3 (on CPU 2-12x faster than
-    ``mx.dequantize``, which is slowest at 3 bits), otherwise
-    :func:`unpack_indices_reference`. All paths are bit-identical; tests hold them to
-    each other and to ``mx.dequantize``."""
-    if bits == 4:
+    on a GPU whole bytes for 4 bits (fewer kernels), else byte groups for
+    ``bits <= 4`` (on CPU 2-12x faster than ``mx.dequantize``, which is slowest at 3
+    bits), otherwise :func:`unpack_indices_reference`. All paths are bit-identical;
+    tests hold them to each other and to ``mx.dequantize``."""
+    if bits == 4 and mx.default_device() == mx.gpu:
         return _unpack_whole_bytes(codes, bits, dim)
     if bits <= 4:
         return _unpack_byte_groups(codes, bits, dim)
