@@ -27,6 +27,7 @@ import mlx.core as mx
 import numpy as np
 
 from kvstore.errors import EncodingError
+from kvstore.turboquant import cuda_decode
 from kvstore.turboquant.codebook import codebook
 from kvstore.turboquant.packing import pack_indices, packed_words, unpack_indices
 from kvstore.turboquant.rotation import Rotation, rotation_for
@@ -269,8 +270,12 @@ class TurboQuantizer:
         blocks = _row_blocks(rows.shape[0], self.dim)
         parts = []
         for b in blocks:
-            idx = unpack_indices(rows[b], self.bits, self.dim)
-            parts.append(self.rotation.inverse(lookup(self.centroids, idx) * factors[b]))
+            # One kernel on a CUDA GPU where it is switched on and proven (cuda_decode).
+            y = cuda_decode.decoded(rows[b], factors[b], self.centroids, self.bits, self.dim)
+            if y is None:
+                idx = unpack_indices(rows[b], self.bits, self.dim)
+                y = lookup(self.centroids, idx) * factors[b]
+            parts.append(self.rotation.inverse(y))
             if len(blocks) > 1:  # finish each cache-sized block; small decodes stay lazy
                 mx.eval(parts[-1])
         x = _join(parts).reshape(*lead, self.dim)

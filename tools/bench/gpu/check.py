@@ -63,6 +63,10 @@ def main() -> int:
         ok = cuda_pages._works()
         failed += not ok
         print(f"rows gathered from registered host pages bit-exact: {ok}", flush=True)
+        from kvstore.turboquant import cuda_decode
+
+        proofs = {bits: cuda_decode._try(bits, 128, bits * 4) for bits in (2, 3, 4, 5)}
+        print(f"TurboQuant decode kernel == MLX ops (bits: ok): {proofs}", flush=True)
     probe = mx.random.randint(0, 255, (3 * digests.ROW_BYTES + 777,), dtype=mx.uint8)
     mx.eval(probe)
     t = time.perf_counter()

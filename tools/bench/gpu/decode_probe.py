@@ -20,6 +20,7 @@ from collections.abc import Callable
 
 import mlx.core as mx
 
+from kvstore.turboquant import cuda_decode
 from kvstore.turboquant.packing import unpack_indices
 from kvstore.turboquant.quantizer import lookup
 
@@ -105,6 +106,19 @@ def main(argv: list[str] | None = None) -> int:
             lambda: [mx.concatenate([rows, rows[:, :, :0]], axis=2) for _ in q8],
         ),
     ]
+    if mx.cuda.is_available():  # the kernel builds on a CUDA GPU only
+        steps.insert(
+            3,
+            (
+                "  unpack + lookup * scale, one kernel (cuda_decode)",
+                lambda: [
+                    cuda_decode._launch(
+                        c.reshape(-1, q.words), s.reshape(-1, 1), q.centroids, 4, DIM
+                    )
+                    for q, c, s in inputs
+                ],
+            ),
+        )
     print(f"device {mx.default_device()}; {2 * LAYERS} tensors of [1, {HEADS}, {TOKENS}, {DIM}]")
     for name, make in steps:
         print(f"{name:52} {timed(make, args.repeats):8.2f} ms", flush=True)

@@ -8,11 +8,12 @@
 #                when each phase ended (tools/bench/gpu/ab_env.py; more settings: run it
 #                directly): ~170 s
 # STEP profiles  the restore phase by phase, lossless and every lossy policy: ~180 s
-# STEP probe     a lossy decode's steps on the device (decode_probe.py): ~60 s, 90 at most
+# STEP probe     a lossy decode's steps on the device (decode_probe.py): ~60 s, 120 at most
 # STEP graphs    probe, then ab_env of lossless, q8 and TQ 4/4 with MLX's CUDA graphs on and
 #                off (MLX_USE_CUDA_GRAPHS=0), and with 11 checking threads (16 - 4 locking
-#                - the restore's own: q8's restore waits on its own thread's Python), 4
-#                each: ~330 s
+#                - the restore's own: q8's restore waits on its own thread's Python), and
+#                with TurboQuant's decode kernel (kvstore/turboquant/cuda_decode.py), 4
+#                each: ~400 s
 # STEP g1-4k     G1 at 4096 tokens: ~150 s
 # STEP g1-16k    G1 at 16384 tokens: ~230 s
 # STEP g2a       G2 at 4096 tokens, lossless + kv:quant:8:64 and 4:64: ~330 s
@@ -31,11 +32,12 @@ case "$step" in
     timeout 300 $profile --policies lossless,kv:quant:8:64,kv:quant:4:64,kv:turboquant:4:4,kv:turboquant:3:3 \
       2>&1 | tee "$out/restore-profiles.txt" ;;
   probe)
-    timeout 90 python3 tools/bench/gpu/decode_probe.py 2>&1 | tee "$out/decode-probe.txt" ;;
+    timeout 120 python3 tools/bench/gpu/decode_probe.py 2>&1 | tee "$out/decode-probe.txt" ;;
   graphs)
-    timeout 90 python3 tools/bench/gpu/decode_probe.py 2>&1 | tee "$out/decode-probe.txt"
+    timeout 120 python3 tools/bench/gpu/decode_probe.py 2>&1 | tee "$out/decode-probe.txt"
     timeout 420 python3 -m tools.bench.gpu.ab_env --repeats 4 base: 'nograph:MLX_USE_CUDA_GRAPHS=0' \
-      'v11:KVSTORE_VERIFY_THREADS=11' --policies lossless,kv:quant:8:64,kv:turboquant:4:4 2>&1 | tee "$out/ab-graphs.txt" ;;
+      'v11:KVSTORE_VERIFY_THREADS=11' \
+      'tqk:KVSTORE_TQ_DECODE_KERNEL=1' --policies lossless,kv:quant:8:64,kv:turboquant:4:4 2>&1 | tee "$out/ab-graphs.txt" ;;
   ab)
     timeout 300 python3 -m tools.bench.gpu.ab_env --repeats 5 base: \
       --policies lossless,kv:quant:8:64,kv:turboquant:4:4 2>&1 | tee "$out/ab-env.txt" ;;
