@@ -64,7 +64,7 @@ def decoded(
     """``table[index] * factor`` (float32 ``[N, dim]``) of packed ``rows`` (uint32
     ``[N, words]``) and their ``factors`` (float32 ``[N, 1]``), lazily, by the kernel;
     ``None`` where it is not to be used (:func:`enabled`, :func:`_proven`)."""
-    if not enabled() or not _proven(bits, dim, int(rows.shape[-1])):
+    if not rows.shape[0] or not enabled() or not _proven(bits, dim, int(rows.shape[-1])):
         return None
     return _launch(rows, factors, table, bits, dim)
 
@@ -134,6 +134,6 @@ def _try(bits: int, dim: int, words: int) -> bool:
     try:
         got = _launch(codes, factors, table, bits, dim)
         same = np.array_equal(np.array(got).view(np.uint32), np.array(want).view(np.uint32))
-    except (RuntimeError, ValueError):
+    except Exception:  # noqa: BLE001 - a kernel that does not build or run: the ops stay
         return False
     return bool(same)

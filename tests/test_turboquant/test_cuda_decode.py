@@ -73,3 +73,11 @@ def test_a_kernel_that_fails_its_proof_leaves_the_ops_in_place(monkeypatch):
     assert mx.array_equal(got, want).item()
     kq.decode(codes, scales, mx.bfloat16)
     assert len(launches) == 1  # proven (or not) once per process and width
+
+
+def test_no_rows_need_no_kernel(monkeypatch):
+    monkeypatch.setattr(cuda_decode, "enabled", lambda: True)
+    monkeypatch.setattr(cuda_decode, "_PROVEN", {})
+    empty = mx.zeros((0, 16), mx.uint32)
+    assert cuda_decode.decoded(empty, mx.zeros((0, 1)), mx.ones((16,)), 4, 128) is None
+    assert cuda_decode._PROVEN == {}  # not even the proof ran
