@@ -149,21 +149,26 @@ def stored_layout(
             return None
         if piece_shape[3:] != shape[3:]:
             return None
-    if any(not 0 <= rows <= piece[2] for rows, piece in zip(counts, shapes, strict=True)):
-        return None
-    if sum(counts) > shape[2]:
-        return None
     row_bytes = math.prod(shape[3:]) * numpy_dtype(name).itemsize
-    kept = [i for i, rows in enumerate(counts) if rows]
+    # One pass over the pieces: a q8 restore's 192 layouts of 16 pieces took 1.86 ms here
+    # as a comprehension per list, 1.13 ms so (with _StoredRows.layout's one pass).
+    kept: list[int] = []
+    batch_strides: list[int] = []
+    head_strides: list[int] = []
+    kept_counts: list[int] = []
+    for address, piece, rows in zip(addresses, shapes, counts, strict=True):
+        if not 0 <= rows <= piece[2]:
+            return None
+        if rows:
+            head = piece[2] * row_bytes  # C order: batch, heads, rows
+            kept.append(address)
+            batch_strides.append(piece[1] * head)
+            head_strides.append(head)
+            kept_counts.append(rows)
+    if sum(kept_counts) > shape[2]:
+        return None
     return RowsLayout(
-        [addresses[i] for i in kept],
-        [shapes[i][1] * shapes[i][2] * row_bytes for i in kept],  # C order: batch, heads, rows
-        [shapes[i][2] * row_bytes for i in kept],
-        [counts[i] for i in kept],
-        shape[0],
-        shape[1],
-        shape[2],
-        row_bytes,
+        kept, batch_strides, head_strides, kept_counts, shape[0], shape[1], shape[2], row_bytes
     )
 
 

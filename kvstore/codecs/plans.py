@@ -357,14 +357,14 @@ class _StoredRows:
     def layout(self) -> cuda_pages.RowsLayout | None:
         """Where a gather reads the rows (:func:`cuda_pages.stored_layout`)."""
         name = self.name
-        entries = [t.entries[name] for t in self.tensors]
-        return cuda_pages.stored_layout(
-            [t.payload.address + e.offset for t, e in zip(self.tensors, entries, strict=True)],
-            [e.shape for e in entries],
-            [t.shape(name)[2] for t in self.tensors],
-            [e.dtype for e in entries],
-            *self.spec,
-        )
+        addresses, shapes, counts, dtypes = [], [], [], []
+        for t in self.tensors:  # one pass (192 joins of 16 in a lossy restore)
+            e = t.entries[name]
+            addresses.append(t.payload.address + e.offset)
+            shapes.append(e.shape)
+            counts.append(e.shape[2] if t.rows is None else min(t.rows, e.shape[2]))
+            dtypes.append(e.dtype)
+        return cuda_pages.stored_layout(addresses, shapes, counts, dtypes, *self.spec)
 
     def rows_join(self) -> RowsJoin:
         if self._join is None:
