@@ -362,7 +362,7 @@ class _StoredRows:
             e = t.entries[name]
             addresses.append(t.payload.address + e.offset)
             shapes.append(e.shape)
-            counts.append(e.shape[2] if t.rows is None else min(t.rows, e.shape[2]))
+            counts.append(t.shape(name)[2])  # a match's cut, where it ends inside the block
             dtypes.append(e.dtype)
         return cuda_pages.stored_layout(addresses, shapes, counts, dtypes, *self.spec)
 
