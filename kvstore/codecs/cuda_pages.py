@@ -571,8 +571,8 @@ def _gather(
             sizes = [-(-cuda.nbytes_of(spec) // 16) * 16 for spec in specs]  # 16-byte words
             starts = list(itertools.accumulate(sizes, initial=0))
             on_device = _DeviceTable(_segment_table(layouts, starts), pages)
-            groups = min(GATHER_GROUPS, len(pages.spans))
-            if groups > 1 and _room_for_twice(starts[-1]):
+            groups = _groups(pages, starts[-1])
+            if groups > 1:
                 # a group of spans at a time as they are locked, then one join of all
                 grouped = _group_buffers(transport, on_device, groups, launched)
                 if grouped is None:
@@ -593,8 +593,8 @@ def _gather(
             order = np.argsort(owners, kind="stable")  # each array's segments together
             on_device = _DeviceTable(table[order], pages)
             ends = np.cumsum(np.bincount(owners, minlength=len(specs))).tolist()
-            groups = min(GATHER_GROUPS, len(pages.spans))
-            if groups > 1 and _room_for_twice(sum(map(cuda.nbytes_of, specs))):
+            groups = _groups(pages, sum(map(cuda.nbytes_of, specs)))
+            if groups > 1:
                 # rows gathered a group of pages at a time, then joined
                 grouped = _group_buffers(transport, on_device, groups, launched)
                 if grouped is None:
@@ -667,6 +667,15 @@ class _DeviceTable:
         """The kernel's parameters for segments ``[begin, end)`` (:meth:`rows`)."""
         table = self.rows(slice(begin, end))
         return None if table is None else _params(table)
+
+
+def _groups(pages: PinnedPages, nbytes: int) -> int:
+    """The groups of spans a gather of ``nbytes`` from ``pages`` crosses in
+    (:func:`_group_buffers`): up to :data:`GATHER_GROUPS`, one per span at most; 1 (a
+    gather straight into the arrays) for one span, or where the device has no room for
+    the rows twice (:func:`_room_for_twice`)."""
+    groups = min(GATHER_GROUPS, len(pages.spans))
+    return groups if groups > 1 and _room_for_twice(nbytes) else 1
 
 
 def _room_for_twice(nbytes: int) -> bool:
