@@ -11,8 +11,9 @@ as the ops it replaces. Bit-identity is proven once per process and width on row
 its own before the kernel is used (:func:`_proven`); a difference, or a kernel that
 does not build, leaves the MLX ops in place.
 
-Off until measured on a device (``KVSTORE_TQ_DECODE_KERNEL=1`` turns it on;
-``tools/bench/gpu/next.sh graphs`` has the A/B).
+On by default: on the H200 the kernel decodes those 64 tensors in 2.66 ms against
+11.25 ms through the ops, and a TurboQuant 4/4 restore took 40.8 ms against 52.4
+(``tools/bench/results/gpu/7837ba3/``). ``KVSTORE_TQ_DECODE_KERNEL=0`` turns it off.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from kvstore.turboquant.packing import pack_indices, unpack_indices
 
 __all__ = ["ENV", "decoded", "enabled"]
 
-#: The switch (``"1"``: use the kernel where it is proven).
+#: The switch (``"0"``: never use the kernel; anything else: use it where it is proven).
 ENV = "KVSTORE_TQ_DECODE_KERNEL"
 _BLOCK = 256
 
@@ -51,8 +52,8 @@ _SOURCE = """
 
 
 def enabled() -> bool:
-    """Whether decodes may use the kernel: switched on, and the default device a CUDA GPU."""
-    if os.environ.get(ENV, "0") != "1":
+    """Whether decodes may use the kernel: not switched off, and the default device a CUDA GPU."""
+    if os.environ.get(ENV, "1") == "0":
         return False
     try:
         return bool(mx.cuda.is_available()) and mx.default_device() == mx.gpu

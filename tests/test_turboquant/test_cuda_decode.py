@@ -41,11 +41,14 @@ def test_the_kernels_bit_arithmetic_reads_the_packed_stream(bits, dim):
         assert step in source
 
 
-def test_off_unless_switched_on_and_on_a_cuda_gpu(monkeypatch):
-    monkeypatch.delenv(cuda_decode.ENV, raising=False)
+def test_on_by_default_on_a_cuda_gpu_and_off_when_switched_off(monkeypatch):
+    on_a_cuda_gpu = mx.cuda.is_available() and mx.default_device() == mx.gpu
+    monkeypatch.setenv(cuda_decode.ENV, "0")
     assert not cuda_decode.enabled()
+    monkeypatch.delenv(cuda_decode.ENV, raising=False)
+    assert cuda_decode.enabled() == on_a_cuda_gpu
     monkeypatch.setenv(cuda_decode.ENV, "1")
-    assert cuda_decode.enabled() == (mx.cuda.is_available() and mx.default_device() == mx.gpu)
+    assert cuda_decode.enabled() == on_a_cuda_gpu
     rows = mx.zeros((4, 16), mx.uint32)
     if not cuda_decode.enabled():
         assert cuda_decode.decoded(rows, mx.ones((4, 1)), mx.ones((16,)), 4, 128) is None

@@ -37,7 +37,7 @@ case "$step" in
     timeout 120 python3 tools/bench/gpu/decode_probe.py 2>&1 | tee "$out/decode-probe.txt"
     timeout 420 python3 -m tools.bench.gpu.ab_env --repeats 4 base: 'nograph:MLX_USE_CUDA_GRAPHS=0' \
       'v11:KVSTORE_VERIFY_THREADS=11' \
-      'tqk:KVSTORE_TQ_DECODE_KERNEL=1' --policies lossless,kv:quant:8:64,kv:turboquant:4:4 2>&1 | tee "$out/ab-graphs.txt" ;;
+      'notqk:KVSTORE_TQ_DECODE_KERNEL=0' --policies lossless,kv:quant:8:64,kv:turboquant:4:4 2>&1 | tee "$out/ab-graphs.txt" ;;
   ab)
     timeout 300 python3 -m tools.bench.gpu.ab_env --repeats 5 base: \
       --policies lossless,kv:quant:8:64,kv:turboquant:4:4 2>&1 | tee "$out/ab-env.txt" ;;
