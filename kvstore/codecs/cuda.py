@@ -54,6 +54,7 @@ __all__ = [
     "LeafSpec",
     "Fill",
     "PinnedBuffer",
+    "Staging",
     "Transport",
     "TRANSPORT",
     "available",
@@ -74,6 +75,7 @@ Fill = Callable[[int, np.ndarray], None]
 _CU_MEMHOSTREGISTER_PORTABLE = 0x01
 _CU_MEMHOSTREGISTER_DEVICEMAP = 0x02
 _CU_MEMHOSTREGISTER_READ_ONLY = 0x08
+_CU_STREAM_NON_BLOCKING = 0x01
 #: Threads per copy kernel launch (and per block): enough to saturate PCIe.
 _GRID, _BLOCK = 1024 * 256, 256
 
@@ -260,6 +262,105 @@ class Driver:
         self.bind()
         self._cu.cuMemHostUnregister(ctypes.c_void_p(base))
 
+    def stream(self) -> int:
+        """A new stream that does not wait for the legacy default one (MLX's kernels)."""
+        self.bind()
+        stream = ctypes.c_void_p()
+        self._check(
+            self._cu.cuStreamCreate(ctypes.byref(stream), ctypes.c_uint(_CU_STREAM_NON_BLOCKING)),
+            "cuStreamCreate",
+        )
+        return int(stream.value or 0)
+
+    def allocate(self, nbytes: int, stream: int) -> int:
+        """``nbytes`` of device memory, ordered on ``stream`` (the device's memory pool:
+        no device-wide synchronisation, unlike ``cuMemAlloc``): its address."""
+        self.bind()
+        pointer = ctypes.c_uint64()
+        self._check(
+            self._cu.cuMemAllocAsync(
+                ctypes.byref(pointer), ctypes.c_size_t(nbytes), ctypes.c_void_p(stream)
+            ),
+            "cuMemAllocAsync",
+        )
+        return int(pointer.value)
+
+    def copy_to_device(self, device: int, host: int, nbytes: int, stream: int) -> None:
+        """Queue a copy of ``nbytes`` of page-locked host memory to ``device`` on ``stream``
+        (the copy engine: no kernel, no core)."""
+        self.bind()
+        self._check(
+            self._cu.cuMemcpyHtoDAsync_v2(
+                ctypes.c_uint64(device),
+                ctypes.c_void_p(host),
+                ctypes.c_size_t(nbytes),
+                ctypes.c_void_p(stream),
+            ),
+            "cuMemcpyHtoDAsync",
+        )
+
+    def synchronize(self, stream: int) -> None:
+        """Wait until everything queued on ``stream`` is done."""
+        self.bind()
+        self._check(self._cu.cuStreamSynchronize(ctypes.c_void_p(stream)), "cuStreamSynchronize")
+
+    def free(self, device: int, stream: int) -> None:
+        """Give ``device`` (from :meth:`allocate`) back after ``stream``'s work."""
+        self.bind()
+        self._cu.cuMemFreeAsync(ctypes.c_uint64(device), ctypes.c_void_p(stream))
+
+    def drop_stream(self, stream: int) -> None:
+        """Destroy ``stream`` (its queued work still runs)."""
+        self.bind()
+        self._cu.cuStreamDestroy_v2(ctypes.c_void_p(stream))
+
+
+class Staging(Protocol):
+    """Device memory host spans are copied into as they are page-locked
+    (:mod:`kvstore.codecs.cuda_pages`), for kernels to read at the device memory's speed."""
+
+    #: The device address of its first byte.
+    address: int
+
+    def copy(self, offset: int, host: int, nbytes: int) -> None:
+        """Queue ``nbytes`` of page-locked host memory at ``host`` into ``offset``."""
+
+    def wait(self) -> None:
+        """Wait until every queued copy is done."""
+
+    def free(self) -> None:
+        """Give the memory back (once no kernel reads it any more; after queued copies)."""
+
+
+class DeviceStaging:
+    """:class:`Staging` in device memory of the driver's own, copied into on a stream of
+    its own by the copy engine (``cuMemcpyHtoDAsync``)."""
+
+    def __init__(self, driver: Driver, nbytes: int) -> None:
+        self._driver = driver
+        self._stream = driver.stream()
+        try:
+            self.address = driver.allocate(max(16, nbytes), self._stream)
+        except RuntimeError:
+            driver.drop_stream(self._stream)
+            raise
+        self._freed = False
+        self._lock = threading.Lock()
+
+    def copy(self, offset: int, host: int, nbytes: int) -> None:
+        self._driver.copy_to_device(self.address + offset, host, nbytes, self._stream)
+
+    def wait(self) -> None:
+        self._driver.synchronize(self._stream)
+
+    def free(self) -> None:
+        with self._lock:
+            if self._freed:
+                return
+            self._freed = True
+        self._driver.free(self.address, self._stream)
+        self._driver.drop_stream(self._stream)
+
 
 class Transport(Protocol):
     """How bytes cross between a pinned slot and the device (swapped in tests)."""
@@ -280,9 +381,14 @@ class Transport(Protocol):
     def unregister(self, base: int) -> None:
         """Let go of the pages :meth:`register` locked at ``base``."""
 
+    def staging(self, nbytes: int) -> Staging | None:
+        """``nbytes`` of device memory to copy page-locked spans into; ``None`` where it
+        cannot be had (a gather then reads the rows from the host pages)."""
+
     def gather(self, params: np.ndarray, nbytes: int) -> mx.array:
         """A new lazy uint8 device array of ``nbytes`` written by the segments of
-        ``params`` (uint64 words: see :data:`_GATHER_SOURCE`) from registered pages."""
+        ``params`` (uint64 words: see :data:`_GATHER_SOURCE`) from registered pages
+        or a :class:`Staging`'s memory."""
 
     def assemble(self, params: np.ndarray, buffers: Sequence[mx.array], nbytes: int) -> mx.array:
         """A new lazy uint8 device array of ``nbytes`` written by the segments of
@@ -361,6 +467,12 @@ class KernelTransport:
 
     def unregister(self, base: int) -> None:
         self.driver.unregister_pages(base)
+
+    def staging(self, nbytes: int) -> Staging | None:
+        try:
+            return DeviceStaging(self.driver, nbytes)
+        except (OSError, RuntimeError, AttributeError):  # no memory, or an older driver
+            return None
 
     def gather(self, params: np.ndarray, nbytes: int) -> mx.array:
         return self._segments(self._gather, params, [], nbytes)

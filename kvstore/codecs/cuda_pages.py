@@ -74,6 +74,18 @@ GATHER_GROUPS = min(
     cuda.ASSEMBLE_INPUTS, threads_from_env("KVSTORE_CUDA_GATHER_GROUPS", 8, "groups")
 )
 
+#: Whether each span is copied into device memory as soon as it is locked, on the
+#: thread that locked it (``KVSTORE_CUDA_STAGE_SPANS``, default on; ``0``: the gathers
+#: read the rows from the host pages, in groups as they are locked). The copy engine then
+#: moves the bytes while later spans are still being locked and the restore's own thread
+#: still parses and plans, and the gathers read the rows at the device memory's speed
+#: once it is done: no group buffers, no assemble. Before, the rows crossed only once
+#: that thread reached its first gather (H200, 4096 tokens of llama-8B: 19.4 ms in,
+#: with every page locked by 20.8, and the bus needing ~10 ms for the 512 MiB:
+#: ``tools/bench/results/gpu/7837ba3/ab-graphs.txt``). For that moment the rows are on
+#: the device twice, as in groups.
+STAGE_SPANS = os.environ.get("KVSTORE_CUDA_STAGE_SPANS", "1") != "0"
+
 #: Registrations at once (``KVSTORE_CUDA_REGISTER_THREADS``). The driver locks a
 #: restore's pages no faster on more threads, only all of them later: H200, 4096 tokens
 #: of llama-8B (16 records), the last registration ended 20.6 ms into the restore on 12
@@ -319,6 +331,7 @@ class PinnedPages:
         *,
         inline: bool = False,
         after: Sequence[Sequence[Future[None]]] | None = None,
+        stage: bool | None = None,
     ) -> None:
         self._transport = transport
         self.spans = sorted(spans)
@@ -329,10 +342,18 @@ class PinnedPages:
         #: Each span's device address once locked; ``None`` where the driver refused.
         self._futures: list[Future[int | None]] = []
         self._released = False
+        #: Device memory each span is copied into once locked (:data:`STAGE_SPANS`), at
+        #: ``_offsets[span]``; ``None``: the gathers read the host pages.
+        self._staging = _staging(transport, self.spans, stage)
+        sizes = [end - start for start, end in self.spans]
+        self._offsets = list(itertools.accumulate(sizes, initial=0))[:-1]
+        self._copy_failed = False
+        self._copied: bool | None = None  # every span locked and copied (once asked)
+        self._copy_lock = threading.Lock()
         if inline:  # locked here, now (a staging thread's own small gather)
-            for span, wait in zip(self.spans, waits, strict=True):
+            for number, (span, wait) in enumerate(zip(self.spans, waits, strict=True)):
                 self._futures.append(Future())
-                self._futures[-1].set_result(_lock_after(transport, span, wait))
+                self._futures[-1].set_result(self._lock(number, span, wait))
             return
         if not self.spans:
             return
@@ -346,9 +367,26 @@ class PinnedPages:
             if last:
                 _hurry(-1)
 
-        for span, wait in zip(self.spans, waits, strict=True):
-            self._futures.append(_register_pool().submit(_lock_after, transport, span, wait))
+        for number, (span, wait) in enumerate(zip(self.spans, waits, strict=True)):
+            self._futures.append(_register_pool().submit(self._lock, number, span, wait))
             self._futures[-1].add_done_callback(one_done)
+
+    @property
+    def staged(self) -> bool:
+        """Whether the spans are copied to the device as they are locked."""
+        return self._staging is not None
+
+    def _lock(
+        self, number: int, span: tuple[int, int], after: Sequence[Future[None]]
+    ) -> int | None:
+        """Lock span ``number`` (:func:`_lock_after`) and queue its copy to the device."""
+        base = _lock_after(self._transport, span, after)
+        if base is not None and self._staging is not None:
+            try:
+                self._staging.copy(self._offsets[number], span[0], span[1] - span[0])
+            except (OSError, RuntimeError):
+                self._copy_failed = True  # the gathers then stage the plain way
+        return base
 
     def spans_holding(self, addresses: np.ndarray, nbytes: np.ndarray) -> np.ndarray | None:
         """Which span holds each of host ``addresses`` (uint64; ``nbytes`` from each);
@@ -365,7 +403,28 @@ class PinnedPages:
         uint64 sums), once that span is locked (waits for it); ``None`` for a span the
         driver refused."""
         base = self._futures[span].result()
-        return None if base is None else (base - self.spans[span][0]) % (1 << 64)
+        if base is None:
+            return None
+        if self._staging is None:
+            return (base - self.spans[span][0]) % (1 << 64)
+        if not self._all_copied():
+            return None
+        return (self._staging.address + self._offsets[span] - self.spans[span][0]) % (1 << 64)
+
+    def _all_copied(self) -> bool:
+        """Whether every span is locked and its copy on the device done (waits for them,
+        once: one gather reads them all)."""
+        with self._copy_lock:
+            if self._copied is None:
+                copied = all(f.result() is not None for f in self._futures)
+                if copied and not self._copy_failed:
+                    try:
+                        assert self._staging is not None
+                        self._staging.wait()
+                    except (OSError, RuntimeError):
+                        copied = False
+                self._copied = copied and not self._copy_failed
+            return self._copied
 
     def release(self) -> None:
         """Let the pages go, on a staging thread (after their registrations finish),
@@ -374,6 +433,12 @@ class PinnedPages:
         if self._released:
             return
         self._released = True
+        if self._staging is not None:
+            # Once no registration can queue a copy into it any more (all are done by
+            # now, unless the restore stopped early).
+            for future in self._futures:
+                future.exception()
+            self._staging.free()
 
         def let_go() -> None:
             try:
@@ -387,6 +452,18 @@ class PinnedPages:
                             _HELD.remove(span)
 
         _let_go_later(self.spans, let_go, RELEASE_DELAY_SECONDS)
+
+
+def _staging(
+    transport: cuda.Transport, spans: Sequence[tuple[int, int]], stage: bool | None
+) -> cuda.Staging | None:
+    """Device memory for ``spans``' bytes (``stage``, by default :data:`STAGE_SPANS`),
+    where the device has room for them and the arrays gathered from them
+    (:func:`_room_for_twice`)."""
+    nbytes = sum(end - start for start, end in spans)
+    if not (STAGE_SPANS if stage is None else stage) or not nbytes or not _room_for_twice(nbytes):
+        return None
+    return transport.staging(nbytes)
 
 
 def _lock_after(
@@ -446,7 +523,9 @@ def pin(buffers: Sequence[Any]) -> PinnedPages | None:
     return _pinned(_spans(ranges))
 
 
-def _pinned(spans: list[tuple[int, int]], *, inline: bool = False) -> PinnedPages | None:
+def _pinned(
+    spans: list[tuple[int, int]], *, inline: bool = False, stage: bool | None = None
+) -> PinnedPages | None:
     """Pages ``spans`` pinned (or being pinned) for this gather; ``None`` when another
     gather holds some of them. Pages an earlier gather holds only until its delayed
     release are not waited for here: that release starts now, and each span sharing
@@ -468,7 +547,7 @@ def _pinned(spans: list[tuple[int, int]], *, inline: bool = False) -> PinnedPage
         if not blocked:
             started = {number: _start_release(number) for number in set().union(*waits)}
             after = [[f for number in wait if (f := started[number]) is not None] for wait in waits]
-            return PinnedPages(cuda.transport(), ordered, inline=inline, after=after)
+            return PinnedPages(cuda.transport(), ordered, inline=inline, after=after, stage=stage)
         if attempt or inline:
             break
         settle()  # an earlier gather's pages, being let go: wait, and look again
@@ -540,6 +619,7 @@ def _gather(
     *,
     inline: bool = False,
     one_buffer: bool = False,
+    stage: bool | None = None,
 ) -> list[mx.array] | None:
     found = [
         p if isinstance(p, RowsLayout) else _layout(p, shape, name)
@@ -559,7 +639,7 @@ def _gather(
             for piece in column
             if piece.size
         )
-        pages = _pinned(_spans(extents), inline=inline)
+        pages = _pinned(_spans(extents), inline=inline, stage=stage)
         if pages is None:
             return None
     transport = cuda.transport()
@@ -610,7 +690,8 @@ def _gather(
                     if device is None:
                         return None
                     array = transport.gather(device, cuda.nbytes_of(spec))
-                    mx.async_eval(array)  # runs while later arrays' pages are still being locked
+                    if not pages.staged:  # evaluated one by one as their pages are locked
+                        mx.async_eval(array)
                     launched.append(array)
                     arrays.append(array.view(MLX_DTYPES[spec[1]]).reshape(spec[0]))
         mx.eval(arrays)
@@ -674,6 +755,8 @@ def _groups(pages: PinnedPages, nbytes: int) -> int:
     (:func:`_group_buffers`): up to :data:`GATHER_GROUPS`, one per span at most; 1 (a
     gather straight into the arrays) for one span, or where the device has no room for
     the rows twice (:func:`_room_for_twice`)."""
+    if pages.staged:  # the rows are on the device already: one gather reads them there
+        return 1
     groups = min(GATHER_GROUPS, len(pages.spans))
     return groups if groups > 1 and _room_for_twice(nbytes) else 1
 
@@ -791,12 +874,21 @@ def _works() -> bool:
 
 
 def _try_a_gather() -> bool:
-    # Two maps of pages: two spans, so the rows go through group buffers and the
-    # assemble kernel as a big restore's do (both kernels load here, off its path).
+    """Both routes (spans copied to the device, and rows read from the host pages in
+    groups) on two maps of pages: two spans, as a big restore's (the gather and assemble
+    kernels load here, off its path). Each route's maps stay mapped until both have
+    run: a second route on pages of the first (mapped anew at the same addresses)
+    would wait for their release, queued behind this try on the staging threads."""
+    kept: list[mmap.mmap] = []
+    return all(_try_a_gather_by(stage, kept) for stage in dict.fromkeys([STAGE_SPANS, False]))
+
+
+def _try_a_gather_by(stage: bool, kept: list[mmap.mmap]) -> bool:
     rng = np.random.default_rng(0)
     shape = (1, 2, 3 * _PAGE // 64, 40)
     nbytes = math.prod(shape) * 2
     maps = [mmap.mmap(-1, -(-nbytes // _PAGE) * _PAGE) for _ in range(2)]
+    kept.extend(maps)
     hosts = [np.frombuffer(m, np.uint16, math.prod(shape)).reshape(shape) for m in maps]
     for host in hosts:
         host[...] = rng.integers(0, 1 << 16, shape, dtype=np.uint16)
@@ -804,7 +896,7 @@ def _try_a_gather() -> bool:
     want = np.zeros((1, 2, 24, 40), np.uint16)
     want[:, :, :22] = np.concatenate(pieces, axis=2)
     try:
-        got = _gather([((1, 2, 24, 40), "uint16")], [pieces], None, inline=True)
+        got = _gather([((1, 2, 24, 40), "uint16")], [pieces], None, inline=True, stage=stage)
         return got is not None and bool(np.array_equal(np.array(got[0]), want))
     except (OSError, RuntimeError, ValueError):
         return False

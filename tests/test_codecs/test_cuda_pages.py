@@ -30,9 +30,12 @@ from tests.test_store.kv_helpers import (
 )
 
 
-@pytest.fixture
-def staged(monkeypatch):
+@pytest.fixture(params=[True, False], ids=["spans-copied", "host-pages"])
+def staged(monkeypatch, request):
+    """Each test on both routes: every span copied to the device as it is locked
+    (cuda_pages.STAGE_SPANS, the default), and the gathers reading the host pages."""
     transport = HostTransport()
+    monkeypatch.setattr(cuda_pages, "STAGE_SPANS", request.param)
     monkeypatch.setattr(cuda, "TRANSPORT", transport)
     monkeypatch.setattr(cuda_pages, "GATHER_MIN_BYTES", 0)
     monkeypatch.setattr(cuda_pages, "_WORKS", None)
@@ -40,6 +43,8 @@ def staged(monkeypatch):
     assert cuda_pages._works()  # the once-per-process try, on pages of its own
     cuda_pages.settle()
     transport.gathers = transport.assembles = transport.registrations = 0
+    assert all(staging.freed for staging in transport.stagings)
+    transport.stagings.clear()
     yield transport
     cuda_pages.settle()
     monkeypatch.setattr(cuda, "TRANSPORT", None)
@@ -56,15 +61,16 @@ def pieces_of(rng, blocks, batch=1, heads=3, rows=5, dim=8):
 
 def kernels(columns, one_buffer=False) -> tuple[int, int]:
     """The gathers and assembles that make one array per column of ``columns``: a gather
-    each (``one_buffer``: one in all) when their pages are one span; else a gather per
-    group of spans, an assemble per array (``one_buffer``: one in all)."""
+    each (``one_buffer``: one in all) when the spans are copied to the device or their
+    pages are one span; else a gather per group of spans, an assemble per array
+    (``one_buffer``: one in all)."""
     spans = cuda_pages._spans(
         (int(p.ctypes.data), int(p.ctypes.data) + cuda_pages._extent(p))
         for column in columns
         for p in column
         if p.size
     )
-    groups = min(cuda_pages.GATHER_GROUPS, len(spans))
+    groups = 1 if cuda_pages.STAGE_SPANS else min(cuda_pages.GATHER_GROUPS, len(spans))
     arrays = 1 if one_buffer else len(columns)
     return (groups, arrays) if groups > 1 else (arrays, 0)
 
@@ -102,7 +108,8 @@ def test_one_buffer_makes_every_array_in_one_kernel_or_one_join(staged, monkeypa
             columns[-1].append(view[:, :, 1:].view(np.float16))  # strided, as a record's
     specs = [((1, 3, 12, 8), "float16"), ((1, 3, 12, 3), "float16")]
     arrays = cuda_pages.gathered(specs, columns, one_buffer=True)
-    want = (groups, 1) if groups > 1 else (1, 0)  # five spans: a group each, up to groups
+    # Five spans: a group each, up to groups; copied to the device, one gather there.
+    want = (groups, 1) if groups > 1 and not cuda_pages.STAGE_SPANS else (1, 0)
     assert arrays is not None and (staged.gathers, staged.assembles) == want
     assert want == kernels(columns, one_buffer=True)
     for array, pieces in zip(arrays, columns, strict=True):
@@ -187,10 +194,11 @@ def test_a_gather_that_returns_wrong_bytes_turns_the_route_off(staged, monkeypat
     assert cuda_pages.gathered([spec], [pieces]) is None
     assert cuda_pages._WORKS_FUTURE.result() is False
     assert cuda_pages.gathered([spec], [pieces]) is None
-    # The try's two groups of pages, then no more.
-    assert cuda_pages._WORKS is False and staged.gathers == 2
+    # The try's one gather from the copied spans (its first route: it stops there), or
+    # its two groups of pages; then no more.
+    assert cuda_pages._WORKS is False and staged.gathers == (1 if cuda_pages.STAGE_SPANS else 2)
     cuda_pages.settle()
-    assert staged.registered == {}
+    assert staged.registered == {} and staged.device_memory == {}
 
 
 def test_an_assemble_that_returns_wrong_bytes_turns_the_route_off(staged, monkeypatch):
@@ -211,7 +219,9 @@ def test_rows_in_many_spans_cross_a_group_at_a_time_before_the_last_pages_are_lo
     """Every array has rows in every record (a block each), so a gather per array would
     wait for the last record's pages. The rows go instead a group of spans at a time
     into buffers of their own, the first launched while the last span is still being
-    locked, and one kernel per array joins them, zeros past the rows: bit-exact."""
+    locked, and one kernel per array joins them, zeros past the rows: bit-exact. Or,
+    the spans copied to the device, each span is copied as soon as it is locked, the
+    last one's pages still waiting, and a gather per array reads them there after."""
     page = cuda_pages._PAGE
     rng = np.random.default_rng(11)
     maps = [mmap.mmap(-1, 2 * page) for _ in range(10)]  # ten records, ten spans
@@ -238,14 +248,23 @@ def test_rows_in_many_spans_cross_a_group_at_a_time_before_the_last_pages_are_lo
     deadline = time.monotonic() + 10
     groups = cuda_pages.GATHER_GROUPS
     assert 1 < groups < len(records)  # some groups of two spans
-    while staged.gathers < groups - 1 and time.monotonic() < deadline:
+    copied = cuda_pages.STAGE_SPANS
+
+    def early() -> int:  # what has crossed while the last pages wait
+        return staged.stagings[0].copies if copied and staged.stagings else staged.gathers
+
+    while early() < (len(records) if copied else groups) - 1 and time.monotonic() < deadline:
         worker.join(0.01)
-    launched_early = staged.gathers
+    crossed_early, launched_early = early(), staged.gathers
     gate.set()
     worker.join(10)
     assert not worker.is_alive()
-    assert launched_early == groups - 1  # every group but the last one's
-    assert (staged.gathers, staged.assembles) == (groups, 2) == kernels(columns)
+    if copied:  # every span but the last one's copied; no gather before they all are
+        assert (crossed_early, launched_early) == (len(records) - 1, 0)
+        assert (staged.gathers, staged.assembles) == (2, 0) == kernels(columns)
+    else:
+        assert launched_early == groups - 1  # every group but the last one's
+        assert (staged.gathers, staged.assembles) == (groups, 2) == kernels(columns)
     (arrays,) = result
     for array, pieces, (shape, _) in zip(arrays, columns, specs, strict=True):
         want = np.zeros(shape, np.float16)
@@ -285,16 +304,22 @@ def test_a_lossless_restore_gathers_from_the_store_pages_and_equals_the_cpu_rest
         match = store.lookup("ns", tokens)
         restored = store.restore(match, model.make_cache(policy))
         # Every array read by the GPU from the store's pages, still locked while the
-        # gathers ran: no slot staged. (A kernel per array; or, the records' pages in
-        # several spans, a gather per group of them and an assemble per array.)
+        # gathers ran: no slot staged. (A kernel per array, from the spans copied to the
+        # device or from the pages; or, the records' pages in several spans, a gather
+        # per group of them and an assemble per array.)
         arrays = 2 * len(restored)
         assert staged.uploads == 0
         assert (staged.gathers, staged.assembles) == (arrays, 0) or (
-            1 < staged.gathers <= cuda.ASSEMBLE_INPUTS and staged.assembles == arrays
+            not cuda_pages.STAGE_SPANS
+            and 1 < staged.gathers <= cuda.ASSEMBLE_INPUTS
+            and staged.assembles == arrays
         )
         assert min(locked_at_gathers) > 0
+        if cuda_pages.STAGE_SPANS:  # each record's span copied once, the memory given back
+            (copied,) = staged.stagings
+            assert copied.copies == staged.registrations and copied.freed
         cuda_pages.settle()
-        assert staged.registered == {}
+        assert staged.registered == {} and staged.device_memory == {}
         monkeypatch.setattr(cuda, "TRANSPORT", False)
         plain = store.restore(match, model.make_cache(policy))
     assert int(restored[0].offset) == int(plain[0].offset) > 4 * BLOCK
@@ -352,10 +377,12 @@ def test_a_lossy_restore_gathers_each_tensors_joined_rows_from_the_pinned_pages(
         on_device = store.restore(match, model.make_cache())
         # Every stored row tensor of every layer (its rows of every record joined) is
         # made in one buffer: a gather per group of the records' spans, as they are
-        # locked, then one assemble; each is decoded on the device; nothing staged.
+        # locked, then one assemble (or, the spans copied to the device as they are
+        # locked, one gather there); each is decoded on the device; nothing staged.
         spans = staged.registrations  # one per span (the restore's first)
-        groups = min(cuda_pages.GATHER_GROUPS, spans)
-        assert spans == 4 and (staged.gathers, staged.assembles) == (groups, 1)
+        groups = 1 if cuda_pages.STAGE_SPANS else min(cuda_pages.GATHER_GROUPS, spans)
+        assert spans == 4 and (staged.gathers, staged.assembles) == (groups, int(groups > 1))
+        assert [s.copies for s in staged.stagings] == ([4] if cuda_pages.STAGE_SPANS else [])
         assert staged.uploads == 0
         # ...read where the headers say they lie, the last block's cut included: no
         # piece was viewed to find its address.
@@ -408,8 +435,9 @@ def test_a_gather_starts_before_later_records_are_locked_and_the_gil_is_handed_o
     staged, monkeypatch
 ):
     """Array i's kernel is launched once the pages holding its rows are locked (a lossy
-    restore gathers each record's payload as soon as that record is locked), and while
-    registrations run the GIL switch interval is short, then back as it was."""
+    restore gathers each record's payload as soon as that record is locked), or, the
+    spans copied to the device, the first record is copied while the second waits; and
+    while registrations run the GIL switch interval is short, then back as it was."""
     page = cuda_pages._PAGE
     rng = np.random.default_rng(9)
     maps = [mmap.mmap(-1, 4 * page) for _ in range(2)]  # records on pages of their own
@@ -436,13 +464,19 @@ def test_a_gather_starts_before_later_records_are_locked_and_the_gil_is_handed_o
         target=lambda: result.append(cuda_pages.gathered(specs, [[r] for r in records]))
     )
     worker.start()
+    copied = cuda_pages.STAGE_SPANS
+
+    def early() -> int:  # what has crossed while the second record's pages wait
+        return staged.stagings[0].copies if copied and staged.stagings else staged.gathers
+
     deadline = time.monotonic() + 10
-    while staged.gathers < 1 and time.monotonic() < deadline:
+    while early() < 1 and time.monotonic() < deadline:
         worker.join(0.01)
-    launched_early = staged.gathers
+    crossed_early, launched_early = early(), staged.gathers
     gate.set()
     worker.join(10)
-    assert launched_early == 1 and not worker.is_alive()
+    assert crossed_early == 1 and not worker.is_alive()
+    assert launched_early == (0 if copied else 1)
     (arrays,) = result
     assert arrays is not None
     for array, record in zip(arrays, records, strict=True):
@@ -605,19 +639,67 @@ def test_a_group_count_that_is_not_positive_is_refused_by_name():
 
 
 def test_without_room_for_the_rows_twice_each_array_is_gathered_alone(staged, monkeypatch):
-    # The group buffers and the arrays joined from them are on the device at once; near
-    # MLX's memory limit each array is gathered from the pages instead, bit-exact.
+    # The group buffers (or the spans' copies) and the arrays made from them are on the
+    # device at once; near MLX's memory limit each array is gathered from the pages
+    # instead, bit-exact, and no device memory is taken for copies.
     rng = np.random.default_rng(12)
     columns = [pieces_of(rng, 3), pieces_of(rng, 2, rows=7)]
     specs = [((1, 3, 20, 8), "float16"), ((1, 3, 14, 8), "float16")]
-    assert kernels(columns)[1] == 2  # in several spans: groups, were there room
+    assert cuda_pages.STAGE_SPANS or kernels(columns)[1] == 2  # groups, were there room
     need = 2 * sum(cuda.nbytes_of(spec) for spec in specs)
     monkeypatch.setattr(cuda_pages.mx, "get_active_memory", lambda: 1000)
     monkeypatch.setattr(cuda_pages.mx, "get_memory_limit", lambda: 1000 + need - 1)
     arrays = cuda_pages.gathered(specs, columns)
     assert arrays is not None and (staged.gathers, staged.assembles) == (2, 0)
+    assert staged.stagings == []
     for array, pieces, (shape, _) in zip(arrays, columns, specs, strict=True):
         want = np.zeros(shape, np.float16)
         joined = np.concatenate(pieces, axis=2)
         want[:, :, : joined.shape[2]] = joined
         assert np.array_equal(np.array(array).view(np.uint16), want.view(np.uint16))
+
+
+def test_spans_copied_only_where_the_device_gives_memory_for_them(staged, monkeypatch):
+    # A device that refuses the memory for the copies: the rows cross from the pages as
+    # before (in groups), bit-exact.
+    monkeypatch.setattr(cuda_pages, "STAGE_SPANS", True)
+    staged.no_staging = True
+    rng = np.random.default_rng(13)
+    columns = [pieces_of(rng, 3), pieces_of(rng, 2, rows=7)]
+    specs = [((1, 3, 20, 8), "float16"), ((1, 3, 14, 8), "float16")]
+    arrays = cuda_pages.gathered(specs, columns)
+    assert arrays is not None and staged.stagings == []
+    groups = min(cuda_pages.GATHER_GROUPS, staged.registrations)
+    assert groups > 1 and (staged.gathers, staged.assembles) == (groups, 2)
+    for array, pieces, (shape, _) in zip(arrays, columns, specs, strict=True):
+        want = np.zeros(shape, np.float16)
+        joined = np.concatenate(pieces, axis=2)
+        want[:, :, : joined.shape[2]] = joined
+        assert np.array_equal(np.array(array).view(np.uint16), want.view(np.uint16))
+
+
+def test_a_copy_the_driver_refuses_leaves_the_rows_to_staging_and_nothing_held(staged, monkeypatch):
+    # No gather reads memory a copy did not fill: the gather is not made (the caller
+    # stages the plain way), the pages are let go and the device memory given back.
+    monkeypatch.setattr(cuda_pages, "STAGE_SPANS", True)
+    real = staged.staging
+
+    def staging(nbytes):
+        made = real(nbytes)
+
+        def refused(offset, host, nbytes):
+            raise RuntimeError("[cuda] cuMemcpyHtoDAsync failed with CUresult 1.")
+
+        made.copy = refused
+        return made
+
+    monkeypatch.setattr(staged, "staging", staging)
+    rng = np.random.default_rng(14)
+    columns = [pieces_of(rng, 3), pieces_of(rng, 2, rows=7)]
+    specs = [((1, 3, 20, 8), "float16"), ((1, 3, 14, 8), "float16")]
+    assert cuda_pages.gathered(specs, columns) is None
+    assert staged.gathers == 0
+    (refused_copies,) = staged.stagings
+    assert refused_copies.freed
+    cuda_pages.settle()
+    assert staged.registered == {} and staged.device_memory == {}

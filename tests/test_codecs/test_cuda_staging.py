@@ -34,6 +34,13 @@ class HostTransport:
         self.registrations = 0
         self.registered: dict[int, int] = {}
         self.refuse = False
+        #: Device memory handed out (:meth:`staging`) and its copies; ``no_staging``
+        #: refuses it, as a device without room does.
+        self.stagings: list[HostStaging] = []
+        self.no_staging = False
+        #: The stagings' memory not freed yet, by address (a gather reads it as it
+        #: reads registered pages).
+        self.device_memory: dict[int, int] = {}
 
     def slot(self, nbytes: int) -> cuda.PinnedBuffer:
         return cuda.PinnedBuffer(nbytes, None)
@@ -61,10 +68,17 @@ class HostTransport:
     def unregister(self, base: int) -> None:
         del self.registered[base]
 
+    def staging(self, nbytes: int) -> HostStaging | None:
+        if self.no_staging:
+            return None
+        self.stagings.append(HostStaging(self, nbytes))
+        return self.stagings[-1]
+
     def covered(self, start: int, end: int) -> bool:
         """Whether one registered region holds every byte of [start, end)."""
         # dict() copies in one step: other threads register meanwhile.
-        return any(b <= start and end <= b + n for b, n in dict(self.registered).items())
+        held = {**dict(self.registered), **dict(self.device_memory)}
+        return any(b <= start and end <= b + n for b, n in held.items())
 
     def gather(self, params: np.ndarray, nbytes: int) -> mx.array:
         self.gathers += 1
@@ -103,6 +117,36 @@ class HostTransport:
                 assert first + width <= source.size
                 out[at : at + width] = source[first : first + width]
         return mx.array(out)
+
+
+class HostStaging:
+    """ "Device" memory spans are copied into: a host buffer the stand-in's gather reads
+    through its "device" address, as it reads registered pages. A copy may only read
+    pages that are registered (the copy engine reads page-locked memory)."""
+
+    def __init__(self, transport: HostTransport, nbytes: int) -> None:
+        self.transport = transport
+        self.buffer = np.full(max(16, nbytes), 0xCD, np.uint8)  # bytes no copy wrote show up
+        self.host = int(self.buffer.ctypes.data)
+        self.address = self.host + DEVICE_OFFSET
+        self.copies = 0
+        self.freed = False
+        transport.device_memory[self.host] = self.buffer.size
+
+    def copy(self, offset: int, host: int, nbytes: int) -> None:
+        assert not self.freed and offset + nbytes <= self.buffer.size
+        registered = dict(self.transport.registered)
+        assert any(b <= host and host + nbytes <= b + n for b, n in registered.items())
+        ctypes.memmove(self.host + offset, host, nbytes)
+        self.copies += 1
+
+    def wait(self) -> None:
+        assert not self.freed
+
+    def free(self) -> None:
+        assert not self.freed, "freed twice"
+        self.freed = True
+        del self.transport.device_memory[self.host]
 
 
 @pytest.fixture

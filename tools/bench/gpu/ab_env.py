@@ -28,6 +28,8 @@ PHASES = (
     "cuda register (page-lock)",
     "cuda gather (launch)",
     "cuda assemble (launch)",
+    "cuda staging (allocate)",
+    "cuda copies (wait)",
 )
 
 

@@ -14,6 +14,8 @@
 #                - the restore's own: q8's restore waits on its own thread's Python), and
 #                with TurboQuant's decode kernel (kvstore/turboquant/cuda_decode.py), 4
 #                each: ~400 s
+# STEP stage     ab_env of lossless, q8 and TQ 4/4 with the spans copied to the device as they
+#                are locked (the default) and without (KVSTORE_CUDA_STAGE_SPANS=0), 4 each: ~130 s
 # STEP g1-4k     G1 at 4096 tokens: ~150 s
 # STEP g1-16k    G1 at 16384 tokens: ~230 s
 # STEP g2a       G2 at 4096 tokens, lossless + kv:quant:8:64 and 4:64: ~330 s
@@ -38,6 +40,9 @@ case "$step" in
     timeout 420 python3 -m tools.bench.gpu.ab_env --repeats 4 base: 'nograph:MLX_USE_CUDA_GRAPHS=0' \
       'v11:KVSTORE_VERIFY_THREADS=11' \
       'notqk:KVSTORE_TQ_DECODE_KERNEL=0' --policies lossless,kv:quant:8:64,kv:turboquant:4:4 2>&1 | tee "$out/ab-graphs.txt" ;;
+  stage)
+    timeout 300 python3 -m tools.bench.gpu.ab_env --repeats 4 base: 'nostage:KVSTORE_CUDA_STAGE_SPANS=0' \
+      --policies lossless,kv:quant:8:64,kv:turboquant:4:4 2>&1 | tee "$out/ab-stage.txt" ;;
   ab)
     timeout 300 python3 -m tools.bench.gpu.ab_env --repeats 5 base: \
       --policies lossless,kv:quant:8:64,kv:turboquant:4:4 2>&1 | tee "$out/ab-env.txt" ;;
@@ -51,5 +56,5 @@ case "$step" in
     [ "$step" = g2a ] && policies=kv:quant:8:64,kv:quant:4:64 || policies=kv:turboquant:4:4,kv:turboquant:3:3
     KVSTORE_BENCH_G2_POLICIES=$policies KVSTORE_BENCH_GPU_TOKENS=4096 KVSTORE_BENCH_GIT=$rev \
       CHECK_TIMEOUT=1 BENCH_TIMEOUT=540 REPEATS=5 bash tools/bench/gpu/run.sh G2 "$out/$step" ;;
-  *) echo "next.sh: unknown step $step (ab, profiles, probe, graphs, g1-4k, g1-16k, g2a, g2b)"; exit 2 ;;
+  *) echo "next.sh: unknown step $step (ab, profiles, probe, graphs, stage, g1-4k, g1-16k, g2a, g2b)"; exit 2 ;;
 esac

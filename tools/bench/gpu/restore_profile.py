@@ -144,6 +144,8 @@ def child_restore(url: str, tokens: int, layers: int, switch_ms: float) -> dict[
         line.wrap(transport, "register", "cuda register (page-lock)")
         line.wrap(transport, "gather", "cuda gather (launch)")
         line.wrap(transport, "assemble", "cuda assemble (launch)")
+        line.wrap(transport, "staging", "cuda staging (allocate)")
+        line.wrap(cuda_pages.PinnedPages, "_all_copied", "cuda copies (wait)")
     if switch_ms:
         sys.setswitchinterval(switch_ms / 1e3)
     line.t0 = time.perf_counter()
