@@ -343,19 +343,26 @@ class PinnedPages:
         self._futures: list[Future[int | None]] = []
         self._released = False
         #: Device memory each span is copied into once locked (:data:`STAGE_SPANS`), at
-        #: ``_offsets[span]``; ``None``: the gathers read the host pages.
-        self._staging = _staging(transport, self.spans, stage)
+        #: ``_offsets[span]``; ``None``: the gathers read the host pages. Taken after
+        #: the registrations are started: on the H200 the first allocation of a
+        #: process took 1.3 ms, which held back the first registration as long
+        #: (``tools/bench/results/gpu/4637b44/ab-stage.txt``). Each registration
+        #: waits for it (:attr:`_staging_made`) before queuing its copy.
+        self._staging: cuda.Staging | None = None
+        self._staging_made = threading.Event()
         sizes = [end - start for start, end in self.spans]
         self._offsets = list(itertools.accumulate(sizes, initial=0))[:-1]
         self._copy_failed = False
         self._copied: bool | None = None  # every span locked and copied (once asked)
         self._copy_lock = threading.Lock()
         if inline:  # locked here, now (a staging thread's own small gather)
+            self._make_staging(stage)
             for number, (span, wait) in enumerate(zip(self.spans, waits, strict=True)):
                 self._futures.append(Future())
                 self._futures[-1].set_result(self._lock(number, span, wait))
             return
         if not self.spans:
+            self._staging_made.set()
             return
         _hurry(+1)
         left = [len(self.spans)]
@@ -370,6 +377,13 @@ class PinnedPages:
         for number, (span, wait) in enumerate(zip(self.spans, waits, strict=True)):
             self._futures.append(_register_pool().submit(self._lock, number, span, wait))
             self._futures[-1].add_done_callback(one_done)
+        self._make_staging(stage)
+
+    def _make_staging(self, stage: bool | None) -> None:
+        try:
+            self._staging = _staging(self._transport, self.spans, stage)
+        finally:  # the registrations must not wait forever, whatever happened
+            self._staging_made.set()
 
     @property
     def staged(self) -> bool:
@@ -381,6 +395,7 @@ class PinnedPages:
     ) -> int | None:
         """Lock span ``number`` (:func:`_lock_after`) and queue its copy to the device."""
         base = _lock_after(self._transport, span, after)
+        self._staging_made.wait()
         if base is not None and self._staging is not None:
             try:
                 self._staging.copy(self._offsets[number], span[0], span[1] - span[0])
