@@ -341,7 +341,7 @@ class DeviceStaging:
         self._stream = driver.stream()
         try:
             self.address = driver.allocate(max(16, nbytes), self._stream)
-        except RuntimeError:
+        except (RuntimeError, AttributeError):  # no memory, or a driver without the call
             driver.drop_stream(self._stream)
             raise
         self._freed = False
