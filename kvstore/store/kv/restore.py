@@ -236,10 +236,13 @@ def _restorable(match: Match, needs: Sequence[LayerNeed], headers: Sequence[Reco
     for ref, header in zip(_union(match, needs), headers):
         by_key[ref.key] = header
     candidates = [match.tokens, *(b.start for b in reversed(match.blocks) if b.start)]
+    # Whether each (stored, wanted) pair of signatures converts, asked once: a lossy
+    # restore of 32 layers from 16 records asks 512 times about one pair.
+    convertible: dict[tuple[str, str], bool] = {}
     for tokens in dict.fromkeys(c for c in candidates if c <= match.tokens):
         cut = match.truncated(tokens)
         if all(
-            _usable(by_key.get(ref.key), ref, i, need, len(needs))
+            _usable(by_key.get(ref.key), ref, i, need, len(needs), convertible)
             for i, need in enumerate(needs)
             for ref in blocks_needed(cut, need)
         ) and all(blocks_needed(cut, need) for need in needs if need.checkpoint):
@@ -248,7 +251,12 @@ def _restorable(match: Match, needs: Sequence[LayerNeed], headers: Sequence[Reco
 
 
 def _usable(
-    header: RecordHeader | None, ref: BlockRef, layer: int, need: LayerNeed, layers: int
+    header: RecordHeader | None,
+    ref: BlockRef,
+    layer: int,
+    need: LayerNeed,
+    layers: int,
+    convertible: dict[tuple[str, str], bool],
 ) -> bool:
     if header is None:
         return True  # not read yet
@@ -263,7 +271,11 @@ def _usable(
         meta = entry.meta
         if (meta.get("max_size"), meta.get("keep")) != need.window:
             return False
-    return _convertible(entry.signature, need.signature)
+    pair = (entry.signature, need.signature)
+    known = convertible.get(pair)
+    if known is None:
+        known = convertible[pair] = _convertible(*pair)
+    return known
 
 
 def _convertible(stored: str, wanted: str) -> bool:
