@@ -211,6 +211,15 @@ class Driver:
 
     def __init__(self) -> None:
         self._cu = ctypes.CDLL("libcuda.so.1")
+        # The same library, its calls made holding the GIL: for those that return at
+        # once (binding a context, reading an address, queuing a copy). A ctypes call
+        # through ``CDLL`` lets the GIL go and must take it back on return, and while
+        # the restore's own thread parses and plans that wait is up to a switch
+        # interval: a page-locking thread made five such calls per span.
+        # (``KVSTORE_CUDA_QUICK_CALLS=0``: every call lets the GIL go, as before.)
+        quick = os.environ.get("KVSTORE_CUDA_QUICK_CALLS", "1") != "0"
+        self._quick = ctypes.PyDLL("libcuda.so.1") if quick else self._cu
+        self._bound = threading.local()
         self._check(self._cu.cuInit(0), "cuInit")
         device = ctypes.c_int()
         self._check(self._cu.cuDeviceGet(ctypes.byref(device), 0), "cuDeviceGet")
@@ -228,8 +237,12 @@ class Driver:
             raise RuntimeError(f"[cuda] {call} failed with CUresult {code}.")
 
     def bind(self) -> None:
-        """Make the context current on the calling thread (driver calls need one)."""
-        self._check(self._cu.cuCtxSetCurrent(self._ctx), "cuCtxSetCurrent")
+        """Make the context current on the calling thread (driver calls need one), once
+        per thread (MLX's runtime API uses the same primary context)."""
+        if getattr(self._bound, "context", None) == self._ctx.value:
+            return
+        self._check(self._quick.cuCtxSetCurrent(self._ctx), "cuCtxSetCurrent")
+        self._bound.context = self._ctx.value
 
     def register(self, array: np.ndarray) -> int:
         """Page-lock ``array``'s memory (a staging slot the GPU reads and writes)."""
@@ -252,7 +265,7 @@ class Driver:
             "cuMemHostRegister",
         )
         pointer = ctypes.c_uint64()
-        code = self._cu.cuMemHostGetDevicePointer_v2(ctypes.byref(pointer), address, 0)
+        code = self._quick.cuMemHostGetDevicePointer_v2(ctypes.byref(pointer), address, 0)
         if code != 0:
             self._cu.cuMemHostUnregister(address)
             self._check(code, "cuMemHostGetDevicePointer")
@@ -267,7 +280,9 @@ class Driver:
         self.bind()
         stream = ctypes.c_void_p()
         self._check(
-            self._cu.cuStreamCreate(ctypes.byref(stream), ctypes.c_uint(_CU_STREAM_NON_BLOCKING)),
+            self._quick.cuStreamCreate(
+                ctypes.byref(stream), ctypes.c_uint(_CU_STREAM_NON_BLOCKING)
+            ),
             "cuStreamCreate",
         )
         return int(stream.value or 0)
@@ -290,7 +305,7 @@ class Driver:
         (the copy engine: no kernel, no core)."""
         self.bind()
         self._check(
-            self._cu.cuMemcpyHtoDAsync_v2(
+            self._quick.cuMemcpyHtoDAsync_v2(
                 ctypes.c_uint64(device),
                 ctypes.c_void_p(host),
                 ctypes.c_size_t(nbytes),
@@ -307,12 +322,12 @@ class Driver:
     def free(self, device: int, stream: int) -> None:
         """Give ``device`` (from :meth:`allocate`) back after ``stream``'s work."""
         self.bind()
-        self._cu.cuMemFreeAsync(ctypes.c_uint64(device), ctypes.c_void_p(stream))
+        self._quick.cuMemFreeAsync(ctypes.c_uint64(device), ctypes.c_void_p(stream))
 
     def drop_stream(self, stream: int) -> None:
         """Destroy ``stream`` (its queued work still runs)."""
         self.bind()
-        self._cu.cuStreamDestroy_v2(ctypes.c_void_p(stream))
+        self._quick.cuStreamDestroy_v2(ctypes.c_void_p(stream))
 
 
 class Staging(Protocol):

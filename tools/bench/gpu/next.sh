@@ -18,7 +18,8 @@
 #                are locked (the default) and without (KVSTORE_CUDA_STAGE_SPANS=0); and, as the
 #                copies slowed the page-locking (21.7 -> 29.1 ms at 4637b44), with the GIL switch
 #                interval at 0.1 ms (each span's thread now takes the GIL twice more: is that
-#                what waits?) and with 8 locking threads; 4 each: ~260 s
+#                what waits?), with 8 locking threads, and with every driver call letting the
+#                GIL go (KVSTORE_CUDA_QUICK_CALLS=0, as before the quick calls); 4 each: ~330 s
 # STEP g1-4k     G1 at 4096 tokens: ~150 s
 # STEP g1-16k    G1 at 16384 tokens: ~230 s
 # STEP g2a       G2 at 4096 tokens, lossless + kv:quant:8:64 and 4:64: ~330 s
@@ -46,6 +47,7 @@ case "$step" in
   stage)
     timeout 420 python3 -m tools.bench.gpu.ab_env --repeats 4 base: 'nostage:KVSTORE_CUDA_STAGE_SPANS=0' \
       'sw01:KVSTORE_CUDA_SWITCH_MS=0.1' 'reg8:KVSTORE_CUDA_REGISTER_THREADS=8' \
+      'slowcalls:KVSTORE_CUDA_QUICK_CALLS=0' \
       --policies lossless,kv:quant:8:64,kv:turboquant:4:4 2>&1 | tee "$out/ab-stage.txt" ;;
   ab)
     timeout 300 python3 -m tools.bench.gpu.ab_env --repeats 5 base: \
