@@ -56,7 +56,7 @@ from kvstore.codecs.registry import (
     registered_kinds,
 )
 from kvstore.codecs.ring import RingKVCodec, RotatingKVCodec, RotatingQuantizedKVCodec
-from kvstore.codecs.transcode import Transcoded, transcode, transcode_measured
+from kvstore.codecs.transcode import Transcoded, transcode, transcode_measured, transcode_stacked
 from kvstore.codecs.turboquant import RotatingTurboQuantKVCodec, TurboQuantKVCodec
 from kvstore.family import register_family
 
@@ -92,6 +92,7 @@ __all__ = [
     "restore",
     "transcode",
     "transcode_measured",
+    "transcode_stacked",
     "Transcoded",
     "Record",
     "RecordHeader",

@@ -31,6 +31,7 @@ filled (``PrefixStore.read_checking``), and before anything is returned.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -38,7 +39,15 @@ from typing import Any
 from kvstore.abc.cache import is_recurrent_cache, is_sliding_window_cache, signature_of
 from kvstore.abc.codec import RestorePlan, Snapshot
 from kvstore.abc.store import BlockRef, Match, PrefixStore
-from kvstore.codecs import cuda, cuda_pages, decode_record, get_codec, read_header, transcode
+from kvstore.codecs import (
+    cuda,
+    cuda_pages,
+    decode_record,
+    get_codec,
+    read_header,
+    transcode,
+    transcode_stacked,
+)
 from kvstore.codecs.payload_tensors import stored
 from kvstore.codecs.plans import join_runs, run_plans
 from kvstore.codecs.record import Record, RecordHeader, decode_records_on_device
@@ -314,9 +323,32 @@ def _plans(
         joins = join_runs([layers[i] for i in recoded], pages)
         for i, joined in zip(recoded, joins, strict=True):
             layers[i] = joined
+        recoded = _stacked(layers, needs, recoded)
     for i in recoded:
         layers[i] = [transcode(s, needs[i].signature) for s in layers[i]]
     return [get_codec(need.signature).plan_restore(layers[i]) for i, need in enumerate(needs)]
+
+
+def _stacked(
+    layers: list[list[Snapshot]], needs: Sequence[LayerNeed], recoded: list[int]
+) -> list[int]:
+    """Layers of ``recoded`` joined into one snapshot each, converted in one go per kind
+    of stored and wanted signature where they stack (:func:`transcode_stacked`), in
+    place; the layers left to convert one by one. ``KVSTORE_STACKED_DECODE=0``: none."""
+    if os.environ.get("KVSTORE_STACKED_DECODE", "1") == "0":
+        return recoded
+    kinds: dict[tuple[str, str], list[int]] = {}
+    for i in recoded:
+        if len(layers[i]) == 1:
+            kinds.setdefault((layers[i][0].signature, needs[i].signature), []).append(i)
+    done: set[int] = set()
+    for (_, wanted), which in kinds.items():
+        converted = transcode_stacked([layers[i][0] for i in which], wanted)
+        if converted is not None:
+            for i, snap in zip(which, converted, strict=True):
+                layers[i] = [snap]
+            done.update(which)
+    return [i for i in recoded if i not in done]
 
 
 def _first_rows(snap: Snapshot, rows: int) -> Snapshot:

@@ -19,7 +19,8 @@
 #                copies slowed the page-locking (21.7 -> 29.1 ms at 4637b44), with the GIL switch
 #                interval at 0.1 ms (each span's thread now takes the GIL twice more: is that
 #                what waits?), with 8 locking threads, and with every driver call letting the
-#                GIL go (KVSTORE_CUDA_QUICK_CALLS=0, as before the quick calls); 4 each: ~330 s
+#                GIL go (KVSTORE_CUDA_QUICK_CALLS=0, as before the quick calls), and with a lossy
+#                restore's layers decoded one by one (KVSTORE_STACKED_DECODE=0); 4 each: ~400 s
 # STEP g1-4k     G1 at 4096 tokens: ~150 s
 # STEP g1-16k    G1 at 16384 tokens: ~230 s
 # STEP g2a       G2 at 4096 tokens, lossless + kv:quant:8:64 and 4:64: ~330 s
@@ -45,9 +46,9 @@ case "$step" in
       'v11:KVSTORE_VERIFY_THREADS=11' \
       'notqk:KVSTORE_TQ_DECODE_KERNEL=0' --policies lossless,kv:quant:8:64,kv:turboquant:4:4 2>&1 | tee "$out/ab-graphs.txt" ;;
   stage)
-    timeout 420 python3 -m tools.bench.gpu.ab_env --repeats 4 base: 'nostage:KVSTORE_CUDA_STAGE_SPANS=0' \
+    timeout 540 python3 -m tools.bench.gpu.ab_env --repeats 4 base: 'nostage:KVSTORE_CUDA_STAGE_SPANS=0' \
       'sw01:KVSTORE_CUDA_SWITCH_MS=0.1' 'reg8:KVSTORE_CUDA_REGISTER_THREADS=8' \
-      'slowcalls:KVSTORE_CUDA_QUICK_CALLS=0' \
+      'slowcalls:KVSTORE_CUDA_QUICK_CALLS=0' 'perlayer:KVSTORE_STACKED_DECODE=0' \
       --policies lossless,kv:quant:8:64,kv:turboquant:4:4 2>&1 | tee "$out/ab-stage.txt" ;;
   ab)
     timeout 300 python3 -m tools.bench.gpu.ab_env --repeats 5 base: \
