@@ -449,11 +449,7 @@ class PinnedPages:
             return
         self._released = True
         if self._staging is not None:
-            # Once no registration can queue a copy into it any more (all are done by
-            # now, unless the restore stopped early).
-            for future in self._futures:
-                future.exception()
-            self._staging.free()
+            _free_after(self._staging, self._futures)
 
         def let_go() -> None:
             try:
@@ -467,6 +463,27 @@ class PinnedPages:
                             _HELD.remove(span)
 
         _let_go_later(self.spans, let_go, RELEASE_DELAY_SECONDS)
+
+
+def _free_after(staging: cuda.Staging, registrations: Sequence[Future[int | None]]) -> None:
+    """Give ``staging`` back once no registration can queue a copy into it any more: now
+    when all are done (a restore's gathers waited for them), else when the last is (a
+    restore that stopped early does not wait for them)."""
+    pending = [future for future in registrations if not future.done()]
+    if not pending:
+        staging.free()
+        return
+    left, lock = [len(pending)], threading.Lock()
+
+    def one_done(_: Future[int | None]) -> None:
+        with lock:
+            left[0] -= 1
+            last = not left[0]
+        if last:
+            staging.free()
+
+    for future in pending:  # a future done meanwhile runs its callback at once
+        future.add_done_callback(one_done)
 
 
 def _staging(

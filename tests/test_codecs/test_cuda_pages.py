@@ -747,3 +747,33 @@ def test_the_pages_start_being_locked_before_the_device_memory_for_their_copies_
     want = np.zeros((1, 3, 20, 8), np.float16)
     want[:, :, :15] = np.concatenate(columns[0], axis=2)
     assert np.array_equal(np.array(arrays[0]).view(np.uint16), want.view(np.uint16))
+
+
+def test_pages_let_go_before_their_locking_ends_give_the_copies_memory_back_after_it(
+    staged, monkeypatch
+):
+    # A restore that stops before it gathers (its first record unreadable, say) does
+    # not wait for the registrations still running; the device memory goes back when
+    # the last of them is done, after its copy was queued, not before.
+    monkeypatch.setattr(cuda_pages, "STAGE_SPANS", True)
+    gate = threading.Event()
+    real = staged.register
+
+    def register(base, nbytes):
+        assert gate.wait(10)
+        return real(base, nbytes)
+
+    monkeypatch.setattr(staged, "register", register)
+    maps = [mmap.mmap(-1, 2 * mmap.PAGESIZE) for _ in range(3)]
+    pages = cuda_pages.pin(maps)
+    assert pages is not None and pages.staged
+    pages.release()  # returns while every registration waits
+    (copies,) = staged.stagings
+    assert not copies.freed and copies.copies == 0
+    gate.set()
+    deadline = time.monotonic() + 10
+    while not copies.freed and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert copies.freed and copies.copies == len(pages.spans)
+    cuda_pages.settle()
+    assert staged.registered == {} and staged.device_memory == {}
