@@ -118,19 +118,24 @@ def fake_driver(tmp_path_factory) -> Path:
     return folder
 
 
-def test_the_driver_calls_land_bytes_where_asked_and_hold_the_gil_only_when_quick(fake_driver):
-    env = {**os.environ, "LD_LIBRARY_PATH": str(fake_driver)}
-    env.pop("KVSTORE_CUDA_QUICK_CALLS", None)
+def driver_calls(folder: Path, **env: str) -> dict[str, tuple[int, int]]:
+    """Each call's count, and how many held the GIL, in a child on the stand-in driver."""
+    environment = {**os.environ, "LD_LIBRARY_PATH": str(folder), **env}
+    if "KVSTORE_CUDA_QUICK_CALLS" not in env:
+        environment.pop("KVSTORE_CUDA_QUICK_CALLS", None)
     done = subprocess.run(
         [sys.executable, "-c", textwrap.dedent(CHILD)],
         capture_output=True,
         text=True,
-        env=env,
+        env=environment,
         cwd=Path(__file__).resolve().parents[2],
     )
     assert done.returncode == 0, done.stderr
-    calls = {name: (int(n), int(gil)) for name, n, gil in map(str.split, done.stdout.splitlines())}
-    assert calls == {
+    return {name: (int(n), int(gil)) for name, n, gil in map(str.split, done.stdout.splitlines())}
+
+
+def test_the_driver_calls_land_bytes_where_asked_and_hold_the_gil_only_when_quick(fake_driver):
+    assert driver_calls(fake_driver) == {
         # Once per thread: the main one, then the one that queued the second copy.
         "bind": (2, 2),
         # Page-locking and letting go take milliseconds: the GIL is let go meanwhile.
@@ -148,14 +153,5 @@ def test_the_driver_calls_land_bytes_where_asked_and_hold_the_gil_only_when_quic
 
 
 def test_every_call_lets_the_gil_go_when_quick_calls_are_switched_off(fake_driver):
-    env = {**os.environ, "LD_LIBRARY_PATH": str(fake_driver), "KVSTORE_CUDA_QUICK_CALLS": "0"}
-    done = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(CHILD)],
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=Path(__file__).resolve().parents[2],
-    )
-    assert done.returncode == 0, done.stderr
-    held = {name: int(gil) for name, _, gil in map(str.split, done.stdout.splitlines())}
-    assert set(held.values()) == {0}
+    calls = driver_calls(fake_driver, KVSTORE_CUDA_QUICK_CALLS="0")
+    assert {held for _, held in calls.values()} == {0} and calls["copy"] == (2, 0)

@@ -75,6 +75,15 @@ def kernels(columns, one_buffer=False) -> tuple[int, int]:
     return (groups, arrays) if groups > 1 else (arrays, 0)
 
 
+def assert_joined(arrays, columns, specs) -> None:
+    """Each array is its column's pieces joined along the rows, zeros past them, bit for bit."""
+    for array, pieces, (shape, _) in zip(arrays, columns, specs, strict=True):
+        want = np.zeros(shape, np.float16)
+        joined = np.concatenate(pieces, axis=2)
+        want[:, :, : joined.shape[2]] = joined
+        assert np.array_equal(np.array(array).view(np.uint16), want.view(np.uint16))
+
+
 @pytest.mark.parametrize("groups", [1, 2, 4])
 @pytest.mark.parametrize("batch", [1, 2])
 def test_a_gather_joins_strided_pieces_and_zeros_to_capacity(staged, monkeypatch, batch, groups):
@@ -84,11 +93,7 @@ def test_a_gather_joins_strided_pieces_and_zeros_to_capacity(staged, monkeypatch
     specs = [((batch, 3, 20, 8), "float16"), ((batch, 3, 14, 8), "float16")]
     arrays = cuda_pages.gathered(specs, columns)
     assert arrays is not None and (staged.gathers, staged.assembles) == kernels(columns)
-    for array, pieces, (shape, _) in zip(arrays, columns, specs, strict=True):
-        want = np.zeros(shape, np.float16)
-        joined = np.concatenate(pieces, axis=2)
-        want[:, :, : joined.shape[2]] = joined
-        assert np.array_equal(np.array(array).view(np.uint16), want.view(np.uint16))
+    assert_joined(arrays, columns, specs)
     cuda_pages.settle()
     assert staged.registered == {}  # every page let go once the arrays were made
 
@@ -140,11 +145,7 @@ def test_arrays_full_short_empty_or_with_empty_pieces_gather_alike(staged, one_b
     arrays = cuda_pages.gathered(specs, columns, one_buffer=one_buffer)
     want = kernels(columns, one_buffer)
     assert arrays is not None and (staged.gathers, staged.assembles) == want
-    for array, pieces, (shape, _) in zip(arrays, columns, specs, strict=True):
-        want = np.zeros(shape, np.float16)
-        joined = np.concatenate(pieces, axis=2)
-        want[:, :, : joined.shape[2]] = joined
-        assert np.array_equal(np.array(array).view(np.uint16), want.view(np.uint16))
+    assert_joined(arrays, columns, specs)
 
 
 def test_unaligned_rows_are_copied_byte_by_byte(staged):
@@ -266,11 +267,7 @@ def test_rows_in_many_spans_cross_a_group_at_a_time_before_the_last_pages_are_lo
         assert launched_early == groups - 1  # every group but the last one's
         assert (staged.gathers, staged.assembles) == (groups, 2) == kernels(columns)
     (arrays,) = result
-    for array, pieces, (shape, _) in zip(arrays, columns, specs, strict=True):
-        want = np.zeros(shape, np.float16)
-        joined = np.concatenate(pieces, axis=2)
-        want[:, :, : joined.shape[2]] = joined
-        assert np.array_equal(np.array(array).view(np.uint16), want.view(np.uint16))
+    assert_joined(arrays, columns, specs)
     cuda_pages.settle()
     assert staged.registered == {}
 
@@ -668,11 +665,7 @@ def test_without_room_for_the_rows_twice_each_array_is_gathered_alone(staged, mo
     arrays = cuda_pages.gathered(specs, columns)
     assert arrays is not None and (staged.gathers, staged.assembles) == (2, 0)
     assert staged.stagings == []
-    for array, pieces, (shape, _) in zip(arrays, columns, specs, strict=True):
-        want = np.zeros(shape, np.float16)
-        joined = np.concatenate(pieces, axis=2)
-        want[:, :, : joined.shape[2]] = joined
-        assert np.array_equal(np.array(array).view(np.uint16), want.view(np.uint16))
+    assert_joined(arrays, columns, specs)
 
 
 def test_spans_copied_only_where_the_device_gives_memory_for_them(staged, monkeypatch):
@@ -687,11 +680,7 @@ def test_spans_copied_only_where_the_device_gives_memory_for_them(staged, monkey
     assert arrays is not None and staged.stagings == []
     groups = min(cuda_pages.GATHER_GROUPS, staged.registrations)
     assert groups > 1 and (staged.gathers, staged.assembles) == (groups, 2)
-    for array, pieces, (shape, _) in zip(arrays, columns, specs, strict=True):
-        want = np.zeros(shape, np.float16)
-        joined = np.concatenate(pieces, axis=2)
-        want[:, :, : joined.shape[2]] = joined
-        assert np.array_equal(np.array(array).view(np.uint16), want.view(np.uint16))
+    assert_joined(arrays, columns, specs)
 
 
 def test_a_copy_the_driver_refuses_leaves_the_rows_to_staging_and_nothing_held(staged, monkeypatch):
