@@ -10,12 +10,14 @@ llama-8B.
 
 Here the host copies nothing. The pages the rows are in are page-locked where
 they are (``cuMemHostRegister`` with ``CU_MEMHOSTREGISTER_READ_ONLY``: the map
-is read-only), and kernels read the rows from them over PCIe: a group of
-records' rows at a time into a buffer on the device, each group as soon as its
-records are locked (on :func:`register_threads` threads, in address order),
-then one kernel per array joins them there, the zeros past the rows included
-(:func:`_group_buffers`). Rows in one span of pages are read by one kernel per
-array straight away. Measured there
+is read-only), on :func:`register_threads` threads in address order, and each
+span, as soon as it is locked, is copied whole into device memory by the copy
+engine (:data:`STAGE_SPANS`); one kernel per array then gathers its rows there,
+the zeros past them included. Where that memory cannot be had, kernels read the
+rows from the locked pages over PCIe instead: a group of records' rows at a time
+into a buffer on the device, each group as soon as its records are locked, then
+one kernel per array joins them there (:func:`_group_buffers`); rows in one span
+of pages are read by one kernel per array straight away. Measured there
 (``tools/bench/gpu/pages_probe.py``, 16 records of 32 MiB, a fresh process):
 registering the 512 MiB takes 14 ms on 12 threads, the 64 gathers 13 ms
 (40 GB/s), bit-exact; unregistering (7 ms) happens on a staging thread a
