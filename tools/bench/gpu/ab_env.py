@@ -19,7 +19,7 @@ import sys
 import tempfile
 from typing import Any
 
-from tools.bench.gpu.restore_profile import median_run, run_child, saved_store
+from tools.bench.gpu.restore_profile import median_run, rows_digest, run_child, saved_store
 
 PHASES = (
     "_headers",
@@ -56,6 +56,7 @@ def main() -> int:
 
     kv = SyntheticKV(KVShape("llama8b", layers=args.layers, kv_heads=8, head_dim=128), args.tokens)
     caches = kv.ours()
+    saved = rows_digest(caches, args.tokens)
     scratch = tempfile.mkdtemp(prefix="ab-env-")
     try:
         for policy in args.policies.split(","):
@@ -65,6 +66,10 @@ def main() -> int:
                 for name, env in named.items():
                     runs[name].append(run_child("restore", url, args.tokens, args.layers, env=env))
             print(f"== {policy}")
+            # Every setting must restore the same bits (lossless: the rows saved).
+            digests = {r["rows"] for results in runs.values() for r in results if "rows" in r}
+            same = digests == {saved} if policy == "lossless" else len(digests) == 1
+            print(f"   rows: {'the same in every restore' if same else 'DIFFER: ' + str(digests)}")
             for name, results in runs.items():
                 good = [r for r in results if "error" not in r]
                 if not good:

@@ -160,7 +160,22 @@ def child_restore(url: str, tokens: int, layers: int, switch_ms: float) -> dict[
         "lookup_ms": round(1e3 * (t1 - line.t0), 2),
         "restore_ms": round(1e3 * (t2 - t1), 2),
         "phases": line.summary(),
+        "rows": rows_digest(restored, tokens),  # after the clock
     }
+
+
+def rows_digest(caches: Any, tokens: int) -> str:
+    """A digest of the first ``tokens`` rows of every layer's keys and values: equal
+    for two restores (or a restore and the caches saved) that hold the same bits."""
+    import mlx.core as mx
+    import numpy as np
+    import xxhash
+
+    digest = xxhash.xxh3_128()
+    for cache in caches:
+        for rows in (cache.keys, cache.values):
+            digest.update(np.array(rows[..., :tokens, :].flatten().view(mx.uint8)).tobytes())
+    return digest.hexdigest()
 
 
 def child_memory(layers: int, nbytes: int) -> dict[str, Any]:
