@@ -352,12 +352,16 @@ def test_a_restore_on_the_gpu_path_never_serves_rows_of_a_record_that_fails_its_
     assert_same_caches(restored, prefilled(model, tokens[: 2 * BLOCK]))
 
 
-@pytest.mark.parametrize("stacked_decode", [True, False], ids=["stacked", "per-layer"])
+@pytest.mark.parametrize("stacked_decode", ["stacked", "per-layer", "one-layer-stacks"])
 @pytest.mark.parametrize("policy", ["kv:quant:8:64", "kv:turboquant:4:4"])
 def test_a_lossy_restore_gathers_each_tensors_joined_rows_from_the_pinned_pages(
     tmp_path, staged, monkeypatch, policy, stacked_decode
 ):
-    monkeypatch.setenv("KVSTORE_STACKED_DECODE", "1" if stacked_decode else "0")
+    from kvstore.store.kv import restore as restore_module
+
+    monkeypatch.setenv("KVSTORE_STACKED_DECODE", "0" if stacked_decode == "per-layer" else "1")
+    if stacked_decode == "one-layer-stacks":  # fewer vectors than any layer's: a stack each
+        monkeypatch.setattr(restore_module, "STACKED_DECODE_VECTORS", 1)
 
     model = model_for("tiny")
     tokens = prompt(8, 3 * BLOCK + 7)
@@ -370,8 +374,6 @@ def test_a_lossy_restore_gathers_each_tensors_joined_rows_from_the_pinned_pages(
         return real_layout(pieces, shape, name)
 
     monkeypatch.setattr(cuda_pages, "_layout", layout)
-    from kvstore.store.kv import restore as restore_module
-
     stacks = []
 
     def stacked(snapshots, to_signature):
@@ -386,7 +388,7 @@ def test_a_lossy_restore_gathers_each_tensors_joined_rows_from_the_pinned_pages(
         on_device = store.restore(match, model.make_cache())
         # Every layer decoded in one conversion, stacked (per kind of stored signature);
         # or, switched off, one by one.
-        want = [len(on_device)] if stacked_decode else []
+        want = [len(on_device)] if stacked_decode == "stacked" else []
         assert [len(s) for s in stacks if s is not None] == want
         # Every stored row tensor of every layer (its rows of every record joined) is
         # made in one buffer: a gather per group of the records' spans, as they are

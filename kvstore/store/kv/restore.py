@@ -31,6 +31,7 @@ filled (``PrefixStore.read_checking``), and before anything is returned.
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -334,21 +335,39 @@ def _stacked(
 ) -> list[int]:
     """Layers of ``recoded`` joined into one snapshot each, converted in one go per kind
     of stored and wanted signature where they stack (:func:`transcode_stacked`), in
-    place; the layers left to convert one by one. ``KVSTORE_STACKED_DECODE=0``: none."""
+    place; the layers left to convert one by one. ``KVSTORE_STACKED_DECODE=0``: none.
+
+    A stack holds at most :data:`STACKED_DECODE_VECTORS` vectors of a kind (batch x
+    heads x rows of a row tensor), so that a decode's float32 intermediates stay
+    bounded (~512 MiB each at head_dim 128): a 4096-token llama-8B restore's 32 layers
+    are one stack, a 16384-token one's four."""
     if os.environ.get("KVSTORE_STACKED_DECODE", "1") == "0":
         return recoded
-    kinds: dict[tuple[str, str], list[int]] = {}
+    kinds: dict[tuple[str, str], list[list[int]]] = {}
+    held: dict[tuple[str, str], int] = {}  # vectors in each kind's last stack
     for i in recoded:
-        if len(layers[i]) == 1:
-            kinds.setdefault((layers[i][0].signature, needs[i].signature), []).append(i)
+        if len(layers[i]) != 1 or not layers[i][0].tensors:
+            continue
+        kind = (layers[i][0].signature, needs[i].signature)
+        stacks = kinds.setdefault(kind, [[]])
+        vectors = math.prod(next(iter(layers[i][0].tensors.values())).shape[:3])
+        if stacks[-1] and held[kind] + vectors > STACKED_DECODE_VECTORS:
+            stacks.append([])
+        held[kind] = (held[kind] if len(stacks[-1]) else 0) + vectors
+        stacks[-1].append(i)
     done: set[int] = set()
-    for (_, wanted), which in kinds.items():
-        converted = transcode_stacked([layers[i][0] for i in which], wanted)
-        if converted is not None:
-            for i, snap in zip(which, converted, strict=True):
-                layers[i] = [snap]
-            done.update(which)
+    for (_, wanted), stacks in kinds.items():
+        for which in stacks:
+            converted = transcode_stacked([layers[i][0] for i in which], wanted)
+            if converted is not None:
+                for i, snap in zip(which, converted, strict=True):
+                    layers[i] = [snap]
+                done.update(which)
     return [i for i in recoded if i not in done]
+
+
+#: The most vectors of a kind one stacked decode holds (:func:`_stacked`).
+STACKED_DECODE_VECTORS = 1 << 20
 
 
 def _first_rows(snap: Snapshot, rows: int) -> Snapshot:
