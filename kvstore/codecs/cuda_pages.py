@@ -64,6 +64,7 @@ __all__ = [
     "stored_layout",
     "gathered",
     "settle",
+    "trial_done",
 ]
 
 #: Below this many bytes in all, staging through slots costs less than page-locking.
@@ -894,6 +895,18 @@ def _proven() -> bool:
     in the background when it has not run. A restore does not wait for it (the first
     load of its kernel on a machine compiles it, about a second): it stages as before."""
     return _route() and _WORKS is True  # _WORKS is set once the try is done
+
+
+def trial_done() -> bool:
+    """Wait for this process's one trial of a gather, if a restore has started it: whether
+    the route passed (``False`` also where none was started, or none can be here).
+
+    A session's warm-up (one small restore starts the trial in the background) calls
+    this so that its first big restore takes the route rather than racing the trial."""
+    future = _WORKS_FUTURE
+    if future is None:
+        return _WORKS is True
+    return bool(future.result())
 
 
 def _works() -> bool:

@@ -508,6 +508,28 @@ def test_a_first_small_restore_starts_the_try_of_a_gather(staged, monkeypatch):
     assert cuda_pages._WORKS_FUTURE is not None and cuda_pages._WORKS_FUTURE.result() is True
 
 
+def test_a_warm_up_waits_for_the_trial_it_started_and_then_gathers(staged, monkeypatch):
+    monkeypatch.setattr(cuda_pages, "_WORKS", None)
+    monkeypatch.setattr(cuda_pages, "_WORKS_FUTURE", None)
+    assert cuda_pages.trial_done() is False  # none started: nothing to wait for
+    gate = threading.Event()
+    real = cuda_pages._try_a_gather
+
+    def slow_try():
+        assert gate.wait(10)
+        return real()
+
+    monkeypatch.setattr(cuda_pages, "_try_a_gather", slow_try)
+    columns = [pieces_of(np.random.default_rng(16), 2)]
+    specs = [((1, 3, 10, 8), "float16")]
+    assert cuda_pages.gathered(specs, columns) is None  # starts the trial, does not wait
+    threading.Timer(0.05, gate.set).start()
+    assert cuda_pages.trial_done() is True  # waits for it
+    arrays = cuda_pages.gathered(specs, columns)
+    assert arrays is not None
+    assert_joined(arrays, columns, specs)
+
+
 @pytest.mark.parametrize("delay", [0.0, 0.01, 60.0])
 def test_concurrent_restores_of_one_prefix_are_each_bit_exact_and_let_everything_go(
     tmp_path, staged, monkeypatch, delay

@@ -11,7 +11,8 @@
 The process builds the seeded model, then warms the kernels the timed part
 runs -- the forward of one token over a cache as long as the prompt (zeros),
 and, for ``ours``, a restore of the prompt's first block (MLX's own first
-calls and the staging kernels load there) -- and gives MLX's buffer cache
+calls and the staging kernels load there, and the page route's trial, waited
+for: ``cuda_pages.trial_done``) -- and gives MLX's buffer cache
 back, so the timed restore allocates like a new session. Timed: lookup +
 restore + the forward of the last prompt token, to its logits evaluated.
 Prints one JSON line: the times, the tokens restored, and whether the
@@ -63,6 +64,9 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
                 for c in store.restore(store.lookup(spec["namespace"], head), model.make_cache())
             ]
         )
+        from kvstore.codecs import cuda_pages
+
+        cuda_pages.trial_done()  # the warm-up's trial of the page route, not raced
     del caches
     gc.collect()
     mx.clear_cache()

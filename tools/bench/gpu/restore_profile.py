@@ -90,6 +90,7 @@ def child_restore(url: str, tokens: int, layers: int, switch_ms: float) -> dict[
     head = prompt[: store.block_size + 1]
     warm = store.restore(store.lookup("ns", head), [KVCache() for _ in range(layers)])
     mx.eval([c.keys for c in warm])
+    cuda_pages.trial_done()  # the warm-up's trial of the page route, not raced
     del warm
     gc.collect()
     mx.clear_cache()
