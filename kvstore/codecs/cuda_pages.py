@@ -362,7 +362,7 @@ class PinnedPages:
             self._make_staging(stage)
             for number, (span, wait) in enumerate(zip(self.spans, waits, strict=True)):
                 self._futures.append(Future())
-                self._futures[-1].set_result(self._lock(number, span, wait))
+                self._futures[-1].set_result(self._lock_and_copy(number, span, wait))
             return
         if not self.spans:
             self._staging_made.set()
@@ -378,7 +378,7 @@ class PinnedPages:
                 _hurry(-1)
 
         for number, (span, wait) in enumerate(zip(self.spans, waits, strict=True)):
-            self._futures.append(_register_pool().submit(self._lock, number, span, wait))
+            self._futures.append(_register_pool().submit(self._lock_and_copy, number, span, wait))
             self._futures[-1].add_done_callback(one_done)
         self._make_staging(stage)
 
@@ -393,7 +393,7 @@ class PinnedPages:
         """Whether the spans are copied to the device as they are locked."""
         return self._staging is not None
 
-    def _lock(
+    def _lock_and_copy(
         self, number: int, span: tuple[int, int], after: Sequence[Future[None]]
     ) -> int | None:
         """Lock span ``number`` (:func:`_lock_after`) and queue its copy to the device."""
@@ -434,14 +434,15 @@ class PinnedPages:
         once: one gather reads them all)."""
         with self._copy_lock:
             if self._copied is None:
-                copied = all(f.result() is not None for f in self._futures)
-                if copied and not self._copy_failed:
+                locked = all(f.result() is not None for f in self._futures)
+                copied = locked and not self._copy_failed
+                if copied:
                     try:
                         assert self._staging is not None
                         self._staging.wait()
                     except (OSError, RuntimeError):
                         copied = False
-                self._copied = copied and not self._copy_failed
+                self._copied = copied
             return self._copied
 
     def release(self) -> None:

@@ -270,7 +270,7 @@ class TurboQuantizer:
         blocks = _row_blocks(rows.shape[0], self.dim)
         parts = []
         for b in blocks:
-            # One kernel on a CUDA GPU where it is switched on and proven (cuda_decode).
+            # One kernel on a CUDA GPU unless switched off, once proven (cuda_decode).
             y = cuda_decode.decoded(rows[b], factors[b], self.centroids, self.bits, self.dim)
             if y is None:
                 idx = unpack_indices(rows[b], self.bits, self.dim)

@@ -353,7 +353,8 @@ def _stacked(
         vectors = math.prod(next(iter(layers[i][0].tensors.values())).shape[:3])
         if stacks[-1] and held[kind] + vectors > STACKED_DECODE_VECTORS:
             stacks.append([])
-        held[kind] = (held[kind] if len(stacks[-1]) else 0) + vectors
+            held[kind] = 0
+        held[kind] = held.get(kind, 0) + vectors
         stacks[-1].append(i)
     done: set[int] = set()
     for (_, wanted), stacks in kinds.items():
