@@ -211,14 +211,10 @@ class Driver:
 
     def __init__(self) -> None:
         self._cu = ctypes.CDLL("libcuda.so.1")
-        # The same library, its calls made holding the GIL: for those that return at
-        # once (binding a context, reading an address, queuing a copy). A ctypes call
-        # through ``CDLL`` lets the GIL go and must take it back on return, and while
-        # the restore's own thread parses and plans that wait is up to a switch
-        # interval: a page-locking thread made five such calls per span.
-        # (``KVSTORE_CUDA_QUICK_CALLS=0``: every call lets the GIL go, as before.)
-        quick = os.environ.get("KVSTORE_CUDA_QUICK_CALLS", "1") != "0"
-        self._quick = ctypes.PyDLL("libcuda.so.1") if quick else self._cu
+        # Every call lets the GIL go, even those that return at once: making the quick
+        # ones hold it (``ctypes.PyDLL``) was measured on the H200 to hold the restore's
+        # own thread back instead (lossless 34.8 -> 44.2 ms, its plans done at 13.8 ->
+        # 29.2 ms: tools/bench/results/gpu/cca0a00/ab-stage.txt).
         self._bound = threading.local()
         self._check(self._cu.cuInit(0), "cuInit")
         device = ctypes.c_int()
@@ -241,7 +237,7 @@ class Driver:
         per thread (MLX's runtime API uses the same primary context)."""
         if getattr(self._bound, "context", None) == self._ctx.value:
             return
-        self._check(self._quick.cuCtxSetCurrent(self._ctx), "cuCtxSetCurrent")
+        self._check(self._cu.cuCtxSetCurrent(self._ctx), "cuCtxSetCurrent")
         self._bound.context = self._ctx.value
 
     def register(self, array: np.ndarray) -> int:
@@ -265,7 +261,7 @@ class Driver:
             "cuMemHostRegister",
         )
         pointer = ctypes.c_uint64()
-        code = self._quick.cuMemHostGetDevicePointer_v2(ctypes.byref(pointer), address, 0)
+        code = self._cu.cuMemHostGetDevicePointer_v2(ctypes.byref(pointer), address, 0)
         if code != 0:
             self._cu.cuMemHostUnregister(address)
             self._check(code, "cuMemHostGetDevicePointer")
@@ -280,7 +276,7 @@ class Driver:
         self.bind()
         stream = ctypes.c_void_p()
         self._check(
-            self._quick.cuStreamCreate(
+            self._cu.cuStreamCreate(
                 ctypes.byref(stream), ctypes.c_uint(_CU_STREAM_NON_BLOCKING)
             ),
             "cuStreamCreate",
@@ -305,7 +301,7 @@ class Driver:
         (the copy engine: no kernel, no core)."""
         self.bind()
         self._check(
-            self._quick.cuMemcpyHtoDAsync_v2(
+            self._cu.cuMemcpyHtoDAsync_v2(
                 ctypes.c_uint64(device),
                 ctypes.c_void_p(host),
                 ctypes.c_size_t(nbytes),
@@ -322,12 +318,12 @@ class Driver:
     def free(self, device: int, stream: int) -> None:
         """Give ``device`` (from :meth:`allocate`) back after ``stream``'s work."""
         self.bind()
-        self._quick.cuMemFreeAsync(ctypes.c_uint64(device), ctypes.c_void_p(stream))
+        self._cu.cuMemFreeAsync(ctypes.c_uint64(device), ctypes.c_void_p(stream))
 
     def drop_stream(self, stream: int) -> None:
         """Destroy ``stream`` (its queued work still runs)."""
         self.bind()
-        self._quick.cuStreamDestroy_v2(ctypes.c_void_p(stream))
+        self._cu.cuStreamDestroy_v2(ctypes.c_void_p(stream))
 
 
 class Staging(Protocol):
