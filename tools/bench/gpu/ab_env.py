@@ -30,6 +30,10 @@ PHASES = (
     "cuda assemble (launch)",
     "cuda staging (allocate)",
     "cuda copies (wait)",
+    "join_runs",
+    "transcode_stacked",
+    "run_plans",
+    "store.read_checking exit (checks waited)",
 )
 
 

@@ -120,7 +120,15 @@ def child_restore(url: str, tokens: int, layers: int, switch_ms: float) -> dict[
         return Ctx()
 
     store.read_checking = read  # type: ignore[method-assign]
-    for attr in ("_headers", "_decoded", "_plans", "run_plans", "transcode", "join_runs"):
+    for attr in (
+        "_headers",
+        "_decoded",
+        "_plans",
+        "run_plans",
+        "transcode",
+        "transcode_stacked",
+        "join_runs",
+    ):
         if hasattr(restore, attr):
             line.wrap(restore, attr)
     line.wrap(plans, "filled_arrays", "plans.filled_arrays")
