@@ -116,7 +116,7 @@ _SEGMENTS_BODY = """
     unsigned long long src = s[0], sp = s[1], doff = s[2], dp = s[3], w = s[4], h = s[5];
     const unsigned char* s1 = {source};
     unsigned long long at = reinterpret_cast<unsigned long long>(s1);
-    unsigned char* d = reinterpret_cast<unsigned char*>(out);
+    {destination}
     unsigned long long first = part * blockDim.x + threadIdx.x, step = parts * blockDim.x;
     if (((at | sp | doff | dp) & 15) == 0) {{
         const uint4* s16 = reinterpret_cast<const uint4*>(s1);
@@ -137,8 +137,34 @@ _SEGMENTS_BODY = """
         }}
     }}
 """.replace("SEGMENT_WORDS", str(SEGMENT_WORDS))
+#: Where a segment writes: the one output ``out``.
+_ONE_OUTPUT = "unsigned char* d = reinterpret_cast<unsigned char*>(out);"
 _GATHER_SOURCE = _SEGMENTS_BODY.format(
-    prologue="", source="reinterpret_cast<const unsigned char*>(src)"
+    prologue="", source="reinterpret_cast<const unsigned char*>(src)", destination=_ONE_OUTPUT
+)
+#: Outputs of one :meth:`KernelTransport.gather_many` kernel: a restore's arrays are
+#: made this many to a launch (a 32-layer model's 64 in one).
+GATHER_OUTPUTS = 64
+#: Bits of a :meth:`~KernelTransport.gather_many` segment's ``dst_offset`` that hold the
+#: offset into its output; the bits above hold the output's number.
+OUTPUT_OFFSET_BITS = 48
+#: As :data:`_GATHER_SOURCE`, into outputs ``out0`` .. ``out63``: each segment's
+#: ``dst_offset`` names an output and an offset into it (:data:`OUTPUT_OFFSET_BITS`).
+#: On the H200 a lossless 4096-token restore's 64 gathers, a kernel each, took 2.2 ms to
+#: launch and 4.1 ms more to finish, for 0.3 ms of copying: each kernel is a node
+#: of the CUDA graph MLX instantiates afresh in a new process
+#: (``tools/bench/results/gpu/3be324c/restore-profiles.txt``).
+_GATHER_MANY_SOURCE = (
+    _SEGMENTS_BODY.format(
+        prologue="unsigned char* outs[GATHER_OUTPUTS] = {"
+        + ", ".join(f"reinterpret_cast<unsigned char*>(out{i})" for i in range(GATHER_OUTPUTS))
+        + "};",
+        source="reinterpret_cast<const unsigned char*>(src)",
+        destination="unsigned char* d = outs[doff >> OUTPUT_OFFSET_BITS]; "
+        "doff &= (1ull << OUTPUT_OFFSET_BITS) - 1;",
+    )
+    .replace("GATHER_OUTPUTS", str(GATHER_OUTPUTS))
+    .replace("OUTPUT_OFFSET_BITS", str(OUTPUT_OFFSET_BITS))
 )
 #: Inputs of the assemble kernel besides ``params``: the buffers its segments read.
 ASSEMBLE_INPUTS = 8
@@ -156,6 +182,7 @@ _ASSEMBLE_SOURCE = (
         + "};",
         source="src ? bufs[(src >> ASSEMBLE_OFFSET_BITS) - 1] + "
         "(src & ((1ull << ASSEMBLE_OFFSET_BITS) - 1)) : nullptr",
+        destination=_ONE_OUTPUT,
     )
     .replace("ASSEMBLE_INPUTS", str(ASSEMBLE_INPUTS))
     .replace("ASSEMBLE_OFFSET_BITS", str(ASSEMBLE_OFFSET_BITS))
@@ -276,9 +303,7 @@ class Driver:
         self.bind()
         stream = ctypes.c_void_p()
         self._check(
-            self._cu.cuStreamCreate(
-                ctypes.byref(stream), ctypes.c_uint(_CU_STREAM_NON_BLOCKING)
-            ),
+            self._cu.cuStreamCreate(ctypes.byref(stream), ctypes.c_uint(_CU_STREAM_NON_BLOCKING)),
             "cuStreamCreate",
         )
         return int(stream.value or 0)
@@ -401,6 +426,11 @@ class Transport(Protocol):
         ``params`` (uint64 words: see :data:`_GATHER_SOURCE`) from registered pages
         or a :class:`Staging`'s memory."""
 
+    def gather_many(self, params: np.ndarray, nbytes: Sequence[int]) -> list[mx.array]:
+        """New lazy uint8 device arrays of ``nbytes`` each (at most
+        :data:`GATHER_OUTPUTS`), made by one kernel: as :meth:`gather`, each segment's
+        ``dst_offset`` naming its array (:data:`OUTPUT_OFFSET_BITS`)."""
+
     def assemble(self, params: np.ndarray, buffers: Sequence[mx.array], nbytes: int) -> mx.array:
         """A new lazy uint8 device array of ``nbytes`` written by the segments of
         ``params`` from the uint8 device ``buffers`` (at most :data:`ASSEMBLE_INPUTS`;
@@ -433,6 +463,12 @@ class KernelTransport:
             input_names=["params"],
             output_names=["out"],
             source=_GATHER_SOURCE,
+        )
+        self._gather_many = mx.fast.cuda_kernel(
+            name="kvstore_gather_many",
+            input_names=["params"],
+            output_names=[f"out{i}" for i in range(GATHER_OUTPUTS)],
+            source=_GATHER_MANY_SOURCE,
         )
         self._assemble = mx.fast.cuda_kernel(
             name="kvstore_assemble",
@@ -486,7 +522,14 @@ class KernelTransport:
             return None
 
     def gather(self, params: np.ndarray, nbytes: int) -> mx.array:
-        return self._segments(self._gather, params, [], nbytes)
+        return self._segments(self._gather, params, [], [nbytes])[0]
+
+    def gather_many(self, params: np.ndarray, nbytes: Sequence[int]) -> list[mx.array]:
+        if not 0 < len(nbytes) <= GATHER_OUTPUTS:
+            raise ValueError(f"[cuda] {len(nbytes)} arrays; a gather makes 1 to {GATHER_OUTPUTS}.")
+        # The outputs no segment writes: 16 bytes each, dropped.
+        spare = [16] * (GATHER_OUTPUTS - len(nbytes))
+        return self._segments(self._gather_many, params, [], [*nbytes, *spare])[: len(nbytes)]
 
     def assemble(self, params: np.ndarray, buffers: Sequence[mx.array], nbytes: int) -> mx.array:
         if len(buffers) > ASSEMBLE_INPUTS:
@@ -494,23 +537,26 @@ class KernelTransport:
         # No segment reads the inputs past the buffers: bound to one of them, no new array.
         spare = buffers[0] if buffers else mx.zeros((16,), mx.uint8)
         unused = [spare] * (ASSEMBLE_INPUTS - len(buffers))
-        return self._segments(self._assemble, params, [*buffers, *unused], nbytes)
+        return self._segments(self._assemble, params, [*buffers, *unused], [nbytes])[0]
 
     @staticmethod
-    def _segments(kernel: Any, params: np.ndarray, inputs: list[mx.array], nbytes: int) -> mx.array:
+    def _segments(
+        kernel: Any, params: np.ndarray, inputs: list[mx.array], nbytes: Sequence[int]
+    ) -> list[mx.array]:
         count = int(params[0])
         words = params[1:].reshape(count, SEGMENT_WORDS)
         largest = int((words[:, 4] * words[:, 5]).max()) if count else 0
         # Enough blocks per segment for each thread to copy a few 16-byte words.
         parts = max(1, min(64, largest // (16 * _BLOCK * 4)))
-        (out,) = kernel(
-            inputs=[mx.array(params), *inputs],
-            output_shapes=[(nbytes,)],
-            output_dtypes=[mx.uint8],
-            grid=(count * parts * _BLOCK, 1, 1),
-            threadgroup=(_BLOCK, 1, 1),
+        return list(
+            kernel(
+                inputs=[mx.array(params), *inputs],
+                output_shapes=[(n,) for n in nbytes],
+                output_dtypes=[mx.uint8] * len(nbytes),
+                grid=(count * parts * _BLOCK, 1, 1),
+                threadgroup=(_BLOCK, 1, 1),
+            )
         )
-        return out
 
 
 #: The transport in use; ``None`` until first needed (then a :class:`KernelTransport`,

@@ -720,14 +720,20 @@ def _gather(
                     device = _params(joins[begin:end])
                     array = transport.assemble(device, buffers, cuda.nbytes_of(spec))
                     arrays.append(array.view(MLX_DTYPES[spec[1]]).reshape(spec[0]))
+            elif pages.staged:  # every row on the device already: few kernels make them all
+                made = _gather_many(transport, on_device, owners[order], ends, specs)
+                if made is None:
+                    return None
+                launched.extend(made)
+                for array, spec in zip(made, specs, strict=True):
+                    arrays.append(array.view(MLX_DTYPES[spec[1]]).reshape(spec[0]))
             else:
                 for begin, end, spec in zip([0, *ends], ends, specs, strict=False):
                     device = on_device.params(begin, end)
                     if device is None:
                         return None
                     array = transport.gather(device, cuda.nbytes_of(spec))
-                    if not pages.staged:  # evaluated one by one as their pages are locked
-                        mx.async_eval(array)
+                    mx.async_eval(array)  # evaluated one by one as their pages are locked
                     launched.append(array)
                     arrays.append(array.view(MLX_DTYPES[spec[1]]).reshape(spec[0]))
         mx.eval(arrays)
@@ -738,6 +744,35 @@ def _gather(
         if own:  # the kernels have read every byte: let go off the restore's path
             pages.release()
     return arrays
+
+
+def _gather_many(
+    transport: cuda.Transport,
+    on_device: _DeviceTable,
+    owners: np.ndarray,
+    ends: Sequence[int],
+    specs: Sequence[cuda.LeafSpec],
+) -> list[mx.array] | None:
+    """The uint8 arrays of ``specs``, :data:`~kvstore.codecs.cuda.GATHER_OUTPUTS` to a
+    kernel (:meth:`~kvstore.codecs.cuda.Transport.gather_many`); ``on_device``'s
+    segments in array order, ``owners`` the array each writes, ``ends`` where each
+    array's segments end. ``None`` where a span's pages were refused."""
+    made: list[mx.array] = []
+    begins = [0, *ends]
+    for first in range(0, len(specs), cuda.GATHER_OUTPUTS):
+        last = min(first + cuda.GATHER_OUTPUTS, len(specs))
+        sizes = [cuda.nbytes_of(spec) for spec in specs[first:last]]
+        table = on_device.rows(slice(begins[first], ends[last - 1]))
+        if table is None:
+            return None
+        if not len(table):  # arrays of no bytes
+            made.extend(mx.zeros((n,), mx.uint8) for n in sizes)
+            continue
+        table = table.copy()
+        output = owners[begins[first] : ends[last - 1]].astype(np.uint64) - np.uint64(first)
+        table[:, 2] |= output << np.uint64(cuda.OUTPUT_OFFSET_BITS)
+        made.extend(transport.gather_many(_params(table), sizes))
+    return made
 
 
 class _DeviceTable:
@@ -941,15 +976,21 @@ def _try_a_gather_by(stage: bool, kept: list[mmap.mmap]) -> bool:
     for host in hosts:
         host[...] = rng.integers(0, 1 << 16, shape, dtype=np.uint16)
     pieces = [hosts[0][:, :, 1:9], hosts[1][:, :, 20:31], hosts[0][:, :, 40:43]]  # unaligned
+    second = [hosts[1][:, :, 50:56]]  # a second array: one kernel makes several
     want = np.zeros((1, 2, 24, 40), np.uint16)
     want[:, :, :22] = np.concatenate(pieces, axis=2)
+    specs = [((1, 2, 24, 40), "uint16"), ((1, 2, 6, 40), "uint16")]
     try:
-        got = _gather([((1, 2, 24, 40), "uint16")], [pieces], None, inline=True, stage=stage)
-        return got is not None and bool(np.array_equal(np.array(got[0]), want))
+        got = _gather(specs, [pieces, second], None, inline=True, stage=stage)
+        return (
+            got is not None
+            and bool(np.array_equal(np.array(got[0]), want))
+            and bool(np.array_equal(np.array(got[1]), second[0]))
+        )
     except (OSError, RuntimeError, ValueError):
         return False
     finally:
-        del hosts, pieces
+        del hosts, pieces, second
 
 
 def _extent(piece: np.ndarray) -> int:

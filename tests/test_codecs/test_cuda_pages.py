@@ -60,10 +60,11 @@ def pieces_of(rng, blocks, batch=1, heads=3, rows=5, dim=8):
 
 
 def kernels(columns, one_buffer=False) -> tuple[int, int]:
-    """The gathers and assembles that make one array per column of ``columns``: a gather
-    each (``one_buffer``: one in all) when the spans are copied to the device or their
-    pages are one span; else a gather per group of spans, an assemble per array
-    (``one_buffer``: one in all)."""
+    """The gathers and assembles that make one array per column of ``columns``: when the
+    spans are copied to the device, a gather per cuda.GATHER_OUTPUTS arrays (``one_buffer``:
+    one in all); else when their pages are one span, a gather each (``one_buffer``: one in
+    all); else a gather per group of spans, an assemble per array (``one_buffer``: one in
+    all)."""
     spans = cuda_pages._spans(
         (int(p.ctypes.data), int(p.ctypes.data) + cuda_pages._extent(p))
         for column in columns
@@ -72,6 +73,8 @@ def kernels(columns, one_buffer=False) -> tuple[int, int]:
     )
     groups = 1 if cuda_pages.STAGE_SPANS else min(cuda_pages.GATHER_GROUPS, len(spans))
     arrays = 1 if one_buffer else len(columns)
+    if cuda_pages.STAGE_SPANS:
+        return (-(-arrays // cuda.GATHER_OUTPUTS), 0)
     return (groups, arrays) if groups > 1 else (arrays, 0)
 
 
@@ -96,6 +99,20 @@ def test_a_gather_joins_strided_pieces_and_zeros_to_capacity(staged, monkeypatch
     assert_joined(arrays, columns, specs)
     cuda_pages.settle()
     assert staged.registered == {}  # every page let go once the arrays were made
+
+
+def test_copied_spans_make_their_arrays_a_kernel_for_each_gather_outputs_of_them(
+    staged, monkeypatch
+):
+    monkeypatch.setattr(cuda, "GATHER_OUTPUTS", 2)  # five arrays: three kernels
+    rng = np.random.default_rng(7)
+    columns = [pieces_of(rng, 1 + i % 3, rows=3 + i) for i in range(5)]
+    specs = [((1, 3, 30, 8), "float16") for _ in columns]
+    arrays = cuda_pages.gathered(specs, columns)
+    assert arrays is not None and (staged.gathers, staged.assembles) == kernels(columns)
+    if cuda_pages.STAGE_SPANS:
+        assert staged.gathers == 3
+    assert_joined(arrays, columns, specs)
 
 
 @pytest.mark.parametrize("groups", [1, 2, 4])
@@ -185,8 +202,11 @@ def test_pages_another_gather_holds_are_not_registered_twice(staged):
 
 
 def test_a_gather_that_returns_wrong_bytes_turns_the_route_off(staged, monkeypatch):
-    real = staged.gather
+    real, real_many = staged.gather, staged.gather_many
     monkeypatch.setattr(staged, "gather", lambda params, n: real(params, n) + 1)
+    monkeypatch.setattr(
+        staged, "gather_many", lambda params, n: [a + 1 for a in real_many(params, n)]
+    )
     monkeypatch.setattr(cuda_pages, "_WORKS", None)
     monkeypatch.setattr(cuda_pages, "_WORKS_FUTURE", None)
     pieces = pieces_of(np.random.default_rng(4), 2)
@@ -262,7 +282,7 @@ def test_rows_in_many_spans_cross_a_group_at_a_time_before_the_last_pages_are_lo
     assert not worker.is_alive()
     if copied:  # every span but the last one's copied; no gather before they all are
         assert (crossed_early, launched_early) == (len(records) - 1, 0)
-        assert (staged.gathers, staged.assembles) == (2, 0) == kernels(columns)
+        assert (staged.gathers, staged.assembles) == (1, 0) == kernels(columns)
     else:
         assert launched_early == groups - 1  # every group but the last one's
         assert (staged.gathers, staged.assembles) == (groups, 2) == kernels(columns)
@@ -288,29 +308,35 @@ def test_a_lossless_restore_gathers_from_the_store_pages_and_equals_the_cpu_rest
     config, policy = FAMILIES[family]
     model = model_for(config)
     tokens = prompt(6, 5 * BLOCK + 3)
-    real = staged.gather
+    real, real_many = staged.gather, staged.gather_many
     locked_at_gathers: list[int] = []
 
     def gather(params, nbytes):
         locked_at_gathers.append(len(staged.registered))
         return real(params, nbytes)
 
+    def gather_many(params, nbytes):
+        locked_at_gathers.append(len(staged.registered))
+        return real_many(params, nbytes)
+
     monkeypatch.setattr(staged, "gather", gather)
+    monkeypatch.setattr(staged, "gather_many", gather_many)
     with open_store(f"lmdb://{tmp_path / 's'}", block_size=BLOCK) as store:
         store.save("ns", tokens, prefilled(model, tokens, policy))
         match = store.lookup("ns", tokens)
         restored = store.restore(match, model.make_cache(policy))
         # Every array read by the GPU from the store's pages, still locked while the
-        # gathers ran: no slot staged. (A kernel per array, from the spans copied to the
-        # device or from the pages; or, the records' pages in several spans, a gather
-        # per group of them and an assemble per array.)
+        # gathers ran: no slot staged. (From the spans copied to the device, one kernel
+        # for every array; from the pages, a kernel per array, or, the records' pages in
+        # several spans, a gather per group of them and an assemble per array.)
         arrays = 2 * len(restored)
         assert staged.uploads == 0
-        assert (staged.gathers, staged.assembles) == (arrays, 0) or (
-            not cuda_pages.STAGE_SPANS
-            and 1 < staged.gathers <= cuda.ASSEMBLE_INPUTS
-            and staged.assembles == arrays
-        )
+        if cuda_pages.STAGE_SPANS:
+            assert arrays <= cuda.GATHER_OUTPUTS and (staged.gathers, staged.assembles) == (1, 0)
+        else:
+            assert (staged.gathers, staged.assembles) == (arrays, 0) or (
+                1 < staged.gathers <= cuda.ASSEMBLE_INPUTS and staged.assembles == arrays
+            )
         assert min(locked_at_gathers) > 0
         if cuda_pages.STAGE_SPANS:  # each record's span copied once, the memory given back
             (copied,) = staged.stagings

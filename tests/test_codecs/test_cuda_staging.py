@@ -82,10 +82,25 @@ class HostTransport:
 
     def gather(self, params: np.ndarray, nbytes: int) -> mx.array:
         self.gathers += 1
-        out = np.full(nbytes, 0xAB, np.uint8)  # bytes no segment writes show up
+        return mx.array(self._segments(params, [nbytes], bits=None)[0])
+
+    def gather_many(self, params: np.ndarray, nbytes) -> list[mx.array]:
+        """One gather kernel of several outputs: each segment's ``dst_offset`` names its
+        output (high bits) and an offset into it."""
+        assert 0 < len(nbytes) <= cuda.GATHER_OUTPUTS
+        self.gathers += 1
+        outs = self._segments(params, nbytes, bits=cuda.OUTPUT_OFFSET_BITS)
+        return [mx.array(out) for out in outs]
+
+    def _segments(self, params: np.ndarray, nbytes, bits: int | None) -> list[np.ndarray]:
+        """The gather kernel's segments written into new outputs of ``nbytes``; ``bits``:
+        where a ``dst_offset``'s output number starts (``None``: one output)."""
+        outs = [np.full(n, 0xAB, np.uint8) for n in nbytes]  # bytes no segment writes show up
         words = params[1:].reshape(int(params[0]), cuda.SEGMENT_WORDS).tolist()
         for src, src_pitch, offset, pitch, width, height in words:
-            assert offset + (height - 1) * pitch + width <= nbytes
+            out = outs[0 if bits is None else offset >> bits]
+            offset &= (1 << (bits or 64)) - 1
+            assert offset + (height - 1) * pitch + width <= out.size
             for r in range(height):
                 at = out.ctypes.data + offset + r * pitch
                 if not src:
@@ -94,7 +109,7 @@ class HostTransport:
                 host = src - DEVICE_OFFSET + r * src_pitch
                 assert self.covered(host, host + width)
                 ctypes.memmove(at, host, width)
-        return mx.array(out)
+        return outs
 
     def assemble(self, params: np.ndarray, buffers, nbytes: int) -> mx.array:
         """The assemble kernel's segments, each ``src`` a buffer's number + 1 (high
