@@ -625,6 +625,7 @@ def gathered(
     pages: PinnedPages | None = None,
     *,
     one_buffer: bool = False,
+    lazy: bool = False,
 ) -> list[mx.array] | None:
     """Evaluated device arrays of ``specs``, array ``i`` the rows of ``pieces[i]`` joined
     (zeros past them; host arrays, or a :func:`stored_layout` of rows in ``pages``),
@@ -640,12 +641,16 @@ def gathered(
             on an H200), made by one gather, or, rows in several spans, by a gather per
             group of spans as they are locked and one assemble of them all; else each
             array a buffer of its own, launched as soon as its pages are locked.
+        lazy: with ``pages``, the arrays unevaluated, for the caller to evaluate with
+            what it computes from them (a lossy restore's decode): one evaluation, and
+            one CUDA graph, instead of two. It lets ``pages`` go only after that.
 
-    The pieces' memory must stay mapped until this returns.
+    The pieces' memory must stay mapped until this returns (``lazy``: until the arrays
+    are evaluated).
     """
     if not specs or sum(map(cuda.nbytes_of, specs)) < GATHER_MIN_BYTES or not _proven():
         return None
-    return _gather(specs, pieces, pages, one_buffer=one_buffer)
+    return _gather(specs, pieces, pages, one_buffer=one_buffer, lazy=lazy and pages is not None)
 
 
 def _gather(
@@ -656,6 +661,7 @@ def _gather(
     inline: bool = False,
     one_buffer: bool = False,
     stage: bool | None = None,
+    lazy: bool = False,
 ) -> list[mx.array] | None:
     found = [
         p if isinstance(p, RowsLayout) else _layout(p, shape, name)
@@ -736,7 +742,8 @@ def _gather(
                     mx.async_eval(array)  # evaluated one by one as their pages are locked
                     launched.append(array)
                     arrays.append(array.view(MLX_DTYPES[spec[1]]).reshape(spec[0]))
-        mx.eval(arrays)
+        if not lazy:
+            mx.eval(arrays)
         done = True
     finally:
         if not done and launched:

@@ -213,8 +213,12 @@ def run_plans(
     already), or joined on the device when their pieces are MLX arrays already;
     any other plan gets zero-filled buffers of its ``leaves``.
     """
-    mx.eval([a for plan in plans if isinstance(plan, CachePlan) for a in plan.lazy()])
     on_gpu = cuda.available()
+    # On a GPU every lazy piece is joined there, in the one evaluation below (with the
+    # decode of a lossy restore and the gather it reads); on the CPU they are filled
+    # from host memory, evaluated first.
+    if not on_gpu:
+        mx.eval([a for plan in plans if isinstance(plan, CachePlan) for a in plan.lazy()])
     columns = [c for plan in plans if isinstance(plan, CachePlan) for c in plan.columns()]
     joined = {
         i: join.join_on_device(col)
@@ -304,7 +308,7 @@ def join_runs(
     # layers on pinned pages) from where their headers say they lie.
     filled = (
         cuda_pages.gathered(
-            specs, [_gathered_from(joins[i][2]) for i in hosted], pages, one_buffer=True
+            specs, [_gathered_from(joins[i][2]) for i in hosted], pages, one_buffer=True, lazy=True
         )
         if hosted and cuda.available()
         else None

@@ -816,3 +816,28 @@ def test_pages_let_go_before_their_locking_ends_give_the_copies_memory_back_afte
     assert copies.freed and copies.copies == len(pages.spans)
     cuda_pages.settle()
     assert staged.registered == {} and staged.device_memory == {}
+
+
+@pytest.mark.parametrize("pinned", [True, False])
+def test_a_lazy_gather_from_pages_pinned_already_leaves_the_evaluation_to_its_caller(
+    staged, monkeypatch, pinned
+):
+    # A lossy restore evaluates its gather with the decode of what it gathered: one
+    # evaluation. Pages the gather pins itself are let go after it, so it evaluates then.
+    maps = [mmap.mmap(-1, 2 * mmap.PAGESIZE) for _ in range(2)]
+    column = [np.frombuffer(m, np.uint16, 3 * 40).reshape(1, 3, 1, 40) for m in maps]
+    for i, piece in enumerate(column):
+        piece[...] = np.arange(120, dtype=np.uint16).reshape(piece.shape) + i
+    specs = [((1, 3, 2, 40), "uint16")]
+    pages = cuda_pages.pin(maps) if pinned else None
+    evaluations: list[int] = []
+    real_eval = mx.eval
+    monkeypatch.setattr(mx, "eval", lambda *a: evaluations.append(1) or real_eval(*a))
+    arrays = cuda_pages.gathered(specs, [column], pages, one_buffer=True, lazy=True)
+    monkeypatch.setattr(mx, "eval", real_eval)
+    assert arrays is not None and len(evaluations) == (0 if pinned else 1)
+    assert np.array_equal(np.array(arrays[0]), np.concatenate(column, axis=2))
+    if pages is not None:
+        pages.release()
+    cuda_pages.settle()
+    assert staged.registered == {} and staged.device_memory == {}
