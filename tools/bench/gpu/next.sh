@@ -15,12 +15,15 @@
 #                with TurboQuant's decode kernel (kvstore/turboquant/cuda_decode.py), 4
 #                each: ~400 s
 # STEP stage     ab_env of lossless, q8 and TQ 4/4 with the spans copied to the device as they
-#                are locked (the default) and without (KVSTORE_CUDA_STAGE_SPANS=0); and, as the
-#                copies slowed the page-locking (21.7 -> 29.1 ms at 4637b44), with the GIL switch
-#                interval at 0.1 ms (each span's thread now takes the GIL twice more: is that
-#                what waits?), with 8 locking threads, and with every driver call letting the
-#                GIL go (KVSTORE_CUDA_QUICK_CALLS=0, as before the quick calls), and with a lossy
-#                restore's layers decoded one by one (KVSTORE_STACKED_DECODE=0); 4 each: ~400 s
+#                are locked (the default) and without (KVSTORE_CUDA_STAGE_SPANS=0), with the
+#                GIL switch interval at 0.1 ms and with 8 locking threads; 4 each: ~300 s. (A
+#                lossy restore's layers decoded one by one, KVSTORE_STACKED_DECODE=0, crashed
+#                the child in ab_env's row digest after its clock at cca0a00:
+#                results/gpu/3be324c/perlayer-crash.txt.)
+# STEP model     ab_env of lossless with and without G1's session before the clock in the
+#                child (KVSTORE_PROFILE_MODEL=1: the llama-8B model built, a forward over
+#                zeros): G1's restore was 39.5 ms against ab_env's 30.5 at 87ca0d3, is the
+#                model why? Each phase's end says where the time goes: ~150 s
 # STEP g1-4k     G1 at 4096 tokens: ~150 s
 # STEP g1-16k    G1 at 16384 tokens: ~230 s
 # STEP g2a       G2 at 4096 tokens, lossless + kv:quant:8:64 and 4:64: ~330 s
@@ -48,8 +51,10 @@ case "$step" in
   stage)
     timeout 540 python3 -m tools.bench.gpu.ab_env --repeats 4 base: 'nostage:KVSTORE_CUDA_STAGE_SPANS=0' \
       'sw01:KVSTORE_CUDA_SWITCH_MS=0.1' 'reg8:KVSTORE_CUDA_REGISTER_THREADS=8' \
-      'slowcalls:KVSTORE_CUDA_QUICK_CALLS=0' 'perlayer:KVSTORE_STACKED_DECODE=0' \
       --policies lossless,kv:quant:8:64,kv:turboquant:4:4 2>&1 | tee "$out/ab-stage.txt" ;;
+  model)
+    timeout 300 python3 -m tools.bench.gpu.ab_env --repeats 5 base: 'model:KVSTORE_PROFILE_MODEL=1' \
+      --policies lossless 2>&1 | tee "$out/ab-model.txt" ;;
   ab)
     timeout 300 python3 -m tools.bench.gpu.ab_env --repeats 5 base: \
       --policies lossless,kv:quant:8:64,kv:turboquant:4:4 2>&1 | tee "$out/ab-env.txt" ;;
@@ -63,5 +68,5 @@ case "$step" in
     [ "$step" = g2a ] && policies=kv:quant:8:64,kv:quant:4:64 || policies=kv:turboquant:4:4,kv:turboquant:3:3
     KVSTORE_BENCH_G2_POLICIES=$policies KVSTORE_BENCH_GPU_TOKENS=4096 KVSTORE_BENCH_GIT=$rev \
       CHECK_TIMEOUT=1 BENCH_TIMEOUT=540 REPEATS=5 bash tools/bench/gpu/run.sh G2 "$out/$step" ;;
-  *) echo "next.sh: unknown step $step (ab, profiles, probe, graphs, stage, g1-4k, g1-16k, g2a, g2b)"; exit 2 ;;
+  *) echo "next.sh: unknown step $step (ab, profiles, probe, graphs, stage, model, g1-4k, g1-16k, g2a, g2b)"; exit 2 ;;
 esac

@@ -75,6 +75,24 @@ class Timeline:
         return out
 
 
+def _session_model(layers: int, tokens: int) -> Any:
+    """G1's fresh session before its clock (``KVSTORE_PROFILE_MODEL=1``): the llama-8B-shaped
+    model built in this process and a one-token forward over caches of zeros as long as
+    the prompt. G1's restore has been 6-9 ms slower than this script's child without it
+    (``tools/bench/results/gpu/87ca0d3/``: 39.5 against 30.5 ms): is the model why?"""
+    import mlx.core as mx
+
+    from kvstore.bench.figures.gpu_common import LLAMA8B, build
+
+    model = build({**LLAMA8B, "num_hidden_layers": layers})
+    caches = model.make_cache()
+    shape = (1, LLAMA8B["num_key_value_heads"], tokens, LLAMA8B["head_dim"])
+    for cache in caches:
+        cache.update_and_fetch(mx.zeros(shape, mx.bfloat16), mx.zeros(shape, mx.bfloat16))
+    mx.eval(model(mx.array([[1]]), caches))
+    return model
+
+
 def child_restore(url: str, tokens: int, layers: int, switch_ms: float) -> dict[str, Any]:
     import gc
 
@@ -86,6 +104,8 @@ def child_restore(url: str, tokens: int, layers: int, switch_ms: float) -> dict[
     from kvstore.store.kv import restore
 
     prompt = list(range(tokens + 1))
+    # Held through the timed restore, as a session holds its model.
+    _model = _session_model(layers, tokens) if os.environ.get("KVSTORE_PROFILE_MODEL") else None
     store = open_store(url, readonly=True)
     head = prompt[: store.block_size + 1]
     warm = store.restore(store.lookup("ns", head), [KVCache() for _ in range(layers)])
@@ -152,6 +172,7 @@ def child_restore(url: str, tokens: int, layers: int, switch_ms: float) -> dict[
         line.wrap(cuda_pages, "gathered", "cuda_pages.gathered")
         line.wrap(transport, "register", "cuda register (page-lock)")
         line.wrap(transport, "gather", "cuda gather (launch)")
+        line.wrap(transport, "gather_many", "cuda gather (launch)")
         line.wrap(transport, "assemble", "cuda assemble (launch)")
         line.wrap(transport, "staging", "cuda staging (allocate)")
         line.wrap(cuda_pages.PinnedPages, "_all_copied", "cuda copies (wait)")
