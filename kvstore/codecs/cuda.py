@@ -139,9 +139,28 @@ _SEGMENTS_BODY = """
 """.replace("SEGMENT_WORDS", str(SEGMENT_WORDS))
 #: Where a segment writes: the one output ``out``.
 _ONE_OUTPUT = "unsigned char* d = reinterpret_cast<unsigned char*>(out);"
-_GATHER_SOURCE = _SEGMENTS_BODY.format(
-    prologue="", source="reinterpret_cast<const unsigned char*>(src)", destination=_ONE_OUTPUT
-)
+
+
+def _segments_source(
+    *, source: str, prologue: str = "", destination: str = _ONE_OUTPUT, **constants: int
+) -> str:
+    """:data:`_SEGMENTS_BODY` reading each segment from ``source`` and writing it where
+    ``destination`` says, after ``prologue``; each of ``constants`` spelled out."""
+    text = _SEGMENTS_BODY.format(prologue=prologue, source=source, destination=destination)
+    for name, value in constants.items():
+        text = text.replace(name, str(value))
+    return text
+
+
+def _byte_pointers(name: str, prefix: str, count: int, *, const: bool) -> str:
+    """A C array ``name`` of the kernel's buffers ``prefix0`` .. ``prefix{count - 1}``, as
+    byte pointers."""
+    kind = "const unsigned char*" if const else "unsigned char*"
+    casts = ", ".join(f"reinterpret_cast<{kind}>({prefix}{i})" for i in range(count))
+    return f"{kind} {name}[{count}] = {{{casts}}};"
+
+
+_GATHER_SOURCE = _segments_source(source="reinterpret_cast<const unsigned char*>(src)")
 #: Outputs of one :meth:`KernelTransport.gather_many` kernel: a restore's arrays are
 #: made this many to a launch (a 32-layer model's 64 in one).
 GATHER_OUTPUTS = 64
@@ -154,17 +173,12 @@ OUTPUT_OFFSET_BITS = 48
 #: launch and 4.1 ms more to finish, for 0.3 ms of copying: each kernel is a node
 #: of the CUDA graph MLX instantiates afresh in a new process
 #: (``tools/bench/results/gpu/3be324c/restore-profiles.txt``).
-_GATHER_MANY_SOURCE = (
-    _SEGMENTS_BODY.format(
-        prologue="unsigned char* outs[GATHER_OUTPUTS] = {"
-        + ", ".join(f"reinterpret_cast<unsigned char*>(out{i})" for i in range(GATHER_OUTPUTS))
-        + "};",
-        source="reinterpret_cast<const unsigned char*>(src)",
-        destination="unsigned char* d = outs[doff >> OUTPUT_OFFSET_BITS]; "
-        "doff &= (1ull << OUTPUT_OFFSET_BITS) - 1;",
-    )
-    .replace("GATHER_OUTPUTS", str(GATHER_OUTPUTS))
-    .replace("OUTPUT_OFFSET_BITS", str(OUTPUT_OFFSET_BITS))
+_GATHER_MANY_SOURCE = _segments_source(
+    prologue=_byte_pointers("outs", "out", GATHER_OUTPUTS, const=False),
+    source="reinterpret_cast<const unsigned char*>(src)",
+    destination="unsigned char* d = outs[doff >> OUTPUT_OFFSET_BITS]; "
+    "doff &= (1ull << OUTPUT_OFFSET_BITS) - 1;",
+    OUTPUT_OFFSET_BITS=OUTPUT_OFFSET_BITS,
 )
 #: Inputs of the assemble kernel besides ``params``: the buffers its segments read.
 ASSEMBLE_INPUTS = 8
@@ -175,17 +189,11 @@ ASSEMBLE_OFFSET_BITS = 48
 #: :data:`_GATHER_SOURCE`, each ``src`` naming a buffer and an offset into it
 #: (:data:`ASSEMBLE_OFFSET_BITS`). How :mod:`kvstore.codecs.cuda_pages` joins rows it
 #: gathered a group of pages at a time, while later pages were still being locked.
-_ASSEMBLE_SOURCE = (
-    _SEGMENTS_BODY.format(
-        prologue="const unsigned char* bufs[ASSEMBLE_INPUTS] = {"
-        + ", ".join(f"reinterpret_cast<const unsigned char*>(b{i})" for i in range(ASSEMBLE_INPUTS))
-        + "};",
-        source="src ? bufs[(src >> ASSEMBLE_OFFSET_BITS) - 1] + "
-        "(src & ((1ull << ASSEMBLE_OFFSET_BITS) - 1)) : nullptr",
-        destination=_ONE_OUTPUT,
-    )
-    .replace("ASSEMBLE_INPUTS", str(ASSEMBLE_INPUTS))
-    .replace("ASSEMBLE_OFFSET_BITS", str(ASSEMBLE_OFFSET_BITS))
+_ASSEMBLE_SOURCE = _segments_source(
+    prologue=_byte_pointers("bufs", "b", ASSEMBLE_INPUTS, const=True),
+    source="src ? bufs[(src >> ASSEMBLE_OFFSET_BITS) - 1] + "
+    "(src & ((1ull << ASSEMBLE_OFFSET_BITS) - 1)) : nullptr",
+    ASSEMBLE_OFFSET_BITS=ASSEMBLE_OFFSET_BITS,
 )
 
 
