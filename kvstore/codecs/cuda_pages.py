@@ -63,6 +63,10 @@ __all__ = [
     "register_threads",
     "stored_layout",
     "gathered",
+    "gathered_flat",
+    "buffer_starts",
+    "views_in",
+    "stacked_view",
     "settle",
     "trial_done",
 ]
@@ -648,9 +652,58 @@ def gathered(
     The pieces' memory must stay mapped until this returns (``lazy``: until the arrays
     are evaluated).
     """
+    if one_buffer:
+        flat = gathered_flat(specs, pieces, pages, lazy=lazy)
+        return None if flat is None else views_in(flat, specs)
     if not specs or sum(map(cuda.nbytes_of, specs)) < GATHER_MIN_BYTES or not _proven():
         return None
-    return _gather(specs, pieces, pages, one_buffer=one_buffer, lazy=lazy and pages is not None)
+    return _gather(specs, pieces, pages, lazy=lazy and pages is not None)
+
+
+def gathered_flat(
+    specs: Sequence[cuda.LeafSpec],
+    pieces: Sequence[Sequence[np.ndarray] | RowsLayout],
+    pages: PinnedPages | None = None,
+    *,
+    lazy: bool = False,
+) -> mx.array | None:
+    """:func:`gathered` with ``one_buffer``, as the one uint8 device array that holds
+    every array of ``specs``, each at its :func:`buffer_starts` (:func:`views_in` cuts
+    them; :func:`stacked_view` takes a run of them as one array)."""
+    if not specs or sum(map(cuda.nbytes_of, specs)) < GATHER_MIN_BYTES or not _proven():
+        return None
+    made = _gather(specs, pieces, pages, one_buffer=True, lazy=lazy and pages is not None)
+    return None if made is None else made[0]
+
+
+def buffer_starts(specs: Sequence[cuda.LeafSpec]) -> list[int]:
+    """Where each array of ``specs`` starts in a one-buffer gather's output (each in
+    16-byte words), then where the last one ends."""
+    sizes = [-(-cuda.nbytes_of(spec) // 16) * 16 for spec in specs]
+    return list(itertools.accumulate(sizes, initial=0))
+
+
+def views_in(flat: mx.array, specs: Sequence[cuda.LeafSpec]) -> list[mx.array]:
+    """The arrays of ``specs`` in ``flat`` (:func:`gathered_flat`): views, no copies."""
+    return [
+        flat[at : at + cuda.nbytes_of((shape, name))].view(MLX_DTYPES[name]).reshape(shape)
+        for at, (shape, name) in zip(buffer_starts(specs), specs, strict=False)
+    ]
+
+
+def stacked_view(
+    flat: mx.array, specs: Sequence[cuda.LeafSpec], first: int, count: int
+) -> mx.array | None:
+    """Arrays ``first`` .. ``first + count - 1`` of ``specs`` in ``flat`` as one array
+    stacked along their first axis: a view (they lie one after another), or ``None``
+    where they differ in shape or dtype, or padding lies between them."""
+    spec = specs[first]
+    (shape, name), nbytes = spec, cuda.nbytes_of(spec)
+    if nbytes % 16 or any(specs[i] != spec for i in range(first, first + count)) or not shape:
+        return None
+    at = buffer_starts(specs[: first + 1])[first]
+    whole = flat[at : at + count * nbytes].view(MLX_DTYPES[name])
+    return whole.reshape((count * shape[0], *shape[1:]))
 
 
 def _gather(
@@ -690,8 +743,7 @@ def _gather(
     done = False
     try:
         if one_buffer:
-            sizes = [-(-cuda.nbytes_of(spec) // 16) * 16 for spec in specs]  # 16-byte words
-            starts = list(itertools.accumulate(sizes, initial=0))
+            starts = buffer_starts(specs)
             on_device = _DeviceTable(_segment_table(layouts, starts), pages)
             groups = _groups(pages, starts[-1])
             if groups > 1:
@@ -707,9 +759,7 @@ def _gather(
                     return None
                 flat = transport.gather(device, starts[-1])
             launched.append(flat)
-            for at, (shape, name) in zip(starts, specs, strict=False):
-                cut = flat[at : at + cuda.nbytes_of((shape, name))]
-                arrays.append(cut.view(MLX_DTYPES[name]).reshape(shape))
+            arrays.append(flat)
         else:
             table, owners = _segment_tables(layouts, [0] * len(layouts))
             order = np.argsort(owners, kind="stable")  # each array's segments together

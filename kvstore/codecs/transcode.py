@@ -84,7 +84,11 @@ def transcode(
     return _converted(snapshot, to_signature, max_size, keep)[2]
 
 
-def transcode_stacked(snapshots: Sequence[Snapshot], to_signature: str) -> list[Snapshot] | None:
+def transcode_stacked(
+    snapshots: Sequence[Snapshot],
+    to_signature: str,
+    stacked: Mapping[str, mx.array] | None = None,
+) -> list[Snapshot] | None:
     """:func:`transcode` of each of ``snapshots``, as one conversion of them stacked along
     the batch axis; ``None`` (nothing converted) where they cannot be stacked.
 
@@ -99,6 +103,10 @@ def transcode_stacked(snapshots: Sequence[Snapshot], to_signature: str) -> list[
     Stacked only when every snapshot is of one signature, range and meta (plain values),
     holds MLX arrays of the same names, shapes and dtypes, and every tensor is a row
     tensor ``[B, H, rows, ...]``; and only when the converted tensors are too.
+
+    ``stacked``: tensors of the snapshots already stacked so (views of one gather's
+    output, :class:`~kvstore.codecs.plans.Stack`), used instead of concatenating them
+    where their shape and dtype are the stack's.
     """
     if len(snapshots) < 2:
         return None
@@ -120,15 +128,20 @@ def transcode_stacked(snapshots: Sequence[Snapshot], to_signature: str) -> list[
         for name, array in snap.tensors.items():
             if not isinstance(array, mx.array) or (tuple(array.shape), array.dtype) != kinds[name]:
                 return None
-    stacked = Snapshot(
-        first.signature,
-        first.start,
-        first.stop,
-        {name: mx.concatenate([s.tensors[name] for s in snapshots]) for name in kinds},
-        first.meta,
-    )
-    out = transcode(stacked, to_signature)
     whole = len(snapshots) * batch
+    given = stacked or {}
+
+    def stack(name: str) -> mx.array:
+        shape, dtype = kinds[name]
+        ready = given.get(name)
+        if ready is not None and (tuple(ready.shape), ready.dtype) == ((whole, *shape[1:]), dtype):
+            return ready
+        return mx.concatenate([s.tensors[name] for s in snapshots])
+
+    together = Snapshot(
+        first.signature, first.start, first.stop, {n: stack(n) for n in kinds}, first.meta
+    )
+    out = transcode(together, to_signature)
     if any(a.ndim < 1 or a.shape[0] != whole for a in out.tensors.values()):
         return None
     return [

@@ -400,10 +400,14 @@ def test_a_lossy_restore_gathers_each_tensors_joined_rows_from_the_pinned_pages(
         return real_layout(pieces, shape, name)
 
     monkeypatch.setattr(cuda_pages, "_layout", layout)
-    stacks = []
+    stacks, given = [], []
 
-    def stacked(snapshots, to_signature):
-        stacks.append(restore_module_stacked(snapshots, to_signature))
+    def stacked(snapshots, to_signature, views=None):
+        stacks.append(restore_module_stacked(snapshots, to_signature, views))
+        if stacks[-1] is not None:  # the names stacked as views, and those that can be
+            tensors = snapshots[0].tensors
+            aligned = {n for n, a in tensors.items() if a.nbytes % 16 == 0}
+            given.append((sorted(views or {}), sorted(aligned)))
         return stacks[-1]
 
     restore_module_stacked = restore_module.transcode_stacked
@@ -416,6 +420,12 @@ def test_a_lossy_restore_gathers_each_tensors_joined_rows_from_the_pinned_pages(
         # or, switched off, one by one.
         want = [len(on_device)] if stacked_decode == "stacked" else []
         assert [len(s) for s in stacks if s is not None] == want
+        # ...each tensor's joins of every layer already stacked, one after another in
+        # the gather's output: a view of it, no concatenation (but where padding to
+        # 16-byte words lies between them).
+        assert len(given) == len(want) and all(views == aligned for views, aligned in given)
+        if policy == "kv:quant:8:64":  # every q8 tensor's joins are whole 16-byte words
+            assert all(views for views, _ in given)
         # Every stored row tensor of every layer (its rows of every record joined) is
         # made in one buffer: a gather per group of the records' spans, as they are
         # locked, then one assemble (or, the spans copied to the device as they are
@@ -841,3 +851,16 @@ def test_a_lazy_gather_from_pages_pinned_already_leaves_the_evaluation_to_its_ca
         pages.release()
     cuda_pages.settle()
     assert staged.registered == {} and staged.device_memory == {}
+
+
+def test_a_run_of_gathered_arrays_stacks_as_a_view_where_nothing_lies_between_them():
+    specs = [((1, 2, 4, 8), "uint16")] * 3 + [((1, 2, 3, 3), "uint16")] * 2
+    starts = cuda_pages.buffer_starts(specs)
+    flat = mx.array(np.arange(starts[-1], dtype=np.uint8))
+    views = cuda_pages.views_in(flat, specs)
+    whole = cuda_pages.stacked_view(flat, specs, 0, 3)
+    assert whole is not None and whole.shape == (3, 2, 4, 8)
+    for i, view in enumerate(views[:3]):
+        assert mx.array_equal(whole[i : i + 1], view).item()
+    assert cuda_pages.stacked_view(flat, specs, 2, 2) is None  # another shape
+    assert cuda_pages.stacked_view(flat, specs, 3, 2) is None  # 36 bytes each: padded to 48

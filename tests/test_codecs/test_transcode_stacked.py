@@ -82,3 +82,19 @@ def test_layers_that_do_not_stack_are_left_to_convert_one_by_one():
     }
     for why, snaps in cases.items():
         assert transcode_stacked(snaps, "kv:plain") is None, why
+
+
+@pytest.mark.parametrize("signature", ["kv:quant:8:64", "kv:turboquant:4:4"])
+def test_tensors_given_stacked_are_decoded_as_they_are_and_others_concatenated(signature):
+    snaps = layers_of(FAMILIES[signature])
+    name, other = list(snaps[0].tensors)[:2]
+    ready = {
+        name: mx.concatenate([s.tensors[name] for s in snaps]),
+        other: mx.zeros((1,)),  # not the stack's shape: concatenated instead
+    }
+    given = transcode_stacked(snaps, "kv:plain", ready)
+    plain = transcode_stacked(snaps, "kv:plain")
+    assert given is not None and plain is not None
+    for a, b in zip(given, plain, strict=True):
+        for key, array in b.tensors.items():
+            assert mx.array_equal(a.tensors[key], array).item(), key

@@ -37,6 +37,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import mlx.core as mx
+
 from kvstore.abc.cache import is_recurrent_cache, is_sliding_window_cache, signature_of
 from kvstore.abc.codec import RestorePlan, Snapshot
 from kvstore.abc.store import BlockRef, Match, PrefixStore
@@ -50,7 +52,7 @@ from kvstore.codecs import (
     transcode_stacked,
 )
 from kvstore.codecs.payload_tensors import stored
-from kvstore.codecs.plans import join_runs, run_plans
+from kvstore.codecs.plans import Stack, join_runs, run_plans
 from kvstore.codecs.record import Record, RecordHeader, decode_records_on_device
 from kvstore.collector import collection_paused
 from kvstore.errors import (
@@ -321,17 +323,21 @@ def _plans(
         layers.append(snaps)
     recoded = [i for i, need in enumerate(needs) if layers[i][0].signature != need.signature]
     if recoded and cuda.available():
-        joins = join_runs([layers[i] for i in recoded], pages)
+        stacks: list[Stack] = []
+        joins = join_runs([layers[i] for i in recoded], pages, stacks)
         for i, joined in zip(recoded, joins, strict=True):
             layers[i] = joined
-        recoded = _stacked(layers, needs, recoded)
+        recoded = _stacked(layers, needs, recoded, stacks)
     for i in recoded:
         layers[i] = [transcode(s, needs[i].signature) for s in layers[i]]
     return [get_codec(need.signature).plan_restore(layers[i]) for i, need in enumerate(needs)]
 
 
 def _stacked(
-    layers: list[list[Snapshot]], needs: Sequence[LayerNeed], recoded: list[int]
+    layers: list[list[Snapshot]],
+    needs: Sequence[LayerNeed],
+    recoded: list[int],
+    stacks: Sequence[Stack] = (),
 ) -> list[int]:
     """Layers of ``recoded`` joined into one snapshot each, converted in one go per kind
     of stored and wanted signature where they stack (:func:`transcode_stacked`), in
@@ -340,7 +346,9 @@ def _stacked(
     A stack holds at most :data:`STACKED_DECODE_VECTORS` vectors of a kind (batch x
     heads x rows of a row tensor), so that a decode's float32 intermediates stay
     bounded (~512 MiB each at head_dim 128): a 4096-token llama-8B restore's 32 layers
-    are one stack, a 16384-token one's four."""
+    are one stack, a 16384-token one's four. Where the joins of a stack lie one after
+    another in a gather's output (``stacks``, from :func:`join_runs`), the decode reads
+    them there as they are, not concatenated."""
     if os.environ.get("KVSTORE_STACKED_DECODE", "1") == "0":
         return recoded
     kinds: dict[tuple[str, str], list[list[int]]] = {}
@@ -349,22 +357,45 @@ def _stacked(
         if len(layers[i]) != 1 or not layers[i][0].tensors:
             continue
         kind = (layers[i][0].signature, needs[i].signature)
-        stacks = kinds.setdefault(kind, [[]])
+        runs = kinds.setdefault(kind, [[]])
         vectors = math.prod(next(iter(layers[i][0].tensors.values())).shape[:3])
-        if stacks[-1] and held[kind] + vectors > STACKED_DECODE_VECTORS:
-            stacks.append([])
+        if runs[-1] and held[kind] + vectors > STACKED_DECODE_VECTORS:
+            runs.append([])
             held[kind] = 0
         held[kind] = held.get(kind, 0) + vectors
-        stacks[-1].append(i)
+        runs[-1].append(i)
     done: set[int] = set()
-    for (_, wanted), stacks in kinds.items():
-        for which in stacks:
-            converted = transcode_stacked([layers[i][0] for i in which], wanted)
+    # Each gathered join's stack and place in it (the joins are alive in ``layers``).
+    place = {id(m): (stack, at) for stack in stacks for at, m in enumerate(stack.members)}
+    for (_, wanted), runs in kinds.items():
+        for which in runs:
+            snaps = [layers[i][0] for i in which]
+            converted = transcode_stacked(snaps, wanted, _views_of(snaps, place))
             if converted is not None:
                 for i, snap in zip(which, converted, strict=True):
                     layers[i] = [snap]
                 done.update(which)
     return [i for i in recoded if i not in done]
+
+
+def _views_of(
+    snaps: Sequence[Snapshot], place: Mapping[int, tuple[Stack, int]]
+) -> dict[str, mx.array]:
+    """Each tensor name of ``snaps`` whose arrays are consecutive members of one
+    :class:`Stack`, as the slice of its ``whole`` that stacks them (a view)."""
+    out = {}
+    for name in snaps[0].tensors:
+        found = place.get(id(snaps[0].tensors[name]))
+        if found is None:
+            continue
+        stack, at = found
+        members = stack.members[at : at + len(snaps)]
+        if len(members) == len(snaps) and all(
+            m is s.tensors[name] for m, s in zip(members, snaps, strict=True)
+        ):
+            batch = int(members[0].shape[0])
+            out[name] = stack.whole[at * batch : (at + len(snaps)) * batch]
+    return out
 
 
 #: The most vectors of a kind one stacked decode holds (:func:`_stacked`).
