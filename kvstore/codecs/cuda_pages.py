@@ -12,8 +12,8 @@ Here the host copies nothing. The pages the rows are in are page-locked where
 they are (``cuMemHostRegister`` with ``CU_MEMHOSTREGISTER_READ_ONLY``: the map
 is read-only), on :func:`register_threads` threads in address order, and each
 span, as soon as it is locked, is copied whole into device memory by the copy
-engine (:data:`STAGE_SPANS`); one kernel per array then gathers its rows there,
-the zeros past them included. Where that memory cannot be had, kernels read the
+engine (:data:`STAGE_SPANS`); one kernel then gathers the rows of up to 64 arrays
+there, the zeros past them included. Where that memory cannot be had, kernels read the
 rows from the locked pages over PCIe instead: a group of records' rows at a time
 into a buffer on the device, each group as soon as its records are locked, then
 one kernel per array joins them there (:func:`_group_buffers`); rows in one span

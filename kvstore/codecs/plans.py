@@ -19,6 +19,7 @@ the bus.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
@@ -368,15 +369,12 @@ def _stacks(
     """The runs of ``specs`` (gathered one after another into ``flat``, ``views`` of
     each) of one name that stack as a view (:func:`cuda_pages.stacked_view`)."""
     out, first = [], 0
-    while first < len(specs):
-        last = first
-        while last + 1 < len(specs) and names[last + 1] == names[first]:
-            last += 1
-        count = last - first + 1
+    for _, run in itertools.groupby(names):
+        count = len(list(run))
         whole = cuda_pages.stacked_view(flat, specs, first, count) if count > 1 else None
         if whole is not None:
-            out.append(Stack(whole, tuple(views[first : last + 1])))
-        first = last + 1
+            out.append(Stack(whole, tuple(views[first : first + count])))
+        first += count
     return out
 
 
