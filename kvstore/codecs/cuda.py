@@ -196,6 +196,25 @@ _ASSEMBLE_SOURCE = _segments_source(
     ASSEMBLE_OFFSET_BITS=ASSEMBLE_OFFSET_BITS,
 )
 
+#: As :data:`_ASSEMBLE_SOURCE`, into outputs ``out0`` .. ``out63`` as
+#: :data:`_GATHER_MANY_SOURCE` writes them: each segment's ``src`` names a buffer
+#: (:data:`ASSEMBLE_OFFSET_BITS`) and its ``dst_offset`` an output
+#: (:data:`OUTPUT_OFFSET_BITS`). How a lossy restore gives each cache its own buffer of
+#: the rows it decoded for all layers at once (:mod:`kvstore.codecs.device_joins`): one
+#: kernel where a concatenation and a zero fill per array were ~128 nodes of the CUDA
+#: graph a fresh process instantiates (q8, 4096 tokens of llama-8B on an H200: ~10.6 ms
+#: after the decode, ``tools/bench/results/gpu/1a8cb38/ab-env.txt``).
+_ASSEMBLE_MANY_SOURCE = _segments_source(
+    prologue=_byte_pointers("bufs", "b", ASSEMBLE_INPUTS, const=True)
+    + _byte_pointers("outs", "out", GATHER_OUTPUTS, const=False),
+    source="src ? bufs[(src >> ASSEMBLE_OFFSET_BITS) - 1] + "
+    "(src & ((1ull << ASSEMBLE_OFFSET_BITS) - 1)) : nullptr",
+    destination="unsigned char* d = outs[doff >> OUTPUT_OFFSET_BITS]; "
+    "doff &= (1ull << OUTPUT_OFFSET_BITS) - 1;",
+    ASSEMBLE_OFFSET_BITS=ASSEMBLE_OFFSET_BITS,
+    OUTPUT_OFFSET_BITS=OUTPUT_OFFSET_BITS,
+)
+
 
 class PinnedBuffer:
     """Host memory the GPU can read and write: anonymous pages, touched and page-locked.
@@ -444,6 +463,13 @@ class Transport(Protocol):
         ``params`` from the uint8 device ``buffers`` (at most :data:`ASSEMBLE_INPUTS`;
         see :data:`_ASSEMBLE_SOURCE`)."""
 
+    def assemble_many(
+        self, params: np.ndarray, buffers: Sequence[mx.array], nbytes: Sequence[int]
+    ) -> list[mx.array]:
+        """New lazy uint8 device arrays of ``nbytes`` each (at most
+        :data:`GATHER_OUTPUTS`), made by one kernel: as :meth:`assemble`, each segment's
+        ``dst_offset`` naming its array (:data:`OUTPUT_OFFSET_BITS`)."""
+
 
 class KernelTransport:
     """The real one: the driver for pinned memory, MLX CUDA kernels for the copies."""
@@ -483,6 +509,12 @@ class KernelTransport:
             input_names=["params", *(f"b{i}" for i in range(ASSEMBLE_INPUTS))],
             output_names=["out"],
             source=_ASSEMBLE_SOURCE,
+        )
+        self._assemble_many = mx.fast.cuda_kernel(
+            name="kvstore_assemble_many",
+            input_names=["params", *(f"b{i}" for i in range(ASSEMBLE_INPUTS))],
+            output_names=[f"out{i}" for i in range(GATHER_OUTPUTS)],
+            source=_ASSEMBLE_MANY_SOURCE,
         )
 
     def slot(self, nbytes: int) -> PinnedBuffer:
@@ -546,6 +578,20 @@ class KernelTransport:
         spare = buffers[0] if buffers else mx.zeros((16,), mx.uint8)
         unused = [spare] * (ASSEMBLE_INPUTS - len(buffers))
         return self._segments(self._assemble, params, [*buffers, *unused], [nbytes])[0]
+
+    def assemble_many(
+        self, params: np.ndarray, buffers: Sequence[mx.array], nbytes: Sequence[int]
+    ) -> list[mx.array]:
+        if not 0 < len(nbytes) <= GATHER_OUTPUTS or len(buffers) > ASSEMBLE_INPUTS:
+            raise ValueError(
+                f"[cuda] {len(nbytes)} arrays from {len(buffers)} buffers; an assemble makes "
+                f"1 to {GATHER_OUTPUTS} from at most {ASSEMBLE_INPUTS}."
+            )
+        spare = buffers[0] if buffers else mx.zeros((16,), mx.uint8)
+        unused = [spare] * (ASSEMBLE_INPUTS - len(buffers))
+        sizes = [*nbytes, *[16] * (GATHER_OUTPUTS - len(nbytes))]
+        made = self._segments(self._assemble_many, params, [*buffers, *unused], sizes)
+        return made[: len(nbytes)]
 
     @staticmethod
     def _segments(

@@ -50,7 +50,7 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from kvstore.codecs import cuda
+from kvstore.codecs import cuda, device_joins
 from kvstore.codecs.arrays import MLX_DTYPES, dtype_name, numpy_dtype
 from kvstore.threads import KeptPool, threads_from_env
 
@@ -655,7 +655,7 @@ def gathered(
     if one_buffer:
         flat = gathered_flat(specs, pieces, pages, lazy=lazy)
         return None if flat is None else views_in(flat, specs)
-    if not specs or sum(map(cuda.nbytes_of, specs)) < GATHER_MIN_BYTES or not _proven():
+    if not specs or sum(map(cuda.nbytes_of, specs)) < GATHER_MIN_BYTES or not proven():
         return None
     return _gather(specs, pieces, pages, lazy=lazy and pages is not None)
 
@@ -670,7 +670,7 @@ def gathered_flat(
     """:func:`gathered` with ``one_buffer``, as the one uint8 device array that holds
     every array of ``specs``, each at its :func:`buffer_starts` (:func:`views_in` cuts
     them; :func:`stacked_view` takes a run of them as one array)."""
-    if not specs or sum(map(cuda.nbytes_of, specs)) < GATHER_MIN_BYTES or not _proven():
+    if not specs or sum(map(cuda.nbytes_of, specs)) < GATHER_MIN_BYTES or not proven():
         return None
     made = _gather(specs, pieces, pages, one_buffer=True, lazy=lazy and pages is not None)
     return None if made is None else made[0]
@@ -983,9 +983,10 @@ def register_threads() -> int:
 _REGISTER_POOL = KeptPool("kvstore-cuda-register", register_threads)
 
 
-def _proven() -> bool:
-    """Whether the try of a gather here (:func:`_works`) is done and passed; starts it
-    in the background when it has not run. A restore does not wait for it (the first
+def proven() -> bool:
+    """Whether the try of a gather here (:func:`_works`) is done and passed (and with it
+    the assemble of many arrays that :mod:`~kvstore.codecs.device_joins` launches);
+    starts it in the background when it has not run. A restore does not wait for it (the first
     load of its kernel on a machine compiles it, about a second): it stages as before."""
     return _route() and _WORKS is True  # _WORKS is set once the try is done
 
@@ -1020,7 +1021,38 @@ def _try_a_gather() -> bool:
     run: a second route on pages of the first (mapped anew at the same addresses)
     would wait for their release, queued behind this try on the staging threads."""
     kept: list[mmap.mmap] = []
-    return all(_try_a_gather_by(stage, kept) for stage in dict.fromkeys([STAGE_SPANS, False]))
+    routes = all(_try_a_gather_by(stage, kept) for stage in dict.fromkeys([STAGE_SPANS, False]))
+    return routes and _try_device_joins()
+
+
+def _try_device_joins() -> bool:
+    """Three arrays joined from pieces in three device buffers by one kernel
+    (:func:`~kvstore.codecs.device_joins.joined`): one padded with zeros, one of pieces
+    from two buffers, one whose rows are not whole 16-byte words."""
+    rng = np.random.default_rng(1)
+    wholes = [rng.integers(0, 1 << 16, shape, dtype=np.uint16) for shape in _TRIED_WHOLES]
+    a, b, c = (mx.array(w) for w in wholes)
+    columns = [
+        [(a[:1], a, 0)],
+        [(a[1:], a, a.nbytes // 2), (b, b, 0)],
+        [(c, c, 0)],
+    ]
+    specs = [((1, 2, 7, 8), "uint16"), ((1, 2, 7, 8), "uint16"), ((1, 2, 6, 3), "uint16")]
+    want = [np.zeros(shape, np.uint16) for shape, _ in specs]
+    want[0][:, :, :5] = wholes[0][:1]
+    want[1][...] = np.concatenate([wholes[0][1:], wholes[1]], axis=2)
+    want[2][:, :, :4] = wholes[2]
+    try:
+        got = device_joins.joined(specs, columns)
+        return got is not None and all(
+            np.array_equal(np.array(g), w) for g, w in zip(got, want, strict=True)
+        )
+    except (OSError, RuntimeError, ValueError):
+        return False
+
+
+#: The buffers :func:`_try_device_joins` joins pieces of.
+_TRIED_WHOLES = ((2, 2, 5, 8), (1, 2, 2, 8), (1, 2, 4, 3))
 
 
 def _try_a_gather_by(stage: bool, kept: list[mmap.mmap]) -> bool:

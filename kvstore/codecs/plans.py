@@ -29,7 +29,7 @@ import numpy as np
 
 from kvstore.abc.codec import RestorePlan, Snapshot
 from kvstore.caches.base import Tree
-from kvstore.codecs import cuda, cuda_pages
+from kvstore.codecs import cuda, cuda_pages, device_joins
 from kvstore.codecs.arrays import MLX_DTYPES, as_numpy_all, dtype_name, owned_arrays
 from kvstore.codecs.copies import copy_all
 from kvstore.codecs.fill import LeafSpec, filled_arrays
@@ -204,7 +204,9 @@ def as_device(piece: Any) -> mx.array:
 
 
 def run_plans(
-    plans: Sequence[RestorePlan], pages: cuda_pages.PinnedPages | None = None
+    plans: Sequence[RestorePlan],
+    pages: cuda_pages.PinnedPages | None = None,
+    stacks: Sequence[Stack] = (),
 ) -> list[Any]:
     """The caches of ``plans``: every array of every plan allocated and filled in one go.
 
@@ -214,6 +216,10 @@ def run_plans(
     (:func:`~kvstore.codecs.cuda_pages.gathered`; ``pages``: those pages, pinned
     already), or joined on the device when their pieces are MLX arrays already;
     any other plan gets zero-filled buffers of its ``leaves``.
+
+    ``stacks``: arrays on the device whose members are pieces of the plans (a lossy
+    restore's rows, decoded for all layers at once); arrays whose every piece is such a
+    member are written by one kernel per 64 of them (:mod:`~kvstore.codecs.device_joins`).
     """
     on_gpu = cuda.available()
     # On a GPU every lazy piece is joined there, in the one evaluation below (with the
@@ -222,11 +228,11 @@ def run_plans(
     if not on_gpu:
         mx.eval([a for plan in plans if isinstance(plan, CachePlan) for a in plan.lazy()])
     columns = [c for plan in plans if isinstance(plan, CachePlan) for c in plan.columns()]
-    joined = {
-        i: join.join_on_device(col)
-        for i, (join, col) in enumerate(columns)
-        if on_gpu and join.holds_mlx(col)
-    }
+    joined = (
+        _joined_on_device([(i, c) for i, c in enumerate(columns) if c[0].holds_mlx(c[1])], stacks)
+        if on_gpu
+        else {}
+    )
     writers = [(i, c) for i, c in enumerate(columns) if i not in joined]
     specs = [join.leaves()[column] for _, (join, column) in writers]
     # On a GPU every writer's pieces are host arrays here (the MLX ones were joined).
@@ -254,6 +260,36 @@ def run_plans(
         caches.append(plan.assemble(arrays[at : at + n]))
         at += n
     return caches
+
+
+def _joined_on_device(
+    columns: Sequence[tuple[int, tuple[RowsJoin, int]]], stacks: Sequence[Stack]
+) -> dict[int, mx.array]:
+    """Each of ``columns`` (numbered, with its join and leaf) joined on the device: those
+    whose every piece is a member of one of ``stacks`` by one kernel per 64, the rest
+    by a concatenation each."""
+    place = {
+        id(member): (stack.whole, at * member.nbytes)
+        for stack in stacks
+        for at, member in enumerate(stack.members)
+    }
+    placed: dict[int, list[device_joins.Placed]] = {}
+    for i, (join, col) in columns if place else ():
+        found = [(piece, *place[id(piece)]) for piece in join.columns[col] if id(piece) in place]
+        if len(found) == len(join.columns[col]):
+            placed[i] = found
+    made = (
+        device_joins.joined(
+            [join.leaves()[col] for i, (join, col) in columns if i in placed], list(placed.values())
+        )
+        if placed and cuda_pages.proven()
+        else None
+    )
+    joined = dict(zip(placed, made, strict=True)) if made is not None else {}
+    for i, (join, col) in columns:
+        if i not in joined:
+            joined[i] = join.join_on_device(col)
+    return joined
 
 
 @dataclass(frozen=True)

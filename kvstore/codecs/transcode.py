@@ -27,6 +27,7 @@ from typing import Any, cast
 import mlx.core as mx
 
 from kvstore.abc.codec import KVCodec, Snapshot
+from kvstore.codecs.plans import Stack
 from kvstore.codecs.registry import get_codec
 from kvstore.codecs.ring import RingKVCodec
 
@@ -88,6 +89,7 @@ def transcode_stacked(
     snapshots: Sequence[Snapshot],
     to_signature: str,
     stacked: Mapping[str, mx.array] | None = None,
+    decoded: list[Stack] | None = None,
 ) -> list[Snapshot] | None:
     """:func:`transcode` of each of ``snapshots``, as one conversion of them stacked along
     the batch axis; ``None`` (nothing converted) where they cannot be stacked.
@@ -107,6 +109,10 @@ def transcode_stacked(
     ``stacked``: tensors of the snapshots already stacked so (views of one gather's
     output, :class:`~kvstore.codecs.plans.Stack`), used instead of concatenating them
     where their shape and dtype are the stack's.
+
+    ``decoded``: each converted tensor's stack appended to it (its ``members`` the
+    snapshots' tensors, in order), for a restore to join the layers' rows from where
+    they lie (:func:`~kvstore.codecs.plans.run_plans`).
     """
     if len(snapshots) < 2:
         return None
@@ -144,12 +150,18 @@ def transcode_stacked(
     out = transcode(together, to_signature)
     if any(a.ndim < 1 or a.shape[0] != whole for a in out.tensors.values()):
         return None
+    parts = {
+        name: [a[i * batch : (i + 1) * batch] for i in range(len(snapshots))]
+        for name, a in out.tensors.items()
+    }
+    if decoded is not None:
+        decoded.extend(Stack(out.tensors[name], tuple(p)) for name, p in parts.items())
     return [
         Snapshot(
             out.signature,
             out.start,
             out.stop,
-            {name: a[i * batch : (i + 1) * batch] for name, a in out.tensors.items()},
+            {name: p[i] for name, p in parts.items()},
             dict(out.meta),
         )
         for i in range(len(snapshots))

@@ -43,6 +43,7 @@ def staged(monkeypatch, request):
     assert cuda_pages._works()  # the once-per-process try, on pages of its own
     cuda_pages.settle()
     transport.gathers = transport.assembles = transport.registrations = 0
+    transport.assembled_many.clear()
     assert all(staging.freed for staging in transport.stagings)
     transport.stagings.clear()
     yield transport
@@ -402,8 +403,8 @@ def test_a_lossy_restore_gathers_each_tensors_joined_rows_from_the_pinned_pages(
     monkeypatch.setattr(cuda_pages, "_layout", layout)
     stacks, given = [], []
 
-    def stacked(snapshots, to_signature, views=None):
-        stacks.append(restore_module_stacked(snapshots, to_signature, views))
+    def stacked(snapshots, to_signature, views=None, decoded=None):
+        stacks.append(restore_module_stacked(snapshots, to_signature, views, decoded))
         if stacks[-1] is not None:  # the names stacked as views, and those that can be
             tensors = snapshots[0].tensors
             aligned = {n for n, a in tensors.items() if a.nbytes % 16 == 0}
@@ -438,6 +439,12 @@ def test_a_lossy_restore_gathers_each_tensors_joined_rows_from_the_pinned_pages(
         # ...read where the headers say they lie, the last block's cut included: no
         # piece was viewed to find its address.
         assert viewed == []
+        # The decoded rows of every layer written into each cache's own arrays by one
+        # kernel per 64 arrays and 8 decoded stacks (a stack of keys and one of values
+        # per layer: four layers to a kernel); decoded one by one, joined one by one.
+        layers = len(on_device)
+        kernels = {"stacked": [2 * layers], "one-layer-stacks": [8] * (layers // 4)}
+        assert staged.assembled_many == kernels.get(stacked_decode, [])
         monkeypatch.setattr(cuda, "TRANSPORT", False)
         plain = store.restore(match, model.make_cache())
     assert int(on_device[0].offset) == len(tokens) - 1
@@ -455,7 +462,7 @@ def test_described_lossy_rows_no_gather_reads_are_filled_from_their_views(
     with open_store(url, block_size=BLOCK, storage_policy="kv:quant:8:64") as store:
         store.save("ns", tokens, token_by_token(model, tokens))
         match = store.lookup("ns", tokens)
-        monkeypatch.setattr(cuda_pages, "_proven", lambda: False)
+        monkeypatch.setattr(cuda_pages, "proven", lambda: False)
         pinned = []
         real_pin = cuda_pages.pin
 

@@ -31,6 +31,8 @@ class HostTransport:
         self.downloads = 0
         self.gathers = 0
         self.assembles = 0
+        #: The arrays each :meth:`assemble_many` made.
+        self.assembled_many: list[int] = []
         self.registrations = 0
         self.registered: dict[int, int] = {}
         self.refuse = False
@@ -114,24 +116,38 @@ class HostTransport:
     def assemble(self, params: np.ndarray, buffers, nbytes: int) -> mx.array:
         """The assemble kernel's segments, each ``src`` a buffer's number + 1 (high
         bits) and an offset into it."""
-        assert len(buffers) <= cuda.ASSEMBLE_INPUTS
         self.assembles += 1
+        return mx.array(self._assembled(params, buffers, [nbytes], bits=None)[0])
+
+    def assemble_many(self, params: np.ndarray, buffers, nbytes) -> list[mx.array]:
+        """One assemble kernel of several outputs: each segment's ``dst_offset`` names
+        its output (high bits) and an offset into it."""
+        assert 0 < len(nbytes) <= cuda.GATHER_OUTPUTS
+        self.assembled_many.append(len(nbytes))
+        outs = self._assembled(params, buffers, nbytes, bits=cuda.OUTPUT_OFFSET_BITS)
+        return [mx.array(out) for out in outs]
+
+    def _assembled(self, params: np.ndarray, buffers, nbytes, bits: int | None) -> list[np.ndarray]:
+        assert len(buffers) <= cuda.ASSEMBLE_INPUTS
+        assert all(b.dtype == mx.uint8 and b.ndim == 1 for b in buffers)
         sources = [np.array(buffer) for buffer in buffers]
-        out = np.full(nbytes, 0xAB, np.uint8)
+        outs = [np.full(n, 0xAB, np.uint8) for n in nbytes]  # bytes no segment writes show up
         words = params[1:].reshape(int(params[0]), cuda.SEGMENT_WORDS).tolist()
-        bits = cuda.ASSEMBLE_OFFSET_BITS
+        at_bits = cuda.ASSEMBLE_OFFSET_BITS
         for src, src_pitch, offset, pitch, width, height in words:
-            assert offset + (height - 1) * pitch + width <= nbytes
+            out = outs[0 if bits is None else offset >> bits]
+            offset &= (1 << (bits or 64)) - 1
+            assert offset + (height - 1) * pitch + width <= out.size
             for r in range(height):
                 at = offset + r * pitch
                 if not src:
                     out[at : at + width] = 0
                     continue
-                source = sources[(src >> bits) - 1]
-                first = (src & ((1 << bits) - 1)) + r * src_pitch
+                source = sources[(src >> at_bits) - 1]
+                first = (src & ((1 << at_bits) - 1)) + r * src_pitch
                 assert first + width <= source.size
                 out[at : at + width] = source[first : first + width]
-        return mx.array(out)
+        return outs
 
 
 class HostStaging:

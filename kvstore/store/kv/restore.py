@@ -163,7 +163,9 @@ def _restored(
                         )
                     }
                     # Every layer planned first, then all arrays allocated in one go.
-                    restored = run_plans(_plans(cut, needs, records, pages), pages)
+                    decoded: list[Stack] = []
+                    plans = _plans(cut, needs, records, pages, decoded)
+                    restored = run_plans(plans, pages, decoded)
                     intact = views.intact()
                     if intact == len(wanted):
                         return restored
@@ -307,12 +309,15 @@ def _plans(
     needs: Sequence[LayerNeed],
     records: Mapping[bytes, list[Snapshot | None]],
     pages: cuda_pages.PinnedPages | None = None,
+    decoded: list[Stack] | None = None,
 ) -> list[RestorePlan]:
     """Every layer's restore plan. Layers stored in another encoding (a lossy storage
     policy) are decoded into the cache's family: on a CUDA GPU their rows are joined
     first, all layers at once (gathered from ``pages``, the records' pinned pages,
     when they are), and decoded there once per run of blocks (a decode per block is
-    a host round trip each); on the CPU block by block, as read."""
+    a host round trip each); on the CPU block by block, as read. The stacks decoded so
+    are appended to ``decoded`` (:func:`~kvstore.codecs.plans.run_plans` joins each
+    layer's rows from there)."""
     layers = []
     for layer, need in enumerate(needs):
         snaps = []
@@ -327,7 +332,7 @@ def _plans(
         joins = join_runs([layers[i] for i in recoded], pages, stacks)
         for i, joined in zip(recoded, joins, strict=True):
             layers[i] = joined
-        recoded = _stacked(layers, needs, recoded, stacks)
+        recoded = _stacked(layers, needs, recoded, stacks, decoded)
     for i in recoded:
         layers[i] = [transcode(s, needs[i].signature) for s in layers[i]]
     return [get_codec(need.signature).plan_restore(layers[i]) for i, need in enumerate(needs)]
@@ -338,6 +343,7 @@ def _stacked(
     needs: Sequence[LayerNeed],
     recoded: list[int],
     stacks: Sequence[Stack] = (),
+    decoded: list[Stack] | None = None,
 ) -> list[int]:
     """Layers of ``recoded`` joined into one snapshot each, converted in one go per kind
     of stored and wanted signature where they stack (:func:`transcode_stacked`), in
@@ -370,7 +376,7 @@ def _stacked(
     for (_, wanted), runs in kinds.items():
         for which in runs:
             snaps = [layers[i][0] for i in which]
-            converted = transcode_stacked(snaps, wanted, _views_of(snaps, place))
+            converted = transcode_stacked(snaps, wanted, _views_of(snaps, place), decoded)
             if converted is not None:
                 for i, snap in zip(which, converted, strict=True):
                     layers[i] = [snap]
