@@ -28,6 +28,7 @@ PHASES = (
     "cuda register (page-lock)",
     "cuda gather (launch)",
     "cuda assemble (launch)",
+    "cuda joins (launch)",
     "cuda staging (allocate)",
     "cuda copies (wait)",
     "join_runs",

@@ -174,6 +174,7 @@ def child_restore(url: str, tokens: int, layers: int, switch_ms: float) -> dict[
         line.wrap(transport, "gather", "cuda gather (launch)")
         line.wrap(transport, "gather_many", "cuda gather (launch)")
         line.wrap(transport, "assemble", "cuda assemble (launch)")
+        line.wrap(transport, "assemble_many", "cuda joins (launch)")
         line.wrap(transport, "staging", "cuda staging (allocate)")
         line.wrap(cuda_pages.PinnedPages, "_all_copied", "cuda copies (wait)")
     if switch_ms:
