@@ -24,6 +24,9 @@
 #                child (KVSTORE_PROFILE_MODEL=1: the llama-8B model built, a forward over
 #                zeros): G1's restore was 39.5 ms against ab_env's 30.5 at 87ca0d3, is the
 #                model why? Each phase's end says where the time goes: ~150 s
+# STEP parent    ab_env of lossless and q8 without, then with, G1's model held in the parent
+#                (--parent-model): G1/G2's restores stay 5-8 ms slower than ab_env's
+#                children, and the model in the child is not why (1a8cb38/ab-model.txt): ~300 s
 # STEP g1-4k     G1 at 4096 tokens: ~150 s
 # STEP g1-16k    G1 at 16384 tokens: ~230 s
 # STEP g2a       G2 at 4096 tokens, lossless + kv:quant:8:64 and 4:64: ~330 s
@@ -56,6 +59,11 @@ case "$step" in
   model)
     timeout 300 python3 -m tools.bench.gpu.ab_env --repeats 5 base: 'model:KVSTORE_PROFILE_MODEL=1' \
       --policies lossless 2>&1 | tee "$out/ab-model.txt" ;;
+  parent)
+    timeout 200 python3 -m tools.bench.gpu.ab_env --repeats 5 base: --policies lossless,kv:quant:8:64 \
+      2>&1 | tee "$out/ab-parent-none.txt"
+    timeout 300 python3 -m tools.bench.gpu.ab_env --repeats 5 base: --policies lossless,kv:quant:8:64 \
+      --parent-model 2>&1 | tee "$out/ab-parent-model.txt" ;;
   ab)
     timeout 300 python3 -m tools.bench.gpu.ab_env --repeats 5 base: \
       --policies lossless,kv:quant:8:64,kv:turboquant:4:4 2>&1 | tee "$out/ab-env.txt" ;;
@@ -73,5 +81,5 @@ case "$step" in
     esac
     KVSTORE_BENCH_G2_POLICIES=$policies KVSTORE_BENCH_GPU_TOKENS=4096 KVSTORE_BENCH_GIT=$rev \
       CHECK_TIMEOUT=1 BENCH_TIMEOUT=540 REPEATS=5 bash tools/bench/gpu/run.sh G2 "$out/$step" ;;
-  *) echo "next.sh: unknown step $step (ab, profiles, probe, graphs, stage, model, g1-4k, g1-16k, g2a, g2b, g2c)"; exit 2 ;;
+  *) echo "next.sh: unknown step $step (ab, profiles, probe, graphs, stage, model, parent, g1-4k, g1-16k, g2a, g2b, g2c)"; exit 2 ;;
 esac

@@ -75,7 +75,7 @@ class Timeline:
         return out
 
 
-def _session_model(layers: int, tokens: int) -> Any:
+def session_model(layers: int, tokens: int) -> Any:
     """G1's fresh session before its clock (``KVSTORE_PROFILE_MODEL=1``): the llama-8B-shaped
     model built in this process and a one-token forward over caches of zeros as long as
     the prompt. G1's restore has been 6-9 ms slower than this script's child without it
@@ -105,7 +105,7 @@ def child_restore(url: str, tokens: int, layers: int, switch_ms: float) -> dict[
 
     prompt = list(range(tokens + 1))
     # Held through the timed restore, as a session holds its model.
-    _model = _session_model(layers, tokens) if os.environ.get("KVSTORE_PROFILE_MODEL") else None
+    _model = session_model(layers, tokens) if os.environ.get("KVSTORE_PROFILE_MODEL") else None
     store = open_store(url, readonly=True)
     head = prompt[: store.block_size + 1]
     warm = store.restore(store.lookup("ns", head), [KVCache() for _ in range(layers)])
