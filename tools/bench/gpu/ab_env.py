@@ -20,11 +20,11 @@ import tempfile
 from typing import Any
 
 from tools.bench.gpu.restore_profile import (
-    session_model,
     median_run,
     rows_digest,
     run_child,
     saved_store,
+    session_model,
 )
 
 PHASES = (
