@@ -180,12 +180,16 @@ class HostStaging:
         del self.transport.device_memory[self.host]
 
 
-@pytest.fixture
-def staged(monkeypatch):
+def host_transport(monkeypatch) -> HostTransport:
+    """A :class:`HostTransport` as this process's CUDA transport until the test ends."""
     transport = HostTransport()
     monkeypatch.setattr(cuda, "TRANSPORT", transport)
-    yield transport
-    monkeypatch.setattr(cuda, "TRANSPORT", None)
+    return transport
+
+
+@pytest.fixture
+def staged(monkeypatch):
+    return host_transport(monkeypatch)
 
 
 def test_upload_fills_every_array_from_its_slot(staged):

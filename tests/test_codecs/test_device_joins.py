@@ -10,15 +10,12 @@ import numpy as np
 import pytest
 
 from kvstore.codecs import cuda, cuda_pages, device_joins
-from tests.test_codecs.test_cuda_staging import HostTransport
+from tests.test_codecs.test_cuda_staging import host_transport
 
 
 @pytest.fixture
 def staged(monkeypatch):
-    transport = HostTransport()
-    monkeypatch.setattr(cuda, "TRANSPORT", transport)
-    yield transport
-    monkeypatch.setattr(cuda, "TRANSPORT", None)
+    return host_transport(monkeypatch)
 
 
 def stack_of(rng, layers, rows, *, heads=2, dim=8, dtype=mx.bfloat16):
