@@ -294,14 +294,16 @@ def _joined_on_device(
 
 @dataclass(frozen=True)
 class Stack:
-    """Joined row tensors of one name that lie one after another in one gather's output
-    (:func:`join_runs` on a CUDA GPU): ``whole`` is them stacked along the batch axis,
-    a view, so a decode of them all (:func:`~kvstore.codecs.transcode.transcode_stacked`)
-    needs no concatenation (on an H200 a q8 restore's stacking was 192 copy kernels,
-    each a node of the CUDA graph a fresh process instantiates)."""
+    """Row tensors of one name that lie one after another along the batch axis of one
+    device array, ``whole``, from its start. Two kinds on a CUDA GPU: the joins of a
+    lossy restore's records in one gather's output (:func:`join_runs`), so a decode of
+    them all (:func:`~kvstore.codecs.transcode.transcode_stacked`) needs no
+    concatenation (on an H200 a q8 restore's stacking was 192 copy kernels, each a node
+    of the CUDA graph a fresh process instantiates); and each layer's rows of that decode,
+    which :func:`run_plans` copies into the caches' own arrays by one kernel."""
 
     whole: mx.array
-    #: The joined tensors, in order: ``whole``'s parts, each a view of its own.
+    #: The tensors, in order: ``whole``'s parts, each a view of its own.
     members: tuple[mx.array, ...]
 
 
