@@ -871,3 +871,28 @@ def test_a_run_of_gathered_arrays_stacks_as_a_view_where_nothing_lies_between_th
         assert mx.array_equal(whole[i : i + 1], view).item()
     assert cuda_pages.stacked_view(flat, specs, 2, 2) is None  # another shape
     assert cuda_pages.stacked_view(flat, specs, 3, 2) is None  # 36 bytes each: padded to 48
+
+
+@pytest.mark.parametrize("policy", ["kv:quant:8:64", "kv:turboquant:4:4"])
+def test_a_lossy_restore_of_windowed_and_global_layers_equals_the_cpu_restore(
+    tmp_path, staged, policy
+):
+    """Sliding-window and global layers under a lossy storage policy: the windowed
+    layers' decoded rows reach their caches cut from the decoded stack (joined by a
+    concatenation each: a cut piece is not a whole member of it), the lone global
+    layer's decoded alone; bit-exact against the restore without CUDA."""
+    model = model_for("tiny-gemma3")
+    tokens = prompt(10, 3 * BLOCK + 9)
+    with open_store(f"lmdb://{tmp_path / 's'}", block_size=BLOCK, storage_policy=policy) as store:
+        store.save("ns", tokens, prefilled(model, tokens, None))
+        match = store.lookup("ns", tokens)
+        on_device = store.restore(match, model.make_cache())
+        assert staged.assembled_many == []
+        staged_transport = cuda.TRANSPORT
+        try:
+            cuda.TRANSPORT = False
+            plain = store.restore(match, model.make_cache())
+        finally:
+            cuda.TRANSPORT = staged_transport
+    assert [int(c.offset) for c in on_device] == [len(tokens) - 1] * len(on_device)
+    assert_same_caches(on_device, plain)
