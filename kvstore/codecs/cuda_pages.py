@@ -948,6 +948,8 @@ def _group_buffers(
 
 
 _WORKS: bool | None = None
+#: Whether the try's joins on the device (:func:`_try_device_joins`) passed.
+_JOINS_WORK: bool | None = None
 _WORKS_FUTURE: Future[bool] | None = None
 _TRY_LOCK = threading.Lock()
 
@@ -984,11 +986,17 @@ _REGISTER_POOL = KeptPool("kvstore-cuda-register", register_threads)
 
 
 def proven() -> bool:
-    """Whether the try of a gather here (:func:`_works`) is done and passed (and with it
-    the assemble of many arrays that :mod:`~kvstore.codecs.device_joins` launches);
-    starts it in the background when it has not run. A restore does not wait for it (the first
+    """Whether the try of a gather here (:func:`_works`) is done and passed; starts it
+    in the background when it has not run. A restore does not wait for it (the first
     load of its kernel on a machine compiles it, about a second): it stages as before."""
     return _route() and _WORKS is True  # _WORKS is set once the try is done
+
+
+def joins_proven() -> bool:
+    """Whether the same try also joined rows on the device right
+    (:mod:`~kvstore.codecs.device_joins`); a failure there leaves the gathers on, and
+    those joins are then made by a concatenation each."""
+    return proven() and _JOINS_WORK is True
 
 
 def trial_done() -> bool:
@@ -1006,10 +1014,11 @@ def trial_done() -> bool:
 def _works() -> bool:
     """Whether a gather here returns the bytes it was asked for (its kernel compiles and
     reads registered pages), tried once per process on a few pages of its own."""
-    global _WORKS
+    global _WORKS, _JOINS_WORK
     if _WORKS is None:
         with _TRY_LOCK:
             if _WORKS is None:
+                _JOINS_WORK = _try_device_joins()  # set before _WORKS says the try is done
                 _WORKS = _try_a_gather()
     return _WORKS
 
@@ -1021,8 +1030,7 @@ def _try_a_gather() -> bool:
     run: a second route on pages of the first (mapped anew at the same addresses)
     would wait for their release, queued behind this try on the staging threads."""
     kept: list[mmap.mmap] = []
-    routes = all(_try_a_gather_by(stage, kept) for stage in dict.fromkeys([STAGE_SPANS, False]))
-    return routes and _try_device_joins()
+    return all(_try_a_gather_by(stage, kept) for stage in dict.fromkeys([STAGE_SPANS, False]))
 
 
 def _try_device_joins() -> bool:

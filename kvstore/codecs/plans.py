@@ -282,7 +282,7 @@ def _joined_on_device(
         device_joins.joined(
             [join.leaves()[col] for i, (join, col) in columns if i in placed], list(placed.values())
         )
-        if placed and cuda_pages.proven()
+        if placed and cuda_pages.joins_proven()
         else None
     )
     joined = dict(zip(placed, made, strict=True)) if made is not None else {}

@@ -9,7 +9,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from kvstore.codecs import cuda, cuda_pages, device_joins
+from kvstore.codecs import cuda, cuda_pages, device_joins, plans
 from tests.test_codecs.test_cuda_staging import host_transport
 
 
@@ -96,13 +96,23 @@ def test_a_piece_that_does_not_fit_its_array_makes_no_kernel(staged, spec):
     assert staged.assembled_many == []
 
 
-def test_an_assemble_of_many_that_returns_wrong_bytes_turns_the_route_off(staged, monkeypatch):
+def test_an_assemble_of_many_that_returns_wrong_bytes_turns_only_the_joins_off(staged, monkeypatch):
     real = staged.assemble_many
     monkeypatch.setattr(
         staged, "assemble_many", lambda params, b, n: [a + 1 for a in real(params, b, n)]
     )
+    monkeypatch.setattr(cuda_pages, "GATHER_MIN_BYTES", 0)
     monkeypatch.setattr(cuda_pages, "_WORKS", None)
     monkeypatch.setattr(cuda_pages, "_WORKS_FUTURE", None)
-    assert cuda_pages._works() is False
-    assert cuda_pages.proven() is False
+    monkeypatch.setattr(cuda_pages, "_JOINS_WORK", None)
+    assert cuda_pages._works() is True  # the gathers passed: the page route stays on
+    assert cuda_pages.proven() and not cuda_pages.joins_proven()
+    staged.assembled_many.clear()  # the try's own
+    # ...and a restore's decoded rows join by a concatenation each, as before the kernel.
+    whole, members = stack_of(np.random.default_rng(5), 2, 3)
+    stack = plans.Stack(whole, tuple(members))
+    join = plans.RowsJoin([members[1]], 4)
+    made = plans._joined_on_device([(0, (join, 0))], [stack])
+    assert staged.assembled_many == []
+    assert mx.array_equal(made[0], want([members[1]], 4)).item()
     cuda_pages.settle()
