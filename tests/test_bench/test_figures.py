@@ -302,8 +302,15 @@ def test_the_gpu_figures_wait_for_a_gpu_and_smoke_on_a_cpu(tmp_path, monkeypatch
     assert row.values["ours argmax agrees"] == 1.0 and row.values["mlx-lm argmax agrees"] == 1.0
     assert row.values["ours max |logit diff|"] == 0.0  # restored bit-exactly
     assert {c.status for c in evaluate(gpu_ttft.G1, g1)} <= {MET, MISSED}
+    logged: list[str] = []
+    ctx.log = logged.append
     g2 = gpu_ttft.G2.run(ctx)
     assert [r.params["policy"] for r in g2.rows] == ["lossless", "kv:quant:8:64"]
+    # Each policy's figure logged as it is measured (a run cut short still shows it).
+    said = [line for line in logged if "warm/cold" in line]
+    assert [line.strip().split(": warm/cold ")[0] for line in said] == ["lossless", "kv:quant:8:64"]
+    for line, row in zip(said, g2.rows, strict=True):
+        assert f"warm/cold {row.values['warm/cold']:.4f}," in line
     assert g2.rows[1].values["bytes vs lossless"] < 0.6
     g3 = gpu_save.G3.run(ctx)
     assert g3.rows[0].values["held ms"] > 0 and "tq/lossless" in g3.rows[0].values

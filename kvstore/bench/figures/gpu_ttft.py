@@ -123,6 +123,12 @@ def run_g2(ctx: BenchContext) -> FigureResult:
             "bytes vs lossless": setup.stored_bytes[policy] / setup.stored_bytes["lossless"],
             **_session_values("ours", sessions),
         }
+        # Each policy's figure as it is measured: G2 writes its results only at its end,
+        # and a device call that runs out first would otherwise leave nothing.
+        ctx.log(
+            f"  {policy}: warm/cold {values[RATIO]:.4f}, restore "
+            f"{values['ours restore ms']:.2f} ms, lossless/this {values[FASTER]:.3f}"
+        )
         params = {"tokens": tokens, "policy": policy, "lossy": policy != "lossless"}
         rows.append(
             Row(
