@@ -160,7 +160,9 @@ def _byte_pointers(name: str, prefix: str, count: int, *, const: bool) -> str:
     return f"{kind} {name}[{count}] = {{{casts}}};"
 
 
-_GATHER_SOURCE = _segments_source(source="reinterpret_cast<const unsigned char*>(src)")
+#: Where a segment reads: ``src`` itself, a device address.
+_FROM_ADDRESS = "reinterpret_cast<const unsigned char*>(src)"
+_GATHER_SOURCE = _segments_source(source=_FROM_ADDRESS)
 #: Outputs of one :meth:`KernelTransport.gather_many` kernel: a restore's arrays are
 #: made this many to a launch (a 32-layer model's 64 in one).
 GATHER_OUTPUTS = 64
@@ -173,11 +175,15 @@ OUTPUT_OFFSET_BITS = 48
 #: launch and 4.1 ms more to finish, for 0.3 ms of copying: each kernel is a node
 #: of the CUDA graph MLX instantiates afresh in a new process
 #: (``tools/bench/results/gpu/3be324c/restore-profiles.txt``).
+_OUTPUTS = _byte_pointers("outs", "out", GATHER_OUTPUTS, const=False)
+#: Where a segment writes: the output its ``dst_offset``'s high bits name.
+_TO_NAMED_OUTPUT = (
+    "unsigned char* d = outs[doff >> OUTPUT_OFFSET_BITS]; doff &= (1ull << OUTPUT_OFFSET_BITS) - 1;"
+)
 _GATHER_MANY_SOURCE = _segments_source(
-    prologue=_byte_pointers("outs", "out", GATHER_OUTPUTS, const=False),
-    source="reinterpret_cast<const unsigned char*>(src)",
-    destination="unsigned char* d = outs[doff >> OUTPUT_OFFSET_BITS]; "
-    "doff &= (1ull << OUTPUT_OFFSET_BITS) - 1;",
+    prologue=_OUTPUTS,
+    source=_FROM_ADDRESS,
+    destination=_TO_NAMED_OUTPUT,
     OUTPUT_OFFSET_BITS=OUTPUT_OFFSET_BITS,
 )
 #: Inputs of the assemble kernel besides ``params``: the buffers its segments read.
@@ -189,11 +195,14 @@ ASSEMBLE_OFFSET_BITS = 48
 #: :data:`_GATHER_SOURCE`, each ``src`` naming a buffer and an offset into it
 #: (:data:`ASSEMBLE_OFFSET_BITS`). How :mod:`kvstore.codecs.cuda_pages` joins rows it
 #: gathered a group of pages at a time, while later pages were still being locked.
+_BUFFERS = _byte_pointers("bufs", "b", ASSEMBLE_INPUTS, const=True)
+#: Where a segment reads: the buffer its ``src``'s high bits name (0: zeros).
+_FROM_NAMED_BUFFER = (
+    "src ? bufs[(src >> ASSEMBLE_OFFSET_BITS) - 1] + "
+    "(src & ((1ull << ASSEMBLE_OFFSET_BITS) - 1)) : nullptr"
+)
 _ASSEMBLE_SOURCE = _segments_source(
-    prologue=_byte_pointers("bufs", "b", ASSEMBLE_INPUTS, const=True),
-    source="src ? bufs[(src >> ASSEMBLE_OFFSET_BITS) - 1] + "
-    "(src & ((1ull << ASSEMBLE_OFFSET_BITS) - 1)) : nullptr",
-    ASSEMBLE_OFFSET_BITS=ASSEMBLE_OFFSET_BITS,
+    prologue=_BUFFERS, source=_FROM_NAMED_BUFFER, ASSEMBLE_OFFSET_BITS=ASSEMBLE_OFFSET_BITS
 )
 
 #: As :data:`_ASSEMBLE_SOURCE`, into outputs ``out0`` .. ``out63`` as
@@ -205,12 +214,9 @@ _ASSEMBLE_SOURCE = _segments_source(
 #: graph a fresh process instantiates (q8, 4096 tokens of llama-8B on an H200: ~10.6 ms
 #: after the decode, ``tools/bench/results/gpu/1a8cb38/ab-env.txt``).
 _ASSEMBLE_MANY_SOURCE = _segments_source(
-    prologue=_byte_pointers("bufs", "b", ASSEMBLE_INPUTS, const=True)
-    + _byte_pointers("outs", "out", GATHER_OUTPUTS, const=False),
-    source="src ? bufs[(src >> ASSEMBLE_OFFSET_BITS) - 1] + "
-    "(src & ((1ull << ASSEMBLE_OFFSET_BITS) - 1)) : nullptr",
-    destination="unsigned char* d = outs[doff >> OUTPUT_OFFSET_BITS]; "
-    "doff &= (1ull << OUTPUT_OFFSET_BITS) - 1;",
+    prologue=_BUFFERS + _OUTPUTS,
+    source=_FROM_NAMED_BUFFER,
+    destination=_TO_NAMED_OUTPUT,
     ASSEMBLE_OFFSET_BITS=ASSEMBLE_OFFSET_BITS,
     OUTPUT_OFFSET_BITS=OUTPUT_OFFSET_BITS,
 )
@@ -565,33 +571,18 @@ class KernelTransport:
         return self._segments(self._gather, params, [], [nbytes])[0]
 
     def gather_many(self, params: np.ndarray, nbytes: Sequence[int]) -> list[mx.array]:
-        if not 0 < len(nbytes) <= GATHER_OUTPUTS:
-            raise ValueError(f"[cuda] {len(nbytes)} arrays; a gather makes 1 to {GATHER_OUTPUTS}.")
-        # The outputs no segment writes: 16 bytes each, dropped.
-        spare = [16] * (GATHER_OUTPUTS - len(nbytes))
-        return self._segments(self._gather_many, params, [], [*nbytes, *spare])[: len(nbytes)]
+        sizes = _all_outputs(nbytes)
+        return self._segments(self._gather_many, params, [], sizes)[: len(nbytes)]
 
     def assemble(self, params: np.ndarray, buffers: Sequence[mx.array], nbytes: int) -> mx.array:
-        if len(buffers) > ASSEMBLE_INPUTS:
-            raise ValueError(f"[cuda] {len(buffers)} buffers; assemble reads {ASSEMBLE_INPUTS}.")
-        # No segment reads the inputs past the buffers: bound to one of them, no new array.
-        spare = buffers[0] if buffers else mx.zeros((16,), mx.uint8)
-        unused = [spare] * (ASSEMBLE_INPUTS - len(buffers))
-        return self._segments(self._assemble, params, [*buffers, *unused], [nbytes])[0]
+        inputs = _all_inputs(buffers)
+        return self._segments(self._assemble, params, inputs, [nbytes])[0]
 
     def assemble_many(
         self, params: np.ndarray, buffers: Sequence[mx.array], nbytes: Sequence[int]
     ) -> list[mx.array]:
-        if not 0 < len(nbytes) <= GATHER_OUTPUTS or len(buffers) > ASSEMBLE_INPUTS:
-            raise ValueError(
-                f"[cuda] {len(nbytes)} arrays from {len(buffers)} buffers; an assemble makes "
-                f"1 to {GATHER_OUTPUTS} from at most {ASSEMBLE_INPUTS}."
-            )
-        spare = buffers[0] if buffers else mx.zeros((16,), mx.uint8)
-        unused = [spare] * (ASSEMBLE_INPUTS - len(buffers))
-        sizes = [*nbytes, *[16] * (GATHER_OUTPUTS - len(nbytes))]
-        made = self._segments(self._assemble_many, params, [*buffers, *unused], sizes)
-        return made[: len(nbytes)]
+        inputs, sizes = _all_inputs(buffers), _all_outputs(nbytes)
+        return self._segments(self._assemble_many, params, inputs, sizes)[: len(nbytes)]
 
     @staticmethod
     def _segments(
@@ -611,6 +602,32 @@ class KernelTransport:
                 threadgroup=(_BLOCK, 1, 1),
             )
         )
+
+
+def _all_inputs(buffers: Sequence[mx.array]) -> list[mx.array]:
+    """``buffers`` and as many more as make an assemble kernel's
+    :data:`ASSEMBLE_INPUTS`: no segment reads those, so they are bound to one of the
+    buffers (no new array).
+
+    Raises:
+        ValueError: more buffers than a kernel reads.
+    """
+    if len(buffers) > ASSEMBLE_INPUTS:
+        raise ValueError(f"[cuda] {len(buffers)} buffers; assemble reads {ASSEMBLE_INPUTS}.")
+    spare = buffers[0] if buffers else mx.zeros((16,), mx.uint8)
+    return [*buffers, *[spare] * (ASSEMBLE_INPUTS - len(buffers))]
+
+
+def _all_outputs(nbytes: Sequence[int]) -> list[int]:
+    """The sizes of a many-output kernel's :data:`GATHER_OUTPUTS` outputs: ``nbytes``,
+    then 16 bytes for each that no segment writes (dropped).
+
+    Raises:
+        ValueError: no arrays, or more than a kernel makes.
+    """
+    if not 0 < len(nbytes) <= GATHER_OUTPUTS:
+        raise ValueError(f"[cuda] {len(nbytes)} arrays; a kernel makes 1 to {GATHER_OUTPUTS}.")
+    return [*nbytes, *[16] * (GATHER_OUTPUTS - len(nbytes))]
 
 
 #: The transport in use; ``None`` until first needed (then a :class:`KernelTransport`,

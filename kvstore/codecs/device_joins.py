@@ -41,11 +41,12 @@ def joined(specs: Sequence[LeafSpec], columns: Sequence[Sequence[Placed]]) -> li
     made) where a piece's batch, heads, trailing shape or dtype is not its array's, the
     pieces hold more rows than it has room for, or one array reads more buffers than a
     kernel takes."""
-    tables = [
-        _segments(shape, name, pieces) for (shape, name), pieces in zip(specs, columns, strict=True)
-    ]
-    if any(table is None for table in tables):
-        return None
+    tables = []
+    for (shape, name), pieces in zip(specs, columns, strict=True):
+        table = _segments(shape, name, pieces)
+        if table is None:
+            return None
+        tables.append(table)
     made: list[mx.array] = []
     first = 0
     while first < len(specs):
@@ -55,7 +56,7 @@ def joined(specs: Sequence[LeafSpec], columns: Sequence[Sequence[Placed]]) -> li
         number = {id(buffer): n for n, buffer in enumerate(buffers)}
         words: list[int] = []
         for output in range(first, last):
-            for buffer, at, src_pitch, offset, pitch, width, height in tables[output] or ():
+            for buffer, at, src_pitch, offset, pitch, width, height in tables[output]:
                 # The buffer's number + 1 above the offset into it; the output's above
                 # the offset into that.
                 src = (

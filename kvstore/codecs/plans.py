@@ -273,18 +273,15 @@ def _joined_on_device(
         for stack in stacks
         for at, member in enumerate(stack.members)
     }
-    placed: dict[int, list[device_joins.Placed]] = {}
+    # Each column whose every piece is a member: its leaf and where its pieces lie.
+    placed: dict[int, tuple[LeafSpec, list[device_joins.Placed]]] = {}
     for i, (join, col) in columns if place else ():
         found = [(piece, *place[id(piece)]) for piece in join.columns[col] if id(piece) in place]
         if len(found) == len(join.columns[col]):
-            placed[i] = found
-    made = (
-        device_joins.joined(
-            [join.leaves()[col] for i, (join, col) in columns if i in placed], list(placed.values())
-        )
-        if placed and cuda_pages.joins_proven()
-        else None
-    )
+            placed[i] = (join.leaves()[col], found)
+    specs = [spec for spec, _ in placed.values()]
+    pieces = [found for _, found in placed.values()]
+    made = device_joins.joined(specs, pieces) if placed and cuda_pages.joins_proven() else None
     joined = dict(zip(placed, made, strict=True)) if made is not None else {}
     for i, (join, col) in columns:
         if i not in joined:
