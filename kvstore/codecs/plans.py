@@ -45,6 +45,7 @@ __all__ = [
     "run_plans",
     "join_runs",
     "Stack",
+    "members_of",
 ]
 
 
@@ -268,16 +269,18 @@ def _joined_on_device(
     """Each of ``columns`` (numbered, with its join and leaf) joined on the device: those
     whose every piece is a member of one of ``stacks`` by one kernel per 64, the rest
     by a concatenation each."""
-    place = {
-        id(member): (stack.whole, at * member.nbytes)
-        for stack in stacks
-        for at, member in enumerate(stack.members)
-    }
+    place = members_of(stacks)
     # Each column whose every piece is a member: its leaf and where its pieces lie.
     placed: dict[int, tuple[LeafSpec, list[device_joins.Placed]]] = {}
     for i, (join, col) in columns if place else ():
-        found = [(piece, *place[id(piece)]) for piece in join.columns[col] if id(piece) in place]
-        if len(found) == len(join.columns[col]):
+        found: list[device_joins.Placed] = []
+        for piece in join.columns[col]:
+            member = place.get(id(piece))
+            if member is None:
+                break
+            stack, at = member
+            found.append((piece, stack.whole, at * piece.nbytes))
+        else:
             placed[i] = (join.leaves()[col], found)
     specs = [spec for spec, _ in placed.values()]
     pieces = [found for _, found in placed.values()]
@@ -302,6 +305,12 @@ class Stack:
     whole: mx.array
     #: The tensors, in order: ``whole``'s parts, each a view of its own.
     members: tuple[mx.array, ...]
+
+
+def members_of(stacks: Sequence[Stack]) -> dict[int, tuple[Stack, int]]:
+    """Each member of ``stacks``, by its ``id()``: its stack and its place there (the
+    members are alive in the stacks, so their ids are theirs alone)."""
+    return {id(m): (stack, at) for stack in stacks for at, m in enumerate(stack.members)}
 
 
 def join_runs(

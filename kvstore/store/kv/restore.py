@@ -52,7 +52,7 @@ from kvstore.codecs import (
     transcode_stacked,
 )
 from kvstore.codecs.payload_tensors import stored
-from kvstore.codecs.plans import Stack, join_runs, run_plans
+from kvstore.codecs.plans import Stack, join_runs, members_of, run_plans
 from kvstore.codecs.record import Record, RecordHeader, decode_records_on_device
 from kvstore.collector import collection_paused
 from kvstore.errors import (
@@ -371,8 +371,7 @@ def _stacked(
         held[kind] = held.get(kind, 0) + vectors
         runs[-1].append(i)
     done: set[int] = set()
-    # Each gathered join's stack and place in it (the joins are alive in ``layers``).
-    place = {id(m): (stack, at) for stack in stacks for at, m in enumerate(stack.members)}
+    place = members_of(stacks)  # each gathered join's stack and place in it
     for (_, wanted), runs in kinds.items():
         for which in runs:
             snaps = [layers[i][0] for i in which]
