@@ -1064,8 +1064,24 @@ def _works() -> bool:
         with _TRY_LOCK:
             if _WORKS is None:
                 _JOINS_WORK = _try_device_joins()  # set before _WORKS says the try is done
+                _reserve()
                 _WORKS = _try_a_gather()
     return _WORKS
+
+
+#: Device memory kept mapped in the memory pool for restores (``KVSTORE_CUDA_RESERVE_MIB``;
+#: an experiment, 0 by default): :meth:`~kvstore.codecs.cuda.Driver.reserve`.
+RESERVE_BYTES = int(float(os.environ.get("KVSTORE_CUDA_RESERVE_MIB", "0")) * (1 << 20))
+
+
+def _reserve() -> None:
+    """Map :data:`RESERVE_BYTES` in the device's memory pool, kept there."""
+    if RESERVE_BYTES <= 0:
+        return
+    try:
+        cuda.transport().driver.reserve(RESERVE_BYTES)  # type: ignore[attr-defined]
+    except (OSError, RuntimeError, AttributeError):
+        pass  # restores then map their memory as they go, as before
 
 
 def _try_a_gather() -> bool:
