@@ -25,6 +25,10 @@
 #                ab_env of lossless, q8 and TQ 4/4 with the pages mapped before they are
 #                locked (KVSTORE_CUDA_POPULATE=16 / lock) and with 3 GiB kept mapped in the
 #                device's memory pool (KVSTORE_CUDA_RESERVE_MIB), 4 each: ~450 s
+# STEP spans     ab_env of lossless and q8 with a restore's records locked in about 4 or 8
+#                calls instead of one each (KVSTORE_CUDA_LOCK_SPANS), and 4 on 2 threads: the
+#                register probe at cb892dd locked 512 MiB in 16.5 ms as 16 calls, 10.3 as 4;
+#                does the restore, whose copies start only as each span is locked, gain? ~250 s
 # STEP model     ab_env of lossless with and without G1's session before the clock in the
 #                child (KVSTORE_PROFILE_MODEL=1: the llama-8B model built, a forward over
 #                zeros): G1's restore was 39.5 ms against ab_env's 30.5 at 87ca0d3, is the
@@ -67,6 +71,10 @@ case "$step" in
       'poplock:KVSTORE_CUDA_POPULATE=lock' 'res3g:KVSTORE_CUDA_RESERVE_MIB=3072' \
       'both:KVSTORE_CUDA_POPULATE=16 KVSTORE_CUDA_RESERVE_MIB=3072' \
       --policies lossless,kv:quant:8:64,kv:turboquant:4:4 2>&1 | tee "$out/ab-mapped.txt" ;;
+  spans)
+    timeout 400 python3 -m tools.bench.gpu.ab_env --repeats 4 base: 'spans4:KVSTORE_CUDA_LOCK_SPANS=4' \
+      'spans8:KVSTORE_CUDA_LOCK_SPANS=8' 'spans4t2:KVSTORE_CUDA_LOCK_SPANS=4 KVSTORE_CUDA_REGISTER_THREADS=2' \
+      --policies lossless,kv:quant:8:64 2>&1 | tee "$out/ab-spans.txt" ;;
   model)
     timeout 300 python3 -m tools.bench.gpu.ab_env --repeats 5 base: 'model:KVSTORE_PROFILE_MODEL=1' \
       --policies lossless 2>&1 | tee "$out/ab-model.txt" ;;
@@ -92,5 +100,5 @@ case "$step" in
     esac
     KVSTORE_BENCH_G2_POLICIES=$policies KVSTORE_BENCH_GPU_TOKENS=4096 KVSTORE_BENCH_GIT=$rev \
       CHECK_TIMEOUT=1 BENCH_TIMEOUT=540 REPEATS=5 bash tools/bench/gpu/run.sh G2 "$out/$step" ;;
-  *) echo "next.sh: unknown step $step (ab, profiles, probe, graphs, stage, mapped, model, parent, g1-4k, g1-16k, g2a, g2b, g2c)"; exit 2 ;;
+  *) echo "next.sh: unknown step $step (ab, profiles, probe, graphs, stage, mapped, spans, model, parent, g1-4k, g1-16k, g2a, g2b, g2c)"; exit 2 ;;
 esac
