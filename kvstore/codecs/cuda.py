@@ -76,7 +76,6 @@ _CU_MEMHOSTREGISTER_PORTABLE = 0x01
 _CU_MEMHOSTREGISTER_DEVICEMAP = 0x02
 _CU_MEMHOSTREGISTER_READ_ONLY = 0x08
 _CU_STREAM_NON_BLOCKING = 0x01
-_CU_MEMPOOL_ATTR_RELEASE_THRESHOLD = 4
 #: Threads per copy kernel launch (and per block): enough to saturate PCIe.
 _GRID, _BLOCK = 1024 * 256, 256
 
@@ -280,7 +279,6 @@ class Driver:
         self._check(self._cu.cuInit(0), "cuInit")
         device = ctypes.c_int()
         self._check(self._cu.cuDeviceGet(ctypes.byref(device), 0), "cuDeviceGet")
-        self._device = device
         self._ctx = ctypes.c_void_p()
         # The primary context is the one MLX's runtime API uses: same memory space.
         self._check(
@@ -355,32 +353,6 @@ class Driver:
             "cuMemAllocAsync",
         )
         return int(pointer.value)
-
-    def reserve(self, nbytes: int) -> None:
-        """Keep ``nbytes`` of device memory mapped in the device's memory pool (the one
-        MLX's allocations and :meth:`allocate` draw from) after it is freed, and map that
-        much now: the pool's release threshold, then an allocation of it let go at once.
-        By default the pool gives freed memory back to the driver at each
-        synchronisation, and the next allocation maps it afresh."""
-        self.bind()
-        pool = ctypes.c_void_p()
-        self._check(
-            self._cu.cuDeviceGetDefaultMemPool(ctypes.byref(pool), self._device),
-            "cuDeviceGetDefaultMemPool",
-        )
-        threshold = ctypes.c_uint64(nbytes)
-        self._check(
-            self._cu.cuMemPoolSetAttribute(
-                pool, _CU_MEMPOOL_ATTR_RELEASE_THRESHOLD, ctypes.byref(threshold)
-            ),
-            "cuMemPoolSetAttribute",
-        )
-        stream = self.stream()
-        try:
-            self.free(self.allocate(nbytes, stream), stream)
-            self.synchronize(stream)
-        finally:
-            self.drop_stream(stream)
 
     def copy_to_device(self, device: int, host: int, nbytes: int, stream: int) -> None:
         """Queue a copy of ``nbytes`` of page-locked host memory to ``device`` on ``stream``

@@ -35,7 +35,6 @@ gather reads them, gets ``None`` and stages the plain way.
 from __future__ import annotations
 
 import bisect
-import ctypes
 import itertools
 import math
 import mmap
@@ -363,8 +362,6 @@ class PinnedPages:
         self._copy_failed = False
         self._copied: bool | None = None  # every span locked and copied (once asked)
         self._copy_lock = threading.Lock()
-        #: Per span, its pages being mapped into the process first (:data:`POPULATE`).
-        self._populating: list[list[Future[None]]] | None = None
         if inline:  # locked here, now (a staging thread's own small gather)
             self._make_staging(stage)
             for number, (span, wait) in enumerate(zip(self.spans, waits, strict=True)):
@@ -374,8 +371,6 @@ class PinnedPages:
         if not self.spans:
             self._staging_made.set()
             return
-        if POPULATE not in ("", "0", "lock"):
-            self._populating = _populating(self.spans)
         _hurry(+1)
         left = [len(self.spans)]
 
@@ -406,10 +401,6 @@ class PinnedPages:
         self, number: int, span: tuple[int, int], after: Sequence[Future[None]]
     ) -> int | None:
         """Lock span ``number`` (:func:`_lock_after`) and queue its copy to the device."""
-        for mapped in self._populating[number] if self._populating else ():
-            mapped.result()
-        if POPULATE == "lock":
-            _populate(span)
         base = _lock_after(self._transport, span, after)
         self._staging_made.wait()
         if base is not None and self._staging is not None:
@@ -993,42 +984,6 @@ def register_threads() -> int:
 
 _REGISTER_POOL = KeptPool("kvstore-cuda-register", register_threads)
 
-#: Whether a span's pages are mapped into the process (``MADV_POPULATE_READ``) before
-#: the driver locks them (``KVSTORE_CUDA_POPULATE``: ``0`` or unset no, ``lock`` on the
-#: locking thread, a number: on that many threads of their own, in pieces). An
-#: experiment: on the H200 the driver locked 512 MiB of pages already mapped in 13.7 ms,
-#: of pages it faulted in itself in 24.8, and 16 threads mapped them in 2.7
-#: (``tools/bench/results/gpu/54bc4db/pages-probe.txt``).
-POPULATE = os.environ.get("KVSTORE_CUDA_POPULATE", "").strip()
-_MADV_POPULATE_READ = 22
-_POPULATE_PIECE = 4 << 20
-_LIBC: list[Any] = []
-
-
-def _populate(span: tuple[int, int]) -> None:
-    """Map ``span``'s pages into the process's page tables; nothing where the kernel
-    cannot (before Linux 5.14): the driver then faults them in itself."""
-    if not _LIBC:
-        _LIBC.append(ctypes.CDLL(None, use_errno=True))
-    _LIBC[0].madvise(
-        ctypes.c_void_p(span[0]), ctypes.c_size_t(span[1] - span[0]), _MADV_POPULATE_READ
-    )
-
-
-def _populating(spans: Sequence[tuple[int, int]]) -> list[list[Future[None]]]:
-    """Each span's pages mapped in pieces on :data:`POPULATE` threads, in order."""
-    pool = _POPULATE_POOL.get()
-    out = []
-    for start, end in spans:
-        pieces = [(a, min(a + _POPULATE_PIECE, end)) for a in range(start, end, _POPULATE_PIECE)]
-        out.append([pool.submit(_populate, piece) for piece in pieces])
-    return out
-
-
-_POPULATE_POOL = KeptPool(
-    "kvstore-cuda-populate", lambda: int(POPULATE) if POPULATE.isdigit() else 1
-)
-
 
 def proven() -> bool:
     """Whether the try of a gather here (:func:`_works`) is done and passed; starts it
@@ -1064,24 +1019,8 @@ def _works() -> bool:
         with _TRY_LOCK:
             if _WORKS is None:
                 _JOINS_WORK = _try_device_joins()  # set before _WORKS says the try is done
-                _reserve()
                 _WORKS = _try_a_gather()
     return _WORKS
-
-
-#: Device memory kept mapped in the memory pool for restores (``KVSTORE_CUDA_RESERVE_MIB``;
-#: an experiment, 0 by default): :meth:`~kvstore.codecs.cuda.Driver.reserve`.
-RESERVE_BYTES = int(float(os.environ.get("KVSTORE_CUDA_RESERVE_MIB", "0")) * (1 << 20))
-
-
-def _reserve() -> None:
-    """Map :data:`RESERVE_BYTES` in the device's memory pool, kept there."""
-    if RESERVE_BYTES <= 0:
-        return
-    try:
-        cuda.transport().driver.reserve(RESERVE_BYTES)  # type: ignore[attr-defined]
-    except (OSError, RuntimeError, AttributeError):
-        pass  # restores then map their memory as they go, as before
 
 
 def _try_a_gather() -> bool:
@@ -1160,9 +1099,8 @@ def _extent(piece: np.ndarray) -> int:
 
 def _spans(ranges: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:
     """Byte ranges widened to whole pages, sorted, ones sharing a page merged. Ranges
-    that only touch stay apart: each is registered on a thread of its own (a restore's
-    records lie back to back in the store's file, and one span of them all would be
-    page-locked by one thread, about 0.6 ms per MiB)."""
+    that only touch (a restore's records lie back to back in the store's file) stay
+    apart, each locked by a call of its own, unless :data:`LOCK_SPANS` joins them."""
     merged: list[tuple[int, int]] = []
     for start, end in sorted((s - s % _PAGE, -(-e // _PAGE) * _PAGE) for s, e in ranges):
         if merged and start < merged[-1][1]:
@@ -1181,18 +1119,21 @@ LOCK_SPANS = int(os.environ.get("KVSTORE_CUDA_LOCK_SPANS", "0") or 0)
 
 
 def _joined_spans(spans: list[tuple[int, int]], most: int) -> list[tuple[int, int]]:
-    """Sorted disjoint ``spans``, those that touch joined into groups of about
-    ``1/most`` of their bytes each (more where they do not touch)."""
+    """Sorted disjoint ``spans``, those that touch joined into ``most`` groups of about
+    equal bytes (each span in the group its middle byte falls in; more groups where they
+    do not touch)."""
     if len(spans) <= most:
         return spans
-    target = sum(end - start for start, end in spans) / most
-    joined = [spans[0]]
-    for start, end in spans[1:]:
-        last_start, last_end = joined[-1]
-        if start == last_end and end - last_start <= target * 1.01:
-            joined[-1] = (last_start, end)
+    share = sum(end - start for start, end in spans) / most
+    joined: list[tuple[int, int]] = []
+    before, last_group = 0, -1
+    for start, end in spans:
+        group = min(most - 1, int((before + (end - start) / 2) / share))
+        if joined and group == last_group and start == joined[-1][1]:
+            joined[-1] = (joined[-1][0], end)
         else:
             joined.append((start, end))
+        before, last_group = before + end - start, group
     return joined
 
 

@@ -301,11 +301,12 @@ def test_a_refused_registration_leaves_nothing_registered(staged):
     assert staged.registered == {} and cuda_pages._HELD == []
 
 
+@pytest.mark.parametrize("lock_spans", [0, 2], ids=["call-per-record", "joined-calls"])
 @pytest.mark.parametrize("family", ["plain", "window"])
 def test_a_lossless_restore_gathers_from_the_store_pages_and_equals_the_cpu_restore(
-    tmp_path, staged, monkeypatch, family
+    tmp_path, staged, monkeypatch, family, lock_spans
 ):
-
+    monkeypatch.setattr(cuda_pages, "LOCK_SPANS", lock_spans)
     config, policy = FAMILIES[family]
     model = model_for(config)
     tokens = prompt(6, 5 * BLOCK + 3)
@@ -325,7 +326,10 @@ def test_a_lossless_restore_gathers_from_the_store_pages_and_equals_the_cpu_rest
     with open_store(f"lmdb://{tmp_path / 's'}", block_size=BLOCK) as store:
         store.save("ns", tokens, prefilled(model, tokens, policy))
         match = store.lookup("ns", tokens)
+        cuda_pages.trial_done()
+        before = staged.registrations
         restored = store.restore(match, model.make_cache(policy))
+        calls = staged.registrations - before
         # Every array read by the GPU from the store's pages, still locked while the
         # gathers ran: no slot staged. (From the spans copied to the device, one kernel
         # for every array; from the pages, a kernel per array, or, the records' pages in
@@ -339,6 +343,9 @@ def test_a_lossless_restore_gathers_from_the_store_pages_and_equals_the_cpu_rest
                 1 < staged.gathers <= cuda.ASSEMBLE_INPUTS and staged.assembles == arrays
             )
         assert min(locked_at_gathers) > 0
+        # A call per record, or fewer: touching records' pages joined (LMDB leaves a few
+        # pages between some of them, which are never locked).
+        assert calls == len(match.blocks) if not lock_spans else 1 <= calls < len(match.blocks)
         if cuda_pages.STAGE_SPANS:  # each record's span copied once, the memory given back
             (copied,) = staged.stagings
             assert copied.copies == staged.registrations and copied.freed
@@ -487,6 +494,18 @@ def test_ranges_sharing_a_page_are_one_span_and_touching_ones_stay_apart():
     )
     assert spans == [(page, 2 * page), (3 * page, 5 * page), (5 * page, 6 * page)]
     assert cuda_pages._spans([(0, page + 1), (page + 7, 3 * page)]) == [(0, 3 * page)]
+
+
+def test_touching_spans_join_into_about_as_many_calls_as_asked_and_gaps_stay_apart():
+    page = cuda_pages._PAGE
+    touching = [(i * page, (i + 1) * page) for i in range(8)]
+    assert cuda_pages._joined_spans(touching, 2) == [(0, 4 * page), (4 * page, 8 * page)]
+    assert cuda_pages._joined_spans(touching, 1) == [(0, 8 * page)]
+    assert cuda_pages._joined_spans(touching, 8) == touching
+    gapped = [*touching[:3], (10 * page, 11 * page)]  # a gap is never locked
+    assert cuda_pages._joined_spans(gapped, 1) == [(0, 3 * page), (10 * page, 11 * page)]
+    uneven = [(0, 9 * page), (9 * page, 18 * page), (18 * page, 19 * page)]
+    assert cuda_pages._joined_spans(uneven, 2) == [(0, 9 * page), (9 * page, 19 * page)]
 
 
 def test_a_gather_starts_before_later_records_are_locked_and_the_gil_is_handed_on_sooner(

@@ -20,11 +20,6 @@
 #                lossy restore's layers decoded one by one, KVSTORE_STACKED_DECODE=0, crashed
 #                the child in ab_env's row digest after its clock at cca0a00:
 #                results/gpu/3be324c/perlayer-crash.txt.)
-# STEP mapped    register_probe.py (how fast a fresh process page-locks records of 32 and 8
-#                MiB: one call each on 4 threads, after MADV_POPULATE_READ, merged), then
-#                ab_env of lossless, q8 and TQ 4/4 with the pages mapped before they are
-#                locked (KVSTORE_CUDA_POPULATE=16 / lock) and with 3 GiB kept mapped in the
-#                device's memory pool (KVSTORE_CUDA_RESERVE_MIB), 4 each: ~450 s
 # STEP spans     ab_env of lossless and q8 with a restore's records locked in about 4 or 8
 #                calls instead of one each (KVSTORE_CUDA_LOCK_SPANS), and 4 on 2 threads: the
 #                register probe at cb892dd locked 512 MiB in 16.5 ms as 16 calls, 10.3 as 4;
@@ -65,12 +60,6 @@ case "$step" in
     timeout 540 python3 -m tools.bench.gpu.ab_env --repeats 4 base: 'nostage:KVSTORE_CUDA_STAGE_SPANS=0' \
       'sw01:KVSTORE_CUDA_SWITCH_MS=0.1' 'reg8:KVSTORE_CUDA_REGISTER_THREADS=8' \
       --policies lossless,kv:quant:8:64,kv:turboquant:4:4 2>&1 | tee "$out/ab-stage.txt" ;;
-  mapped)
-    timeout 150 python3 tools/bench/gpu/register_probe.py --sizes 32,8 --repeats 1 2>&1 | tee "$out/register-probe.txt"
-    timeout 400 python3 -m tools.bench.gpu.ab_env --repeats 4 base: 'pop16:KVSTORE_CUDA_POPULATE=16' \
-      'poplock:KVSTORE_CUDA_POPULATE=lock' 'res3g:KVSTORE_CUDA_RESERVE_MIB=3072' \
-      'both:KVSTORE_CUDA_POPULATE=16 KVSTORE_CUDA_RESERVE_MIB=3072' \
-      --policies lossless,kv:quant:8:64,kv:turboquant:4:4 2>&1 | tee "$out/ab-mapped.txt" ;;
   spans)
     timeout 400 python3 -m tools.bench.gpu.ab_env --repeats 4 base: 'spans4:KVSTORE_CUDA_LOCK_SPANS=4' \
       'spans8:KVSTORE_CUDA_LOCK_SPANS=8' 'spans4t2:KVSTORE_CUDA_LOCK_SPANS=4 KVSTORE_CUDA_REGISTER_THREADS=2' \
@@ -100,5 +89,5 @@ case "$step" in
     esac
     KVSTORE_BENCH_G2_POLICIES=$policies KVSTORE_BENCH_GPU_TOKENS=4096 KVSTORE_BENCH_GIT=$rev \
       CHECK_TIMEOUT=1 BENCH_TIMEOUT=540 REPEATS=5 bash tools/bench/gpu/run.sh G2 "$out/$step" ;;
-  *) echo "next.sh: unknown step $step (ab, profiles, probe, graphs, stage, mapped, spans, model, parent, g1-4k, g1-16k, g2a, g2b, g2c)"; exit 2 ;;
+  *) echo "next.sh: unknown step $step (ab, profiles, probe, graphs, stage, spans, model, parent, g1-4k, g1-16k, g2a, g2b, g2c)"; exit 2 ;;
 esac
