@@ -1,6 +1,6 @@
 """How fast can a fresh process page-lock a restore's records, and in what shape?
 
-    python3 tools/bench/gpu/register_probe.py [--sizes 32,8] [--repeats 2]
+    python3 -m tools.bench.gpu.register_probe [--sizes 32,8] [--repeats 2]
 
 A restore on the H200 waits on ``cuMemHostRegister`` of its records' pages more than
 on anything else: a lossless 4096-token llama-8B restore (16 records of 32 MiB) locks
@@ -30,6 +30,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
+from tools.bench.gpu.pages_probe import build
+from tools.bench.gpu.pages_probe import views as record_views
+
 PAGE = 4096
 MADV_POPULATE_READ = 22
 FLAGS = 0x01 | 0x02 | 0x08  # PORTABLE | DEVICEMAP | READ_ONLY, as cuda.Driver.register_pages
@@ -51,19 +54,7 @@ CONFIGS = {
 }
 
 
-def build(path: str, records: int, record_bytes: int) -> None:
-    import lmdb
-
-    env = lmdb.open(path, map_size=records * record_bytes * 2 + (1 << 30))
-    rng = np.random.default_rng(0)
-    with env.begin(write=True) as txn:
-        for r in range(records):
-            txn.put(b"r%04d" % r, rng.integers(0, 255, record_bytes, np.uint8).tobytes())
-    env.close()
-
-
 def child(path: str, name: str, records: int) -> None:
-    import lmdb
     import mlx.core as mx
     import xxhash
 
@@ -76,9 +67,7 @@ def child(path: str, name: str, records: int) -> None:
     cu.cuDeviceGet(ctypes.byref(dev), 0)
     ctx = ctypes.c_void_p()
     cu.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev)
-    env = lmdb.open(path, readonly=True, lock=False)
-    txn = env.begin(buffers=True)
-    views = [txn.get(b"r%04d" % r) for r in range(records)]
+    env, txn, views = record_views(path, records)
     addresses = [np.frombuffer(v, np.uint8).ctypes.data for v in views]
     sizes = [memoryview(v).nbytes for v in views]
     lo = addresses[0] - addresses[0] % PAGE
@@ -120,7 +109,7 @@ def child(path: str, name: str, records: int) -> None:
     hashed: list[float] = []
     if hashers is not None:
 
-        def digest(v: object) -> None:
+        def digest(v: memoryview) -> None:
             xxhash.xxh3_64_intdigest(v)
             hashed.append(time.perf_counter())
 
@@ -158,18 +147,9 @@ def main() -> None:
             print(f"# {args.records} records of {mib} MiB", flush=True)
             for _ in range(args.repeats):
                 for name in CONFIGS:
+                    child_args = ["--records", str(args.records), "--child", root, name]
                     subprocess.run(
-                        [
-                            sys.executable,
-                            __file__,
-                            "--records",
-                            str(args.records),
-                            "--child",
-                            root,
-                            name,
-                        ],
-                        check=False,
-                        timeout=60,
+                        [sys.executable, "-m", __spec__.name, *child_args], check=False, timeout=60
                     )
         finally:
             shutil.rmtree(root, ignore_errors=True)
