@@ -1107,15 +1107,32 @@ def _spans(ranges: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:
             merged[-1] = (merged[-1][0], max(merged[-1][1], end))
         else:
             merged.append((start, end))
-    return _joined_spans(merged, LOCK_SPANS) if LOCK_SPANS else merged
+    calls = _lock_calls(sum(end - start for start, end in merged))
+    return _joined_spans(merged, calls) if calls else merged
 
 
-#: At most about this many page-locking calls per restore (``KVSTORE_CUDA_LOCK_SPANS``;
-#: unset or 0: one per record). An experiment: on the H200 a fresh process locked 16
-#: records of 32 MiB, back to back, in 16.5 ms as 16 calls on 4 threads and in 10.3 as
-#: 4 (9.7 as one); 16 of 8 MiB in 6.0 against 4.1
+#: About how many page-locking calls a restore's records are joined into
+#: (``KVSTORE_CUDA_LOCK_SPANS``: a number; ``auto``, :func:`_lock_calls`; unset or 0:
+#: a call per record). An experiment: on the H200 a fresh process locked 16 records of
+#: 32 MiB, back to back, in 16.5 ms as 16 calls on 4 threads and in 10.3 as 4 (9.7 as
+#: one); 16 of 8 MiB in 6.0 against 4.1
 #: (``tools/bench/results/gpu/cb892dd/register-probe.txt``).
-LOCK_SPANS = int(os.environ.get("KVSTORE_CUDA_LOCK_SPANS", "0") or 0)
+LOCK_SPANS = os.environ.get("KVSTORE_CUDA_LOCK_SPANS", "").strip().lower()
+
+#: What a page-locking call costs the driver whatever its size, and how fast a locked
+#: span crosses to the device (H200: ``cb892dd/register-probe.txt``, ``probe.json``).
+_CALL_SECONDS, _COPY_BYTES_PER_SECOND = 0.45e-3, 51e9
+
+
+def _lock_calls(nbytes: int) -> int:
+    """The calls to lock ``nbytes`` of records in (0: one per record). ``auto``: the
+    count that makes the calls' own cost (``n`` of :data:`_CALL_SECONDS`) and the last
+    span's copy, which starts only when its call ends (``nbytes / n`` at
+    :data:`_COPY_BYTES_PER_SECOND`), least: ``n = sqrt(nbytes / (call * rate))``, 5 for
+    512 MiB, 10 for 2 GiB, 2 for 133 MiB."""
+    if LOCK_SPANS == "auto":
+        return max(1, round(math.sqrt(nbytes / (_CALL_SECONDS * _COPY_BYTES_PER_SECOND))))
+    return int(LOCK_SPANS) if LOCK_SPANS.isdigit() else 0
 
 
 def _joined_spans(spans: list[tuple[int, int]], most: int) -> list[tuple[int, int]]:

@@ -301,7 +301,7 @@ def test_a_refused_registration_leaves_nothing_registered(staged):
     assert staged.registered == {} and cuda_pages._HELD == []
 
 
-@pytest.mark.parametrize("lock_spans", [0, 2], ids=["call-per-record", "joined-calls"])
+@pytest.mark.parametrize("lock_spans", ["", "2"], ids=["call-per-record", "joined-calls"])
 @pytest.mark.parametrize("family", ["plain", "window"])
 def test_a_lossless_restore_gathers_from_the_store_pages_and_equals_the_cpu_restore(
     tmp_path, staged, monkeypatch, family, lock_spans
@@ -506,6 +506,18 @@ def test_touching_spans_join_into_about_as_many_calls_as_asked_and_gaps_stay_apa
     assert cuda_pages._joined_spans(gapped, 1) == [(0, 3 * page), (10 * page, 11 * page)]
     uneven = [(0, 9 * page), (9 * page, 18 * page), (18 * page, 19 * page)]
     assert cuda_pages._joined_spans(uneven, 2) == [(0, 9 * page), (9 * page, 19 * page)]
+
+
+def test_the_lock_calls_are_one_per_record_a_number_asked_or_as_many_as_cost_least(
+    monkeypatch,
+):
+    monkeypatch.setattr(cuda_pages, "LOCK_SPANS", "")
+    assert cuda_pages._lock_calls(512 << 20) == 0  # a call per record
+    monkeypatch.setattr(cuda_pages, "LOCK_SPANS", "3")
+    assert cuda_pages._lock_calls(512 << 20) == 3
+    monkeypatch.setattr(cuda_pages, "LOCK_SPANS", "auto")
+    # More bytes, more calls: each call's own cost against the last span's copy.
+    assert [cuda_pages._lock_calls(mib << 20) for mib in (1, 133, 512, 2048)] == [1, 2, 5, 10]
 
 
 def test_a_gather_starts_before_later_records_are_locked_and_the_gil_is_handed_on_sooner(

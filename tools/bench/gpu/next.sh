@@ -21,7 +21,8 @@
 #                the child in ab_env's row digest after its clock at cca0a00:
 #                results/gpu/3be324c/perlayer-crash.txt.)
 # STEP spans     ab_env of lossless and q8 with a restore's records locked in about 4 or 8
-#                calls instead of one each (KVSTORE_CUDA_LOCK_SPANS), and 4 on 2 threads: the
+#                calls instead of one each (KVSTORE_CUDA_LOCK_SPANS), as many as cost least by
+#                the probe's figures (auto: 5 for 512 MiB, 4 for q8's 272), and 4 on 2 threads: the
 #                register probe at cb892dd locked 512 MiB in 16.5 ms as 16 calls, 10.3 as 4;
 #                does the restore, whose copies start only as each span is locked, gain? ~250 s
 # STEP model     ab_env of lossless with and without G1's session before the clock in the
@@ -62,7 +63,8 @@ case "$step" in
       --policies lossless,kv:quant:8:64,kv:turboquant:4:4 2>&1 | tee "$out/ab-stage.txt" ;;
   spans)
     timeout 400 python3 -m tools.bench.gpu.ab_env --repeats 4 base: 'spans4:KVSTORE_CUDA_LOCK_SPANS=4' \
-      'spans8:KVSTORE_CUDA_LOCK_SPANS=8' 'spans4t2:KVSTORE_CUDA_LOCK_SPANS=4 KVSTORE_CUDA_REGISTER_THREADS=2' \
+      'spans8:KVSTORE_CUDA_LOCK_SPANS=8' 'auto:KVSTORE_CUDA_LOCK_SPANS=auto' \
+      'spans4t2:KVSTORE_CUDA_LOCK_SPANS=4 KVSTORE_CUDA_REGISTER_THREADS=2' \
       --policies lossless,kv:quant:8:64 2>&1 | tee "$out/ab-spans.txt" ;;
   model)
     timeout 300 python3 -m tools.bench.gpu.ab_env --repeats 5 base: 'model:KVSTORE_PROFILE_MODEL=1' \
