@@ -1118,6 +1118,11 @@ def _spans(ranges: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:
 #: one); 16 of 8 MiB in 6.0 against 4.1
 #: (``tools/bench/results/gpu/cb892dd/register-probe.txt``).
 LOCK_SPANS = os.environ.get("KVSTORE_CUDA_LOCK_SPANS", "").strip().lower()
+if LOCK_SPANS not in ("", "0", "auto") and not LOCK_SPANS.isdigit():
+    raise ValueError(
+        f"KVSTORE_CUDA_LOCK_SPANS={LOCK_SPANS!r}: expected a number of calls, 'auto', "
+        f"or 0 (a call per record)."
+    )
 
 #: What a page-locking call costs the driver whatever its size, and how fast a locked
 #: span crosses to the device (H200: ``cb892dd/register-probe.txt``, ``probe.json``).

@@ -734,19 +734,25 @@ def test_pages_are_locked_on_threads_of_their_own_as_many_as_the_environment_say
         cuda_pages._register_pool()
 
 
-def test_a_group_count_that_is_not_positive_is_refused_by_name():
+@pytest.mark.parametrize(
+    ("variable", "value", "message"),
+    [
+        ("KVSTORE_CUDA_GATHER_GROUPS", "0", "expected a positive number of groups"),
+        ("KVSTORE_CUDA_LOCK_SPANS", "few", "expected a number of calls, 'auto'"),
+    ],
+)
+def test_a_setting_the_route_cannot_use_is_refused_by_name(variable, value, message):
     import os
     import subprocess
 
-    env = {**os.environ, "KVSTORE_CUDA_GATHER_GROUPS": "0"}
     done = subprocess.run(
         [sys.executable, "-c", "import kvstore.codecs.cuda_pages"],
         capture_output=True,
         text=True,
-        env=env,
+        env={**os.environ, variable: value},
     )
     assert done.returncode != 0
-    assert "KVSTORE_CUDA_GATHER_GROUPS='0': expected a positive number of groups" in done.stderr
+    assert f"{variable}={value!r}: {message}" in done.stderr
 
 
 def test_without_room_for_the_rows_twice_each_array_is_gathered_alone(staged, monkeypatch):
