@@ -314,4 +314,16 @@ def environment() -> dict[str, Any]:
     except (AttributeError, RuntimeError):
         pass
     info["cores"] = os.cpu_count()
+    info["settings"] = settings()
     return info
+
+
+def settings() -> dict[str, str]:
+    """The library's and MLX's settings from the environment that a figure ran under
+    (``KVSTORE_CUDA_LOCK_SPANS=auto``, say): its sessions inherit them. The bench's own
+    choices (``KVSTORE_BENCH_*``) are not settings of the path measured."""
+    return {
+        name: value
+        for name, value in sorted(os.environ.items())
+        if name.startswith(("KVSTORE_", "MLX_")) and not name.startswith("KVSTORE_BENCH_")
+    }

@@ -160,6 +160,8 @@ def lossy_policies() -> tuple[str, ...]:
 def _notes(ctx: BenchContext) -> list[str]:
     env = G.environment()
     notes = [f"device {env.get('gpu') or env['device']}, CUDA staging {env['cuda_staging']}"]
+    if env["settings"]:
+        notes.append("settings: " + " ".join(f"{k}={v}" for k, v in env["settings"].items()))
     if ctx.quick:
         notes.append("--quick: a tiny model and 300 tokens (a smoke run; the bars are for a GPU)")
     return notes
