@@ -319,11 +319,25 @@ def environment() -> dict[str, Any]:
 
 
 def settings() -> dict[str, str]:
-    """The library's and MLX's settings from the environment that a figure ran under
-    (``KVSTORE_CUDA_LOCK_SPANS=auto``, say): its sessions inherit them. The bench's own
-    choices (``KVSTORE_BENCH_*``) are not settings of the path measured."""
+    """The settings of the path measured that the environment gave a figure
+    (``KVSTORE_CUDA_LOCK_SPANS=auto``, say; its sessions inherit them): the library's
+    tuning variables and MLX's. Not the bench's own choices (``KVSTORE_BENCH_*``), nor
+    anything else a caller keeps there (a store's URL may hold a password)."""
     return {
         name: value
         for name, value in sorted(os.environ.items())
-        if name.startswith(("KVSTORE_", "MLX_")) and not name.startswith("KVSTORE_BENCH_")
+        if name.startswith(_SETTING_PREFIXES)
     }
+
+
+#: The families of environment variables that tune the restore and save paths.
+_SETTING_PREFIXES = (
+    "KVSTORE_CUDA_",
+    "KVSTORE_VERIFY_",
+    "KVSTORE_COPY_",
+    "KVSTORE_HOST_",
+    "KVSTORE_STACKED_",
+    "KVSTORE_TQ_",
+    "KVSTORE_DEQUANTIZED_",
+    "MLX_",
+)
