@@ -1,4 +1,4 @@
-"""Host memory that a restore's arrays reuse instead of faulting in afresh.
+"""Host memory that a restore's arrays and a save's pages reuse instead of faulting in afresh.
 
 On Linux, MLX's CPU arrays come from ``malloc``, and glibc serves each one
 of more than 128 KiB to 32 MiB (its ``M_MMAP_THRESHOLD``, which it raises as
@@ -15,8 +15,13 @@ then takes 97 ms, and 8192 tokens 1254 -> 360 ms (mlx-lm's load 72 -> 21 ms
 in the same process: the setting is the process's, so it helps every
 allocation there). The process's resident memory stays near its peak instead
 of shrinking after a restore is dropped. A restore applies it the first
-time it fills arrays on the CPU; ``KVSTORE_HOST_MALLOC=os`` leaves the
-allocator as it is. Elsewhere (macOS, musl, a GPU's memory) it does nothing.
+time it fills arrays on the CPU, and a save the first time it saves: LMDB
+copies each record into pages it allocates per transaction and frees at the
+commit, so every save faulted them in afresh (LMDB's put of 128 MiB: 62-81 ms
+-> 28 ms on the same VM, ``tools/bench/save_profile.py``; P2's durable save of
+2048 tokens of llama-8B 342 -> 255 ms, of 8192 1.95 s -> 925 ms).
+``KVSTORE_HOST_MALLOC=os`` leaves the allocator as it is. Elsewhere (macOS, musl,
+a GPU's memory) it does nothing.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The host allocator setting a CPU restore applies (kvstore.codecs.host_memory): freed
+"""The host allocator setting a CPU restore or a save applies (kvstore.codecs.host_memory): freed
 blocks are kept for the next arrays instead of given back and faulted in again. Each
 case runs in a fresh process, since the setting is the process's."""
 
@@ -11,6 +11,17 @@ import sys
 
 import pytest
 
+#: What applies the setting: a CPU restore's fill, or a save.
+TRIGGERS = {
+    "restore": 'fill.filled_arrays([((2, 3), "float32")], lambda i, view: view.fill(1))',
+    "save": (
+        "import mlx.core as mx; from kvstore.caches import KVCache; "
+        "from kvstore.store import open_store; cache = KVCache(); "
+        "cache.update_and_fetch(mx.ones((1, 2, 4, 8)), mx.ones((1, 2, 4, 8))); "
+        'open_store("memory://", block_size=4).save("ns", [1, 2, 3, 4], [cache])'
+    ),
+}
+
 SCRIPT = """
 import numpy as np
 from kvstore.codecs import fill, host_memory
@@ -19,7 +30,7 @@ def rss_kib():
     with open("/proc/self/status") as f:
         return int(next(l for l in f if l.startswith("VmRSS")).split()[1])
 
-fill.filled_arrays([((2, 3), "float32")], lambda i, view: view.fill(1))  # a restore's fill
+{trigger}
 print(host_memory._APPLIED)
 block = np.ones(64 << 20, np.uint8)  # 64 MiB, every page touched
 peak = rss_kib()
@@ -33,9 +44,9 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-def _run(**env: str) -> tuple[str, int]:
+def _run(trigger: str = "restore", **env: str) -> tuple[str, int]:
     out = subprocess.run(
-        [sys.executable, "-c", SCRIPT],
+        [sys.executable, "-c", SCRIPT.replace("{trigger}", TRIGGERS[trigger])],
         env={**os.environ, **env},
         capture_output=True,
         text=True,
@@ -45,8 +56,9 @@ def _run(**env: str) -> tuple[str, int]:
     return out[0], int(out[1])
 
 
-def test_a_cpu_restores_fill_keeps_freed_blocks_for_the_next_arrays():
-    applied, given_back_kib = _run()
+@pytest.mark.parametrize("trigger", sorted(TRIGGERS))
+def test_a_cpu_restore_or_a_save_keeps_freed_blocks_for_the_next_arrays(trigger):
+    applied, given_back_kib = _run(trigger)
     assert applied == "True"
     assert given_back_kib < 16 << 10  # the 64 MiB stayed in the heap, for reuse
 

@@ -31,6 +31,7 @@ from kvstore.abc.codec import KVCodec, Snapshot
 from kvstore.abc.store import BlockSpan, PrefixStore, SaveResult
 from kvstore.codecs import codec_for
 from kvstore.codecs.arena import write_records
+from kvstore.codecs.host_memory import keep_freed_memory
 from kvstore.codecs.record import plan_record
 from kvstore.errors import CapabilityError
 from kvstore.signature import UNKNOWN
@@ -80,6 +81,9 @@ def save_caches(
     """
     toks = K.as_tokens(tokens, "save")
     check_caches(toks, caches)
+    # LMDB's dirty pages and the records' arenas reuse freed heap instead of faulting in
+    # fresh pages each save (host_memory): put 62-81 -> 28 ms for 128 MiB on the CI VM.
+    keep_freed_memory()
     captured = captured or {}
     encoder = BlockEncoder(caches, store.settings.storage_policy, captured, len(toks))
     positions = checkpoint_positions(caches, captured, len(toks))
