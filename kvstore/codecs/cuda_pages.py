@@ -1107,7 +1107,7 @@ def _spans(ranges: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:
             merged[-1] = (merged[-1][0], max(merged[-1][1], end))
         else:
             merged.append((start, end))
-    calls = _lock_calls(sum(end - start for start, end in merged))
+    calls = _lock_calls(merged)
     return _joined_spans(merged, calls) if calls else merged
 
 
@@ -1118,7 +1118,7 @@ def _spans(ranges: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:
 #: one); 16 of 8 MiB in 6.0 against 4.1
 #: (``tools/bench/results/gpu/cb892dd/register-probe.txt``).
 LOCK_SPANS = os.environ.get("KVSTORE_CUDA_LOCK_SPANS", "").strip().lower()
-if LOCK_SPANS not in ("", "0", "auto") and not LOCK_SPANS.isdigit():
+if LOCK_SPANS not in ("", "auto") and not LOCK_SPANS.isdigit():
     raise ValueError(
         f"KVSTORE_CUDA_LOCK_SPANS={LOCK_SPANS!r}: expected a number of calls, 'auto', "
         f"or 0 (a call per record)."
@@ -1129,15 +1129,16 @@ if LOCK_SPANS not in ("", "0", "auto") and not LOCK_SPANS.isdigit():
 _CALL_SECONDS, _COPY_BYTES_PER_SECOND = 0.45e-3, 51e9
 
 
-def _lock_calls(nbytes: int) -> int:
-    """The calls to lock ``nbytes`` of records in (0: one per record). ``auto``: the
+def _lock_calls(spans: Sequence[tuple[int, int]]) -> int:
+    """The calls to lock the records' ``spans`` in (0: one per record). ``auto``: the
     count that makes the calls' own cost (``n`` of :data:`_CALL_SECONDS`) and the last
-    span's copy, which starts only when its call ends (``nbytes / n`` at
-    :data:`_COPY_BYTES_PER_SECOND`), least: ``n = sqrt(nbytes / (call * rate))``, 5 for
+    span's copy, which starts only when its call ends (``bytes / n`` at
+    :data:`_COPY_BYTES_PER_SECOND`), least: ``n = sqrt(bytes / (call * rate))``, 5 for
     512 MiB, 10 for 2 GiB, 2 for 133 MiB."""
-    if LOCK_SPANS == "auto":
-        return max(1, round(math.sqrt(nbytes / (_CALL_SECONDS * _COPY_BYTES_PER_SECOND))))
-    return int(LOCK_SPANS) if LOCK_SPANS.isdigit() else 0
+    if LOCK_SPANS != "auto":
+        return int(LOCK_SPANS or 0)
+    nbytes = sum(end - start for start, end in spans)
+    return max(1, round(math.sqrt(nbytes / (_CALL_SECONDS * _COPY_BYTES_PER_SECOND))))
 
 
 def _joined_spans(spans: list[tuple[int, int]], most: int) -> list[tuple[int, int]]:
