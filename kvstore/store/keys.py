@@ -31,6 +31,7 @@ lookup finds the child sharing the longest prefix with the prompt by one seek
 from __future__ import annotations
 
 import array
+import functools
 import hashlib
 import re
 import sys
@@ -140,13 +141,20 @@ def parse_namespace(namespace: object) -> bytes:
     Raises:
         StoreConfigError: not 1-32 characters of ``[a-z0-9-]`` starting alphanumeric.
     """
-    if not isinstance(namespace, str) or not _NAMESPACE.fullmatch(namespace):
+    if not isinstance(namespace, str) or not _is_namespace_text(namespace):
         raise StoreConfigError(
             f"[namespace] A namespace is 1-32 characters of [a-z0-9-], starting with a letter "
             f"or digit; received {namespace!r}. Use kvstore.store.namespace_for(...).",
             found=namespace,
         )
     return namespace.encode("ascii")
+
+
+@functools.lru_cache(maxsize=256)
+def _is_namespace_text(namespace: str) -> bool:
+    # Every save and lookup asks this of the same few namespaces: a dict hit is cheaper
+    # than the regex engine, most of all on the first call after a forward pass.
+    return _NAMESPACE.fullmatch(namespace) is not None
 
 
 def is_namespace(raw: bytes) -> bool:

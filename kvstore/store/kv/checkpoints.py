@@ -32,9 +32,11 @@ from kvstore.abc.store import BlockRef, Match
 from kvstore.codecs.header import LayerEntry
 from kvstore.codecs.recurrent import checkpoint_position
 from kvstore.errors import CapabilityError
+from kvstore.signature import parse_signature
 
 __all__ = [
     "recurrent_layers",
+    "recurrent_signatures",
     "live_positions",
     "checkpoint_positions",
     "checkpoint_layers",
@@ -46,6 +48,14 @@ __all__ = [
 def recurrent_layers(caches: Sequence[Any]) -> list[int]:
     """Indices of the layers whose caches hold recurrent state."""
     return [i for i, c in enumerate(caches) if is_recurrent_cache(c)]
+
+
+def recurrent_signatures(signatures: Sequence[str]) -> tuple[int, ...]:
+    """Indices of the layers whose caches' ``signatures`` (known ones) are of recurrent state:
+    :func:`recurrent_layers` for a save that has read them already."""
+    return tuple(
+        i for i, s in enumerate(signatures) if parse_signature(s).family.holds_recurrent_state
+    )
 
 
 def live_positions(caches: Sequence[Any], tokens: int) -> dict[int, int]:
@@ -74,11 +84,16 @@ def live_positions(caches: Sequence[Any], tokens: int) -> dict[int, int]:
 
 
 def checkpoint_positions(
-    caches: Sequence[Any], captured: Mapping[tuple[int, int], Snapshot], tokens: int
+    caches: Sequence[Any],
+    captured: Mapping[tuple[int, int], Snapshot],
+    tokens: int,
+    layers: Sequence[int] | None = None,
 ) -> frozenset[int]:
     """Positions in ``(0, tokens]`` where every recurrent layer has a state to store:
-    a captured checkpoint, or its live state. Empty for a model without recurrent layers."""
-    layers = recurrent_layers(caches)
+    a captured checkpoint, or its live state. Empty for a model without recurrent layers.
+    ``layers``: the recurrent layers, where the caller knows them already."""
+    if layers is None:
+        layers = recurrent_layers(caches)
     if not layers:
         return frozenset()
     live = live_positions(caches, tokens)

@@ -23,6 +23,7 @@ a stored block there that lacks it is upgraded.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -40,7 +41,7 @@ from kvstore.store.kv.checkpoints import (
     checkpoint_layers,
     checkpoint_positions,
     live_positions,
-    recurrent_layers,
+    recurrent_signatures,
 )
 from kvstore.store.kv.policy import apply_policy, stored_signature
 
@@ -86,7 +87,7 @@ def save_caches(
     keep_freed_memory()
     captured = captured or {}
     encoder = BlockEncoder(caches, store.settings.storage_policy, captured, len(toks))
-    positions = checkpoint_positions(caches, captured, len(toks))
+    positions = checkpoint_positions(caches, captured, len(toks), encoder.recurrent)
     # Only a hybrid model's save names checkpoints (a wrapped put_blocks may predate them).
     options = {"checkpoints": positions} if positions else {}
     return store.put_blocks(namespace, toks, encoder, family=encoder.family, **options)
@@ -122,15 +123,18 @@ class BlockEncoder:
         self, caches: Sequence[Any], policy: str, captured: Captured, tokens: int | None = None
     ) -> None:
         self._caches = list(caches)
-        self._recurrent = set(recurrent_layers(self._caches))
+        # Each cache's signature once per save: a re-save of a stored prefix (dedup) is
+        # mostly this bookkeeping, so the layers' facts are read from one pass.
+        signatures = tuple(_signature(c) for c in self._caches)
+        #: The layers holding recurrent state (their families declare it), in order.
+        self.recurrent = recurrent_signatures(signatures)
+        self._recurrent = set(self.recurrent)
         self._tokens = tokens
         self._codecs: list[KVCodec] | None = None  # looked up when a block is encoded
         self._policy = policy
         self._captured = captured
         #: The stored families, joined: the label ``stats(by_family=True)`` counts bytes by.
-        self.family = "+".join(
-            sorted({stored_signature(_signature(c), policy, i) for i, c in enumerate(caches)})
-        )
+        self.family = _stored_families(signatures, policy)
 
     def __call__(self, spans: Sequence[BlockSpan]) -> list[memoryview]:
         # Into this thread's arena: reused pages, several threads (pinned memory on a GPU).
@@ -164,6 +168,13 @@ class BlockEncoder:
     def _apply(self, snap: Snapshot, layer: int) -> Snapshot:
         """``snap`` in the encoding the storage policy stores layer ``layer``'s family as."""
         return apply_policy(snap, self._policy, layer)
+
+
+@functools.lru_cache(maxsize=64)
+def _stored_families(signatures: tuple[str, ...], policy: str) -> str:
+    """The label of the families ``signatures`` are stored as under ``policy``: a model's
+    saves ask it of the same layers again and again."""
+    return "+".join(sorted({stored_signature(s, policy, i) for i, s in enumerate(signatures)}))
 
 
 def _signature(cache: Any) -> str:
