@@ -1112,11 +1112,14 @@ def _spans(ranges: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:
 
 
 #: About how many page-locking calls a restore's records are joined into
-#: (``KVSTORE_CUDA_LOCK_SPANS``: a number; ``auto``, :func:`_lock_calls`; unset or 0:
-#: a call per record). An experiment: on the H200 a fresh process locked 16 records of
-#: 32 MiB, back to back, in 16.5 ms as 16 calls on 4 threads and in 10.3 as 4 (9.7 as
-#: one); 16 of 8 MiB in 6.0 against 4.1
-#: (``tools/bench/results/gpu/cb892dd/register-probe.txt``).
+#: (``KVSTORE_CUDA_LOCK_SPANS``: a number; ``auto``, :func:`_lock_calls`; 0: a call per
+#: record; unset: ``auto`` for records under :data:`SMALL_RECORD_BYTES`, else a call per
+#: record). On the H200 a fresh process locked 16 records of 32 MiB, back to back, in
+#: 16.5 ms as 16 calls on 4 threads and in 10.3 as 4 (9.7 as one); 16 of 8 MiB in 6.0
+#: against 4.1 (``tools/bench/results/gpu/cb892dd/register-probe.txt``). In whole
+#: fresh-process restores (``0045756/``) ``auto`` took q8's (17 MiB records) from 26.9 to
+#: 22.5 ms and TurboQuant 4/4's (8.3 MiB) from 27.4 to 25.4, but lossless (32 MiB) from
+#: 29.4 to 31.0: a large record's call costs little beside its pages.
 LOCK_SPANS = os.environ.get("KVSTORE_CUDA_LOCK_SPANS", "").strip().lower()
 if LOCK_SPANS not in ("", "auto") and not LOCK_SPANS.isdigit():
     raise ValueError(
@@ -1128,16 +1131,22 @@ if LOCK_SPANS not in ("", "auto") and not LOCK_SPANS.isdigit():
 #: span crosses to the device (H200: ``cb892dd/register-probe.txt``, ``probe.json``).
 _CALL_SECONDS, _COPY_BYTES_PER_SECOND = 0.45e-3, 51e9
 
+#: Records smaller than this on average are joined into ``auto``'s calls by default.
+SMALL_RECORD_BYTES = 24 << 20
+
 
 def _lock_calls(spans: Sequence[tuple[int, int]]) -> int:
     """The calls to lock the records' ``spans`` in (0: one per record). ``auto``: the
     count that makes the calls' own cost (``n`` of :data:`_CALL_SECONDS`) and the last
     span's copy, which starts only when its call ends (``bytes / n`` at
     :data:`_COPY_BYTES_PER_SECOND`), least: ``n = sqrt(bytes / (call * rate))``, 5 for
-    512 MiB, 10 for 2 GiB, 2 for 133 MiB."""
-    if LOCK_SPANS != "auto":
-        return int(LOCK_SPANS or 0)
+    512 MiB, 10 for 2 GiB, 2 for 133 MiB. Unset: ``auto`` for records averaging under
+    :data:`SMALL_RECORD_BYTES`, else one call per record."""
+    if LOCK_SPANS not in ("", "auto"):
+        return int(LOCK_SPANS)
     nbytes = sum(end - start for start, end in spans)
+    if not LOCK_SPANS and (not spans or nbytes >= SMALL_RECORD_BYTES * len(spans)):
+        return 0
     return max(1, round(math.sqrt(nbytes / (_CALL_SECONDS * _COPY_BYTES_PER_SECOND))))
 
 

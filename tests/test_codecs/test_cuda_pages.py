@@ -33,9 +33,12 @@ from tests.test_store.kv_helpers import (
 @pytest.fixture(params=[True, False], ids=["spans-copied", "host-pages"])
 def staged(monkeypatch, request):
     """Each test on both routes: every span copied to the device as it is locked
-    (cuda_pages.STAGE_SPANS, the default), and the gathers reading the host pages."""
+    (cuda_pages.STAGE_SPANS, the default), and the gathers reading the host pages.
+    A call per record locks its pages (these records are small: by default they would
+    be joined, which the tests that say so ask for)."""
     transport = HostTransport()
     monkeypatch.setattr(cuda_pages, "STAGE_SPANS", request.param)
+    monkeypatch.setattr(cuda_pages, "LOCK_SPANS", "0")
     monkeypatch.setattr(cuda, "TRANSPORT", transport)
     monkeypatch.setattr(cuda_pages, "GATHER_MIN_BYTES", 0)
     monkeypatch.setattr(cuda_pages, "_WORKS", None)
@@ -301,7 +304,9 @@ def test_a_refused_registration_leaves_nothing_registered(staged):
     assert staged.registered == {} and cuda_pages._HELD == []
 
 
-@pytest.mark.parametrize("lock_spans", ["", "2"], ids=["call-per-record", "joined-calls"])
+@pytest.mark.parametrize(
+    "lock_spans", ["0", "2", ""], ids=["call-per-record", "joined-calls", "default-small-records"]
+)
 @pytest.mark.parametrize("family", ["plain", "window"])
 def test_a_lossless_restore_gathers_from_the_store_pages_and_equals_the_cpu_restore(
     tmp_path, staged, monkeypatch, family, lock_spans
@@ -345,7 +350,7 @@ def test_a_lossless_restore_gathers_from_the_store_pages_and_equals_the_cpu_rest
         assert min(locked_at_gathers) > 0
         # A call per record, or fewer: touching records' pages joined (LMDB leaves a few
         # pages between some of them, which are never locked).
-        if lock_spans:
+        if lock_spans != "0":  # the default joins these small records too
             assert 1 <= calls < len(match.blocks)
         else:
             assert calls == len(match.blocks)
@@ -490,7 +495,8 @@ def test_described_lossy_rows_no_gather_reads_are_filled_from_their_views(
     assert_same_caches(filled, plain)
 
 
-def test_ranges_sharing_a_page_are_one_span_and_touching_ones_stay_apart():
+def test_ranges_sharing_a_page_are_one_span_and_touching_ones_stay_apart(monkeypatch):
+    monkeypatch.setattr(cuda_pages, "LOCK_SPANS", "0")  # a call per record, as asked
     page = cuda_pages._PAGE
     spans = cuda_pages._spans(
         [(3 * page + 10, 5 * page), (5 * page, 6 * page - 1), (page, page + 5)]
@@ -518,8 +524,19 @@ def test_the_lock_calls_are_one_per_record_a_number_asked_or_as_many_as_cost_lea
         half = mib << 19
         return [(0, half), (half, 2 * half)]
 
+    def records(count: int, mib: float) -> list[tuple[int, int]]:
+        size = int(mib * (1 << 20))
+        return [(i * size, (i + 1) * size) for i in range(count)]
+
+    monkeypatch.setattr(cuda_pages, "LOCK_SPANS", "0")
+    assert cuda_pages._lock_calls(records(16, 8)) == 0  # a call per record
+    # Unset: a call per record of a lossless llama-8B restore (16 of 32 MiB), auto's
+    # calls for small ones (q8's 17 MiB, TurboQuant 4/4's 8.3 MiB), as measured.
     monkeypatch.setattr(cuda_pages, "LOCK_SPANS", "")
-    assert cuda_pages._lock_calls(spans(512)) == 0  # a call per record
+    assert cuda_pages._lock_calls(records(16, 32)) == 0
+    assert cuda_pages._lock_calls(records(16, 17)) == 4
+    assert cuda_pages._lock_calls(records(16, 8.3)) == 2
+    assert cuda_pages._lock_calls([]) == 0
     monkeypatch.setattr(cuda_pages, "LOCK_SPANS", "3")
     assert cuda_pages._lock_calls(spans(512)) == 3
     monkeypatch.setattr(cuda_pages, "LOCK_SPANS", "auto")

@@ -20,11 +20,10 @@
 #                lossy restore's layers decoded one by one, KVSTORE_STACKED_DECODE=0, crashed
 #                the child in ab_env's row digest after its clock at cca0a00:
 #                results/gpu/3be324c/perlayer-crash.txt.)
-# STEP spans     ab_env of lossless and q8 with a restore's records locked in about 4 or 8
-#                calls instead of one each (KVSTORE_CUDA_LOCK_SPANS), as many as cost least by
-#                the probe's figures (auto: 5 for 512 MiB, 4 for q8's 272), and 4 on 2 threads: the
-#                register probe at cb892dd locked 512 MiB in 16.5 ms as 16 calls, 10.3 as 4;
-#                does the restore, whose copies start only as each span is locked, gain? ~250 s
+# STEP spans     ab_env of lossless, q8 and TQ 4/4 with a restore's records locked as the
+#                library does by default (records under 24 MiB joined into auto's calls, since
+#                0045756's A/B: q8 26.9 -> 22.5 ms, TQ 4/4 27.4 -> 25.4, lossless 29.4 -> 31.0
+#                with auto), a call per record (=0), and auto for all: ~330 s
 # STEP model     ab_env of lossless with and without G1's session before the clock in the
 #                child (KVSTORE_PROFILE_MODEL=1: the llama-8B model built, a forward over
 #                zeros): G1's restore was 39.5 ms against ab_env's 30.5 at 87ca0d3, is the
@@ -62,10 +61,9 @@ case "$step" in
       'sw01:KVSTORE_CUDA_SWITCH_MS=0.1' 'reg8:KVSTORE_CUDA_REGISTER_THREADS=8' \
       --policies lossless,kv:quant:8:64,kv:turboquant:4:4 2>&1 | tee "$out/ab-stage.txt" ;;
   spans)
-    timeout 400 python3 -m tools.bench.gpu.ab_env --repeats 4 base: 'spans4:KVSTORE_CUDA_LOCK_SPANS=4' \
-      'spans8:KVSTORE_CUDA_LOCK_SPANS=8' 'auto:KVSTORE_CUDA_LOCK_SPANS=auto' \
-      'spans4t2:KVSTORE_CUDA_LOCK_SPANS=4 KVSTORE_CUDA_REGISTER_THREADS=2' \
-      --policies lossless,kv:quant:8:64 2>&1 | tee "$out/ab-spans.txt" ;;
+    timeout 540 python3 -m tools.bench.gpu.ab_env --repeats 4 base: 'percall:KVSTORE_CUDA_LOCK_SPANS=0' \
+      'auto:KVSTORE_CUDA_LOCK_SPANS=auto' \
+      --policies lossless,kv:quant:8:64,kv:turboquant:4:4 2>&1 | tee "$out/ab-spans.txt" ;;
   model)
     timeout 300 python3 -m tools.bench.gpu.ab_env --repeats 5 base: 'model:KVSTORE_PROFILE_MODEL=1' \
       --policies lossless 2>&1 | tee "$out/ab-model.txt" ;;
