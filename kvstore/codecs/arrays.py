@@ -27,6 +27,8 @@ __all__ = [
     "contiguous_chunks",
     "owned_array",
     "owned_arrays",
+    "owned_views",
+    "word_dtype",
 ]
 
 #: numpy's stand-in for bfloat16: the raw words, tagged.
@@ -177,7 +179,21 @@ def owned_arrays(specs: Sequence[tuple[tuple[int, ...], str]]) -> list[tuple[mx.
     bfloat16 arrays are allocated as their 16-bit words and handed out as a
     bfloat16 view of them (numpy has no bfloat16; the view shares the buffer).
     """
-    words = [mx.zeros(shape, _WORDS.get(name, MLX_DTYPES[name])) for shape, name in specs]
+    return owned_views([mx.zeros(shape, word_dtype(name)) for shape, name in specs], specs)
+
+
+def word_dtype(name: str) -> mx.Dtype:
+    """The MLX dtype an array of dtype ``name`` is allocated as, for a numpy view of it:
+    itself, or words of its width where numpy lacks it (bfloat16)."""
+    return _WORDS.get(name, MLX_DTYPES[name])
+
+
+def owned_views(
+    words: Sequence[mx.array], specs: Sequence[tuple[tuple[int, ...], str]]
+) -> list[tuple[mx.array, np.ndarray]]:
+    """New arrays ``words`` (of :func:`word_dtype`, no other array sharing their memory)
+    as the arrays of ``specs``, each with a writable numpy view of its memory, all
+    evaluated (see :func:`owned_arrays`)."""
     arrays = [
         w.view(MLX_DTYPES[name]) if name in _WORDS else w
         for w, (_, name) in zip(words, specs, strict=True)

@@ -1,8 +1,9 @@
-"""Arrays written straight into MLX's loader buffers (``kvstore.codecs.fill``)."""
+"""Arrays allocated by MLX's loader and written straight into (``kvstore.codecs.fill``)."""
 
 from __future__ import annotations
 
 import sys
+import time
 
 import mlx.core as mx
 import numpy as np
@@ -86,8 +87,8 @@ def test_a_write_that_always_fails_raises_to_the_caller():
         filled_arrays(SPECS, broken, direct=True)
 
 
-def test_a_stream_read_not_covering_one_whole_array_is_a_problem_not_a_fill():
-    stream = LeafStream(SPECS[:2], writer(sources()))
+def test_a_stream_read_not_covering_one_whole_array_is_a_problem():
+    stream = LeafStream(SPECS[:2])
     header = int.from_bytes(_read(stream, 0, 8), "little") + 8
     _read(stream, header + 16, 64)
     assert not stream.complete
@@ -96,7 +97,7 @@ def test_a_stream_read_not_covering_one_whole_array_is_a_problem_not_a_fill():
 
 def test_an_array_read_twice_is_a_problem():
     specs = SPECS[2:3]
-    stream = LeafStream(specs, writer(sources(specs)))
+    stream = LeafStream(specs)
     header = int.from_bytes(_read(stream, 0, 8), "little") + 8
     nbytes = 3 * 5 * 4
     _read(stream, header, nbytes)
@@ -168,18 +169,25 @@ def test_a_plan_finished_on_zeroed_buffers_equals_the_direct_fill(family):
 
 
 @pytest.mark.parametrize("direct", [True, False])
-def test_each_array_is_written_with_its_copies_spread_over_the_cores(direct):
-    # MLX's loader (and the fallback) hands out one array at a time, so the writes of
-    # each may use every core (kvstore.codecs.copies); elsewhere they may not.
-    from kvstore.codecs import copies
+def test_the_loaders_arrays_are_written_on_every_core_and_the_fallbacks_on_the_caller(
+    monkeypatch, direct
+):
+    # Every array allocated first, then written at once on several threads; the
+    # zero-filled fallback (small restores) writes them one after another here.
+    import threading
 
-    seen: list[bool] = []
-    write = writer(sources())
+    monkeypatch.setenv("KVSTORE_COPY_THREADS", "2")
+    values = sources()
+    write = writer(values)
+    seen: set[int] = set()
+    lock = threading.Lock()
 
     def fill(i, view):
-        seen.append(getattr(copies._HERE, "on", False))
+        with lock:
+            seen.add(threading.get_ident())
         write(i, view)
+        time.sleep(0.01)  # long enough for the other thread to take the next array
 
-    filled_arrays(SPECS, fill, direct=direct)
-    assert seen and all(seen)
-    assert not getattr(copies._HERE, "on", False)
+    arrays = filled_arrays(SPECS, fill, direct=direct)
+    assert [as_bytes(a) for a in arrays] == [v.tobytes() for v in values]
+    assert len(seen) == 2 if direct else seen == {threading.get_ident()}
