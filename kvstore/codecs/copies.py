@@ -1,8 +1,8 @@
-"""Host copies on every core: a restore's rows, from the store's pages into the
+"""Host writes on every core: a restore's rows, from the store's pages into the
 arrays of its caches.
 
 A restore allocates every array first (:mod:`.fill`) and then writes them all at
-once, whole arrays handed out to :func:`threads` threads (``np.copyto`` releases the
+once, whole arrays handed out to :func:`threads` threads (numpy's copies release the
 GIL). Writing them inside MLX's loader instead, one array per read, left a thread
 switch and a GIL hand-off between arrays: on the 2-core x86 CI machine 64 arrays of
 llama-8B rows (512 tokens) took 25.9 ms that way and 17.8 on two threads.
@@ -12,17 +12,12 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from concurrent.futures import Future
-from typing import Literal
-
-import numpy as np
 
 from kvstore.threads import KeptPool, threads_from_env
 
-__all__ = ["copy_all", "each_on_threads", "threads"]
-
-Casting = Literal["no", "equiv", "safe", "same_kind", "unsafe"]
+__all__ = ["each_on_threads", "threads"]
 
 
 def threads() -> int:
@@ -33,12 +28,6 @@ def threads() -> int:
 
 #: The threads besides the caller's.
 _POOL = KeptPool("kvstore-copy", lambda: max(1, threads() - 1))
-
-
-def copy_all(pairs: Sequence[tuple[np.ndarray, np.ndarray]], *, casting: Casting = "safe") -> None:
-    """``np.copyto(dst, src, casting=casting)`` for every ``(dst, src)`` of ``pairs``."""
-    for dst, src in pairs:
-        np.copyto(dst, src, casting=casting)
 
 
 def each_on_threads(count: int, work: Callable[[int], None]) -> None:

@@ -31,7 +31,6 @@ from kvstore.abc.codec import RestorePlan, Snapshot
 from kvstore.caches.base import Tree
 from kvstore.codecs import cuda, cuda_pages, device_joins
 from kvstore.codecs.arrays import MLX_DTYPES, as_numpy_all, dtype_name, owned_arrays
-from kvstore.codecs.copies import copy_all
 from kvstore.codecs.fill import LeafSpec, filled_arrays
 from kvstore.codecs.payload_tensors import PayloadTensors, stored
 
@@ -114,15 +113,14 @@ class RowsJoin:
     def fill_leaf(self, column: int, target: np.ndarray) -> None:
         """Write leaf ``column`` into ``target`` (uninitialised memory of
         :meth:`leaves`' shape): the pieces in order, then zeros up to capacity."""
-        pos, copies = 0, []
-        for view in as_numpy_all(self.columns[column]):
-            rows = int(view.shape[2])
-            copies.append((target[:, :, pos : pos + rows], view))
-            pos += rows
-        target[:, :, pos:] = 0
-        # "safe": pieces of one column differ only by widening (float16 TurboQuant
-        # scales next to float32 ones); anything else raises.
-        copy_all(copies, casting="safe")
+        views = as_numpy_all(self.columns[column])
+        rows = sum(int(view.shape[2]) for view in views)
+        # One call writes every piece (numpy's loop, not one Python copy per piece: a
+        # qwen-0.5B restore of 8192 tokens has 32 a leaf, 32.3 -> 30.0 ms). "safe":
+        # pieces of one column differ only by widening (float16 TurboQuant scales next
+        # to float32 ones); anything else raises.
+        np.concatenate(views, axis=2, out=target[:, :, :rows], casting="safe")
+        target[:, :, rows:] = 0
 
     def tree(self, arrays: Sequence[mx.array]) -> Tree:
         """The joined row tree, given the filled arrays of :meth:`leaves`."""

@@ -6,7 +6,6 @@ from __future__ import annotations
 import threading
 import time
 
-import numpy as np
 import pytest
 
 from kvstore.codecs import copies
@@ -62,15 +61,6 @@ def test_an_error_is_raised_after_every_other_call_is_done_and_stops_new_ones(tw
         copies.each_on_threads(50, work)
     assert len(finished) == 1  # returned only after the pool's call finished
     assert len(started) == 2  # and no thread took another after the error
-
-
-def test_copy_all_writes_every_pair_and_refuses_a_narrowing_copy_as_numpy_does():
-    target = np.zeros((1, 4, 8, 2), np.float32)
-    pieces = [np.full((1, 4, 3, 2), 1.5, np.float16), np.full((1, 4, 5, 2), 2.0, np.float32)]
-    copies.copy_all([(target[:, :, :3], pieces[0]), (target[:, :, 3:], pieces[1])])
-    assert (target[:, :, :3] == 1.5).all() and (target[:, :, 3:] == 2.0).all()
-    with pytest.raises(TypeError, match="Cannot cast"):
-        copies.copy_all([(np.zeros((2,), np.float16), np.ones((2,), np.float32))])
 
 
 @pytest.mark.parametrize("setting", ["0", "two"])
