@@ -119,7 +119,9 @@ def as_numpy_all(arrays: Sequence[Any]) -> list[np.ndarray]:
         a.view(mx.uint16) if isinstance(a, mx.array) and a.dtype == mx.bfloat16 else a
         for a in arrays
     ]
-    mx.eval([a for a in ready if isinstance(a, mx.array)])
+    lazy = [a for a in ready if isinstance(a, mx.array)]
+    if lazy:  # host pieces only: MLX is not asked (several threads write at once)
+        mx.eval(lazy)
     out = []
     for original, array in zip(arrays, ready, strict=True):
         if isinstance(array, np.ndarray):

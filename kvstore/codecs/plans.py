@@ -113,14 +113,11 @@ class RowsJoin:
     def fill_leaf(self, column: int, target: np.ndarray) -> None:
         """Write leaf ``column`` into ``target`` (uninitialised memory of
         :meth:`leaves`' shape): the pieces in order, then zeros up to capacity."""
-        views = as_numpy_all(self.columns[column])
-        rows = sum(int(view.shape[2]) for view in views)
-        # One call writes every piece (numpy's loop, not one Python copy per piece: a
-        # qwen-0.5B restore of 8192 tokens has 32 a leaf, 32.3 -> 30.0 ms). "safe":
-        # pieces of one column differ only by widening (float16 TurboQuant scales next
-        # to float32 ones); anything else raises.
-        np.concatenate(views, axis=2, out=target[:, :, :rows], casting="safe")
-        target[:, :, rows:] = 0
+        write_rows(self.host_views(column), target)
+
+    def host_views(self, column: int) -> list[np.ndarray]:
+        """Numpy views of leaf ``column``'s pieces (MLX ones evaluated here)."""
+        return as_numpy_all(self.columns[column])
 
     def tree(self, arrays: Sequence[mx.array]) -> Tree:
         """The joined row tree, given the filled arrays of :meth:`leaves`."""
@@ -238,12 +235,10 @@ def run_plans(
     pieces = [join.columns[column] for _, (join, column) in writers]
     filled = cuda_pages.gathered(specs, pieces, pages) if on_gpu else None
     if filled is None:
-
-        def fill(k: int, target: np.ndarray) -> None:
-            _, (join, column) = writers[k]
-            join.fill_leaf(column, target)
-
-        filled = filled_arrays(specs, fill)
+        # The pieces' views made here: the writes run on several threads, and MLX (a
+        # bfloat16 piece's view) is asked only from this one.
+        views = [join.host_views(column) for _, (join, column) in writers]
+        filled = filled_arrays(specs, lambda k, target: write_rows(views[k], target))
     arrays: list[mx.array] = [None] * len(columns)  # type: ignore[list-item]
     for (i, _), array in zip(writers, filled, strict=True):
         arrays[i] = array
@@ -461,6 +456,20 @@ class _StoredRows:
 
     def fill_leaf(self, column: int, target: np.ndarray) -> None:
         self.rows_join().fill_leaf(column, target)
+
+    def host_views(self, column: int) -> list[np.ndarray]:
+        return self.rows_join().host_views(column)
+
+
+def write_rows(views: Sequence[np.ndarray], target: np.ndarray) -> None:
+    """Write row pieces ``views`` into ``target`` along its row axis, in order, and zeros
+    past them. One call writes every piece (numpy's loop, not a Python copy per piece:
+    a qwen-0.5B restore of 8192 tokens has 32 a leaf, 32.3 -> 30.0 ms). "safe": pieces
+    of one leaf differ only by widening (float16 TurboQuant scales next to float32
+    ones); anything else raises."""
+    rows = sum(int(view.shape[2]) for view in views)
+    np.concatenate(views, axis=2, out=target[:, :, :rows], casting="safe")
+    target[:, :, rows:] = 0
 
 
 def _gathered_from(join: RowsJoin | _StoredRows) -> Sequence[Any] | cuda_pages.RowsLayout:
