@@ -34,6 +34,7 @@
 # STEP g1-4k     G1 at 4096 tokens: ~150 s
 # STEP g1-16k    G1 at 16384 tokens: ~230 s
 # STEP g2a       G2 at 4096 tokens, lossless + kv:quant:8:64 and 4:64: ~330 s
+# STEP g2q8      the same with kv:quant:8:64 alone: ~285 s (G2's bar 0.35)
 # STEP g2b       the same with kv:turboquant:4:4 alone: ~250 s (with 3:3 as well it outlasted
 #                a call of 380 s at 5ba93ee, and G2 writes its figures only at its end)
 # STEP g2c       the same with kv:turboquant:3:3 alone: ~250 s
@@ -81,13 +82,14 @@ case "$step" in
   g1-16k)
     KVSTORE_BENCH_GPU_TOKENS=16384 KVSTORE_BENCH_GIT=$rev CHECK_TIMEOUT=1 BENCH_TIMEOUT=520 \
       REPEATS=5 bash tools/bench/gpu/run.sh G1 "$out/g1-16k" ;;
-  g2a|g2b|g2c)
+  g2a|g2q8|g2b|g2c)
     case "$step" in
       g2a) policies=kv:quant:8:64,kv:quant:4:64 ;;
+      g2q8) policies=kv:quant:8:64 ;;
       g2b) policies=kv:turboquant:4:4 ;;
       *) policies=kv:turboquant:3:3 ;;
     esac
     KVSTORE_BENCH_G2_POLICIES=$policies KVSTORE_BENCH_GPU_TOKENS=4096 KVSTORE_BENCH_GIT=$rev \
       CHECK_TIMEOUT=1 BENCH_TIMEOUT=540 REPEATS=5 bash tools/bench/gpu/run.sh G2 "$out/$step" ;;
-  *) echo "next.sh: unknown step $step (ab, profiles, probe, graphs, stage, spans, model, parent, g1-4k, g1-16k, g2a, g2b, g2c)"; exit 2 ;;
+  *) echo "next.sh: unknown step $step (ab, profiles, probe, graphs, stage, spans, model, parent, g1-4k, g1-16k, g2a, g2q8, g2b, g2c)"; exit 2 ;;
 esac
