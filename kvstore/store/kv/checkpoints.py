@@ -87,13 +87,11 @@ def checkpoint_positions(
     caches: Sequence[Any],
     captured: Mapping[tuple[int, int], Snapshot],
     tokens: int,
-    layers: Sequence[int] | None = None,
+    layers: Sequence[int],
 ) -> frozenset[int]:
-    """Positions in ``(0, tokens]`` where every recurrent layer has a state to store:
-    a captured checkpoint, or its live state. Empty for a model without recurrent layers.
-    ``layers``: the recurrent layers, where the caller knows them already."""
-    if layers is None:
-        layers = recurrent_layers(caches)
+    """Positions in ``(0, tokens]`` where every recurrent layer (``layers``, as
+    :func:`recurrent_signatures` finds them) has a state to store: a captured checkpoint,
+    or its live state. Empty for a model without recurrent layers."""
     if not layers:
         return frozenset()
     live = live_positions(caches, tokens)

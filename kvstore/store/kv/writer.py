@@ -340,9 +340,7 @@ class HandedOff(BlockEncoder):
         copies: list[mx.array] = []
         start, stop = rows
         #: Positions this save has a checkpoint for (``BlockSave.checkpoints``).
-        self.checkpoints = (
-            checkpoint_positions(caches, captured, stop) if self._recurrent else frozenset()
-        )
+        self.checkpoints = checkpoint_positions(caches, captured, stop, self.recurrent)
         self._states: dict[int, dict[int, Snapshot] | None] = {}
         if self.checkpoints:
             live = live_positions(caches, stop)
