@@ -1,0 +1,113 @@
+"""What a durable write of N MiB costs on this machine's disk, four ways.
+
+P2 and G3 compare a durable save with mlx-lm's unsynced ``save_prompt_cache``
+(a write into the page cache). This probe says what the disk allows: the same
+bytes written into the page cache and fsynced (appending to a file, and
+overwriting one already allocated, which is what LMDB does with freed pages),
+and written with ``O_DIRECT`` from page-aligned memory (no page-cache copy)
+then fsynced; a memcpy into fresh memory for scale. Nothing in the library is
+used::
+
+    python3 tools/bench/disk_probe.py --dir /tmp --mib 64 256
+
+Each row: the median of ``--repeats`` and the spread, and GB/s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import mmap
+import os
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+
+
+def _timed(fn: Callable[[], None]) -> float:
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
+
+
+def probe(directory: str, nbytes: int, repeats: int) -> None:
+    buf = mmap.mmap(-1, nbytes)  # page-aligned, as O_DIRECT wants
+    chunk = os.urandom(1 << 20)
+    for off in range(0, nbytes, len(chunk)):
+        buf[off : off + len(chunk)] = chunk[: nbytes - off]
+    view = memoryview(buf)
+    fd_dir, path = tempfile.mkstemp(dir=directory, prefix="disk-probe-")
+    os.close(fd_dir)
+
+    def opened(flags: int) -> int:
+        return os.open(path, os.O_WRONLY | flags)
+
+    def append() -> None:
+        fd = opened(os.O_APPEND)
+        try:
+            os.write(fd, view)
+            os.fdatasync(fd)
+        finally:
+            os.close(fd)
+
+    def overwrite() -> None:
+        fd = opened(0)
+        try:
+            os.pwrite(fd, view, 0)
+            os.fdatasync(fd)
+        finally:
+            os.close(fd)
+
+    def direct(at_end: bool) -> Callable[[], None]:
+        def run() -> None:
+            fd = opened(getattr(os, "O_DIRECT", 0))
+            try:
+                offset = os.fstat(fd).st_size if at_end else 0
+                offset -= offset % 4096
+                os.pwrite(fd, view, offset)
+                os.fdatasync(fd)
+            finally:
+                os.close(fd)
+
+        return run
+
+    def memcpy() -> None:
+        fresh = bytearray(nbytes)
+        fresh[:] = view
+
+    cases = [
+        ("memcpy into fresh memory", memcpy),
+        ("page cache, append + fdatasync", append),
+        ("page cache, overwrite + fdatasync", overwrite),
+        ("O_DIRECT, append + fdatasync", direct(True)),
+        ("O_DIRECT, overwrite + fdatasync", direct(False)),
+    ]
+    print(f"{nbytes >> 20} MiB into {directory}")
+    try:
+        for name, fn in cases:
+            os.truncate(path, 0)
+            times = [_timed(fn) for _ in range(repeats)]
+            med = statistics.median(times)
+            print(
+                f"  {name:36s} {med * 1e3:8.1f} ms  {nbytes / med / 1e9:6.2f} GB/s"
+                f"  (min {min(times) * 1e3:.1f}, max {max(times) * 1e3:.1f})"
+            )
+    except OSError as exc:
+        print(f"  stopped: {exc}")
+    finally:
+        os.unlink(path)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dir", default=tempfile.gettempdir())
+    parser.add_argument("--mib", type=int, nargs="+", default=[64, 512])
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args()
+    for mib in args.mib:
+        probe(args.dir, mib << 20, args.repeats)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
