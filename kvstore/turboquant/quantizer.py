@@ -27,7 +27,7 @@ import mlx.core as mx
 import numpy as np
 
 from kvstore.errors import EncodingError
-from kvstore.turboquant import cuda_decode
+from kvstore.turboquant import cuda_decode, cuda_rht
 from kvstore.turboquant.codebook import codebook
 from kvstore.turboquant.packing import pack_indices, packed_words, unpack_indices
 from kvstore.turboquant.rotation import Rotation, rotation_for
@@ -218,11 +218,16 @@ class TurboQuantizer:
         rows = x.reshape(-1, self.dim)
         blocks, bad_input, wide_scale = [], False, self.scale_dtype == "float32"
         for b in _row_blocks(rows.shape[0], self.dim):
-            idx, scale, norm = self.quantize(rows[b])
-            codes = pack_indices(idx, self.bits)
-            checks = mx.stack(
-                [mx.any(~mx.isfinite(norm)), mx.any(mx.abs(scale) > FLOAT16_SCALE_LIMIT)]
-            )
+            # One kernel on a CUDA GPU unless switched off, once proven (cuda_rht).
+            fused = cuda_rht.encoded(rows[b], self, FLOAT16_SCALE_LIMIT)
+            if fused is None:
+                idx, scale, norm = self.quantize(rows[b])
+                codes = pack_indices(idx, self.bits)
+                checks = mx.stack(
+                    [mx.any(~mx.isfinite(norm)), mx.any(mx.abs(scale) > FLOAT16_SCALE_LIMIT)]
+                )
+            else:
+                codes, scale, checks = fused
             # Evaluating per block finishes one cache-sized block before the next is
             # built; the checks decide the error and the scale dtype.
             mx.eval(codes, scale, checks)
@@ -266,6 +271,11 @@ class TurboQuantizer:
             )
         lead = codes.shape[:-1]
         rows = codes.reshape(-1, self.words)
+        # The whole decode as one kernel on a CUDA GPU, once proven (cuda_rht).
+        fused = cuda_rht.decoded(rows, scales, self, dtype if mu is None else mx.float32)
+        if fused is not None:
+            x = fused.reshape(*lead, self.dim)
+            return x if mu is None else (x + mu).astype(dtype)
         factors = scales.reshape(-1, 1).astype(mx.float32)
         blocks = _row_blocks(rows.shape[0], self.dim)
         parts = []

@@ -1,0 +1,451 @@
+"""TurboQuant's whole encode and whole decode, each one CUDA kernel (RHT, one round).
+
+Through MLX ops an encode is a dozen kernels or more (norm, signs, Hadamard
+transform, the cell compares, scale, the packing's shifts and sums) and a
+decode half as many after :mod:`~kvstore.turboquant.cuda_decode`'s kernel (the
+inverse transform, signs, cast): on an H200 one llama-8B layer of 4096 tokens
+took 7.5 ms to encode and 2.9 ms to decode, against 0.11 and 0.07 ms for
+``mx.quantize``/``mx.dequantize`` 4-bit g64 of the same rows
+(``tools/bench/results/gpu/probe.log``). Here one warp holds one vector, each
+of its 32 lanes ``D/32`` consecutive coordinates, and does every step in
+registers:
+
+* encode: the squared norm (a warp sum), the signs, the Walsh-Hadamard
+  butterflies (strides inside a lane first, then across lanes by shuffles, the
+  natural Sylvester order ``mx.hadamard_transform`` computes), ``1/sqrt(D)``,
+  each coordinate's cell (``#{k : t_k < z}``, ties to the lower cell), the
+  row's scale (``l2``, ``matched`` or ``ls``: warp sums) and the codes, packed
+  into the little-endian stream of :mod:`~kvstore.turboquant.packing` through
+  the warp's shared words;
+* decode: each value's bits read from its words, ``centroid * factor``, the
+  same butterflies, ``1/sqrt(D)``, the signs, the cast to the wanted dtype.
+
+The butterflies add in another order than MLX's transform, so the results are
+not bit for bit the ops': a coordinate within float32 rounding of a threshold
+may land in the neighbouring cell, and a decoded value may round to the
+neighbouring bfloat16 (the spec asks CPU and GPU decodes to agree within one
+ulp; they never were bit-identical, MLX's CPU and CUDA transforms differ too).
+Each kernel is proven once per process and shape against the ops on vectors of
+its own before it is used (:func:`_proven`): decodes within ``1e-5`` of the
+largest value (and one ulp of a narrower output); encodes with the same checks'
+verdicts, every cell the ops' unless the coordinate lies within ``1e-5`` of a
+threshold (then a neighbour), and the scale of every row whose cells all agree
+within ``1e-5``. A kernel
+that does not build or is not proven leaves the ops in place.
+
+On by default on a CUDA GPU; ``KVSTORE_TQ_RHT_KERNEL=0`` turns both off.
+Rotations other than one-round RHT (dense matrices for head dims that are not
+powers of two, two rounds), and head dims outside 32..1024, take the ops.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+import threading
+import weakref
+from typing import Any, Protocol
+
+import mlx.core as mx
+import numpy as np
+
+from kvstore.turboquant.codebook import codebook
+from kvstore.turboquant.packing import pack_indices, packed_words, unpack_indices
+
+__all__ = ["ENV", "decoded", "enabled", "encoded", "usable"]
+
+#: The switch (``"0"``: never use the kernels; anything else: use them where proven).
+ENV = "KVSTORE_TQ_RHT_KERNEL"
+#: Threads per block: 8 warps, 8 vectors.
+_BLOCK = 256
+_MODES = {"l2": 0, "matched": 1, "ls": 2}
+
+#: Shared by both kernels: ``v`` holds lane ``lane``'s ``V`` coordinates
+#: (``j = lane * V + i``); the butterflies pair ``j`` with ``j ^ h`` for every
+#: stride ``h``: in a lane for ``h < V``, across lanes (mask ``h / V``) above.
+_BUTTERFLIES = """
+    #pragma unroll
+    for (int h = 1; h < V; h <<= 1) {
+        #pragma unroll
+        for (int i = 0; i < V; ++i) {
+            if ((i & h) == 0) { float a = v[i], b = v[i + h]; v[i] = a + b; v[i + h] = a - b; }
+        }
+    }
+    #pragma unroll
+    for (unsigned int m = 1; m < 32; m <<= 1) {
+        #pragma unroll
+        for (int i = 0; i < V; ++i) {
+            float o = __shfl_xor_sync(0xffffffffu, v[i], m);
+            v[i] = (lane & m) ? (o - v[i]) : (v[i] + o);
+        }
+    }
+"""
+
+#: One warp per row of ``x`` ``[N, D]``; outputs ``codes`` ``[N, WORDS]`` uint32,
+#: ``scale`` ``[N]`` float32 and ``flags`` ``[N, 2]`` uint8: whether the norm is not
+#: finite, whether the scale's magnitude passes ``SCALE_LIMIT`` (the encoder's checks).
+_ENCODE = (
+    """
+    constexpr int V = DIM / 32;
+    __shared__ unsigned int packed[WARPS][WORDS];
+    const unsigned long long row = ((unsigned long long)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+    const unsigned int lane = threadIdx.x & 31u, warp = threadIdx.x >> 5;
+    if (row >= (unsigned long long)x_shape[0]) return;
+    float v[V];
+    float ss = 0.0f;
+    #pragma unroll
+    for (int i = 0; i < V; ++i) {
+        float t = static_cast<float>(x[row * DIM + lane * V + i]);
+        v[i] = t;
+        ss += t * t;
+    }
+    #pragma unroll
+    for (unsigned int m = 16; m >= 1; m >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, m);
+    const float n = sqrtf(ss);
+    #pragma unroll
+    for (int i = 0; i < V; ++i) v[i] *= signs[lane * V + i];
+"""
+    + _BUTTERFLIES
+    + """
+    const float inv = n > 0.0f ? ROOT_D / n : 0.0f;
+    unsigned int idx[V];
+    float cc = 0.0f, yc = 0.0f;
+    #pragma unroll
+    for (int i = 0; i < V; ++i) {
+        const float y = v[i] * INV_ROOT_D;
+        const float z = y * inv;
+        unsigned int c = 0;
+        #pragma unroll
+        for (int k = 0; k < CELLS - 1; ++k) c += (z > thresholds[k]) ? 1u : 0u;
+        idx[i] = c;
+        const float e = centroids[c];
+        cc += e * e;
+        yc += y * e;
+    }
+    float s;
+    if (MODE == 0) {
+        s = n / ROOT_D;
+    } else {
+        #pragma unroll
+        for (unsigned int m = 16; m >= 1; m >>= 1) {
+            cc += __shfl_xor_sync(0xffffffffu, cc, m);
+            yc += __shfl_xor_sync(0xffffffffu, yc, m);
+        }
+        s = MODE == 1 ? n / sqrtf(cc) : yc / cc;
+    }
+    for (unsigned int w = lane; w < WORDS; w += 32) packed[warp][w] = 0u;
+    __syncwarp();
+    #pragma unroll
+    for (int i = 0; i < V; ++i) {
+        const unsigned int bit = (lane * V + i) * BITS, w = bit >> 5, o = bit & 31u;
+        atomicOr(&packed[warp][w], idx[i] << o);
+        if (o + BITS > 32) atomicOr(&packed[warp][w + 1], idx[i] >> (32 - o));
+    }
+    __syncwarp();
+    for (unsigned int w = lane; w < WORDS; w += 32) codes[row * WORDS + w] = packed[warp][w];
+    if (lane == 0) {
+        scale[row] = s;
+        flags[2 * row] = isfinite(n) ? 0 : 1;
+        flags[2 * row + 1] = fabsf(s) > SCALE_LIMIT ? 1 : 0;
+    }
+"""
+)
+
+#: One warp per row of ``codes`` ``[N, WORDS]``; ``factors`` ``[N]`` (the scales, of
+#: their stored float type), ``table`` (the centroids) float32; ``out`` ``[N, D]`` of
+#: type ``OT``.
+_DECODE = (
+    """
+    constexpr int V = DIM / 32;
+    const unsigned long long row = ((unsigned long long)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+    const unsigned int lane = threadIdx.x & 31u;
+    if (row >= (unsigned long long)codes_shape[0]) return;
+    const unsigned int* words = codes + row * WORDS;
+    const float f = static_cast<float>(factors[row]);
+    float v[V];
+    #pragma unroll
+    for (int i = 0; i < V; ++i) {
+        const unsigned int bit = (lane * V + i) * BITS, w = bit >> 5, o = bit & 31u;
+        unsigned int c = words[w] >> o;
+        if (o + BITS > 32) c |= words[w + 1] << (32 - o);
+        v[i] = table[c & MASK] * f;
+    }
+"""
+    + _BUTTERFLIES
+    + """
+    #pragma unroll
+    for (int i = 0; i < V; ++i) {
+        out[row * DIM + lane * V + i] = OT(v[i] * INV_ROOT_D * signs[lane * V + i]);
+    }
+"""
+)
+
+
+class Quantizer(Protocol):
+    """What the kernels read of a :class:`~kvstore.turboquant.quantizer.TurboQuantizer`."""
+
+    bits: int
+    dim: int
+    rotation: Any
+    centroids: mx.array
+
+    @property
+    def scale_mode(self) -> str: ...
+
+    def quantize(self, x: mx.array) -> tuple[mx.array, mx.array, mx.array]: ...
+
+
+def enabled() -> bool:
+    """Whether encodes and decodes may use the kernels: not switched off, and the
+    default device a CUDA GPU."""
+    if os.environ.get(ENV, "1") == "0":
+        return False
+    try:
+        return bool(mx.cuda.is_available()) and mx.default_device() == mx.gpu
+    except (AttributeError, RuntimeError):
+        return False
+
+
+def usable(q: Quantizer) -> bool:
+    """Whether ``q``'s code is one the kernels do: a one-round RHT over a power-of-two
+    head dim of 32 to 1024 (whole lanes), and the kernels switched on."""
+    rotation = q.rotation
+    return (
+        32 <= q.dim <= 1024
+        and q.dim & (q.dim - 1) == 0
+        and getattr(rotation, "method", None) == "rht"
+        and rotation.rounds == 1
+        and q.scale_mode in _MODES
+        and enabled()
+    )
+
+
+def encoded(
+    rows: mx.array, q: Quantizer, scale_limit: float
+) -> tuple[mx.array, mx.array, mx.array] | None:
+    """``(codes uint32 [N, W], scale float32 [N], checks bool [2])`` of ``rows``
+    ``[N, D]``, lazily, by the kernel: ``checks`` says whether any norm is not
+    finite and whether any scale's magnitude passes ``scale_limit``. ``None`` where
+    the kernel is not to be used."""
+    if not rows.shape[0] or not usable(q) or not _proven("encode", q, rows.dtype, scale_limit):
+        return None
+    codes, scale, flags = _encode(rows, q, scale_limit)
+    return codes, scale, mx.any(flags, axis=0)
+
+
+def decoded(rows: mx.array, scales: mx.array, q: Quantizer, dtype: mx.Dtype) -> mx.array | None:
+    """``R^-1(table[index] * scale)`` as ``dtype`` ``[N, D]`` of packed ``rows``
+    (uint32 ``[N, W]``) and their ``scales`` (``[N]``, float16 or float32), lazily,
+    by the kernel; ``None`` where it is not to be used."""
+    if not rows.shape[0] or not usable(q) or not _proven("decode", q, dtype, scales.dtype):
+        return None
+    return _decode(rows, scales, q, dtype)
+
+
+def _float(value: float) -> str:
+    """A float32 constant as CUDA source: the float32 nearest ``value``, exactly."""
+    return f"{float(np.float32(value))!r}f"
+
+
+def _source(template: str, bits: int, dim: int, mode: str, scale_limit: float) -> str:
+    constants = {
+        "DIM": str(dim),
+        "BITS": str(bits),
+        "WORDS": str(packed_words(dim, bits)),
+        "CELLS": str(1 << bits),
+        "MASK": str((1 << bits) - 1),
+        "MODE": str(_MODES[mode]),
+        "WARPS": str(_BLOCK // 32),
+        "INV_ROOT_D": _float(1.0 / math.sqrt(dim)),
+        "ROOT_D": _float(math.sqrt(dim)),
+        "SCALE_LIMIT": _float(scale_limit),
+    }
+    # Longest names first: ROOT_D is inside INV_ROOT_D.
+    for name in sorted(constants, key=len, reverse=True):
+        template = template.replace(name, constants[name])
+    return template
+
+
+@functools.cache
+def _kernel(op: str, bits: int, dim: int, mode: str, dtype: str, scale_limit: float) -> Any:
+    """The kernel of ``op`` for these constants. ``dtype`` names the encode's input or
+    the decode's scales: MLX keeps one compiled module per kernel name, whatever its
+    inputs' types, so the name says them."""
+    source = _source(_ENCODE if op == "encode" else _DECODE, bits, dim, mode, scale_limit)
+    if op == "encode":
+        return mx.fast.cuda_kernel(
+            name=f"kvstore_tq_rht_encode_{bits}_{dim}_{mode}_{dtype}_{scale_limit:g}",
+            input_names=["x", "signs", "thresholds", "centroids"],
+            output_names=["codes", "scale", "flags"],
+            source=source,
+        )
+    return mx.fast.cuda_kernel(
+        name=f"kvstore_tq_rht_decode_{bits}_{dim}_{dtype}",
+        input_names=["codes", "factors", "table", "signs"],
+        output_names=["out"],
+        source=source,
+    )
+
+
+def _name(dtype: mx.Dtype) -> str:
+    return str(dtype).rsplit(".", 1)[-1]
+
+
+class _Tables:
+    """A quantizer's constants in device memory, made once (a fresh ``mx.array`` per
+    call is a host-to-device copy per call)."""
+
+    def __init__(self, q: Quantizer) -> None:
+        self.signs = mx.array(np.asarray(q.rotation.signs[0], np.float32))
+        self.thresholds = mx.array(codebook(q.bits).thresholds.astype(np.float32))
+        self.centroids = q.centroids.astype(mx.float32)
+        # Quantizers are shared across threads; MLX evaluates a graph only on the
+        # thread that built it, so nothing stays lazy here.
+        mx.eval(self.signs, self.thresholds, self.centroids)
+
+
+_TABLES: weakref.WeakKeyDictionary[Any, _Tables] = weakref.WeakKeyDictionary()
+
+
+def _tables(q: Quantizer) -> _Tables:
+    with _LOCK:
+        tables = _TABLES.get(q)
+        if tables is None:
+            tables = _TABLES[q] = _Tables(q)
+        return tables
+
+
+def _grid(count: int) -> tuple[int, int, int]:
+    return (max(1, math.ceil(count * 32 / _BLOCK)) * _BLOCK, 1, 1)
+
+
+def _encode(
+    rows: mx.array, q: Quantizer, scale_limit: float
+) -> tuple[mx.array, mx.array, mx.array]:
+    count, t = int(rows.shape[0]), _tables(q)
+    codes, scale, flags = _kernel(
+        "encode", q.bits, q.dim, q.scale_mode, _name(rows.dtype), scale_limit
+    )(
+        inputs=[rows, t.signs, t.thresholds, t.centroids],
+        output_shapes=[(count, packed_words(q.dim, q.bits)), (count,), (count, 2)],
+        output_dtypes=[mx.uint32, mx.float32, mx.uint8],
+        grid=_grid(count),
+        threadgroup=(_BLOCK, 1, 1),
+    )
+    return codes, scale, flags
+
+
+def _decode(rows: mx.array, scales: mx.array, q: Quantizer, dtype: mx.Dtype) -> mx.array:
+    count, t = int(rows.shape[0]), _tables(q)
+    (out,) = _kernel("decode", q.bits, q.dim, "l2", _name(scales.dtype), 0.0)(
+        inputs=[rows, scales.reshape(-1), t.centroids, t.signs],
+        output_shapes=[(count, q.dim)],
+        output_dtypes=[dtype],
+        grid=_grid(count),
+        threadgroup=(_BLOCK, 1, 1),
+        template=[("OT", dtype)],
+    )
+    return out
+
+
+_LOCK = threading.RLock()  # a proof makes its quantizer's tables
+_PROVEN: dict[tuple[str, int, int, str, str, str], bool] = {}
+
+
+def _proven(op: str, q: Quantizer, dtype: mx.Dtype, extra: Any) -> bool:
+    """Whether kernel ``op`` builds here and agrees with the ops (module docstring) on
+    vectors of its own, once per process and kernel: op, width, head dim, and for an
+    encode its scale mode, input dtype and scale limit (``extra``), for a decode its
+    output dtype and the scales' (``extra``)."""
+    mode = q.scale_mode if op == "encode" else ""
+    key = (op, q.bits, q.dim, mode, _name(dtype), str(extra))
+    with _LOCK:
+        if key not in _PROVEN:
+            try:
+                _PROVEN[key] = _agrees(op, q, dtype, extra)
+            except Exception:  # noqa: BLE001 - a kernel that does not build or run: the ops stay
+                _PROVEN[key] = False
+        return _PROVEN[key]
+
+
+def trial_rows(dim: int) -> mx.array:
+    """Vectors to prove the kernels on: Gaussian rows at several scales, a zero row,
+    a one-hot row and a constant row."""
+    rng = np.random.default_rng(dim)
+    rows = rng.standard_normal((96, dim)).astype(np.float32)
+    rows[: 32] *= 1e-3
+    rows[32:64] *= 50.0
+    rows[64] = 0.0
+    rows[65] = 0.0
+    rows[65, 3] = 1.0
+    rows[66] = 1.0
+    return mx.array(rows)
+
+
+#: A decode's tolerance besides float32's: one ulp of the output dtype, relative.
+_ULP = {"float32": 0.0, "bfloat16": 2.0**-7, "float16": 2.0**-10}
+
+
+def _agrees(op: str, q: Quantizer, dtype: mx.Dtype, extra: Any) -> bool:
+    if op == "decode":
+        return _decode_agrees(q, dtype, extra)
+    rows = trial_rows(q.dim).astype(dtype)
+    idx, scale, norm = q.quantize(rows)  # the ops
+    codes, got_scale, flags = _encode(rows, q, float(extra))
+    got_idx = unpack_indices(codes, q.bits, q.dim)
+    mx.eval(got_idx, got_scale, flags, idx, scale, norm)
+    want_flags = np.stack([~np.isfinite(np.array(norm)), np.abs(np.array(scale)) > extra], -1)
+    if not np.array_equal(np.array(flags).astype(bool), want_flags):
+        return False
+    return _encode_agrees(
+        np.array(rows.astype(mx.float32)),
+        np.array(idx).astype(np.int64),
+        np.array(scale),
+        np.array(norm),
+        np.array(got_idx).astype(np.int64),
+        np.array(got_scale),
+        q,
+    )
+
+
+def _decode_agrees(q: Quantizer, dtype: mx.Dtype, scales_dtype: mx.Dtype) -> bool:
+    if _name(dtype) not in _ULP:
+        return False
+    idx, scale, _ = q.quantize(trial_rows(q.dim))
+    scales = scale.astype(scales_dtype)
+    factors = scales.reshape(-1, 1).astype(mx.float32)
+    want = q.rotation.inverse(mx.take(q.centroids, idx.astype(mx.uint32)) * factors)
+    got = _decode(pack_indices(idx, q.bits), scales, q, dtype).astype(mx.float32)
+    mx.eval(want, got)
+    expected, found = np.array(want), np.array(got)
+    top = float(np.abs(expected).max())
+    bound = 1e-5 * max(top, 1e-30) + _ULP[_name(dtype)] * np.abs(expected)
+    return bool((np.abs(found - expected) <= bound).all())
+
+
+def _encode_agrees(
+    rows: np.ndarray,
+    idx: np.ndarray,
+    scale: np.ndarray,
+    norm: np.ndarray,
+    got_idx: np.ndarray,
+    got_scale: np.ndarray,
+    q: Quantizer,
+) -> bool:
+    """The encode kernel's proof (module docstring), on numpy copies of both results
+    (``norm`` is the ops')."""
+    differ = got_idx != idx
+    if differ.any():
+        if np.abs(got_idx - idx)[differ].max() > 1:
+            return False
+        # Where they differ, the ops' z must lie within rounding of a threshold.
+        rotated = np.array(q.rotation.forward(mx.array(rows)))
+        inv = np.where(norm > 0, math.sqrt(q.dim) / np.where(norm > 0, norm, 1), 0)
+        z = rotated * inv[:, None]
+        thresholds = codebook(q.bits).thresholds.astype(np.float32)
+        gap = np.abs(z[..., None] - thresholds).min(axis=-1)
+        if (gap[differ] > 1e-5 * np.maximum(1.0, np.abs(z[differ]))).any():
+            return False
+    agree = ~differ.any(axis=-1)
+    return bool(np.allclose(got_scale[agree], scale[agree], rtol=1e-5, atol=1e-30))

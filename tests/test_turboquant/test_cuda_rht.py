@@ -1,0 +1,163 @@
+"""TurboQuant's one-kernel encode and decode: their arithmetic, their proof, their switch
+and their fallback (the kernels themselves run on the device machine:
+tools/bench/gpu/rht_probe.py)."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from kvstore.turboquant import cuda_rht
+from kvstore.turboquant.codebook import codebook
+from kvstore.turboquant.packing import pack_indices
+from kvstore.turboquant.quantizer import TQ_BITS, TurboQuantizer, quantizer_for
+from kvstore.turboquant.rotation import rotation_for
+
+
+def lanes_butterflies(x: np.ndarray) -> np.ndarray:
+    """What ``cuda_rht._BUTTERFLIES`` computes on each row, in numpy: lane ``l`` holds
+    coordinates ``l * V .. l * V + V - 1``; strides inside a lane, then lane masks."""
+    rows, dim = x.shape
+    per = dim // 32
+    v = x.reshape(rows, 32, per).astype(np.float32).copy()
+    h = 1
+    while h < per:
+        for i in range(per):
+            if i & h == 0:
+                a, b = v[:, :, i].copy(), v[:, :, i + h].copy()
+                v[:, :, i], v[:, :, i + h] = a + b, a - b
+        h <<= 1
+    lane = np.arange(32)
+    m = 1
+    while m < 32:
+        other = v[:, lane ^ m, :]
+        upper = (lane & m).astype(bool)[None, :, None]
+        v = np.where(upper, other - v, v + other).astype(np.float32)
+        m <<= 1
+    return v.reshape(rows, dim)
+
+
+def sylvester(dim: int) -> np.ndarray:
+    h = np.ones((1, 1))
+    while h.shape[0] < dim:
+        h = np.block([[h, h], [h, -h]])
+    return h
+
+
+@pytest.mark.parametrize("dim", [32, 64, 128, 256])
+def test_the_kernels_butterflies_are_the_natural_order_hadamard_transform(dim):
+    x = np.random.default_rng(dim).standard_normal((7, dim)).astype(np.float32)
+    got = lanes_butterflies(x)
+    exact = x.astype(np.float64) @ sylvester(dim)
+    np.testing.assert_allclose(got, exact, rtol=0, atol=1e-4)
+    ops = np.array(mx.hadamard_transform(mx.array(x), scale=1.0))
+    np.testing.assert_allclose(got, ops, rtol=0, atol=1e-4)
+    for step in ("v[i] = a + b; v[i + h] = a - b", "__shfl_xor_sync(0xffffffffu, v[i], m)"):
+        assert step in cuda_rht._BUTTERFLIES
+    assert "(lane & m) ? (o - v[i]) : (v[i] + o)" in cuda_rht._BUTTERFLIES
+
+
+@pytest.mark.parametrize("bits", TQ_BITS)
+@pytest.mark.parametrize("dim", [64, 128])
+def test_the_encode_kernels_packing_writes_the_packed_stream(bits, dim):
+    index = np.random.default_rng(bits * dim).integers(0, 1 << bits, (5, dim)).astype(np.uint64)
+    words = np.zeros((5, -(-dim * bits // 32)), np.uint64)
+    for j in range(dim):  # the kernel's loop: each value ORed into its word(s)
+        bit = j * bits
+        w, o = bit >> 5, bit & 31
+        words[:, w] |= (index[:, j] << o) & 0xFFFFFFFF
+        if o + bits > 32:
+            words[:, w + 1] |= index[:, j] >> (32 - o)
+    want = np.array(pack_indices(mx.array(index.astype(np.uint8)), bits))
+    assert np.array_equal(words.astype(np.uint32), want)
+    for step in ("atomicOr(&packed[warp][w], idx[i] << o)", "idx[i] >> (32 - o)"):
+        assert step in cuda_rht._ENCODE
+
+
+def _rows_with_a_coordinate_at_a_threshold(q: TurboQuantizer, k: int) -> np.ndarray:
+    """Rows whose rotated, normalised first coordinate is the table's threshold ``k``."""
+    rng = np.random.default_rng(k)
+    t = float(codebook(q.bits).thresholds[k])
+    z = rng.standard_normal((3, q.dim))
+    z[:, 0] = 0.0
+    z[:, 1:] *= np.sqrt((q.dim - t * t) / (z[:, 1:] ** 2).sum(axis=1, keepdims=True))
+    z[:, 0] = t
+    return np.array(q.rotation.inverse(mx.array(z.astype(np.float32))))
+
+
+def test_the_encode_proof_lets_a_cell_differ_only_beside_a_threshold():
+    q = quantizer_for(3, 128, "k")
+    k = 3
+    rows = _rows_with_a_coordinate_at_a_threshold(q, k)
+    idx, scale, norm = (np.array(a) for a in q.quantize(mx.array(rows)))
+    idx = idx.astype(np.int64)
+
+    def agrees(got_idx: np.ndarray, got_scale: np.ndarray) -> bool:
+        return cuda_rht._encode_agrees(rows, idx, scale, norm, got_idx, got_scale, q)
+
+    assert agrees(idx, scale)
+    beside = idx.copy()
+    beside[0, 0] = k if idx[0, 0] == k + 1 else k + 1  # across threshold k
+    assert agrees(beside, scale)  # that row's scale is not held to the ops'
+    far = idx.copy()
+    far[1, 5] += 1 if far[1, 5] < 7 else -1
+    assert not agrees(far, scale)
+    two = idx.copy()
+    two[0, 0] += 2 if two[0, 0] < 6 else -2
+    assert not agrees(two, scale)
+    off = scale.copy()
+    off[2] *= 1 + 1e-3
+    assert not agrees(idx, off)
+
+
+def test_switched_off_or_off_a_cuda_gpu_the_ops_run(monkeypatch):
+    q = quantizer_for(4, 128, "v")
+    on_a_cuda_gpu = mx.cuda.is_available() and mx.default_device() == mx.gpu
+    monkeypatch.setenv(cuda_rht.ENV, "0")
+    assert not cuda_rht.enabled() and not cuda_rht.usable(q)
+    monkeypatch.delenv(cuda_rht.ENV)
+    assert cuda_rht.enabled() == on_a_cuda_gpu == cuda_rht.usable(q)
+    if not on_a_cuda_gpu:
+        rows = mx.zeros((4, 128), mx.bfloat16)
+        assert cuda_rht.encoded(rows, q, 60000.0) is None
+        assert cuda_rht.decoded(mx.zeros((4, 16), mx.uint32), mx.ones((4,)), q, mx.float32) is None
+
+
+def test_only_one_round_rht_over_whole_lanes_is_the_kernels(monkeypatch):
+    monkeypatch.setattr(cuda_rht, "enabled", lambda: True)
+    assert cuda_rht.usable(quantizer_for(4, 128, "k"))
+    assert not cuda_rht.usable(quantizer_for(4, 80, "k"))  # a dense rotation
+    assert not cuda_rht.usable(quantizer_for(4, 16, "k"))  # under a lane each
+    two_rounds = TurboQuantizer(4, 128, "k", rotation=rotation_for(128, "k", rounds=2))
+    assert not cuda_rht.usable(two_rounds)
+
+
+def test_kernels_that_fail_their_proof_leave_the_ops_in_place(monkeypatch):
+    # Switched on where the kernels cannot build (a GPU whose compiler refuses them):
+    # encode and decode are the MLX ops', bit for bit, and nothing raises.
+    kq = quantizer_for(4, 128, "k")
+    x = mx.random.normal((1, 2, 40, 128), key=mx.random.key(5)).astype(mx.bfloat16)
+    codes, scales = kq.encode(x)
+    want = kq.decode(codes, scales, mx.bfloat16)
+    launches = []
+
+    def refused(*args):
+        launches.append(args)
+        raise RuntimeError("[cuda_kernel] no CUDA here")
+
+    monkeypatch.setattr(cuda_rht, "enabled", lambda: True)
+    monkeypatch.setattr(cuda_rht, "_encode", refused)
+    monkeypatch.setattr(cuda_rht, "_decode", refused)
+    monkeypatch.setattr(cuda_rht, "_PROVEN", {})
+    got_codes, got_scales = kq.encode(x)
+    got = kq.decode(got_codes, got_scales, mx.bfloat16)
+    assert len(launches) == 2  # each proof's, once; encode and decode never launched
+    assert sorted(key[0] for key, ok in cuda_rht._PROVEN.items() if not ok) == [
+        "decode",
+        "encode",
+    ]
+    assert mx.array_equal(got_codes, codes).item() and mx.array_equal(got_scales, scales).item()
+    assert mx.array_equal(got, want).item()
+    kq.decode(got_codes, got_scales, mx.bfloat16)
+    assert len(launches) == 2  # proven (or not) once per process and kernel
