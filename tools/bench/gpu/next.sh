@@ -31,6 +31,9 @@
 # STEP parent    ab_env of lossless and q8 without, then with, G1's model held in the parent
 #                (--parent-model): G1/G2's restores stay 5-8 ms slower than ab_env's
 #                children, and the model in the child is not why (1a8cb38/ab-model.txt): ~300 s
+# STEP rht       TurboQuant's one-kernel encode and decode (kvstore/turboquant/cuda_rht.py):
+#                proven or not, agreement with the ops and times (rht_probe.py), then P11
+#                on the device: ~140 s
 # STEP g1-4k     G1 at 4096 tokens: ~150 s
 # STEP g1-16k    G1 at 16384 tokens: ~230 s
 # STEP g2a       G2 at 4096 tokens, lossless + kv:quant:8:64 and 4:64: ~330 s
@@ -76,6 +79,10 @@ case "$step" in
   ab)
     timeout 300 python3 -m tools.bench.gpu.ab_env --repeats 5 base: \
       --policies lossless,kv:quant:8:64,kv:turboquant:4:4 2>&1 | tee "$out/ab-env.txt" ;;
+  rht)
+    timeout 150 python3 tools/bench/gpu/rht_probe.py 2>&1 | tee "$out/rht-probe.txt"
+    KVSTORE_BENCH_GIT=$rev CHECK_TIMEOUT=1 BENCH_TIMEOUT=240 REPEATS=5 \
+      bash tools/bench/gpu/run.sh P11 "$out/p11" ;;
   g1-4k)
     KVSTORE_BENCH_GPU_TOKENS=4096 KVSTORE_BENCH_GIT=$rev CHECK_TIMEOUT=60 BENCH_TIMEOUT=400 \
       REPEATS=5 bash tools/bench/gpu/run.sh G1 "$out/g1-4k" ;;
@@ -91,5 +98,5 @@ case "$step" in
     esac
     KVSTORE_BENCH_G2_POLICIES=$policies KVSTORE_BENCH_GPU_TOKENS=4096 KVSTORE_BENCH_GIT=$rev \
       CHECK_TIMEOUT=1 BENCH_TIMEOUT=540 REPEATS=5 bash tools/bench/gpu/run.sh G2 "$out/$step" ;;
-  *) echo "next.sh: unknown step $step (ab, profiles, probe, graphs, stage, spans, model, parent, g1-4k, g1-16k, g2a, g2q8, g2b, g2c)"; exit 2 ;;
+  *) echo "next.sh: unknown step $step (ab, profiles, probe, graphs, stage, spans, model, parent, rht, g1-4k, g1-16k, g2a, g2q8, g2b, g2c)"; exit 2 ;;
 esac
