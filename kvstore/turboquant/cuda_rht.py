@@ -339,7 +339,9 @@ def _encode(
 def _decode(rows: mx.array, scales: mx.array, q: Quantizer, dtype: mx.Dtype) -> mx.array:
     count, t = int(rows.shape[0]), _tables(q)
     (out,) = _kernel("decode", q.bits, q.dim, "l2", _name(scales.dtype), 0.0)(
-        inputs=[rows, scales.reshape(-1), t.centroids, t.signs],
+        # uint32 as the kernel reads them (a no-op for stored codes): the kernel's name
+        # does not say the codes' type.
+        inputs=[rows.astype(mx.uint32), scales.reshape(-1), t.centroids, t.signs],
         output_shapes=[(count, q.dim)],
         output_dtypes=[dtype],
         grid=_grid(count),
