@@ -376,7 +376,7 @@ def trial_rows(dim: int) -> mx.array:
     a one-hot row and a constant row."""
     rng = np.random.default_rng(dim)
     rows = rng.standard_normal((96, dim)).astype(np.float32)
-    rows[: 32] *= 1e-3
+    rows[:32] *= 1e-3
     rows[32:64] *= 50.0
     rows[64] = 0.0
     rows[65] = 0.0
