@@ -20,13 +20,13 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 import threading
 from typing import Any
 
 import mlx.core as mx
 import numpy as np
 
+from kvstore.turboquant.kernel_switch import switched_on
 from kvstore.turboquant.packing import pack_indices, unpack_indices
 
 __all__ = ["ENV", "decoded", "enabled"]
@@ -53,12 +53,7 @@ _SOURCE = """
 
 def enabled() -> bool:
     """Whether decodes may use the kernel: not switched off, and the default device a CUDA GPU."""
-    if os.environ.get(ENV, "1") == "0":
-        return False
-    try:
-        return bool(mx.cuda.is_available()) and mx.default_device() == mx.gpu
-    except (AttributeError, RuntimeError):
-        return False
+    return switched_on(ENV)
 
 
 def decoded(

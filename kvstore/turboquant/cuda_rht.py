@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 import threading
 import weakref
 from typing import Any, Protocol
@@ -51,6 +50,7 @@ import mlx.core as mx
 import numpy as np
 
 from kvstore.turboquant.codebook import codebook
+from kvstore.turboquant.kernel_switch import switched_on
 from kvstore.turboquant.packing import pack_indices, packed_words, unpack_indices
 
 __all__ = ["ENV", "decoded", "enabled", "encoded", "usable"]
@@ -199,12 +199,7 @@ class Quantizer(Protocol):
 def enabled() -> bool:
     """Whether encodes and decodes may use the kernels: not switched off, and the
     default device a CUDA GPU."""
-    if os.environ.get(ENV, "1") == "0":
-        return False
-    try:
-        return bool(mx.cuda.is_available()) and mx.default_device() == mx.gpu
-    except (AttributeError, RuntimeError):
-        return False
+    return switched_on(ENV)
 
 
 def usable(q: Quantizer) -> bool:

@@ -11,6 +11,7 @@ from kvstore.codecs.turboquant_params import TurboQuantParams
 from kvstore.turboquant import cuda_decode
 from kvstore.turboquant.packing import pack_indices, unpack_indices_reference
 from kvstore.turboquant.quantizer import TQ_BITS
+from tests.test_turboquant.refusing import refuse, sample
 
 
 def kernel_formula(codes: np.ndarray, bits: int, dim: int) -> np.ndarray:
@@ -58,18 +59,10 @@ def test_a_kernel_that_fails_its_proof_leaves_the_ops_in_place(monkeypatch):
     # Switched on where the kernel cannot build (as on a GPU whose compiler refuses
     # it): the decode is the MLX ops', bit for bit, and nothing raises.
     kq, _ = TurboQuantParams.defaults(4, 4, 128).quantizers()
-    x = mx.random.normal((1, 2, 40, 128), key=mx.random.key(3)).astype(mx.bfloat16)
+    x = sample(3)
     codes, scales = kq.encode(x)
     want = kq.decode(codes, scales, mx.bfloat16)
-    launches = []
-
-    def refused(*args):
-        launches.append(args)
-        raise RuntimeError("[cuda_kernel] no CUDA here")
-
-    monkeypatch.setattr(cuda_decode, "enabled", lambda: True)
-    monkeypatch.setattr(cuda_decode, "_launch", refused)
-    monkeypatch.setattr(cuda_decode, "_PROVEN", {})
+    launches = refuse(monkeypatch, cuda_decode, ("_launch",))
     got = kq.decode(codes, scales, mx.bfloat16)
     assert len(launches) == 1  # the proof's, once; the decode itself never launched
     assert cuda_decode._PROVEN == {(4, 128, 16): False}

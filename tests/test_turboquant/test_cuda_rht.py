@@ -13,6 +13,7 @@ from kvstore.turboquant.codebook import codebook
 from kvstore.turboquant.packing import pack_indices
 from kvstore.turboquant.quantizer import TQ_BITS, TurboQuantizer, quantizer_for
 from kvstore.turboquant.rotation import rotation_for
+from tests.test_turboquant.refusing import refuse, sample
 
 
 def lanes_butterflies(x: np.ndarray) -> np.ndarray:
@@ -137,19 +138,10 @@ def test_kernels_that_fail_their_proof_leave_the_ops_in_place(monkeypatch):
     # Switched on where the kernels cannot build (a GPU whose compiler refuses them):
     # encode and decode are the MLX ops', bit for bit, and nothing raises.
     kq = quantizer_for(4, 128, "k")
-    x = mx.random.normal((1, 2, 40, 128), key=mx.random.key(5)).astype(mx.bfloat16)
+    x = sample(5)
     codes, scales = kq.encode(x)
     want = kq.decode(codes, scales, mx.bfloat16)
-    launches = []
-
-    def refused(*args):
-        launches.append(args)
-        raise RuntimeError("[cuda_kernel] no CUDA here")
-
-    monkeypatch.setattr(cuda_rht, "enabled", lambda: True)
-    monkeypatch.setattr(cuda_rht, "_encode", refused)
-    monkeypatch.setattr(cuda_rht, "_decode", refused)
-    monkeypatch.setattr(cuda_rht, "_PROVEN", {})
+    launches = refuse(monkeypatch, cuda_rht, ("_encode", "_decode"))
     got_codes, got_scales = kq.encode(x)
     got = kq.decode(got_codes, got_scales, mx.bfloat16)
     assert len(launches) == 2  # each proof's, once; encode and decode never launched

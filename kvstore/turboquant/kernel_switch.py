@@ -1,0 +1,24 @@
+"""Whether TurboQuant's CUDA kernels may run here: their switch, and a CUDA default device.
+
+Each kernel module has its own environment switch (``"0"``: never; anything else,
+or unset: wherever the kernel is proven) and runs only where MLX's default device
+is a CUDA GPU.
+"""
+
+from __future__ import annotations
+
+import os
+
+import mlx.core as mx
+
+__all__ = ["switched_on"]
+
+
+def switched_on(env: str) -> bool:
+    """``env`` is not ``"0"`` and the default device is a CUDA GPU."""
+    if os.environ.get(env, "1") == "0":
+        return False
+    try:
+        return bool(mx.cuda.is_available()) and mx.default_device() == mx.gpu
+    except (AttributeError, RuntimeError):
+        return False
