@@ -27,6 +27,8 @@ from typing import Any, cast
 import numpy as np
 import xxhash
 
+from kvstore.cuda_kernel import cuda_kernel
+
 __all__ = ["ROW_BYTES", "array_digests", "row_digests_host"]
 
 #: Bytes per hashed row.
@@ -200,10 +202,8 @@ def _kernel() -> Any:
 
 
 def _build_kernel() -> Any:
-    import mlx.core as mx
-
     secret = ", ".join(f"0x{_SECRET[i : i + 2]}" for i in range(0, len(_SECRET), 2))
-    return mx.fast.cuda_kernel(
+    return cuda_kernel(
         name="kvstore_row_digests",
         input_names=["params", "inp"],
         output_names=["out"],

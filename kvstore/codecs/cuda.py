@@ -48,6 +48,7 @@ import mlx.core as mx
 import numpy as np
 
 from kvstore.codecs.arrays import MLX_DTYPES, numpy_dtype
+from kvstore.cuda_kernel import cuda_kernel
 from kvstore.threads import KeptPool, threads_from_env
 
 __all__ = [
@@ -486,37 +487,37 @@ class KernelTransport:
 
     def __init__(self) -> None:
         self.driver = Driver()
-        self._upload = mx.fast.cuda_kernel(
+        self._upload = cuda_kernel(
             name="kvstore_upload",
             input_names=["params"],
             output_names=["out"],
             source=_UPLOAD_SOURCE,
         )
-        self._download = mx.fast.cuda_kernel(
+        self._download = cuda_kernel(
             name="kvstore_download",
             input_names=["params", "inp"],
             output_names=["done"],
             source=_DOWNLOAD_SOURCE,
         )
-        self._gather = mx.fast.cuda_kernel(
+        self._gather = cuda_kernel(
             name="kvstore_gather",
             input_names=["params"],
             output_names=["out"],
             source=_GATHER_SOURCE,
         )
-        self._gather_many = mx.fast.cuda_kernel(
+        self._gather_many = cuda_kernel(
             name="kvstore_gather_many",
             input_names=["params"],
             output_names=[f"out{i}" for i in range(GATHER_OUTPUTS)],
             source=_GATHER_MANY_SOURCE,
         )
-        self._assemble = mx.fast.cuda_kernel(
+        self._assemble = cuda_kernel(
             name="kvstore_assemble",
             input_names=["params", *(f"b{i}" for i in range(ASSEMBLE_INPUTS))],
             output_names=["out"],
             source=_ASSEMBLE_SOURCE,
         )
-        self._assemble_many = mx.fast.cuda_kernel(
+        self._assemble_many = cuda_kernel(
             name="kvstore_assemble_many",
             input_names=["params", *(f"b{i}" for i in range(ASSEMBLE_INPUTS))],
             output_names=[f"out{i}" for i in range(GATHER_OUTPUTS)],

@@ -26,6 +26,7 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
+from kvstore.cuda_kernel import cuda_kernel
 from kvstore.turboquant.kernel_switch import switched_on
 from kvstore.turboquant.packing import pack_indices, unpack_indices
 
@@ -75,7 +76,7 @@ def _kernel(bits: int, dim: int, words: int) -> Any:
         .replace("WORDS", str(words))
         .replace("MASK", str((1 << bits) - 1))
     )
-    return mx.fast.cuda_kernel(
+    return cuda_kernel(
         name=f"kvstore_tq_decode_{bits}_{dim}",
         input_names=["codes", "factors", "table", "count"],
         output_names=["out"],

@@ -49,6 +49,7 @@ from typing import Any, Protocol
 import mlx.core as mx
 import numpy as np
 
+from kvstore.cuda_kernel import cuda_kernel
 from kvstore.turboquant.codebook import codebook
 from kvstore.turboquant.kernel_switch import switched_on
 from kvstore.turboquant.packing import pack_indices, packed_words, unpack_indices
@@ -269,13 +270,13 @@ def _kernel(op: str, bits: int, dim: int, mode: str, dtype: str, scale_limit: fl
     inputs' types, so the name says them."""
     source = _source(_ENCODE if op == "encode" else _DECODE, bits, dim, mode, scale_limit)
     if op == "encode":
-        return mx.fast.cuda_kernel(
+        return cuda_kernel(
             name=f"kvstore_tq_rht_encode_{bits}_{dim}_{mode}_{dtype}_{scale_limit:g}",
             input_names=["x", "signs", "thresholds", "centroids"],
             output_names=["codes", "scale", "flags"],
             source=source,
         )
-    return mx.fast.cuda_kernel(
+    return cuda_kernel(
         name=f"kvstore_tq_rht_decode_{bits}_{dim}_{dtype}",
         input_names=["codes", "factors", "table", "signs"],
         output_names=["out"],
