@@ -147,7 +147,8 @@ _ENCODE = (
     for (unsigned int w = lane; w < WORDS; w += 32) codes[row * WORDS + w] = packed[warp][w];
     if (lane == 0) {
         scale[row] = s;
-        flags[2 * row] = isfinite(n) ? 0 : 1;
+        // n - n is 0 for a finite n, NaN for inf or NaN (no library call; no fast math).
+        flags[2 * row] = (n - n == 0.0f) ? 0 : 1;
         flags[2 * row + 1] = fabsf(s) > SCALE_LIMIT ? 1 : 0;
     }
 """
