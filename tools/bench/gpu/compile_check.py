@@ -1,0 +1,121 @@
+"""Compile kvstore's TurboQuant CUDA kernels with NVRTC on a machine without a GPU.
+
+MLX builds a custom kernel by wrapping its body in a ``__global__`` function whose
+parameters are the inputs (with ``<name>_shape`` where the body reads it), then the
+outputs, and compiles it with NVRTC at first use; a kernel that does not compile is
+found on the device, where it costs device time (and ``cuda_rht`` then falls back
+to the ops without saying why). This wraps each body the same way, with a stand-in
+for MLX's ``Shape`` and the CUDA headers MLX includes, and compiles every width,
+head dim, scale mode and dtype for ``compute_90`` (the H200). NVRTC and the headers
+come from NVIDIA's wheels::
+
+    python3 -m pip download --no-deps --only-binary=:all: -d /tmp/nvrtc \\
+        nvidia-cuda-nvrtc-cu12 nvidia-cuda-runtime-cu12
+    (cd /tmp/nvrtc && for w in *.whl; do unzip -qo "$w" -d ex; done)
+    .venv/bin/python -m tools.bench.gpu.compile_check --root /tmp/nvrtc/ex/nvidia
+
+Prints one line per kernel that fails (with NVRTC's log) and a count.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+from pathlib import Path
+
+from kvstore.turboquant import cuda_decode, cuda_rht
+
+PRELUDE = r"""
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+typedef unsigned int uint32_t;
+typedef unsigned char uint8_t;
+namespace mlx::core::cu {
+struct Shape { int v[8]; __device__ int operator[](int i) const { return v[i]; } };
+"""
+
+
+class Nvrtc:
+    def __init__(self, root: Path) -> None:
+        self.lib = ctypes.CDLL(str(next((root / "cuda_nvrtc" / "lib").glob("libnvrtc.so.*"))))
+        self.include = root / "cuda_runtime" / "include"
+
+    def compile(self, name: str, params: str, body: str, arch: str) -> str | None:
+        """NVRTC's log if the kernel does not compile, else ``None``."""
+        source = f"{PRELUDE}__global__ void {name}(\n{params}) {{\n{body}\n}}\n}}\n"
+        prog = ctypes.c_void_p()
+        self.lib.nvrtcCreateProgram(
+            ctypes.byref(prog), source.encode(), f"{name}.cu".encode(), 0, None, None
+        )
+        options = [f"--gpu-architecture={arch}".encode(), f"--include-path={self.include}".encode()]
+        status = self.lib.nvrtcCompileProgram(
+            prog, len(options), (ctypes.c_char_p * len(options))(*options)
+        )
+        size = ctypes.c_size_t()
+        self.lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
+        log = ctypes.create_string_buffer(size.value)
+        self.lib.nvrtcGetProgramLog(prog, log)
+        self.lib.nvrtcDestroyProgram(ctypes.byref(prog))
+        return None if status == 0 else log.value.decode()
+
+
+def kernels() -> list[tuple[str, str, str]]:
+    """``(name, parameters, body)`` of every variant kvstore may build."""
+    out = []
+    for bits in (2, 3, 4, 5):
+        for dim in (32, 64, 128, 256):
+            for mode in ("l2", "matched", "ls"):
+                for x in ("__nv_bfloat16", "__half", "float"):
+                    params = (
+                        f"const {x}* x, const __grid_constant__ Shape x_shape, "
+                        "const float* signs, const float* thresholds, const float* centroids, "
+                        "uint32_t* codes, float* scale, uint8_t* flags"
+                    )
+                    body = cuda_rht._source(cuda_rht._ENCODE, bits, dim, mode, 60000.0)
+                    out.append((f"rht_encode_{bits}_{dim}_{mode}_{x.strip('_')}", params, body))
+            for scales in ("__half", "float"):
+                for o in ("__nv_bfloat16", "__half", "float"):
+                    params = (
+                        "const uint32_t* codes, const __grid_constant__ Shape codes_shape, "
+                        f"const {scales}* factors, const float* table, const float* signs, "
+                        f"{o}* out"
+                    )
+                    body = f"using OT = {o};\n" + cuda_rht._source(
+                        cuda_rht._DECODE, bits, dim, "l2", 0.0
+                    )
+                    name = f"rht_decode_{bits}_{dim}_{scales.strip('_')}_{o.strip('_')}"
+                    out.append((name, params, body))
+            words = -(-dim * bits // 32)
+            body = (
+                cuda_decode._SOURCE.replace("BITS", str(bits))
+                .replace("DIM", str(dim))
+                .replace("WORDS", str(words))
+                .replace("MASK", str((1 << bits) - 1))
+            )
+            params = (
+                "const uint32_t* codes, const float* factors, const float* table, "
+                "const uint32_t* count, float* out"
+            )
+            out.append((f"decode_{bits}_{dim}", params, body))
+    return out
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--root", type=Path, required=True, help="the wheels' nvidia/ folder")
+    parser.add_argument("--arch", default="compute_90")
+    args = parser.parse_args()
+    nvrtc = Nvrtc(args.root)
+    failed = 0
+    every = kernels()
+    for name, params, body in every:
+        log = nvrtc.compile(name, params, body, args.arch)
+        if log is not None:
+            failed += 1
+            print(f"{name}: does not compile\n{log}")
+    print(f"{len(every) - failed} of {len(every)} kernels compile for {args.arch}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
