@@ -263,3 +263,32 @@ def test_large_vectors_store_float32_scales_and_ranges_of_both_join():
     again = restore([first, second])
     assert again.encoded_rows()[0][1].dtype == mx.float32
     assert_arrays_equal(again.keys_and_values()[0][2], cache.keys_and_values()[0][2])
+
+
+def test_a_description_read_once_is_not_read_again_but_each_snapshots_rows_are(monkeypatch):
+    # A header parse shares one meta["tq"] map among a prefix's snapshots: the map is
+    # checked once, the rows of every snapshot each time.
+    snap = snapshot(filled(TurboQuantKVCache(3, 2), head_dim=64))
+    monkeypatch.setattr(params_module, "_KNOWN", type(params_module._KNOWN)())
+    reads = []
+    real = params_module._read_described
+
+    def counted(*args, **kwargs):
+        reads.append(args[1])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(params_module, "_read_described", counted)
+    first = params_module.read_params(snap, 3, 2)
+    assert params_module.read_params(replace(snap, start=snap.start), 3, 2) is first
+    params_module.check_described(snap, 3, 2)
+    assert len(reads) == 1
+    short = {**snap.tensors, "keys.codes": snap.tensors["keys.codes"][..., :-1]}
+    with pytest.raises(params_module.Unreadable, match=r"keys.codes is .*\[B, H, T, 6\]"):
+        params_module.read_params(replace(snap, tensors=short), 3, 2)
+    heads = int(snap.tensors["keys.codes"].shape[1])
+    stray = {**snap.tensors, "keys.mu": mx.zeros((heads, 64))}
+    with pytest.raises(params_module.Unreadable, match="do not belong"):
+        params_module.read_params(replace(snap, tensors=stray), 3, 2)
+    with pytest.raises(params_module.Unreadable, match="4-bit codes of D=64"):
+        params_module.read_params(snap, 4, 2)  # other bits: the map is read again
+    assert len(reads) == 3
