@@ -153,3 +153,13 @@ def test_kernels_that_fail_their_proof_leave_the_ops_in_place(monkeypatch):
     assert mx.array_equal(got, want).item()
     kq.decode(got_codes, got_scales, mx.bfloat16)
     assert len(launches) == 2  # proven (or not) once per process and kernel
+
+
+def test_a_quantizers_constants_are_made_once_and_are_its_own():
+    q = quantizer_for(3, 64, "v")
+    tables = cuda_rht._tables(q)
+    assert cuda_rht._tables(q) is tables
+    assert np.array_equal(np.array(tables.signs), q.rotation.signs[0].astype(np.float32))
+    assert np.array_equal(np.array(tables.thresholds), codebook(3).thresholds.astype(np.float32))
+    assert np.array_equal(np.array(tables.centroids), np.array(q.centroids))
+    assert cuda_rht._tables(quantizer_for(3, 64, "k")) is not tables
