@@ -259,7 +259,8 @@ def _read_params(
     snap: Snapshot, kbits: int, vbits: int, *, values: bool
 ) -> TurboQuantParams | None:
     tq = snap.meta.get("tq")
-    if frozenset(snap.tensors) == _ROWS_ONLY:
+    rows_only = frozenset(snap.tensors) == _ROWS_ONLY
+    if rows_only:
         with _KNOWN_LOCK:
             known = _KNOWN.get(id(tq))
         if known is not None and known[0] is tq and known[1] == (kbits, vbits):
@@ -271,7 +272,7 @@ def _read_params(
     # Only what a full read gave, and only RHT rotations: a check's read (values=False)
     # stands in for a dense matrix it does not load.
     rht = params.keys.rotation.method == params.values.rotation.method == "rht"
-    if values and rht and params.mu is None and frozenset(snap.tensors) == _ROWS_ONLY:
+    if values and rht and params.mu is None and rows_only:
         with _KNOWN_LOCK:
             _KNOWN[id(tq)] = (tq, (kbits, vbits), params)
             while len(_KNOWN) > _KNOWN_MAX:

@@ -68,19 +68,23 @@ def decoded(
     return _launch(rows, factors, table, bits, dim)
 
 
-@functools.cache
-def _kernel(bits: int, dim: int, words: int) -> Any:
-    source = (
+def source(bits: int, dim: int, words: int) -> str:
+    """The kernel's body for these constants (what :func:`_kernel` compiles)."""
+    return (
         _SOURCE.replace("BITS", str(bits))
         .replace("DIM", str(dim))
         .replace("WORDS", str(words))
         .replace("MASK", str((1 << bits) - 1))
     )
+
+
+@functools.cache
+def _kernel(bits: int, dim: int, words: int) -> Any:
     return cuda_kernel(
         name=f"kvstore_tq_decode_{bits}_{dim}",
         input_names=["codes", "factors", "table", "count"],
         output_names=["out"],
-        source=source,
+        source=source(bits, dim, words),
     )
 
 

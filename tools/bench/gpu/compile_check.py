@@ -24,6 +24,7 @@ import ctypes
 from pathlib import Path
 
 from kvstore.turboquant import cuda_decode, cuda_rht
+from kvstore.turboquant.packing import packed_words
 
 PRELUDE = r"""
 #include <cuda_bf16.h>
@@ -85,13 +86,7 @@ def kernels() -> list[tuple[str, str, str]]:
                     )
                     name = f"rht_decode_{bits}_{dim}_{scales.strip('_')}_{o.strip('_')}"
                     out.append((name, params, body))
-            words = -(-dim * bits // 32)
-            body = (
-                cuda_decode._SOURCE.replace("BITS", str(bits))
-                .replace("DIM", str(dim))
-                .replace("WORDS", str(words))
-                .replace("MASK", str((1 << bits) - 1))
-            )
+            body = cuda_decode.source(bits, dim, packed_words(dim, bits))
             params = (
                 "const uint32_t* codes, const float* factors, const float* table, "
                 "const uint32_t* count, float* out"
