@@ -171,6 +171,22 @@ def test_cell_indices_match_a_float64_search_of_the_table(bits):
     assert np.array_equal(np.array(cell_indices(mx.array(z), bits)), expected)
 
 
+@pytest.mark.parametrize("bits", TQ_BITS)
+def test_cell_indices_at_the_edges_match_a_float64_search(bits):
+    # The mirrored count (3 and 4 bits) compares |z|'s bits and sends z <= 0 the other
+    # way: every threshold, its neighbours on both sides, +-0, denormals, with a scale.
+    t = codebook(bits).thresholds.astype(np.float32)
+    edges = [t, -t, np.nextafter(t, np.float32(9)), np.nextafter(t, np.float32(-9))]
+    tiny = [0.0, -0.0, 1e-45, -1e-45, 1e-38, -1e-38, 30.0, -30.0]
+    z = np.concatenate([*edges, np.array(tiny, np.float32)]).astype(np.float32)
+    thresholds = t.astype(np.float64)
+    for scale in (1.0, 0.37):
+        scaled = (z * np.float32(scale)).astype(np.float32)  # as the kernel rounds it
+        expected = np.searchsorted(thresholds, scaled.astype(np.float64), side="left")
+        got = np.array(cell_indices(mx.array(z), bits, scale))
+        assert np.array_equal(got, expected), (bits, scale)
+
+
 def test_zero_vector_has_zero_scale_and_decodes_to_zero():
     for mode in ("l2", "matched", "ls"):
         q = TurboQuantizer(4, 64, "k", scale_mode=mode)

@@ -1,0 +1,94 @@
+"""One thread's MLX CPU work spread over its CPU streams (kvstore.cpu_streams)."""
+
+from __future__ import annotations
+
+import threading
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from kvstore.cpu_streams import cpu_streams, evaluated_in_waves, stream_count
+
+
+def _stream_of_each(items: list[int]) -> tuple[list[mx.array], list[mx.Stream]]:
+    seen: list[mx.Stream] = []
+
+    def build(i: int) -> mx.array:
+        seen.append(mx.default_stream(mx.cpu))  # the stream evaluated_in_waves set
+        return mx.arange(i, i + 4) * 2
+
+    return evaluated_in_waves(items, build), seen
+
+
+def test_items_go_to_the_threads_cpu_streams_in_turn(monkeypatch):
+    monkeypatch.setenv("KVSTORE_CPU_STREAMS", "3")
+    streams = cpu_streams()
+    assert len(streams) == 3 and streams[0] == mx.default_stream(mx.cpu)
+    assert len({repr(s) for s in streams}) == 3
+    results, seen = _stream_of_each(list(range(7)))
+    assert [repr(s) for s in seen] == [repr(streams[i % 3]) for i in range(7)]
+    assert [r.tolist() for r in results] == [[2 * (i + j) for j in range(4)] for i in range(7)]
+    assert cpu_streams() == streams  # kept, not made again
+
+
+def test_one_stream_or_one_item_stays_on_the_default_stream(monkeypatch):
+    monkeypatch.setenv("KVSTORE_CPU_STREAMS", "1")
+    _, seen = _stream_of_each([0, 1, 2])
+    assert {repr(s) for s in seen} == {repr(mx.default_stream(mx.cpu))}
+    monkeypatch.setenv("KVSTORE_CPU_STREAMS", "4")
+    _, seen = _stream_of_each([5])
+    assert [repr(s) for s in seen] == [repr(mx.default_stream(mx.cpu))]
+
+
+def test_a_bad_stream_count_is_a_clear_error(monkeypatch):
+    monkeypatch.setenv("KVSTORE_CPU_STREAMS", "0")
+    with pytest.raises(
+        ValueError, match=r"KVSTORE_CPU_STREAMS='0': expected a positive number of streams"
+    ):
+        stream_count()
+
+
+def test_each_thread_spreads_over_streams_of_its_own(monkeypatch):
+    # MLX streams belong to the thread that made them: another thread's would raise
+    # "There is no Stream(cpu, N) in current thread".
+    monkeypatch.setenv("KVSTORE_CPU_STREAMS", "2")
+    mine = {repr(s) for s in cpu_streams()}
+    out: dict[str, object] = {}
+
+    def work() -> None:
+        try:
+            results, seen = _stream_of_each([0, 1, 2, 3])
+            out["streams"] = {repr(s) for s in seen}
+            out["values"] = [r.tolist() for r in results]
+        except Exception as e:  # reported below
+            out["error"] = e
+
+    threads = [threading.Thread(target=work) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert "error" not in out, out.get("error")
+    assert len(out["streams"]) == 2 and not (out["streams"] & mine)
+    assert out["values"] == [[2 * (i + j) for j in range(4)] for i in range(4)]
+
+
+@pytest.mark.parametrize("bits", [2, 4])
+def test_turboquant_over_many_blocks_is_the_same_on_any_stream_count(monkeypatch, bits):
+    # 3 x 4096 rows and a part: blocks of a wave run at once on different streams.
+    from kvstore.turboquant.quantizer import BLOCK_VALUES, quantizer_for
+
+    rows = 3 * BLOCK_VALUES // 128 + 123
+    x = mx.random.normal((1, 1, rows, 128), key=mx.random.key(bits)).astype(mx.bfloat16)
+    q = quantizer_for(bits, 128, "v")
+    got = {}
+    for count in ("1", "2", "3"):
+        monkeypatch.setenv("KVSTORE_CPU_STREAMS", count)
+        codes, scales = q.encode(x)
+        decoded = q.decode(codes, scales, mx.bfloat16)
+        got[count] = [np.array(a).tobytes() for a in (codes, scales, decoded.view(mx.uint16))]
+    assert got["1"] == got["2"] == got["3"]
+    # And row-wise: the last rows alone encode to the same codes.
+    tail_codes, _ = q.encode(x[:, :, -123:])
+    assert np.array_equal(np.array(tail_codes), np.array(q.encode(x)[0][:, :, -123:]))
