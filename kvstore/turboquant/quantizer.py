@@ -56,14 +56,18 @@ FLOAT16_SCALE_LIMIT = 60000.0
 #: codebook's own table, packed exactly like the others).
 TQ_BITS: tuple[int, ...] = (2, 3, 4, 5)
 #: On the CPU, encode and decode work on blocks of rows holding about this many values
-#: (2 MiB of float32): every pass over a block then stays in cache, which makes a large
-#: prefill ~1.7x faster than one pass per op over the whole tensor. On a GPU the
+#: (1 MiB of float32), a block per core at once (cpu_streams): every pass over a block
+#: then stays in its core's cache (2 MiB of L2 on the VM), which made a large prefill
+#: ~1.7x faster than one pass per op over the whole tensor; with two cores busy,
+#: blocks of 2 MiB measured slower than these on half the P11 sizes. On a GPU the
 #: whole tensor is one block: there a block's evaluation and its host round trip
 #: cost more than the pass (an H200 encoded a 4096-token layer in 7.5 ms in blocks).
-BLOCK_VALUES = 1 << 19
-#: A CPU encode or decode of fewer values than a block still splits into a block per
-#: core (cpu_streams), down to blocks of this many values (128 KiB of float32).
-MIN_BLOCK_VALUES = 1 << 15
+BLOCK_VALUES = 1 << 18
+#: A CPU encode or decode of fewer values than a block per core still splits into a
+#: block per core, down to blocks of this many values: below it, MLX's per-op cost on
+#: a second stream outweighs the core (qwen0.5b's 512-token layer, 64K values, encoded
+#: 1.5x slower split in two).
+MIN_BLOCK_VALUES = 1 << 17
 
 
 def _row_blocks(rows: int, dim: int) -> list[slice]:
@@ -264,24 +268,32 @@ class TurboQuantizer:
         lead = x.shape[:-1]
         rows = x.reshape(-1, self.dim)
 
-        def encoded(b: slice) -> tuple[mx.array, mx.array, mx.array]:
+        def encoded(b: slice) -> tuple[mx.array, mx.array, mx.array, mx.array]:
             # One kernel on a CUDA GPU unless switched off, once proven (cuda_rht).
             fused = cuda_rht.encoded(rows[b], self, FLOAT16_SCALE_LIMIT)
             if fused is not None:
-                return fused
-            idx, scale, norm = self.quantize(rows[b])
-            checks = mx.stack(
-                [mx.any(~mx.isfinite(norm)), mx.any(mx.abs(scale) > FLOAT16_SCALE_LIMIT)]
-            )
-            return pack_indices(idx, self.bits), scale, checks
+                codes, scale, checks = fused
+            else:
+                idx, scale, norm = self.quantize(rows[b])
+                checks = mx.stack(
+                    [mx.any(~mx.isfinite(norm)), mx.any(mx.abs(scale) > FLOAT16_SCALE_LIMIT)]
+                )
+                codes = pack_indices(idx, self.bits)
+            # The float16 scales too, with the block: what is stored unless a check says
+            # otherwise (no pass after the blocks; on a small layer that pass and its
+            # evaluation cost more than the rounding).
+            return codes, scale, scale.astype(mx.float16), checks
 
         # Each block is evaluated before the next wave is built: its passes stay in
         # cache, and on the CPU the blocks of a wave run on a core each (cpu_streams).
-        # The checks decide the error and the scale dtype.
+        # The checks decide the error and the scale dtype (read from evaluated arrays:
+        # no further evaluation).
         blocks = evaluated_in_waves(_row_blocks(rows.shape[0], self.dim), encoded)
-        flags = mx.stack([checks for _, _, checks in blocks]).any(axis=0).tolist()
-        assert isinstance(flags, list)
-        bad_input, wide_scale = bool(flags[0]), bool(flags[1]) or self.scale_dtype == "float32"
+        bad_input, wide_scale = False, self.scale_dtype == "float32"
+        for *_, checks in blocks:
+            flags = checks.tolist()
+            assert isinstance(flags, list)
+            bad_input, wide_scale = bad_input or bool(flags[0]), wide_scale or bool(flags[1])
         if bad_input:
             raise EncodingError(
                 f"[turboquant.encode] {self.kind} vectors must be finite; received NaN or Inf "
@@ -289,9 +301,8 @@ class TurboQuantizer:
                 f"model produced it; TurboQuant cannot encode it.",
                 shape=tuple(x.shape),
             )
-        scale = _join([scale for _, scale, _ in blocks])
-        scales = scale.astype(mx.float32 if wide_scale else mx.float16)
-        codes = _join([codes for codes, _, _ in blocks])
+        scales = _join([block[1 if wide_scale else 2] for block in blocks])
+        codes = _join([block[0] for block in blocks])
         return codes.reshape(*lead, self.words), scales.reshape(lead)
 
     # -- decode ------------------------------------------------------------------
