@@ -29,6 +29,7 @@ from kvstore.turboquant.quantizer import (
     TQ_BITS,
     ScaleMode,
     TurboQuantizer,
+    encode_many,
     quantizer_for,
 )
 from kvstore.turboquant.rotation import Rotation, rotation_for
@@ -189,8 +190,10 @@ class TurboQuantRows:
             self.mu = head.mean(axis=(0, 2))  # [H, D]
         kq, vq = self.quantizers(keys.shape[-1])
         mu = None if self.mu is None else self.mu[:, None, :]
-        new_keys = _encoded_rows(kq, keys, dtype, mu)
-        new_values = _encoded_rows(vq, values, dtype, None)
+        # Together: one evaluation (on a GPU, one host round trip) for both sides.
+        stored_keys, stored_values = encode_many([(kq, keys, mu), (vq, values, None)])
+        new_keys = _with_decoded(kq, stored_keys, dtype, mu)
+        new_values = _with_decoded(vq, stored_values, dtype, None)
         if self.keys is not None:
             self.keys, new_keys = _same_scale_dtype(self.keys, new_keys)
             self.values, new_values = _same_scale_dtype(self.values, new_values)
@@ -284,12 +287,6 @@ class TurboQuantRows:
         mu = None if self.mu is None else self.mu[:, None, :]
         self.keys = _with_decoded(kq, keys, dtype, mu, rows)
         self.values = _with_decoded(vq, values, dtype, None, rows)
-
-
-def _encoded_rows(
-    quantizer: TurboQuantizer, x: mx.array, dtype: mx.Dtype, mu: mx.array | None
-) -> tuple[mx.array, mx.array, mx.array]:
-    return _with_decoded(quantizer, quantizer.encode(x, mu=mu), dtype, mu)
 
 
 def _with_decoded(

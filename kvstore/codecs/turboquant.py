@@ -45,6 +45,7 @@ from kvstore.codecs.turboquant_params import (
 )
 from kvstore.errors import CorruptEntryError
 from kvstore.signature import parse_signature
+from kvstore.turboquant.quantizer import encode_many
 
 __all__ = ["TurboQuantRowCodec", "TurboQuantKVCodec", "RotatingTurboQuantKVCodec"]
 
@@ -197,8 +198,9 @@ class TurboQuantRowCodec(RowCodec):
         params = TurboQuantParams.defaults(self.kbits, self.vbits, int(keys.shape[-1]))
         kq, vq = params.quantizers()
         tensors: dict[str, Any] = {}
-        for (name, _), quantizer, rows in zip(SIDES, (kq, vq), (keys, values), strict=True):
-            tensors[f"{name}.codes"], tensors[f"{name}.scales"] = quantizer.encode(rows)
+        encoded = encode_many([(kq, keys, None), (vq, values, None)])
+        for (name, _), (codes, scales) in zip(SIDES, encoded, strict=True):
+            tensors[f"{name}.codes"], tensors[f"{name}.scales"] = codes, scales
         tq, side = params.describe(start)
         return Snapshot(self.signature, start, stop, {**tensors, **side}, {**meta, "tq": tq})
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Literal
 
 import mlx.core as mx
@@ -42,6 +42,7 @@ __all__ = [
     "TurboQuantizer",
     "bits_per_value",
     "cell_indices",
+    "encode_many",
     "lookup",
     "quantizer_for",
 ]
@@ -256,54 +257,30 @@ class TurboQuantizer:
         Scales are float16 unless one exceeds :data:`FLOAT16_SCALE_LIMIT` in
         magnitude or is not finite (or ``scale_dtype`` is float32); then all are
         float32. ``mu`` (broadcastable to ``x``) is subtracted first (key
-        mean-centering).
+        mean-centering). :func:`encode_many` encodes several tensors at once.
 
         Raises:
             EncodingError: ``x`` has NaN or Inf (seen as a non-finite norm, which
                 also catches float32 overflow), or its last axis is not D.
         """
-        self._check_dim(x.shape[-1], "encode")
-        if mu is not None:
-            x = x.astype(mx.float32) - mu
-        lead = x.shape[:-1]
-        rows = x.reshape(-1, self.dim)
+        return encode_many([(self, x, mu)])[0]
 
-        def encoded(b: slice) -> tuple[mx.array, mx.array, mx.array, mx.array]:
-            # One kernel on a CUDA GPU unless switched off, once proven (cuda_rht).
-            fused = cuda_rht.encoded(rows[b], self, FLOAT16_SCALE_LIMIT)
-            if fused is not None:
-                codes, scale, checks = fused
-            else:
-                idx, scale, norm = self.quantize(rows[b])
-                checks = mx.stack(
-                    [mx.any(~mx.isfinite(norm)), mx.any(mx.abs(scale) > FLOAT16_SCALE_LIMIT)]
-                )
-                codes = pack_indices(idx, self.bits)
-            # The float16 scales too, with the block: what is stored unless a check says
-            # otherwise (no pass after the blocks; on a small layer that pass and its
-            # evaluation cost more than the rounding).
-            return codes, scale, scale.astype(mx.float16), checks
-
-        # Each block is evaluated before the next wave is built: its passes stay in
-        # cache, and on the CPU the blocks of a wave run on a core each (cpu_streams).
-        # The checks decide the error and the scale dtype (read from evaluated arrays:
-        # no further evaluation).
-        blocks = evaluated_in_waves(_row_blocks(rows.shape[0], self.dim), encoded)
-        bad_input, wide_scale = False, self.scale_dtype == "float32"
-        for *_, checks in blocks:
-            flags = checks.tolist()
-            assert isinstance(flags, list)
-            bad_input, wide_scale = bad_input or bool(flags[0]), wide_scale or bool(flags[1])
-        if bad_input:
-            raise EncodingError(
-                f"[turboquant.encode] {self.kind} vectors must be finite; received NaN or Inf "
-                f"(or a norm beyond float32) in a {tuple(x.shape)} tensor. Find where the "
-                f"model produced it; TurboQuant cannot encode it.",
-                shape=tuple(x.shape),
+    def _block_encoded(self, rows: mx.array) -> tuple[mx.array, mx.array, mx.array, mx.array]:
+        """``(codes, scale float32, scale float16, checks)`` of ``rows [N, D]``, lazily."""
+        # One kernel on a CUDA GPU unless switched off, once proven (cuda_rht).
+        fused = cuda_rht.encoded(rows, self, FLOAT16_SCALE_LIMIT)
+        if fused is not None:
+            codes, scale, checks = fused
+        else:
+            idx, scale, norm = self.quantize(rows)
+            checks = mx.stack(
+                [mx.any(~mx.isfinite(norm)), mx.any(mx.abs(scale) > FLOAT16_SCALE_LIMIT)]
             )
-        scales = _join([block[1 if wide_scale else 2] for block in blocks])
-        codes = _join([block[0] for block in blocks])
-        return codes.reshape(*lead, self.words), scales.reshape(lead)
+            codes = pack_indices(idx, self.bits)
+        # The float16 scales too, with the block: what is stored unless a check says
+        # otherwise (no pass after the blocks; on a small layer that pass and its
+        # evaluation cost more than the rounding).
+        return codes, scale, scale.astype(mx.float16), checks
 
     # -- decode ------------------------------------------------------------------
     def decode(
@@ -362,6 +339,55 @@ class TurboQuantizer:
                 found=dim,
                 expected=self.dim,
             )
+
+
+def encode_many(
+    items: Sequence[tuple[TurboQuantizer, mx.array, mx.array | None]],
+) -> list[tuple[mx.array, mx.array]]:
+    """:meth:`TurboQuantizer.encode` of each ``(quantizer, x, mu)``, done together: the
+    blocks of every tensor share the waves (on the CPU a core each, so a layer's keys and
+    values too small to split run side by side) and one evaluation per wave, where
+    encoding them one by one waits for each (on a GPU a host round trip per tensor).
+
+    Raises:
+        EncodingError: as :meth:`TurboQuantizer.encode`, for the first tensor at fault.
+    """
+    jobs = []
+    for q, x, mu in items:
+        q._check_dim(x.shape[-1], "encode")
+        if mu is not None:
+            x = x.astype(mx.float32) - mu
+        rows = x.reshape(-1, q.dim)
+        jobs.append((q, x.shape, [(q, rows, b) for b in _row_blocks(rows.shape[0], q.dim)]))
+    # Each block is evaluated before the next wave is built: its passes stay in cache.
+    # The checks decide the error and the scale dtype (read from evaluated arrays: no
+    # further evaluation).
+    done = iter(
+        evaluated_in_waves(
+            [block for _, _, blocks in jobs for block in blocks],
+            # Sliced on the block's own stream, as every op of the block is.
+            lambda block: block[0]._block_encoded(block[1][block[2]]),
+        )
+    )
+    out = []
+    for q, shape, blocks in jobs:
+        encoded = [next(done) for _ in blocks]
+        bad_input, wide_scale = False, q.scale_dtype == "float32"
+        for *_, checks in encoded:
+            flags = checks.tolist()
+            assert isinstance(flags, list)
+            bad_input, wide_scale = bad_input or bool(flags[0]), wide_scale or bool(flags[1])
+        if bad_input:
+            raise EncodingError(
+                f"[turboquant.encode] {q.kind} vectors must be finite; received NaN or Inf "
+                f"(or a norm beyond float32) in a {tuple(shape)} tensor. Find where the "
+                f"model produced it; TurboQuant cannot encode it.",
+                shape=tuple(shape),
+            )
+        scales = _join([block[1 if wide_scale else 2] for block in encoded])
+        codes = _join([block[0] for block in encoded])
+        out.append((codes.reshape(*shape[:-1], q.words), scales.reshape(shape[:-1])))
+    return out
 
 
 @functools.lru_cache(maxsize=128)

@@ -14,6 +14,7 @@ from kvstore.turboquant.quantizer import (
     TurboQuantizer,
     bits_per_value,
     cell_indices,
+    encode_many,
     quantizer_for,
 )
 
@@ -222,6 +223,34 @@ def test_non_finite_input_raises(bad):
         TurboQuantizer(2, 64, "k").encode(x)
     assert isinstance(e.value, ValueError) and isinstance(e.value, KVStoreError)
     assert e.value.shape == (2, 5, 64)
+
+
+def test_encode_many_is_each_encode_in_order():
+    # Keys (centred, 4 bits, D=128, over several blocks) beside values (2 bits, D=64)
+    # and a float32-scale quantizer: each result is that tensor's own encode, bit for bit.
+    keys = mx.random.normal((1, 2, 3000, 128), key=mx.random.key(1)).astype(mx.bfloat16)
+    mu = mx.random.normal((2, 1, 128), key=mx.random.key(2))
+    values = mx.random.normal((1, 3, 9, 64), key=mx.random.key(3)) * 7
+    wide = TurboQuantizer(3, 64, "v", scale_dtype="float32")
+    items = [(quantizer_for(4, 128, "k"), keys, mu), (quantizer_for(2, 64, "v"), values, None)]
+    items.append((wide, values, None))
+    together = encode_many(items)
+    alone = [q.encode(x, mu=m) for q, x, m in items]
+    assert len(together) == 3
+    for (codes, scales), (codes1, scales1) in zip(together, alone, strict=True):
+        assert codes.dtype == codes1.dtype and scales.dtype == scales1.dtype
+        assert np.array(codes).tobytes() == np.array(codes1).tobytes()
+        assert np.array(scales).tobytes() == np.array(scales1).tobytes()
+    assert together[1][1].dtype == mx.float16 and together[2][1].dtype == mx.float32
+
+
+def test_encode_many_names_the_tensor_at_fault():
+    good = mx.random.normal((1, 2, 40, 64))
+    bad = mx.random.normal((1, 2, 40, 64))
+    bad[0, 1, 3, 5] = float("nan")
+    items = [(quantizer_for(3, 64, "k"), good, None), (quantizer_for(3, 64, "v"), bad, None)]
+    with pytest.raises(EncodingError, match=r"\[turboquant.encode\] v vectors must be finite"):
+        encode_many(items)
 
 
 def test_shape_errors():

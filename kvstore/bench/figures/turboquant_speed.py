@@ -6,9 +6,9 @@ repetition times, interleaved, to ``mx.eval``:
 
 * ``mx.quantize 4/64`` / ``mx.dequantize 4/64`` of keys and values -- the
   peer, what mlx-lm's ``QuantizedKVCache`` does with the same rows;
-* ``encode``: keys and values through their TurboQuant quantizers as caches
-  and codecs encode (keys ``matched``, values ``ls``, codes packed, float16
-  scales, the NaN/Inf check);
+* ``encode``: keys and values through their TurboQuant quantizers together
+  (``encode_many``), as caches and codecs encode (keys ``matched``, values
+  ``ls``, codes packed, float16 scales, the NaN/Inf check);
 * ``decode``: those codes and scales back to bfloat16 rows;
 * ``fwht`` (tq 4/4 rows only, a limit): the float32 Hadamard transform of
   keys and values alone, the floor of an RHT codec built from MLX ops.
@@ -50,12 +50,16 @@ def layer_rows(kv: SyntheticKV, layer: int = 0) -> tuple[mx.array, mx.array]:
 
 def cases(keys: mx.array, values: mx.array, bits: int) -> list[Case]:
     """The peer's and TurboQuant ``bits``/``bits``'s cases on the same rows."""
-    from kvstore.turboquant.quantizer import quantizer_for
+    from kvstore.turboquant.quantizer import encode_many, quantizer_for
 
     dim = int(keys.shape[-1])
     affine = [mx.quantize(x, group_size=GROUP, bits=PEER_BITS) for x in (keys, values)]
     kq, vq = quantizer_for(bits, dim, "k"), quantizer_for(bits, dim, "v")
-    encoded = [kq.encode(keys), vq.encode(values)]
+
+    def encode() -> list[tuple[mx.array, mx.array]]:
+        return encode_many([(kq, keys, None), (vq, values, None)])
+
+    encoded = encode()
     mx.eval(affine, encoded)
 
     def run(make: Any) -> Any:
@@ -72,7 +76,7 @@ def cases(keys: mx.array, values: mx.array, bits: int) -> list[Case]:
             "peer",
             run(lambda: [mx.dequantize(*a, group_size=GROUP, bits=PEER_BITS) for a in affine]),
         ),
-        Case("encode", "ours", run(lambda: [kq.encode(keys), vq.encode(values)])),
+        Case("encode", "ours", run(encode)),
         Case(
             "decode",
             "ours",
