@@ -92,3 +92,36 @@ def test_turboquant_over_many_blocks_is_the_same_on_any_stream_count(monkeypatch
     # And row-wise: the last rows alone encode to the same codes.
     tail_codes, _ = q.encode(x[:, :, -123:])
     assert np.array_equal(np.array(tail_codes), np.array(q.encode(x)[0][:, :, -123:]))
+
+
+def test_turboquant_encodes_on_two_threads_at_once_match_one_thread():
+    # Each thread builds on its own streams; the compiled block functions are shared.
+    from kvstore.turboquant.quantizer import encode_many, quantizer_for
+
+    kq, vq = quantizer_for(4, 128, "k"), quantizer_for(3, 128, "v")
+    inputs = [mx.random.normal((1, 4, 600 + 7 * i, 128), key=mx.random.key(i)) for i in range(4)]
+    mx.eval(inputs)
+
+    def encode(x: mx.array) -> list[bytes]:
+        out = encode_many([(kq, x, None), (vq, x * 2, None)])
+        decoded = vq.decode(*out[1], mx.float32)
+        return [np.array(a).tobytes() for pair in out for a in pair] + [np.array(decoded).tobytes()]
+
+    alone = [encode(x) for x in inputs]
+    got: dict[int, list[bytes]] = {}
+    errors: list[BaseException] = []
+
+    def work(i: int) -> None:
+        try:
+            for _ in range(3):
+                got[i] = encode(inputs[i])
+        except BaseException as e:  # reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    assert [got[i] for i in range(4)] == alone
