@@ -81,6 +81,13 @@ def _row_blocks(rows: int, dim: int) -> list[slice]:
     return [slice(i, i + step) for i in range(0, rows, step)]
 
 
+def _compiling() -> bool:
+    """Whether a block's ops run compiled: on the CPU, where it was measured. Elsewhere
+    they run only where the CUDA kernels cannot, and a GPU's compiled kernels are built
+    by a JIT whose cost per new shape was not."""
+    return mx.default_device() == mx.cpu
+
+
 def _join(parts: list[mx.array]) -> mx.array:
     return parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=0)
 
@@ -270,7 +277,8 @@ class TurboQuantizer:
         # One kernel on a CUDA GPU unless switched off, once proven (cuda_rht).
         fused = cuda_rht.encoded(rows, self, FLOAT16_SCALE_LIMIT)
         if fused is None:
-            return self._compiled_ops_encode(rows)
+            ops = self._compiled_ops_encode if _compiling() else self._ops_encoded
+            return ops(rows)
         codes, scale, checks = fused
         return codes, scale, scale.astype(mx.float16), checks
 
@@ -325,7 +333,8 @@ class TurboQuantizer:
             factors = flat_scales[b, None].astype(mx.float32)
             y = cuda_decode.decoded(rows[b], factors, self.centroids, self.bits, self.dim)
             if y is None:
-                return self._compiled_ops_decode(rows[b], flat_scales[b])
+                ops = self._compiled_ops_decode if _compiling() else self._ops_decoded
+                return ops(rows[b], flat_scales[b])
             return self.rotation.inverse(y)
 
         blocks = _row_blocks(rows.shape[0], self.dim)
