@@ -81,11 +81,17 @@ def _row_blocks(rows: int, dim: int) -> list[slice]:
     return [slice(i, i + step) for i in range(0, rows, step)]
 
 
-def _compiling() -> bool:
-    """Whether a block's ops run compiled: on the CPU, where it was measured. Elsewhere
-    they run only where the CUDA kernels cannot, and a GPU's compiled kernels are built
-    by a JIT whose cost per new shape was not."""
-    return mx.default_device() == mx.cpu
+def _compiling(rows: int) -> bool:
+    """Whether a block of ``rows`` rows runs its ops compiled.
+
+    On the CPU, where it was measured; elsewhere these ops run only where the CUDA
+    kernels cannot, and a GPU's compiled kernels are built by a JIT whose cost per new
+    shape was not. And for a power-of-two row count only: MLX keeps a compiled trace per
+    input shape for the process's life, and a server's prompts would otherwise leave one
+    per remainder; powers of two cover full blocks, a 256-token record of 1-16 heads and
+    a decode step's batch x heads, at ~12 traces a function.
+    """
+    return mx.default_device() == mx.cpu and rows > 0 and rows & (rows - 1) == 0
 
 
 def _join(parts: list[mx.array]) -> mx.array:
@@ -277,7 +283,7 @@ class TurboQuantizer:
         # One kernel on a CUDA GPU unless switched off, once proven (cuda_rht).
         fused = cuda_rht.encoded(rows, self, FLOAT16_SCALE_LIMIT)
         if fused is None:
-            ops = self._compiled_ops_encode if _compiling() else self._ops_encoded
+            ops = self._compiled_ops_encode if _compiling(rows.shape[0]) else self._ops_encoded
             return ops(rows)
         codes, scale, checks = fused
         return codes, scale, scale.astype(mx.float16), checks
@@ -329,13 +335,16 @@ class TurboQuantizer:
         flat_scales = scales.reshape(-1)
 
         def decoded(b: slice) -> mx.array:
+            codes, block_scales = rows[b], flat_scales[b]
             # One kernel on a CUDA GPU unless switched off, once proven (cuda_decode).
-            factors = flat_scales[b, None].astype(mx.float32)
-            y = cuda_decode.decoded(rows[b], factors, self.centroids, self.bits, self.dim)
-            if y is None:
-                ops = self._compiled_ops_decode if _compiling() else self._ops_decoded
-                return ops(rows[b], flat_scales[b])
-            return self.rotation.inverse(y)
+            factors = block_scales[:, None].astype(mx.float32)
+            y = cuda_decode.decoded(codes, factors, self.centroids, self.bits, self.dim)
+            if y is not None:
+                return self.rotation.inverse(y)
+            compiled = _compiling(codes.shape[0])
+            return (self._compiled_ops_decode if compiled else self._ops_decoded)(
+                codes, block_scales
+            )
 
         blocks = _row_blocks(rows.shape[0], self.dim)
         # Small decodes stay lazy; larger ones finish each cache-sized block, a block

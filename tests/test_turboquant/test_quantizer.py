@@ -244,6 +244,24 @@ def test_encode_many_is_each_encode_in_order():
     assert together[1][1].dtype == mx.float16 and together[2][1].dtype == mx.float32
 
 
+@pytest.mark.parametrize(("bits", "kind"), [(4, "k"), (3, "v"), (2, "k")])
+def test_compiled_block_ops_give_the_plain_ops_bytes(bits, kind):
+    # On the CPU a power-of-two block runs its ops compiled (fused kernels); the bytes
+    # must be the plain ops' (no contraction or reordering changes a scale or a cell).
+    from kvstore.turboquant import quantizer as module
+
+    q = quantizer_for(bits, 128, kind)
+    for rows in (8, 512):
+        assert module._compiling(rows) and not module._compiling(rows - 1)
+        x = mx.random.normal((rows, 128), key=mx.random.key(rows)).astype(mx.bfloat16)
+        compiled, plain = q._compiled_ops_encode(x), q._ops_encoded(x)
+        for a, b in zip(compiled, plain, strict=True):
+            assert np.array(a).tobytes() == np.array(b).tobytes()
+        codes, scales = plain[0], plain[2]
+        got = q._compiled_ops_decode(codes, scales)
+        assert np.array(got).tobytes() == np.array(q._ops_decoded(codes, scales)).tobytes()
+
+
 def test_encode_many_names_the_tensor_at_fault():
     good = mx.random.normal((1, 2, 40, 64))
     bad = mx.random.normal((1, 2, 40, 64))
