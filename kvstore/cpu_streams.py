@@ -58,15 +58,15 @@ def cpu_streams() -> list[mx.Stream]:
 def evaluated_in_waves(items: Sequence[T], build: Callable[[T], Any]) -> list[Any]:
     """``[build(item) for item in items]``, every result evaluated.
 
-    On the CPU, with more than one item, consecutive items are built on this thread's
-    CPU streams in turn (a wave of one item per stream) and each wave is evaluated
-    before the next is built. Elsewhere (a GPU default device, one item) every item is
-    built and evaluated in turn on the default stream.
+    On the CPU, consecutive items are built on this thread's CPU streams in turn (a wave
+    of one item per stream) and each wave is evaluated before the next is built. On a
+    GPU every item is built, then all are evaluated at once: one host round trip.
     """
-    if len(items) < 2 or mx.default_device() != mx.cpu:
-        streams = [mx.default_stream(mx.default_device())]
-    else:
-        streams = cpu_streams()
+    if mx.default_device() != mx.cpu:
+        built = [build(item) for item in items]
+        mx.eval(built)
+        return built
+    streams = cpu_streams() if len(items) > 1 else [mx.default_stream(mx.cpu)]
     results: list[Any] = []
     for first in range(0, len(items), len(streams)):
         wave = []
