@@ -13,7 +13,7 @@ thread's stream raises "There is no Stream(cpu, N) in current thread"), and each
 thread already has its own default stream; so each thread gets its own extra ones
 here, made at its first spread and kept, as MLX keeps its default ones.
 ``KVSTORE_CPU_STREAMS`` sets how many streams a thread spreads over (default: the
-cores this process may use, at most 8); 1 keeps all work on the default stream.
+machine's cores, at most 8); 1 keeps all work on the default stream.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from kvstore.threads import threads_from_env
 __all__ = ["cpu_streams", "evaluated_in_waves", "stream_count"]
 
 T = TypeVar("T")
-#: More streams than this gains little (blocks are ~2 MiB) and holds more blocks at once.
+#: More streams than this gains little (blocks are ~1 MiB) and holds more blocks at once.
 MAX_STREAMS = 8
 
 _local = threading.local()
@@ -38,11 +38,8 @@ _local = threading.local()
 
 def stream_count() -> int:
     """How many CPU streams a thread spreads its blocks over."""
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:  # macOS has no affinity call
-        cores = os.cpu_count() or 1
-    return threads_from_env("KVSTORE_CPU_STREAMS", max(1, min(MAX_STREAMS, cores)), "streams")
+    default = max(1, min(MAX_STREAMS, os.cpu_count() or 1))
+    return threads_from_env("KVSTORE_CPU_STREAMS", default, "streams")
 
 
 def cpu_streams() -> list[mx.Stream]:

@@ -77,7 +77,7 @@ def _row_blocks(rows: int, dim: int) -> list[slice]:
         return [slice(0, rows)]
     values = rows * dim
     count = max(-(-values // BLOCK_VALUES), min(stream_count(), values // MIN_BLOCK_VALUES))
-    step = -(-rows // max(count, 1))
+    step = -(-rows // count)
     return [slice(i, i + step) for i in range(0, rows, step)]
 
 
@@ -335,16 +335,13 @@ class TurboQuantizer:
         flat_scales = scales.reshape(-1)
 
         def decoded(b: slice) -> mx.array:
-            codes, block_scales = rows[b], flat_scales[b]
+            codes, factors = rows[b], flat_scales[b, None].astype(mx.float32)
             # One kernel on a CUDA GPU unless switched off, once proven (cuda_decode).
-            factors = block_scales[:, None].astype(mx.float32)
             y = cuda_decode.decoded(codes, factors, self.centroids, self.bits, self.dim)
             if y is not None:
                 return self.rotation.inverse(y)
             compiled = _compiling(codes.shape[0])
-            return (self._compiled_ops_decode if compiled else self._ops_decoded)(
-                codes, block_scales
-            )
+            return (self._compiled_ops_decode if compiled else self._ops_decoded)(codes, factors)
 
         blocks = _row_blocks(rows.shape[0], self.dim)
         # Small decodes stay lazy; larger ones finish each cache-sized block, a block
@@ -355,9 +352,9 @@ class TurboQuantizer:
             x = x + mu
         return x.astype(dtype)
 
-    def _ops_decoded(self, codes: mx.array, scales: mx.array) -> mx.array:
+    def _ops_decoded(self, codes: mx.array, factors: mx.array) -> mx.array:
         y = lookup(self.centroids, unpack_indices(codes, self.bits, self.dim))
-        return self.rotation.inverse(y * scales[:, None].astype(mx.float32))
+        return self.rotation.inverse(y * factors)
 
     @functools.cached_property
     def _compiled_ops_decode(self) -> Callable[[mx.array, mx.array], Any]:
@@ -385,26 +382,28 @@ def encode_many(
     Raises:
         EncodingError: as :meth:`TurboQuantizer.encode`, for the first tensor at fault.
     """
-    jobs = []
+    jobs, blocks = [], []
     for q, x, mu in items:
         q._check_dim(x.shape[-1], "encode")
         if mu is not None:
             x = x.astype(mx.float32) - mu
         rows = x.reshape(-1, q.dim)
-        jobs.append((q, x.shape, [(q, rows, b) for b in _row_blocks(rows.shape[0], q.dim)]))
+        slices = _row_blocks(rows.shape[0], q.dim)
+        jobs.append((q, x.shape, len(slices)))
+        blocks += [(q, rows, b) for b in slices]
+
+    def block_encoded(block: tuple[TurboQuantizer, mx.array, slice]) -> Any:
+        q, rows, b = block
+        # Sliced here, on the block's own stream, as every op of the block is.
+        return q._block_encoded(rows[b])
+
     # Each block is evaluated before the next wave is built: its passes stay in cache.
     # The checks decide the error and the scale dtype (read from evaluated arrays: no
     # further evaluation).
-    done = iter(
-        evaluated_in_waves(
-            [block for _, _, blocks in jobs for block in blocks],
-            # Sliced on the block's own stream, as every op of the block is.
-            lambda block: block[0]._block_encoded(block[1][block[2]]),
-        )
-    )
+    done = iter(evaluated_in_waves(blocks, block_encoded))
     out = []
-    for q, shape, blocks in jobs:
-        encoded = [next(done) for _ in blocks]
+    for q, shape, count in jobs:
+        encoded = [next(done) for _ in range(count)]
         bad_input, wide_scale = False, q.scale_dtype == "float32"
         for *_, checks in encoded:
             flags = checks.tolist()

@@ -257,9 +257,9 @@ def test_compiled_block_ops_give_the_plain_ops_bytes(bits, kind):
         compiled, plain = q._compiled_ops_encode(x), q._ops_encoded(x)
         for a, b in zip(compiled, plain, strict=True):
             assert np.array(a).tobytes() == np.array(b).tobytes()
-        codes, scales = plain[0], plain[2]
-        got = q._compiled_ops_decode(codes, scales)
-        assert np.array(got).tobytes() == np.array(q._ops_decoded(codes, scales)).tobytes()
+        codes, factors = plain[0], plain[2][:, None].astype(mx.float32)
+        got = q._compiled_ops_decode(codes, factors)
+        assert np.array(got).tobytes() == np.array(q._ops_decoded(codes, factors)).tobytes()
 
 
 def test_encode_many_names_the_tensor_at_fault():
