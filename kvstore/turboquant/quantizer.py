@@ -389,26 +389,19 @@ def encode_many(
             x = x.astype(mx.float32) - mu
         rows = x.reshape(-1, q.dim)
         slices = _row_blocks(rows.shape[0], q.dim)
+        # A tensor of one block gets its final shapes in the evaluation: a reshape after
+        # it would be an evaluation of its own for the caller (on a GPU a host round trip).
+        whole = tuple(x.shape[:-1]) if len(slices) == 1 else None
         jobs.append((q, x.shape, len(slices)))
-        blocks += [(q, rows, b) for b in slices]
+        blocks += [(q, rows, b, whole) for b in slices]
 
-    def block_encoded(block: tuple[TurboQuantizer, mx.array, slice]) -> Any:
-        q, rows, b = block
-        # Sliced here, on the block's own stream, as every op of the block is.
-        return q._block_encoded(rows[b])
-
-    # Each block is evaluated before the next wave is built: its passes stay in cache.
-    # The checks decide the error and the scale dtype (read from evaluated arrays: no
-    # further evaluation).
-    done = iter(evaluated_in_waves(blocks, block_encoded))
+    encoded_blocks, verdicts = _encoded(blocks)
+    done = iter(zip(encoded_blocks, verdicts))
     out = []
     for q, shape, count in jobs:
         encoded = [next(done) for _ in range(count)]
-        bad_input, wide_scale = False, q.scale_dtype == "float32"
-        for *_, checks in encoded:
-            flags = checks.tolist()
-            assert isinstance(flags, list)
-            bad_input, wide_scale = bad_input or bool(flags[0]), wide_scale or bool(flags[1])
+        bad_input = any(flags[0] for _, flags in encoded)
+        wide_scale = q.scale_dtype == "float32" or any(flags[1] for _, flags in encoded)
         if bad_input:
             raise EncodingError(
                 f"[turboquant.encode] {q.kind} vectors must be finite; received NaN or Inf "
@@ -416,10 +409,44 @@ def encode_many(
                 f"model produced it; TurboQuant cannot encode it.",
                 shape=tuple(shape),
             )
-        scales = _join([block[1 if wide_scale else 2] for block in encoded])
-        codes = _join([block[0] for block in encoded])
-        out.append((codes.reshape(*shape[:-1], q.words), scales.reshape(shape[:-1])))
+        scales = _join([block[1 if wide_scale else 2] for block, _ in encoded])
+        codes = _join([block[0] for block, _ in encoded])
+        if count > 1:
+            codes, scales = codes.reshape(*shape[:-1], q.words), scales.reshape(shape[:-1])
+        out.append((codes, scales))
     return out
+
+
+#: ``(quantizer, rows, the block's slice of them, its tensor's leading axes or None)``.
+_Block = tuple[TurboQuantizer, mx.array, slice, "tuple[int, ...] | None"]
+
+
+def _encoded_block(block: _Block) -> tuple[mx.array, mx.array, mx.array, mx.array]:
+    """A block's ``(codes, scale float32, scale float16, checks)``, lazily; shaped as
+    its tensor's leading axes where the block is the whole tensor."""
+    q, rows, b, whole = block
+    # Sliced here, on the block's own stream, as every op of the block is.
+    codes, scale, scale16, checks = q._block_encoded(rows[b])
+    if whole is None:
+        return codes, scale, scale16, checks
+    return codes.reshape(*whole, q.words), scale.reshape(whole), scale16.reshape(whole), checks
+
+
+def _encoded(blocks: list[_Block]) -> tuple[list[Any], list[Any]]:
+    """Every block encoded and evaluated, and each block's checks read back (they decide
+    the error and the scale dtype)."""
+    if mx.default_device() == mx.cpu:
+        # Each wave is evaluated before the next is built: its passes stay in cache.
+        done = evaluated_in_waves(blocks, _encoded_block)
+        return done, [block[3].tolist() for block in done]
+    # On a GPU one evaluation, and the checks of every block read back at once: each
+    # read of a device result is a host round trip of its own.
+    built = [_encoded_block(block) for block in blocks]
+    checks = mx.stack([block[3] for block in built])
+    mx.eval(built, checks)
+    verdicts = checks.tolist()
+    assert isinstance(verdicts, list)
+    return built, verdicts
 
 
 @functools.lru_cache(maxsize=128)

@@ -34,6 +34,9 @@
 # STEP rht       TurboQuant's one-kernel encode and decode (kvstore/turboquant/cuda_rht.py):
 #                proven or not, agreement with the ops and times (rht_probe.py), then P11
 #                on the device: ~140 s
+# STEP floor     where a small TurboQuant encode or decode spends its time (floor_probe.py:
+#                the evaluation's floor, an empty custom kernel, the peers, the encode's
+#                pieces; with CUDA graphs and without), then P11: ~150 s
 # STEP g1-4k     G1 at 4096 tokens: ~150 s
 # STEP g1-16k    G1 at 16384 tokens: ~230 s
 # STEP g2a       G2 at 4096 tokens, lossless + kv:quant:8:64 and 4:64: ~330 s
@@ -83,6 +86,10 @@ case "$step" in
     timeout 150 python3 tools/bench/gpu/rht_probe.py 2>&1 | tee "$out/rht-probe.txt"
     KVSTORE_BENCH_GIT=$rev CHECK_TIMEOUT=1 BENCH_TIMEOUT=240 REPEATS=5 \
       bash tools/bench/gpu/run.sh P11 "$out/p11" ;;
+  floor)
+    timeout 200 python3 tools/bench/gpu/floor_probe.py 2>&1 | tee "$out/floor-probe.txt"
+    KVSTORE_BENCH_GIT=$rev CHECK_TIMEOUT=1 BENCH_TIMEOUT=240 REPEATS=5 \
+      bash tools/bench/gpu/run.sh P11 "$out/p11" ;;
   g1-4k)
     KVSTORE_BENCH_GPU_TOKENS=4096 KVSTORE_BENCH_GIT=$rev CHECK_TIMEOUT=60 BENCH_TIMEOUT=400 \
       REPEATS=5 bash tools/bench/gpu/run.sh G1 "$out/g1-4k" ;;
@@ -98,5 +105,5 @@ case "$step" in
     esac
     KVSTORE_BENCH_G2_POLICIES=$policies KVSTORE_BENCH_GPU_TOKENS=4096 KVSTORE_BENCH_GIT=$rev \
       CHECK_TIMEOUT=1 BENCH_TIMEOUT=540 REPEATS=5 bash tools/bench/gpu/run.sh G2 "$out/$step" ;;
-  *) echo "next.sh: unknown step $step (ab, profiles, probe, graphs, stage, spans, model, parent, rht, g1-4k, g1-16k, g2a, g2q8, g2b, g2c)"; exit 2 ;;
+  *) echo "next.sh: unknown step $step (ab, profiles, probe, graphs, stage, spans, model, parent, rht, floor, g1-4k, g1-16k, g2a, g2q8, g2b, g2c)"; exit 2 ;;
 esac

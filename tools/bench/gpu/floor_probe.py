@@ -1,0 +1,176 @@
+"""Where a small TurboQuant encode or decode spends its time on the device (P11's floor).
+
+P11 on the H200 (``results/gpu/70b56bf/``) put a ~150 us floor under an encode of a
+layer's keys and values whatever their size, against ``mx.quantize``'s ~40-50, and
+~85 us under a decode against ``mx.dequantize``'s ~30; the kernels' own work at those
+sizes is a few microseconds. This times the pieces one at a time, each the median of
+many, on a 512-token llama-8B layer (``[1, 8, 512, 128]`` bfloat16) and a 4096-token
+one:
+
+* the evaluation's floor: ``mx.eval`` of an add on 4 bytes and on the layer;
+* a custom kernel's: an empty kernel (4-byte output; a layer-sized one);
+* the peers: ``mx.quantize`` / ``mx.dequantize`` of one tensor and of two;
+* the encode kernel alone, then with the checks' ``mx.any`` and the float16 scales,
+  then with the checks read back (``tolist``), then ``encode``, ``encode_many`` of
+  keys and values, and ``encode_many`` with P11's ``mx.eval`` of its results after;
+* a host read of a freshly computed 2-byte array, alone;
+* building the encode kernel's graph without evaluating it (the Python and C++
+  call path);
+* the decode kernel alone and ``decode``.
+
+Run twice by ``main``: as is, and in a child with ``MLX_USE_CUDA_GRAPHS=0`` (MLX reads
+it once per process)::
+
+    python3 tools/bench/gpu/floor_probe.py
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import mlx.core as mx
+
+REPEATS = 60
+
+
+def timed(fn: Callable[[], Any], repeats: int = REPEATS) -> float:
+    """The median microseconds of ``fn()`` (which evaluates what it must itself)."""
+    for _ in range(5):
+        fn()
+    samples = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - t)
+    return statistics.median(samples) * 1e6
+
+
+def evaluated(make: Callable[[], Any]) -> Callable[[], Any]:
+    return lambda: mx.eval(make())
+
+
+def cases_of(tokens: int) -> tuple[dict[str, Callable[[], Any]], list[float]]:
+    from kvstore.turboquant import cuda_rht
+    from kvstore.turboquant.quantizer import FLOAT16_SCALE_LIMIT as LIMIT
+    from kvstore.turboquant.quantizer import encode_many, quantizer_for
+
+    shape = (1, 8, tokens, 128)
+    keys = mx.random.normal(shape, key=mx.random.key(1)).astype(mx.bfloat16)
+    values = mx.random.normal(shape, key=mx.random.key(2)).astype(mx.bfloat16)
+    tiny = mx.zeros((1,), mx.float32)
+    mx.eval(keys, values, tiny)
+    kq, vq = quantizer_for(4, 128, "k"), quantizer_for(4, 128, "v")
+    rows = keys.reshape(-1, 128)
+    assert cuda_rht._proven("encode", kq, mx.bfloat16, LIMIT), "encode kernel not proven"
+    encoded = encode_many([(kq, keys, None), (vq, values, None)])
+    affine = [mx.quantize(x, group_size=64, bits=4) for x in (keys, values)]
+    mx.eval(encoded, affine)
+    empty: Any = mx.fast.cuda_kernel(
+        name="kvstore_floor_empty",
+        input_names=["x"],
+        output_names=["out"],
+        source="if (threadIdx.x == 0 && blockIdx.x == 0) out[0] = x[0];",
+    )
+
+    def empty_kernel(size: int) -> Any:
+        return empty(
+            inputs=[tiny],
+            output_shapes=[(size,)],
+            output_dtypes=[mx.float32],
+            grid=(32, 1, 1),
+            threadgroup=(32, 1, 1),
+        )[0]
+
+    def kernel_checked() -> Any:
+        codes, scale, flags = cuda_rht._encode(rows, kq, LIMIT)
+        return codes, scale, scale.astype(mx.float16), mx.any(flags, axis=0)
+
+    def kernel_read() -> Any:
+        out = kernel_checked()
+        mx.eval(out)
+        return out[3].tolist()
+
+    def host_read() -> Any:
+        small = (tiny + 1).astype(mx.uint16)
+        mx.eval(small)
+        t = time.perf_counter()
+        small.tolist()
+        return time.perf_counter() - t
+
+    reads: list[float] = []
+
+    def host_read_only() -> None:
+        reads.append(host_read())
+
+    def p11_encode() -> None:
+        mx.eval(encode_many([(kq, keys, None), (vq, values, None)]))
+
+    return {
+        "eval: add on 4 bytes": evaluated(lambda: tiny + 1),
+        "eval: add on the layer": evaluated(lambda: keys + 1),
+        "empty kernel, 4-byte output": evaluated(lambda: empty_kernel(1)),
+        "empty kernel, layer-sized output": evaluated(lambda: empty_kernel(rows.size)),
+        "mx.quantize keys": evaluated(lambda: mx.quantize(keys, group_size=64, bits=4)),
+        "mx.quantize keys+values": evaluated(
+            lambda: [mx.quantize(x, group_size=64, bits=4) for x in (keys, values)]
+        ),
+        "mx.dequantize keys": evaluated(
+            lambda: mx.dequantize(*affine[0], group_size=64, bits=4)
+        ),
+        "mx.dequantize keys+values": evaluated(
+            lambda: [mx.dequantize(*a, group_size=64, bits=4) for a in affine]
+        ),
+        "encode kernel alone (keys)": evaluated(lambda: cuda_rht._encode(rows, kq, LIMIT)),
+        "kernel + any + float16": evaluated(kernel_checked),
+        "kernel + any + float16 + read": kernel_read,
+        "build the kernel's graph only": lambda: cuda_rht._encode(rows, kq, LIMIT),
+        "encode (keys)": lambda: kq.encode(keys),
+        "encode_many keys+values": lambda: encode_many([(kq, keys, None), (vq, values, None)]),
+        "encode_many + P11's eval": p11_encode,
+        "decode kernel alone (keys)": evaluated(
+            lambda: cuda_rht._decode(encoded[0][0].reshape(-1, 16), encoded[0][1], kq, mx.bfloat16)
+        ),
+        "decode (keys)": evaluated(lambda: kq.decode(*encoded[0], mx.bfloat16)),
+        "decode keys+values": evaluated(
+            lambda: [kq.decode(*encoded[0], mx.bfloat16), vq.decode(*encoded[1], mx.bfloat16)]
+        ),
+        "host read of 2 bytes (the whole step)": host_read_only,
+    }, reads
+
+
+def probe() -> None:
+    graphs = os.environ.get("MLX_USE_CUDA_GRAPHS", "(default)")
+    print(f"device {mx.default_device()}; MLX_USE_CUDA_GRAPHS={graphs}", flush=True)
+    for tokens in (512, 4096):
+        cases, reads = cases_of(tokens)
+        times: dict[str, list[float]] = {}
+        for _ in range(3):  # interleaved rounds
+            for name, fn in cases.items():
+                times.setdefault(name, []).append(timed(fn))
+        for name, samples in times.items():
+            print(f"  {tokens:5d} tokens  {name:40s} {min(samples):8.1f} us", flush=True)
+        print(
+            f"  {tokens:5d} tokens  {'host read of 2 bytes (tolist alone)':40s} "
+            f"{statistics.median(reads) * 1e6:8.1f} us",
+            flush=True,
+        )
+
+
+def main() -> int:
+    if "--child" in sys.argv:
+        probe()
+        return 0
+    probe()
+    env = {**os.environ, "MLX_USE_CUDA_GRAPHS": "0"}
+    subprocess.run([sys.executable, __file__, "--child"], env=env, timeout=240, check=False)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
