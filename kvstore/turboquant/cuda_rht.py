@@ -83,23 +83,59 @@ _BUTTERFLIES = """
     }
 """
 
+
+def _chunked_copy(dst: str, src: str, address: str) -> str:
+    """CUDA copying ``raw`` (``alignas(16) unsigned char[NB]``) between a lane's ``V``
+    consecutive values at ``dst``/``src``, in the widest stores (loads) their address
+    allows: a lane's values are adjacent, so 16-byte accesses make a warp's 32 one
+    contiguous transaction where 2-byte ones touched each of its segments ``V`` times.
+    ``NB`` (the byte count) is a compile-time constant; the branch on the address is
+    the same across a warp's lanes for any row-aligned array."""
+    lines = ["    {", f"    const auto at = reinterpret_cast<unsigned long long>({address});"]
+    for width, vec in ((16, "uint4"), (8, "uint2"), (4, "unsigned int")):
+        cond = "if" if width == 16 else "} else if"
+        lines += [
+            f"    {cond} (NB % {width} == 0 && (at & {width - 1}ull) == 0) {{",
+            "        #pragma unroll",
+            f"        for (int c = 0; c < NB / {width}; ++c) reinterpret_cast<{vec}*>({dst})[c] = "
+            f"reinterpret_cast<const {vec}*>({src})[c];",
+        ]
+    lines += [
+        "    } else {",
+        "        #pragma unroll",
+        f"        for (int c = 0; c < NB / 2; ++c) reinterpret_cast<unsigned short*>({dst})[c] = "
+        f"reinterpret_cast<const unsigned short*>({src})[c];",
+        "    }",
+        "    }",
+    ]
+    return "\n".join(lines) + "\n"
+
+
 #: One warp per row of ``x`` ``[N, D]``; outputs ``codes`` ``[N, WORDS]`` uint32,
-#: ``scale`` ``[N]`` float32 and ``flags`` ``[N, 2]`` uint8: whether the norm is not
-#: finite, whether the scale's magnitude passes ``SCALE_LIMIT`` (the encoder's checks).
+#: ``scale`` ``[N]`` float32, the same scales rounded to float16 (``scale16``, what is
+#: stored unless a check says otherwise: no cast after the kernel) and ``flags``
+#: ``[N, 2]`` uint8: whether the norm is not finite, whether the scale's magnitude
+#: passes ``SCALE_LIMIT`` (the encoder's checks).
 _ENCODE = (
     """
     constexpr int V = DIM / 32;
+    constexpr int NB = V * (int)sizeof(x[0]);
     __shared__ unsigned int packed[WARPS][WORDS];
     const unsigned long long row = ((unsigned long long)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
     const unsigned int lane = threadIdx.x & 31u, warp = threadIdx.x >> 5;
     if (row >= (unsigned long long)x_shape[0]) return;
+    const auto* src = x + row * DIM + lane * V;
+    alignas(16) unsigned char raw[NB];
+"""
+    + _chunked_copy("raw", "src", "src")
+    + """
+    const auto* t = reinterpret_cast<decltype(src)>(raw);
     float v[V];
     float ss = 0.0f;
     #pragma unroll
     for (int i = 0; i < V; ++i) {
-        float t = static_cast<float>(x[row * DIM + lane * V + i]);
-        v[i] = t;
-        ss += t * t;
+        v[i] = static_cast<float>(t[i]);
+        ss += v[i] * v[i];
     }
     #pragma unroll
     for (unsigned int m = 16; m >= 1; m >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, m);
@@ -147,6 +183,7 @@ _ENCODE = (
     for (unsigned int w = lane; w < WORDS; w += 32) codes[row * WORDS + w] = packed[warp][w];
     if (lane == 0) {
         scale[row] = s;
+        scale16[row] = __float2half_rn(s);
         // n - n is 0 for a finite n, NaN for inf or NaN (no library call; no fast math).
         flags[2 * row] = (n - n == 0.0f) ? 0 : 1;
         flags[2 * row + 1] = fabsf(s) > SCALE_LIMIT ? 1 : 0;
@@ -176,11 +213,14 @@ _DECODE = (
 """
     + _BUTTERFLIES
     + """
+    constexpr int NB = V * (int)sizeof(OT);
+    alignas(16) unsigned char raw[NB];
+    OT* t = reinterpret_cast<OT*>(raw);
     #pragma unroll
-    for (int i = 0; i < V; ++i) {
-        out[row * DIM + lane * V + i] = OT(v[i] * INV_ROOT_D * signs[lane * V + i]);
-    }
+    for (int i = 0; i < V; ++i) t[i] = OT(v[i] * INV_ROOT_D * signs[lane * V + i]);
+    OT* dst = out + row * DIM + lane * V;
 """
+    + _chunked_copy("dst", "raw", "dst")
 )
 
 
@@ -220,15 +260,15 @@ def usable(q: Quantizer) -> bool:
 
 def encoded(
     rows: mx.array, q: Quantizer, scale_limit: float
-) -> tuple[mx.array, mx.array, mx.array] | None:
-    """``(codes uint32 [N, W], scale float32 [N], checks bool [2])`` of ``rows``
-    ``[N, D]``, lazily, by the kernel: ``checks`` says whether any norm is not
-    finite and whether any scale's magnitude passes ``scale_limit``. ``None`` where
-    the kernel is not to be used."""
+) -> tuple[mx.array, mx.array, mx.array, mx.array] | None:
+    """``(codes uint32 [N, W], scale float32 [N], scale float16 [N], checks bool [2])``
+    of ``rows`` ``[N, D]``, lazily, by the kernel: ``checks`` says whether any norm is
+    not finite and whether any scale's magnitude passes ``scale_limit``. ``None``
+    where the kernel is not to be used."""
     if not rows.shape[0] or not usable(q) or not _proven("encode", q, rows.dtype, scale_limit):
         return None
-    codes, scale, flags = _encode(rows, q, scale_limit)
-    return codes, scale, mx.any(flags, axis=0)
+    codes, scale, scale16, flags = _encode(rows, q, scale_limit)
+    return codes, scale, scale16, mx.any(flags, axis=0)
 
 
 def decoded(rows: mx.array, scales: mx.array, q: Quantizer, dtype: mx.Dtype) -> mx.array | None:
@@ -274,7 +314,7 @@ def _kernel(op: str, bits: int, dim: int, mode: str, dtype: str, scale_limit: fl
         return cuda_kernel(
             name=f"kvstore_tq_rht_encode_{bits}_{dim}_{mode}_{dtype}_{scale_limit:g}",
             input_names=["x", "signs", "thresholds", "centroids"],
-            output_names=["codes", "scale", "flags"],
+            output_names=["codes", "scale", "scale16", "flags"],
             source=source,
         )
     return cuda_kernel(
@@ -319,18 +359,18 @@ def _grid(count: int) -> tuple[int, int, int]:
 
 def _encode(
     rows: mx.array, q: Quantizer, scale_limit: float
-) -> tuple[mx.array, mx.array, mx.array]:
+) -> tuple[mx.array, mx.array, mx.array, mx.array]:
     count, t = int(rows.shape[0]), _tables(q)
-    codes, scale, flags = _kernel(
+    codes, scale, scale16, flags = _kernel(
         "encode", q.bits, q.dim, q.scale_mode, _name(rows.dtype), scale_limit
     )(
         inputs=[rows, t.signs, t.thresholds, t.centroids],
-        output_shapes=[(count, packed_words(q.dim, q.bits)), (count,), (count, 2)],
-        output_dtypes=[mx.uint32, mx.float32, mx.uint8],
+        output_shapes=[(count, packed_words(q.dim, q.bits)), (count,), (count,), (count, 2)],
+        output_dtypes=[mx.uint32, mx.float32, mx.float16, mx.uint8],
         grid=_grid(count),
         threadgroup=(_BLOCK, 1, 1),
     )
-    return codes, scale, flags
+    return codes, scale, scale16, flags
 
 
 def _decode(rows: mx.array, scales: mx.array, q: Quantizer, dtype: mx.Dtype) -> mx.array:
@@ -391,11 +431,15 @@ def _agrees(op: str, q: Quantizer, dtype: mx.Dtype, extra: Any) -> bool:
         return _decode_agrees(q, dtype, extra)
     rows = trial_rows(q.dim).astype(dtype)
     idx, scale, norm = q.quantize(rows)  # the ops
-    codes, got_scale, flags = _encode(rows, q, float(extra))
+    codes, got_scale, got_scale16, flags = _encode(rows, q, float(extra))
     got_idx = unpack_indices(codes, q.bits, q.dim)
-    mx.eval(got_idx, got_scale, flags, idx, scale, norm)
+    mx.eval(got_idx, got_scale, got_scale16, flags, idx, scale, norm)
     want_flags = np.stack([~np.isfinite(np.array(norm)), np.abs(np.array(scale)) > extra], -1)
     if not np.array_equal(np.array(flags).astype(bool), want_flags):
+        return False
+    # The float16 scales: the kernel's own float32 ones rounded to nearest even, bit for bit.
+    rounded = np.array(got_scale).astype(np.float16).view(np.uint16)
+    if not np.array_equal(np.array(got_scale16).view(np.uint16), rounded):
         return False
     return _encode_agrees(
         np.array(rows.astype(mx.float32)),

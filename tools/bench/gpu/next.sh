@@ -34,7 +34,8 @@
 # STEP rht       TurboQuant's one-kernel encode and decode (kvstore/turboquant/cuda_rht.py):
 #                proven or not, agreement with the ops and times (rht_probe.py), then P11
 #                on the device: ~140 s
-# STEP floor     where a small TurboQuant encode or decode spends its time (floor_probe.py:
+# STEP floor     rht_probe.py (the kernels proven?), then where a small TurboQuant encode or
+#                decode spends its time (floor_probe.py:
 #                the evaluation's floor, an empty custom kernel, the peers, the encode's
 #                pieces; with CUDA graphs and without), then P11: ~150 s
 # STEP g1-4k     G1 at 4096 tokens: ~150 s
@@ -87,6 +88,7 @@ case "$step" in
     KVSTORE_BENCH_GIT=$rev CHECK_TIMEOUT=1 BENCH_TIMEOUT=240 REPEATS=5 \
       bash tools/bench/gpu/run.sh P11 "$out/p11" ;;
   floor)
+    timeout 150 python3 tools/bench/gpu/rht_probe.py 2>&1 | tee "$out/rht-probe.txt"
     timeout 200 python3 tools/bench/gpu/floor_probe.py 2>&1 | tee "$out/floor-probe.txt"
     KVSTORE_BENCH_GIT=$rev CHECK_TIMEOUT=1 BENCH_TIMEOUT=240 REPEATS=5 \
       bash tools/bench/gpu/run.sh P11 "$out/p11" ;;
