@@ -246,11 +246,15 @@ def check_described(snap: Snapshot, kbits: int, vbits: int) -> None:
 #: mean, no carried rotation).
 _ROWS_ONLY = frozenset(f"{n}.{p}" for n, _ in SIDES for p in ("codes", "scales"))
 #: Descriptions already read, by the identity of their ``meta["tq"]`` map: ``id ->
-#: (the map, (kbits, vbits), params)``. A record's header parse shares one such map
-#: among its layers' snapshots and the records of a prefix (its template), so a
+#: (the map, (kbits, vbits), params, full)``. A record's header parse shares one such
+#: map among its layers' snapshots and the records of a prefix (its template), so a
 #: 4096-token llama-8B restore reads 32 maps, not 1040 (15.8 -> ~4 ms of its Python
-#: on the CI VM). The map is held, so its id stays its own while remembered.
-_KNOWN: OrderedDict[int, tuple[Any, tuple[int, int], TurboQuantParams]] = OrderedDict()
+#: on the CI VM). The map is held, so its id stays its own while remembered. ``full``:
+#: the parameters came from a full read (``values``); a check's (``check_described``)
+#: has a stand-in for a dense rotation, so it serves later checks only -- the header
+#: parse checks each record's map once per record, every record of a template the
+#: same map (TurboQuant's header parse 6.2 -> ~4 ms a restore on the CI VM).
+_KNOWN: OrderedDict[int, tuple[Any, tuple[int, int], TurboQuantParams, bool]] = OrderedDict()
 _KNOWN_MAX = 256
 _KNOWN_LOCK = threading.Lock()
 
@@ -263,18 +267,25 @@ def _read_params(
     if rows_only:
         with _KNOWN_LOCK:
             known = _KNOWN.get(id(tq))
-        if known is not None and known[0] is tq and known[1] == (kbits, vbits):
+        if (
+            known is not None
+            and known[0] is tq
+            and known[1] == (kbits, vbits)
+            and (known[3] or not values)
+        ):
             params = known[2]  # the description read before; the rows are this snapshot's
             for (name, _), side in zip(SIDES, (params.keys, params.values), strict=True):
                 _check_rows(snap, name, side.bits, params.head_dim)
             return params if values else None
     params = _read_described(snap, tq, kbits, vbits, values=values)
-    # Only what a full read gave, and only RHT rotations: a check's read (values=False)
-    # stands in for a dense matrix it does not load.
+    # A full read only of RHT rotations (a dense matrix is loaded per prefix); a check
+    # of any, never in place of a full read's entry.
     rht = params.keys.rotation.method == params.values.rotation.method == "rht"
-    if values and rht and params.mu is None and rows_only:
+    if rows_only and params.mu is None and (rht or not values):
         with _KNOWN_LOCK:
-            _KNOWN[id(tq)] = (tq, (kbits, vbits), params)
+            held = _KNOWN.get(id(tq))
+            if values or held is None or held[0] is not tq or not held[3]:
+                _KNOWN[id(tq)] = (tq, (kbits, vbits), params, values)
             while len(_KNOWN) > _KNOWN_MAX:
                 _KNOWN.popitem(last=False)
     return params if values else None
