@@ -38,19 +38,14 @@ from typing import Any
 
 import mlx.core as mx
 
+from tools.bench.gpu.probe import timed
+
 REPEATS = 60
 
 
-def timed(fn: Callable[[], Any], repeats: int = REPEATS) -> float:
+def timed_us(fn: Callable[[], Any]) -> float:
     """The median microseconds of ``fn()`` (which evaluates what it must itself)."""
-    for _ in range(5):
-        fn()
-    samples = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        samples.append(time.perf_counter() - t)
-    return statistics.median(samples) * 1e6
+    return timed(fn, REPEATS, warmup=5) * 1e6
 
 
 def evaluated(make: Callable[[], Any]) -> Callable[[], Any]:
@@ -187,7 +182,7 @@ def probe() -> None:
         times: dict[str, list[float]] = {}
         for _ in range(3):  # interleaved rounds
             for name, fn in cases.items():
-                times.setdefault(name, []).append(timed(fn))
+                times.setdefault(name, []).append(timed_us(fn))
         for name, samples in times.items():
             print(f"  {tokens:5d} tokens  {name:40s} {min(samples):8.1f} us", flush=True)
         print(
