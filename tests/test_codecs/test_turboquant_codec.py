@@ -265,13 +265,11 @@ def test_large_vectors_store_float32_scales_and_ranges_of_both_join():
     assert_arrays_equal(again.keys_and_values()[0][2], cache.keys_and_values()[0][2])
 
 
-def test_a_checked_description_is_not_checked_again_nor_taken_for_a_full_read(monkeypatch):
-    # The header parse checks every record's map, each record of a template the same
-    # one: checked once; a check's parameters (a stand-in for a dense rotation) never
-    # answer a full read, and a full read's answer every later check.
-    snap = snapshot(filled(TurboQuantKVCache(3, 2), head_dim=64))
+def description_reads(monkeypatch) -> list[bool]:
+    """Whether each read of a ``meta["tq"]`` description from now on was a full one
+    (``values``), none remembered yet."""
     monkeypatch.setattr(params_module, "_KNOWN", type(params_module._KNOWN)())
-    reads = []
+    reads: list[bool] = []
     real = params_module._read_described
 
     def counted(*args, **kwargs):
@@ -279,6 +277,15 @@ def test_a_checked_description_is_not_checked_again_nor_taken_for_a_full_read(mo
         return real(*args, **kwargs)
 
     monkeypatch.setattr(params_module, "_read_described", counted)
+    return reads
+
+
+def test_a_checked_description_is_not_checked_again_nor_taken_for_a_full_read(monkeypatch):
+    # The header parse checks every record's map, each record of a template the same
+    # one: checked once; a check's parameters (a stand-in for a dense rotation) never
+    # answer a full read, and a full read's answer every later check.
+    snap = snapshot(filled(TurboQuantKVCache(3, 2), head_dim=64))
+    reads = description_reads(monkeypatch)
     params_module.check_described(snap, 3, 2)
     params_module.check_described(replace(snap, start=snap.start), 3, 2)
     assert reads == [False]
@@ -296,15 +303,7 @@ def test_a_description_read_once_is_not_read_again_but_each_snapshots_rows_are(m
     # A header parse shares one meta["tq"] map among a prefix's snapshots: the map is
     # checked once, the rows of every snapshot each time.
     snap = snapshot(filled(TurboQuantKVCache(3, 2), head_dim=64))
-    monkeypatch.setattr(params_module, "_KNOWN", type(params_module._KNOWN)())
-    reads = []
-    real = params_module._read_described
-
-    def counted(*args, **kwargs):
-        reads.append(args[1])
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(params_module, "_read_described", counted)
+    reads = description_reads(monkeypatch)
     first = params_module.read_params(snap, 3, 2)
     assert params_module.read_params(replace(snap, start=snap.start), 3, 2) is first
     params_module.check_described(snap, 3, 2)
