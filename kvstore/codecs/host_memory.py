@@ -8,10 +8,10 @@ costs more than copying the rows: a 2048-token llama-8B restore (256 MiB) took
 315 ms on the 2-core CI VM, of which the copy into the arrays was 250 ms;
 mlx-lm's ``load_prompt_cache`` of the same cache, 72 ms.
 
-:func:`keep_freed_memory` makes glibc keep freed blocks up to 1 GiB in its
-heap for the next allocation (``M_MMAP_THRESHOLD`` 1 GiB, ``M_TRIM_THRESHOLD``
-1 GiB), the way MLX's GPU allocators keep a buffer cache: the same restore
-then takes 97 ms, and 8192 tokens 1254 -> 360 ms (mlx-lm's load 72 -> 21 ms
+:func:`keep_freed_memory` makes glibc keep freed blocks up to 2 GiB in its
+heap for the next allocation (``M_MMAP_THRESHOLD`` and ``M_TRIM_THRESHOLD`` at
+:data:`KEEP_BYTES`), the way MLX's GPU allocators keep a buffer cache: the same
+restore then takes 97 ms, and 8192 tokens 1254 -> 360 ms (mlx-lm's load 72 -> 21 ms
 in the same process: the setting is the process's, so it helps every
 allocation there). The process's resident memory stays near its peak instead
 of shrinking after a restore is dropped. A restore applies it the first
@@ -33,8 +33,12 @@ import threading
 
 __all__ = ["KEEP_BYTES", "keep_freed_memory"]
 
-#: Blocks up to this size are served from (and freed back to) glibc's heap.
-KEEP_BYTES = 1 << 30
+#: Blocks up to this size are served from (and freed back to) glibc's heap: the largest
+#: value ``mallopt`` takes (an ``int``). At 1 GiB, freeing a 1 GiB restore (llama-8B,
+#: 8192 tokens) left more than that free at the heap's top, which glibc trimmed: every
+#: later restore of it faulted its 262K pages in again (350 ms against 150 kept, on
+#: the 2-core CI VM).
+KEEP_BYTES = (1 << 31) - 1
 
 # glibc's malloc.h
 _M_TRIM_THRESHOLD = -1
