@@ -251,9 +251,9 @@ _ROWS_ONLY = frozenset(f"{n}.{p}" for n, _ in SIDES for p in ("codes", "scales")
 #: 4096-token llama-8B restore reads 32 maps, not 1040 (15.8 -> ~4 ms of its Python
 #: on the CI VM). The map is held, so its id stays its own while remembered. ``full``:
 #: the parameters came from a full read (``values``); a check's (``check_described``)
-#: has a stand-in for a dense rotation, so it serves later checks only -- the header
-#: parse checks each record's map once per record, every record of a template the
-#: same map (TurboQuant's header parse 6.2 -> ~4 ms a restore on the CI VM).
+#: has a stand-in for a dense rotation, so it serves later checks only. The header
+#: parse checks every record's map, and the records of a template share theirs: checked
+#: once (a TurboQuant restore's header parse ~7.6 -> ~5.9 ms on the CI VM).
 _KNOWN: OrderedDict[int, tuple[Any, tuple[int, int], TurboQuantParams, bool]] = OrderedDict()
 _KNOWN_MAX = 256
 _KNOWN_LOCK = threading.Lock()
