@@ -338,11 +338,11 @@ def join_runs(
     joins: list[tuple[int, str, RowsJoin | _StoredRows]] = []
     for grouped in runs:
         for run in grouped:
-            described = [stored(s.tensors) for s in run]
-            names = _row_names(run, described)
+            names = _row_names(run)
             if not names:
                 continue
             rows = sum(s.tokens for s in run)
+            described = [stored(s.tensors) for s in run]
             every = cast(list[PayloadTensors], described) if all(described) else None
             for name in names:
                 join = _StoredRows.of(every, name, rows) if every else None
@@ -440,16 +440,13 @@ class _StoredRows:
     def layout(self) -> cuda_pages.RowsLayout | None:
         """Where a gather reads the rows (:func:`cuda_pages.stored_layout`)."""
         name = self.name
-        addresses, shapes, counts = [], [], []
+        addresses, shapes, counts, dtypes = [], [], [], []
         for t in self.tensors:  # one pass (192 joins of 16 in a lossy restore)
             e = t.entries[name]
-            shape = e.shape
             addresses.append(t.payload.address + e.offset)
-            shapes.append(shape)
-            # A match's cut, where it ends inside the block (t.shape's rule, inline).
-            counts.append(shape[2] if t.rows is None else min(t.rows, shape[2]))
-        # Every piece is of the spec's dtype (``of`` made sure).
-        dtypes = [self.spec[1]] * len(addresses)
+            shapes.append(e.shape)
+            counts.append(t.shape(name)[2])  # a match's cut, where it ends inside the block
+            dtypes.append(e.dtype)
         return cuda_pages.stored_layout(addresses, shapes, counts, dtypes, *self.spec)
 
     def rows_join(self) -> RowsJoin:
@@ -482,24 +479,12 @@ def _gathered_from(join: RowsJoin | _StoredRows) -> Sequence[Any] | cuda_pages.R
     return join.columns[0]
 
 
-def _row_names(
-    run: Sequence[Snapshot], described: Sequence[PayloadTensors | None] | None = None
-) -> list[str]:
+def _row_names(run: Sequence[Snapshot]) -> list[str]:
     """The row tensors of a run worth joining (none for a run of one MLX-array snapshot,
-    already where a decode wants it, or of one-token snapshots). ``described``: each
-    snapshot's tensors as :func:`stored` has them, when the caller has them."""
-    if any(s.tokens < 2 for s in run):
-        return []
-    described = described if described is not None else [stored(s.tensors) for s in run]
-    if all(described):
-        # Read from the header entries straight (a lossy restore asks of 512 snapshots).
-        every = cast(list[PayloadTensors], described)
-        return [
-            name
-            for name in every[0].entries
-            if all(_stored_rows(t, name) == s.tokens for t, s in zip(every, run, strict=True))
-        ]
+    already where a decode wants it, or of one-token snapshots)."""
     sized = [(_shapes(s.tensors), s.tokens) for s in run]
+    if any(tokens < 2 for _, tokens in sized):
+        return []
     if len(run) == 1 and all(isinstance(t, mx.array) for t in run[0].tensors.values()):
         return []
     return [
@@ -510,16 +495,6 @@ def _row_names(
             for shapes, tokens in sized
         )
     ]
-
-
-def _stored_rows(tensors: PayloadTensors, name: str) -> int:
-    """Tensor ``name``'s rows as :meth:`PayloadTensors.shape` has them; -1 where it has no
-    row axis or is not there."""
-    entry = tensors.entries.get(name)
-    if entry is None or len(entry.shape) < 3:
-        return -1
-    rows = entry.shape[2]
-    return rows if tensors.rows is None else min(tensors.rows, rows)
 
 
 def _shapes(tensors: Mapping[str, Any]) -> Mapping[str, tuple[int, ...]]:
