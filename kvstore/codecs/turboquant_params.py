@@ -284,7 +284,7 @@ def _read_params(
     if rows_only and params.mu is None and (rht or not values):
         with _KNOWN_LOCK:
             held = _KNOWN.get(id(tq))
-            if values or held is None or held[0] is not tq or not held[3]:
+            if values or held is None or not held[3]:
                 _KNOWN[id(tq)] = (tq, (kbits, vbits), params, values)
             while len(_KNOWN) > _KNOWN_MAX:
                 _KNOWN.popitem(last=False)
