@@ -14,7 +14,8 @@ one:
   read back (``tolist``), then ``encode``, ``encode_many`` of
   keys and values, and ``encode_many`` with P11's ``mx.eval`` of its results after;
 * what could replace the checks' ``mx.any(flags, axis=0)``: ``mx.any`` or ``mx.max``
-  of every byte, or a one-block custom kernel ORing the rows' flags;
+  of every byte, a one-block custom kernel ORing the rows' flags, or the flags read
+  back and ORed on the host;
 * a host read of a freshly computed 2-byte array, alone;
 * building the encode kernel's graph without evaluating it (the Python and C++
   call path);
@@ -37,6 +38,7 @@ from collections.abc import Callable
 from typing import Any
 
 import mlx.core as mx
+import numpy as np
 
 from tools.bench.gpu.probe import timed
 
@@ -120,6 +122,12 @@ def cases_of(tokens: int) -> tuple[dict[str, Callable[[], Any]], list[float]]:
             threadgroup=(1024, 1, 1),
         )[0]
 
+    def kernel_host_or() -> Any:
+        # No reduction on the device: the rows' flags read back and ORed on the host.
+        codes, scale, scale16, flags = cuda_rht._encode(rows, kq, LIMIT)
+        mx.eval(codes, scale, scale16, flags)
+        return np.asarray(flags).any(axis=0)
+
     def kernel_read() -> Any:
         out = kernel_checked()
         mx.eval(out)
@@ -159,6 +167,7 @@ def cases_of(tokens: int) -> tuple[dict[str, Callable[[], Any]], list[float]]:
         "kernel + any of every byte": kernel_with(mx.any),
         "kernel + max of every byte": kernel_with(mx.max),
         "kernel + one-block OR kernel": kernel_with(block_or),
+        "kernel, flags ORed on the host": kernel_host_or,
         "build the kernel's graph only": lambda: cuda_rht._encode(rows, kq, LIMIT),
         "encode (keys)": lambda: kq.encode(keys),
         "encode_many keys+values": lambda: encode_many([(kq, keys, None), (vq, values, None)]),
