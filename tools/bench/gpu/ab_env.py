@@ -38,6 +38,14 @@ PHASES = (
     "cuda staging (allocate)",
     "cuda copies (wait)",
     "join_runs",
+    "join: row names",
+    "join: layouts",
+    "join: gathered_flat",
+    "gather: segment tables",
+    "gather: device table",
+    "gather: group buffers",
+    "join: views",
+    "join: stacks",
     "transcode_stacked",
     "run_plans",
     "store.read_checking exit (checks waited)",
@@ -101,6 +109,7 @@ def main() -> int:
                 ms, near = median_run(good)
                 ends = "  ".join(
                     f"{phase.split(' (')[0]} {p['first_ms']:.1f}-{p['last_ms']:.1f}"
+                    + (f" ({p['n']} calls, {p['sum_ms']:.1f} in all)" if p["n"] > 1 else "")
                     for phase in PHASES
                     if (p := near["phases"].get(phase))
                 )
