@@ -53,6 +53,7 @@ from kvstore.cuda_kernel import cuda_kernel
 from kvstore.turboquant.codebook import codebook
 from kvstore.turboquant.kernel_switch import switched_on
 from kvstore.turboquant.packing import pack_indices, packed_words, unpack_indices
+from kvstore.turboquant.verdict import FINE, NOT_FINITE, WIDE_SCALE
 
 __all__ = ["ENV", "decoded", "enabled", "encoded", "usable"]
 
@@ -113,9 +114,10 @@ def _chunked_copy(dst: str, src: str, address: str) -> str:
 
 #: One warp per row of ``x`` ``[N, D]``; outputs ``codes`` ``[N, WORDS]`` uint32,
 #: ``scale`` ``[N]`` float32, the same scales rounded to float16 (``scale16``, what is
-#: stored unless a check says otherwise: no cast after the kernel) and ``flags``
-#: ``[N, 2]`` uint8: whether the norm is not finite, whether the scale's magnitude
-#: passes ``SCALE_LIMIT`` (the encoder's checks).
+#: stored unless a check says otherwise: no cast after the kernel) and ``verdicts``
+#: ``[N]`` uint8, each row's :mod:`~kvstore.turboquant.verdict`: ``NOT_FINITE`` where
+#: the norm is not finite, else ``WIDE_SCALE`` where the scale's magnitude passes
+#: ``SCALE_LIMIT``, else ``FINE``.
 _ENCODE = (
     """
     constexpr int V = DIM / 32;
@@ -185,8 +187,9 @@ _ENCODE = (
         scale[row] = s;
         scale16[row] = __float2half_rn(s);
         // n - n is 0 for a finite n, NaN for inf or NaN (no library call; no fast math).
-        flags[2 * row] = (n - n == 0.0f) ? 0 : 1;
-        flags[2 * row + 1] = fabsf(s) > SCALE_LIMIT ? 1 : 0;
+        // One byte, the larger the worse (encode_many's verdicts): a maximum of them all
+        // is the tensor's.
+        verdicts[row] = (n - n == 0.0f) ? (fabsf(s) > SCALE_LIMIT ? WIDE_SCALE : FINE) : NOT_FINITE;
     }
 """
 )
@@ -261,14 +264,17 @@ def usable(q: Quantizer) -> bool:
 def encoded(
     rows: mx.array, q: Quantizer, scale_limit: float
 ) -> tuple[mx.array, mx.array, mx.array, mx.array] | None:
-    """``(codes uint32 [N, W], scale float32 [N], scale float16 [N], checks bool [2])``
-    of ``rows`` ``[N, D]``, lazily, by the kernel: ``checks`` says whether any norm is
-    not finite and whether any scale's magnitude passes ``scale_limit``. ``None``
+    """``(codes uint32 [N, W], scale float32 [N], scale float16 [N], verdict uint8 [])``
+    of ``rows`` ``[N, D]``, lazily, by the kernel: ``verdict`` is the worst of the rows'
+    (:mod:`~kvstore.turboquant.verdict`; a scale is wide past ``scale_limit``). ``None``
     where the kernel is not to be used."""
     if not rows.shape[0] or not usable(q) or not _proven("encode", q, rows.dtype, scale_limit):
         return None
-    codes, scale, scale16, flags = _encode(rows, q, scale_limit)
-    return codes, scale, scale16, mx.any(flags, axis=0)
+    codes, scale, scale16, verdicts = _encode(rows, q, scale_limit)
+    # A maximum of every row's byte: on an H200 the kernel with it 51 us a 512-token
+    # layer, with the two flags per row ORed by column (mx.any(axis=0)) 68
+    # (tools/bench/results/gpu/774ad9e/floor-probe.txt).
+    return codes, scale, scale16, mx.max(verdicts)
 
 
 def decoded(rows: mx.array, scales: mx.array, q: Quantizer, dtype: mx.Dtype) -> mx.array | None:
@@ -297,6 +303,9 @@ def _source(template: str, bits: int, dim: int, mode: str, scale_limit: float) -
         "INV_ROOT_D": _float(1.0 / math.sqrt(dim)),
         "ROOT_D": _float(math.sqrt(dim)),
         "SCALE_LIMIT": _float(scale_limit),
+        "NOT_FINITE": str(NOT_FINITE),
+        "WIDE_SCALE": str(WIDE_SCALE),
+        "FINE": str(FINE),
     }
     # Longest names first: ROOT_D is inside INV_ROOT_D.
     for name in sorted(constants, key=len, reverse=True):
@@ -314,7 +323,7 @@ def _kernel(op: str, bits: int, dim: int, mode: str, dtype: str, scale_limit: fl
         return cuda_kernel(
             name=f"kvstore_tq_rht_encode_{bits}_{dim}_{mode}_{dtype}_{scale_limit:g}",
             input_names=["x", "signs", "thresholds", "centroids"],
-            output_names=["codes", "scale", "scale16", "flags"],
+            output_names=["codes", "scale", "scale16", "verdicts"],
             source=source,
         )
     return cuda_kernel(
@@ -361,16 +370,16 @@ def _encode(
     rows: mx.array, q: Quantizer, scale_limit: float
 ) -> tuple[mx.array, mx.array, mx.array, mx.array]:
     count, t = int(rows.shape[0]), _tables(q)
-    codes, scale, scale16, flags = _kernel(
+    codes, scale, scale16, verdicts = _kernel(
         "encode", q.bits, q.dim, q.scale_mode, _name(rows.dtype), scale_limit
     )(
         inputs=[rows, t.signs, t.thresholds, t.centroids],
-        output_shapes=[(count, packed_words(q.dim, q.bits)), (count,), (count,), (count, 2)],
+        output_shapes=[(count, packed_words(q.dim, q.bits)), (count,), (count,), (count,)],
         output_dtypes=[mx.uint32, mx.float32, mx.float16, mx.uint8],
         grid=_grid(count),
         threadgroup=(_BLOCK, 1, 1),
     )
-    return codes, scale, scale16, flags
+    return codes, scale, scale16, verdicts
 
 
 def _decode(rows: mx.array, scales: mx.array, q: Quantizer, dtype: mx.Dtype) -> mx.array:
@@ -431,11 +440,12 @@ def _agrees(op: str, q: Quantizer, dtype: mx.Dtype, extra: Any) -> bool:
         return _decode_agrees(q, dtype, extra)
     rows = trial_rows(q.dim).astype(dtype)
     idx, scale, norm = q.quantize(rows)  # the ops
-    codes, got_scale, got_scale16, flags = _encode(rows, q, float(extra))
+    codes, got_scale, got_scale16, verdicts = _encode(rows, q, float(extra))
     got_idx = unpack_indices(codes, q.bits, q.dim)
-    mx.eval(got_idx, got_scale, got_scale16, flags, idx, scale, norm)
-    want_flags = np.stack([~np.isfinite(np.array(norm)), np.abs(np.array(scale)) > extra], -1)
-    if not np.array_equal(np.array(flags).astype(bool), want_flags):
+    mx.eval(got_idx, got_scale, got_scale16, verdicts, idx, scale, norm)
+    wide = np.where(np.abs(np.array(scale)) > extra, WIDE_SCALE, FINE)
+    want = np.where(np.isfinite(np.array(norm)), wide, NOT_FINITE)
+    if not np.array_equal(np.array(verdicts), want):
         return False
     # The float16 scales: the kernel's own float32 ones rounded to nearest even, bit for bit.
     rounded = np.array(got_scale).astype(np.float16).view(np.uint16)

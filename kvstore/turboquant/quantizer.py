@@ -32,6 +32,7 @@ from kvstore.turboquant import cuda_decode, cuda_rht
 from kvstore.turboquant.codebook import codebook
 from kvstore.turboquant.packing import pack_indices, packed_words, unpack_indices
 from kvstore.turboquant.rotation import Rotation, rotation_for
+from kvstore.turboquant.verdict import NOT_FINITE, WIDE_SCALE
 
 __all__ = [
     "DEFAULT_SCALE_MODE",
@@ -279,7 +280,8 @@ class TurboQuantizer:
         return encode_many([(self, x, mu)])[0]
 
     def _block_encoded(self, rows: mx.array) -> tuple[mx.array, mx.array, mx.array, mx.array]:
-        """``(codes, scale float32, scale float16, checks)`` of ``rows [N, D]``, lazily."""
+        """``(codes, scale float32, scale float16, verdict)`` of ``rows [N, D]``, lazily
+        (the worse :mod:`~kvstore.turboquant.verdict` of its rows, a uint8 scalar)."""
         # One kernel on a CUDA GPU unless switched off, once proven (cuda_rht).
         fused = cuda_rht.encoded(rows, self, FLOAT16_SCALE_LIMIT)
         if fused is None:
@@ -289,11 +291,13 @@ class TurboQuantizer:
 
     def _ops_encoded(self, rows: mx.array) -> tuple[mx.array, mx.array, mx.array, mx.array]:
         idx, scale, norm = self.quantize(rows)
-        checks = mx.stack([mx.any(~mx.isfinite(norm)), mx.any(mx.abs(scale) > FLOAT16_SCALE_LIMIT)])
+        not_finite = mx.any(~mx.isfinite(norm)).astype(mx.uint8) * NOT_FINITE
+        wide = mx.any(mx.abs(scale) > FLOAT16_SCALE_LIMIT).astype(mx.uint8) * WIDE_SCALE
+        verdict = mx.maximum(not_finite, wide)
         # The float16 scales too, with the block: what is stored unless a check says
         # otherwise (no pass after the blocks; on a small layer that pass and its
         # evaluation cost more than the rounding).
-        return pack_indices(idx, self.bits), scale, scale.astype(mx.float16), checks
+        return pack_indices(idx, self.bits), scale, scale.astype(mx.float16), verdict
 
     @functools.cached_property
     def _compiled_ops_encode(self) -> Callable[[mx.array], Any]:
@@ -399,9 +403,9 @@ def encode_many(
     out = []
     for q, shape, count in jobs:
         encoded = [next(done) for _ in range(count)]
-        bad_input = any(flags[0] for _, flags in encoded)
-        wide_scale = q.scale_dtype == "float32" or any(flags[1] for _, flags in encoded)
-        if bad_input:
+        worst = max(verdict for _, verdict in encoded)
+        wide_scale = q.scale_dtype == "float32" or worst == WIDE_SCALE
+        if worst == NOT_FINITE:
             raise EncodingError(
                 f"[turboquant.encode] {q.kind} vectors must be finite; received NaN or Inf "
                 f"(or a norm beyond float32) in a {tuple(shape)} tensor. Find where the "
@@ -421,24 +425,24 @@ _Block = tuple[TurboQuantizer, mx.array, slice, "tuple[int, ...] | None"]
 
 
 def _encoded_block(block: _Block) -> tuple[mx.array, mx.array, mx.array, mx.array]:
-    """A block's ``(codes, scale float32, scale float16, checks)``, lazily; shaped as
+    """A block's ``(codes, scale float32, scale float16, verdict)``, lazily; shaped as
     its tensor's leading axes where the block is the whole tensor."""
     q, rows, b, whole = block
     # Sliced here, on the block's own stream, as every op of the block is (a block of
     # every row is the rows: a slice of them all would be one more node to evaluate).
-    codes, scale, scale16, checks = q._block_encoded(rows if whole is not None else rows[b])
+    codes, scale, scale16, verdict = q._block_encoded(rows if whole is not None else rows[b])
     if whole is None:
-        return codes, scale, scale16, checks
-    return codes.reshape(*whole, q.words), scale.reshape(whole), scale16.reshape(whole), checks
+        return codes, scale, scale16, verdict
+    return codes.reshape(*whole, q.words), scale.reshape(whole), scale16.reshape(whole), verdict
 
 
 def _encoded(blocks: list[_Block]) -> tuple[list[Any], list[Any]]:
     """Every block encoded and evaluated (on the CPU a wave at a time: its passes stay in
-    cache; on a GPU all at once, one host round trip), and each block's checks read back
-    (they decide the error and the scale dtype). Reading two evaluated bytes costs
-    ~0.6 us on an H200 (``tools/bench/gpu/floor_probe.py``): no need to join them."""
+    cache; on a GPU all at once, one host round trip), and each block's verdict read back
+    (it decides the error and the scale dtype). Reading an evaluated byte costs ~0.6 us
+    on an H200 (``tools/bench/gpu/floor_probe.py``): no need to join them."""
     done = evaluated_in_waves(blocks, _encoded_block)
-    return done, [block[3].tolist() for block in done]
+    return done, [int(block[3].item()) for block in done]
 
 
 @functools.lru_cache(maxsize=128)

@@ -70,7 +70,7 @@ def kernels() -> list[tuple[str, str, str]]:
                     params = (
                         f"const {x}* x, const __grid_constant__ Shape x_shape, "
                         "const float* signs, const float* thresholds, const float* centroids, "
-                        "uint32_t* codes, float* scale, __half* scale16, uint8_t* flags"
+                        "uint32_t* codes, float* scale, __half* scale16, uint8_t* verdicts"
                     )
                     body = cuda_rht._source(cuda_rht._ENCODE, bits, dim, mode, 60000.0)
                     out.append((f"rht_encode_{bits}_{dim}_{mode}_{x.strip('_')}", params, body))

@@ -10,12 +10,12 @@ one:
 * the evaluation's floor: ``mx.eval`` of an add on 4 bytes and on the layer;
 * a custom kernel's: an empty kernel (4-byte output; a layer-sized one);
 * the peers: ``mx.quantize`` / ``mx.dequantize`` of one tensor and of two;
-* the encode kernel alone, then with the checks' ``mx.any``, then with the checks
-  read back (``tolist``), then ``encode``, ``encode_many`` of
-  keys and values, and ``encode_many`` with P11's ``mx.eval`` of its results after;
-* what could replace the checks' ``mx.any(flags, axis=0)``: ``mx.any`` or ``mx.max``
-  of every byte, a one-block custom kernel ORing the rows' flags, or the flags read
-  back and ORed on the host;
+* the encode kernel alone, then with its verdict's reduction (``cuda_rht.encoded``),
+  then with the verdict read back (``tolist``), then ``encode``, ``encode_many`` of
+  keys and values, and ``encode_many`` with P11's ``mx.eval`` of its results after
+  (at ``774ad9e`` it also timed what could replace the checks' ``mx.any(flags,
+  axis=0)``: a reduction of every byte, a maximum, a one-block OR kernel and the flags
+  ORed on the host; ``results/gpu/774ad9e/floor-probe.txt``);
 * a host read of a freshly computed 2-byte array, alone;
 * building the encode kernel's graph without evaluating it (the Python and C++
   call path);
@@ -38,7 +38,6 @@ from collections.abc import Callable
 from typing import Any
 
 import mlx.core as mx
-import numpy as np
 
 from tools.bench.gpu.probe import timed
 
@@ -87,46 +86,7 @@ def cases_of(tokens: int) -> tuple[dict[str, Callable[[], Any]], list[float]]:
         )[0]
 
     def kernel_checked() -> Any:
-        codes, scale, scale16, flags = cuda_rht._encode(rows, kq, LIMIT)
-        return codes, scale, scale16, mx.any(flags, axis=0)
-
-    # What could take the place of ``mx.any(flags, axis=0)`` (~30 us at 8666780): a
-    # reduction over every byte, a maximum, or one block of a custom kernel ORing them.
-    one_block_or: Any = mx.fast.cuda_kernel(
-        name="kvstore_floor_flags_or",
-        input_names=["flags"],
-        output_names=["out"],
-        source="""
-    unsigned int a = 0, b = 0;
-    for (unsigned int r = threadIdx.x; r < flags_shape[0]; r += blockDim.x) {
-        a |= flags[2 * r]; b |= flags[2 * r + 1];
-    }
-    a = __syncthreads_or(a); b = __syncthreads_or(b);
-    if (threadIdx.x == 0) { out[0] = a ? 1 : 0; out[1] = b ? 1 : 0; }
-""",
-    )
-
-    def kernel_with(reduce: Callable[[mx.array], mx.array]) -> Callable[[], Any]:
-        def run() -> Any:
-            codes, scale, scale16, flags = cuda_rht._encode(rows, kq, LIMIT)
-            return mx.eval(codes, scale, scale16, reduce(flags))
-
-        return run
-
-    def block_or(flags: mx.array) -> mx.array:
-        return one_block_or(
-            inputs=[flags],
-            output_shapes=[(2,)],
-            output_dtypes=[mx.uint8],
-            grid=(1024, 1, 1),
-            threadgroup=(1024, 1, 1),
-        )[0]
-
-    def kernel_host_or() -> Any:
-        # No reduction on the device: the rows' flags read back and ORed on the host.
-        codes, scale, scale16, flags = cuda_rht._encode(rows, kq, LIMIT)
-        mx.eval(codes, scale, scale16, flags)
-        return np.asarray(flags).any(axis=0)
+        return cuda_rht.encoded(rows, kq, LIMIT)
 
     def kernel_read() -> Any:
         out = kernel_checked()
@@ -162,12 +122,8 @@ def cases_of(tokens: int) -> tuple[dict[str, Callable[[], Any]], list[float]]:
             lambda: [mx.dequantize(*a, group_size=64, bits=4) for a in affine]
         ),
         "encode kernel alone (keys)": evaluated(lambda: cuda_rht._encode(rows, kq, LIMIT)),
-        "kernel + any": evaluated(kernel_checked),
-        "kernel + any + read": kernel_read,
-        "kernel + any of every byte": kernel_with(mx.any),
-        "kernel + max of every byte": kernel_with(mx.max),
-        "kernel + one-block OR kernel": kernel_with(block_or),
-        "kernel, flags ORed on the host": kernel_host_or,
+        "kernel + verdict (encoded)": evaluated(kernel_checked),
+        "kernel + verdict + read": kernel_read,
         "build the kernel's graph only": lambda: cuda_rht._encode(rows, kq, LIMIT),
         "encode (keys)": lambda: kq.encode(keys),
         "encode_many keys+values": lambda: encode_many([(kq, keys, None), (vq, values, None)]),
