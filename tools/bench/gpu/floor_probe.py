@@ -19,7 +19,8 @@ one:
 * a host read of a freshly computed 2-byte array, alone;
 * building the encode kernel's graph without evaluating it (the Python and C++
   call path);
-* the decode kernel alone and ``decode``.
+* the decode kernel alone, on one row, and ``decode``; an empty kernel over the
+  decode's grid (a warp per row).
 
 Run twice by ``main``: as is, and in a child with ``MLX_USE_CUDA_GRAPHS=0`` (MLX reads
 it once per process)::
@@ -76,14 +77,19 @@ def cases_of(tokens: int) -> tuple[dict[str, Callable[[], Any]], list[float]]:
         source="if (threadIdx.x == 0 && blockIdx.x == 0) out[0] = x[0];",
     )
 
-    def empty_kernel(size: int) -> Any:
+    def empty_kernel(size: int, grid: tuple[int, int, int] = (32, 1, 1)) -> Any:
         return empty(
             inputs=[tiny],
             output_shapes=[(size,)],
             output_dtypes=[mx.float32],
-            grid=(32, 1, 1),
-            threadgroup=(32, 1, 1),
+            grid=grid,
+            threadgroup=(min(grid[0], 256), 1, 1),
         )[0]
+
+    # The decode kernel runs ~15-25 us longer than mx.dequantize (774ad9e): is it the
+    # grid (a warp per row), or the first use of the codes and scales?
+    stored_codes, stored_scales = encoded[0][0].reshape(-1, 16), encoded[0][1]
+    decode_grid = cuda_rht._grid(int(rows.shape[0]))
 
     def kernel_checked() -> Any:
         return cuda_rht.encoded(rows, kq, LIMIT)
@@ -130,6 +136,12 @@ def cases_of(tokens: int) -> tuple[dict[str, Callable[[], Any]], list[float]]:
         "encode_many + P11's eval": p11_encode,
         "decode kernel alone (keys)": evaluated(
             lambda: cuda_rht._decode(encoded[0][0].reshape(-1, 16), encoded[0][1], kq, mx.bfloat16)
+        ),
+        "empty kernel over the decode's grid": evaluated(lambda: empty_kernel(1, decode_grid)),
+        "decode kernel, one row": evaluated(
+            lambda: cuda_rht._decode(
+                stored_codes[:1], stored_scales.reshape(-1)[:1], kq, mx.bfloat16
+            )
         ),
         "decode (keys)": evaluated(lambda: kq.decode(*encoded[0], mx.bfloat16)),
         "decode keys+values": evaluated(
