@@ -343,23 +343,15 @@ class _Tables:
     call is a host-to-device copy per call)."""
 
     def __init__(self, q: Quantizer) -> None:
-        self.signs = _device_copy(mx.array(np.asarray(q.rotation.signs[0], np.float32)))
-        self.thresholds = _device_copy(mx.array(codebook(q.bits).thresholds.astype(np.float32)))
-        self.centroids = _device_copy(q.centroids.astype(mx.float32))
+        self.signs = mx.array(np.asarray(q.rotation.signs[0], np.float32))
+        self.thresholds = mx.array(codebook(q.bits).thresholds.astype(np.float32))
+        self.centroids = q.centroids.astype(mx.float32)
         # Quantizers are shared across threads; MLX evaluates a graph only on the
         # thread that built it, so nothing stays lazy here.
         mx.eval(self.signs, self.thresholds, self.centroids)
 
 
 _TABLES: weakref.WeakKeyDictionary[Any, _Tables] = weakref.WeakKeyDictionary()
-
-
-def _device_copy(table: mx.array) -> mx.array:
-    """``table`` (float32) computed once more by an op on the GPU's stream. MLX's CUDA
-    allocator puts an array made from host data in managed memory (no stream to
-    allocate on), and every warp of every call reads the tables; an op's output is
-    plain device memory."""
-    return table * 1.0
 
 
 def _tables(q: Quantizer) -> _Tables:

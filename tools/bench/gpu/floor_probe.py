@@ -20,9 +20,8 @@ one:
 * building the encode kernel's graph without evaluating it (the Python and C++
   call path);
 * the decode kernel alone, on one row, and ``decode``; an empty kernel over the
-  decode's grid (a warp per row); the encode and decode kernels with their tables in
-  the managed memory MLX gives an array of host data (the library's are in device
-  memory since ``c24e1eb``+1).
+  decode's grid (a warp per row); the encode and decode kernels with the quantizer's
+  tables in device memory rather than the managed memory MLX gives host data.
 
 Run twice by ``main``: as is, and in a child with ``MLX_USE_CUDA_GRAPHS=0`` (MLX reads
 it once per process)::
@@ -42,7 +41,6 @@ from types import SimpleNamespace
 from typing import Any
 
 import mlx.core as mx
-import numpy as np
 
 from tools.bench.gpu.probe import timed
 
@@ -95,29 +93,29 @@ def cases_of(tokens: int) -> tuple[dict[str, Callable[[], Any]], list[float]]:
     stored_codes, stored_scales = encoded[0][0].reshape(-1, 16), encoded[0][1]
     decode_grid = cuda_rht._grid(int(rows.shape[0]))
 
-    # The kernels' tables (signs, thresholds, centroids) in managed memory, as MLX puts
-    # an array made from host data, against the library's (since c24e1eb copied once by
-    # an op on the GPU: device memory). Do the kernels read managed tables more slowly?
-    library_made = cuda_rht._tables(kq)
+    # The quantizer's tables (signs, thresholds, centroids) are made from host data, so
+    # MLX puts them in managed memory; an op's output on the GPU's stream is device
+    # memory. Do the kernels read the managed tables more slowly?
+    host_made = cuda_rht._tables(kq)
 
-    def host_copy(a: mx.array) -> mx.array:
-        out = mx.array(np.array(a))
+    def device_copy(a: mx.array) -> mx.array:
+        out = a * 1
         mx.eval(out)
         return out
 
-    managed = SimpleNamespace(
-        signs=host_copy(library_made.signs),
-        thresholds=host_copy(library_made.thresholds),
-        centroids=host_copy(library_made.centroids),
+    device_made = SimpleNamespace(
+        signs=device_copy(host_made.signs),
+        thresholds=device_copy(host_made.thresholds),
+        centroids=device_copy(host_made.centroids),
     )
 
-    def managed_tables(make: Callable[[], Any]) -> Callable[[], Any]:
+    def device_tables(make: Callable[[], Any]) -> Callable[[], Any]:
         def run() -> Any:
-            cuda_rht._TABLES[kq] = managed  # type: ignore[assignment]
+            cuda_rht._TABLES[kq] = device_made  # type: ignore[assignment]
             try:
                 return mx.eval(make())
             finally:
-                cuda_rht._TABLES[kq] = library_made
+                cuda_rht._TABLES[kq] = host_made
 
         return run
 
@@ -167,10 +165,10 @@ def cases_of(tokens: int) -> tuple[dict[str, Callable[[], Any]], list[float]]:
         "decode kernel alone (keys)": evaluated(
             lambda: cuda_rht._decode(encoded[0][0].reshape(-1, 16), encoded[0][1], kq, mx.bfloat16)
         ),
-        "decode kernel, tables in managed memory": managed_tables(
+        "decode kernel, tables in device memory": device_tables(
             lambda: cuda_rht._decode(stored_codes, stored_scales, kq, mx.bfloat16)
         ),
-        "encode kernel, tables in managed memory": managed_tables(
+        "encode kernel, tables in device memory": device_tables(
             lambda: cuda_rht._encode(rows, kq, LIMIT)
         ),
         "empty kernel over the decode's grid": evaluated(lambda: empty_kernel(1, decode_grid)),
