@@ -262,6 +262,24 @@ def test_compiled_block_ops_give_the_plain_ops_bytes(bits, kind):
         assert np.array(got).tobytes() == np.array(q._ops_decoded(codes, factors)).tobytes()
 
 
+def test_the_worst_verdict_of_any_block_decides_the_whole_tensor():
+    # Rows over several blocks: one wide row in the last makes every scale of the tensor
+    # float32 (bit for bit a float32-scale quantizer's), and a NaN beside it raises.
+    x = mx.random.normal((1, 2, 3000, 128), key=mx.random.key(5))
+    from kvstore.turboquant import quantizer as module
+
+    x[0, 1, 2990] = x[0, 1, 2990] * 1e6
+    assert len(module._row_blocks(6000, 128)) > 1
+    codes, scales = quantizer_for(4, 128, "k").encode(x)
+    wide_codes, wide_scales = TurboQuantizer(4, 128, "k", scale_dtype="float32").encode(x)
+    assert scales.dtype == mx.float32
+    assert np.array(codes).tobytes() == np.array(wide_codes).tobytes()
+    assert np.array(scales).tobytes() == np.array(wide_scales).tobytes()
+    x[0, 0, 5, 0] = float("nan")
+    with pytest.raises(EncodingError, match=r"k vectors must be finite"):
+        quantizer_for(4, 128, "k").encode(x)
+
+
 def test_encode_many_names_the_tensor_at_fault():
     good = mx.random.normal((1, 2, 40, 64))
     bad = mx.random.normal((1, 2, 40, 64))
