@@ -32,7 +32,7 @@ from kvstore.turboquant import cuda_decode, cuda_rht
 from kvstore.turboquant.codebook import codebook
 from kvstore.turboquant.packing import pack_indices, packed_words, unpack_indices
 from kvstore.turboquant.rotation import Rotation, rotation_for
-from kvstore.turboquant.verdict import NOT_FINITE, WIDE_SCALE
+from kvstore.turboquant.verdict import FINE, NOT_FINITE, WIDE_SCALE
 
 __all__ = [
     "DEFAULT_SCALE_MODE",
@@ -281,7 +281,7 @@ class TurboQuantizer:
 
     def _block_encoded(self, rows: mx.array) -> tuple[mx.array, mx.array, mx.array, mx.array]:
         """``(codes, scale float32, scale float16, verdict)`` of ``rows [N, D]``, lazily
-        (the worse :mod:`~kvstore.turboquant.verdict` of its rows, a uint8 scalar)."""
+        (the worst :mod:`~kvstore.turboquant.verdict` of its rows, an integer scalar)."""
         # One kernel on a CUDA GPU unless switched off, once proven (cuda_rht).
         fused = cuda_rht.encoded(rows, self, FLOAT16_SCALE_LIMIT)
         if fused is None:
@@ -291,9 +291,9 @@ class TurboQuantizer:
 
     def _ops_encoded(self, rows: mx.array) -> tuple[mx.array, mx.array, mx.array, mx.array]:
         idx, scale, norm = self.quantize(rows)
-        not_finite = mx.any(~mx.isfinite(norm)).astype(mx.uint8) * NOT_FINITE
-        wide = mx.any(mx.abs(scale) > FLOAT16_SCALE_LIMIT).astype(mx.uint8) * WIDE_SCALE
-        verdict = mx.maximum(not_finite, wide)
+        # Each row's verdict as the CUDA kernel writes it, then the worst.
+        wide = mx.where(mx.abs(scale) > FLOAT16_SCALE_LIMIT, WIDE_SCALE, FINE)
+        verdict = mx.where(mx.isfinite(norm), wide, NOT_FINITE).max()
         # The float16 scales too, with the block: what is stored unless a check says
         # otherwise (no pass after the blocks; on a small layer that pass and its
         # evaluation cost more than the rounding).
