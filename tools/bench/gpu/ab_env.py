@@ -110,10 +110,13 @@ def main() -> int:
                 ends = "  ".join(
                     f"{phase.split(' (')[0]} {p['first_ms']:.1f}-{p['last_ms']:.1f}"
                     + (f" ({p['n']} calls, {p['sum_ms']:.1f} in all)" if p["n"] > 1 else "")
+                    + (f" [cpu {p['cpu_ms']:.1f}]" if "cpu_ms" in p else "")
                     for phase in PHASES
                     if (p := near["phases"].get(phase))
                 )
-                print(f"   {name:10} restore {ms:6.1f} ms  {times}  | {ends}")
+                held = near.get("restore_cpu_ms")
+                cpu = f" (its thread's CPU {held:.1f})" if held is not None else ""
+                print(f"   {name:10} restore {ms:6.1f} ms{cpu}  {times}  | {ends}")
             sys.stdout.flush()
     finally:
         shutil.rmtree(scratch, ignore_errors=True)

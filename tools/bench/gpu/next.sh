@@ -35,6 +35,9 @@
 #                do (KVSTORE_PROFILE_LEAVE_LAST=1), and with the pages locked only once the
 #                headers are parsed (KVSTORE_PIN_AFTER_HEADERS=1; _headers took 5.8 ms of a
 #                TQ restore there at 774ad9e, 0.34 ms on this CPU), 4 each: ~250 s
+# STEP cpu       ab_env of TQ 4/4 with each phase's CPU time on its thread (far under its wall
+#                time: the thread waited), with 4 checking threads and with the pages locked
+#                after the headers, 4 each: ~300 s
 # STEP rht       TurboQuant's one-kernel encode and decode (kvstore/turboquant/cuda_rht.py):
 #                proven or not, agreement with the ops and times (rht_probe.py), then P11
 #                on the device: ~140 s
@@ -91,6 +94,9 @@ case "$step" in
     timeout 420 python3 -m tools.bench.gpu.ab_env --repeats 4 base: 'last:KVSTORE_PROFILE_LEAVE_LAST=1' \
       'late:KVSTORE_PIN_AFTER_HEADERS=1' 'lastlate:KVSTORE_PROFILE_LEAVE_LAST=1 KVSTORE_PIN_AFTER_HEADERS=1' \
       --policies kv:turboquant:4:4,kv:quant:8:64 2>&1 | tee "$out/ab-late.txt" ;;
+  cpu)
+    timeout 540 python3 -m tools.bench.gpu.ab_env --repeats 4 base: 'v4:KVSTORE_VERIFY_THREADS=4' \
+      'late:KVSTORE_PIN_AFTER_HEADERS=1' --policies kv:turboquant:4:4 2>&1 | tee "$out/ab-cpu.txt" ;;
   rht)
     timeout 150 python3 tools/bench/gpu/rht_probe.py 2>&1 | tee "$out/rht-probe.txt"
     KVSTORE_BENCH_GIT=$rev CHECK_TIMEOUT=1 BENCH_TIMEOUT=240 REPEATS=5 \
