@@ -38,6 +38,9 @@
 # STEP cpu       ab_env of TQ 4/4 with each phase's CPU time on its thread (far under its wall
 #                time: the thread waited), with 4 checking threads and with the pages locked
 #                after the headers, 4 each: ~300 s
+# STEP parse     ab_env of TQ 4/4: a header being parsed on another thread parsed again, not
+#                waited for (_headers waited ~5 of its 6.7 ms at 461576d), and the checks taking
+#                the records last first; 4 each: ~300 s
 # STEP rht       TurboQuant's one-kernel encode and decode (kvstore/turboquant/cuda_rht.py):
 #                proven or not, agreement with the ops and times (rht_probe.py), then P11
 #                on the device: ~140 s
@@ -97,6 +100,10 @@ case "$step" in
   cpu)
     timeout 540 python3 -m tools.bench.gpu.ab_env --repeats 4 base: 'v4:KVSTORE_VERIFY_THREADS=4' \
       'late:KVSTORE_PIN_AFTER_HEADERS=1' --policies kv:turboquant:4:4 2>&1 | tee "$out/ab-cpu.txt" ;;
+  parse)
+    timeout 540 python3 -m tools.bench.gpu.ab_env --repeats 4 base: 'nowait:KVSTORE_PARSE_NO_WAIT=1' \
+      'rev:KVSTORE_CHECK_REVERSE=1' 'both:KVSTORE_PARSE_NO_WAIT=1 KVSTORE_CHECK_REVERSE=1' \
+      --policies kv:turboquant:4:4 2>&1 | tee "$out/ab-parse.txt" ;;
   rht)
     timeout 150 python3 tools/bench/gpu/rht_probe.py 2>&1 | tee "$out/rht-probe.txt"
     KVSTORE_BENCH_GIT=$rev CHECK_TIMEOUT=1 BENCH_TIMEOUT=240 REPEATS=5 \
