@@ -350,10 +350,10 @@ class PinnedPages:
         self._futures: list[Future[int | None]] = []
         self._released = False
         #: Device memory each span is copied into once locked (:data:`STAGE_SPANS`), at
-        #: ``_offsets[span]``; ``None``: the gathers read the host pages. Taken after
-        #: the registrations are started: on the H200 the first allocation of a
-        #: process took 1.3 ms, which held back the first registration as long
-        #: (``tools/bench/results/gpu/4637b44/ab-stage.txt``). Each registration
+        #: ``_offsets[span]``; ``None``: the gathers read the host pages. Allocated on a
+        #: thread of its own once the registrations are started (on the H200 the first
+        #: allocation of a process took 1.3 ms, which held back the first registration
+        #: as long: ``tools/bench/results/gpu/4637b44/ab-stage.txt``). Each registration
         #: waits for it (:attr:`_staging_made`) before queuing its copy.
         self._staging: cuda.Staging | None = None
         self._staging_made = threading.Event()
@@ -384,7 +384,10 @@ class PinnedPages:
         for number, (span, wait) in enumerate(zip(self.spans, waits, strict=True)):
             self._futures.append(_register_pool().submit(self._lock_and_copy, number, span, wait))
             self._futures[-1].add_done_callback(one_done)
-        self._make_staging(stage)
+        # On a thread of its own: the allocation waits on the driver behind the first
+        # registrations at times (H200: 0.4-6.3 ms of the restore's own thread,
+        # tools/bench/results/gpu/d1643e2/), and nothing reads it before a gather.
+        _ALLOCATE_POOL.get().submit(self._make_staging, stage)
 
     def _make_staging(self, stage: bool | None) -> None:
         try:
@@ -395,6 +398,7 @@ class PinnedPages:
     @property
     def staged(self) -> bool:
         """Whether the spans are copied to the device as they are locked."""
+        self._staging_made.wait()
         return self._staging is not None
 
     def _lock_and_copy(
@@ -456,6 +460,7 @@ class PinnedPages:
         if self._released:
             return
         self._released = True
+        self._staging_made.wait()
         if self._staging is not None:
             _free_after(self._staging, self._futures)
 
@@ -966,7 +971,12 @@ def _route() -> bool:
         if _WORKS is None and _WORKS_FUTURE is None:
             _WORKS_FUTURE = cuda.pool().submit(_works)
     _register_pool()
+    _ALLOCATE_POOL.get()
     return True
+
+
+#: The thread that allocates a gather's device memory (:meth:`PinnedPages._make_staging`).
+_ALLOCATE_POOL = KeptPool("kvstore-cuda-allocate", lambda: 1)
 
 
 def _register_pool() -> ThreadPoolExecutor:

@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import functools
 import struct
-import os
 import threading
 from collections.abc import Callable, Container, Mapping, Sequence
 from dataclasses import dataclass
@@ -114,9 +113,7 @@ _SEGMENT_BYTES = 8 << 20
 # these bytes, so a hit is exactly what a parse would return.
 _PARSED: dict[bytes, RecordHeader] = {}
 _PARSED_LIMIT = 512
-#: Headers being parsed now, by their bytes (see :func:`_parsed_once`).
-_PARSING: dict[bytes, threading.Event] = {}
-_PARSING_LOCK = threading.Lock()
+_PARSED_LOCK = threading.Lock()
 
 
 def _align(n: int) -> int:
@@ -630,41 +627,20 @@ def _record_header(
     )
 
 
-#: Experiment (issue 13): a thread that finds a header being parsed parses it too.
-_PARSE_NO_WAIT = os.environ.get("KVSTORE_PARSE_NO_WAIT", "0") == "1"
-
-
 def _parsed_once(raw: bytes, parse: Callable[[], RecordHeader]) -> RecordHeader:
-    """``parse()``, remembered under ``raw``; a thread that finds the same header being
-    parsed by another waits for that parse rather than repeating it. (A restore on a GPU
-    parses headers while the store's checks, on other threads, reach the same ones:
-    parsed twice, they queued on the GIL for 28 ms where one parse of each takes 16.)"""
-    with _PARSING_LOCK:
-        parsed = _PARSED.get(raw)
-        if parsed is not None:
-            return parsed
-        running = _PARSING.get(raw)
-        if running is None:
-            running = _PARSING[raw] = threading.Event()
-            mine = True
-        else:
-            mine = False
-    if not mine and _PARSE_NO_WAIT:
-        return parse()  # experiment (issue 13): parsed twice rather than waited for
-    if not mine:
-        running.wait()
-        parsed = _PARSED.get(raw)
-        return parsed if parsed is not None else parse()  # its parse raised: so does this
-    try:
-        parsed = parse()
+    """``parse()``, remembered under ``raw``. A thread that finds the same header being
+    parsed by another parses it too rather than wait: a restore on a GPU parses its
+    headers while the store's checks, on a dozen other threads, parse the same ones, and
+    a wait for a parse on one of those queued behind the rest of them for the GIL
+    (H200, TurboQuant 4/4 restore of 4096 tokens: the reader's 16 parses took 5-7 ms,
+    1.8 of them its own CPU; ``tools/bench/results/gpu/d1643e2/``). A parse from the
+    header's template takes tens of microseconds."""
+    parsed = parse()
+    with _PARSED_LOCK:
         if len(_PARSED) >= _PARSED_LIMIT:
             _PARSED.clear()  # crude, but bounded
         _PARSED[raw] = parsed
-        return parsed
-    finally:
-        with _PARSING_LOCK:
-            del _PARSING[raw]
-        running.set()
+    return parsed
 
 
 def _parse_header(

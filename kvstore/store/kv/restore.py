@@ -146,11 +146,9 @@ def _restored(
         # checks were 29 ms of a 76 ms restore, run before anything else; on the
         # 2-core CPU, 8192 tokens 385 -> 339 ms. Nothing is returned before they pass.
         with store.read_checking(wanted) as views:
-            pages = cuda_pages.pin(views) if on_gpu and not _PIN_AFTER_HEADERS else None
+            pages = cuda_pages.pin(views) if on_gpu else None
             try:
                 headers = _headers(wanted, views)
-                if on_gpu and _PIN_AFTER_HEADERS:
-                    pages = cuda_pages.pin(views)
                 if len(headers) < len(wanted):  # the rest of the prefix is unreadable
                     tokens = wanted[len(headers)].start
                     continue
@@ -179,10 +177,6 @@ def _restored(
                     pages.release()
         tokens = best
     return list(caches)
-
-
-#: Experiment (issue 13): the pages locked only once the headers are parsed.
-_PIN_AFTER_HEADERS = os.environ.get("KVSTORE_PIN_AFTER_HEADERS", "0") == "1"
 
 
 def _decoded(
