@@ -19,7 +19,7 @@ import numpy as np
 from kvstore.codecs.arrays import numpy_dtype
 from kvstore.codecs.header import TensorEntry
 
-__all__ = ["Payload", "PayloadTensors", "numpy_view", "stored"]
+__all__ = ["Payload", "PayloadTensors", "numpy_view", "same_entries", "stored"]
 
 
 def numpy_view(payload: memoryview, entry: TensorEntry) -> np.ndarray:
@@ -47,25 +47,46 @@ class Payload:
         return self._address
 
 
+#: Each header's layer entries by name, one mapping per tuple of entries, kept with it
+#: (so its ``id`` stays its own): the records of one header template share their
+#: layers' tuples, and so their :class:`PayloadTensors` share one mapping, which a
+#: restore's joins compare by identity (:func:`same_entries`).
+_BY_NAME: dict[int, tuple[Sequence[TensorEntry], dict[str, TensorEntry]]] = {}
+_BY_NAME_LIMIT = 4096
+
+
+def _by_name(entries: Sequence[TensorEntry]) -> dict[str, TensorEntry]:
+    found = _BY_NAME.get(id(entries))
+    if found is not None and found[0] is entries:
+        return found[1]
+    mapping = {entry.name: entry for entry in entries}
+    if len(_BY_NAME) >= _BY_NAME_LIMIT:
+        _BY_NAME.clear()  # crude, but bounded
+    _BY_NAME[id(entries)] = (entries, mapping)
+    return mapping
+
+
 class PayloadTensors(Mapping[str, np.ndarray]):
     """One layer's tensors in ``payload``, described by its header ``entries``
     (their extents checked by the header's parse); each view made on first access.
     With ``rows``, each tensor is its first ``rows`` rows (``[:, :, :rows]``: a match
     ending inside the block), as :meth:`cut` makes it."""
 
-    __slots__ = ("payload", "entries", "rows", "_views")
+    __slots__ = ("payload", "entries", "rows", "_described", "_views")
 
     def __init__(
         self, payload: Payload, entries: Sequence[TensorEntry], rows: int | None = None
     ) -> None:
         self.payload = payload
-        self.entries = {entry.name: entry for entry in entries}
+        #: Name -> entry; the same mapping for every layer of one header template.
+        self.entries = _by_name(entries)
         self.rows = rows
+        self._described = entries
         self._views: dict[str, np.ndarray] = {}
 
     def cut(self, rows: int) -> PayloadTensors:
         """These tensors' first ``rows`` rows."""
-        return PayloadTensors(self.payload, tuple(self.entries.values()), rows)
+        return PayloadTensors(self.payload, self._described, rows)
 
     def __getitem__(self, name: str) -> np.ndarray:
         view = self._views.get(name)
@@ -95,6 +116,16 @@ class PayloadTensors(Mapping[str, np.ndarray]):
     def address(self, name: str) -> int:
         """The host address of tensor ``name``'s first byte (no view made)."""
         return self.payload.address + self.entries[name].offset
+
+
+def same_entries(tensors: Sequence[PayloadTensors]) -> bool:
+    """Whether ``tensors`` are laid out alike (one header template's layer: the same
+    names, dtypes, shapes and offsets in each payload), asked by identity."""
+    entries = tensors[0].entries
+    for t in tensors:
+        if t.entries is not entries:
+            return False
+    return True
 
 
 def stored(tensors: Mapping[str, object]) -> PayloadTensors | None:

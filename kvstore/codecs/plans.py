@@ -32,7 +32,8 @@ from kvstore.caches.base import Tree
 from kvstore.codecs import cuda, cuda_pages, device_joins
 from kvstore.codecs.arrays import MLX_DTYPES, as_numpy_all, dtype_name, owned_arrays
 from kvstore.codecs.fill import LeafSpec, filled_arrays
-from kvstore.codecs.payload_tensors import PayloadTensors, stored
+from kvstore.codecs.header import TensorEntry
+from kvstore.codecs.payload_tensors import PayloadTensors, same_entries, stored
 
 __all__ = [
     "Tree",
@@ -344,8 +345,10 @@ def join_runs(
             rows = sum(s.tokens for s in run)
             described = [stored(s.tensors) for s in run]
             every = cast(list[PayloadTensors], described) if all(described) else None
+            # Laid out alike (one header template): each payload's address, for every name.
+            bases = _Bases(every) if every is not None and same_entries(every) else None
             for name in names:
-                join = _StoredRows.of(every, name, rows) if every else None
+                join = _StoredRows.of(every, name, rows, bases) if every else None
                 joins.append(
                     (id(run), name, join or RowsJoin([s.tensors[name] for s in run], rows))
                 )
@@ -415,24 +418,52 @@ def _stacks(
     return out
 
 
+class _Bases:
+    """A run's payloads laid out alike (one header template): where each lies, and the
+    rows each piece of a tensor of so many stored rows holds (a match's cut, where it
+    ends inside the block), found once for the run's joins."""
+
+    def __init__(self, tensors: list[PayloadTensors]) -> None:
+        self.tensors = tensors
+        self.addresses = [t.payload.address for t in tensors]
+        self._counts: dict[int, list[int]] = {}
+
+    def counts(self, full: int) -> list[int]:
+        found = self._counts.get(full)
+        if found is None:
+            cuts = [t.rows for t in self.tensors]
+            found = self._counts[full] = [full if c is None or c > full else c for c in cuts]
+        return found
+
+
 class _StoredRows:
     """Tensor ``name`` of a run whose snapshots all lie in records' payloads
     (:class:`PayloadTensors`): joined by a gather reading it where it lies, from what
     the headers say (no view of any piece made); where no gather runs, joined from
     views as a :class:`RowsJoin`."""
 
-    def __init__(self, tensors: list[PayloadTensors], name: str, spec: LeafSpec) -> None:
+    def __init__(
+        self, tensors: list[PayloadTensors], name: str, spec: LeafSpec, bases: _Bases | None
+    ) -> None:
         self.tensors, self.name, self.spec = tensors, name, spec
+        #: Where the payloads are, when every piece is laid out alike (:func:`same_entries`).
+        self.bases = bases
         self._join: RowsJoin | None = None
 
     @classmethod
-    def of(cls, tensors: list[PayloadTensors], name: str, capacity: int) -> _StoredRows | None:
+    def of(
+        cls, tensors: list[PayloadTensors], name: str, capacity: int, bases: _Bases | None = None
+    ) -> _StoredRows | None:
         """The join of ``tensors[i][name]`` into ``capacity`` rows; ``None`` when its pieces
-        differ in dtype (a widening join: :class:`RowsJoin`)."""
+        differ in dtype (a widening join: :class:`RowsJoin`). ``bases``: every piece is
+        laid out as the first (:func:`same_entries`), nothing to compare."""
         first = tensors[0].entries[name]
-        if any(t.entries[name].dtype != first.dtype for t in tensors) or len(first.shape) < 3:
+        if len(first.shape) < 3:
             return None
-        return cls(tensors, name, ((*first.shape[:2], capacity, *first.shape[3:]), first.dtype))
+        if bases is None and any(t.entries[name].dtype != first.dtype for t in tensors):
+            return None
+        spec = ((*first.shape[:2], capacity, *first.shape[3:]), first.dtype)
+        return cls(tensors, name, spec, bases)
 
     def leaves(self) -> list[LeafSpec]:
         return [self.spec]
@@ -440,6 +471,12 @@ class _StoredRows:
     def layout(self) -> cuda_pages.RowsLayout | None:
         """Where a gather reads the rows (:func:`cuda_pages.stored_layout`)."""
         name = self.name
+        if self.bases is not None:  # one header template: one entry, each payload's address
+            entry = self.tensors[0].entries[name]
+            offset = entry.offset
+            addresses = [base + offset for base in self.bases.addresses]
+            counts = self.bases.counts(entry.shape[2])
+            return cuda_pages.alike_layout(addresses, entry.shape, counts, entry.dtype, *self.spec)
         addresses, shapes, counts, dtypes = [], [], [], []
         for t in self.tensors:  # one pass (192 joins of 16 in a lossy restore)
             e = t.entries[name]
@@ -482,6 +519,13 @@ def _gathered_from(join: RowsJoin | _StoredRows) -> Sequence[Any] | cuda_pages.R
 def _row_names(run: Sequence[Snapshot]) -> list[str]:
     """The row tensors of a run worth joining (none for a run of one MLX-array snapshot,
     already where a decode wants it, or of one-token snapshots)."""
+    described = stored(run[0].tensors)
+    if described is not None and all(stored(s.tensors) is not None for s in run):
+        tensors = cast(list[PayloadTensors], [s.tensors for s in run])
+        if same_entries(tensors):
+            return _alike_row_names(
+                described.entries, [(t.rows, s.tokens) for t, s in zip(tensors, run, strict=True)]
+            )
     sized = [(_shapes(s.tensors), s.tokens) for s in run]
     if any(tokens < 2 for _, tokens in sized):
         return []
@@ -495,6 +539,23 @@ def _row_names(run: Sequence[Snapshot]) -> list[str]:
             for shapes, tokens in sized
         )
     ]
+
+
+def _alike_row_names(
+    entries: Mapping[str, TensorEntry], cuts: Sequence[tuple[int | None, int]]
+) -> list[str]:
+    """:func:`_row_names` of a run of described snapshots laid out alike (one header
+    template: ``entries``), each ``(rows cut, tokens)``: no shapes made per snapshot."""
+    if any(tokens < 2 for _, tokens in cuts):
+        return []
+    names = []
+    for name, entry in entries.items():
+        shape = entry.shape
+        if len(shape) >= 3 and all(
+            (shape[2] if rows is None else min(rows, shape[2])) == tokens for rows, tokens in cuts
+        ):
+            names.append(name)
+    return names
 
 
 def _shapes(tensors: Mapping[str, Any]) -> Mapping[str, tuple[int, ...]]:

@@ -842,16 +842,20 @@ def test_the_pages_start_being_locked_before_the_device_memory_for_their_copies_
     staged, monkeypatch
 ):
     # Taking the device memory took 1.3 ms on the H200, the first registration waiting
-    # behind it; now it waits for nothing (and the copies wait for the memory).
+    # behind it; now it waits for nothing (and the copies wait for the memory). It is
+    # taken off the caller's thread too (behind the driver's first registrations it
+    # held a restore's own thread for up to 6 ms).
     monkeypatch.setattr(cuda_pages, "STAGE_SPANS", True)
     locking = threading.Event()
     real_register, real_staging = staged.register, staged.staging
+    takers = []
 
     def register(base, nbytes):
         locking.set()
         return real_register(base, nbytes)
 
     def staging(nbytes):
+        takers.append(threading.get_ident())
         assert locking.wait(10), "no registration started before the memory was taken"
         return real_staging(nbytes)
 
@@ -861,6 +865,7 @@ def test_the_pages_start_being_locked_before_the_device_memory_for_their_copies_
     columns = [pieces_of(rng, 3)]
     arrays = cuda_pages.gathered([((1, 3, 20, 8), "float16")], columns)
     assert arrays is not None and staged.stagings[0].copies == staged.registrations > 0
+    assert takers and threading.get_ident() not in takers
     want = np.zeros((1, 3, 20, 8), np.float16)
     want[:, :, :15] = np.concatenate(columns[0], axis=2)
     assert np.array_equal(np.array(arrays[0]).view(np.uint16), want.view(np.uint16))

@@ -106,3 +106,63 @@ def test_a_stored_layout_that_cannot_be_gathered_is_none(record, change, why):
     address = tensors.address(name)
     got = cuda_pages.stored_layout([address] * 2, shapes, counts, dtypes, shape, dtype)
     assert got is None, why
+
+
+@pytest.mark.parametrize("cuts", [(None, None), (None, 7), (0, None), (3, 0)])
+def test_an_alike_layout_is_the_stored_layout_of_pieces_laid_out_alike(record, cuts):
+    pieces = [described_keys(record, rows)[0] for rows in cuts]
+    name = "keys"
+    stored_shape, dtype = pieces[0].entries[name].shape, pieces[0].entries[name].dtype
+    shape = (*stored_shape[:2], 2 * stored_shape[2], *stored_shape[3:])
+    addresses = [t.address(name) for t in pieces]
+    counts = [t.shape(name)[2] for t in pieces]
+    want = cuda_pages.stored_layout(
+        addresses, [stored_shape] * 2, counts, [dtype] * 2, shape, dtype
+    )
+    got = cuda_pages.alike_layout(addresses, stored_shape, counts, dtype, shape, dtype)
+    assert got is not None and got == want
+
+
+@pytest.mark.parametrize(
+    ("change", "why"),
+    [
+        ("dtype", "another dtype than the array's"),
+        ("rows", "more rows than stored"),
+        ("capacity", "more rows than the array holds"),
+        ("heads", "other leading dims than the array's"),
+    ],
+)
+def test_an_alike_layout_that_cannot_be_gathered_is_none(record, change, why):
+    tensors, name = described_keys(record)
+    stored_shape, dtype = tensors.entries[name].shape, tensors.entries[name].dtype
+    shape = (*stored_shape[:2], 2 * stored_shape[2], *stored_shape[3:])
+    counts = [stored_shape[2]] * 2
+    name_asked = dtype
+    if change == "dtype":
+        name_asked = "float32" if dtype != "float32" else "float16"
+    elif change == "rows":
+        counts[1] = stored_shape[2] + 1
+    elif change == "capacity":
+        shape = (*stored_shape[:2], 2 * stored_shape[2] - 1, *stored_shape[3:])
+    else:
+        shape = (stored_shape[0], stored_shape[1] + 1, *shape[2:])
+    address = tensors.address(name)
+    got = cuda_pages.alike_layout([address] * 2, stored_shape, counts, dtype, shape, name_asked)
+    assert got is None, why
+
+
+def test_layers_of_one_header_template_share_their_entries_and_a_cut_keeps_them(record):
+    from kvstore.codecs.payload_tensors import same_entries
+
+    from .test_record import mixed_layers
+
+    # Another record laid out alike (another header: its meta differs).
+    alike = bytes(encode_record(mixed_layers(), meta={"tokens": [7]}))
+    first = stored(decode_record(record, lazy_layers={0}).layers[0].tensors)
+    again = stored(decode_record(alike, lazy_layers={0}).layers[0].tensors)
+    assert first is not None and again is not None and bytes(alike) != record
+    assert same_entries([first, again, first.cut(3)])
+    layers = mixed_layers()
+    other = bytes(encode_record([layers[2], None, layers[0], layers[3]]))
+    moved = stored(decode_record(other, lazy_layers={0}).layers[0].tensors)
+    assert moved is not None and not same_entries([first, moved])
