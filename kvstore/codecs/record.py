@@ -346,7 +346,13 @@ def checkpoint_nbytes(buffer: Any) -> int:
     )
 
 
-def decode_record(buffer: Any, *, verify: bool = True, lazy_layers: Container[int] = ()) -> Record:
+def decode_record(
+    buffer: Any,
+    *,
+    verify: bool = True,
+    lazy_layers: Container[int] = (),
+    header: RecordHeader | None = None,
+) -> Record:
     """Decode a record; tensors are numpy views into ``buffer`` (zero copy).
 
     bfloat16 tensors come back as tagged ``uint16`` words
@@ -360,6 +366,8 @@ def decode_record(buffer: Any, *, verify: bool = True, lazy_layers: Container[in
         lazy_layers: layers whose tensors are a
             :class:`~kvstore.codecs.payload_tensors.PayloadTensors` (each view made
             when asked; a gather reads where they lie without one).
+        header: what :func:`read_header` returned for these same bytes (a restore
+            has parsed them already: not parsed again).
 
     Raises:
         CorruptEntryError: anything wrong with the bytes; ``stored`` and
@@ -367,7 +375,8 @@ def decode_record(buffer: Any, *, verify: bool = True, lazy_layers: Container[in
         FormatVersionError: a format this reader does not read.
     """
     view = _bytes_view(buffer, "decode_record")
-    header = _read_header(view, "decode_record")
+    if header is None:
+        header = _read_header(view, "decode_record")
     payload = _payload(view, header, "decode_record")
     if verify:
         _verify(header, xxhash.xxh3_64_intdigest(payload), "decode_record")

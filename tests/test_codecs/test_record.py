@@ -374,3 +374,19 @@ def test_a_parse_that_fails_fails_for_every_thread_reading_it(monkeypatch):
     parses, got = _parse_race(monkeypatch, broken)
     assert all(isinstance(e, CorruptEntryError) and "planted" in str(e) for e in got)
     assert parses >= 1
+
+
+def test_a_decode_given_the_header_already_read_is_the_decode_that_reads_it(monkeypatch):
+    from kvstore.codecs import record as R
+
+    record = bytes(encode_record(mixed_layers()))
+    header = read_header(record)
+    want = decode_record(record)
+    monkeypatch.setattr(R, "_read_header", lambda *args: pytest.fail("parsed again"))
+    got = decode_record(record, header=header)
+    assert got.header is header
+    for a, b in zip(want.layers, got.layers, strict=True):
+        assert (a is None) == (b is None)
+        if a is not None:
+            assert (a.signature, a.start, a.stop, a.meta) == (b.signature, b.start, b.stop, b.meta)
+            assert all(np.array_equal(a.tensors[n], b.tensors[n]) for n in a.tensors)
