@@ -90,6 +90,17 @@ def _pack_bytes(idx: mx.array, bits: int) -> mx.array:
     """Pack through bytes: 8 values of b bits fill exactly b bytes of the little-endian
     stream, built with uint8 shifts (a quarter of uint32 traffic) and viewed as words."""
     lead = idx.shape[:-1]
+    if 8 % bits == 0:
+        # Whole values per byte (1, 2 or 4 bits): each byte is its own run of 8 // bits
+        # values ORed, written in order, no stack of strided bytes. The 2-core CPU, 4
+        # bits, 1024 rows of 64 compiled with the rest of an encode: 158 -> 31-106 us;
+        # 4096 rows of 128: 388 -> 250 (2 bits alike; 1 bit was this already).
+        per = 8 // bits
+        runs = idx.astype(mx.uint8).reshape(*lead, -1, per)
+        byte = runs[..., 0]
+        for i in range(1, per):
+            byte = byte | (runs[..., i] << (i * bits))
+        return byte.reshape(*lead, -1).view(mx.uint32)
     groups = idx.astype(mx.uint8).reshape(*lead, -1, 8)
     values = [groups[..., i] for i in range(8)]
     stream = []
