@@ -113,6 +113,8 @@ _SEGMENT_BYTES = 8 << 20
 # these bytes, so a hit is exactly what a parse would return.
 _PARSED: dict[bytes, RecordHeader] = {}
 _PARSED_LIMIT = 512
+#: Headers being parsed now, by their bytes (see :func:`_parsed_once`).
+_PARSING: dict[bytes, threading.Event] = {}
 _PARSED_LOCK = threading.Lock()
 
 
@@ -599,6 +601,7 @@ def _read_header(view: memoryview, op: str) -> RecordHeader:
                     op, view[_PREFIX.size : end], version, flags, _payload_offset(length)
                 )
             ),
+            wait=op == "verify",
         )
     return parsed
 
@@ -636,20 +639,41 @@ def _record_header(
     )
 
 
-def _parsed_once(raw: bytes, parse: Callable[[], RecordHeader]) -> RecordHeader:
+def _parsed_once(raw: bytes, parse: Callable[[], RecordHeader], *, wait: bool) -> RecordHeader:
     """``parse()``, remembered under ``raw``. A thread that finds the same header being
-    parsed by another parses it too rather than wait: a restore on a GPU parses its
-    headers while the store's checks, on a dozen other threads, parse the same ones, and
-    a wait for a parse on one of those queued behind the rest of them for the GIL
-    (H200, TurboQuant 4/4 restore of 4096 tokens: the reader's 16 parses took 5-7 ms,
-    1.8 of them its own CPU; ``tools/bench/results/gpu/d1643e2/``). A parse from the
-    header's template takes tens of microseconds."""
-    parsed = parse()
+    parsed by another waits for that parse when ``wait`` (the store's checks: nothing
+    waits for them until a read ends), else parses it too (a reader): a restore on a GPU
+    parses its headers while the checks, on a dozen other threads, parse the same ones,
+    and the reader's wait for a parse on one of those queued behind the rest of them for
+    the GIL (H200, TurboQuant 4/4, 4096 tokens: its 16 parses took 5-7 ms of wall for
+    1.8 of its CPU; ``tools/bench/results/gpu/d1643e2/``). Parsed twice, they once
+    queued on the GIL for 28 ms where one parse of each took 16 (before a header's
+    template made a parse tens of microseconds): the checks never parse one twice."""
     with _PARSED_LOCK:
-        if len(_PARSED) >= _PARSED_LIMIT:
-            _PARSED.clear()  # crude, but bounded
-        _PARSED[raw] = parsed
-    return parsed
+        parsed = _PARSED.get(raw)
+        if parsed is not None:
+            return parsed
+        running = _PARSING.get(raw)
+        mine = running is None
+        if running is None:
+            running = _PARSING[raw] = threading.Event()
+    if not mine:
+        if not wait:
+            return parse()
+        running.wait()
+        parsed = _PARSED.get(raw)
+        return parsed if parsed is not None else parse()  # its parse raised: so does this
+    try:
+        parsed = parse()
+        with _PARSED_LOCK:
+            if len(_PARSED) >= _PARSED_LIMIT:
+                _PARSED.clear()  # crude, but bounded
+            _PARSED[raw] = parsed
+        return parsed
+    finally:
+        with _PARSED_LOCK:
+            del _PARSING[raw]
+        running.set()
 
 
 def _parse_header(

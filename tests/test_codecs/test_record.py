@@ -295,9 +295,10 @@ def test_msgpack_header_holds_the_design_fields():
     assert set(header) == {"format", "writer", "layers", "meta", "payload_nbytes", "checksum"}
 
 
-def _parse_race(monkeypatch, outcome):
-    """Eight threads reading one record's header while its first parse is slow: how
-    many parses ran, and what each thread got."""
+def _parse_race(monkeypatch, outcome, checking=False):
+    """Eight threads reading one record's header (``checking``: checking the record, as
+    the store's checks do) while its first parse is slow: how many parses ran, and what
+    each thread got (the header, or the error; ``None`` for a check that passed)."""
     import threading
     import time
 
@@ -322,7 +323,7 @@ def _parse_race(monkeypatch, outcome):
 
     def read(i):
         try:
-            got[i] = R.read_header(record)
+            got[i] = R.verify_record(record) if checking else R.read_header(record)
         except CorruptEntryError as exc:
             got[i] = exc
 
@@ -335,14 +336,22 @@ def _parse_race(monkeypatch, outcome):
     return len(calls), got
 
 
-def test_threads_reading_one_header_at_once_each_parse_it_and_agree(monkeypatch):
-    # None waits for another's parse (on a GPU the reader would queue behind a dozen
-    # checking threads for the GIL): each parses, and all read the same header.
+def test_readers_of_one_header_at_once_each_parse_it_and_agree(monkeypatch):
+    # A reader does not wait for another's parse (on a GPU the restore's reader would
+    # queue behind a dozen checking threads for the GIL): each parses, all read alike.
     from kvstore.codecs import record as R
 
     parses, got = _parse_race(monkeypatch, R._parse_header)
     assert parses == 8
     assert all(header == got[0] for header in got) and got[0].layers
+
+
+def test_checks_of_one_record_at_once_parse_its_header_once(monkeypatch):
+    from kvstore.codecs import record as R
+
+    parses, got = _parse_race(monkeypatch, R._parse_header, checking=True)
+    assert parses == 1
+    assert got == [None] * 8  # every check passed
 
 
 def test_a_header_parsed_once_is_not_parsed_again(monkeypatch):
@@ -365,13 +374,14 @@ def test_a_header_parsed_once_is_not_parsed_again(monkeypatch):
     R.forget_parsed_headers()
 
 
-def test_a_parse_that_fails_fails_for_every_thread_reading_it(monkeypatch):
+@pytest.mark.parametrize("checking", [False, True], ids=["readers", "checks"])
+def test_a_parse_that_fails_fails_for_every_thread_reading_it(monkeypatch, checking):
     from kvstore.codecs.header import corrupt
 
     def broken(*args):
         raise corrupt("read_header", "The header is not valid msgpack: planted.")
 
-    parses, got = _parse_race(monkeypatch, broken)
+    parses, got = _parse_race(monkeypatch, broken, checking)
     assert all(isinstance(e, CorruptEntryError) and "planted" in str(e) for e in got)
     assert parses >= 1
 
