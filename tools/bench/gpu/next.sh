@@ -62,6 +62,12 @@ step=${1:?step}
 out=${2:-${OUT:?OUT}}
 rev=${KVSTORE_BENCH_GIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}  # no .git there: pass it
 cd "$(dirname "$0")/../../.."
+if ! python3 -c "import mlx.core" 2>/dev/null; then
+  # A call that lands on a fresh machine (the one held was given back, or a start was
+  # refused in between) has no stage 1: say so before any step spends its time.
+  echo "next.sh: MLX is not installed here: a fresh machine; run .gpu/a/stage1.sh (carry .gpu/a) first" >&2
+  exit 3
+fi
 profile="python3 tools/bench/gpu/restore_profile.py --repeats 3"
 case "$step" in
   profiles)
