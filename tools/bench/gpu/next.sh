@@ -31,16 +31,11 @@
 # STEP parent    ab_env of lossless and q8 without, then with, G1's model held in the parent
 #                (--parent-model): G1/G2's restores stay 5-8 ms slower than ab_env's
 #                children, and the model in the child is not why (1a8cb38/ab-model.txt): ~300 s
-# STEP late      ab_env of TQ 4/4 and q8 with the last block read in part, as G1/G2's sessions
-#                do (KVSTORE_PROFILE_LEAVE_LAST=1), and with the pages locked only once the
-#                headers are parsed (KVSTORE_PIN_AFTER_HEADERS=1; _headers took 5.8 ms of a
-#                TQ restore there at 774ad9e, 0.34 ms on this CPU), 4 each: ~250 s
-# STEP cpu       ab_env of TQ 4/4 with each phase's CPU time on its thread (far under its wall
-#                time: the thread waited), with 4 checking threads and with the pages locked
-#                after the headers, 4 each: ~300 s
-# STEP parse     ab_env of TQ 4/4: a header being parsed on another thread parsed again, not
-#                waited for (_headers waited ~5 of its 6.7 ms at 461576d), and the checks taking
-#                the records last first; 4 each: ~300 s
+# STEP cpu       ab_env of TQ 4/4 and q8 with each phase's CPU time on its thread (far under its
+#                wall time: the thread waited), with 4 checking threads and with the last block
+#                read in part as G2's sessions read it, 4 each: ~350 s (the steps that tried
+#                locking after the headers and the parse switches are gone with their switches:
+#                results/gpu/c8a32fa/, d1643e2/)
 # STEP rht       TurboQuant's one-kernel encode and decode (kvstore/turboquant/cuda_rht.py):
 #                proven or not, agreement with the ops and times (rht_probe.py), then P11
 #                on the device: ~140 s
@@ -99,17 +94,9 @@ case "$step" in
   ab)
     timeout 300 python3 -m tools.bench.gpu.ab_env --repeats 5 base: \
       --policies lossless,kv:quant:8:64,kv:turboquant:4:4 2>&1 | tee "$out/ab-env.txt" ;;
-  late)
-    timeout 420 python3 -m tools.bench.gpu.ab_env --repeats 4 base: 'last:KVSTORE_PROFILE_LEAVE_LAST=1' \
-      'late:KVSTORE_PIN_AFTER_HEADERS=1' 'lastlate:KVSTORE_PROFILE_LEAVE_LAST=1 KVSTORE_PIN_AFTER_HEADERS=1' \
-      --policies kv:turboquant:4:4,kv:quant:8:64 2>&1 | tee "$out/ab-late.txt" ;;
   cpu)
     timeout 540 python3 -m tools.bench.gpu.ab_env --repeats 4 base: 'v4:KVSTORE_VERIFY_THREADS=4' \
-      'late:KVSTORE_PIN_AFTER_HEADERS=1' --policies kv:turboquant:4:4 2>&1 | tee "$out/ab-cpu.txt" ;;
-  parse)
-    timeout 540 python3 -m tools.bench.gpu.ab_env --repeats 4 base: 'nowait:KVSTORE_PARSE_NO_WAIT=1' \
-      'rev:KVSTORE_CHECK_REVERSE=1' 'both:KVSTORE_PARSE_NO_WAIT=1 KVSTORE_CHECK_REVERSE=1' \
-      --policies kv:turboquant:4:4 2>&1 | tee "$out/ab-parse.txt" ;;
+      'last:KVSTORE_PROFILE_LEAVE_LAST=1' --policies kv:turboquant:4:4,kv:quant:8:64 2>&1 | tee "$out/ab-cpu.txt" ;;
   rht)
     timeout 150 python3 tools/bench/gpu/rht_probe.py 2>&1 | tee "$out/rht-probe.txt"
     KVSTORE_BENCH_GIT=$rev CHECK_TIMEOUT=1 BENCH_TIMEOUT=240 REPEATS=5 \
