@@ -166,3 +166,32 @@ def test_layers_of_one_header_template_share_their_entries_and_a_cut_keeps_them(
     other = bytes(encode_record([layers[2], None, layers[0], layers[3]]))
     moved = stored(decode_record(other, lazy_layers={0}).layers[0].tensors)
     assert moved is not None and not same_entries([first, moved])
+
+
+@pytest.mark.parametrize("cut", [None, 5, 1])
+def test_a_run_laid_out_alike_names_the_row_tensors_the_per_snapshot_way_does(record, cut):
+    from kvstore.abc.codec import Snapshot
+    from kvstore.codecs.payload_tensors import same_entries
+    from kvstore.codecs.plans import _row_names
+
+    from .test_record import mixed_layers
+
+    records = [record, bytes(encode_record(mixed_layers(), meta={"tokens": [1]}))]
+    layers = [decode_record(r, lazy_layers={0, 2}).layers for r in records]
+    for i in (0, 2):  # a plain layer and a quantized one (its scales and biases are rows)
+        snaps = [layer[i] for layer in layers]
+        if cut is not None:  # the match ends inside the last block
+            last = snaps[-1]
+            described = stored(last.tensors)
+            assert described is not None
+            snaps[-1] = Snapshot(
+                last.signature, last.start, last.start + cut, described.cut(cut), last.meta
+            )
+        assert same_entries([stored(snap.tensors) for snap in snaps])
+        alike = _row_names(snaps)
+        for snap in snaps:  # each its own mapping: the per-snapshot way
+            tensors = stored(snap.tensors)
+            assert tensors is not None
+            tensors.entries = dict(tensors.entries)
+        assert alike == _row_names(snaps)
+        assert alike or cut == 1  # one-token snapshots: none
