@@ -51,16 +51,15 @@ def check_records(
     found: list[Verdict] = [None] * len(records)
     raised: list[BaseException] = []
     turns = itertools.count()  # next() on a count is atomic under the GIL
-    # Last record first: a restore meanwhile parses the same headers from the first on
-    # (record.py's _parsed_once), and the checks' parses, each after its record's hash,
-    # reach the headers it has parsed only at the end.
-    order = range(len(records) - 1, -1, -1)
 
     def work() -> None:
-        for i in turns:
-            if i >= len(records) or raised:
+        for turn in turns:
+            if turn >= len(records) or raised:
                 return
-            i = order[i]
+            # Last record first: a restore meanwhile parses the same headers from the
+            # first on (record.py's _parsed_once), and the checks' parses, each after its
+            # record's hash, reach the headers it has parsed only at the end.
+            i = len(records) - 1 - turn
             try:
                 found[i] = _check(verify, records[i])
             except BaseException as exc:  # re-raised on the caller's thread
