@@ -34,13 +34,14 @@ swap :data:`TRANSPORT` for a host-memory stand-in to exercise the threading.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import math
 import mmap
 import os
 import queue
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Protocol
 
@@ -66,6 +67,9 @@ __all__ = [
     "SEGMENT_WORDS",
     "upload",
     "download",
+    "slots_ready",
+    "prepare_slots_later",
+    "borrowed_slot",
 ]
 
 #: One array to build: ``(shape, dtype name)``.
@@ -379,6 +383,14 @@ class Driver:
         self.bind()
         self._cu.cuMemFreeAsync(ctypes.c_uint64(device), ctypes.c_void_p(stream))
 
+    def thread_stream(self) -> int:
+        """The calling thread's own stream (:meth:`stream`, made at its first call and
+        kept): copies queued there wait for nobody else's."""
+        stream = getattr(self._bound, "stream", None)
+        if stream is None:
+            stream = self._bound.stream = self.stream()
+        return int(stream)
+
     def drop_stream(self, stream: int) -> None:
         """Destroy ``stream`` (its queued work still runs)."""
         self.bind()
@@ -394,6 +406,11 @@ class Staging(Protocol):
 
     def copy(self, offset: int, host: int, nbytes: int) -> None:
         """Queue ``nbytes`` of page-locked host memory at ``host`` into ``offset``."""
+
+    def copy_now(self, offset: int, host: int, nbytes: int) -> None:
+        """Copy ``nbytes`` of page-locked host memory at ``host`` (a staging slot) into
+        ``offset``, and wait for that copy alone (on the calling thread's own stream):
+        the slot may be written again when this returns."""
 
     def wait(self) -> None:
         """Wait until every queued copy is done."""
@@ -414,11 +431,18 @@ class DeviceStaging:
         except (RuntimeError, AttributeError):  # no memory, or a driver without the call
             driver.drop_stream(self._stream)
             raise
+        # Copies on other threads' streams (:meth:`copy_now`) need the memory made first.
+        driver.synchronize(self._stream)
         self._freed = False
         self._lock = threading.Lock()
 
     def copy(self, offset: int, host: int, nbytes: int) -> None:
         self._driver.copy_to_device(self.address + offset, host, nbytes, self._stream)
+
+    def copy_now(self, offset: int, host: int, nbytes: int) -> None:
+        stream = self._driver.thread_stream()
+        self._driver.copy_to_device(self.address + offset, host, nbytes, stream)
+        self._driver.synchronize(stream)
 
     def wait(self) -> None:
         self._driver.synchronize(self._stream)
@@ -639,6 +663,8 @@ _POOL = KeptPool("kvstore-cuda", lambda: workers())
 #: Staging slots not in use; a worker takes one for an array and gives it back after.
 _FREE: queue.SimpleQueue[PinnedBuffer] = queue.SimpleQueue()
 _SLOTS_MADE = False
+#: Set once the slots :func:`_prepare_slots` makes are free to take.
+_SLOTS_READY = threading.Event()
 
 
 def workers() -> int:
@@ -720,7 +746,32 @@ def _prepare_slots() -> None:
             return
         _SLOTS_MADE = True
     size = slot_min_bytes()
-    for slot in pool().map(lambda _: transport().slot(size), range(workers())):
+    try:
+        for slot in pool().map(lambda _: transport().slot(size), range(workers())):
+            _FREE.put(slot)
+    finally:
+        _SLOTS_READY.set()
+
+
+def slots_ready() -> bool:
+    """Whether the staging slots are made (:func:`prepare_slots_later`)."""
+    return _SLOTS_READY.is_set()
+
+
+def prepare_slots_later() -> None:
+    """Start making the staging slots on the staging threads, if nobody has (a first
+    upload makes them too); :func:`slots_ready` says when they are."""
+    if not _SLOTS_MADE:  # not on a staging thread: it waits for them to make the slots
+        threading.Thread(target=_prepare_slots, name="kvstore-cuda-slots", daemon=True).start()
+
+
+@contextlib.contextmanager
+def borrowed_slot(nbytes: int) -> Iterator[PinnedBuffer]:
+    """A free staging slot of at least ``nbytes``, for the block, then free again."""
+    slot = _take_slot(nbytes)
+    try:
+        yield slot
+    finally:
         _FREE.put(slot)
 
 

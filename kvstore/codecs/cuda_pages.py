@@ -35,6 +35,7 @@ gather reads them, gets ``None`` and stages the plain way.
 from __future__ import annotations
 
 import bisect
+import ctypes
 import itertools
 import math
 import mmap
@@ -93,6 +94,27 @@ GATHER_GROUPS = min(
 #: ``tools/bench/results/gpu/7837ba3/ab-graphs.txt``). For that moment the rows are on
 #: the device twice, as in groups.
 STAGE_SPANS = os.environ.get("KVSTORE_CUDA_STAGE_SPANS", "1") != "0"
+
+#: How a restore's records reach the device memory its gathers read
+#: (``KVSTORE_CUDA_PAGES_ROUTE``). ``lock``: the store's pages are page-locked where they
+#: are and each span copied from there (:data:`STAGE_SPANS`); the driver locks pages no
+#: faster on more threads (~3.6 GB/s a thread, 4 threads at most pay: a TurboQuant 4/4
+#: restore's 133 MiB were locked 2 -> 16 ms in on the H200, ``results/gpu/8e1beb9/``).
+#: ``copy``: no page is locked; the staging threads (:func:`cuda.workers`) each map a
+#: chunk of a record in (``MADV_POPULATE_READ``: 512 MiB in 2.7 ms on 16 threads
+#: there), copy it into a staging slot (pinned once for the process:
+#: :func:`cuda.prepare_slots_later`) and from there into the device memory, so every
+#: core moves bytes. A restore taken before the slots are made locks its pages.
+PAGES_ROUTE = os.environ.get("KVSTORE_CUDA_PAGES_ROUTE", "lock").strip().lower()
+if PAGES_ROUTE not in ("lock", "copy"):
+    raise ValueError(f"KVSTORE_CUDA_PAGES_ROUTE={PAGES_ROUTE!r}: expected 'lock' or 'copy'.")
+
+#: The most bytes one staging thread copies at a time on the ``copy`` route
+#: (``KVSTORE_CUDA_COPY_CHUNK_MIB``): each record is cut into about equal chunks of at
+#: most this, so that a restore's few records keep every thread busy.
+COPY_CHUNK_BYTES = max(
+    mmap.PAGESIZE, int(float(os.environ.get("KVSTORE_CUDA_COPY_CHUNK_MIB", "4")) * (1 << 20))
+)
 
 #: Registrations at once (``KVSTORE_CUDA_REGISTER_THREADS``). The driver locks a
 #: restore's pages no faster on more threads, only all of them later: H200, 4096 tokens
@@ -375,6 +397,7 @@ class PinnedPages:
         inline: bool = False,
         after: Sequence[Sequence[Future[None]]] | None = None,
         stage: bool | None = None,
+        copy: bool = False,
     ) -> None:
         self._transport = transport
         self.spans = sorted(spans)
@@ -398,6 +421,13 @@ class PinnedPages:
         self._copy_failed = False
         self._copied: bool | None = None  # every span locked and copied (once asked)
         self._copy_lock = threading.Lock()
+        #: The ``copy`` route (:data:`PAGES_ROUTE`): chunks still to copy per span,
+        #: whether one of a span's failed, and whether the copies are called off.
+        self._copy = copy
+        self._chunks_left: list[int] = []
+        self._chunk_failed: list[bool] = []
+        self._cancelled = False
+        self._chunks_lock = threading.Lock()
         if inline:  # locked here, now (a staging thread's own small gather)
             self._make_staging(stage)
             for number, (span, wait) in enumerate(zip(self.spans, waits, strict=True)):
@@ -406,6 +436,9 @@ class PinnedPages:
             return
         if not self.spans:
             self._staging_made.set()
+            return
+        if copy:
+            self._start_copies()
             return
         _hurry(+1)
         left = [len(self.spans)]
@@ -430,6 +463,62 @@ class PinnedPages:
             self._staging = _staging(self._transport, self.spans, stage)
         finally:  # the registrations must not wait forever, whatever happened
             self._staging_made.set()
+
+    def _start_copies(self) -> None:
+        """Each span copied to the device a chunk at a time on the staging threads,
+        through their slots (the ``copy`` route); a span's future is done when its
+        last chunk is."""
+        _hurry(+1)
+        _ALLOCATE_POOL.get().submit(self._make_staging, True)
+        parts = [_chunks(start, end) for start, end in self.spans]
+        self._chunks_left = [len(chunks) for chunks in parts]
+        self._chunk_failed = [False] * len(parts)
+        self._futures = [Future() for _ in parts]
+        left = [len(parts)]
+
+        def one_done(_: Future[int | None]) -> None:
+            with _HURRY_LOCK:
+                left[0] -= 1
+                last = not left[0]
+            if last:
+                _hurry(-1)
+
+        for future in self._futures:
+            future.add_done_callback(one_done)
+        workers = cuda.pool()
+        for number, chunks in enumerate(parts):
+            for start, nbytes in chunks:
+                workers.submit(self._copy_chunk, number, start, nbytes)
+
+    def _copy_chunk(self, number: int, start: int, nbytes: int) -> None:
+        """Copy ``nbytes`` at ``start`` (in span ``number``) into its place in the
+        device memory, through a staging slot: mapped in, copied into the slot by this
+        core, and from there by the copy engine."""
+        ok = False
+        try:
+            if not self._cancelled:
+                with cuda.borrowed_slot(nbytes) as slot:
+                    _populate(start, nbytes)
+                    np.copyto(slot.array[:nbytes], _host_bytes(start, nbytes))
+                    self._staging_made.wait()
+                    if self._staging is not None:
+                        offset = self._offsets[number] + start - self.spans[number][0]
+                        self._staging.copy_now(offset, int(slot.array.ctypes.data), nbytes)
+                        ok = True
+        except (OSError, RuntimeError):
+            ok = False
+        finally:
+            with self._chunks_lock:
+                self._chunk_failed[number] |= not ok
+                self._chunks_left[number] -= 1
+                last = not self._chunks_left[number]
+            if last:
+                failed = self._chunk_failed[number] or self._staging is None
+                self._futures[number].set_result(None if failed else self._staging_address())
+
+    def _staging_address(self) -> int:
+        assert self._staging is not None
+        return self._staging.address
 
     @property
     def staged(self) -> bool:
@@ -496,6 +585,14 @@ class PinnedPages:
         if self._released:
             return
         self._released = True
+        if self._copy:  # nothing locked: the copies called off, waited for, memory back
+            self._cancelled = True
+            for future in self._futures:
+                future.result()
+            self._staging_made.wait()
+            if self._staging is not None:
+                self._staging.free()
+            return
         self._staging_made.wait()
         if self._staging is not None:
             _free_after(self._staging, self._futures)
@@ -545,6 +642,35 @@ def _staging(
     if not (STAGE_SPANS if stage is None else stage) or not nbytes or not _room_for_twice(nbytes):
         return None
     return transport.staging(nbytes)
+
+
+def _chunks(start: int, end: int) -> list[tuple[int, int]]:
+    """``[start, end)`` (page-aligned) cut into about equal page-aligned chunks of at
+    most :data:`COPY_CHUNK_BYTES`: ``(start, nbytes)`` each."""
+    count = -(-(end - start) // COPY_CHUNK_BYTES)
+    size = -(-(end - start) // count // _PAGE) * _PAGE if count else 0
+    return [(at, min(size, end - at)) for at in range(start, end, size)] if size else []
+
+
+def _host_bytes(start: int, nbytes: int) -> np.ndarray:
+    """The ``nbytes`` of host memory at ``start``, as a numpy view (no copy)."""
+    return np.ctypeslib.as_array((ctypes.c_ubyte * nbytes).from_address(start))
+
+
+#: ``madvise(2)``'s advice that maps a range's pages in, read (Linux 5.14 and later).
+_MADV_POPULATE_READ = 22
+_LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
+
+
+def _populate(start: int, nbytes: int) -> None:
+    """Map the pages of ``[start, start + nbytes)`` in at once, before a copy reads them
+    (a fault per few pages otherwise: ~2 GB/s a thread over fresh pages on the H200).
+    Where the kernel cannot, the copy faults them in itself."""
+    if _LIBC is not None:
+        first = start - start % _PAGE
+        _LIBC.madvise(
+            ctypes.c_void_p(first), ctypes.c_size_t(start + nbytes - first), _MADV_POPULATE_READ
+        )
 
 
 def _lock_after(
@@ -601,7 +727,22 @@ def pin(buffers: Sequence[Any]) -> PinnedPages | None:
         view = np.frombuffer(buffer, np.uint8)
         if view.size:
             ranges.append((int(view.ctypes.data), int(view.ctypes.data) + view.size))
-    return _pinned(_spans(ranges))
+    spans = _spans(ranges)
+    if _copying(spans):
+        return PinnedPages(cuda.transport(), spans, copy=True)
+    return _pinned(spans)
+
+
+def _copying(spans: Sequence[tuple[int, int]]) -> bool:
+    """Whether ``spans`` go the ``copy`` route (:data:`PAGES_ROUTE`): it is asked for,
+    the staging slots are made (else their making starts now, for a later restore), and
+    the device has room for the rows twice (the copies' memory, then the arrays)."""
+    if PAGES_ROUTE != "copy" or not STAGE_SPANS:
+        return False
+    if not cuda.slots_ready():
+        cuda.prepare_slots_later()
+        return False
+    return _room_for_twice(sum(end - start for start, end in spans))
 
 
 def _pinned(

@@ -43,9 +43,20 @@ class HostTransport:
         #: The stagings' memory not freed yet, by address (a gather reads it as it
         #: reads registered pages).
         self.device_memory: dict[int, int] = {}
+        #: The pinned slots made (a copy from one needs no registration).
+        self.slots: list[cuda.PinnedBuffer] = []
 
     def slot(self, nbytes: int) -> cuda.PinnedBuffer:
-        return cuda.PinnedBuffer(nbytes, None)
+        made = cuda.PinnedBuffer(nbytes, None)
+        self.slots.append(made)
+        return made
+
+    def in_a_slot(self, start: int, end: int) -> bool:
+        """Whether one pinned slot holds every byte of [start, end)."""
+        return any(
+            s.array.ctypes.data <= start and end <= s.array.ctypes.data + s.nbytes
+            for s in list(self.slots)
+        )
 
     def to_device(self, slot: cuda.PinnedBuffer, nbytes: int) -> mx.array:
         self.uploads += 1
@@ -168,6 +179,15 @@ class HostStaging:
         assert not self.freed and offset + nbytes <= self.buffer.size
         registered = dict(self.transport.registered)
         assert any(b <= host and host + nbytes <= b + n for b, n in registered.items())
+        ctypes.memmove(self.host + offset, host, nbytes)
+        self.copies += 1
+
+    def copy_now(self, offset: int, host: int, nbytes: int) -> None:
+        """A copy from a pinned slot (the ``copy`` route), done when this returns."""
+        assert not self.freed and offset + nbytes <= self.buffer.size
+        assert self.transport.in_a_slot(host, host + nbytes)
+        if self.transport.refuse:
+            raise RuntimeError("[cuda] cuMemcpyHtoDAsync failed with CUresult 2.")
         ctypes.memmove(self.host + offset, host, nbytes)
         self.copies += 1
 

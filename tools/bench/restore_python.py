@@ -87,6 +87,9 @@ class FreeStaging:
     def copy(self, offset: int, host: int, nbytes: int) -> None:
         pass
 
+    def copy_now(self, offset: int, host: int, nbytes: int) -> None:
+        pass
+
     def wait(self) -> None:
         pass
 

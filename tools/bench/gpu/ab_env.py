@@ -32,6 +32,7 @@ PHASES = (
     "_decoded",
     "_plans",
     "cuda register (page-lock)",
+    "cuda copy (chunk)",
     "cuda gather (launch)",
     "cuda assemble (launch)",
     "cuda joins (launch)",

@@ -36,6 +36,9 @@
 #                read in part as G2's sessions read it, 4 each: ~350 s (the steps that tried
 #                locking after the headers and the parse switches are gone with their switches:
 #                results/gpu/c8a32fa/, d1643e2/)
+# STEP copy      ab_env of TQ 4/4, q8 and lossless with the records locked where they are (the
+#                default) and copied through the staging slots on the staging threads instead
+#                (KVSTORE_CUDA_PAGES_ROUTE=copy: no page locked), 4 each: ~250 s
 # STEP rht       TurboQuant's one-kernel encode and decode (kvstore/turboquant/cuda_rht.py):
 #                proven or not, agreement with the ops and times (rht_probe.py), then P11
 #                on the device: ~140 s
@@ -97,6 +100,10 @@ case "$step" in
   cpu)
     timeout 540 python3 -m tools.bench.gpu.ab_env --repeats 4 base: 'v4:KVSTORE_VERIFY_THREADS=4' \
       'last:KVSTORE_PROFILE_LEAVE_LAST=1' --policies kv:turboquant:4:4,kv:quant:8:64 2>&1 | tee "$out/ab-cpu.txt" ;;
+  copy)
+    timeout 420 python3 -m tools.bench.gpu.ab_env --repeats 4 base: \
+      'copy:KVSTORE_CUDA_PAGES_ROUTE=copy' --policies kv:turboquant:4:4,kv:quant:8:64,lossless \
+      2>&1 | tee "$out/ab-copy.txt" ;;
   rht)
     timeout 150 python3 tools/bench/gpu/rht_probe.py 2>&1 | tee "$out/rht-probe.txt"
     KVSTORE_BENCH_GIT=$rev CHECK_TIMEOUT=1 BENCH_TIMEOUT=240 REPEATS=5 \

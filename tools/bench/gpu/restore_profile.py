@@ -179,6 +179,7 @@ def child_restore(url: str, tokens: int, layers: int, switch_ms: float) -> dict[
         line.wrap(cuda, "upload", "cuda.upload")
         line.wrap(cuda_pages, "gathered", "cuda_pages.gathered")
         line.wrap(transport, "register", "cuda register (page-lock)")
+        line.wrap(cuda_pages.PinnedPages, "_copy_chunk", "cuda copy (chunk)")
         line.wrap(transport, "gather", "cuda gather (launch)")
         line.wrap(transport, "gather_many", "cuda gather (launch)")
         line.wrap(transport, "assemble", "cuda assemble (launch)")
