@@ -105,6 +105,11 @@ STAGE_SPANS = os.environ.get("KVSTORE_CUDA_STAGE_SPANS", "1") != "0"
 #: there), copy it into a staging slot (pinned once for the process:
 #: :func:`cuda.prepare_slots_later`) and from there into the device memory, so every
 #: core moves bytes. A restore taken before the slots are made locks its pages.
+#: Measured slower on the H200 (``results/gpu/067a216/``: TurboQuant 4/4 22.3 -> 42.6 ms,
+#: lossless 34.9 -> 66.6): a chunk took ~1 ms of CPU per 3 MiB, no faster a byte than the
+#: driver's locking, and waited ~4 ms more for the GIL, taken back some eight times a
+#: chunk, which held the restore's own thread back as long. Kept for hosts where locking
+#: is slower; it would win with each chunk's work done in one call that keeps no GIL.
 PAGES_ROUTE = os.environ.get("KVSTORE_CUDA_PAGES_ROUTE", "lock").strip().lower()
 if PAGES_ROUTE not in ("lock", "copy"):
     raise ValueError(f"KVSTORE_CUDA_PAGES_ROUTE={PAGES_ROUTE!r}: expected 'lock' or 'copy'.")
