@@ -64,6 +64,8 @@ __all__ = [
     "register_threads",
     "stored_layout",
     "alike_layout",
+    "AlikeRows",
+    "alike_table",
     "gathered",
     "gathered_flat",
     "buffer_starts",
@@ -252,6 +254,83 @@ def alike_layout(
         shape[2],
         row_bytes,
     )
+
+
+@dataclass(frozen=True)
+class AlikeRows:
+    """Arrays each joined from one tensor of the same records, laid out alike: array
+    ``j``'s piece in record ``r`` lies at ``bases[r] + offsets[j]``, stored as
+    ``shapes[j]`` of ``dtypes[j]``, its first ``counts[j][r]`` rows read (a lossy
+    restore's joins: every layer's tensors from the same records of one header
+    template). :func:`alike_table` makes their gather's segments in one go."""
+
+    bases: Sequence[int]
+    offsets: Sequence[int]
+    shapes: Sequence[tuple[int, ...]]
+    dtypes: Sequence[str]
+    counts: Sequence[Sequence[int]]
+
+
+def alike_table(rows: AlikeRows, specs: Sequence[cuda.LeafSpec]) -> np.ndarray | None:
+    """The one-buffer gather's segment table of ``rows`` into arrays ``specs`` (each at
+    its :func:`buffer_starts`): what :func:`_segment_table` makes of their
+    :func:`alike_layout` s, made by numpy for every array at once (a lossy restore's 128
+    to 192 layouts and their table took 2.2-2.3 ms of the restoring thread's CPU on the
+    H200, ``results/gpu/8e1beb9/ab-cpu.txt``); ``None`` where one does not fit its
+    array (:func:`alike_layout`'s checks)."""
+    u64 = np.uint64
+    # alike_layout's checks, once per kind of array (a restore has a few) ...
+    for piece, dtype, (shape, name) in set(zip(rows.shapes, rows.dtypes, specs, strict=True)):
+        if dtype != name or len(piece) != len(shape) or piece[:2] != shape[:2]:
+            return None
+        if piece[3:] != shape[3:]:
+            return None
+    shapes = [shape for shape, _ in specs]
+    batch = np.array([s[0] for s in shapes], u64)
+    heads = np.array([s[1] for s in shapes], u64)
+    capacity = np.array([s[2] for s in shapes], u64)
+    row_bytes = np.array(
+        [math.prod(s[3:]) * numpy_dtype(name).itemsize for s, (_, name) in zip(shapes, specs)],
+        u64,
+    )
+    stored = np.array([piece[2] for piece in rows.shapes], u64)
+    head_stride = stored * row_bytes
+    batch_stride = heads * head_stride
+    starts = np.array(buffer_starts(specs)[: len(specs)], u64)
+    signed = np.array(rows.counts, np.int64).reshape(len(specs), len(rows.bases))
+    # ... and of the rows read, for every piece at once.
+    if signed.size and (signed.min() < 0 or np.any(signed > stored[:, None].astype(np.int64))):
+        return None
+    counts = signed.astype(u64)
+    if np.any(counts.sum(axis=1) > capacity):
+        return None
+    firsts = np.cumsum(counts, axis=1) - counts  # rows before each piece in its array
+    address = np.array(rows.offsets, u64)[:, None] + np.array(rows.bases, u64)[None, :]
+    # One segment per piece with rows and batch row, array by array, record by record.
+    array, record = np.nonzero(counts)
+    times = batch[array].astype(np.intp)
+    which = np.repeat(np.arange(len(array)), times)
+    b = np.arange(len(which), dtype=u64) - np.repeat(np.cumsum(times) - times, times).astype(u64)
+    j, r = array[which], record[which]
+    rows_bytes = capacity * row_bytes
+    table = np.empty((len(which), SEGMENT_WORDS), u64)
+    table[:, 0] = address[j, r] + b * batch_stride[j]
+    table[:, 1] = head_stride[j]
+    table[:, 2] = starts[j] + b * heads[j] * rows_bytes[j] + firsts[j, r] * row_bytes[j]
+    table[:, 3] = rows_bytes[j]
+    table[:, 4] = counts[j, r] * row_bytes[j]
+    table[:, 5] = heads[j]
+    filled = counts.sum(axis=1)
+    short = np.flatnonzero(filled < capacity)
+    zeros = np.zeros((len(short), SEGMENT_WORDS), u64)
+    zeros[:, 2] = (starts + filled * row_bytes)[short]
+    zeros[:, 3] = rows_bytes[short]
+    zeros[:, 4] = ((capacity - filled) * row_bytes)[short]
+    zeros[:, 5] = (batch * heads)[short]
+    table = np.concatenate([table, zeros])
+    single = table[:, 5] == 1  # one run: no pitch (as _segment_tables)
+    table[single, 1] = table[single, 3] = 0
+    return table
 
 
 def _layout(pieces: Sequence[np.ndarray], shape: tuple[int, ...], name: str) -> RowsLayout | None:
@@ -849,14 +928,15 @@ def gathered(
 
 def gathered_flat(
     specs: Sequence[cuda.LeafSpec],
-    pieces: Sequence[Sequence[np.ndarray] | RowsLayout],
+    pieces: Sequence[Sequence[np.ndarray] | RowsLayout] | np.ndarray,
     pages: PinnedPages | None = None,
     *,
     lazy: bool = False,
 ) -> mx.array | None:
     """:func:`gathered` with ``one_buffer``, as the one uint8 device array that holds
     every array of ``specs``, each at its :func:`buffer_starts` (:func:`views_in` cuts
-    them; :func:`stacked_view` takes a run of them as one array)."""
+    them; :func:`stacked_view` takes a run of them as one array). ``pieces`` may be
+    their segment table, made already (:func:`alike_table`; with ``pages``)."""
     if not specs or sum(map(cuda.nbytes_of, specs)) < GATHER_MIN_BYTES or not proven():
         return None
     made = _gather(specs, pieces, pages, one_buffer=True, lazy=lazy and pages is not None)
@@ -895,7 +975,7 @@ def stacked_view(
 
 def _gather(
     specs: Sequence[cuda.LeafSpec],
-    pieces: Sequence[Sequence[np.ndarray] | RowsLayout],
+    pieces: Sequence[Sequence[np.ndarray] | RowsLayout] | np.ndarray,
     pages: PinnedPages | None,
     *,
     inline: bool = False,
@@ -903,13 +983,19 @@ def _gather(
     stage: bool | None = None,
     lazy: bool = False,
 ) -> list[mx.array] | None:
-    found = [
-        p if isinstance(p, RowsLayout) else _layout(p, shape, name)
-        for p, (shape, name) in zip(pieces, specs, strict=True)
-    ]
-    layouts = [layout for layout in found if layout is not None]
-    if len(layouts) < len(found):
-        return None
+    made: np.ndarray | None = None  # a one-buffer gather's segment table, made already
+    if isinstance(pieces, np.ndarray):
+        if pages is None or not one_buffer:
+            return None
+        made, pieces, layouts = pieces, [], []
+    else:
+        found = [
+            p if isinstance(p, RowsLayout) else _layout(p, shape, name)
+            for p, (shape, name) in zip(pieces, specs, strict=True)
+        ]
+        layouts = [layout for layout in found if layout is not None]
+        if len(layouts) < len(found):
+            return None
     own = pages is None
     if pages is None:
         if any(isinstance(p, RowsLayout) for p in pieces):
@@ -931,7 +1017,8 @@ def _gather(
     try:
         if one_buffer:
             starts = buffer_starts(specs)
-            on_device = _DeviceTable(_segment_table(layouts, starts), pages)
+            table = made if made is not None else _segment_table(layouts, starts)
+            on_device = _DeviceTable(table, pages)
             groups = _groups(pages, starts[-1])
             if groups > 1:
                 # a group of spans at a time as they are locked, then one join of all

@@ -368,14 +368,18 @@ def join_runs(
     specs = [joins[i][2].leaves()[0] for i in hosted]
     # On a CUDA GPU the host rows are read by the GPU from the store's pages (pinned:
     # ``pages``), every joined array in one kernel; rows of described tensors (lossy
-    # layers on pinned pages) from where their headers say they lie.
-    flat = (
-        cuda_pages.gathered_flat(
-            specs, [_gathered_from(joins[i][2]) for i in hosted], pages, lazy=True
+    # layers on pinned pages) from where their headers say they lie: where every join
+    # reads the same records laid out alike, its segments made for all at once.
+    flat = None
+    if on_gpu:
+        alike = _alike_rows([joins[i][2] for i in hosted]) if pages is not None else None
+        table = cuda_pages.alike_table(alike, specs) if alike is not None else None
+        flat = cuda_pages.gathered_flat(
+            specs,
+            table if table is not None else [_gathered_from(joins[i][2]) for i in hosted],
+            pages,
+            lazy=True,
         )
-        if on_gpu
-        else None
-    )
     if flat is not None:
         filled = cuda_pages.views_in(flat, specs)
         if stacks is not None:
@@ -507,6 +511,30 @@ def write_rows(views: Sequence[np.ndarray], target: np.ndarray) -> None:
     rows = sum(int(view.shape[2]) for view in views)
     np.concatenate(views, axis=2, out=target[:, :, :rows], casting="safe")
     target[:, :, rows:] = 0
+
+
+def _alike_rows(joins: Sequence[RowsJoin | _StoredRows]) -> cuda_pages.AlikeRows | None:
+    """``joins`` as one :class:`~kvstore.codecs.cuda_pages.AlikeRows` when each is a
+    :class:`_StoredRows` of pieces laid out alike in the same records (a lossy restore of
+    a model whose every layer reads every block); else ``None``."""
+    first: _Bases | None = None
+    offsets, shapes, dtypes, counts = [], [], [], []
+    for join in joins:
+        if not isinstance(join, _StoredRows) or join.bases is None:
+            return None
+        bases = join.bases
+        if first is None:
+            first = bases
+        elif bases is not first and bases.addresses != first.addresses:
+            return None
+        entry = join.tensors[0].entries[join.name]
+        offsets.append(entry.offset)
+        shapes.append(entry.shape)
+        dtypes.append(entry.dtype)
+        counts.append(bases.counts(entry.shape[2]))
+    if first is None:
+        return None
+    return cuda_pages.AlikeRows(first.addresses, offsets, shapes, dtypes, counts)
 
 
 def _gathered_from(join: RowsJoin | _StoredRows) -> Sequence[Any] | cuda_pages.RowsLayout:

@@ -962,3 +962,33 @@ def test_a_lossy_restore_of_windowed_and_global_layers_equals_the_cpu_restore(
             cuda.TRANSPORT = staged_transport
     assert [int(c.offset) for c in on_device] == [len(tokens) - 1] * len(on_device)
     assert_same_caches(on_device, plain)
+
+
+@pytest.mark.parametrize("policy", ["kv:quant:8:64", "kv:turboquant:4:4"])
+def test_a_lossy_restore_makes_every_joins_segments_in_one_go_and_equals_the_cpu_restore(
+    tmp_path, staged, monkeypatch, policy
+):
+    # Every layer reads the same records, laid out alike: the segments of all the joins
+    # are made at once (cuda_pages.alike_table), no layout made per join.
+    made, per_join = [], []
+    real_table = cuda_pages.alike_table
+    monkeypatch.setattr(
+        cuda_pages,
+        "alike_table",
+        lambda rows, specs: made.append(len(specs)) or real_table(rows, specs),
+    )
+    real_layout = cuda_pages.alike_layout
+    monkeypatch.setattr(
+        cuda_pages, "alike_layout", lambda *a: per_join.append(1) or real_layout(*a)
+    )
+    model = model_for("tiny")
+    tokens = prompt(31, 4 * BLOCK)  # whole blocks: every record of one layout
+    with open_store(f"lmdb://{tmp_path / 's'}", block_size=BLOCK, storage_policy=policy) as store:
+        store.save("ns", tokens, token_by_token(model, tokens))
+        match = store.lookup("ns", tokens)
+        on_device = store.restore(match, model.make_cache())
+        assert made and per_join == [] and staged.gathers >= 1 and staged.uploads == 0
+        monkeypatch.setattr(cuda, "TRANSPORT", False)
+        plain = store.restore(match, model.make_cache())
+    assert int(on_device[0].offset) == len(tokens) - 1
+    assert_same_caches(on_device, plain)

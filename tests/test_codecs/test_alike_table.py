@@ -1,0 +1,99 @@
+"""A one-buffer gather's segment table made for every array at once
+(kvstore.codecs.cuda_pages.alike_table): word for word the table the per-array path makes
+from each array's alike_layout, and None wherever one of those is None."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kvstore.codecs import cuda_pages
+
+#: Kinds of tensor as a lossy record stores them: (stored shape, dtype).
+KINDS = [
+    ((1, 2, 16, 8), "uint32"),  # TurboQuant codes
+    ((1, 2, 16), "float16"),  # its scales: no trailing dims
+    ((2, 3, 16, 4), "bfloat16"),  # a batch of two
+    ((1, 2, 16, 5), "uint8"),  # rows of 5 bytes: no 16-byte words
+]
+
+
+def case(rng, kinds, records, counts_of):
+    """Arrays of ``kinds`` (indices into KINDS), each from every one of ``records`` at
+    an offset of its own, ``counts_of(kind)`` rows of each record read: the AlikeRows,
+    the arrays' specs and each array's alike_layout."""
+    bases = [int(b) for b in rng.integers(1, 1 << 40, records) * 64]
+    offsets, shapes, dtypes, counts, specs, layouts = [], [], [], [], [], []
+    for kind in kinds:
+        shape, dtype = KINDS[kind]
+        cuts = counts_of(shape[2])
+        capacity = sum(cuts) + int(rng.integers(0, 3))
+        spec = ((*shape[:2], capacity, *shape[3:]), dtype)
+        offset = int(rng.integers(0, 1 << 20)) * 16
+        offsets.append(offset)
+        shapes.append(shape)
+        dtypes.append(dtype)
+        counts.append(cuts)
+        specs.append(spec)
+        addresses = [base + offset for base in bases]
+        layouts.append(cuda_pages.alike_layout(addresses, shape, cuts, dtype, *spec))
+    return cuda_pages.AlikeRows(bases, offsets, shapes, dtypes, counts), specs, layouts
+
+
+@pytest.mark.parametrize("records", [1, 3, 16])
+@pytest.mark.parametrize(
+    "cuts",
+    ["whole", "last-cut", "empty-piece", "first-empty"],
+)
+def test_the_table_for_all_arrays_is_the_per_array_paths_table(records, cuts):
+    rng = np.random.default_rng(records)
+
+    def counts_of(stored: int) -> list[int]:
+        out = [stored] * records
+        if cuts == "last-cut":
+            out[-1] = stored // 2 + 1
+        elif cuts == "empty-piece":
+            out[-1] = 0
+        elif cuts == "first-empty":
+            out[0] = 0
+        return out
+
+    kinds = [0, 1, 2, 3, 0, 1, 3, 2, 1, 0]
+    rows, specs, layouts = case(rng, kinds, records, counts_of)
+    assert all(layout is not None for layout in layouts)
+    want = cuda_pages._segment_table(layouts, cuda_pages.buffer_starts(specs))
+    got = cuda_pages.alike_table(rows, specs)
+    assert got is not None and got.dtype == want.dtype
+    assert np.array_equal(got, want)
+
+
+@pytest.mark.parametrize(
+    ("change", "why"),
+    [
+        ("dtype", "another dtype than the array's"),
+        ("heads", "other leading dims than the array's"),
+        ("width", "other trailing dims than the array's"),
+        ("rows", "more rows than stored"),
+        ("negative", "fewer than no rows"),
+        ("capacity", "more rows than the array holds"),
+    ],
+)
+def test_a_table_some_array_cannot_be_gathered_by_is_none(change, why):
+    rng = np.random.default_rng(7)
+    rows, specs, _ = case(rng, [0, 1, 2], 4, lambda stored: [stored] * 4)
+    shapes, dtypes, counts = list(rows.shapes), list(rows.dtypes), [list(c) for c in rows.counts]
+    (shape, name) = specs[2]
+    if change == "dtype":
+        dtypes[2] = "float16"
+    elif change == "heads":
+        specs[2] = ((shape[0], shape[1] + 1, *shape[2:]), name)
+    elif change == "width":
+        specs[2] = ((*shape[:3], shape[3] + 1), name)
+    elif change == "rows":
+        counts[2][1] = shapes[2][2] + 1
+    elif change == "negative":
+        counts[2][1] = -1
+    else:
+        specs[2] = ((*shape[:2], sum(counts[2]) - 1, *shape[3:]), name)
+    changed = cuda_pages.AlikeRows(rows.bases, rows.offsets, shapes, dtypes, counts)
+    assert cuda_pages.alike_table(changed, specs) is None, why
