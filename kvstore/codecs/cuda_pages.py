@@ -983,11 +983,11 @@ def _gather(
     stage: bool | None = None,
     lazy: bool = False,
 ) -> list[mx.array] | None:
-    made: np.ndarray | None = None  # a one-buffer gather's segment table, made already
+    given: np.ndarray | None = None  # a one-buffer gather's segment table, made already
     if isinstance(pieces, np.ndarray):
         if pages is None or not one_buffer:
             return None
-        made, pieces, layouts = pieces, [], []
+        given, pieces, layouts = pieces, [], []
     else:
         found = [
             p if isinstance(p, RowsLayout) else _layout(p, shape, name)
@@ -1017,7 +1017,7 @@ def _gather(
     try:
         if one_buffer:
             starts = buffer_starts(specs)
-            table = made if made is not None else _segment_table(layouts, starts)
+            table = given if given is not None else _segment_table(layouts, starts)
             on_device = _DeviceTable(table, pages)
             groups = _groups(pages, starts[-1])
             if groups > 1:

@@ -533,12 +533,14 @@ def _segments(header: RecordHeader) -> list[tuple[int, int]]:
     return segments
 
 
-def forget_parsed_headers() -> None:
+def forget_parsed_headers(*, keep_templates: bool = False) -> None:
     """Drop the remembered header parses, and the tensor tables they share
-    (benchmarks measuring a first read call this)."""
+    (benchmarks measuring a first read call this); ``keep_templates``: only the
+    parses (a session whose warm-up read a header of the same layout)."""
     _PARSED.clear()
-    forget_tensor_tables()
-    header_template.forget()
+    if not keep_templates:
+        forget_tensor_tables()
+        header_template.forget()
 
 
 def snapshot_to_mlx(snapshot: Snapshot) -> Snapshot:
