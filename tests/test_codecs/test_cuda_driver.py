@@ -84,6 +84,9 @@ staging.copy(4096, int(host.ctypes.data), host.nbytes)  # as a locking thread do
 
 def elsewhere():
     staging.copy(0, int(host.ctypes.data) + 100, 16)
+    # A copy route's chunk: on this thread's own stream, waited for (twice: one stream).
+    staging.copy_now(16, int(host.ctypes.data) + 200, 16)
+    staging.copy_now(32, int(host.ctypes.data) + 300, 16)
 
 thread = threading.Thread(target=elsewhere)
 thread.start()
@@ -93,6 +96,7 @@ landed = (ctypes.c_uint8 * (host.nbytes + 4096)).from_address(staging.address)
 data = np.frombuffer(landed, np.uint8)
 assert np.array_equal(data[4096:], host), "the copy's bytes are not where asked"
 assert np.array_equal(data[:16], host[100:116]), "the other thread's copy"
+assert np.array_equal(data[16:48], np.concatenate([host[200:216], host[300:316]]))
 driver.unregister_pages(int(host.ctypes.data))
 staging.free()
 staging.free()  # a second free gives nothing back twice
@@ -138,11 +142,13 @@ def test_the_driver_calls_land_bytes_where_asked_and_all_let_the_gil_go(fake_dri
         "register": (1, 0),
         "unregister": (1, 0),
         "pointer": (1, 0),
-        # One stream per staging, made and dropped once, its memory given back once.
-        "stream": (1, 0),
+        # One stream per staging, made and dropped once, its memory given back once;
+        # one more for the thread that copied now (kept for it), each such copy waited
+        # for; the staging's stream waited for once made (the others copy after it).
+        "stream": (2, 0),
         "alloc": (1, 0),
-        "copy": (2, 0),
-        "sync": (1, 0),
+        "copy": (4, 0),
+        "sync": (4, 0),
         "free": (1, 0),
         "drop": (1, 0),
     }
