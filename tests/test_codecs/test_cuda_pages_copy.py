@@ -17,6 +17,7 @@ import pytest
 
 from kvstore.codecs import cuda, cuda_pages
 from kvstore.store import open_store
+from kvstore.threads import KeptPool
 from tests.test_codecs.test_cuda_pages import plain_prefix
 from tests.test_codecs.test_cuda_staging import HostTransport
 from tests.test_store.kv_helpers import (
@@ -172,34 +173,36 @@ def test_without_room_for_the_rows_twice_the_pages_are_locked_instead(
     assert_same_caches(restored, plain)
 
 
-def test_pages_let_go_while_their_copies_run_wait_for_them_and_give_the_memory_back(copying):
+def test_pages_let_go_while_their_copies_run_wait_for_them_and_give_the_memory_back(
+    copying, monkeypatch
+):
     # A restore that stops early lets its pages go with copies still queued: those not
-    # started are called off, the running ones finish (they read the store's pages,
+    # started are called off, the running one finishes (it reads the store's pages,
     # which must stay mapped until then), and only then is the device memory freed.
+    monkeypatch.setattr(cuda, "_POOL", KeptPool("test-copies", lambda: 1))  # one at a time
     data = np.random.default_rng(3).integers(0, 256, 16 * PAGE, dtype=np.uint8)
     buffer = mmap.mmap(-1, data.size)
     view = np.frombuffer(buffer, np.uint8)
     view[:] = data
-    gate = threading.Event()
+    running, gate = threading.Event(), threading.Event()
     real = cuda_pages._populate
-    started: list[int] = []
 
     def held_populate(start, nbytes):
-        started.append(start)
+        running.set()
         assert gate.wait(10)
         real(start, nbytes)
 
-    cuda_pages._populate = held_populate
-    try:
-        pages = cuda_pages.pin([view])
-        assert pages is not None and pages._copy
-        threading.Timer(0.05, gate.set).start()
-        pages.release()
-        assert all(f.done() for f in pages._futures)
-        assert copying.stagings[0].freed and copying.device_memory == {}
-    finally:
-        cuda_pages._populate = real
-    assert started  # at least the first chunk ran; the rest may have been called off
+    monkeypatch.setattr(cuda_pages, "_populate", held_populate)
+    pages = cuda_pages.pin([view])
+    assert pages is not None and pages._copy and len(cuda_pages._chunks(*pages.spans[0])) == 8
+    assert running.wait(10)  # the first chunk is being copied, the rest wait their turn
+    threading.Timer(0.05, gate.set).start()
+    pages.release()  # waits for the running one
+    assert all(f.done() for f in pages._futures)
+    (memory,) = copying.stagings
+    assert memory.copies == 1 and memory.freed and copying.device_memory == {}
+    assert pages._futures[0].result() is None  # called off: nothing is read from it
+    cuda._POOL.forget()
     del view
     buffer.close()
 
