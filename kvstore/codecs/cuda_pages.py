@@ -525,18 +525,9 @@ class PinnedPages:
             self._start_copies()
             return
         _hurry(+1)
-        left = [len(self.spans)]
-
-        def one_done(_: Future[int | None]) -> None:
-            with _HURRY_LOCK:
-                left[0] -= 1
-                last = not left[0]
-            if last:
-                _hurry(-1)
-
         for number, (span, wait) in enumerate(zip(self.spans, waits, strict=True)):
             self._futures.append(_register_pool().submit(self._lock_and_copy, number, span, wait))
-            self._futures[-1].add_done_callback(one_done)
+        _hurry_back_after(self._futures)
         # On a thread of its own: the allocation waits on the driver behind the first
         # registrations at times (H200: 0.4-6.3 ms of the restore's own thread,
         # tools/bench/results/gpu/d1643e2/), and nothing reads it before a gather.
@@ -558,17 +549,7 @@ class PinnedPages:
         self._chunks_left = [len(chunks) for chunks in parts]
         self._chunk_failed = [False] * len(parts)
         self._futures = [Future() for _ in parts]
-        left = [len(parts)]
-
-        def one_done(_: Future[int | None]) -> None:
-            with _HURRY_LOCK:
-                left[0] -= 1
-                last = not left[0]
-            if last:
-                _hurry(-1)
-
-        for future in self._futures:
-            future.add_done_callback(one_done)
+        _hurry_back_after(self._futures)
         workers = cuda.pool()
         for number, chunks in enumerate(parts):
             for start, nbytes in chunks:
@@ -796,6 +777,25 @@ def _hurry(step: int) -> None:
         _HURRIED[0] += step
         if step < 0 and not _HURRIED[0]:
             sys.setswitchinterval(_SAVED_INTERVAL[0])
+
+
+def _hurry_back_after(futures: Sequence[Future[int | None]]) -> None:
+    """``_hurry(-1)`` once every one of ``futures`` (the registrations or copies a
+    ``_hurry(+1)`` was for) is done."""
+    if not futures:
+        _hurry(-1)
+        return
+    left = [len(futures)]
+
+    def one_done(_: Future[int | None]) -> None:
+        with _HURRY_LOCK:
+            left[0] -= 1
+            last = not left[0]
+        if last:
+            _hurry(-1)
+
+    for future in futures:  # one done already runs its callback at once
+        future.add_done_callback(one_done)
 
 
 def pin(buffers: Sequence[Any]) -> PinnedPages | None:
