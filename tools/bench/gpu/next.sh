@@ -53,6 +53,9 @@
 # STEP g2b       the same with kv:turboquant:4:4 alone: ~250 s (with 3:3 as well it outlasted
 #                a call of 380 s at 5ba93ee, and G2 writes its figures only at its end)
 # STEP g2c       the same with kv:turboquant:3:3 alone: ~250 s
+# STEP g2bars    the same with the two policies G2 has bars for, kv:quant:8:64 and
+#                kv:turboquant:4:4, on one host and one lossless run: ~440 s (g2b alone
+#                took 339 s at 8e1beb9, g2q8 279)
 #
 # Results under OUT; copy them to tools/bench/results/gpu/<rev>/ to commit.
 set -uo pipefail
@@ -119,14 +122,15 @@ case "$step" in
   g1-16k)
     KVSTORE_BENCH_GPU_TOKENS=16384 KVSTORE_BENCH_GIT=$rev CHECK_TIMEOUT=1 BENCH_TIMEOUT=520 \
       REPEATS=5 bash tools/bench/gpu/run.sh G1 "$out/g1-16k" ;;
-  g2a|g2q8|g2b|g2c)
+  g2a|g2q8|g2b|g2c|g2bars)
     case "$step" in
       g2a) policies=kv:quant:8:64,kv:quant:4:64 ;;
+      g2bars) policies=kv:quant:8:64,kv:turboquant:4:4 ;;
       g2q8) policies=kv:quant:8:64 ;;
       g2b) policies=kv:turboquant:4:4 ;;
       *) policies=kv:turboquant:3:3 ;;
     esac
     KVSTORE_BENCH_G2_POLICIES=$policies KVSTORE_BENCH_GPU_TOKENS=4096 KVSTORE_BENCH_GIT=$rev \
       CHECK_TIMEOUT=1 BENCH_TIMEOUT=540 REPEATS=5 bash tools/bench/gpu/run.sh G2 "$out/$step" ;;
-  *) echo "next.sh: unknown step $step (ab, profiles, probe, graphs, stage, spans, model, parent, rht, floor, g1-4k, g1-16k, g2a, g2q8, g2b, g2c)"; exit 2 ;;
+  *) echo "next.sh: unknown step $step (ab, profiles, probe, graphs, stage, spans, model, parent, rht, floor, g1-4k, g1-16k, g2a, g2q8, g2b, g2c, g2bars, copy)"; exit 2 ;;
 esac
