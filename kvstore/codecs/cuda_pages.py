@@ -46,7 +46,7 @@ from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import mlx.core as mx
 import numpy as np
@@ -294,7 +294,7 @@ def alike_table(rows: AlikeRows, specs: Sequence[cuda.LeafSpec]) -> np.ndarray |
         u64,
     )
     stored = np.array([piece[2] for piece in rows.shapes], u64)
-    head_stride = stored * row_bytes
+    head_stride = stored * row_bytes  # C order: batch, heads, rows
     batch_stride = heads * head_stride
     starts = np.array(buffer_starts(specs)[: len(specs)], u64)
     signed = np.array(rows.counts, np.int64).reshape(len(specs), len(rows.bases))
@@ -304,33 +304,16 @@ def alike_table(rows: AlikeRows, specs: Sequence[cuda.LeafSpec]) -> np.ndarray |
     counts = signed.astype(u64)
     if np.any(counts.sum(axis=1) > capacity):
         return None
-    firsts = np.cumsum(counts, axis=1) - counts  # rows before each piece in its array
     address = np.array(rows.offsets, u64)[:, None] + np.array(rows.bases, u64)[None, :]
-    # One segment per piece with rows and batch row, array by array, record by record.
-    array, record = np.nonzero(counts)
-    times = batch[array].astype(np.intp)
-    which = np.repeat(np.arange(len(array)), times)
-    b = np.arange(len(which), dtype=u64) - np.repeat(np.cumsum(times) - times, times).astype(u64)
-    j, r = array[which], record[which]
-    rows_bytes = capacity * row_bytes
-    table = np.empty((len(which), SEGMENT_WORDS), u64)
-    table[:, 0] = address[j, r] + b * batch_stride[j]
-    table[:, 1] = head_stride[j]
-    table[:, 2] = starts[j] + b * heads[j] * rows_bytes[j] + firsts[j, r] * row_bytes[j]
-    table[:, 3] = rows_bytes[j]
-    table[:, 4] = counts[j, r] * row_bytes[j]
-    table[:, 5] = heads[j]
-    filled = counts.sum(axis=1)
-    short = np.flatnonzero(filled < capacity)
-    zeros = np.zeros((len(short), SEGMENT_WORDS), u64)
-    zeros[:, 2] = (starts + filled * row_bytes)[short]
-    zeros[:, 3] = rows_bytes[short]
-    zeros[:, 4] = ((capacity - filled) * row_bytes)[short]
-    zeros[:, 5] = (batch * heads)[short]
-    table = np.concatenate([table, zeros])
-    single = table[:, 5] == 1  # one run: no pitch (as _segment_tables)
-    table[single, 1] = table[single, 3] = 0
-    return table
+    array, record = np.nonzero(counts)  # the pieces with rows, array by array, in order
+    pieces = _Pieces(
+        array,
+        address[array, record],
+        batch_stride[array],
+        head_stride[array],
+        counts[array, record],
+    )
+    return _table_of(pieces, _Arrays(batch, heads, capacity, row_bytes, starts))[0]
 
 
 def _layout(pieces: Sequence[np.ndarray], shape: tuple[int, ...], name: str) -> RowsLayout | None:
@@ -400,43 +383,80 @@ def _segment_tables(
     def of_pieces(name: str) -> np.ndarray:  # every piece's own, in order
         return column(itertools.chain.from_iterable(getattr(lay, name) for lay in layouts))
 
-    # Each array's own values, and the same per piece.
-    a_batch, a_heads, a_capacity, a_row_bytes = (
-        column(getattr(lay, name) for lay in layouts)
-        for name in ("batch", "heads", "capacity", "row_bytes")
+    arrays = _Arrays(
+        column(lay.batch for lay in layouts),
+        column(lay.heads for lay in layouts),
+        column(lay.capacity for lay in layouts),
+        column(lay.row_bytes for lay in layouts),
+        column(offsets[: len(layouts)]),  # a running sum's last (the end) may follow
     )
-    a_offset = column(offsets[: len(layouts)])  # a running sum's last (the end) may follow
-    batch, heads, capacity, row_bytes, offset = (
-        np.repeat(values, per) for values in (a_batch, a_heads, a_capacity, a_row_bytes, a_offset)
+    pieces = _Pieces(
+        np.repeat(np.arange(len(layouts)), per),
+        of_pieces("addresses"),
+        of_pieces("batch_strides"),
+        of_pieces("head_strides"),
+        of_pieces("counts"),
     )
-    counts = of_pieces("counts")
-    before = np.concatenate([np.zeros(1, u64), np.cumsum(counts)])  # rows before each piece
-    firsts = before[:-1] - np.repeat(before[np.cumsum(per) - per], per)  # in its array
+    return _table_of(pieces, arrays)
+
+
+class _Pieces(NamedTuple):
+    """Every piece of a gather, grouped by array in order (uint64 but ``array``)."""
+
+    array: np.ndarray  # which array the piece is joined into (ascending)
+    address: np.ndarray
+    batch_stride: np.ndarray
+    head_stride: np.ndarray
+    rows: np.ndarray  # rows it holds
+
+
+class _Arrays(NamedTuple):
+    """Every array of a gather (uint64): its shape's batch, heads and capacity, its row
+    bytes, and where it is written in the output."""
+
+    batch: np.ndarray
+    heads: np.ndarray
+    capacity: np.ndarray
+    row_bytes: np.ndarray
+    offset: np.ndarray
+
+
+def _table_of(pieces: _Pieces, arrays: _Arrays) -> tuple[np.ndarray, np.ndarray]:
+    """The segments that gather ``pieces`` into ``arrays`` (the kernel's layout: each
+    piece's ``batch`` runs of ``heads`` rows, then each array's zeros past its rows), and
+    which array each writes: the one home of that layout (:func:`_segment_tables`,
+    :func:`alike_table`)."""
+    u64 = np.uint64
+    per = np.bincount(pieces.array, minlength=len(arrays.batch))  # pieces per array
+    ends = np.cumsum(per)
+    before = np.concatenate([np.zeros(1, u64), np.cumsum(pieces.rows)])  # rows before each
+    firsts = before[:-1] - np.repeat(before[ends - per], per)  # ... in its array
     # One segment per piece and batch row.
-    times = batch.astype(np.intp)  # segments per piece
-    which = np.repeat(np.arange(len(counts)), times)
-    b = np.arange(len(which), dtype=u64) - np.repeat(np.cumsum(batch) - batch, times)
-    rows_bytes = (capacity * row_bytes)[which]
+    times = arrays.batch[pieces.array].astype(np.intp)  # segments per piece
+    which = np.repeat(np.arange(len(pieces.rows)), times)
+    b = np.arange(len(which), dtype=u64) - np.repeat(np.cumsum(times) - times, times).astype(u64)
+    j = pieces.array[which]
+    row_bytes, heads = arrays.row_bytes[j], arrays.heads[j]
+    rows_bytes = arrays.capacity[j] * row_bytes
     table = np.empty((len(which), SEGMENT_WORDS), u64)
-    table[:, 0] = of_pieces("addresses")[which] + b * of_pieces("batch_strides")[which]
-    table[:, 1] = of_pieces("head_strides")[which]
-    table[:, 2] = offset[which] + b * heads[which] * rows_bytes + firsts[which] * row_bytes[which]
+    table[:, 0] = pieces.address[which] + b * pieces.batch_stride[which]
+    table[:, 1] = pieces.head_stride[which]
+    table[:, 2] = arrays.offset[j] + b * heads * rows_bytes + firsts[which] * row_bytes
     table[:, 3] = rows_bytes
-    table[:, 4] = (counts * row_bytes)[which]
-    table[:, 5] = heads[which]
+    table[:, 4] = pieces.rows[which] * row_bytes
+    table[:, 5] = heads
     # The zeros up to capacity, every (batch, head) row of them, of each array short of it.
-    filled = column(sum(layout.counts) for layout in layouts)
-    short = np.flatnonzero(filled < a_capacity)
+    filled = before[ends] - before[ends - per]
+    short = np.flatnonzero(filled < arrays.capacity)
     zeros = np.zeros((len(short), SEGMENT_WORDS), u64)
-    zeros[:, 2] = (a_offset + filled * a_row_bytes)[short]
-    zeros[:, 3] = (a_capacity * a_row_bytes)[short]
-    zeros[:, 4] = ((a_capacity - filled) * a_row_bytes)[short]
-    zeros[:, 5] = (a_batch * a_heads)[short]
+    zeros[:, 2] = (arrays.offset + filled * arrays.row_bytes)[short]
+    zeros[:, 3] = (arrays.capacity * arrays.row_bytes)[short]
+    zeros[:, 4] = ((arrays.capacity - filled) * arrays.row_bytes)[short]
+    zeros[:, 5] = (arrays.batch * arrays.heads)[short]
     table = np.concatenate([table, zeros])
     single = table[:, 5] == 1  # one run: no pitch (which would cost the 16-byte copies)
     table[single, 1] = table[single, 3] = 0
-    owners = np.concatenate([np.repeat(np.arange(len(layouts)), per)[which], short])
-    return table, owners
+    return table, np.concatenate([j, short])
 
 
 #: Whether a piece of a layout (its shape, strides and dtype) fits a gather into
