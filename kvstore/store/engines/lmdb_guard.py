@@ -23,6 +23,14 @@ checks what the value would span before the value is asked for:
 * an overflow value lies inside the pages a read transaction can see (the
   file) or, in a write transaction, inside the map.
 
+:meth:`NodeGuard.value_span` also says where an overflow value of a read
+transaction lies (the leaf page's header holds its own number, so the map's
+first byte is known from the key's address), and :func:`view_at` views it
+there: python-lmdb's own view would first touch every page of the value on
+the reading thread (16 values of 32 MiB: 4-10 ms before a restore can parse
+its first header), while a restore's checks and page-locking read the pages
+on threads of their own anyway.
+
 What it cannot defend: LMDB itself follows damaged branch pointers and
 compares damaged keys while it searches, and a write transaction may reuse
 damaged free-list pages. Those are what ``kvstore verify`` finds with its
@@ -39,7 +47,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["NodeGuard", "MAX_KEY", "DAMAGED"]
+__all__ = ["NodeGuard", "MAX_KEY", "DAMAGED", "address_of", "view_at"]
 
 #: LMDB's default largest key (``mdb_env_get_maxkeysize``).
 MAX_KEY = 511
@@ -52,9 +60,13 @@ _PAGE_HEADER = 16
 _NODE = struct.Struct("<HHHH")
 _PGNO = struct.Struct("<Q")
 _F_BIGDATA = 0x01
+#: A page header's first 12 bytes: its number, padding and flags (``mdb.c``'s ``MDB_page``).
+_PAGE_TOP = struct.Struct("<QHH")
+_P_LEAF = 0x02
 
 
 _EIGHT = ctypes.c_char * 8
+_TWELVE = ctypes.c_char * 12
 
 
 def _numpy_address(buffer: Any) -> int:
@@ -78,7 +90,7 @@ def _memoryview_buf_offset() -> int | None:
 _BUF_OFFSET = _memoryview_buf_offset()
 
 
-def _address(buffer: Any) -> int:
+def address_of(buffer: Any) -> int:
     """The address of a (read-only) buffer's first byte: a cursor's key is a
     memoryview, whose pointer is read in place (a value read per key: it must cost
     far less than the get; numpy's ``__array_interface__`` cost ~20x one)."""
@@ -108,11 +120,20 @@ class NodeGuard:
         if not 0 < size <= MAX_KEY:
             return False
         if mapped and self.aligned:
-            return _address(key) % self.psize + size <= self.psize
+            return address_of(key) % self.psize + size <= self.psize
         return True
 
     def value_ok(self, key: Any, end: int, *, mapped: bool) -> bool:
-        """Whether the value of the node whose key view is ``key`` can be read safely.
+        """Whether the value of the node whose key view is ``key`` can be read safely
+        (:meth:`value_span` finds it somewhere)."""
+        return self.value_span(key, end, mapped=mapped) is not None
+
+    def value_span(self, key: Any, end: int, *, mapped: bool) -> tuple[int, int] | None:
+        """Where the value of the node whose key view is ``key`` lies, checked as the
+        module says: ``(address, size)``, ``address`` the value's first byte for an
+        overflow value of a read transaction in a page-aligned map and 0 for any other
+        (inline, a write transaction's own pages); ``None`` where it cannot be read
+        safely.
 
         Args:
             key: the cursor's current key (a view into the node).
@@ -125,23 +146,47 @@ class NodeGuard:
         """
         ksize = len(key)
         if not 0 < ksize <= MAX_KEY:
-            return False
-        addr = _address(key)
+            return None
+        addr = address_of(key)
         lo, hi, flags, node_ksize = _NODE.unpack(_EIGHT.from_address(addr - _NODE.size))
         if node_ksize != ksize or flags & ~_F_BIGDATA:
-            return False
+            return None
         size = lo | hi << 16
         offset = addr % self.psize if mapped and self.aligned else None
         if not flags & _F_BIGDATA:
             if _NODE.size + ksize + size > self.nodemax:
-                return False
-            return offset is None or offset + ksize + size <= self.psize
+                return None
+            return (0, size) if offset is None or offset + ksize + size <= self.psize else None
         if offset is not None and offset + ksize + _PGNO.size > self.psize:
-            return False
+            return None
         (pgno,) = _PGNO.unpack(_EIGHT.from_address(addr + ksize))
         start = pgno * self.psize
         if pgno < 2:
-            return False
-        if not mapped and start >= end:
-            return True  # written by this transaction: in memory, its size is LMDB's own
-        return start + _PAGE_HEADER + size <= end
+            return None
+        if not mapped:
+            # past end: written by this transaction, in memory, its size LMDB's own
+            return (0, size) if start >= end or start + _PAGE_HEADER + size <= end else None
+        if start + _PAGE_HEADER + size > end:
+            return None
+        if offset is None:
+            return 0, size
+        # The leaf page's header holds its own number: the map's first byte is that
+        # many pages before it, and the value's first byte past its first page's header.
+        page = addr - offset
+        number, _, page_flags = _PAGE_TOP.unpack(_TWELVE.from_address(page))
+        if not page_flags & _P_LEAF or number * self.psize >= end:
+            return 0, size
+        return page - number * self.psize + start + _PAGE_HEADER, size
+
+
+_FROM_MEMORY = ctypes.pythonapi.PyMemoryView_FromMemory
+_FROM_MEMORY.argtypes = (ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int)
+_FROM_MEMORY.restype = ctypes.py_object
+_PYBUF_READ = 0x100
+
+
+def view_at(address: int, size: int) -> memoryview:
+    """A read-only view of ``size`` bytes at ``address`` (as python-lmdb makes its
+    values' views, without touching their pages first)."""
+    view: memoryview = _FROM_MEMORY(address, size, _PYBUF_READ)
+    return view
