@@ -319,6 +319,9 @@ def test_the_gpu_figures_wait_for_a_gpu_and_smoke_on_a_cpu(tmp_path, monkeypatch
     for line, row in zip(said, g2.rows, strict=True):
         assert f"warm/cold {row.values['warm/cold']:.4f}," in line
     assert g2.rows[1].values["bytes vs lossless"] < 0.6
+    # And each session of it, phase by phase (the medians hide sessions in two groups).
+    sessions = [line for line in logged if "kv:quant:8:64 session: total " in line]
+    assert len(sessions) == ctx.repeats and all("; collections: " in s for s in sessions)
     g3 = gpu_save.G3.run(ctx)
     assert g3.rows[0].values["held ms"] > 0 and "tq/lossless" in g3.rows[0].values
     g4 = gpu_namespace.G4.run(ctx)
@@ -333,6 +336,9 @@ def test_a_gpu_session_runs_in_a_fresh_interpreter(tmp_path):
     setup.prepare()
     session = gpu_common.spawn_session(setup.spec("ours"))
     assert session.restored == 299 and session.argmax_equal and session.max_abs_diff == 0.0
+    collected = session.detail["collections"]  # what Python collected in the timed part
+    assert all(g in (0, 1, 2) and t >= 0 for g, t in collected)
+    assert gpu_common.session_line(session).startswith(f"total {1e3 * session.total_s:.1f}, ")
     gpu_common.release_all()
 
 

@@ -45,6 +45,7 @@ __all__ = [
     "GpuSetup",
     "setup_for",
     "Session",
+    "session_line",
     "spawn_session",
 ]
 
@@ -154,6 +155,19 @@ def spawn_session(spec: dict[str, Any]) -> Session:
             f"{proc.stderr.strip()[-2000:]}"
         )
     return Session(**json.loads(lines[-1]))
+
+
+def session_line(session: Session) -> str:
+    """One session's phases in ms, its restoring thread's CPU and the collections
+    Python ran in its timed part."""
+    ms = {k: 1e3 * v for k, v in vars(session).items() if k.endswith("_s")}
+    cpu = 1e3 * session.detail.get("restore_cpu_s", float("nan"))
+    collected = session.detail.get("collections", [])
+    gcs = " ".join(f"gen{g} {1e3 * t:.1f}" for g, t in collected) or "none"
+    return (
+        f"total {ms['total_s']:.1f}, lookup {ms['lookup_s']:.2f}, restore {ms['restore_s']:.1f} "
+        f"(cpu {cpu:.1f}), forward {ms['forward_s']:.1f}; collections: {gcs}"
+    )
 
 
 #: How sessions are run (tests run them in-process).
@@ -276,6 +290,8 @@ class GpuSetup:
         if key not in self.sessions:
             spec = self.spec(case, policy)
             self.sessions[key] = [RUN_SESSION(spec) for _ in range(self.ctx.repeats)]
+            for session in self.sessions[key]:  # each one: the medians hide two groups
+                self.ctx.log(f"    {key} session: {session_line(session)}")
         return self.sessions[key]
 
     def close(self) -> None:
