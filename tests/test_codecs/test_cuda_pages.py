@@ -992,3 +992,29 @@ def test_a_lossy_restore_makes_every_joins_segments_in_one_go_and_equals_the_cpu
         plain = store.restore(match, model.make_cache())
     assert int(on_device[0].offset) == len(tokens) - 1
     assert_same_caches(on_device, plain)
+
+
+@pytest.mark.parametrize("policy", ["kv:quant:8:64", "kv:turboquant:4:4"])
+def test_a_lossy_restore_queueing_its_decode_early_equals_the_cpu_restore(
+    tmp_path, staged, monkeypatch, policy
+):
+    # KVSTORE_EARLY_DECODE=1: the stacked decode queued on the device as soon as it is
+    # made, the caches' joins evaluated after, as before; the same caches.
+    from kvstore.store.kv import restore as restoring
+
+    queued: list[list[mx.array]] = []
+    real_async = mx.async_eval
+    monkeypatch.setattr(restoring, "EARLY_DECODE", True)
+    monkeypatch.setattr(mx, "async_eval", lambda *a: queued.append(list(a[0])) or real_async(*a))
+    model = model_for("tiny")
+    tokens = prompt(37, 4 * BLOCK)
+    with open_store(f"lmdb://{tmp_path / 's'}", block_size=BLOCK, storage_policy=policy) as store:
+        store.save("ns", tokens, token_by_token(model, tokens))
+        match = store.lookup("ns", tokens)
+        on_device = store.restore(match, model.make_cache())
+        decodes = [q for q in queued if q and all(a.dtype == mx.float32 for a in q)]
+        # keys and values, each one stack of every layer's rows
+        assert decodes and [a.shape[0] for a in decodes[0]] == [len(model.layers)] * 2
+        monkeypatch.setattr(cuda, "TRANSPORT", False)
+        plain = store.restore(match, model.make_cache())
+    assert_same_caches(on_device, plain)

@@ -337,6 +337,10 @@ def _plans(
         for i, joined in zip(recoded, joins, strict=True):
             layers[i] = joined
         recoded = _stacked(layers, needs, recoded, stacks, decoded)
+        if decoded and EARLY_DECODE:
+            # Queued now, the decode runs on the device while this thread plans the
+            # caches and their joins, rather than inside run_plans' evaluation.
+            mx.async_eval([stack.whole for stack in decoded])
     for i in recoded:
         layers[i] = [transcode(s, needs[i].signature) for s in layers[i]]
     return [get_codec(need.signature).plan_restore(layers[i]) for i, need in enumerate(needs)]
@@ -406,6 +410,13 @@ def _views_of(
             out[name] = stack.whole[at * batch : (at + len(snaps)) * batch]
     return out
 
+
+#: Whether a lossy restore's stacked decode is queued on the device as soon as it is
+#: made (``KVSTORE_EARLY_DECODE=1``), not evaluated with the caches' joins in
+#: :func:`~kvstore.codecs.plans.run_plans`. Off until measured on a GPU (issue 13: on
+#: the H200 the decode and joins ran after the restoring thread's last 5 ms of Python;
+#: queueing the decode first makes two evaluations of one).
+EARLY_DECODE = os.environ.get("KVSTORE_EARLY_DECODE", "0") == "1"
 
 #: The most vectors of a kind one stacked decode holds (:func:`_stacked`).
 STACKED_DECODE_VECTORS = 1 << 20

@@ -39,6 +39,9 @@
 # STEP copy      ab_env of TQ 4/4, q8 and lossless with the records locked where they are (the
 #                default) and copied through the staging slots on the staging threads instead
 #                (KVSTORE_CUDA_PAGES_ROUTE=copy: no page locked), 4 each: ~250 s
+# STEP early     ab_env of TQ 4/4 and q8 with a lossy restore's stacked decode queued on the
+#                device as soon as it is made (KVSTORE_EARLY_DECODE=1) against evaluated with
+#                the caches' joins (the default), 6 each: ~250 s
 # STEP rht       TurboQuant's one-kernel encode and decode (kvstore/turboquant/cuda_rht.py):
 #                proven or not, agreement with the ops and times (rht_probe.py), then P11
 #                on the device: ~140 s
@@ -107,6 +110,10 @@ case "$step" in
     timeout 420 python3 -m tools.bench.gpu.ab_env --repeats 4 base: \
       'copy:KVSTORE_CUDA_PAGES_ROUTE=copy' --policies kv:turboquant:4:4,kv:quant:8:64,lossless \
       2>&1 | tee "$out/ab-copy.txt" ;;
+  early)
+    timeout 420 python3 -m tools.bench.gpu.ab_env --repeats 6 base: \
+      'early:KVSTORE_EARLY_DECODE=1' --policies kv:turboquant:4:4,kv:quant:8:64 \
+      2>&1 | tee "$out/ab-early.txt" ;;
   rht)
     timeout 150 python3 tools/bench/gpu/rht_probe.py 2>&1 | tee "$out/rht-probe.txt"
     KVSTORE_BENCH_GIT=$rev CHECK_TIMEOUT=1 BENCH_TIMEOUT=240 REPEATS=5 \
