@@ -155,44 +155,76 @@ VALUES = {
 }
 
 
-def test_an_overflow_value_is_viewed_where_its_node_says_it_lies(tmp_path):
+def lmdb_s_own_addresses(backend, keys):
+    from kvstore.store.engines.lmdb_guard import address_of
+
+    with backend._env.begin(buffers=True) as txn:
+        return [address_of(txn.get(key)) for key in keys]
+
+
+def test_an_overflow_value_is_viewed_where_lmdb_finds_it(tmp_path):
     # python-lmdb touches every page of a value before handing it out (16 records of
     # 32 MiB: ~4 ms on the restoring thread); a read transaction's overflow values are
-    # viewed at the address their node gives instead, the same bytes at the same place.
+    # viewed where LMDB's layout puts them instead, once two values read through
+    # python-lmdb have said where the map lies: the same bytes at the same place.
     from kvstore.store.engines.lmdb import LMDBBackend
     from kvstore.store.engines.lmdb_guard import address_of
 
     backend = LMDBBackend(tmp_path / "s")
     backend.put_many(VALUES.items())
+    big = [b"one-page", b"big"]
+    with backend.view_many(big) as views:  # the map's address learned, then confirmed
+        assert [bytes(v) for v in views] == [VALUES[k] for k in big]
+    assert backend._shared.map_base and backend._shared.map_unconfirmed is None
     with backend.view_many(list(VALUES)) as views:
         got = dict(zip(VALUES, views, strict=True))
         assert {k: bytes(v) for k, v in got.items()} == VALUES
-        with backend._env.begin(buffers=True) as txn:
-            for key in (b"one-page", b"big"):
-                assert type(got[key]) is memoryview and got[key].readonly
-                assert address_of(got[key]) == address_of(txn.get(key))
-    assert backend._shared.direct is True  # checked once against python-lmdb's view
+        assert all(type(got[k]) is memoryview and got[k].readonly for k in big)
+        assert [address_of(got[k]) for k in big] == lmdb_s_own_addresses(backend, big)
     backend.close()
 
 
-def test_a_view_that_would_not_be_lmdb_s_is_never_made(tmp_path, monkeypatch):
-    # The address is found through LMDB's page and node layout; were it ever not where
-    # python-lmdb's own view lies (another LMDB), the first read finds out and every
-    # value is read through python-lmdb from then on.
+def test_a_map_that_moves_is_learned_again(tmp_path):
+    # Growing the map remaps it, maybe elsewhere: where it lies is learned anew.
+    from kvstore.store.engines.lmdb import LMDBBackend
+    from kvstore.store.engines.lmdb_guard import address_of
+
+    backend = LMDBBackend(tmp_path / "s", map_size=1 << 20)
+    backend.put_many(VALUES.items())  # 3 MiB into a 1 MiB map: grown
+    for _ in range(2):
+        with backend.view_many([b"one-page", b"big"]):
+            pass
+    assert backend._shared.map_base
+    more = {b"more-%d" % i: bytes([i]) * (32 << 20) for i in range(3)}
+    backend.put_many(more.items())  # grown again
+    assert backend._shared.map_base is None
+    keys = [b"one-page", b"big", *more]
+    for _ in range(2):
+        with backend.view_many(keys) as views:
+            assert [bytes(v) for v in views] == [{**VALUES, **more}[k] for k in keys]
+            addresses = [address_of(v) for v in views]
+    assert addresses == lmdb_s_own_addresses(backend, keys)
+    backend.close()
+
+
+def test_values_that_do_not_lie_where_the_layout_says_are_read_through_lmdb(tmp_path, monkeypatch):
+    # Were LMDB's layout ever not what the guard reads (another LMDB), the second value
+    # read gives the map another address than the first: no value is viewed without
+    # python-lmdb from then on.
     from kvstore.store.engines.lmdb import LMDBBackend
     from kvstore.store.engines.lmdb_guard import NodeGuard
 
     original = NodeGuard.value_span
 
-    def off_by_a_page(self, key, end, *, mapped):
+    def twice_as_far(self, key, end, *, mapped):
         span = original(self, key, end, mapped=mapped)
-        return span if span is None or not span[0] else (span[0] + self.psize, span[1])
+        return span if span is None or span[0] < 0 else (2 * span[0], span[1])
 
-    monkeypatch.setattr(NodeGuard, "value_span", off_by_a_page)
+    monkeypatch.setattr(NodeGuard, "value_span", twice_as_far)
     backend = LMDBBackend(tmp_path / "s")
     backend.put_many(VALUES.items())
-    for _ in range(2):
+    for _ in range(3):
         with backend.view_many(list(VALUES)) as views:
             assert [bytes(v) for v in views] == list(VALUES.values())
-    assert backend._shared.direct is False
+    assert backend._shared.map_base == 0
     backend.close()

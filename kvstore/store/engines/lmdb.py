@@ -184,10 +184,14 @@ class _SharedEnv:
         self.gate = _Gate()
         self.refs = 0
         self.guard = NodeGuard(env.stat()["psize"])
-        #: Whether an overflow value's view is made at the address its node gives
-        #: (:meth:`_LMDBView._value`): ``None`` until the first one is checked against
-        #: python-lmdb's own.
-        self.direct: bool | None = None
+        #: The map's first byte, as python-lmdb's view of the first overflow value read
+        #: says (:meth:`_LMDBView._value`); ``None`` until then and after each remap
+        #: (:meth:`LMDBBackend._set_mapsize`); 0 where a second value's view was not
+        #: where that puts it (then every value is read through python-lmdb).
+        self.map_base: int | None = None
+        #: Where the value ``map_base`` was learned from lies, until another value
+        #: confirms it (``None`` then).
+        self.map_unconfirmed: int | None = None
         self._data = Path(key) / "data.mdb"
 
     def file_size(self) -> int:
@@ -265,21 +269,30 @@ class _LMDBView:
         span = self._guard.value_span(cursor.key(), self._committed(), mapped=self._mapped)
         if span is None:
             return DAMAGED
-        address, size = span
-        if not address or self._shared.direct is False:
+        offset, size = span
+        shared = self._shared
+        base = shared.map_base
+        if offset < 0 or base == 0:
             return cursor.value()
-        # An overflow value in the map, viewed where its node says it is. python-lmdb's
+        if base is None or shared.map_unconfirmed is not None:
+            # Once per map: python-lmdb's view of one value says where the map lies, and
+            # its view of a second (elsewhere) that the values lie where LMDB's layout
+            # says, before any value is viewed without it.
+            theirs = cursor.value()
+            found = address_of(theirs) - offset
+            if len(theirs) != size or found <= 0 or (base is not None and found != base):
+                shared.map_base, shared.map_unconfirmed = 0, None
+            elif base is None:
+                shared.map_base, shared.map_unconfirmed = found, offset
+            elif offset != shared.map_unconfirmed:
+                shared.map_unconfirmed = None
+            return theirs
+        # An overflow value in the map, viewed where LMDB itself finds it. python-lmdb's
         # own view first touches every page of it on this thread (its ``preload``):
         # 16 values of 32 MiB, ~4.4 ms here even with every page mapped, ~5-9 ms in a
         # fresh process, before a restore could parse its first header. A restore's
         # checks and page-locking read the pages on threads of their own anyway.
-        view = view_at(address, size)
-        if self._shared.direct is None:  # once per environment: the same bytes as lmdb's
-            theirs = cursor.value()
-            self._shared.direct = address_of(theirs) == address and len(theirs) == size
-            if not self._shared.direct:
-                return theirs
-        return view
+        return view_at(base + offset, size)
 
     def get(self, key: bytes) -> Buffer | None:
         cursor = self._cur()
@@ -491,7 +504,7 @@ class LMDBBackend(Backend):
                 self._gate.exclusive(operation),
                 translate_errors(LMDB_ERRORS, operation, self.url),
             ):
-                self._env.set_mapsize(0)
+                self._set_mapsize(0)
 
     @contextmanager
     def reader(self) -> Iterator[_LMDBView]:
@@ -553,7 +566,14 @@ class LMDBBackend(Backend):
                     max_map_size=self._max_map_size,
                     needed=size_hint,
                 )
-            self._env.set_mapsize(wanted)
+            self._set_mapsize(wanted)
+
+    def _set_mapsize(self, size: int) -> None:
+        """Resize (0: adopt another process's size) and remap the map, under the
+        exclusive gate: its address may change, so the next read learns it anew."""
+        self._env.set_mapsize(size)
+        if self._shared is not None:
+            self._shared.map_base = self._shared.map_unconfirmed = None
 
     def stats(self) -> dict[str, Any]:
         with translate_errors(LMDB_ERRORS, "stats", self.url):

@@ -24,12 +24,12 @@ checks what the value would span before the value is asked for:
   file) or, in a write transaction, inside the map.
 
 :meth:`NodeGuard.value_span` also says where an overflow value of a read
-transaction lies (the leaf page's header holds its own number, so the map's
-first byte is known from the key's address), and :func:`view_at` views it
-there: python-lmdb's own view would first touch every page of the value on
-the reading thread (16 values of 32 MiB: 4-10 ms before a restore can parse
-its first header), while a restore's checks and page-locking read the pages
-on threads of their own anyway.
+transaction lies in the map (where LMDB finds it: its page number times the
+page size, past the page's header), and :func:`view_at` views it there once the
+map's address is known: python-lmdb's own view would first touch every page of
+the value on the reading thread (16 values of 32 MiB: 4-10 ms before a restore
+can parse its first header), while a restore's checks and page-locking read the
+pages on threads of their own anyway.
 
 What it cannot defend: LMDB itself follows damaged branch pointers and
 compares damaged keys while it searches, and a write transaction may reuse
@@ -60,13 +60,9 @@ _PAGE_HEADER = 16
 _NODE = struct.Struct("<HHHH")
 _PGNO = struct.Struct("<Q")
 _F_BIGDATA = 0x01
-#: A page header's first 12 bytes: its number, padding and flags (``mdb.c``'s ``MDB_page``).
-_PAGE_TOP = struct.Struct("<QHH")
-_P_LEAF = 0x02
 
 
 _EIGHT = ctypes.c_char * 8
-_TWELVE = ctypes.c_char * 12
 
 
 def _numpy_address(buffer: Any) -> int:
@@ -130,10 +126,11 @@ class NodeGuard:
 
     def value_span(self, key: Any, end: int, *, mapped: bool) -> tuple[int, int] | None:
         """Where the value of the node whose key view is ``key`` lies, checked as the
-        module says: ``(address, size)``, ``address`` the value's first byte for an
-        overflow value of a read transaction in a page-aligned map and 0 for any other
-        (inline, a write transaction's own pages); ``None`` where it cannot be read
-        safely.
+        module says: ``(offset, size)``, ``offset`` the value's first byte from the map's
+        start for an overflow value of a read transaction (where LMDB itself finds it:
+        its first page's number times the page size, past that page's header) and -1 for
+        any other (inline, a write transaction's own pages); ``None`` where it cannot be
+        read safely.
 
         Args:
             key: the cursor's current key (a view into the node).
@@ -156,7 +153,7 @@ class NodeGuard:
         if not flags & _F_BIGDATA:
             if _NODE.size + ksize + size > self.nodemax:
                 return None
-            return (0, size) if offset is None or offset + ksize + size <= self.psize else None
+            return (-1, size) if offset is None or offset + ksize + size <= self.psize else None
         if offset is not None and offset + ksize + _PGNO.size > self.psize:
             return None
         (pgno,) = _PGNO.unpack(_EIGHT.from_address(addr + ksize))
@@ -165,18 +162,8 @@ class NodeGuard:
             return None
         if not mapped:
             # past end: written by this transaction, in memory, its size LMDB's own
-            return (0, size) if start >= end or start + _PAGE_HEADER + size <= end else None
-        if start + _PAGE_HEADER + size > end:
-            return None
-        if offset is None:
-            return 0, size
-        # The leaf page's header holds its own number: the map's first byte is that
-        # many pages before it, and the value's first byte past its first page's header.
-        page = addr - offset
-        number, _, page_flags = _PAGE_TOP.unpack(_TWELVE.from_address(page))
-        if not page_flags & _P_LEAF or number * self.psize >= end:
-            return 0, size
-        return page - number * self.psize + start + _PAGE_HEADER, size
+            return (-1, size) if start >= end or start + _PAGE_HEADER + size <= end else None
+        return (start + _PAGE_HEADER, size) if start + _PAGE_HEADER + size <= end else None
 
 
 _FROM_MEMORY = ctypes.pythonapi.PyMemoryView_FromMemory
