@@ -107,14 +107,17 @@ _PARALLEL_CHECKSUM_BYTES = 4 << 20
 # 8 MiB pieces land in reused heap memory, while one 512 MiB piece faults every
 # page fresh (4x slower).
 _SEGMENT_BYTES = 8 << 20
-# Parsed headers by their exact bytes (prefix included): a record verified by the
-# store and then decoded by a restore is parsed once, and a prefix restored again
-# and again (a shared system prompt) not at all. Parsing is a pure function of
-# these bytes, so a hit is exactly what a parse would return.
-_PARSED: dict[bytes, RecordHeader] = {}
+# Parsed headers, each with its exact bytes (prefix included), by the header's own
+# checksum (checked before): a record verified by the store and then decoded by a
+# restore is parsed once, and a prefix restored again and again (a shared system
+# prompt) not at all. Parsing is a pure function of these bytes, and a hit is one whose
+# bytes are equal, so it is exactly what a parse would return. (Keyed by the bytes
+# themselves, each lookup hashed them anew: ~30 us for a 36 KB TurboQuant header, a
+# quarter of its parse from a template; compared, ~1 us.)
+_PARSED: dict[int, tuple[bytes, RecordHeader]] = {}
 _PARSED_LIMIT = 512
-#: Headers being parsed now, by their bytes (see :func:`_parsed_once`).
-_PARSING: dict[bytes, threading.Event] = {}
+#: Headers being parsed now, by their checksum (see :func:`_parsed_once`).
+_PARSING: dict[int, threading.Event] = {}
 _PARSED_LOCK = threading.Lock()
 
 
@@ -592,10 +595,11 @@ def _read_header(view: memoryview, op: str) -> RecordHeader:
         raise corrupt(op, f"Header length {length} exceeds the bound {BOUNDS.header_bytes}.")
     if flags != 0:
         raise corrupt(op, f"Flags {flags:#06x} are set; format 1 defines none.")
-    raw = bytes(view[:end])
-    parsed = _PARSED.get(raw)
+    parsed = _parsed_before(header_sum, view[:end])
     if parsed is None:
+        raw = bytes(view[:end])
         parsed = _parsed_once(
+            header_sum,
             raw,
             lambda: (
                 _from_template(op, raw[_PREFIX.size :], version, flags, length)
@@ -606,6 +610,17 @@ def _read_header(view: memoryview, op: str) -> RecordHeader:
             wait=op == "verify",
         )
     return parsed
+
+
+def _parsed_before(header_sum: int, header: memoryview) -> RecordHeader | None:
+    """The parse of a header of exactly these bytes (``header_sum``: its checksum),
+    remembered; ``None`` if none is."""
+    found = _PARSED.get(header_sum)
+    if found is None:
+        return None
+    raw, parsed = found
+    # startswith is one memcmp; == between bytes and a memoryview compares byte by byte.
+    return parsed if len(raw) == len(header) and raw.startswith(header) else None
 
 
 def _from_template(
@@ -641,40 +656,44 @@ def _record_header(
     )
 
 
-def _parsed_once(raw: bytes, parse: Callable[[], RecordHeader], *, wait: bool) -> RecordHeader:
-    """``parse()``, remembered under ``raw``. A thread that finds the same header being
-    parsed by another waits for that parse when ``wait`` (the store's checks: nothing
-    waits for them until a read ends), else parses it too (a reader): a restore on a GPU
-    parses its headers while the checks, on a dozen other threads, parse the same ones,
-    and the reader's wait for a parse on one of those queued behind the rest of them for
-    the GIL (H200, TurboQuant 4/4, 4096 tokens: its 16 parses took 5-7 ms of wall for
-    1.8 of its CPU; ``tools/bench/results/gpu/d1643e2/``). Parsed twice, they once
-    queued on the GIL for 28 ms where one parse of each took 16 (before a header's
-    template made a parse tens of microseconds): the checks never parse one twice."""
+def _parsed_once(
+    header_sum: int, raw: bytes, parse: Callable[[], RecordHeader], *, wait: bool
+) -> RecordHeader:
+    """``parse()`` of header ``raw`` (``header_sum``: its checksum), remembered. A thread
+    that finds the same header being parsed by another waits for that parse when
+    ``wait`` (the store's checks: nothing waits for them until a read ends), else parses
+    it too (a reader): a restore on a GPU parses its headers while the checks, on a
+    dozen other threads, parse the same ones, and the reader's wait for a parse on one
+    of those queued behind the rest of them for the GIL (H200, TurboQuant 4/4, 4096
+    tokens: its 16 parses took 5-7 ms of wall for 1.8 of its CPU;
+    ``tools/bench/results/gpu/d1643e2/``). Parsed twice, they once queued on the GIL for
+    28 ms where one parse of each took 16 (before a header's template made a parse tens
+    of microseconds): the checks never parse one twice."""
     with _PARSED_LOCK:
-        parsed = _PARSED.get(raw)
+        parsed = _parsed_before(header_sum, memoryview(raw))
         if parsed is not None:
             return parsed
-        running = _PARSING.get(raw)
+        running = _PARSING.get(header_sum)
         mine = running is None
         if running is None:
-            running = _PARSING[raw] = threading.Event()
+            running = _PARSING[header_sum] = threading.Event()
     if not mine:
         if not wait:
             return parse()
         running.wait()
-        parsed = _PARSED.get(raw)
-        return parsed if parsed is not None else parse()  # its parse raised: so does this
+        parsed = _parsed_before(header_sum, memoryview(raw))
+        # its parse raised (so does this), or it was of other bytes with this checksum
+        return parsed if parsed is not None else parse()
     try:
         parsed = parse()
         with _PARSED_LOCK:
             if len(_PARSED) >= _PARSED_LIMIT:
                 _PARSED.clear()  # crude, but bounded
-            _PARSED[raw] = parsed
+            _PARSED[header_sum] = (raw, parsed)
         return parsed
     finally:
         with _PARSED_LOCK:
-            del _PARSING[raw]
+            del _PARSING[header_sum]
         running.set()
 
 

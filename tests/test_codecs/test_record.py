@@ -1,5 +1,6 @@
 """The record format: layout, zero copy, header rules, errors and their attributes."""
 
+import dataclasses
 import struct
 
 import mlx.core as mx
@@ -120,6 +121,26 @@ def test_read_header_needs_only_the_header():
     with pytest.raises(CorruptEntryError):
         decode_record(damaged)
     assert decode_record(damaged, verify=False).header == header
+
+
+def test_a_remembered_parse_is_served_only_for_the_same_bytes():
+    # Parses are remembered under the header's checksum with its bytes, and served only
+    # where the bytes are equal: another header filed under the same checksum (xxh3 is
+    # no cryptographic hash) is parsed on its own.
+    from kvstore.codecs import record as R
+
+    R.forget_parsed_headers()
+    record = small_record()
+    first = read_header(record)
+    assert read_header(bytes(record)) is first  # the same bytes: the parse remembered
+    header_sum = struct.unpack_from("<Q", record, 12)[0]
+    (remembered,) = R._PARSED.values()
+    assert remembered[1] is first and bytes(record).startswith(remembered[0])
+    other = dataclasses.replace(first, writer="another writer")
+    R._PARSED[header_sum] = (b"other bytes of a colliding header", other)
+    again = read_header(record)
+    assert again == first and again != other
+    R.forget_parsed_headers()
 
 
 def test_checksum_mismatch_names_stored_and_computed():
