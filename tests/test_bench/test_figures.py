@@ -336,6 +336,7 @@ def test_a_gpu_session_runs_in_a_fresh_interpreter(tmp_path):
     setup.prepare()
     session = gpu_common.spawn_session(setup.spec("ours"))
     assert session.restored == 299 and session.argmax_equal and session.max_abs_diff == 0.0
+    assert 0 < session.detail["restore_call_s"] <= session.restore_s  # then evaluated
     collected = session.detail["collections"]  # what Python collected in the timed part
     assert all(g in (0, 1, 2) and t >= 0 for g, t in collected)
     assert gpu_common.session_line(session).startswith(f"total {1e3 * session.total_s:.1f}, ")
