@@ -595,9 +595,10 @@ def _read_header(view: memoryview, op: str) -> RecordHeader:
         raise corrupt(op, f"Header length {length} exceeds the bound {BOUNDS.header_bytes}.")
     if flags != 0:
         raise corrupt(op, f"Flags {flags:#06x} are set; format 1 defines none.")
-    parsed = _parsed_before(header_sum, view[:end])
+    header = view[:end]
+    parsed = _parsed_before(header_sum, header)
     if parsed is None:
-        raw = bytes(view[:end])
+        raw = bytes(header)
         parsed = _parsed_once(
             header_sum,
             raw,

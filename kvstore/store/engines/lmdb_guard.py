@@ -12,7 +12,7 @@ which lies right after the node's 8-byte header (``mdb.c``)::
 
     u16 lo | u16 hi | u16 flags | u16 ksize | key | data (or, F_BIGDATA: u64 overflow page)
 
-:meth:`NodeGuard.value_ok` reads that header through the key's address and
+:meth:`NodeGuard.value_span` reads that header through the key's address and
 checks what the value would span before the value is asked for:
 
 * the header agrees with the key (``ksize``), has no flag but ``F_BIGDATA``
@@ -23,13 +23,13 @@ checks what the value would span before the value is asked for:
 * an overflow value lies inside the pages a read transaction can see (the
   file) or, in a write transaction, inside the map.
 
-:meth:`NodeGuard.value_span` also says where an overflow value of a read
-transaction lies in the map (where LMDB finds it: its page number times the
-page size, past the page's header), and :func:`view_at` views it there once the
-map's address is known: python-lmdb's own view would first touch every page of
-the value on the reading thread (16 values of 32 MiB: 4-10 ms before a restore
-can parse its first header), while a restore's checks and page-locking read the
-pages on threads of their own anyway.
+It also says where an overflow value of a read transaction lies in the map
+(where LMDB finds it: its page number times the page size, past the page's
+header), and :func:`view_at` views it there once the map's address is known:
+python-lmdb's own view would first touch every page of the value on the reading
+thread (16 values of 32 MiB: 4-10 ms before a restore can parse its first
+header), while a restore's checks and page-locking read the pages on threads of
+their own anyway.
 
 What it cannot defend: LMDB itself follows damaged branch pointers and
 compares damaged keys while it searches, and a write transaction may reuse
@@ -118,11 +118,6 @@ class NodeGuard:
         if mapped and self.aligned:
             return address_of(key) % self.psize + size <= self.psize
         return True
-
-    def value_ok(self, key: Any, end: int, *, mapped: bool) -> bool:
-        """Whether the value of the node whose key view is ``key`` can be read safely
-        (:meth:`value_span` finds it somewhere)."""
-        return self.value_span(key, end, mapped=mapped) is not None
 
     def value_span(self, key: Any, end: int, *, mapped: bool) -> tuple[int, int] | None:
         """Where the value of the node whose key view is ``key`` lies, checked as the
