@@ -994,17 +994,20 @@ def test_a_lossy_restore_makes_every_joins_segments_in_one_go_and_equals_the_cpu
     assert_same_caches(on_device, plain)
 
 
+@pytest.mark.parametrize("early", [True, False])
 @pytest.mark.parametrize("policy", ["kv:quant:8:64", "kv:turboquant:4:4"])
-def test_a_lossy_restore_queueing_its_decode_early_equals_the_cpu_restore(
-    tmp_path, staged, monkeypatch, policy
+def test_a_lossy_restore_queues_its_decode_early_unless_told_not_to_and_equals_the_cpu_restore(
+    tmp_path, staged, monkeypatch, policy, early
 ):
-    # KVSTORE_EARLY_DECODE=1: the stacked decode queued on the device as soon as it is
-    # made, the caches' joins evaluated after, as before; the same caches.
+    # By default the stacked decode is queued on the device as soon as it is made, the
+    # caches' joins evaluated after; KVSTORE_EARLY_DECODE=0 evaluates them together, as
+    # before. The same caches either way.
     from kvstore.store.kv import restore as restoring
 
+    assert restoring.EARLY_DECODE  # the default
     queued: list[list[mx.array]] = []
     real_async = mx.async_eval
-    monkeypatch.setattr(restoring, "EARLY_DECODE", True)
+    monkeypatch.setattr(restoring, "EARLY_DECODE", early)
     monkeypatch.setattr(mx, "async_eval", lambda *a: queued.append(list(a[0])) or real_async(*a))
     model = model_for("tiny")
     tokens = prompt(37, 4 * BLOCK)
@@ -1013,8 +1016,10 @@ def test_a_lossy_restore_queueing_its_decode_early_equals_the_cpu_restore(
         match = store.lookup("ns", tokens)
         on_device = store.restore(match, model.make_cache())
         decodes = [q for q in queued if q and all(a.dtype == mx.float32 for a in q)]
-        # keys and values, each one stack of every layer's rows
-        assert decodes and [a.shape[0] for a in decodes[0]] == [len(model.layers)] * 2
+        if early:  # keys and values, each one stack of every layer's rows
+            assert decodes and [a.shape[0] for a in decodes[0]] == [len(model.layers)] * 2
+        else:
+            assert decodes == []
         monkeypatch.setattr(cuda, "TRANSPORT", False)
         plain = store.restore(match, model.make_cache())
     assert_same_caches(on_device, plain)

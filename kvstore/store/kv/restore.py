@@ -412,11 +412,13 @@ def _views_of(
 
 
 #: Whether a lossy restore's stacked decode is queued on the device as soon as it is
-#: made (``KVSTORE_EARLY_DECODE=1``), not evaluated with the caches' joins in
-#: :func:`~kvstore.codecs.plans.run_plans`. Off until measured on a GPU (issue 13: on
-#: the H200 the decode and joins ran after the restoring thread's last 5 ms of Python;
-#: queueing the decode first makes two evaluations of one).
-EARLY_DECODE = os.environ.get("KVSTORE_EARLY_DECODE", "0") == "1"
+#: made (the default), rather than evaluated with the caches' joins in
+#: :func:`~kvstore.codecs.plans.run_plans` (``KVSTORE_EARLY_DECODE=0``). On the H200
+#: the decode then runs while this thread plans the caches and their joins: fresh
+#: processes restoring 4096 tokens of llama-8B, taken in turn (median of 4),
+#: TurboQuant 4/4 25.5 -> 23.6 ms and ``kv:quant:8:64`` 27.5 -> 26.3, ``run_plans``
+#: 5.1 -> 3.5 and 5.9 -> 3.3 ms (``tools/bench/results/gpu/d0ceccd/ab-early.txt``).
+EARLY_DECODE = os.environ.get("KVSTORE_EARLY_DECODE", "1") != "0"
 
 #: The most vectors of a kind one stacked decode holds (:func:`_stacked`).
 STACKED_DECODE_VECTORS = 1 << 20
