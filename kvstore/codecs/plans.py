@@ -337,16 +337,32 @@ def join_runs(
                 grouped.append([snap])
         runs.append(grouped)
     joins: list[tuple[int, str, RowsJoin | _StoredRows]] = []
+    # Runs of one header template reading the same payloads (every layer of a lossy
+    # restore): their bases found once, and their row names once per layout.
+    shared: dict[tuple[tuple[int, ...], tuple[tuple[int | None, int], ...]], _Bases] = {}
+    named: dict[tuple[int, tuple[tuple[int | None, int], ...]], list[str]] = {}
     for grouped in runs:
         for run in grouped:
-            names = _row_names(run)
-            if not names:
-                continue
-            rows = sum(s.tokens for s in run)
             described = [stored(s.tensors) for s in run]
             every = cast(list[PayloadTensors], described) if all(described) else None
-            # Laid out alike (one header template): each payload's address, for every name.
-            bases = _Bases(every) if every is not None and same_entries(every) else None
+            bases = None
+            if every is not None and same_entries(every):
+                # Laid out alike (one header template): each payload's address, for
+                # every name; the names from the entries (no shapes made per snapshot).
+                cuts = tuple((t.rows, s.tokens) for t, s in zip(every, run, strict=True))
+                read = (tuple(id(t.payload) for t in every), cuts)
+                bases = shared.get(read)
+                if bases is None:
+                    bases = shared[read] = _Bases(every)
+                key = (id(every[0].entries), cuts)  # the entries are held by ``every``
+                names = named.get(key)
+                if names is None:
+                    names = named[key] = _alike_row_names(every[0].entries, cuts)
+            else:
+                names = _row_names(run)
+            if not names:
+                continue
+            rows = run[-1].stop - run[0].start  # consecutive: each starts where one stops
             for name in names:
                 join = _StoredRows.of(every, name, rows, bases) if every else None
                 joins.append(
@@ -425,7 +441,8 @@ def _stacks(
 class _Bases:
     """A run's payloads laid out alike (one header template): where each lies, and the
     rows each piece of a tensor of so many stored rows holds (a match's cut, where it
-    ends inside the block), found once for the run's joins."""
+    ends inside the block), found once for the joins of every run that reads those
+    payloads with those cuts (a lossy restore's layers all do)."""
 
     def __init__(self, tensors: list[PayloadTensors]) -> None:
         self.tensors = tensors
@@ -546,14 +563,8 @@ def _gathered_from(join: RowsJoin | _StoredRows) -> Sequence[Any] | cuda_pages.R
 
 def _row_names(run: Sequence[Snapshot]) -> list[str]:
     """The row tensors of a run worth joining (none for a run of one MLX-array snapshot,
-    already where a decode wants it, or of one-token snapshots)."""
-    described = stored(run[0].tensors)
-    if described is not None and all(stored(s.tensors) is not None for s in run):
-        tensors = cast(list[PayloadTensors], [s.tensors for s in run])
-        if same_entries(tensors):
-            return _alike_row_names(
-                described.entries, [(t.rows, s.tokens) for t, s in zip(tensors, run, strict=True)]
-            )
+    already where a decode wants it, or of one-token snapshots). Runs laid out alike
+    are named by :func:`_alike_row_names`."""
     sized = [(_shapes(s.tensors), s.tokens) for s in run]
     if any(tokens < 2 for _, tokens in sized):
         return []
