@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import sys
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -339,7 +340,16 @@ def test_a_gpu_session_runs_in_a_fresh_interpreter(tmp_path):
     assert 0 < session.detail["restore_call_s"] <= session.restore_s  # then evaluated
     collected = session.detail["collections"]  # what Python collected in the timed part
     assert all(g in (0, 1, 2) and t >= 0 for g, t in collected)
-    assert gpu_common.session_line(session).startswith(f"total {1e3 * session.total_s:.1f}, ")
+    line = gpu_common.session_line(session)
+    assert line.startswith(f"total {1e3 * session.total_s:.1f}, ")
+    # The restoring thread's faults and context switches, counted where Linux counts them.
+    usage = session.detail["restore_thread"]
+    if sys.platform == "linux":
+        assert set(usage) == {"faults", "waits", "preempted"}
+        assert all(type(n) is int and n >= 0 for n in usage.values())
+        assert f"faults {usage['faults']}, waits {usage['waits']}, " in line
+    else:
+        assert usage == {} and "faults" not in line
     gpu_common.release_all()
 
 

@@ -159,16 +159,18 @@ def spawn_session(spec: dict[str, Any]) -> Session:
 
 def session_line(session: Session) -> str:
     """One session's phases in ms (the restore's call returning, then its arrays
-    evaluated), its restoring thread's CPU and the collections Python ran in its timed
-    part."""
+    evaluated), its restoring thread's CPU (with its page faults and context switches,
+    where the platform counts them) and the collections Python ran in its timed part."""
     ms = {k: 1e3 * v for k, v in vars(session).items() if k.endswith("_s")}
     cpu = 1e3 * session.detail.get("restore_cpu_s", float("nan"))
     call = 1e3 * session.detail.get("restore_call_s", float("nan"))
     collected = session.detail.get("collections", [])
     gcs = " ".join(f"gen{g} {1e3 * t:.1f}" for g, t in collected) or "none"
+    usage = session.detail.get("restore_thread") or {}
+    thread = "".join(f", {n} {usage[n]}" for n in ("faults", "waits", "preempted") if n in usage)
     return (
         f"total {ms['total_s']:.1f}, lookup {ms['lookup_s']:.2f}, restore {ms['restore_s']:.1f} "
-        f"(returned at {call:.1f}, cpu {cpu:.1f}), forward {ms['forward_s']:.1f}; "
+        f"(returned at {call:.1f}, cpu {cpu:.1f}{thread}), forward {ms['forward_s']:.1f}; "
         f"collections: {gcs}"
     )
 

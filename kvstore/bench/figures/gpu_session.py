@@ -76,14 +76,14 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     t0 = time.perf_counter()
     if store is not None:
         match = store.lookup(spec["namespace"], prompt)
-        t1, cpu1 = time.perf_counter(), time.thread_time()
+        t1, cpu1, usage1 = time.perf_counter(), time.thread_time(), _thread_usage()
         restored = store.restore(match, model.make_cache())
     else:
-        t1, cpu1 = time.perf_counter(), time.thread_time()
+        t1, cpu1, usage1 = time.perf_counter(), time.thread_time(), _thread_usage()
         restored = load_prompt_cache(spec["file"])
     returned = time.perf_counter()
     mx.eval([c.keys for c in restored])
-    t2, cpu2 = time.perf_counter(), time.thread_time()
+    t2, cpu2, usage2 = time.perf_counter(), time.thread_time(), _thread_usage()
     held = int(restored[0].offset)
     logits = model(last, restored)[:, -1]
     mx.eval(logits)
@@ -113,8 +113,24 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
             # in a process with a model loaded costs milliseconds, and G2's sessions
             # fall in two groups ~8-10 ms apart (f3c28c9): which one a session is in.
             "collections": collections.done,
+            # The restoring thread's page faults and context switches in the restore
+            # (Linux): at d0ceccd its CPU time varied by up to 8 ms between sessions
+            # for the same work; whether it faulted or was switched out more says why.
+            "restore_thread": {k: usage2[k] - usage1[k] for k in usage1},
         },
     }
+
+
+def _thread_usage() -> dict[str, int]:
+    """The calling thread's minor faults and voluntary and involuntary context switches
+    so far (``getrusage(RUSAGE_THREAD)``); empty where the platform has no such call."""
+    import resource
+
+    who = getattr(resource, "RUSAGE_THREAD", None)
+    if who is None:  # macOS
+        return {}
+    usage = resource.getrusage(who)
+    return {"faults": usage.ru_minflt, "waits": usage.ru_nvcsw, "preempted": usage.ru_nivcsw}
 
 
 class _Collections:
