@@ -40,8 +40,14 @@
 #                default) and copied through the staging slots on the staging threads instead
 #                (KVSTORE_CUDA_PAGES_ROUTE=copy: no page locked), 4 each: ~250 s
 # STEP early     ab_env of TQ 4/4 and q8 with a lossy restore's stacked decode queued on the
-#                device as soon as it is made (KVSTORE_EARLY_DECODE=1) against evaluated with
-#                the caches' joins (the default), 6 each: ~250 s
+#                device as soon as it is made (the default since d0ceccd's A/B: TQ 25.5 ->
+#                23.6 ms, q8 27.5 -> 26.3) against evaluated with the caches' joins
+#                (KVSTORE_EARLY_DECODE=0), 6 each: ~250 s
+# STEP fwdgraphs forward_profile.py (the one-token forward after a restore, against the
+#                same over the model's own caches) with MLX's CUDA graphs and without
+#                (MLX_USE_CUDA_GRAPHS=0), one host: G2's forwards were 11.5-16.2 ms with
+#                graphs and 9.1-9.3 in the fast sessions without, on two hosts (d0ceccd):
+#                ~200 s
 # STEP rht       TurboQuant's one-kernel encode and decode (kvstore/turboquant/cuda_rht.py):
 #                proven or not, agreement with the ops and times (rht_probe.py), then P11
 #                on the device: ~140 s
@@ -112,8 +118,12 @@ case "$step" in
       2>&1 | tee "$out/ab-copy.txt" ;;
   early)
     timeout 420 python3 -m tools.bench.gpu.ab_env --repeats 6 base: \
-      'early:KVSTORE_EARLY_DECODE=1' --policies kv:turboquant:4:4,kv:quant:8:64 \
+      'late:KVSTORE_EARLY_DECODE=0' --policies kv:turboquant:4:4,kv:quant:8:64 \
       2>&1 | tee "$out/ab-early.txt" ;;
+  fwdgraphs)
+    timeout 200 python3 tools/bench/gpu/forward_profile.py --repeats 5 2>&1 | tee "$out/forward-graphs.txt"
+    MLX_USE_CUDA_GRAPHS=0 timeout 200 python3 tools/bench/gpu/forward_profile.py --repeats 5 \
+      2>&1 | tee "$out/forward-nographs.txt" ;;
   rht)
     timeout 150 python3 tools/bench/gpu/rht_probe.py 2>&1 | tee "$out/rht-probe.txt"
     KVSTORE_BENCH_GIT=$rev CHECK_TIMEOUT=1 BENCH_TIMEOUT=240 REPEATS=5 \
@@ -139,5 +149,5 @@ case "$step" in
     esac
     KVSTORE_BENCH_G2_POLICIES=$policies KVSTORE_BENCH_GPU_TOKENS=4096 KVSTORE_BENCH_GIT=$rev \
       CHECK_TIMEOUT=1 BENCH_TIMEOUT=540 REPEATS=5 bash tools/bench/gpu/run.sh G2 "$out/$step" ;;
-  *) echo "next.sh: unknown step $step (ab, profiles, probe, graphs, stage, spans, model, parent, rht, floor, g1-4k, g1-16k, g2a, g2q8, g2b, g2c, g2bars, copy, early)"; exit 2 ;;
+  *) echo "next.sh: unknown step $step (ab, profiles, probe, graphs, stage, spans, model, parent, rht, floor, g1-4k, g1-16k, g2a, g2q8, g2b, g2c, g2bars, copy, early, fwdgraphs)"; exit 2 ;;
 esac
