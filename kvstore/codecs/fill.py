@@ -20,9 +20,15 @@ before ``mx.load`` returns. The stream therefore keeps a position per
 thread, and records every failure rather than raising it into MLX (whose
 I/O task would drop the exception). An array is handed out only once every
 byte of it was written: when MLX reads in a pattern the stream does not serve,
-or a write fails, the arrays are discarded and made again the plain way:
-``mx.zeros`` plus a writable numpy view of each
-(:func:`~kvstore.codecs.arrays.owned_arrays`), which costs the zero fill.
+or a write fails, the arrays are discarded and made again the plain way.
+
+The plain way, and the way for restores under :data:`DIRECT_MIN_BYTES`, where the
+loader's cost per array is more than the copies: each array written into a host
+buffer and copied once into MLX's memory (``mx.array``). The buffer is the same freed
+block of the heap for every array (``keep_freed_memory``), so it is written and read
+back in the CPU's cache: 48 arrays of 128 KiB (a 512-token qwen-0.5B restore) in
+0.74 ms, against 1.45 zero-filled by ``mx.zeros`` and then written, and 5.45 through
+the loader.
 """
 
 from __future__ import annotations
@@ -39,17 +45,20 @@ import mlx.core as mx
 import numpy as np
 
 from kvstore.codecs import cuda
-from kvstore.codecs.arrays import numpy_dtype, owned_arrays, owned_views, word_dtype
+from kvstore.codecs.arrays import as_mlx, numpy_dtype, owned_views, word_dtype
 from kvstore.codecs.copies import each_on_threads
 from kvstore.codecs.host_memory import keep_freed_memory
 
 __all__ = ["DIRECT_MIN_BYTES", "LeafSpec", "Fill", "LeafStream", "filled_arrays"]
 
-#: Below this many bytes in all, zero-filling every array in one evaluation and
-#: writing them one after another costs less than the loader's evaluation per array
-#: (2-core x86 CPU, restores: 6 MiB in 48 arrays 4.3 ms zeroed against 9.5 through the
-#: loader, 27 MiB 9.5 against 14.3; 96 MiB in 64 arrays 25.9 against 17.8).
-DIRECT_MIN_BYTES = 32 << 20
+#: Below this many bytes in all, writing each array into a host buffer and copying it
+#: into MLX's memory costs less than the loader's evaluation per array, which then
+#: writes on every core (2-core x86 CPU, arrays written from two to 32 row pieces each,
+#: ``python -m tools.bench.fill_paths``: 6 MiB in 48 arrays 0.74 ms copied against 5.45
+#: through the loader, 24 MiB 2.28 against 6.20, 64 MiB in 64 arrays 7.03 against
+#: 9.07; 96 MiB in 48 arrays 16.3 against 14.2, 104 MiB in 52 arrays 16.9 against 10.9).
+#: (Before the copied way, arrays were zero-filled and written under 32 MiB.)
+DIRECT_MIN_BYTES = 80 << 20
 
 #: How long :func:`filled_arrays` waits for MLX to drop its reader (it takes microseconds).
 _RELEASE_TIMEOUT_S = 5.0
@@ -170,17 +179,17 @@ def filled_arrays(
         fill: ``fill(i, view)`` must write every byte of array ``i`` (with
             ``direct`` its memory is uninitialised); it runs on several threads
             at once, for different arrays, so it may only write its own array.
-        direct: allocate through MLX's loader, without a zero fill (False: always
-            ``mx.zeros`` first, the fallback, and the arrays written one after
-            another on this thread); default: for at least :data:`DIRECT_MIN_BYTES`
-            in all. Not used on a CUDA GPU, where the arrays are staged through
-            pinned memory (:func:`kvstore.codecs.cuda.upload`).
+        direct: allocate through MLX's loader, without a zero fill (False: each
+            array written into a host buffer on this thread, one after another, and
+            copied into MLX's memory: the fallback); default: for at least
+            :data:`DIRECT_MIN_BYTES` in all. Not used on a CUDA GPU, where the
+            arrays are staged through pinned memory (:func:`kvstore.codecs.cuda.upload`).
 
     Returns:
         The arrays, owned (no other array shares their memory), in order.
 
     Raises:
-        What ``fill`` raises, when it fails again on the zero-filled arrays.
+        What ``fill`` raises, when it fails again on the host buffers.
     """
     if not specs:
         return []
@@ -194,10 +203,19 @@ def filled_arrays(
         if owned is not None and _written(owned, specs, fill):
             return [array for array, _ in owned]
         del owned  # an array not written completely is never handed out
+    return _copied(specs, fill)
+
+
+def _copied(specs: Sequence[LeafSpec], fill: Fill) -> list[mx.array]:
+    """Each array of ``specs`` written by ``fill`` into a host buffer, then copied once
+    into MLX's memory (a new buffer each: owned), all evaluated."""
     arrays = []
-    for i, (array, view) in enumerate(owned_arrays(specs)):
-        fill(i, _typed(view, specs[i]))
-        arrays.append(array)
+    for i, (shape, name) in enumerate(specs):
+        host = np.empty(shape, numpy_dtype(name))
+        fill(i, host)
+        arrays.append(as_mlx(host))  # a copy; a bfloat16 array is a view of its words
+        del host  # freed before the next is allocated: the same block, in the cache
+    mx.eval(arrays)
     return arrays
 
 

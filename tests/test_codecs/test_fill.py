@@ -64,6 +64,28 @@ def test_arrays_are_owned_copies_of_what_was_written():
     assert [as_bytes(a) for a in arrays] == before
 
 
+def test_a_small_restores_arrays_are_copies_of_its_host_buffers_each_its_own():
+    # Under DIRECT_MIN_BYTES each array is written into a host buffer and copied into
+    # MLX's memory: a buffer written again afterwards changes nothing, and no two
+    # arrays (nor an array and a buffer) share memory.
+    values = sources()
+    given = []
+
+    def fill(i, view):
+        given.append(view)
+        np.copyto(view, values[i])
+
+    arrays = filled_arrays(SPECS, fill, direct=False)
+    before = [as_bytes(a) for a in arrays]
+    assert before == [v.tobytes() for v in values]
+    for view in given:
+        view.view(np.uint8)[...] ^= 0xFF
+    assert [as_bytes(a) for a in arrays] == before
+    addresses = {np.asarray(a.view(mx.uint8)).ctypes.data for a in arrays}
+    assert len(addresses) == len(arrays)
+    assert not addresses & {view.ctypes.data for view in given}
+
+
 def test_a_write_that_fails_once_falls_back_and_still_fills_every_array():
     values = sources()
     failed = []
@@ -173,7 +195,7 @@ def test_the_loaders_arrays_are_written_on_every_core_and_the_fallbacks_on_the_c
     monkeypatch, direct
 ):
     # Every array allocated first, then written at once on several threads; the
-    # zero-filled fallback (small restores) writes them one after another here.
+    # copied way (small restores, and the fallback) writes them one after another here.
     import threading
 
     monkeypatch.setenv("KVSTORE_COPY_THREADS", "2")
