@@ -57,8 +57,10 @@ __all__ = ["DIRECT_MIN_BYTES", "LeafSpec", "Fill", "LeafStream", "filled_arrays"
 #: ``python -m tools.bench.fill_paths``: 6 MiB in 48 arrays 0.74 ms copied against 5.45
 #: through the loader, 24 MiB 2.28 against 6.20, 64 MiB in 64 arrays 7.03 against
 #: 9.07; 96 MiB in 48 arrays 16.3 against 14.2, 104 MiB in 52 arrays 16.9 against 10.9).
-#: (Before the copied way, arrays were zero-filled and written under 32 MiB.)
-DIRECT_MIN_BYTES = 80 << 20
+#: Kept where the zero-filled way ended, not at the crossover here: the copies run on
+#: one core and the loader's writes on all of them, so with more cores than this VM's
+#: two the loader wins sooner (and P1 here did not tell 64 MiB's two ways apart).
+DIRECT_MIN_BYTES = 32 << 20
 
 #: How long :func:`filled_arrays` waits for MLX to drop its reader (it takes microseconds).
 _RELEASE_TIMEOUT_S = 5.0
