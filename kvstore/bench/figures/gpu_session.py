@@ -76,14 +76,14 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     t0 = time.perf_counter()
     if store is not None:
         match = store.lookup(spec["namespace"], prompt)
-        t1, cpu1, usage1 = time.perf_counter(), time.thread_time(), _thread_usage()
+        t1, cpu1, usage1 = time.perf_counter(), time.thread_time(), thread_usage()
         restored = store.restore(match, model.make_cache())
     else:
-        t1, cpu1, usage1 = time.perf_counter(), time.thread_time(), _thread_usage()
+        t1, cpu1, usage1 = time.perf_counter(), time.thread_time(), thread_usage()
         restored = load_prompt_cache(spec["file"])
     returned = time.perf_counter()
     mx.eval([c.keys for c in restored])
-    t2, cpu2, usage2 = time.perf_counter(), time.thread_time(), _thread_usage()
+    t2, cpu2, usage2 = time.perf_counter(), time.thread_time(), thread_usage()
     held = int(restored[0].offset)
     logits = model(last, restored)[:, -1]
     mx.eval(logits)
@@ -121,7 +121,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def _thread_usage() -> dict[str, int]:
+def thread_usage() -> dict[str, int]:
     """The calling thread's minor faults and voluntary and involuntary context switches
     so far (``getrusage(RUSAGE_THREAD)``); empty where the platform has no such call."""
     import resource

@@ -116,7 +116,8 @@ def main() -> int:
                     if (p := near["phases"].get(phase))
                 )
                 held = near.get("restore_cpu_ms")
-                cpu = f" (its thread's CPU {held:.1f})" if held is not None else ""
+                usage = "".join(f", {k} {n}" for k, n in near.get("restore_thread", {}).items())
+                cpu = f" (its thread's CPU {held:.1f}{usage})" if held is not None else ""
                 print(f"   {name:10} restore {ms:6.1f} ms{cpu}  {times}  | {ends}")
             sys.stdout.flush()
     finally:

@@ -103,6 +103,7 @@ def child_restore(url: str, tokens: int, layers: int, switch_ms: float) -> dict[
 
     import mlx.core as mx
 
+    from kvstore.bench.figures.gpu_session import thread_usage
     from kvstore.caches import KVCache
     from kvstore.codecs import cuda, cuda_pages, plans
     from kvstore.store import open_store
@@ -200,16 +201,18 @@ def child_restore(url: str, tokens: int, layers: int, switch_ms: float) -> dict[
         sys.setswitchinterval(switch_ms / 1e3)
     line.t0 = time.perf_counter()
     match = store.lookup("ns", prompt)
-    t1, cpu1 = time.perf_counter(), time.thread_time()
+    t1, cpu1, usage1 = time.perf_counter(), time.thread_time(), thread_usage()
     restored = store.restore(match, [KVCache() for _ in range(layers)])
     mx.eval([c.keys for c in restored])
-    t2, cpu2 = time.perf_counter(), time.thread_time()
+    t2, cpu2, usage2 = time.perf_counter(), time.thread_time(), thread_usage()
     assert restored[0].offset == tokens - leave_last, restored[0].offset
     store.close()
     return {
         "lookup_ms": round(1e3 * (t1 - line.t0), 2),
         "restore_ms": round(1e3 * (t2 - t1), 2),
         "restore_cpu_ms": round(1e3 * (cpu2 - cpu1), 2),
+        # Its page faults and context switches (Linux; G1/G2's sessions log the same).
+        "restore_thread": {k: usage2[k] - usage1[k] for k in usage1},
         "phases": line.summary(),
         "rows": rows_digest(restored, tokens - leave_last),  # after the clock
     }
