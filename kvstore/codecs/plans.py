@@ -338,9 +338,9 @@ def join_runs(
         runs.append(grouped)
     joins: list[tuple[int, str, RowsJoin | _StoredRows]] = []
     # Runs of one header template reading the same payloads (every layer of a lossy
-    # restore): their bases found once, and their row names once per layout.
+    # restore): their bases found once, and whether rows of a depth fit their cuts.
     shared: dict[tuple[tuple[int, ...], tuple[tuple[int | None, int], ...]], _Bases] = {}
-    named: dict[tuple[int, tuple[tuple[int | None, int], ...]], list[str]] = {}
+    fits: dict[tuple[tuple[int | None, int], ...], dict[int, bool]] = {}
     for grouped in runs:
         for run in grouped:
             described = [stored(s.tensors) for s in run]
@@ -354,10 +354,7 @@ def join_runs(
                 bases = shared.get(read)
                 if bases is None:
                     bases = shared[read] = _Bases(every)
-                key = (id(every[0].entries), cuts)  # the entries are held by ``every``
-                names = named.get(key)
-                if names is None:
-                    names = named[key] = _alike_row_names(every[0].entries, cuts)
+                names = _alike_row_names(every[0].entries, cuts, fits.setdefault(cuts, {}))
             else:
                 names = _row_names(run)
             if not names:
@@ -581,18 +578,29 @@ def _row_names(run: Sequence[Snapshot]) -> list[str]:
 
 
 def _alike_row_names(
-    entries: Mapping[str, TensorEntry], cuts: Sequence[tuple[int | None, int]]
+    entries: Mapping[str, TensorEntry],
+    cuts: Sequence[tuple[int | None, int]],
+    fits: dict[int, bool],
 ) -> list[str]:
     """:func:`_row_names` of a run of described snapshots laid out alike (one header
-    template: ``entries``), each ``(rows cut, tokens)``: no shapes made per snapshot."""
+    template: ``entries``), each ``(rows cut, tokens)``: no shapes made per snapshot.
+    ``fits``: whether a tensor of so many stored rows holds each snapshot's tokens under
+    these ``cuts``, remembered across calls with the same cuts (a lossy restore's 32
+    layers ask it of the same few depths)."""
     if any(tokens < 2 for _, tokens in cuts):
         return []
     names = []
     for name, entry in entries.items():
         shape = entry.shape
-        if len(shape) >= 3 and all(
-            (shape[2] if rows is None else min(rows, shape[2])) == tokens for rows, tokens in cuts
-        ):
+        if len(shape) < 3:
+            continue
+        depth = shape[2]
+        fit = fits.get(depth)
+        if fit is None:
+            fit = fits[depth] = all(
+                (depth if rows is None else min(rows, depth)) == tokens for rows, tokens in cuts
+            )
+        if fit:
             names.append(name)
     return names
 
