@@ -178,8 +178,8 @@ def filled_arrays(
 
     Args:
         specs: ``(shape, dtype name)`` of each array.
-        fill: ``fill(i, view)`` must write every byte of array ``i`` (with
-            ``direct`` its memory is uninitialised); it runs on several threads
+        fill: ``fill(i, view)`` must write every byte of array ``i`` (its memory is
+            uninitialised either way); with ``direct`` it runs on several threads
             at once, for different arrays, so it may only write its own array.
         direct: allocate through MLX's loader, without a zero fill (False: each
             array written into a host buffer on this thread, one after another, and
