@@ -32,6 +32,7 @@ __all__ = [
     "verify_record",
     "record_rows",
     "check_match",
+    "check_views",
 ]
 
 _HEAD = struct.Struct("<QII")
@@ -96,10 +97,21 @@ def check_match(
     store: PrefixStore, match: Match, tokens: Sequence[int] | np.ndarray, row_bytes: int = 16
 ) -> None:
     """Assert that reading ``match`` yields exactly the rows of ``tokens[: match.tokens]``."""
-    expected = prefix_rows(np.asarray(tokens)[: match.tokens], row_bytes)
     with store.read(match.blocks) as views:
         assert len(views) == len(match.blocks), f"read {len(views)} of {len(match.blocks)} blocks"
-        got = [record_rows(v)[: ref.rows] for v, ref in zip(views, match.blocks, strict=True)]
+        check_views(views, match, tokens, row_bytes)
+
+
+def check_views(
+    views: Sequence[Any],
+    match: Match,
+    tokens: Sequence[int] | np.ndarray,
+    row_bytes: int = 16,
+) -> None:
+    """Assert that ``views``, a read of ``match``'s blocks, hold exactly the rows of
+    ``tokens[: match.tokens]``."""
+    expected = prefix_rows(np.asarray(tokens)[: match.tokens], row_bytes)
+    got = [record_rows(v)[: ref.rows] for v, ref in zip(views, match.blocks, strict=True)]
     restored = np.concatenate(got) if got else expected[:0]
     assert restored.shape == expected.shape, (restored.shape, expected.shape)
     assert np.array_equal(restored, expected), "restored rows differ from the prompt's rows"
