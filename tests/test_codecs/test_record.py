@@ -407,6 +407,102 @@ def test_a_parse_that_fails_fails_for_every_thread_reading_it(monkeypatch, check
     assert parses >= 1
 
 
+def _promised_checks(monkeypatch, reader, parse=None, checks=4):
+    """``checks`` threads checking one record, started inside ``reader_parses`` of it
+    and given time to reach its header before ``reader(record)`` runs on this thread
+    (still inside): the threads that parsed it (each a parse), and what each check got
+    (``None``: it passed)."""
+    import threading
+    import time
+
+    from kvstore.codecs import record as R
+
+    record = bytes(small_record())
+    parsers = []
+    real = parse or R._parse_header
+
+    def counted(*args):
+        parsers.append(threading.get_ident())
+        return real(*args)
+
+    monkeypatch.setattr(R, "_parse_header", counted)
+    monkeypatch.setattr(R, "_from_template", lambda *args: None)
+    R.forget_parsed_headers()
+    got: list = [None] * checks
+
+    def check(i):
+        try:
+            got[i] = R.verify_record(record)
+        except CorruptEntryError as exc:
+            got[i] = exc
+
+    threads = [threading.Thread(target=check, args=(i,)) for i in range(checks)]
+    with R.reader_parses([record]):
+        for thread in threads:
+            thread.start()
+        time.sleep(0.05)  # the checks reach the header first
+        reader(record)
+    for thread in threads:
+        thread.join()
+    R.forget_parsed_headers()
+    return parsers, got
+
+
+def test_checks_wait_for_a_header_the_reader_parses_rather_than_parse_it(monkeypatch):
+    import threading
+
+    from kvstore.codecs import record as R
+
+    parsers, got = _promised_checks(monkeypatch, R.read_header)
+    assert parsers == [threading.get_ident()]  # the reader's parse alone
+    assert got == [None] * 4  # and every check passed on it
+
+
+def test_checks_parse_a_promised_header_the_reader_did_not(monkeypatch):
+    import threading
+
+    parsers, got = _promised_checks(monkeypatch, lambda record: None)
+    assert len(parsers) == 1 and parsers[0] != threading.get_ident()
+    assert got == [None] * 4
+
+
+def test_a_promised_header_that_fails_to_parse_fails_every_check(monkeypatch):
+    from kvstore.codecs import record as R
+    from kvstore.codecs.header import corrupt
+
+    def broken(*args):
+        raise corrupt("read_header", "The header is not valid msgpack: planted.")
+
+    def reader(record):
+        with pytest.raises(CorruptEntryError, match="planted"):
+            R.read_header(record)
+
+    parsers, got = _promised_checks(monkeypatch, reader, broken)
+    assert all(isinstance(e, CorruptEntryError) and "planted" in str(e) for e in got)
+    assert len(parsers) >= 2  # the reader's, then the checks' own (a failure is not kept)
+
+
+def test_the_reader_checks_a_header_it_promised_without_waiting_for_itself():
+    from kvstore.codecs import record as R
+
+    record = bytes(small_record())
+    R.forget_parsed_headers()
+    with R.reader_parses([record]):
+        assert R.verify_record(record) is None
+    R.forget_parsed_headers()
+
+
+def test_with_reader_parses_off_checks_parse_what_they_reach(monkeypatch):
+    import threading
+
+    from kvstore.codecs import record as R
+
+    monkeypatch.setattr(R, "READER_PARSES", False)
+    parsers, got = _promised_checks(monkeypatch, R.read_header)
+    assert parsers and threading.get_ident() not in parsers
+    assert got == [None] * 4
+
+
 def test_a_decode_given_the_header_already_read_is_the_decode_that_reads_it(monkeypatch):
     from kvstore.codecs import record as R
 

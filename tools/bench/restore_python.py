@@ -23,6 +23,9 @@ change alternately.
 from __future__ import annotations
 
 import argparse
+import cProfile
+import os
+import pstats
 import statistics
 import tempfile
 import time
@@ -132,7 +135,15 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="keep the headers' template between repetitions, as a session's warm-up does",
     )
+    parser.add_argument(
+        "--profile",
+        type=int,
+        default=0,
+        metavar="N",
+        help="also print the N functions the restoring thread spent most time in (cProfile)",
+    )
     args = parser.parse_args(argv)
+    profile = cProfile.Profile() if args.profile else None
     kv = SyntheticKV(KVShape("llama8b", layers=LAYERS, kv_heads=8, head_dim=128), TOKENS)
     url = f"lmdb://{tempfile.mkdtemp(prefix='restore-python-')}/s"
     options = {} if args.policy is None else {"storage_policy": args.policy}
@@ -160,7 +171,11 @@ def main(argv: list[str] | None = None) -> int:
                 timeline.cpu.clear()
                 match = store.lookup("ns", list(range(TOKENS + 1)))
                 start, cpu = time.perf_counter(), time.thread_time()
+                if profile is not None and i:
+                    profile.enable()
                 caches = store.restore(match, [KVCache() for _ in range(LAYERS)])
+                if profile is not None and i:
+                    profile.disable()
                 mx.eval([c.keys for c in caches])
                 wall = {name: p["sum_ms"] for name, p in timeline.summary().items()}
                 own = {name: p["cpu_ms"] for name, p in timeline.summary().items()}
@@ -184,6 +199,10 @@ def main(argv: list[str] | None = None) -> int:
             print(
                 f"  {name:18} {statistics.median(walls):8.2f}  cpu {statistics.median(cpus):7.2f}"
             )
+    if profile is not None:  # its times are inflated by the profiling: compare shares
+        pstats.Stats(profile).sort_stats(
+            os.environ.get("RESTORE_PYTHON_SORT", "tottime")
+        ).print_stats(args.profile)
     return 0
 
 

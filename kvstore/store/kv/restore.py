@@ -53,7 +53,12 @@ from kvstore.codecs import (
 )
 from kvstore.codecs.payload_tensors import stored
 from kvstore.codecs.plans import Stack, join_runs, members_of, run_plans
-from kvstore.codecs.record import Record, RecordHeader, decode_records_on_device
+from kvstore.codecs.record import (
+    Record,
+    RecordHeader,
+    decode_records_on_device,
+    reader_parses,
+)
 from kvstore.collector import collection_paused
 from kvstore.errors import (
     CapabilityError,
@@ -235,11 +240,12 @@ def _headers(wanted: Sequence[BlockRef], views: Sequence[memoryview]) -> list[Re
     """The headers of the leading run of records that parse (the store verified them
     with its own ``verify``, which may be weaker than the record format's)."""
     headers = []
-    for view in views[: len(wanted)]:
-        try:
-            headers.append(read_header(view))
-        except (CorruptEntryError, FormatVersionError):
-            break
+    with reader_parses(views[: len(wanted)]):
+        for view in views[: len(wanted)]:
+            try:
+                headers.append(read_header(view))
+            except (CorruptEntryError, FormatVersionError):
+                break
     return headers
 
 

@@ -25,8 +25,8 @@ from __future__ import annotations
 import argparse
 import gc
 import statistics
-import threading
 import tempfile
+import threading
 import time
 from typing import Any
 
