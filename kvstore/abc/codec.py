@@ -44,7 +44,12 @@ from kvstore.signature import parse_signature
 __all__ = ["Snapshot", "KVCodec", "RestorePlan"]
 
 
-@dataclass(frozen=True)
+# Snapshot sets its fields with one dict update, as the header entries do
+# (kvstore.codecs.header): the generated frozen __init__ calls object.__setattr__ per
+# field, and a 4096-token restore of a 32-layer model makes ~600 of them on its critical
+# path. Nothing else differs: fields, eq, hash, repr, replace() and immutability are
+# the dataclass's.
+@dataclass(frozen=True, init=False)
 class Snapshot:
     """Named tensors and metadata for the tokens ``[start, stop)`` of one layer's cache.
 
@@ -61,6 +66,22 @@ class Snapshot:
     stop: int
     tensors: Mapping[str, Any]
     meta: Mapping[str, Any] = field(default_factory=dict)
+
+    def __init__(
+        self,
+        signature: str,
+        start: int,
+        stop: int,
+        tensors: Mapping[str, Any],
+        meta: Mapping[str, Any] | None = None,
+    ) -> None:
+        self.__dict__.update(
+            signature=signature,
+            start=start,
+            stop=stop,
+            tensors=tensors,
+            meta={} if meta is None else meta,
+        )
 
     @property
     def tokens(self) -> int:

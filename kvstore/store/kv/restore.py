@@ -35,7 +35,7 @@ import math
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import mlx.core as mx
 
@@ -263,13 +263,17 @@ def _restorable(match: Match, needs: Sequence[LayerNeed], headers: Sequence[Reco
     # Whether each (stored, wanted) pair of signatures converts, asked once: a lossy
     # restore of 32 layers from 16 records asks 512 times about one pair.
     convertible: dict[tuple[str, str], bool] = {}
+    # The layers of each kind of need, each block asked about all of them at once.
+    layers_of: dict[LayerNeed, list[int]] = {}
+    for i, need in enumerate(needs):
+        layers_of.setdefault(need, []).append(i)
     for tokens in dict.fromkeys(c for c in candidates if c <= match.tokens):
         cut = match.truncated(tokens)
         if all(
-            _usable(by_key.get(ref.key), ref, i, need, len(needs), convertible)
-            for i, need in enumerate(needs)
+            _usable(by_key.get(ref.key), ref, layers, need, len(needs), convertible)
+            for need, layers in layers_of.items()
             for ref in blocks_needed(cut, need)
-        ) and all(blocks_needed(cut, need) for need in needs if need.checkpoint):
+        ) and all(blocks_needed(cut, need) for need in layers_of if need.checkpoint):
             return tokens
     return 0
 
@@ -277,29 +281,36 @@ def _restorable(match: Match, needs: Sequence[LayerNeed], headers: Sequence[Reco
 def _usable(
     header: RecordHeader | None,
     ref: BlockRef,
-    layer: int,
+    layers: Sequence[int],
     need: LayerNeed,
-    layers: int,
+    count: int,
     convertible: dict[tuple[str, str], bool],
 ) -> bool:
+    """Whether block ``ref`` (its record's ``header``) serves each of ``layers``, which
+    share ``need``, in a model of ``count`` layers."""
     if header is None:
         return True  # not read yet
-    if len(header.layers) != layers:  # not a record of this model's caches
+    entries = header.layers
+    if len(entries) != count:  # not a record of this model's caches
         return False
-    entry = header.layers[layer]
     if need.checkpoint:
-        return usable_checkpoint(entry, ref, need.signature)
-    if entry is None or entry.start != ref.start or entry.stop != ref.start + ref.stored_rows:
-        return False
-    if need.window is not None:
-        meta = entry.meta
-        if (meta.get("max_size"), meta.get("keep")) != need.window:
+        return all(usable_checkpoint(entries[i], ref, need.signature) for i in layers)
+    start, stop, wanted = ref.start, ref.start + ref.stored_rows, need.signature
+    for i in layers:  # one loop, not a call per (record, layer): 512 in a 4096-token restore
+        entry = entries[i]
+        if entry is None or entry.start != start or entry.stop != stop:
             return False
-    pair = (entry.signature, need.signature)
-    known = convertible.get(pair)
-    if known is None:
-        known = convertible[pair] = _convertible(*pair)
-    return known
+        if need.window is not None:
+            meta = entry.meta
+            if (meta.get("max_size"), meta.get("keep")) != need.window:
+                return False
+        pair = (entry.signature, wanted)
+        known = convertible.get(pair)
+        if known is None:
+            known = convertible[pair] = _convertible(*pair)
+        if not known:
+            return False
+    return True
 
 
 def _convertible(stored: str, wanted: str) -> bool:
@@ -328,13 +339,19 @@ def _plans(
     a host round trip each); on the CPU block by block, as read. The stacks decoded so
     are appended to ``decoded`` (:func:`~kvstore.codecs.plans.run_plans` joins each
     layer's rows from there)."""
-    layers = []
+    layers: list[list[Snapshot]] = []
+    refs_of: dict[LayerNeed, tuple[tuple[BlockRef, ...], list[int]]] = {}
     for layer, need in enumerate(needs):
-        snaps = []
-        for ref in blocks_needed(match, need):
-            snap = records[ref.key][layer]
-            assert snap is not None  # _usable checked it
-            snaps.append(snap if need.checkpoint else _first_rows(snap, ref.rows))
+        found = refs_of.get(need)
+        if found is None:  # each kind of need's blocks, and those the match cuts, once
+            refs = blocks_needed(match, need)
+            cut = [] if need.checkpoint else [k for k, ref in enumerate(refs) if ref.trimmed]
+            found = refs_of[need] = (refs, cut)
+        refs, cut = found
+        # Every one there (_usable checked it), holding its block's stored rows.
+        snaps = cast(list[Snapshot], [records[ref.key][layer] for ref in refs])
+        for k in cut:
+            snaps[k] = _first_rows(snaps[k], refs[k].rows)
         layers.append(snaps)
     recoded = [i for i, need in enumerate(needs) if layers[i][0].signature != need.signature]
     if recoded and cuda.available():
