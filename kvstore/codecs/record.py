@@ -75,6 +75,7 @@ from kvstore.codecs.header import (
 )
 from kvstore.codecs.header_parse import forget_tensor_tables, parse_header
 from kvstore.codecs.payload_tensors import Payload, PayloadTensors, numpy_view
+from kvstore.codecs.snapshot_meta import note_checked
 from kvstore.errors import CorruptEntryError, FormatVersionError
 
 __all__ = [
@@ -871,10 +872,19 @@ def _snapshots(
             layer.signature,
             layer.start,
             layer.stop,
-            PayloadTensors(payload, layer.tensors)
-            if payload is not None and i in lazy_layers
-            else {t.name: tensor(t) for t in layer.tensors},
+            PayloadTensors(payload, layer.tensors),
             layer.meta,
+        )
+        if payload is not None and i in lazy_layers
+        else note_checked(
+            Snapshot(
+                layer.signature,
+                layer.start,
+                layer.stop,
+                {t.name: tensor(t) for t in layer.tensors},
+                layer.meta,
+            ),
+            layer,
         )
         for i, layer in enumerate(header.layers)
     ]

@@ -34,6 +34,8 @@ from kvstore.codecs.arrays import DTYPES
 from kvstore.errors import CorruptEntryError, UnknownSignatureError
 
 __all__ = [
+    "checked_by",
+    "note_checked",
     "MAX_POSITION",
     "MAX_WINDOW",
     "described",
@@ -114,13 +116,17 @@ def check_layers(op: str, layers: Sequence[Any]) -> None:
     """
     from kvstore.codecs.registry import get_codec
 
-    passed: set[tuple[Any, ...]] = set()
-    last = None  # the layer before, usually the same again: compared, not hashed
+    passed: dict[tuple[Any, ...], type] = {}
+    last, last_by = None, None  # the layer before, usually the same again: compared
     for i, layer in enumerate(layers):
         if layer is None:
             continue
         key = description_key(layer)
-        if key is not None and (key == last or key in passed):  # its stop too: it passed
+        if key is not None and key == last:  # its stop too: it passed
+            layer.__dict__[_CHECKED_BY] = last_by
+            continue
+        if key is not None and key in passed:
+            layer.__dict__[_CHECKED_BY] = passed[key]
             continue
         if layer.stop > MAX_POSITION:
             raise CorruptEntryError(
@@ -133,6 +139,31 @@ def check_layers(op: str, layers: Sequence[Any]) -> None:
         problem = codec.description_problem(described(layer))
         if problem:
             raise CorruptEntryError(f"[{op}] layers[{i}] ({layer.signature}): {problem}.", layer=i)
+        layer.__dict__[_CHECKED_BY] = type(codec)
         if key is not None:
-            passed.add(key)
-            last = key
+            passed[key] = type(codec)
+            last, last_by = key, type(codec)
+
+
+#: Where a header's layer entry that passed its codec's description check notes that
+#: codec's class, and a snapshot decoded from it (:func:`checked_by`). Not a field: it
+#: takes no part in equality, and a snapshot made anew (a cut, a ``replace``) has none.
+_CHECKED_BY = "_checked_by"
+
+
+def checked_by(described: Any) -> type | None:
+    """The codec class whose ``description_problem`` found nothing wrong with the header
+    entry ``described``, or with the entry a decoded snapshot ``described`` was made
+    from as it is (:func:`check_layers`); ``None`` when none did. A codec whose
+    description check is its whole restore check need not check such a snapshot again:
+    a 4096-token lossless restore of llama-8B checks 512 on its critical path."""
+    return described.__dict__.get(_CHECKED_BY)
+
+
+def note_checked(snapshot: Snapshot, entry: Any) -> Snapshot:
+    """``snapshot``, decoded from header entry ``entry`` as it describes it, with the
+    note of the codec that checked ``entry`` (if one did); returned."""
+    by = entry.__dict__.get(_CHECKED_BY)
+    if by is not None:
+        snapshot.__dict__[_CHECKED_BY] = by
+    return snapshot

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from kvstore.caches import KVCache, RotatingKVCache
-from kvstore.codecs import encode_record, read_header, snapshot, snapshot_held
+from kvstore.codecs import encode_record, get_codec, read_header, snapshot, snapshot_held
 from kvstore.codecs.header import (
     BOUNDS,
     MAX_INT,
@@ -26,7 +26,7 @@ from kvstore.codecs.header import (
     is_map,
 )
 from kvstore.codecs.header_parse import parse_header, usual_header
-from kvstore.codecs.snapshot_meta import check_layers
+from kvstore.codecs.snapshot_meta import check_layers, checked_by
 from kvstore.errors import CorruptEntryError
 from kvstore.testing.codec import fill_cache
 
@@ -373,7 +373,10 @@ def test_entries_are_what_their_constructors_make():
             entry.meta,
             tuple(TensorEntry(t.name, t.dtype, t.shape, t.offset, t.nbytes) for t in entry.tensors),
         )
-        assert made == entry and vars(made) == vars(entry)
+        # Its fields alike; the parsed one also notes the codec that checked it (not a field).
+        noted = {k: v for k, v in vars(entry).items() if k != "_checked_by"}
+        assert made == entry and vars(made) == noted
+        assert checked_by(entry) is type(get_codec(entry.signature))
         assert [hash(t) for t in made.tensors] == [hash(t) for t in entry.tensors]
         assert type(made) is type(entry)
 

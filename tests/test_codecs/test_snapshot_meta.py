@@ -87,3 +87,75 @@ def test_every_family_checks_its_offset_and_dtype(family, field, value):
     with pytest.raises(CorruptEntryError) as info:
         decode_record(tampered(record, set_meta(field, value)))
     assert "layers[0]" in str(info.value) and field in str(info.value)
+
+
+@pytest.mark.parametrize("factory", [KVCache, WINDOW], ids=["plain", "window"])
+def test_a_snapshot_decoded_as_described_is_not_checked_again_on_restore(monkeypatch, factory):
+    # Its codec's description check passed at the header's parse, and for a row codec
+    # that check is the restore's: a 4096-token lossless restore of llama-8B checks 512.
+    from kvstore.codecs import get_codec
+    from kvstore.codecs.snapshot_meta import checked_by
+
+    (snap,) = decode_record(record_of(factory)).layers
+    codec = get_codec(snap.signature)
+    assert checked_by(snap) is type(codec)
+    checked = []
+    monkeypatch.setattr(type(codec), "check_snapshot", lambda self, s: checked.append(s))
+    codec.plan_restore([snap])
+    assert checked == []
+
+
+def test_a_snapshot_made_anew_from_a_decoded_one_is_checked_on_restore():
+    import dataclasses
+
+    from kvstore.codecs import get_codec
+    from kvstore.codecs.snapshot_meta import checked_by
+
+    (snap,) = decode_record(record_of(KVCache)).layers
+    bad = dataclasses.replace(snap, meta={**snap.meta, "dtype": "int8"})
+    assert checked_by(bad) is None  # the note is not a field: a snapshot made anew has none
+    with pytest.raises(CorruptEntryError, match="meta dtype int8"):
+        get_codec(snap.signature).plan_restore([bad])
+
+
+def test_a_codec_whose_description_check_is_weaker_checks_a_decoded_snapshot(monkeypatch):
+    # TurboQuant checks its carried matrices on restore, not in the header's parse.
+    from kvstore.codecs import get_codec
+
+    (snap,) = decode_record(record_of(lambda: TurboQuantKVCache(4, 3))).layers
+    codec = get_codec(snap.signature)
+    checked = []
+    real = type(codec).check_snapshot
+    monkeypatch.setattr(
+        type(codec), "check_snapshot", lambda self, s: (checked.append(s), real(self, s))[1]
+    )
+    codec.plan_restore([snap])
+    assert checked and all(s is snap for s in checked)
+
+
+def test_a_decoded_snapshot_given_to_another_codec_is_checked_and_refused():
+    from kvstore.codecs import get_codec
+
+    (snap,) = decode_record(record_of(KVCache)).layers
+    with pytest.raises(CorruptEntryError, match="given to the 'kv:quant:8:64' codec"):
+        get_codec("kv:quant:8:64").plan_restore([snap])
+
+
+def test_a_snapshot_decoded_from_a_header_template_is_noted_as_checked(monkeypatch):
+    # The template's entries are copied with their ranges replaced; the note comes with
+    # them, and the fill's own check of each description at its new range vouches for it.
+    from kvstore.codecs import get_codec
+    from kvstore.codecs import record as R
+    from kvstore.codecs.snapshot_meta import checked_by
+
+    cache = KVCache()
+    fill_cache(cache, [20], head_dim=64, heads=2)
+    R.forget_parsed_headers()
+    first = encode_record([snapshot(cache, 0, 16)])
+    later = encode_record([snapshot(cache, 4, 20)])
+    decode_record(first)  # parsed in full: the template
+    monkeypatch.setattr(R, "_parse_header", lambda *args: pytest.fail("parsed in full"))
+    (snap,) = decode_record(later).layers
+    assert (snap.start, snap.stop) == (4, 20)
+    assert checked_by(snap) is type(get_codec(snap.signature))
+    R.forget_parsed_headers()
