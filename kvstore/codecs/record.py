@@ -644,8 +644,8 @@ def reader_parses(buffers: Sequence[Any]) -> Iterator[None]:
             for buffer in buffers:
                 try:
                     header_sum = _PREFIX.unpack_from(buffer)[4]
-                except (struct.error, TypeError):
-                    continue  # not a record: its check says why, unhindered
+                except (struct.error, TypeError, ValueError):
+                    continue  # not a record (or released): its check says why, unhindered
                 if header_sum not in _PROMISED:
                     _PROMISED[header_sum] = (done, me)
                     mine.append(header_sum)
