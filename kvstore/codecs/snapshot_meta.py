@@ -35,6 +35,7 @@ from kvstore.errors import CorruptEntryError, UnknownSignatureError
 
 __all__ = [
     "checked_by",
+    "decoded_alike",
     "note_checked",
     "MAX_POSITION",
     "MAX_WINDOW",
@@ -162,8 +163,30 @@ def checked_by(described: Any) -> type | None:
 
 def note_checked(snapshot: Snapshot, entry: Any) -> Snapshot:
     """``snapshot``, decoded from header entry ``entry`` as it describes it, with the
-    note of the codec that checked ``entry`` (if one did); returned."""
+    note of the codec that checked ``entry`` (if one did) and of the tensors ``entry``
+    describes (:func:`decoded_alike`); returned."""
+    notes = snapshot.__dict__
     by = entry.__dict__.get(_CHECKED_BY)
     if by is not None:
-        snapshot.__dict__[_CHECKED_BY] = by
+        notes[_CHECKED_BY] = by
+    notes[_DESCRIBED] = entry.tensors
     return snapshot
+
+
+#: Where a decoded snapshot notes its header entry's tensor descriptions (a tuple the
+#: layers of one header template share: :mod:`~kvstore.codecs.header_template`).
+_DESCRIBED = "_described"
+
+
+def decoded_alike(first: Snapshot, other: Snapshot) -> bool:
+    """Whether ``first`` and ``other`` were decoded from header entries with the very
+    same tensor descriptions and meta (the same objects: one header template's layer),
+    so their tensors have the same names, dtypes and shapes and their metas are equal
+    -- everything a join of the two compares but their ranges. A 4096-token lossless
+    restore of llama-8B compares 512 such pairs."""
+    described = first.__dict__.get(_DESCRIBED)
+    return (
+        described is not None
+        and other.__dict__.get(_DESCRIBED) is described
+        and first.meta is other.meta
+    )

@@ -159,3 +159,40 @@ def test_a_snapshot_decoded_from_a_header_template_is_noted_as_checked(monkeypat
     assert (snap.start, snap.stop) == (4, 20)
     assert checked_by(snap) is type(get_codec(snap.signature))
     R.forget_parsed_headers()
+
+
+def test_snapshots_decoded_from_one_header_template_are_alike_and_join():
+    import numpy as np
+
+    from kvstore.codecs import get_codec
+    from kvstore.codecs import record as R
+    from kvstore.codecs.snapshot_meta import decoded_alike
+
+    cache = KVCache()
+    fill_cache(cache, [32], head_dim=64, heads=2)
+    R.forget_parsed_headers()
+    (a,) = decode_record(encode_record([snapshot(cache, 0, 16)])).layers
+    (b,) = decode_record(encode_record([snapshot(cache, 16, 32)])).layers  # from a's template
+    assert decoded_alike(a, b) and decoded_alike(b, a)
+    restored = get_codec(a.signature).restore([a, b])
+    assert restored.offset == 32
+    for got, want in ((restored.keys, cache.keys), (restored.values, cache.values)):
+        assert np.array_equal(np.asarray(got[:, :, :32]), np.asarray(want[:, :, :32]))
+    R.forget_parsed_headers()
+
+
+def test_snapshots_of_other_shapes_are_never_alike_and_do_not_join():
+    import dataclasses
+
+    from kvstore.codecs import get_codec
+    from kvstore.codecs.snapshot_meta import decoded_alike
+
+    two, four = KVCache(), KVCache()
+    fill_cache(two, [32], head_dim=64, heads=2)
+    fill_cache(four, [32], head_dim=64, heads=4)
+    (a,) = decode_record(encode_record([snapshot(two, 0, 16)])).layers
+    (b,) = decode_record(encode_record([snapshot(four, 16, 32)])).layers
+    assert not decoded_alike(a, b)
+    assert not decoded_alike(a, dataclasses.replace(a))  # made anew: no note
+    with pytest.raises(CorruptEntryError, match="the ranges are not of one cache"):
+        get_codec(a.signature).restore([a, b])
