@@ -10,6 +10,12 @@ alone. It saves 4096 tokens of a llama-8B-shaped cache (32 layers, 8 KV heads of
 parsed afresh each time), and prints each phase's median.
 
     .venv/bin/python -m tools.bench.restore_python [--policy kv:quant:8:64] [--repetitions 5]
+        [--session] [--no-checks] [--profile N] [--shape qwen0.5b] [--tokens 8192] [--cpu-route]
+
+``--no-checks`` leaves the store's checks out (the restoring thread alone: steadier on
+two cores), ``--profile N`` adds cProfile's N costliest functions, and ``--cpu-route``
+with ``--shape``/``--tokens`` measures the restore as a machine without CUDA runs it
+(P1's: host buffers written from the store's pages).
 
 Each phase's wall time and the restoring thread's CPU time in it (``time.thread_time``;
 on the H200 that thread's CPU was 18.6 of a 26.4 ms TurboQuant 4/4 restore at
@@ -34,7 +40,7 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from kvstore.bench.workloads import KVShape, SyntheticKV
+from kvstore.bench.workloads import WORKLOADS, SyntheticKV
 from kvstore.caches import KVCache
 from kvstore.codecs import cuda, cuda_pages, plans, record
 from kvstore.store import open_store
@@ -43,7 +49,6 @@ from kvstore.turboquant.quantizer import TurboQuantizer
 from tools.bench.gpu.restore_profile import Timeline  # one way of timing a wrapped call
 
 TOKENS = 4096
-LAYERS = 32
 
 
 class FreeTransport:
@@ -157,20 +162,35 @@ def main(argv: list[str] | None = None) -> int:
         metavar="N",
         help="also print the N functions the restoring thread spent most time in (cProfile)",
     )
+    parser.add_argument(
+        "--shape",
+        choices=["llama8b", "qwen0.5b"],
+        default="llama8b",
+        help="the KV's shape (P1's workloads without a sliding window)",
+    )
+    parser.add_argument("--tokens", type=int, default=TOKENS)
+    parser.add_argument(
+        "--cpu-route",
+        action="store_true",
+        help="the restore as on a machine without CUDA (host buffers, a real decode), "
+        "not the page route with a free transport",
+    )
     args = parser.parse_args(argv)
     profile = cProfile.Profile() if args.profile else None
-    kv = SyntheticKV(KVShape("llama8b", layers=LAYERS, kv_heads=8, head_dim=128), TOKENS)
+    tokens, layers = args.tokens, WORKLOADS[args.shape].layers
+    kv = SyntheticKV(WORKLOADS[args.shape], tokens)
     url = f"lmdb://{tempfile.mkdtemp(prefix='restore-python-')}/s"
     options = {} if args.policy is None else {"storage_policy": args.policy}
     with open_store(url, map_size=1 << 34, touch_interval=0, **options) as store:
-        store.save("ns", list(range(TOKENS)), kv.ours())
+        store.save("ns", list(range(tokens)), kv.ours())
         store.flush()
     previous = cuda.TRANSPORT, cuda_pages._WORKS, cuda_pages._JOINS_WORK
-    # The route taken, untried, its joins on the device as on a GPU that passed the try.
-    cuda.TRANSPORT, cuda_pages._WORKS, cuda_pages._JOINS_WORK = FreeTransport(), True, True
     originals = [(owner, name, getattr(owner, name)) for owner, name in PHASES]
-    originals.append((TurboQuantizer, "decode", TurboQuantizer.decode))
-    TurboQuantizer.decode = _free_decode  # type: ignore[method-assign]
+    if not args.cpu_route:
+        # The route taken, untried, its joins on the device as on a GPU that passed the try.
+        cuda.TRANSPORT, cuda_pages._WORKS, cuda_pages._JOINS_WORK = FreeTransport(), True, True
+        originals.append((TurboQuantizer, "decode", TurboQuantizer.decode))
+        TurboQuantizer.decode = _free_decode  # type: ignore[method-assign]
     timeline = Timeline()
     for owner, name in PHASES:
         timeline.wrap(owner, name)
@@ -186,11 +206,11 @@ def main(argv: list[str] | None = None) -> int:
                     record.forget_parsed_headers()
                 timeline.events.clear()
                 timeline.cpu.clear()
-                match = store.lookup("ns", list(range(TOKENS + 1)))
+                match = store.lookup("ns", list(range(tokens + 1)))
                 start, cpu = time.perf_counter(), time.thread_time()
                 if profile is not None and i:
                     profile.enable()
-                caches = store.restore(match, [KVCache() for _ in range(LAYERS)])
+                caches = store.restore(match, [KVCache() for _ in range(layers)])
                 if profile is not None and i:
                     profile.disable()
                 mx.eval([c.keys for c in caches])
@@ -206,8 +226,9 @@ def main(argv: list[str] | None = None) -> int:
             setattr(owner, name, original)
         cuda.TRANSPORT, cuda_pages._WORKS, cuda_pages._JOINS_WORK = previous
     print(
-        f"{args.policy or 'lossless'}: {TOKENS} tokens of llama-8B on the page route with a "
-        f"free transport, median of {len(runs)} (ms; the restoring thread's CPU beside):"
+        f"{args.policy or 'lossless'}: {tokens} tokens of {args.shape} "
+        f"{'on the CPU route' if args.cpu_route else 'on the page route with a free transport'}, "
+        f"median of {len(runs)} (ms; the restoring thread's CPU beside):"
     )
     for name in ["restore", *(name for _, name in PHASES)]:
         walls = [wall[name] for wall, _ in runs if name in wall]
