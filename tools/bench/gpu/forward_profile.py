@@ -1,15 +1,15 @@
 """What the one-token forward after a restore costs, against the same forward over caches
 the model filled itself (issue 13: G1's warm TTFT is restore + this forward).
 
-    python3 tools/bench/gpu/forward_profile.py [--tokens 4096] [--repeats 5]
+    python3 tools/bench/gpu/forward_profile.py [--tokens 4096] [--repeats 5] [--policy P]
 
 Builds the llama-8B-shaped model (bf16, seeded), fills caches of ``tokens - 1`` rows
 (``update_and_fetch`` of random rows, as a prefill leaves them), saves them to an LMDB
 store and restores them. Then times the forward of the last prompt token in each case:
 right after ``mx.clear_cache()`` (as a fresh session meets it) and again with MLX's
 buffer cache warm; the graph's build (the model call) apart from its evaluation. Also
-prints each cache's capacity and dtype, and whether the restored arrays are what the
-model's own are (shape, strides by ``flags``). Medians of ``repeats``, in ms.
+prints each case's cache class, its keys' shape (capacity included) and dtype, and its
+offset. Medians of ``repeats``, in ms.
 
 Which of the restored arrays or the process after a restore makes the difference: the
 restored caches with their arrays copied on the default stream (each ``+ 0``, the
