@@ -93,9 +93,19 @@ def main() -> int:
         for policy in args.policies.split(","):
             url = saved_store(scratch, policy, args.tokens, caches)
             runs: dict[str, list[dict[str, Any]]] = {name: [] for name in named}
-            for _ in range(args.repeats):
+            for k in range(args.repeats):
                 for name, env in named.items():
-                    runs[name].append(run_child("restore", url, args.tokens, args.layers, env=env))
+                    result = run_child("restore", url, args.tokens, args.layers, env=env)
+                    runs[name].append(result)
+                    # Each child as it ends: a run cut off by its call's limit keeps them.
+                    took = result.get("restore_ms")
+                    cpu = result.get("restore_cpu_ms")
+                    print(
+                        f"   .. {policy} {name} {k + 1}/{args.repeats}: "
+                        + (f"restore {took:.1f} ms" if took is not None else "error")
+                        + (f" (cpu {cpu:.1f})" if cpu is not None else ""),
+                        flush=True,
+                    )
             print(f"== {policy}")
             # Every setting must restore the same bits (lossless: the rows saved).
             digests = {r["rows"] for results in runs.values() for r in results if "rows" in r}
