@@ -114,6 +114,10 @@ def check_layers(op: str, layers: Sequence[Any]) -> None:
     A layer whose :func:`description_key` equals one already passed is not checked
     again: a record's layers usually differ only in their tensors' offsets, and the
     check of 32 identical layers was most of a header's parse.
+
+    Each layer that passed (itself, or as one equal to it) is noted with the class of
+    the codec that passed it (:func:`checked_by`), so a restore need not check a
+    snapshot decoded from it again.
     """
     from kvstore.codecs.registry import get_codec
 
