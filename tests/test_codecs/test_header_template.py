@@ -80,6 +80,44 @@ def test_the_blocks_of_a_prefix_read_alike_from_a_template(family: str) -> None:
         assert filled_from_template(record)  # the template served: the test is not vacuous
 
 
+@pytest.mark.parametrize("family", ["plain", "tq-4-3"])
+def test_a_template_of_one_range_reads_later_headers_whole_past_each_integer_width(
+    family: str,
+) -> None:
+    """Blocks starting at 0, 200 and 400 (a fixint, a uint8, a uint16) read from the first
+    one's template, every layer of each at one range: rebuilt and compared whole
+    (``_uniform_integers``), the same integers a walk of the cuts finds."""
+    records = block_records(family, rows=200)
+    forget_parsed_headers()
+    read_header(records[0])
+    (template,) = header_template._recent(1)
+    assert template.uniform
+    for record in records[1:]:
+        packed = packed_header(record)
+        walked = header_template._integers(template.skeleton, packed)
+        assert walked is not None
+        assert header_template._uniform_integers(template, packed) == walked
+        assert after(records[0], record) == in_full(record)
+
+
+def test_a_header_whose_layers_differ_in_range_is_walked_not_rebuilt() -> None:
+    """A uniform template, and a header whose second layer alone is another range: the
+    rebuilt header differs, so its integers are the walk's, and it reads as in full."""
+    records = block_records("plain", blocks=2)
+
+    def shorten(header: dict[str, Any]) -> None:
+        header["layers"][1]["stop"] -= 1
+
+    record = with_header(records[1], shorten)
+    forget_parsed_headers()
+    read_header(records[0])
+    (template,) = header_template._recent(1)
+    packed = packed_header(record)
+    assert header_template._uniform_integers(template, packed) is None
+    assert header_template._integers(template.skeleton, packed) is not None
+    assert after(records[0], record) == in_full(record)
+
+
 def with_header(record: bytes, change: Any) -> bytes:
     """``record`` with its header changed by ``change(header)`` and checksums made right."""
     header = copy.deepcopy(header_of(record))

@@ -105,6 +105,9 @@ def test_a_match_truncated_trims_its_last_block():
     ]
     assert match.truncated(32).blocks == blocks[:2]
     assert match.truncated(0).blocks == ()
+    assert match.truncated(48) == match  # nothing cut: the match as it is
+    trimmed = match.truncated(37)
+    assert trimmed.truncated(37) == trimmed and trimmed.blocks[-1].rows == 5
     with pytest.raises(ValueError, match=r"tokens must be in \[0, 48\]"):
         match.truncated(49)
 
