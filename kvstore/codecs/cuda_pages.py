@@ -280,31 +280,110 @@ def alike_table(rows: AlikeRows, specs: Sequence[cuda.LeafSpec]) -> np.ndarray |
     array (:func:`alike_layout`'s checks)."""
     u64 = np.uint64
     # alike_layout's checks, once per kind of array (a restore has a few) ...
-    for piece, dtype, (shape, name) in set(zip(rows.shapes, rows.dtypes, specs, strict=True)):
-        if dtype != name or len(piece) != len(shape) or piece[:2] != shape[:2]:
-            return None
-        if piece[3:] != shape[3:]:
+    for piece, dtype, spec in set(zip(rows.shapes, rows.dtypes, specs, strict=True)):
+        if not _fits_alike(piece, dtype, spec):
             return None
     shapes = [shape for shape, _ in specs]
-    batch = np.array([s[0] for s in shapes], u64)
-    heads = np.array([s[1] for s in shapes], u64)
-    capacity = np.array([s[2] for s in shapes], u64)
-    row_bytes = np.array(
-        [math.prod(s[3:]) * numpy_dtype(name).itemsize for s, (_, name) in zip(shapes, specs)],
-        u64,
+    arrays = _Arrays(
+        np.array([s[0] for s in shapes], u64),
+        np.array([s[1] for s in shapes], u64),
+        np.array([s[2] for s in shapes], u64),
+        np.array(
+            [math.prod(s[3:]) * numpy_dtype(name).itemsize for s, (_, name) in zip(shapes, specs)],
+            u64,
+        ),
+        np.array(buffer_starts(specs)[: len(specs)], u64),
     )
     stored = np.array([piece[2] for piece in rows.shapes], u64)
-    head_stride = stored * row_bytes  # C order: batch, heads, rows
-    batch_stride = heads * head_stride
-    starts = np.array(buffer_starts(specs)[: len(specs)], u64)
     signed = np.array(rows.counts, np.int64).reshape(len(specs), len(rows.bases))
-    # ... and of the rows read, for every piece at once.
+    offsets = np.array(rows.offsets, u64)
+    return _alike_table_of(arrays, stored, signed, offsets, np.array(rows.bases, u64))
+
+
+@dataclass(frozen=True)
+class StackedRows:
+    """:class:`AlikeRows` of ``layers`` arrays of each of a few kinds, kind by kind and
+    layer by layer (a lossy restore's joins of every layer, one kind per tensor name:
+    :mod:`~kvstore.codecs.alike_joins`): kind ``k``'s array of layer ``i`` reads each
+    record ``r``'s piece at ``bases[r] + offsets[k][i]``, stored as ``shapes[k]`` of
+    ``dtypes[k]``, its first ``counts[k][r]`` rows."""
+
+    bases: Sequence[int]
+    offsets: Sequence[Sequence[int]]
+    shapes: Sequence[tuple[int, ...]]
+    dtypes: Sequence[str]
+    counts: Sequence[Sequence[int]]
+
+
+def stacked_table(rows: StackedRows, specs: Sequence[cuda.LeafSpec]) -> np.ndarray | None:
+    """:func:`alike_table` of ``rows`` into arrays of ``specs`` (one per kind, each
+    ``layers`` times over, at their :func:`buffer_starts`), made from what each kind
+    shares rather than per array: a TurboQuant restore of llama-8B has 4 kinds of 32."""
+    u64 = np.uint64
+    for piece, dtype, spec in zip(rows.shapes, rows.dtypes, specs, strict=True):
+        if not _fits_alike(piece, dtype, spec):
+            return None
+    layers = len(rows.offsets[0]) if rows.offsets else 0
+    if any(len(offsets) != layers for offsets in rows.offsets):
+        return None
+    shapes = [shape for shape, _ in specs]
+    row_bytes = [
+        math.prod(s[3:]) * numpy_dtype(name).itemsize for s, (_, name) in zip(shapes, specs)
+    ]
+    padded = np.array([-(-cuda.nbytes_of(spec) // 16) * 16 for spec in specs], u64)
+    begins = np.concatenate([np.zeros(1, u64), np.cumsum(padded * u64(layers))[:-1]])
+    within = np.arange(layers, dtype=u64)
+
+    def each(values: Sequence[int]) -> np.ndarray:  # a kind's value for each of its arrays
+        return np.repeat(np.array(values, u64), layers)
+
+    arrays = _Arrays(
+        each([s[0] for s in shapes]),
+        each([s[1] for s in shapes]),
+        each([s[2] for s in shapes]),
+        each(row_bytes),
+        (begins[:, None] + padded[:, None] * within[None, :]).reshape(-1),
+    )
+    signed = np.repeat(np.array(rows.counts, np.int64).reshape(len(specs), -1), layers, axis=0)
+    return _alike_table_of(
+        arrays,
+        each([piece[2] for piece in rows.shapes]),
+        signed,
+        np.array(rows.offsets, u64).reshape(-1),
+        np.array(rows.bases, u64),
+    )
+
+
+def _fits_alike(piece: tuple[int, ...], dtype: str, spec: cuda.LeafSpec) -> bool:
+    """:func:`alike_layout`'s checks of a kind of piece against its array's ``spec``."""
+    shape, name = spec
+    return (
+        dtype == name
+        and len(piece) == len(shape)
+        and piece[:2] == shape[:2]
+        and (piece[3:] == shape[3:])
+    )
+
+
+def _alike_table_of(
+    arrays: _Arrays,
+    stored: np.ndarray,
+    signed: np.ndarray,
+    offsets: np.ndarray,
+    bases: np.ndarray,
+) -> np.ndarray | None:
+    """The table of :func:`alike_table` and :func:`stacked_table`: ``arrays``, each
+    array's pieces ``stored`` rows deep, ``signed[j, r]`` rows of record ``r`` read into
+    array ``j`` from ``bases[r] + offsets[j]``; ``None`` where the rows read are fewer
+    than none, more than stored, or more than an array holds."""
+    head_stride = stored * arrays.row_bytes  # C order: batch, heads, rows
+    batch_stride = arrays.heads * head_stride
     if signed.size and (signed.min() < 0 or np.any(signed > stored[:, None].astype(np.int64))):
         return None
-    counts = signed.astype(u64)
-    if np.any(counts.sum(axis=1) > capacity):
+    counts = signed.astype(np.uint64)
+    if np.any(counts.sum(axis=1) > arrays.capacity):
         return None
-    address = np.array(rows.offsets, u64)[:, None] + np.array(rows.bases, u64)[None, :]
+    address = offsets[:, None] + bases[None, :]
     array, record = np.nonzero(counts)  # the pieces with rows, array by array, in order
     pieces = _Pieces(
         array,
@@ -313,7 +392,7 @@ def alike_table(rows: AlikeRows, specs: Sequence[cuda.LeafSpec]) -> np.ndarray |
         head_stride[array],
         counts[array, record],
     )
-    return _table_of(pieces, _Arrays(batch, heads, capacity, row_bytes, starts))[0]
+    return _table_of(pieces, arrays)[0]
 
 
 def _layout(pieces: Sequence[np.ndarray], shape: tuple[int, ...], name: str) -> RowsLayout | None:

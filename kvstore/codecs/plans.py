@@ -46,6 +46,7 @@ __all__ = [
     "join_runs",
     "Stack",
     "members_of",
+    "alike_row_names",
 ]
 
 
@@ -354,7 +355,7 @@ def join_runs(
                 bases = shared.get(read)
                 if bases is None:
                     bases = shared[read] = _Bases(every)
-                names = _alike_row_names(every[0].entries, cuts, fits.setdefault(cuts, {}))
+                names = alike_row_names(every[0].entries, cuts, fits.setdefault(cuts, {}))
             else:
                 names = _row_names(run)
             if not names:
@@ -561,7 +562,7 @@ def _gathered_from(join: RowsJoin | _StoredRows) -> Sequence[Any] | cuda_pages.R
 def _row_names(run: Sequence[Snapshot]) -> list[str]:
     """The row tensors of a run worth joining (none for a run of one MLX-array snapshot,
     already where a decode wants it, or of one-token snapshots). Runs laid out alike
-    are named by :func:`_alike_row_names`."""
+    are named by :func:`alike_row_names`."""
     sized = [(_shapes(s.tensors), s.tokens) for s in run]
     if any(tokens < 2 for _, tokens in sized):
         return []
@@ -577,7 +578,7 @@ def _row_names(run: Sequence[Snapshot]) -> list[str]:
     ]
 
 
-def _alike_row_names(
+def alike_row_names(
     entries: Mapping[str, TensorEntry],
     cuts: Sequence[tuple[int | None, int]],
     fits: dict[int, bool],

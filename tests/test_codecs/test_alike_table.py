@@ -97,3 +97,73 @@ def test_a_table_some_array_cannot_be_gathered_by_is_none(change, why):
         specs[2] = ((*shape[:2], sum(counts[2]) - 1, *shape[3:]), name)
     changed = cuda_pages.AlikeRows(rows.bases, rows.offsets, shapes, dtypes, counts)
     assert cuda_pages.alike_table(changed, specs) is None, why
+
+
+def stacked_case(rng, kinds, layers, records, counts_of):
+    """StackedRows of ``kinds`` (indices into KINDS), each kind's array in every one of
+    ``layers`` at an offset of its own, one capacity per kind; and the same arrays as
+    AlikeRows with their specs, kind by kind and layer by layer."""
+    bases = [int(b) for b in rng.integers(1, 1 << 40, records) * 64]
+    offsets, shapes, dtypes, counts, specs = [], [], [], [], []
+    for kind in kinds:
+        shape, dtype = KINDS[kind]
+        cuts = counts_of(shape[2])
+        offsets.append([int(o) * 16 for o in rng.integers(0, 1 << 20, layers)])
+        shapes.append(shape)
+        dtypes.append(dtype)
+        counts.append(cuts)
+        specs.append(((*shape[:2], sum(cuts) + int(rng.integers(0, 3)), *shape[3:]), dtype))
+    stacked = cuda_pages.StackedRows(bases, offsets, shapes, dtypes, counts)
+    alike = cuda_pages.AlikeRows(
+        bases,
+        [o for layer_offsets in offsets for o in layer_offsets],
+        [s for s in shapes for _ in range(layers)],
+        [d for d in dtypes for _ in range(layers)],
+        [c for c in counts for _ in range(layers)],
+    )
+    return stacked, specs, alike, [spec for spec in specs for _ in range(layers)]
+
+
+@pytest.mark.parametrize("layers", [1, 4])
+@pytest.mark.parametrize("records", [1, 3])
+@pytest.mark.parametrize("cuts", ["whole", "last-cut", "empty-piece"])
+def test_the_table_made_per_kind_is_the_table_made_per_array(layers, records, cuts):
+    """stacked_table (a kind's arrays of every layer from what they share) is word for
+    word alike_table of the same arrays one by one: 16-byte and unaligned kinds, a cut
+    or empty last piece, one layer or several."""
+    rng = np.random.default_rng(layers * 10 + records)
+
+    def counts_of(stored: int) -> list[int]:
+        out = [stored] * records
+        if cuts == "last-cut":
+            out[-1] = stored // 2 + 1
+        elif cuts == "empty-piece":
+            out[-1] = 0
+        return out
+
+    stacked, specs, alike, every = stacked_case(rng, [0, 1, 3, 2], layers, records, counts_of)
+    want = cuda_pages.alike_table(alike, every)
+    got = cuda_pages.stacked_table(stacked, specs)
+    assert want is not None and got is not None
+    assert np.array_equal(got, want)
+
+
+@pytest.mark.parametrize("change", ["dtype", "heads", "rows", "capacity", "layers"])
+def test_a_table_per_kind_some_array_cannot_be_gathered_by_is_none(change):
+    rng = np.random.default_rng(3)
+    stacked, specs, _, _ = stacked_case(rng, [0, 1], 3, 4, lambda stored: [stored] * 4)
+    offsets, dtypes = [list(o) for o in stacked.offsets], list(stacked.dtypes)
+    counts = [list(c) for c in stacked.counts]
+    shape, name = specs[1]
+    if change == "dtype":
+        dtypes[1] = "float32"
+    elif change == "heads":
+        specs[1] = ((shape[0], shape[1] + 1, *shape[2:]), name)
+    elif change == "rows":
+        counts[1][2] = stacked.shapes[1][2] + 1
+    elif change == "capacity":
+        specs[1] = ((*shape[:2], sum(counts[1]) - 1, *shape[3:]), name)
+    else:  # a kind with fewer layers than the others
+        offsets[1] = offsets[1][:-1]
+    changed = cuda_pages.StackedRows(stacked.bases, offsets, stacked.shapes, dtypes, counts)
+    assert cuda_pages.stacked_table(changed, specs) is None, change

@@ -969,12 +969,13 @@ def test_a_lossy_restore_makes_every_joins_segments_in_one_go_and_equals_the_cpu
     tmp_path, staged, monkeypatch, policy
 ):
     # Every layer reads the same records, laid out alike: the segments of all the joins
-    # are made at once (cuda_pages.alike_table), no layout made per join.
+    # are made at once, from each tensor name's kind (cuda_pages.stacked_table: one spec
+    # per name), no layout made per join.
     made, per_join = [], []
-    real_table = cuda_pages.alike_table
+    real_table = cuda_pages.stacked_table
     monkeypatch.setattr(
         cuda_pages,
-        "alike_table",
+        "stacked_table",
         lambda rows, specs: made.append(len(specs)) or real_table(rows, specs),
     )
     real_layout = cuda_pages.alike_layout
@@ -988,6 +989,9 @@ def test_a_lossy_restore_makes_every_joins_segments_in_one_go_and_equals_the_cpu
         match = store.lookup("ns", tokens)
         on_device = store.restore(match, model.make_cache())
         assert made and per_join == [] and staged.gathers >= 1 and staged.uploads == 0
+        # one spec per tensor name a layer joins (TurboQuant: codes and scales of keys
+        # and of values; q8: also the biases), not one per (layer, name)
+        assert made == [4 if policy.startswith("kv:turboquant") else 6]
         monkeypatch.setattr(cuda, "TRANSPORT", False)
         plain = store.restore(match, model.make_cache())
     assert int(on_device[0].offset) == len(tokens) - 1

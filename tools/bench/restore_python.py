@@ -112,6 +112,7 @@ PHASES: tuple[tuple[Any, str], ...] = (
     (restore, "_decoded"),
     (restore, "_plans"),
     (restore, "join_runs"),
+    (restore, "joined_alike"),
     (plans, "_row_names"),
     (cuda_pages, "gathered_flat"),
     (cuda_pages, "_layout"),

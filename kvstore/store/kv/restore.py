@@ -51,6 +51,7 @@ from kvstore.codecs import (
     transcode,
     transcode_stacked,
 )
+from kvstore.codecs.alike_joins import joined_alike
 from kvstore.codecs.payload_tensors import stored
 from kvstore.codecs.plans import Stack, join_runs, members_of, run_plans
 from kvstore.codecs.record import (
@@ -356,7 +357,8 @@ def _plans(
     recoded = [i for i, need in enumerate(needs) if layers[i][0].signature != need.signature]
     if recoded and cuda.available():
         stacks: list[Stack] = []
-        joins = join_runs([layers[i] for i in recoded], pages, stacks)
+        lossy = [layers[i] for i in recoded]
+        joins = joined_alike(lossy, pages, stacks) or join_runs(lossy, pages, stacks)
         for i, joined in zip(recoded, joins, strict=True):
             layers[i] = joined
         recoded = _stacked(layers, needs, recoded, stacks, decoded)
