@@ -16,17 +16,24 @@ each layer's records on their own: 1.44 ms of the restoring thread on the CI VM 
 --session --no-checks``), where the restoring thread's Python is what G2 measures on the
 H200.
 
-:func:`joined_alike` returns what ``join_runs`` would (each layer's one joined snapshot;
-the stacks appended), or ``None`` where the layers are not all so (then ``join_runs``
-joins them as they are).
+Two ways in, the same joins:
+
+* :func:`joined_records` from the records' headers alone, when every layer of every
+  record is there and lossy: no snapshot per (record, layer) is made at all (512 of
+  them, and their tensor mappings, in that restore);
+* :func:`joined_alike` from each layer's snapshots (a model whose other layers are
+  stored as they are), returning what ``join_runs`` would.
+
+Each returns ``None`` (nothing done) where the layers are not all so, and the caller
+joins them as they are.
 """
 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from operator import attrgetter
-from typing import cast
+from typing import Any, cast
 
 import mlx.core as mx
 
@@ -34,11 +41,11 @@ from kvstore.abc.codec import Snapshot
 from kvstore.codecs import cuda, cuda_pages
 from kvstore.codecs.arrays import MLX_DTYPES
 from kvstore.codecs.fill import LeafSpec
-from kvstore.codecs.header import TensorEntry
-from kvstore.codecs.payload_tensors import Payload, PayloadTensors
+from kvstore.codecs.header import LayerEntry, TensorEntry
+from kvstore.codecs.payload_tensors import Payload, PayloadTensors, entries_by_name
 from kvstore.codecs.plans import Stack, alike_row_names
 
-__all__ = ["joined_alike"]
+__all__ = ["joined_alike", "joined_records"]
 
 _TENSORS = attrgetter("tensors")
 _PAYLOAD = attrgetter("payload")
@@ -46,6 +53,67 @@ _ROWS = attrgetter("rows")
 _ENTRIES = attrgetter("entries")
 _START = attrgetter("start")
 _STOP = attrgetter("stop")
+_META = attrgetter("meta")
+_SIGNATURE = attrgetter("signature")
+
+
+def joined_records(
+    layers: Sequence[Sequence[LayerEntry | None]],
+    payloads: Sequence[Payload],
+    cuts: Sequence[int | None],
+    pages: cuda_pages.PinnedPages | None,
+    stacks: list[Stack],
+) -> list[list[Snapshot]] | None:
+    """Each layer's rows of every record joined into one snapshot, from the records'
+    headers: ``layers[r]`` record ``r``'s header's layers, its payload ``payloads[r]``,
+    its first ``cuts[r]`` rows read (``None``: all), the records one after another. As
+    :func:`joined_alike` of the snapshots a decode of them would make (a layer's
+    signature its first record's, its meta its last's), when every layer of every
+    record is there, all layers of a record cover one range, and each layer is
+    described alike (tensors, meta, signature) in every record; else ``None``."""
+    if pages is None or not layers or not cuda.available():
+        return None
+    first = layers[0]
+    if not first or any(entry is None for entry in first):
+        return None
+    entries = cast(Sequence[LayerEntry], first)
+    tensors, metas = list(map(_TENSORS, entries)), list(map(_META, entries))
+    signatures = list(map(_SIGNATURE, entries))
+    starts, stops = [], []
+    for record in layers:  # each a few C loops over its layers, no loop per (record, layer)
+        if len(record) != len(entries) or None in record:
+            return None
+        start, stop = record[0].start, record[0].stop  # type: ignore[union-attr]
+        count = len(record)
+        if (
+            list(map(_TENSORS, record)) != tensors
+            or list(map(_META, record)) != metas
+            or list(map(_SIGNATURE, record)) != signatures
+            or list(map(_START, record)) != [start] * count
+            or list(map(_STOP, record)) != [stop] * count
+        ):
+            return None
+        starts.append(start)
+        stops.append(stop)
+    # The rows each record gives: a cut one ends where its cut does.
+    ends = [
+        stop if c is None else min(start + c, stop)
+        for start, stop, c in zip(starts, stops, cuts, strict=True)
+    ]
+    if starts[1:] != ends[:-1]:  # not one run
+        return None
+    by_name = [entries_by_name(t) for t in tensors]
+    joined = _joined(by_name, payloads, cuts, starts, ends, pages, stacks)
+    if joined is None:
+        return None
+    out = []
+    for i, cut in enumerate(joined):
+        made: dict[str, Any] = dict(cut)
+        if len(cut) < len(by_name[i]):  # the first record's other tensors, as a decode has them
+            head = PayloadTensors(payloads[0], tensors[i], cuts[0])
+            made = {n: cut[n] if n in cut else head[n] for n in head}
+        out.append([Snapshot(signatures[i], starts[0], ends[-1], made, metas[i])])
+    return out
 
 
 def joined_alike(
@@ -72,7 +140,7 @@ def joined_alike(
     starts, stops = list(map(_START, first)), list(map(_STOP, first))
     if starts[1:] != stops[:-1]:  # not one run
         return None
-    entries: list[dict[str, TensorEntry]] = []
+    entries: list[Mapping[str, TensorEntry]] = []
     for layer in layers:
         tensors = described if layer is first else _same_records(layer, payloads, cuts, starts)
         if tensors is None:
@@ -81,6 +149,32 @@ def joined_alike(
         if each.count(each[0]) != len(each):  # compared by identity first
             return None
         entries.append(each[0])
+    joined = _joined(entries, payloads, cuts, starts, stops, pages, stacks)
+    if joined is None:
+        return None
+    out = []
+    for layer, cut in zip(layers, joined, strict=True):
+        head, last = layer[0], layer[-1]
+        # The first snapshot's other tensors (a rotation carried by it, say): its views.
+        made = {n: cut[n] if n in cut else head.tensors[n] for n in head.tensors}
+        out.append([Snapshot(head.signature, head.start, last.stop, made, last.meta)])
+    return out
+
+
+def _joined(
+    entries: Sequence[Mapping[str, TensorEntry]],
+    payloads: Sequence[Payload],
+    cuts: Sequence[int | None],
+    starts: Sequence[int],
+    stops: Sequence[int],
+    pages: cuda_pages.PinnedPages,
+    stacks: list[Stack],
+) -> list[dict[str, mx.array]] | None:
+    """Each layer's row tensors joined across the records, by name: layer ``i`` laid out
+    as ``entries[i]`` in every one of ``payloads``, record ``r`` read up to ``cuts[r]``
+    rows over ``[starts[r], stops[r])``. ``None`` where a layer's row tensors differ in
+    names, shapes or dtypes from the first's, or the GPU cannot gather them. ``stacks``
+    gets each name's stack of every layer's join where they lie with nothing between."""
     ranges = tuple(zip(cuts, (b - a for a, b in zip(starts, stops, strict=True)), strict=True))
     names = alike_row_names(entries[0], ranges, {})
     if not names:
@@ -95,8 +189,8 @@ def joined_alike(
     if flat_made is None:
         return None
     flat, specs, begins = flat_made
-    count = len(layers)
-    joined: list[dict[str, mx.array]] = [{} for _ in layers]
+    count = len(entries)
+    joined: list[dict[str, mx.array]] = [{} for _ in entries]
     for name, (shape, dtype), begin in zip(names, specs, begins, strict=True):
         nbytes = cuda.nbytes_of((shape, dtype))
         mlx_dtype = MLX_DTYPES[dtype]
@@ -115,13 +209,7 @@ def joined_alike(
             ]
         for cut, member in zip(joined, members, strict=True):
             cut[name] = member
-    out = []
-    for layer, cut in zip(layers, joined, strict=True):
-        head, last = layer[0], layer[-1]
-        # The first snapshot's other tensors (a rotation carried by it, say): its views.
-        made = {n: cut[n] if n in cut else head.tensors[n] for n in head.tensors}
-        out.append([Snapshot(head.signature, head.start, last.stop, made, last.meta)])
-    return out
+    return joined
 
 
 def _same_records(
@@ -145,7 +233,7 @@ def _same_records(
 
 
 def _gathered(
-    entries: Sequence[dict[str, TensorEntry]],
+    entries: Sequence[Mapping[str, TensorEntry]],
     names: Sequence[str],
     kinds: Sequence[tuple[tuple[int, ...], str]],
     payloads: Sequence[Payload],

@@ -19,7 +19,14 @@ import numpy as np
 from kvstore.codecs.arrays import numpy_dtype
 from kvstore.codecs.header import TensorEntry
 
-__all__ = ["Payload", "PayloadTensors", "numpy_view", "same_entries", "stored"]
+__all__ = [
+    "Payload",
+    "PayloadTensors",
+    "entries_by_name",
+    "numpy_view",
+    "same_entries",
+    "stored",
+]
 
 
 def numpy_view(payload: memoryview, entry: TensorEntry) -> np.ndarray:
@@ -55,7 +62,8 @@ _BY_NAME: dict[int, tuple[Sequence[TensorEntry], dict[str, TensorEntry]]] = {}
 _BY_NAME_LIMIT = 4096
 
 
-def _by_name(entries: Sequence[TensorEntry]) -> dict[str, TensorEntry]:
+def entries_by_name(entries: Sequence[TensorEntry]) -> dict[str, TensorEntry]:
+    """A layer's header ``entries`` by name: the one mapping of that tuple of entries."""
     found = _BY_NAME.get(id(entries))
     if found is not None and found[0] is entries:
         return found[1]
@@ -79,7 +87,7 @@ class PayloadTensors(Mapping[str, np.ndarray]):
     ) -> None:
         self.payload = payload
         #: Name -> entry; the same mapping for every layer of one header template.
-        self.entries = _by_name(entries)
+        self.entries = entries_by_name(entries)
         self.rows = rows
         self._described = entries
         self._views: dict[str, np.ndarray] = {}

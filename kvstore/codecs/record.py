@@ -96,6 +96,7 @@ __all__ = [
     "reader_parses",
     "snapshot_to_mlx",
     "verify_record",
+    "record_payload",
     "checkpoint_nbytes",
     "forget_parsed_headers",
 ]
@@ -397,6 +398,18 @@ def decode_record(
         _verify(header, xxhash.xxh3_64_intdigest(payload), "decode_record")
     stored = Payload(payload) if lazy_layers else None
     return Record(header, _snapshots(header, lambda t: numpy_view(payload, t), lazy_layers, stored))
+
+
+def record_payload(buffer: Any, header: RecordHeader) -> Payload:
+    """The payload of record ``buffer`` whose header ``header`` is (parsed already), as
+    :func:`decode_record` checks it (length, padding) but not its checksum: for a
+    reader that locates tensors from the header itself
+    (:mod:`~kvstore.codecs.alike_joins`).
+
+    Raises:
+        CorruptEntryError: the record's length or padding is not what its header says.
+    """
+    return Payload(_payload(_bytes_view(buffer, "decode_record"), header, "decode_record"))
 
 
 def verify_record(buffer: Any) -> None:

@@ -982,6 +982,15 @@ def test_a_lossy_restore_makes_every_joins_segments_in_one_go_and_equals_the_cpu
     monkeypatch.setattr(
         cuda_pages, "alike_layout", lambda *a: per_join.append(1) or real_layout(*a)
     )
+    from kvstore.store.kv import restore as restoring
+
+    decodes: list[int] = []  # records decoded into a snapshot per layer
+    real_decoded = restoring._decoded
+    monkeypatch.setattr(
+        restoring,
+        "_decoded",
+        lambda views, *a: decodes.append(len(views)) or real_decoded(views, *a),
+    )
     model = model_for("tiny")
     tokens = prompt(31, 4 * BLOCK)  # whole blocks: every record of one layout
     with open_store(f"lmdb://{tmp_path / 's'}", block_size=BLOCK, storage_policy=policy) as store:
@@ -989,6 +998,9 @@ def test_a_lossy_restore_makes_every_joins_segments_in_one_go_and_equals_the_cpu
         match = store.lookup("ns", tokens)
         on_device = store.restore(match, model.make_cache())
         assert made and per_join == [] and staged.gathers >= 1 and staged.uploads == 0
+        # ...from the headers: no record decoded into a snapshot per layer first
+        # (alike_joins.joined_records)
+        assert decodes == []
         # one spec per tensor name a layer joins (TurboQuant: codes and scales of keys
         # and of values; q8: also the biases), not one per (layer, name)
         assert made == [4 if policy.startswith("kv:turboquant") else 6]
@@ -1027,3 +1039,48 @@ def test_a_lossy_restore_queues_its_decode_early_unless_told_not_to_and_equals_t
         monkeypatch.setattr(cuda, "TRANSPORT", False)
         plain = store.restore(match, model.make_cache())
     assert_same_caches(on_device, plain)
+
+
+def test_joins_from_headers_are_declined_unless_every_layer_of_every_record_is_alike(
+    tmp_path, staged
+):
+    """alike_joins.joined_records joins the records' rows from their headers only when
+    they follow one another and describe every layer alike: records out of order, of
+    another model's layout, or missing a layer give None (the restore then decodes them
+    and joins them as they are)."""
+    from kvstore.codecs import plans, record
+    from kvstore.codecs.alike_joins import joined_records
+
+    def saved(config: str, seed: int) -> tuple[list[bytes], list]:
+        model = model_for(config)
+        tokens = prompt(seed, 3 * BLOCK)
+        url = f"lmdb://{tmp_path / config}"
+        with open_store(url, block_size=BLOCK, storage_policy="kv:turboquant:4:4") as store:
+            store.save("ns", tokens, token_by_token(model, tokens))
+            match = store.lookup("ns", tokens)
+            with store.read_checking(list(match.blocks)) as views:
+                raw = [bytes(view) for view in views]
+        return raw, [record.read_header(r) for r in raw]
+
+    raw, headers = saved("tiny", 3)
+    views = [memoryview(bytearray(r)) for r in raw]  # pages of their own, as a read's
+    payloads = [record.record_payload(v, h) for v, h in zip(views, headers, strict=True)]
+    layers = [h.layers for h in headers]
+    pages = cuda_pages.pin(views)
+    try:
+        stacks: list[plans.Stack] = []
+        joined = joined_records(layers, payloads, [None] * 3, pages, stacks)
+        assert joined is not None and len(joined) == len(layers[0]) and stacks
+        assert all(len(layer) == 1 and layer[0].stop == 3 * BLOCK for layer in joined)
+        mx.eval([t for layer in joined for t in layer[0].tensors.values()])
+        swapped = [layers[1], layers[0], layers[2]]
+        assert joined_records(swapped, payloads, [None] * 3, pages, []) is None
+        _, other = saved("tiny-gemma3", 4)
+        assert (
+            joined_records([layers[0], other[1].layers], payloads[:2], [None] * 2, pages, [])
+            is None
+        )
+        missing = [(None, *layers[0][1:]), layers[1], layers[2]]
+        assert joined_records(missing, payloads, [None] * 3, pages, []) is None
+    finally:
+        pages.release()

@@ -113,6 +113,7 @@ PHASES: tuple[tuple[Any, str], ...] = (
     (restore, "_plans"),
     (restore, "join_runs"),
     (restore, "joined_alike"),
+    (restore, "joined_records"),
     (plans, "_row_names"),
     (cuda_pages, "gathered_flat"),
     (cuda_pages, "_layout"),

@@ -51,7 +51,7 @@ from kvstore.codecs import (
     transcode,
     transcode_stacked,
 )
-from kvstore.codecs.alike_joins import joined_alike
+from kvstore.codecs.alike_joins import joined_alike, joined_records
 from kvstore.codecs.payload_tensors import stored
 from kvstore.codecs.plans import Stack, join_runs, members_of, run_plans
 from kvstore.codecs.record import (
@@ -59,6 +59,7 @@ from kvstore.codecs.record import (
     RecordHeader,
     decode_records_on_device,
     reader_parses,
+    record_payload,
 )
 from kvstore.collector import collection_paused
 from kvstore.errors import (
@@ -160,17 +161,19 @@ def _restored(
                     continue
                 best = _restorable(cut, needs, headers)
                 if best == tokens:
-                    # Each header's own checksum was checked by its parse, which is
-                    # remembered.
-                    records = {
-                        ref.key: record.layers
-                        for ref, record in zip(
-                            wanted, _decoded(views, headers, needs, pages), strict=True
-                        )
-                    }
                     # Every layer planned first, then all arrays allocated in one go.
                     decoded: list[Stack] = []
-                    plans = _plans(cut, needs, records, pages, decoded)
+                    plans = _alike_plans(cut, needs, headers, views, pages, decoded)
+                    if plans is None:
+                        # Each header's own checksum was checked by its parse, which is
+                        # remembered.
+                        records = {
+                            ref.key: record.layers
+                            for ref, record in zip(
+                                wanted, _decoded(views, headers, needs, pages), strict=True
+                            )
+                        }
+                        plans = _plans(cut, needs, records, pages, decoded)
                     restored = run_plans(plans, pages, decoded)
                     intact = views.intact()
                     if intact == len(wanted):
@@ -355,12 +358,58 @@ def _plans(
             snaps[k] = _first_rows(snaps[k], refs[k].rows)
         layers.append(snaps)
     recoded = [i for i, need in enumerate(needs) if layers[i][0].signature != need.signature]
+    stacks: list[Stack] | None = None
     if recoded and cuda.available():
-        stacks: list[Stack] = []
+        stacks = []
         lossy = [layers[i] for i in recoded]
         joins = joined_alike(lossy, pages, stacks) or join_runs(lossy, pages, stacks)
         for i, joined in zip(recoded, joins, strict=True):
             layers[i] = joined
+    return _converted_plans(layers, needs, recoded, stacks, decoded)
+
+
+def _alike_plans(
+    match: Match,
+    needs: Sequence[LayerNeed],
+    headers: Sequence[RecordHeader],
+    views: Sequence[memoryview],
+    pages: cuda_pages.PinnedPages | None,
+    decoded: list[Stack],
+) -> list[RestorePlan] | None:
+    """:func:`_plans` of a lossy restore on a CUDA GPU whose every layer is stored in
+    another encoding in every block, laid out alike (a model without windows restored
+    under a storage policy), made from the headers: each layer's rows of every record
+    joined at once (:func:`~kvstore.codecs.alike_joins.joined_records`), no snapshot
+    per (record, layer) decoded first. ``None`` where the restore is not so."""
+    if pages is None or not needs or len(set(needs)) != 1:
+        return None
+    need = needs[0]
+    if need.checkpoint or need.window is not None or len(headers) != len(match.blocks):
+        return None
+    entries = [header.layers for header in headers]
+    if any(entry is None or entry.signature == need.signature for entry in entries[0]):
+        return None  # a layer stored as its cache is (joined_records: each record alike)
+    payloads = [record_payload(view, header) for view, header in zip(views, headers)]
+    cuts = [ref.rows if ref.trimmed else None for ref in match.blocks]
+    stacks: list[Stack] = []
+    layers = joined_records(entries, payloads, cuts, pages, stacks)
+    if layers is None:
+        return None
+    return _converted_plans(layers, needs, list(range(len(needs))), stacks, decoded)
+
+
+def _converted_plans(
+    layers: list[list[Snapshot]],
+    needs: Sequence[LayerNeed],
+    recoded: list[int],
+    stacks: list[Stack] | None,
+    decoded: list[Stack] | None,
+) -> list[RestorePlan]:
+    """Every layer's plan from its snapshots, those of ``recoded`` (stored in another
+    encoding) converted to their cache's first: where they were joined on a CUDA GPU
+    (``stacks``: their joins' stacks), decoded in one go per stack
+    (:func:`_stacked`)."""
+    if stacks is not None:
         recoded = _stacked(layers, needs, recoded, stacks, decoded)
         if decoded and EARLY_DECODE:
             # Queued now, the decode runs on the device while this thread plans the
