@@ -25,12 +25,14 @@ Two ways in, the same joins:
   stored as they are), returning what ``join_runs`` would.
 
 Each returns ``None`` (nothing done) where the layers are not all so, and the caller
-joins them as they are.
+joins them as they are; and always with ``KVSTORE_ALIKE_JOINS=0`` (:data:`ALIKE_JOINS`:
+the route before it, for an A/B on the device).
 """
 
 from __future__ import annotations
 
 import itertools
+import os
 from collections.abc import Mapping, Sequence
 from operator import attrgetter
 from typing import Any, cast
@@ -46,6 +48,10 @@ from kvstore.codecs.payload_tensors import Payload, PayloadTensors, entries_by_n
 from kvstore.codecs.plans import Stack, alike_row_names
 
 __all__ = ["joined_alike", "joined_records"]
+
+#: Whether the joins are made per tensor name where they can be (the default), or always
+#: per (layer, name) by :func:`~kvstore.codecs.plans.join_runs` (``KVSTORE_ALIKE_JOINS=0``).
+ALIKE_JOINS = os.environ.get("KVSTORE_ALIKE_JOINS", "1") != "0"
 
 _TENSORS = attrgetter("tensors")
 _PAYLOAD = attrgetter("payload")
@@ -71,7 +77,7 @@ def joined_records(
     signature its first record's, its meta its last's), when every layer of every
     record is there, all layers of a record cover one range, and each layer is
     described alike (tensors, meta, signature) in every record; else ``None``."""
-    if pages is None or not layers or not cuda.available():
+    if not ALIKE_JOINS or pages is None or not layers or not cuda.available():
         return None
     first = layers[0]
     if not first or any(entry is None for entry in first):
@@ -129,7 +135,7 @@ def joined_alike(
     other layer's; their rows gathered by the GPU from ``pages`` in one go. ``stacks``
     gets each name's stack of every layer's join (where they lie one after another with
     nothing between). ``None`` (nothing done) otherwise."""
-    if pages is None or not layers or not cuda.available():
+    if not ALIKE_JOINS or pages is None or not layers or not cuda.available():
         return None
     first = layers[0]
     found = list(map(_TENSORS, first))

@@ -1084,3 +1084,36 @@ def test_joins_from_headers_are_declined_unless_every_layer_of_every_record_is_a
         assert joined_records(missing, payloads, [None] * 3, pages, []) is None
     finally:
         pages.release()
+
+
+def test_with_alike_joins_switched_off_a_lossy_restore_joins_per_layer_and_equals_the_cpu_restore(
+    tmp_path, staged, monkeypatch
+):
+    """KVSTORE_ALIKE_JOINS=0 (the device A/B's other side): records decoded, each layer's
+    rows joined per (layer, name) by join_runs, no table made per tensor name; the same
+    caches."""
+    from kvstore.codecs import alike_joins
+    from kvstore.store.kv import restore as restoring
+
+    monkeypatch.setattr(alike_joins, "ALIKE_JOINS", False)
+    decodes, per_name = [], []
+    real_decoded, real_table = restoring._decoded, cuda_pages.stacked_table
+    monkeypatch.setattr(
+        restoring,
+        "_decoded",
+        lambda views, *a: decodes.append(len(views)) or real_decoded(views, *a),
+    )
+    monkeypatch.setattr(
+        cuda_pages, "stacked_table", lambda *a: per_name.append(1) or real_table(*a)
+    )
+    model = model_for("tiny")
+    tokens = prompt(41, 4 * BLOCK)
+    url = f"lmdb://{tmp_path / 's'}"
+    with open_store(url, block_size=BLOCK, storage_policy="kv:turboquant:4:4") as store:
+        store.save("ns", tokens, token_by_token(model, tokens))
+        match = store.lookup("ns", tokens)
+        on_device = store.restore(match, model.make_cache())
+        assert decodes == [4] and per_name == [] and staged.gathers >= 1
+        monkeypatch.setattr(cuda, "TRANSPORT", False)
+        plain = store.restore(match, model.make_cache())
+    assert_same_caches(on_device, plain)

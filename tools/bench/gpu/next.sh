@@ -48,6 +48,9 @@
 #                headers took 5.9 ms of that thread's wall for 2.9 of its CPU while the
 #                checks parsed the same ones) against parsing whichever they reach
 #                (KVSTORE_READER_PARSES=0), 6 each: ~250 s
+# STEP alike     ab_env of TQ 4/4 and q8 with a lossy restore's joins made per tensor name
+#                (kvstore/codecs/alike_joins.py, the default) against per (layer, name) as
+#                before (KVSTORE_ALIKE_JOINS=0), 6 each: ~250 s
 # STEP fwdgraphs forward_profile.py (the one-token forward after a restore, against the
 #                same over the model's own caches) with MLX's CUDA graphs and without
 #                (MLX_USE_CUDA_GRAPHS=0), one host: G2's forwards were 11.5-16.2 ms with
@@ -129,6 +132,10 @@ case "$step" in
     timeout 420 python3 -m tools.bench.gpu.ab_env --repeats 6 base: \
       'checks-parse:KVSTORE_READER_PARSES=0' --policies kv:turboquant:4:4,kv:quant:8:64 \
       2>&1 | tee "$out/ab-reader.txt" ;;
+  alike)
+    timeout 420 python3 -m tools.bench.gpu.ab_env --repeats 6 base: \
+      'per-layer-joins:KVSTORE_ALIKE_JOINS=0' --policies kv:turboquant:4:4,kv:quant:8:64 \
+      2>&1 | tee "$out/ab-alike.txt" ;;
   fwdgraphs)
     timeout 200 python3 tools/bench/gpu/forward_profile.py --repeats 5 2>&1 | tee "$out/forward-graphs.txt"
     MLX_USE_CUDA_GRAPHS=0 timeout 200 python3 tools/bench/gpu/forward_profile.py --repeats 5 \
@@ -158,5 +165,5 @@ case "$step" in
     esac
     KVSTORE_BENCH_G2_POLICIES=$policies KVSTORE_BENCH_GPU_TOKENS=4096 KVSTORE_BENCH_GIT=$rev \
       CHECK_TIMEOUT=1 BENCH_TIMEOUT=540 REPEATS=5 bash tools/bench/gpu/run.sh G2 "$out/$step" ;;
-  *) echo "next.sh: unknown step $step (ab, profiles, probe, graphs, stage, spans, model, parent, rht, floor, g1-4k, g1-16k, g2a, g2q8, g2b, g2c, g2bars, copy, early, reader, fwdgraphs)"; exit 2 ;;
+  *) echo "next.sh: unknown step $step (ab, profiles, probe, graphs, stage, spans, model, parent, rht, floor, g1-4k, g1-16k, g2a, g2q8, g2b, g2c, g2bars, copy, early, reader, alike, fwdgraphs)"; exit 2 ;;
 esac
