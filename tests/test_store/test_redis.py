@@ -78,6 +78,14 @@ def test_every_redis_error_is_mapped():
     assert all(issubclass(t.error, KVStoreError) and t.hint for t in REDIS_ERRORS.values())
 
 
+@pytest.mark.parametrize("name", ["MaxClientsReachedError", "RedisClusterUnreachableError"])
+def test_the_errors_redis_py_8_2_added_mean_the_store_is_unavailable(name):
+    added = getattr(rx, name, None)
+    if added is None:
+        pytest.skip(f"redis-py {redis.__version__} has no {name} (8.2 added it)")
+    assert REDIS_ERRORS[added].error is StoreUnavailableError
+
+
 @pytest.mark.parametrize(
     "cls, ours",
     [

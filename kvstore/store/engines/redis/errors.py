@@ -100,3 +100,21 @@ REDIS_ERRORS: dict[type[BaseException], Translation] = {
     rx.ResponseError: Translation(StoreError, "The server rejected a command. " + _BUG),
     rx.RedisError: Translation(StoreError, "Unexpected redis-py error."),
 }
+
+#: Classes later redis-py releases added (8.2: a server at ``maxclients``, a cluster none
+#: of whose nodes answers), mapped where the installed one has them.
+_ADDED_LATER = {
+    "MaxClientsReachedError": Translation(
+        StoreUnavailableError,
+        "The server has as many clients as its maxclients allows; raise maxclients or "
+        "close idle clients, then retry.",
+    ),
+    "RedisClusterUnreachableError": Translation(
+        StoreUnavailableError,
+        "No node of the cluster answered; check the startup nodes in the URL, or retry "
+        "when the cluster is back.",
+    ),
+}
+REDIS_ERRORS.update(
+    {getattr(rx, name): found for name, found in _ADDED_LATER.items() if hasattr(rx, name)}
+)
