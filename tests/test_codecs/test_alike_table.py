@@ -40,13 +40,9 @@ def case(rng, kinds, records, counts_of):
     return cuda_pages.AlikeRows(bases, offsets, shapes, dtypes, counts), specs, layouts
 
 
-@pytest.mark.parametrize("records", [1, 3, 16])
-@pytest.mark.parametrize(
-    "cuts",
-    ["whole", "last-cut", "empty-piece", "first-empty"],
-)
-def test_the_table_for_all_arrays_is_the_per_array_paths_table(records, cuts):
-    rng = np.random.default_rng(records)
+def cut_counts(records, cuts):
+    """The rows read of each of ``records`` pieces ``stored`` rows deep: all of them
+    (``whole``), the last one's cut, or the last or first one empty."""
 
     def counts_of(stored: int) -> list[int]:
         out = [stored] * records
@@ -58,6 +54,17 @@ def test_the_table_for_all_arrays_is_the_per_array_paths_table(records, cuts):
             out[0] = 0
         return out
 
+    return counts_of
+
+
+@pytest.mark.parametrize("records", [1, 3, 16])
+@pytest.mark.parametrize(
+    "cuts",
+    ["whole", "last-cut", "empty-piece", "first-empty"],
+)
+def test_the_table_for_all_arrays_is_the_per_array_paths_table(records, cuts):
+    rng = np.random.default_rng(records)
+    counts_of = cut_counts(records, cuts)
     kinds = [0, 1, 2, 3, 0, 1, 3, 2, 1, 0]
     rows, specs, layouts = case(rng, kinds, records, counts_of)
     assert all(layout is not None for layout in layouts)
@@ -132,15 +139,7 @@ def test_the_table_made_per_kind_is_the_table_made_per_array(layers, records, cu
     word alike_table of the same arrays one by one: 16-byte and unaligned kinds, a cut
     or empty last piece, one layer or several."""
     rng = np.random.default_rng(layers * 10 + records)
-
-    def counts_of(stored: int) -> list[int]:
-        out = [stored] * records
-        if cuts == "last-cut":
-            out[-1] = stored // 2 + 1
-        elif cuts == "empty-piece":
-            out[-1] = 0
-        return out
-
+    counts_of = cut_counts(records, cuts)
     stacked, specs, alike, every = stacked_case(rng, [0, 1, 3, 2], layers, records, counts_of)
     want = cuda_pages.alike_table(alike, every)
     got = cuda_pages.stacked_table(stacked, specs)
