@@ -47,8 +47,16 @@ PHASES = (
     "gather: group buffers",
     "join: views",
     "join: stacks",
+    "_alike_plans",
+    "joined_records",
+    "joined_alike",
+    "_converted_plans",
     "transcode_stacked",
+    "plan_restore (a layer)",
+    "mx.async_eval",
     "run_plans",
+    "run: device joins planned",
+    "mx.eval",
     "store.read_checking exit (checks waited)",
 )
 

@@ -105,7 +105,7 @@ def child_restore(url: str, tokens: int, layers: int, switch_ms: float) -> dict[
 
     from kvstore.bench.figures.gpu_session import thread_usage
     from kvstore.caches import KVCache
-    from kvstore.codecs import cuda, cuda_pages, plans
+    from kvstore.codecs import cuda, cuda_pages, growing, plans
     from kvstore.store import open_store
     from kvstore.store.kv import restore
 
@@ -161,6 +161,15 @@ def child_restore(url: str, tokens: int, layers: int, switch_ms: float) -> dict[
         if hasattr(restore, attr):
             line.wrap(restore, attr)
     line.wrap(plans, "filled_arrays", "plans.filled_arrays")
+    # The joins per tensor name (kvstore/codecs/alike_joins.py) and what follows them:
+    # where a lossy restore's time after the gather goes.
+    for attr in ("_alike_plans", "joined_records", "joined_alike", "_converted_plans"):
+        if hasattr(restore, attr):
+            line.wrap(restore, attr)
+    line.wrap(growing.GrowingKVCodec, "plan_restore", "plan_restore (a layer)")
+    line.wrap(plans, "_joined_on_device", "run: device joins planned")
+    line.wrap(mx, "async_eval", "mx.async_eval")
+    line.wrap(mx, "eval", "mx.eval")
     if cuda.available():
         line.wrap(cuda, "_take_slot", "cuda slot (take)")
         transport = cuda.transport()
