@@ -20,7 +20,7 @@ import mlx.core as mx
 import numpy as np
 
 from kvstore.codecs import cuda
-from kvstore.codecs.arrays import MLX_DTYPES, dtype_name
+from kvstore.codecs.arrays import MLX_DTYPES
 from kvstore.codecs.fill import LeafSpec
 
 __all__ = ["Placed", "joined"]
@@ -82,23 +82,24 @@ def _segments(shape: tuple[int, ...], name: str, pieces: Sequence[Placed]) -> li
     if len(shape) < 3:
         return None
     heads = shape[0] * shape[1]
-    row_bytes = math.prod(shape[3:]) * MLX_DTYPES[name].size
+    dtype = MLX_DTYPES[name]
+    row_bytes = math.prod(shape[3:]) * dtype.size
     pitch = shape[2] * row_bytes
+    lead, trail = tuple(shape[:2]), tuple(shape[3:])
     table: list[_Planned] = []
     rows = 0
     for piece, buffer, start in pieces:
-        if (
-            piece.ndim != len(shape)
-            or tuple(piece.shape[:2]) != shape[:2]
-            or tuple(piece.shape[3:]) != shape[3:]
-            or dtype_name(piece) != name
-            or start + piece.nbytes > buffer.nbytes
-        ):
+        # Each piece's shape read once, its dtype compared as an object: a lossy restore
+        # plans 64 such arrays after its gather (0.8 ms of its thread on the H200).
+        got = tuple(piece.shape)
+        if len(got) != len(shape) or got[:2] != lead or got[3:] != trail or piece.dtype != dtype:
             return None
-        width = int(piece.shape[2]) * row_bytes
+        width = got[2] * row_bytes
+        if start + heads * width > buffer.nbytes:  # the piece's bytes: heads x width
+            return None
         if width:
             table.append((buffer, start, width, rows * row_bytes, pitch, width, heads))
-        rows += int(piece.shape[2])
+        rows += got[2]
     if rows > shape[2]:
         return None
     if rows < shape[2]:

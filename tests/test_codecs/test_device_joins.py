@@ -96,6 +96,15 @@ def test_a_piece_that_does_not_fit_its_array_makes_no_kernel(staged, spec):
     assert staged.assembled_many == []
 
 
+def test_a_piece_said_to_lie_past_its_buffers_end_makes_no_kernel(staged):
+    whole, members = stack_of(np.random.default_rng(4), 2, 7)
+    spec = ((1, 2, 9, 8), "bfloat16")
+    past = whole.nbytes - members[1].nbytes + 16  # the last member, 16 bytes too far on
+    assert device_joins.joined([spec], [[(members[1], whole, past)]]) is None
+    assert device_joins.joined([spec], [[(members[1], whole, past - 16)]]) is not None
+    assert staged.assembled_many == [1]
+
+
 def test_an_assemble_of_many_that_returns_wrong_bytes_turns_only_the_joins_off(staged, monkeypatch):
     real = staged.assemble_many
     monkeypatch.setattr(
