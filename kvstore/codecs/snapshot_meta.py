@@ -37,6 +37,7 @@ __all__ = [
     "checked_by",
     "decoded_alike",
     "note_checked",
+    "note_checked_alike",
     "MAX_POSITION",
     "MAX_WINDOW",
     "described",
@@ -175,6 +176,18 @@ def note_checked(snapshot: Snapshot, entry: Any) -> Snapshot:
         notes[_CHECKED_BY] = by
     notes[_DESCRIBED] = entry.tensors
     return snapshot
+
+
+def note_checked_alike(snapshots: Sequence[Snapshot], codec: Any) -> None:
+    """Check the first of ``snapshots`` with ``codec``'s description check, and when it
+    passes note every one of them checked by ``codec``'s class (:func:`checked_by`).
+    For snapshots alike in everything that check reads: one signature, range and meta,
+    tensors of the same names, shapes and dtypes (the layers of one stacked conversion,
+    :func:`~kvstore.codecs.transcode.transcode_stacked`). A restore's plans then do not
+    check 32 such snapshots one by one."""
+    if snapshots and codec.description_problem(snapshots[0]) is None:
+        for snapshot in snapshots:
+            snapshot.__dict__[_CHECKED_BY] = type(codec)
 
 
 #: Where a decoded snapshot notes its header entry's tensor descriptions (a tuple the

@@ -30,6 +30,7 @@ from kvstore.abc.codec import KVCodec, Snapshot
 from kvstore.codecs.plans import Stack
 from kvstore.codecs.registry import get_codec
 from kvstore.codecs.ring import RingKVCodec
+from kvstore.codecs.snapshot_meta import note_checked_alike
 
 __all__ = ["Transcoded", "transcode", "transcode_stacked", "transcode_measured", "relative_mse"]
 
@@ -156,7 +157,7 @@ def transcode_stacked(
     }
     if decoded is not None:
         decoded.extend(Stack(out.tensors[name], tuple(p)) for name, p in parts.items())
-    return [
+    converted = [
         Snapshot(
             out.signature,
             out.start,
@@ -166,6 +167,9 @@ def transcode_stacked(
         )
         for i in range(len(snapshots))
     ]
+    # Slices of one conversion, alike but for their rows: the first checked for them all.
+    note_checked_alike(converted, get_codec(out.signature))
+    return converted
 
 
 def _plain(value: Any) -> bool:

@@ -8,6 +8,7 @@ import copy
 
 import pytest
 
+from kvstore.abc.codec import Snapshot
 from kvstore.caches import KVCache, RotatingKVCache, TurboQuantKVCache
 from kvstore.codecs import decode_record, encode_record, snapshot
 from kvstore.codecs.snapshot_meta import MAX_POSITION, MAX_WINDOW
@@ -196,3 +197,52 @@ def test_snapshots_of_other_shapes_are_never_alike_and_do_not_join():
     assert not decoded_alike(a, dataclasses.replace(a))  # made anew: no note
     with pytest.raises(CorruptEntryError, match="the ranges are not of one cache"):
         get_codec(a.signature).restore([a, b])
+
+
+def _stacked_layers(layers=3):
+    """Snapshots of ``layers`` plain caches alike but for their rows, as TurboQuant
+    records stored them."""
+    from kvstore.codecs import transcode
+
+    snaps = []
+    for seed in range(layers):
+        cache = KVCache()
+        fill_cache(cache, [16], head_dim=64, heads=2, seed=seed)
+        snaps.append(transcode(snapshot(cache, 0, 16), "kv:turboquant:4:3"))
+    return snaps
+
+
+def test_the_layers_of_one_stacked_conversion_are_checked_once_and_not_again_on_restore(
+    monkeypatch,
+):
+    # A lossy restore on a GPU decodes every layer at once; the plain snapshots it cuts
+    # from that one conversion are alike, so the first is checked for all of them.
+    from kvstore.codecs import get_codec
+    from kvstore.codecs.snapshot_meta import checked_by
+    from kvstore.codecs.transcode import transcode_stacked
+
+    converted = transcode_stacked(_stacked_layers(), "kv:plain")
+    assert converted is not None and len(converted) == 3
+    codec = get_codec("kv:plain")
+    assert all(checked_by(s) is type(codec) for s in converted)
+    checked = []
+    monkeypatch.setattr(type(codec), "check_snapshot", lambda self, s: checked.append(s))
+    for snap in converted:
+        codec.plan_restore([snap])
+    assert checked == []
+
+
+def test_snapshots_whose_first_fails_its_check_are_noted_as_nothing():
+    from kvstore.codecs import get_codec
+    from kvstore.codecs.snapshot_meta import checked_by, note_checked_alike
+
+    codec = get_codec("kv:plain")
+    (snap,) = decode_record(record_of(KVCache)).layers
+    good = Snapshot(snap.signature, snap.start, snap.stop, dict(snap.tensors), dict(snap.meta))
+    bad = Snapshot(
+        snap.signature, snap.start, snap.stop, dict(snap.tensors), {**snap.meta, "dtype": "int8"}
+    )
+    note_checked_alike([bad, good], codec)
+    assert checked_by(bad) is None and checked_by(good) is None
+    note_checked_alike([good], codec)
+    assert checked_by(good) is type(codec)
