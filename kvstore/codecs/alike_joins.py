@@ -45,7 +45,7 @@ from kvstore.codecs.arrays import MLX_DTYPES
 from kvstore.codecs.fill import LeafSpec
 from kvstore.codecs.header import LayerEntry, TensorEntry
 from kvstore.codecs.payload_tensors import Payload, PayloadTensors, entries_by_name
-from kvstore.codecs.plans import Stack, alike_row_names
+from kvstore.codecs.plans import Stack, alike_row_names, rows_read
 
 __all__ = ["joined_alike", "joined_records"]
 
@@ -114,7 +114,7 @@ def joined_records(
         return None
     out = []
     for i, cut in enumerate(joined):
-        made: dict[str, Any] = dict(cut)
+        made: Mapping[str, Any] = cut
         if len(cut) < len(by_name[i]):  # the first record's other tensors, as a decode has them
             head = PayloadTensors(payloads[0], tensors[i], cuts[0])
             made = {n: cut[n] if n in cut else head[n] for n in head}
@@ -208,7 +208,7 @@ def _joined(
             if count > 1:
                 stacks.append(Stack(whole, tuple(members)))
         else:  # padding between them: a view each, no stack
-            step = -(-nbytes // 16) * 16
+            step = cuda_pages.padded_nbytes((shape, dtype))
             members = [
                 flat[at : at + nbytes].view(mlx_dtype).reshape(shape)
                 for at in range(begin, begin + count * step, step)
@@ -257,10 +257,7 @@ def _gathered(
         [[laid_out[n].offset for laid_out in entries] for n in names],
         [s for s, _ in kinds],
         [dtype for _, dtype in kinds],
-        [
-            [depth if c is None or c > depth else c for c in cuts]
-            for depth in (s[2] for s, _ in kinds)
-        ],
+        [rows_read(cuts, s[2]) for s, _ in kinds],
     )
     table = cuda_pages.stacked_table(rows, specs)
     if table is None:
@@ -279,5 +276,5 @@ def _gathered(
     flat = cuda_pages.gathered_flat(sized, table, pages, lazy=True)
     if flat is None:
         return None
-    steps = [-(-cuda.nbytes_of(spec) // 16) * 16 * count for spec in specs]
+    steps = [cuda_pages.padded_nbytes(spec) * count for spec in specs]
     return flat, specs, list(itertools.accumulate(steps, initial=0))[:-1]

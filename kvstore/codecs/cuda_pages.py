@@ -330,7 +330,7 @@ def stacked_table(rows: StackedRows, specs: Sequence[cuda.LeafSpec]) -> np.ndarr
     row_bytes = [
         math.prod(s[3:]) * numpy_dtype(name).itemsize for s, (_, name) in zip(shapes, specs)
     ]
-    padded = np.array([-(-cuda.nbytes_of(spec) // 16) * 16 for spec in specs], u64)
+    padded = np.array([padded_nbytes(spec) for spec in specs], u64)
     begins = np.concatenate([np.zeros(1, u64), np.cumsum(padded * u64(layers))[:-1]])
     within = np.arange(layers, dtype=u64)
 
@@ -361,7 +361,7 @@ def _fits_alike(piece: tuple[int, ...], dtype: str, spec: cuda.LeafSpec) -> bool
         dtype == name
         and len(piece) == len(shape)
         and piece[:2] == shape[:2]
-        and (piece[3:] == shape[3:])
+        and piece[3:] == shape[3:]
     )
 
 
@@ -1042,11 +1042,16 @@ def gathered_flat(
     return None if made is None else made[0]
 
 
+def padded_nbytes(spec: cuda.LeafSpec) -> int:
+    """The bytes an array of ``spec`` takes in a one-buffer gather's output: its own, in
+    whole 16-byte words (the next array starts on a word)."""
+    return -(-cuda.nbytes_of(spec) // 16) * 16
+
+
 def buffer_starts(specs: Sequence[cuda.LeafSpec]) -> list[int]:
-    """Where each array of ``specs`` starts in a one-buffer gather's output (each in
-    16-byte words), then where the last one ends."""
-    sizes = [-(-cuda.nbytes_of(spec) // 16) * 16 for spec in specs]
-    return list(itertools.accumulate(sizes, initial=0))
+    """Where each array of ``specs`` starts in a one-buffer gather's output
+    (:func:`padded_nbytes` each), then where the last one ends."""
+    return list(itertools.accumulate(map(padded_nbytes, specs), initial=0))
 
 
 def views_in(flat: mx.array, specs: Sequence[cuda.LeafSpec]) -> list[mx.array]:

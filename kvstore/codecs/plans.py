@@ -47,6 +47,7 @@ __all__ = [
     "Stack",
     "members_of",
     "alike_row_names",
+    "rows_read",
 ]
 
 
@@ -450,9 +451,14 @@ class _Bases:
     def counts(self, full: int) -> list[int]:
         found = self._counts.get(full)
         if found is None:
-            cuts = [t.rows for t in self.tensors]
-            found = self._counts[full] = [full if c is None or c > full else c for c in cuts]
+            found = self._counts[full] = rows_read([t.rows for t in self.tensors], full)
         return found
+
+
+def rows_read(cuts: Sequence[int | None], depth: int) -> list[int]:
+    """The rows each piece of a tensor stored ``depth`` rows deep gives, its record cut
+    to ``cuts[i]`` rows (a match ending inside the block; ``None``: not cut)."""
+    return [depth if c is None or c > depth else c for c in cuts]
 
 
 class _StoredRows:
