@@ -377,46 +377,93 @@ class TurboQuantizer:
 def encode_many(
     items: Sequence[tuple[TurboQuantizer, mx.array, mx.array | None]],
 ) -> list[tuple[mx.array, mx.array]]:
-    """:meth:`TurboQuantizer.encode` of each ``(quantizer, x, mu)``, done together: the
-    blocks of every tensor share the waves (on the CPU a core each, so a layer's keys and
-    values too small to split run side by side) and one evaluation per wave, where
-    encoding them one by one waits for each (on a GPU a host round trip per tensor).
+    """:meth:`TurboQuantizer.encode` of each ``(quantizer, x, mu)``, done together: on a
+    CUDA GPU a layer's keys and values in one kernel launch (:func:`cuda_rht.encoded_together`),
+    elsewhere the blocks of every tensor sharing the waves (on the CPU a core each, so a
+    layer's keys and values too small to split run side by side); one evaluation in all
+    on a GPU, one per wave on the CPU, where encoding them one by one waits for each (on
+    a GPU a host round trip per tensor).
 
     Raises:
         EncodingError: as :meth:`TurboQuantizer.encode`, for the first tensor at fault.
     """
-    jobs, blocks = [], []
+    tensors: list[_Tensor] = []
     for q, x, mu in items:
         q._check_dim(x.shape[-1], "encode")
         if mu is not None:
             x = x.astype(mx.float32) - mu
-        rows = x.reshape(-1, q.dim)
-        slices = _row_blocks(rows.shape[0], q.dim)
-        # A tensor of one block gets its final shapes in the evaluation: a reshape after
-        # it would be an evaluation of its own for the caller (on a GPU a host round trip).
-        whole = tuple(x.shape[:-1]) if len(slices) == 1 else None
-        jobs.append((q, x.shape, len(slices)))
-        blocks += [(q, rows, b, whole) for b in slices]
-
-    encoded_blocks, verdicts = _encoded(blocks)
-    done = iter(zip(encoded_blocks, verdicts))
+        tensors.append((q, tuple(x.shape), x.reshape(-1, q.dim)))
+    encoded = _encoded_together(tensors) or _encoded_in_blocks(tensors)
     out = []
-    for q, shape, count in jobs:
-        encoded = [next(done) for _ in range(count)]
-        worst = max(verdict for _, verdict in encoded)
-        wide_scale = q.scale_dtype == "float32" or worst == WIDE_SCALE
+    for (q, shape, _), (codes, scale, scale16, worst) in zip(tensors, encoded, strict=True):
         if worst == NOT_FINITE:
             raise EncodingError(
                 f"[turboquant.encode] {q.kind} vectors must be finite; received NaN or Inf "
-                f"(or a norm beyond float32) in a {tuple(shape)} tensor. Find where the "
+                f"(or a norm beyond float32) in a {shape} tensor. Find where the "
                 f"model produced it; TurboQuant cannot encode it.",
-                shape=tuple(shape),
+                shape=shape,
             )
-        scales = _join([block[1 if wide_scale else 2] for block, _ in encoded])
-        codes = _join([block[0] for block, _ in encoded])
+        wide_scale = q.scale_dtype == "float32" or worst == WIDE_SCALE
+        out.append((codes, scale if wide_scale else scale16))
+    return out
+
+
+#: A tensor to encode: ``(quantizer, its shape, its rows [N, D])``.
+_Tensor = tuple[TurboQuantizer, tuple[int, ...], mx.array]
+#: A tensor encoded and evaluated: ``(codes, scale float32, scale float16, its verdict)``,
+#: each array shaped as the tensor's leading axes.
+_Encoded = tuple[mx.array, mx.array, mx.array, int]
+
+
+def _encoded_together(tensors: list[_Tensor]) -> list[_Encoded] | None:
+    """Every tensor encoded by :func:`cuda_rht.encoded_together` (a CUDA GPU's kernels,
+    a launch per layer's keys and values), evaluated at once, the verdict of them all read
+    back (per tensor only when it is not fine); ``None`` where the kernels are not used."""
+    together = cuda_rht.encoded_together([(rows, q) for q, _, rows in tensors], FLOAT16_SCALE_LIMIT)
+    if together is None:
+        return None
+    made, verdicts = together
+    # Shaped inside the evaluation: a reshape after it would be an evaluation of its own
+    # for the caller (on a GPU a host round trip).
+    shaped = []
+    for (q, shape, _), (codes, scale, scale16) in zip(tensors, made, strict=True):
+        lead = shape[:-1]
+        shaped.append((codes.reshape(*lead, q.words), scale.reshape(lead), scale16.reshape(lead)))
+    worst = mx.max(verdicts)
+    mx.eval(shaped, worst)
+    if worst.item() == FINE:
+        return [(*arrays, FINE) for arrays in shaped]
+    each, start = np.array(verdicts), 0  # a rare case: which tensor is it?
+    out = []
+    for (_, _, rows), arrays in zip(tensors, shaped, strict=True):
+        count = int(rows.shape[0])
+        out.append((*arrays, int(each[start : start + count].max())))
+        start += count
+    return out
+
+
+def _encoded_in_blocks(tensors: list[_Tensor]) -> list[_Encoded]:
+    """Every tensor encoded block by block (:func:`_row_blocks`), the blocks of all of
+    them sharing :func:`evaluated_in_waves`."""
+    jobs, blocks = [], []
+    for q, shape, rows in tensors:
+        slices = _row_blocks(rows.shape[0], q.dim)
+        # A tensor of one block gets its final shapes in the evaluation: a reshape after
+        # it would be an evaluation of its own for the caller (on a GPU a host round trip).
+        whole = shape[:-1] if len(slices) == 1 else None
+        jobs.append((q, shape, len(slices)))
+        blocks += [(q, rows, b, whole) for b in slices]
+    encoded_blocks, verdicts = _encoded(blocks)
+    done = iter(zip(encoded_blocks, verdicts))
+    out: list[_Encoded] = []
+    for q, shape, count in jobs:
+        encoded = [next(done) for _ in range(count)]
+        codes, scale, scale16 = (_join([block[k] for block, _ in encoded]) for k in range(3))
         if count > 1:
-            codes, scales = codes.reshape(*shape[:-1], q.words), scales.reshape(shape[:-1])
-        out.append((codes, scales))
+            lead = shape[:-1]
+            codes = codes.reshape(*lead, q.words)
+            scale, scale16 = scale.reshape(lead), scale16.reshape(lead)
+        out.append((codes, scale, scale16, max(verdict for _, verdict in encoded)))
     return out
 
 

@@ -8,11 +8,19 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+from kvstore.errors import EncodingError
 from kvstore.turboquant import cuda_rht
 from kvstore.turboquant.codebook import codebook
 from kvstore.turboquant.packing import pack_indices
-from kvstore.turboquant.quantizer import TQ_BITS, TurboQuantizer, quantizer_for
+from kvstore.turboquant.quantizer import (
+    FLOAT16_SCALE_LIMIT,
+    TQ_BITS,
+    TurboQuantizer,
+    encode_many,
+    quantizer_for,
+)
 from kvstore.turboquant.rotation import rotation_for
+from kvstore.turboquant.verdict import FINE, NOT_FINITE, WIDE_SCALE
 from tests.test_turboquant.refusing import refuse, sample
 
 
@@ -163,3 +171,118 @@ def test_a_quantizers_constants_are_made_once_and_are_its_own():
     assert np.array_equal(np.array(tables.thresholds), codebook(3).thresholds.astype(np.float32))
     assert np.array_equal(np.array(tables.centroids), np.array(q.centroids))
     assert cuda_rht._tables(quantizer_for(3, 64, "k")) is not tables
+
+
+def _ops_launch(tensors, scale_limit):
+    """What one launch of the encode kernel over ``tensors`` returns, made by the ops: a
+    stand-in for the kernel on this CPU (its arithmetic is tested above)."""
+    made, verdicts = [], []
+    for rows, q in tensors:
+        idx, scale, norm = q.quantize(rows)
+        wide = mx.where(mx.abs(scale) > scale_limit, WIDE_SCALE, FINE)
+        verdicts.append(mx.where(mx.isfinite(norm), wide, NOT_FINITE).astype(mx.uint8))
+        made.append((pack_indices(idx, q.bits), scale, scale.astype(mx.float16)))
+    return made, mx.concatenate(verdicts)
+
+
+def _kernels_standing_in(monkeypatch, launch=_ops_launch):
+    """The encode kernels switched on, each launch made by ``launch``; returns the
+    launches, as the tensors' row counts of each."""
+    launches = []
+
+    def launched(tensors, scale_limit):
+        launches.append([int(rows.shape[0]) for rows, _ in tensors])
+        return launch(tensors, scale_limit)
+
+    monkeypatch.setattr(cuda_rht, "enabled", lambda: True)
+    monkeypatch.setattr(cuda_rht, "_encode", launched)
+    monkeypatch.setattr(cuda_rht, "_PROVEN", {})
+    return launches
+
+
+def _keys_and_values():
+    kq, vq = quantizer_for(4, 128, "k"), quantizer_for(3, 128, "v")
+    return kq, vq, sample(11), sample(12)
+
+
+def _by_the_ops(q, x):
+    """``q.encode(x)`` as the ops make it: codes and float16 scales."""
+    idx, scale, _ = q.quantize(x.reshape(-1, q.dim))
+    lead = x.shape[:-1]
+    return pack_indices(idx, q.bits).reshape(*lead, q.words), scale.astype(mx.float16).reshape(lead)
+
+
+def test_a_layers_keys_and_values_are_encoded_in_one_launch(monkeypatch):
+    kq, vq, keys, values = _keys_and_values()
+    launches = _kernels_standing_in(monkeypatch)
+    got = encode_many([(kq, keys, None), (vq, values, None)])
+    # Each tensor's kernel proven alone (96 trial rows), the pair's on trial rows of
+    # 96 and 91, then one launch for the layer's 80 + 80 rows.
+    assert launches == [[96], [96], [96, 91], [80, 80]]
+    for (codes, scales), q, x in zip(got, (kq, vq), (keys, values)):
+        want_codes, want_scales = _by_the_ops(q, x)
+        assert codes.shape == (1, 2, 40, q.words) and scales.dtype == mx.float16
+        assert mx.array_equal(codes, want_codes).item()
+        assert mx.array_equal(scales, want_scales).item()
+    encode_many([(kq, keys, None), (vq, values, None)])
+    assert launches[-1] == [80, 80] and len(launches) == 5  # proven once per process
+
+
+def test_together_a_tensors_verdict_is_its_own(monkeypatch):
+    kq, vq, keys, values = _keys_and_values()
+    _kernels_standing_in(monkeypatch)
+    wide = keys.astype(mx.float32) * 1e6  # every key's scale past float16's
+    (_, key_scales), (_, value_scales) = encode_many([(kq, wide, None), (vq, values, None)])
+    assert key_scales.dtype == mx.float32 and value_scales.dtype == mx.float16
+    assert mx.array_equal(value_scales, _by_the_ops(vq, values)[1]).item()
+    broken = mx.concatenate(
+        [values[:, :, :5], mx.full((1, 2, 1, 128), mx.nan), values[:, :, 6:]], axis=2
+    )
+    with pytest.raises(EncodingError, match=r"v vectors must be finite.*\(1, 2, 40, 128\) tensor"):
+        encode_many([(kq, keys, None), (vq, broken.astype(mx.bfloat16), None)])
+
+
+def test_a_pair_kernel_that_mixes_its_tensors_up_is_not_used(monkeypatch):
+    kq, vq, keys, values = _keys_and_values()
+
+    def mixed_up(tensors, scale_limit):  # the second tensor's rows written as the first's
+        made, verdicts = _ops_launch(tensors, scale_limit)
+        if len(made) == 2:
+            first = made[0]
+            made[1] = (first[0][: made[1][0].shape[0]], *made[1][1:])
+        return made, verdicts
+
+    launches = _kernels_standing_in(monkeypatch, mixed_up)
+    got = encode_many([(kq, keys, None), (vq, values, None)])
+    assert launches == [[96], [96], [96, 91], [80], [80]]  # the pair refused: one each
+    assert ("together", (cuda_rht._config(keys, kq), cuda_rht._config(values, vq)), "60000.0") in (
+        key for key, ok in cuda_rht._PROVEN.items() if not ok
+    )
+    for (codes, scales), q, x in zip(got, (kq, vq), (keys, values)):
+        want_codes, want_scales = _by_the_ops(q, x)
+        assert mx.array_equal(codes, want_codes).item()
+        assert mx.array_equal(scales, want_scales).item()
+
+
+def test_a_pair_kernels_source_encodes_each_tensor_with_its_own_function():
+    configs = ((4, 128, "matched", "bfloat16"), (3, 128, "ls", "float32"))
+    name, inputs, outputs, header, body = cuda_rht.encode_parts(configs, FLOAT16_SCALE_LIMIT)
+    assert name == "kvstore_tq_rht_encode_4_128_matched_bfloat16_3_128_ls_float32_60000"
+    assert inputs == [
+        "x0",
+        "signs0",
+        "thresholds0",
+        "centroids0",
+        "x1",
+        "signs1",
+        "thresholds1",
+        "centroids1",
+    ]
+    assert outputs == ["codes0", "scale0", "scale16_0", "codes1", "scale1", "scale16_1", "verdicts"]
+    assert "const __nv_bfloat16* x" in header and "const float* x" in header
+    for s in (0, 1):
+        assert f"__device__ __forceinline__ void kvstore_tq_encode_row_{s}(" in header
+        assert f"codes{s}, scale{s}, scale16_{s}, verdicts + start); return; }}" in body
+    assert (
+        "for (int k = 0; k < 16 - 1; ++k)" in header and "for (int k = 0; k < 8 - 1; ++k)" in header
+    )

@@ -26,11 +26,15 @@ from pathlib import Path
 from kvstore.turboquant import cuda_decode, cuda_rht
 from kvstore.turboquant.packing import packed_words
 
-PRELUDE = r"""
+#: What MLX's source has before a kernel's header (its CUDA types), then after it
+#: (its namespace, with ``Shape``), as ``mlx/backend/cuda/custom_kernel.cpp`` builds it.
+INCLUDES = r"""
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 typedef unsigned int uint32_t;
 typedef unsigned char uint8_t;
+"""
+NAMESPACE = r"""
 namespace mlx::core::cu {
 struct Shape { int v[8]; __device__ int operator[](int i) const { return v[i]; } };
 """
@@ -41,9 +45,11 @@ class Nvrtc:
         self.lib = ctypes.CDLL(str(next((root / "cuda_nvrtc" / "lib").glob("libnvrtc.so.*"))))
         self.include = root / "cuda_runtime" / "include"
 
-    def compile(self, name: str, params: str, body: str, arch: str) -> str | None:
+    def compile(self, name: str, params: str, body: str, arch: str, header: str = "") -> str | None:
         """NVRTC's log if the kernel does not compile, else ``None``."""
-        source = f"{PRELUDE}__global__ void {name}(\n{params}) {{\n{body}\n}}\n}}\n"
+        source = (
+            f"{INCLUDES}{header}{NAMESPACE}__global__ void {name}(\n{params}) {{\n{body}\n}}\n}}\n"
+        )
         prog = ctypes.c_void_p()
         self.lib.nvrtcCreateProgram(
             ctypes.byref(prog), source.encode(), f"{name}.cu".encode(), 0, None, None
@@ -60,20 +66,42 @@ class Nvrtc:
         return None if status == 0 else log.value.decode()
 
 
-def kernels() -> list[tuple[str, str, str]]:
-    """``(name, parameters, body)`` of every variant kvstore may build."""
+#: Each row dtype an encode reads, by its name and CUDA type.
+_ROW_TYPES = {"bfloat16": "__nv_bfloat16", "float16": "__half", "float32": "float"}
+
+
+def encode_kernel(
+    configs: tuple[cuda_rht.EncodeConfig, ...], scale_limit: float = 60000.0
+) -> tuple[str, str, str, str]:
+    """``(name, parameters, body, header)`` of the encode kernel of ``configs``, its
+    parameters as MLX declares them."""
+    name, inputs, outputs, header, body = cuda_rht.encode_parts(configs, scale_limit)
+    params = []
+    for s, (_, _, _, dtype) in enumerate(configs):
+        x, signs, thresholds, centroids = inputs[4 * s : 4 * s + 4]
+        params += [
+            f"const {_ROW_TYPES[dtype]}* {x}, const __grid_constant__ Shape {x}_shape",
+            f"const float* {signs}, const float* {thresholds}, const float* {centroids}",
+        ]
+    for s in range(len(configs)):
+        codes, scale, scale16 = outputs[3 * s : 3 * s + 3]
+        params.append(f"uint32_t* {codes}, float* {scale}, __half* {scale16}")
+    params.append(f"uint8_t* {outputs[-1]}")
+    return name, ", ".join(params), body, header
+
+
+def kernels() -> list[tuple[str, str, str, str]]:
+    """``(name, parameters, body, header)`` of every variant kvstore may build: each
+    encode alone, and together with a tensor of another scale mode, width and dtype as
+    a layer's keys and values are."""
     out = []
     for bits in (2, 3, 4, 5):
         for dim in (32, 64, 128, 256):
             for mode in ("l2", "matched", "ls"):
-                for x in ("__nv_bfloat16", "__half", "float"):
-                    params = (
-                        f"const {x}* x, const __grid_constant__ Shape x_shape, "
-                        "const float* signs, const float* thresholds, const float* centroids, "
-                        "uint32_t* codes, float* scale, __half* scale16, uint8_t* verdicts"
-                    )
-                    body = cuda_rht._source(cuda_rht._ENCODE, bits, dim, mode, 60000.0)
-                    out.append((f"rht_encode_{bits}_{dim}_{mode}_{x.strip('_')}", params, body))
+                for dtype in _ROW_TYPES:
+                    out.append(encode_kernel(((bits, dim, mode, dtype),)))
+                    values = (max(2, bits - 1), dim, "ls", "bfloat16")
+                    out.append(encode_kernel(((bits, dim, mode, dtype), values)))
             for scales in ("__half", "float"):
                 for o in ("__nv_bfloat16", "__half", "float"):
                     params = (
@@ -85,13 +113,13 @@ def kernels() -> list[tuple[str, str, str]]:
                         cuda_rht._DECODE, bits, dim, "l2", 0.0
                     )
                     name = f"rht_decode_{bits}_{dim}_{scales.strip('_')}_{o.strip('_')}"
-                    out.append((name, params, body))
+                    out.append((name, params, body, ""))
             body = cuda_decode.source(bits, dim, packed_words(dim, bits))
             params = (
                 "const uint32_t* codes, const float* factors, const float* table, "
                 "const uint32_t* count, float* out"
             )
-            out.append((f"decode_{bits}_{dim}", params, body))
+            out.append((f"decode_{bits}_{dim}", params, body, ""))
     return out
 
 
@@ -103,8 +131,8 @@ def main() -> int:
     nvrtc = Nvrtc(args.root)
     failed = 0
     every = kernels()
-    for name, params, body in every:
-        log = nvrtc.compile(name, params, body, args.arch)
+    for name, params, body, header in every:
+        log = nvrtc.compile(name, params, body, args.arch, header)
         if log is not None:
             failed += 1
             print(f"{name}: does not compile\n{log}")

@@ -156,10 +156,13 @@ def cases_of(tokens: int) -> tuple[dict[str, Callable[[], Any]], list[float]]:
         "mx.dequantize keys+values": evaluated(
             lambda: [mx.dequantize(*a, group_size=64, bits=4) for a in affine]
         ),
-        "encode kernel alone (keys)": evaluated(lambda: cuda_rht._encode(rows, kq, LIMIT)),
+        "encode kernel alone (keys)": evaluated(lambda: cuda_rht._encode([(rows, kq)], LIMIT)),
+        "encode kernel, keys+values in one launch": evaluated(
+            lambda: cuda_rht._encode([(rows, kq), (values.reshape(-1, 128), vq)], LIMIT)
+        ),
         "kernel + verdict (encoded)": evaluated(kernel_checked),
         "kernel + verdict + read": kernel_read,
-        "build the kernel's graph only": lambda: cuda_rht._encode(rows, kq, LIMIT),
+        "build the kernel's graph only": lambda: cuda_rht._encode([(rows, kq)], LIMIT),
         "encode (keys)": lambda: kq.encode(keys),
         "encode_many keys+values": lambda: encode_many([(kq, keys, None), (vq, values, None)]),
         "encode_many + P11's eval": p11_encode,
@@ -170,7 +173,7 @@ def cases_of(tokens: int) -> tuple[dict[str, Callable[[], Any]], list[float]]:
             lambda: cuda_rht._decode(stored_codes, stored_scales, kq, mx.bfloat16)
         ),
         "encode kernel, tables in device memory": device_tables(
-            lambda: cuda_rht._encode(rows, kq, LIMIT)
+            lambda: cuda_rht._encode([(rows, kq)], LIMIT)
         ),
         "empty kernel over the decode's grid": evaluated(lambda: empty_kernel(1, decode_grid)),
         "decode kernel, one row": evaluated(

@@ -63,6 +63,9 @@
 #                decode spends its time (floor_probe.py:
 #                the evaluation's floor, an empty custom kernel, the peers, the encode's
 #                pieces; with CUDA graphs and without), then P11: ~150 s
+# STEP together  rht_probe.py (the kernels proven?), floor_probe.py (with a layer's keys and
+#                values encoded in one launch), then P11 with them in one launch (the
+#                default) and with a launch each (KVSTORE_TQ_ENCODE_TOGETHER=0): ~350 s
 # STEP g1-4k     G1 at 4096 tokens: ~150 s
 # STEP g1-16k    G1 at 16384 tokens: ~230 s
 # STEP g2a       G2 at 4096 tokens, lossless + kv:quant:8:64 and 4:64: ~330 s
@@ -149,6 +152,13 @@ case "$step" in
     timeout 200 python3 tools/bench/gpu/floor_probe.py 2>&1 | tee "$out/floor-probe.txt"
     KVSTORE_BENCH_GIT=$rev CHECK_TIMEOUT=1 BENCH_TIMEOUT=240 REPEATS=5 \
       bash tools/bench/gpu/run.sh P11 "$out/p11" ;;
+  together)
+    timeout 150 python3 tools/bench/gpu/rht_probe.py 2>&1 | tee "$out/rht-probe.txt"
+    timeout 200 python3 tools/bench/gpu/floor_probe.py 2>&1 | tee "$out/floor-probe.txt"
+    KVSTORE_BENCH_GIT=$rev CHECK_TIMEOUT=1 BENCH_TIMEOUT=200 REPEATS=5 \
+      bash tools/bench/gpu/run.sh P11 "$out/p11"
+    KVSTORE_TQ_ENCODE_TOGETHER=0 KVSTORE_BENCH_GIT=$rev CHECK_TIMEOUT=1 BENCH_TIMEOUT=200 \
+      REPEATS=5 bash tools/bench/gpu/run.sh P11 "$out/p11-apart" ;;
   g1-4k)
     KVSTORE_BENCH_GPU_TOKENS=4096 KVSTORE_BENCH_GIT=$rev CHECK_TIMEOUT=60 BENCH_TIMEOUT=400 \
       REPEATS=5 bash tools/bench/gpu/run.sh G1 "$out/g1-4k" ;;

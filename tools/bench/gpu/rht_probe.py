@@ -74,7 +74,7 @@ def main() -> int:
             print(f"tq{bits} {q.kind} ({q.scale_mode}): proven {proofs}", flush=True)
             try:
                 rows = x.reshape(-1, 128)
-                fused = cuda_rht._encode(rows, q, LIMIT)
+                (fused,), _ = cuda_rht._encode([(rows, q)], LIMIT)
                 idx, scale, _ = q.quantize(rows)
                 got = unpack_indices(fused[0], bits, 128)
                 mx.eval(fused, idx, scale, got)
@@ -91,6 +91,13 @@ def main() -> int:
                 )
             except Exception:  # noqa: BLE001
                 traceback.print_exc()
+        try:
+            pair = [(keys.reshape(-1, 128), kq), (values.reshape(-1, 128), vq)]
+            together = cuda_rht._proven_together(pair, LIMIT)
+        except Exception:  # noqa: BLE001 - say why and go on
+            traceback.print_exc()
+            together = False
+        print(f"tq{bits} keys and values in one launch: proven {together}", flush=True)
         times_of(bits, kq, vq, keys, values)
     return 0
 
