@@ -160,6 +160,12 @@ def cases_of(tokens: int) -> tuple[dict[str, Callable[[], Any]], list[float]]:
         "encode kernel, keys+values in one launch": evaluated(
             lambda: cuda_rht._encode([(rows, kq), (values.reshape(-1, 128), vq)], LIMIT)
         ),
+        "encode kernels, keys and values apart": evaluated(
+            lambda: [
+                cuda_rht._encode([(rows, kq)], LIMIT),
+                cuda_rht._encode([(values.reshape(-1, 128), vq)], LIMIT),
+            ]
+        ),
         "kernel + verdict (encoded)": evaluated(kernel_checked),
         "kernel + verdict + read": kernel_read,
         "build the kernel's graph only": lambda: cuda_rht._encode([(rows, kq)], LIMIT),
