@@ -296,14 +296,15 @@ def encoded(
 def encoded_together(
     tensors: Sequence[tuple[mx.array, Quantizer]], scale_limit: float
 ) -> tuple[list[tuple[mx.array, mx.array, mx.array]], mx.array] | None:
-    """Each of ``tensors``' ``(codes uint32 [N, W], scale float32 [N], scale float16
-    [N])`` and every row's verdict, all tensors' rows in order (uint8 ``[sum N]``), lazily:
+    """Each of ``tensors``' (vectors ``[..., D]`` and their quantizer) ``(codes uint32
+    [..., W], scale float32 [...], scale float16 [...])`` and every row's verdict, all
+    tensors' rows in order (uint8 ``[sum of rows]``), lazily:
     one kernel launch per :data:`TOGETHER` tensors (a layer's keys and values), where
     each was a launch and a reduction of its own (H200, a 512-token llama-8B layer:
     ``encode_many`` of keys and values 108 us against ``mx.quantize``'s 40,
     ``tools/bench/results/gpu/cdb1083/floor-probe.txt``). ``None`` where the kernels
     are not to be used for every tensor (then for none)."""
-    if not tensors or not all(_encodable(rows, q, scale_limit) for rows, q in tensors):
+    if not tensors or not all(_encodable(x, q, scale_limit) for x, q in tensors):
         return None
     size = 1 if os.environ.get(TOGETHER_ENV) == "0" else TOGETHER
     groups = [tensors[i : i + size] for i in range(0, len(tensors), size)]
@@ -318,14 +319,16 @@ def encoded_together(
     return outputs, verdicts[0] if len(verdicts) == 1 else mx.concatenate(verdicts)
 
 
-def _encodable(rows: mx.array, q: Quantizer, scale_limit: float) -> bool:
-    """Whether ``rows`` of ``q`` are the kernel's to encode (its own kernel proven)."""
+def _encodable(x: mx.array, q: Quantizer, scale_limit: float) -> bool:
+    """Whether vectors ``x`` ``[..., D]`` of ``q`` are the kernel's to encode (its own
+    kernel proven)."""
     return (
-        rows.ndim == 2
-        and rows.shape[0] > 0
-        and rows.dtype in _CUDA_TYPES
+        x.ndim >= 1
+        and x.shape[-1] == q.dim
+        and x.size > 0
+        and x.dtype in _CUDA_TYPES
         and usable(q)
-        and _proven("encode", q, rows.dtype, scale_limit)
+        and _proven("encode", q, x.dtype, scale_limit)
     )
 
 
@@ -396,7 +399,7 @@ def encode_parts(
         "const unsigned long long row = "
         "((unsigned long long)blockIdx.x * blockDim.x + threadIdx.x) >> 5;",
         "const unsigned int lane = threadIdx.x & 31u, warp = threadIdx.x >> 5;",
-        "unsigned long long start = 0, end = 0;",
+        "unsigned long long start = 0, end = 0, rows = 1;",
     ]
     for s, (bits, dim, mode, dtype) in enumerate(configs):
         fn = f"kvstore_tq_encode_row_{s}"
@@ -406,10 +409,13 @@ def encode_parts(
         inputs += [f"x{s}", f"signs{s}", f"thresholds{s}", f"centroids{s}"]
         outputs += [f"codes{s}", f"scale{s}", f"scale16_{s}"]
         body += [
-            f"end += (unsigned long long)x{s}_shape[0];",
+            # Its rows: every axis but the last (MLX hands the array as it is, no reshape).
+            f"for (int i = 0; i + 1 < x{s}_ndim; ++i) rows *= (unsigned long long)x{s}_shape[i];",
+            "end += rows;",
             f"if (row < end) {{ {fn}(x{s}, row - start, lane, warp, signs{s}, thresholds{s}, "
             f"centroids{s}, codes{s}, scale{s}, scale16_{s}, verdicts + start); return; }}",
             "start = end;",
+            "rows = 1;",
         ]
     name = "kvstore_tq_rht_encode_" + "_".join("_".join(map(str, c)) for c in configs)
     return (
@@ -477,16 +483,18 @@ def _grid(count: int) -> tuple[int, int, int]:
 def _encode(
     tensors: Sequence[tuple[mx.array, Quantizer]], scale_limit: float
 ) -> tuple[list[tuple[mx.array, mx.array, mx.array]], mx.array]:
-    """One launch of :func:`_encode_kernel` over ``tensors``: each one's ``(codes, scale,
-    scale16)`` and every row's verdict."""
-    inputs, shapes, dtypes = [], [], []
-    for rows, q in tensors:
-        count, t = int(rows.shape[0]), _tables(q)
-        inputs += [rows, t.signs, t.thresholds, t.centroids]
-        shapes += [(count, packed_words(q.dim, q.bits)), (count,), (count,)]
+    """One launch of :func:`_encode_kernel` over ``tensors``' vectors ``x`` ``[..., D]``:
+    each one's ``(codes uint32 [..., W], scale float32 [...], scale float16 [...])``, made
+    in those shapes (a reshape is a node of the evaluation of its own), and every row's
+    verdict ``[sum of rows]``."""
+    inputs, shapes, dtypes, total = [], [], [], 0
+    for x, q in tensors:
+        lead, t = tuple(x.shape[:-1]), _tables(q)
+        inputs += [x, t.signs, t.thresholds, t.centroids]
+        shapes += [(*lead, packed_words(q.dim, q.bits)), lead, lead]
         dtypes += [mx.uint32, mx.float32, mx.float16]
-    total = sum(int(rows.shape[0]) for rows, _ in tensors)
-    kernel = _encode_kernel(tuple(_config(rows, q) for rows, q in tensors), scale_limit)
+        total += math.prod(lead)
+    kernel = _encode_kernel(tuple(_config(x, q) for x, q in tensors), scale_limit)
     out = kernel(
         inputs=inputs,
         output_shapes=[*shapes, (total,)],

@@ -392,7 +392,7 @@ def encode_many(
         q._check_dim(x.shape[-1], "encode")
         if mu is not None:
             x = x.astype(mx.float32) - mu
-        tensors.append((q, tuple(x.shape), x.reshape(-1, q.dim)))
+        tensors.append((q, tuple(x.shape), x))
     encoded = _encoded_together(tensors) or _encoded_in_blocks(tensors)
     out = []
     for (q, shape, _), (codes, scale, scale16, worst) in zip(tensors, encoded, strict=True):
@@ -408,7 +408,7 @@ def encode_many(
     return out
 
 
-#: A tensor to encode: ``(quantizer, its shape, its rows [N, D])``.
+#: A tensor to encode: ``(quantizer, its shape, its vectors [..., D])``.
 _Tensor = tuple[TurboQuantizer, tuple[int, ...], mx.array]
 #: A tensor encoded and evaluated: ``(codes, scale float32, scale float16, its verdict)``,
 #: each array shaped as the tensor's leading axes.
@@ -419,24 +419,18 @@ def _encoded_together(tensors: list[_Tensor]) -> list[_Encoded] | None:
     """Every tensor encoded by :func:`cuda_rht.encoded_together` (a CUDA GPU's kernels,
     a launch per layer's keys and values), evaluated at once, the verdict of them all read
     back (per tensor only when it is not fine); ``None`` where the kernels are not used."""
-    together = cuda_rht.encoded_together([(rows, q) for q, _, rows in tensors], FLOAT16_SCALE_LIMIT)
+    together = cuda_rht.encoded_together([(x, q) for q, _, x in tensors], FLOAT16_SCALE_LIMIT)
     if together is None:
         return None
-    made, verdicts = together
-    # Shaped inside the evaluation: a reshape after it would be an evaluation of its own
-    # for the caller (on a GPU a host round trip).
-    shaped = []
-    for (q, shape, _), (codes, scale, scale16) in zip(tensors, made, strict=True):
-        lead = shape[:-1]
-        shaped.append((codes.reshape(*lead, q.words), scale.reshape(lead), scale16.reshape(lead)))
+    made, verdicts = together  # made in the tensors' shapes
     worst = mx.max(verdicts)
-    mx.eval(shaped, worst)
+    mx.eval(made, worst)
     if worst.item() == FINE:
-        return [(*arrays, FINE) for arrays in shaped]
+        return [(*arrays, FINE) for arrays in made]
     each, start = np.array(verdicts), 0  # a rare case: which tensor is it?
     out = []
-    for (_, _, rows), arrays in zip(tensors, shaped, strict=True):
-        count = int(rows.shape[0])
+    for (_, shape, _), arrays in zip(tensors, made, strict=True):
+        count = math.prod(shape[:-1])
         out.append((*arrays, int(each[start : start + count].max())))
         start += count
     return out
@@ -446,7 +440,8 @@ def _encoded_in_blocks(tensors: list[_Tensor]) -> list[_Encoded]:
     """Every tensor encoded block by block (:func:`_row_blocks`), the blocks of all of
     them sharing :func:`evaluated_in_waves`."""
     jobs, blocks = [], []
-    for q, shape, rows in tensors:
+    for q, shape, x in tensors:
+        rows = x.reshape(-1, q.dim)
         slices = _row_blocks(rows.shape[0], q.dim)
         # A tensor of one block gets its final shapes in the evaluation: a reshape after
         # it would be an evaluation of its own for the caller (on a GPU a host round trip).

@@ -177,10 +177,11 @@ def _ops_launch(tensors, scale_limit):
     """What one launch of the encode kernel over ``tensors`` returns, made by the ops: a
     stand-in for the kernel on this CPU (its arithmetic is tested above)."""
     made, verdicts = [], []
-    for rows, q in tensors:
-        idx, scale, norm = q.quantize(rows)
+    for x, q in tensors:
+        idx, scale, norm = q.quantize(x)
         wide = mx.where(mx.abs(scale) > scale_limit, WIDE_SCALE, FINE)
-        verdicts.append(mx.where(mx.isfinite(norm), wide, NOT_FINITE).astype(mx.uint8))
+        verdict = mx.where(mx.isfinite(norm), wide, NOT_FINITE).astype(mx.uint8)
+        verdicts.append(verdict.reshape(-1))
         made.append((pack_indices(idx, q.bits), scale, scale.astype(mx.float16)))
     return made, mx.concatenate(verdicts)
 
@@ -191,7 +192,7 @@ def _kernels_standing_in(monkeypatch, launch=_ops_launch):
     launches = []
 
     def launched(tensors, scale_limit):
-        launches.append([int(rows.shape[0]) for rows, _ in tensors])
+        launches.append([x.size // x.shape[-1] for x, _ in tensors])
         return launch(tensors, scale_limit)
 
     monkeypatch.setattr(cuda_rht, "enabled", lambda: True)

@@ -80,7 +80,8 @@ def encode_kernel(
     for s, (_, _, _, dtype) in enumerate(configs):
         x, signs, thresholds, centroids = inputs[4 * s : 4 * s + 4]
         params += [
-            f"const {_ROW_TYPES[dtype]}* {x}, const __grid_constant__ Shape {x}_shape",
+            f"const {_ROW_TYPES[dtype]}* {x}, const __grid_constant__ Shape {x}_shape, "
+            f"const __grid_constant__ int {x}_ndim",
             f"const float* {signs}, const float* {thresholds}, const float* {centroids}",
         ]
     for s in range(len(configs)):
