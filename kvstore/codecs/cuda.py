@@ -484,9 +484,9 @@ class Transport(Protocol):
         ``params`` (uint64 words: see :data:`_GATHER_SOURCE`) from registered pages
         or a :class:`Staging`'s memory."""
 
-    def gather_many(self, params: np.ndarray, specs: Sequence[LeafSpec]) -> list[mx.array]:
-        """New lazy device arrays of ``specs`` (at most :data:`GATHER_OUTPUTS`), made by
-        one kernel in their shapes and dtypes: as :meth:`gather`, each segment's
+    def gather_many(self, params: np.ndarray, nbytes: Sequence[int]) -> list[mx.array]:
+        """New lazy uint8 device arrays of ``nbytes`` each (at most
+        :data:`GATHER_OUTPUTS`), made by one kernel: as :meth:`gather`, each segment's
         ``dst_offset`` naming its array (:data:`OUTPUT_OFFSET_BITS`)."""
 
     def assemble(self, params: np.ndarray, buffers: Sequence[mx.array], nbytes: int) -> mx.array:
@@ -495,11 +495,10 @@ class Transport(Protocol):
         see :data:`_ASSEMBLE_SOURCE`)."""
 
     def assemble_many(
-        self, params: np.ndarray, buffers: Sequence[mx.array], specs: Sequence[LeafSpec]
+        self, params: np.ndarray, buffers: Sequence[mx.array], nbytes: Sequence[int]
     ) -> list[mx.array]:
-        """New lazy device arrays of ``specs`` (at most :data:`GATHER_OUTPUTS`), made by
-        one kernel in their shapes and dtypes from the device ``buffers`` (contiguous,
-        any dtype: their bytes are read): as :meth:`assemble`, each segment's
+        """New lazy uint8 device arrays of ``nbytes`` each (at most
+        :data:`GATHER_OUTPUTS`), made by one kernel: as :meth:`assemble`, each segment's
         ``dst_offset`` naming its array (:data:`OUTPUT_OFFSET_BITS`)."""
 
 
@@ -530,15 +529,6 @@ class KernelTransport:
             output_names=["out"],
             source=_GATHER_SOURCE,
         )
-        # Their outputs are made in their arrays' shapes and dtypes, where uint8 outputs
-        # viewed and reshaped after them were two nodes of the evaluation per array (a
-        # 32-layer restore's 64: 128 nodes, ~0.3 ms to evaluate on the 2-core VM's CPU),
-        # and they read their buffers as they are. MLX declares each argument of its
-        # dtype but compiles a kernel once per name, from its first call's types (the
-        # once-per-process trials': cuda_pages._try_a_gather, _try_device_joins); a
-        # later call of other dtypes runs that code on its arrays' device addresses,
-        # which the body reads and writes as bytes whatever their type: one kernel,
-        # compiled once, for them all.
         self._gather_many = cuda_kernel(
             name="kvstore_gather_many",
             input_names=["params"],
@@ -605,31 +595,24 @@ class KernelTransport:
     def gather(self, params: np.ndarray, nbytes: int) -> mx.array:
         return self._segments(self._gather, params, [], [nbytes])[0]
 
-    def gather_many(self, params: np.ndarray, specs: Sequence[LeafSpec]) -> list[mx.array]:
-        shapes, dtypes = _all_outputs(specs)
-        return self._segments(self._gather_many, params, [], shapes, dtypes)[: len(specs)]
+    def gather_many(self, params: np.ndarray, nbytes: Sequence[int]) -> list[mx.array]:
+        sizes = _all_outputs(nbytes)
+        return self._segments(self._gather_many, params, [], sizes)[: len(nbytes)]
 
     def assemble(self, params: np.ndarray, buffers: Sequence[mx.array], nbytes: int) -> mx.array:
         inputs = _all_inputs(buffers)
         return self._segments(self._assemble, params, inputs, [nbytes])[0]
 
     def assemble_many(
-        self, params: np.ndarray, buffers: Sequence[mx.array], specs: Sequence[LeafSpec]
+        self, params: np.ndarray, buffers: Sequence[mx.array], nbytes: Sequence[int]
     ) -> list[mx.array]:
-        inputs, (shapes, dtypes) = _all_inputs(buffers), _all_outputs(specs)
-        kernel = self._assemble_many
-        return self._segments(kernel, params, inputs, shapes, dtypes)[: len(specs)]
+        inputs, sizes = _all_inputs(buffers), _all_outputs(nbytes)
+        return self._segments(self._assemble_many, params, inputs, sizes)[: len(nbytes)]
 
     @staticmethod
     def _segments(
-        kernel: Any,
-        params: np.ndarray,
-        inputs: list[mx.array],
-        nbytes: Sequence[int] | Sequence[tuple[int, ...]],
-        dtypes: Sequence[mx.Dtype] | None = None,
+        kernel: Any, params: np.ndarray, inputs: list[mx.array], nbytes: Sequence[int]
     ) -> list[mx.array]:
-        """``kernel`` over the segments of ``params``: outputs of ``nbytes`` bytes each,
-        or of those shapes and ``dtypes``."""
         count = int(params[0])
         words = params[1:].reshape(count, SEGMENT_WORDS)
         largest = int((words[:, 4] * words[:, 5]).max()) if count else 0
@@ -638,8 +621,8 @@ class KernelTransport:
         return list(
             kernel(
                 inputs=[mx.array(params), *inputs],
-                output_shapes=[(n,) if isinstance(n, int) else n for n in nbytes],
-                output_dtypes=[mx.uint8] * len(nbytes) if dtypes is None else list(dtypes),
+                output_shapes=[(n,) for n in nbytes],
+                output_dtypes=[mx.uint8] * len(nbytes),
                 grid=(count * parts * _BLOCK, 1, 1),
                 threadgroup=(_BLOCK, 1, 1),
             )
@@ -660,18 +643,16 @@ def _all_inputs(buffers: Sequence[mx.array]) -> list[mx.array]:
     return [*buffers, *[spare] * (ASSEMBLE_INPUTS - len(buffers))]
 
 
-def _all_outputs(specs: Sequence[LeafSpec]) -> tuple[list[tuple[int, ...]], list[mx.Dtype]]:
-    """The shapes and dtypes of a many-output kernel's :data:`GATHER_OUTPUTS` outputs:
-    ``specs``', then 16 bytes for each that no segment writes (dropped).
+def _all_outputs(nbytes: Sequence[int]) -> list[int]:
+    """The sizes of a many-output kernel's :data:`GATHER_OUTPUTS` outputs: ``nbytes``,
+    then 16 bytes for each that no segment writes (dropped).
 
     Raises:
         ValueError: no arrays, or more than a kernel makes.
     """
-    if not 0 < len(specs) <= GATHER_OUTPUTS:
-        raise ValueError(f"[cuda] {len(specs)} arrays; a kernel makes 1 to {GATHER_OUTPUTS}.")
-    spare = GATHER_OUTPUTS - len(specs)
-    shapes = [tuple(shape) for shape, _ in specs] + [(16,)] * spare
-    return shapes, [MLX_DTYPES[name] for _, name in specs] + [mx.uint8] * spare
+    if not 0 < len(nbytes) <= GATHER_OUTPUTS:
+        raise ValueError(f"[cuda] {len(nbytes)} arrays; a kernel makes 1 to {GATHER_OUTPUTS}.")
+    return [*nbytes, *[16] * (GATHER_OUTPUTS - len(nbytes))]
 
 
 #: The transport in use; ``None`` until first needed (then a :class:`KernelTransport`,

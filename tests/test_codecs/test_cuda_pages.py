@@ -119,32 +119,6 @@ def test_copied_spans_make_their_arrays_a_kernel_for_each_gather_outputs_of_them
     assert_joined(arrays, columns, specs)
 
 
-def test_copied_spans_arrays_are_the_kernels_outputs_in_their_shapes_and_dtypes(
-    staged, monkeypatch
-):
-    # Made in their shapes and dtypes by the kernel: no view or reshape after it, each a
-    # node of the evaluation (128 for a 32-layer restore).
-    real_many = staged.gather_many
-    made: list[mx.array] = []
-
-    def gather_many(params, specs):
-        made.extend(real_many(params, specs))
-        return made[-len(specs) :]
-
-    monkeypatch.setattr(staged, "gather_many", gather_many)
-    rng = np.random.default_rng(8)
-    columns = [pieces_of(rng, 2, rows=3 + i) for i in range(3)]
-    specs = [((1, 3, 12, 8), "float16"), ((1, 3, 12, 8), "float16"), ((1, 3, 40, 8), "float16")]
-    arrays = cuda_pages.gathered(specs, columns)
-    assert arrays is not None
-    assert_joined(arrays, columns, specs)
-    if cuda_pages.STAGE_SPANS:
-        assert len(made) == 3
-        assert all(array is kernel_made for array, kernel_made in zip(arrays, made, strict=True))
-    else:  # from the host pages, an array at a time as they are locked
-        assert made == [] and staged.gathers > 0
-
-
 @pytest.mark.parametrize("groups", [1, 2, 4])
 def test_one_buffer_makes_every_array_in_one_kernel_or_one_join(staged, monkeypatch, groups):
     monkeypatch.setattr(cuda_pages, "GATHER_GROUPS", groups)  # 1: one gather of every span

@@ -14,7 +14,6 @@ import pytest
 
 from kvstore.codecs import cuda
 from kvstore.codecs.arena import write_records
-from kvstore.codecs.arrays import MLX_DTYPES
 from kvstore.codecs.record import encode_record, plan_record
 from kvstore.store import open_store
 
@@ -98,14 +97,13 @@ class HostTransport:
         self.gathers += 1
         return mx.array(self._segments(params, [nbytes], bits=None)[0])
 
-    def gather_many(self, params: np.ndarray, specs) -> list[mx.array]:
-        """One gather kernel of several outputs, made in their specs' shapes and dtypes:
-        each segment's ``dst_offset`` names its output (high bits) and an offset into it."""
-        assert 0 < len(specs) <= cuda.GATHER_OUTPUTS
+    def gather_many(self, params: np.ndarray, nbytes) -> list[mx.array]:
+        """One gather kernel of several outputs: each segment's ``dst_offset`` names its
+        output (high bits) and an offset into it."""
+        assert 0 < len(nbytes) <= cuda.GATHER_OUTPUTS
         self.gathers += 1
-        nbytes = [cuda.nbytes_of(spec) for spec in specs]
         outs = self._segments(params, nbytes, bits=cuda.OUTPUT_OFFSET_BITS)
-        return [_typed(out, spec) for out, spec in zip(outs, specs, strict=True)]
+        return [mx.array(out) for out in outs]
 
     def _segments(self, params: np.ndarray, nbytes, bits: int | None) -> list[np.ndarray]:
         """The gather kernel's segments written into new outputs of ``nbytes``; ``bits``:
@@ -132,19 +130,18 @@ class HostTransport:
         self.assembles += 1
         return mx.array(self._assembled(params, buffers, [nbytes], bits=None)[0])
 
-    def assemble_many(self, params: np.ndarray, buffers, specs) -> list[mx.array]:
-        """One assemble kernel of several outputs, made in their specs' shapes and dtypes:
-        each segment's ``dst_offset`` names its output (high bits) and an offset into it."""
-        assert 0 < len(specs) <= cuda.GATHER_OUTPUTS
-        self.assembled_many.append(len(specs))
-        nbytes = [cuda.nbytes_of(spec) for spec in specs]
+    def assemble_many(self, params: np.ndarray, buffers, nbytes) -> list[mx.array]:
+        """One assemble kernel of several outputs: each segment's ``dst_offset`` names
+        its output (high bits) and an offset into it."""
+        assert 0 < len(nbytes) <= cuda.GATHER_OUTPUTS
+        self.assembled_many.append(len(nbytes))
         outs = self._assembled(params, buffers, nbytes, bits=cuda.OUTPUT_OFFSET_BITS)
-        return [_typed(out, spec) for out, spec in zip(outs, specs, strict=True)]
+        return [mx.array(out) for out in outs]
 
     def _assembled(self, params: np.ndarray, buffers, nbytes, bits: int | None) -> list[np.ndarray]:
         assert len(buffers) <= cuda.ASSEMBLE_INPUTS
-        # Each buffer's bytes, whatever its dtype and shape (the kernel reads them so).
-        sources = [np.array(buffer.reshape(-1).view(mx.uint8)) for buffer in buffers]
+        assert all(b.dtype == mx.uint8 and b.ndim == 1 for b in buffers)
+        sources = [np.array(buffer) for buffer in buffers]
         outs = [np.full(n, 0xAB, np.uint8) for n in nbytes]  # bytes no segment writes show up
         words = params[1:].reshape(int(params[0]), cuda.SEGMENT_WORDS).tolist()
         at_bits = cuda.ASSEMBLE_OFFSET_BITS
@@ -162,12 +159,6 @@ class HostTransport:
                 assert first + width <= source.size
                 out[at : at + width] = source[first : first + width]
         return outs
-
-
-def _typed(out: np.ndarray, spec) -> mx.array:
-    """Bytes ``out`` as an array of ``spec`` (a many-output kernel makes its arrays so)."""
-    shape, name = spec
-    return mx.array(out).view(MLX_DTYPES[name]).reshape(shape)
 
 
 class HostStaging:

@@ -50,27 +50,6 @@ def test_each_layer_gets_its_rows_then_zeros_from_one_kernel(staged):
         assert mx.array_equal(array, want([p for p, _, _ in column], 9)).item()
 
 
-def test_the_joins_are_the_kernels_outputs_read_from_the_buffers_as_they_are(staged, monkeypatch):
-    # No view or reshape around the kernel: of its buffers (as decoded) or its outputs.
-    real = staged.assemble_many
-    calls = []
-
-    def assemble_many(params, buffers, specs):
-        calls.append((list(buffers), real(params, buffers, specs)))
-        return calls[-1][1]
-
-    monkeypatch.setattr(staged, "assemble_many", assemble_many)
-    keys, members = stack_of(np.random.default_rng(3), 3, 5)
-    specs = [((1, 2, 8, 8), "bfloat16")] * 3
-    got = device_joins.joined(specs, placed(keys, members))
-    assert got is not None and len(calls) == 1
-    ((buffers, made),) = calls
-    assert buffers == [keys] or all(b is keys for b in buffers)
-    assert all(array is out for array, out in zip(got, made, strict=True))
-    for array, member in zip(got, members, strict=True):
-        assert mx.array_equal(array, want([member], 8)).item()
-
-
 def test_pieces_from_several_buffers_and_rows_of_odd_bytes_join_exactly(staged):
     rng = np.random.default_rng(1)
     a, a_members = stack_of(rng, 2, 3, heads=3, dim=3)  # rows of 6 bytes: not 16-byte words

@@ -43,7 +43,6 @@ import numpy as np
 from kvstore.bench.workloads import WORKLOADS, SyntheticKV
 from kvstore.caches import KVCache
 from kvstore.codecs import cuda, cuda_pages, plans, record
-from kvstore.codecs.arrays import MLX_DTYPES
 from kvstore.store import open_store
 from kvstore.store.kv import restore
 from kvstore.turboquant.quantizer import TurboQuantizer
@@ -78,14 +77,14 @@ class FreeTransport:
     def gather(self, params: np.ndarray, nbytes: int) -> mx.array:
         return mx.zeros((nbytes,), mx.uint8)
 
-    def gather_many(self, params: np.ndarray, specs: Any) -> list[mx.array]:
-        return [mx.zeros(shape, MLX_DTYPES[name]) for shape, name in specs]
+    def gather_many(self, params: np.ndarray, nbytes: Any) -> list[mx.array]:
+        return [mx.zeros((n,), mx.uint8) for n in nbytes]
 
     def assemble(self, params: np.ndarray, buffers: Any, nbytes: int) -> mx.array:
         return mx.zeros((nbytes,), mx.uint8)
 
-    def assemble_many(self, params: np.ndarray, buffers: Any, specs: Any) -> list[mx.array]:
-        return [mx.zeros(shape, MLX_DTYPES[name]) for shape, name in specs]
+    def assemble_many(self, params: np.ndarray, buffers: Any, nbytes: Any) -> list[mx.array]:
+        return [mx.zeros((n,), mx.uint8) for n in nbytes]
 
 
 class FreeStaging:
