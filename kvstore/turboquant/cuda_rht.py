@@ -304,11 +304,19 @@ def encoded_together(
     ``encode_many`` of keys and values 108 us against ``mx.quantize``'s 40,
     ``tools/bench/results/gpu/cdb1083/floor-probe.txt``). ``None`` where the kernels
     are not to be used for every tensor (then for none)."""
-    if not tensors or not all(_encodable(x, q, scale_limit) for x, q in tensors):
+    if not tensors or not all(_encodable(x, q) for x, q in tensors):
         return None
     size = 1 if os.environ.get(TOGETHER_ENV) == "0" else TOGETHER
     groups = [tensors[i : i + size] for i in range(0, len(tensors), size)]
-    if any(len(group) > 1 and not _proven_together(group, scale_limit) for group in groups):
+    # A group's kernel proven as it is: a pair's proof checks each tensor against the ops,
+    # so its tensors' own kernels are neither built nor proven (each build is ~1 s of a
+    # process's first encode). A pair not proven leaves every tensor to its own kernel.
+    if not all(
+        _proven("encode", group[0][1], group[0][0].dtype, scale_limit)
+        if len(group) == 1
+        else _proven_together(group, scale_limit)
+        for group in groups
+    ):
         return None
     outputs: list[tuple[mx.array, mx.array, mx.array]] = []
     verdicts = []
@@ -319,16 +327,10 @@ def encoded_together(
     return outputs, verdicts[0] if len(verdicts) == 1 else mx.concatenate(verdicts)
 
 
-def _encodable(x: mx.array, q: Quantizer, scale_limit: float) -> bool:
-    """Whether vectors ``x`` ``[..., D]`` of ``q`` are the kernel's to encode (its own
-    kernel proven)."""
+def _encodable(x: mx.array, q: Quantizer) -> bool:
+    """Whether vectors ``x`` ``[..., D]`` of ``q`` are of a kind the kernels encode."""
     return (
-        x.ndim >= 1
-        and x.shape[-1] == q.dim
-        and x.size > 0
-        and x.dtype in _CUDA_TYPES
-        and usable(q)
-        and _proven("encode", q, x.dtype, scale_limit)
+        x.ndim >= 1 and x.shape[-1] == q.dim and x.size > 0 and x.dtype in _CUDA_TYPES and usable(q)
     )
 
 
