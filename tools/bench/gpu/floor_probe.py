@@ -41,6 +41,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import mlx.core as mx
+import numpy as np
 
 from tools.bench.gpu.probe import timed
 
@@ -128,6 +129,13 @@ def cases_of(tokens: int) -> tuple[dict[str, Callable[[], Any]], list[float]]:
         mx.eval(out)
         return out[3].tolist()
 
+    def kernel_host_max() -> Any:
+        # Every row's verdict read back and reduced on the host: no reduction on the
+        # device (is reading 4096 bytes back cheaper than mx.max's ~20 us?).
+        made, verdicts = cuda_rht._encode([(rows, kq)], LIMIT)
+        mx.eval(made, verdicts)
+        return int(np.asarray(verdicts).max())
+
     def host_read() -> Any:
         small = (tiny + 1).astype(mx.uint16)
         mx.eval(small)
@@ -168,6 +176,7 @@ def cases_of(tokens: int) -> tuple[dict[str, Callable[[], Any]], list[float]]:
         ),
         "kernel + verdict (encoded)": evaluated(kernel_checked),
         "kernel + verdict + read": kernel_read,
+        "kernel + every row's verdict read (host max)": kernel_host_max,
         "build the kernel's graph only": lambda: cuda_rht._encode([(rows, kq)], LIMIT),
         "encode (keys)": lambda: kq.encode(keys),
         "encode_many keys+values": lambda: encode_many([(kq, keys, None), (vq, values, None)]),
