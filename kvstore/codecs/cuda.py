@@ -53,8 +53,6 @@ from kvstore.cuda_kernel import cuda_kernel
 from kvstore.threads import KeptPool, threads_from_env
 
 __all__ = [
-    "byte_shape",
-    "viewed",
     "LeafSpec",
     "Fill",
     "PinnedBuffer",
@@ -486,11 +484,10 @@ class Transport(Protocol):
         ``params`` (uint64 words: see :data:`_GATHER_SOURCE`) from registered pages
         or a :class:`Staging`'s memory."""
 
-    def gather_many(self, params: np.ndarray, specs: Sequence[LeafSpec]) -> list[mx.array]:
-        """New lazy uint8 device arrays of ``specs``' bytes (each of its
-        :func:`byte_shape`; at most :data:`GATHER_OUTPUTS`), made by one kernel: as
-        :meth:`gather`, each segment's ``dst_offset`` naming its array
-        (:data:`OUTPUT_OFFSET_BITS`)."""
+    def gather_many(self, params: np.ndarray, nbytes: Sequence[int]) -> list[mx.array]:
+        """New lazy uint8 device arrays of ``nbytes`` each (at most
+        :data:`GATHER_OUTPUTS`), made by one kernel: as :meth:`gather`, each segment's
+        ``dst_offset`` naming its array (:data:`OUTPUT_OFFSET_BITS`)."""
 
     def assemble(self, params: np.ndarray, buffers: Sequence[mx.array], nbytes: int) -> mx.array:
         """A new lazy uint8 device array of ``nbytes`` written by the segments of
@@ -498,12 +495,11 @@ class Transport(Protocol):
         see :data:`_ASSEMBLE_SOURCE`)."""
 
     def assemble_many(
-        self, params: np.ndarray, buffers: Sequence[mx.array], specs: Sequence[LeafSpec]
+        self, params: np.ndarray, buffers: Sequence[mx.array], nbytes: Sequence[int]
     ) -> list[mx.array]:
-        """New lazy uint8 device arrays of ``specs``' bytes (each of its
-        :func:`byte_shape`; at most :data:`GATHER_OUTPUTS`), made by one kernel: as
-        :meth:`assemble`, each segment's ``dst_offset`` naming its array
-        (:data:`OUTPUT_OFFSET_BITS`)."""
+        """New lazy uint8 device arrays of ``nbytes`` each (at most
+        :data:`GATHER_OUTPUTS`), made by one kernel: as :meth:`assemble`, each segment's
+        ``dst_offset`` naming its array (:data:`OUTPUT_OFFSET_BITS`)."""
 
 
 class KernelTransport:
@@ -599,31 +595,24 @@ class KernelTransport:
     def gather(self, params: np.ndarray, nbytes: int) -> mx.array:
         return self._segments(self._gather, params, [], [nbytes])[0]
 
-    def gather_many(self, params: np.ndarray, specs: Sequence[LeafSpec]) -> list[mx.array]:
-        shapes = _all_outputs(specs)
-        return self._segments(self._gather_many, params, [], shapes)[: len(specs)]
+    def gather_many(self, params: np.ndarray, nbytes: Sequence[int]) -> list[mx.array]:
+        sizes = _all_outputs(nbytes)
+        return self._segments(self._gather_many, params, [], sizes)[: len(nbytes)]
 
     def assemble(self, params: np.ndarray, buffers: Sequence[mx.array], nbytes: int) -> mx.array:
         inputs = _all_inputs(buffers)
         return self._segments(self._assemble, params, inputs, [nbytes])[0]
 
     def assemble_many(
-        self, params: np.ndarray, buffers: Sequence[mx.array], specs: Sequence[LeafSpec]
+        self, params: np.ndarray, buffers: Sequence[mx.array], nbytes: Sequence[int]
     ) -> list[mx.array]:
-        inputs, shapes = _all_inputs(buffers), _all_outputs(specs)
-        return self._segments(self._assemble_many, params, inputs, shapes)[: len(specs)]
+        inputs, sizes = _all_inputs(buffers), _all_outputs(nbytes)
+        return self._segments(self._assemble_many, params, inputs, sizes)[: len(nbytes)]
 
     @staticmethod
     def _segments(
-        kernel: Any,
-        params: np.ndarray,
-        inputs: list[mx.array],
-        shapes: Sequence[int] | Sequence[tuple[int, ...]],
+        kernel: Any, params: np.ndarray, inputs: list[mx.array], nbytes: Sequence[int]
     ) -> list[mx.array]:
-        """``kernel`` over the segments of ``params``: uint8 outputs of ``shapes`` (a
-        number of bytes, or a shape). The kernel writes bytes whatever its outputs' shapes,
-        and MLX builds it the same for any: uint8 outputs, one build (the once-per-process
-        trial's) for every restore."""
         count = int(params[0])
         words = params[1:].reshape(count, SEGMENT_WORDS)
         largest = int((words[:, 4] * words[:, 5]).max()) if count else 0
@@ -632,8 +621,8 @@ class KernelTransport:
         return list(
             kernel(
                 inputs=[mx.array(params), *inputs],
-                output_shapes=[(n,) if isinstance(n, int) else n for n in shapes],
-                output_dtypes=[mx.uint8] * len(shapes),
+                output_shapes=[(n,) for n in nbytes],
+                output_dtypes=[mx.uint8] * len(nbytes),
                 grid=(count * parts * _BLOCK, 1, 1),
                 threadgroup=(_BLOCK, 1, 1),
             )
@@ -654,33 +643,16 @@ def _all_inputs(buffers: Sequence[mx.array]) -> list[mx.array]:
     return [*buffers, *[spare] * (ASSEMBLE_INPUTS - len(buffers))]
 
 
-def _all_outputs(specs: Sequence[LeafSpec]) -> list[tuple[int, ...]]:
-    """The shapes of a many-output kernel's :data:`GATHER_OUTPUTS` uint8 outputs: each of
-    ``specs``' :func:`byte_shape`, then 16 bytes for each that no segment writes (dropped).
+def _all_outputs(nbytes: Sequence[int]) -> list[int]:
+    """The sizes of a many-output kernel's :data:`GATHER_OUTPUTS` outputs: ``nbytes``,
+    then 16 bytes for each that no segment writes (dropped).
 
     Raises:
         ValueError: no arrays, or more than a kernel makes.
     """
-    if not 0 < len(specs) <= GATHER_OUTPUTS:
-        raise ValueError(f"[cuda] {len(specs)} arrays; a kernel makes 1 to {GATHER_OUTPUTS}.")
-    return [*map(byte_shape, specs), *[(16,)] * (GATHER_OUTPUTS - len(specs))]
-
-
-def byte_shape(spec: LeafSpec) -> tuple[int, ...]:
-    """The shape of array ``spec``'s bytes: its own, the last axis that many bytes wide.
-    Made so by a kernel, its uint8 array becomes the array of ``spec`` by one view
-    (:func:`viewed`), where a flat one took a view and a reshape: two nodes of the
-    evaluation per array, 128 for a 32-layer restore."""
-    shape, name = spec
-    size = numpy_dtype(name).itemsize
-    return (*shape[:-1], shape[-1] * size) if shape else (size,)
-
-
-def viewed(array: mx.array, spec: LeafSpec) -> mx.array:
-    """``array``, uint8 of :func:`byte_shape`, as the array of ``spec`` (lazily)."""
-    shape, name = spec
-    out = array.view(MLX_DTYPES[name])
-    return out if shape else out.reshape(shape)
+    if not 0 < len(nbytes) <= GATHER_OUTPUTS:
+        raise ValueError(f"[cuda] {len(nbytes)} arrays; a kernel makes 1 to {GATHER_OUTPUTS}.")
+    return [*nbytes, *[16] * (GATHER_OUTPUTS - len(nbytes))]
 
 
 #: The transport in use; ``None`` until first needed (then a :class:`KernelTransport`,

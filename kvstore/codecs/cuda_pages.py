@@ -1159,7 +1159,8 @@ def _gather(
                 if made is None:
                     return None
                 launched.extend(made)
-                arrays.extend(cuda.viewed(a, spec) for a, spec in zip(made, specs, strict=True))
+                for array, spec in zip(made, specs, strict=True):
+                    arrays.append(array.view(MLX_DTYPES[spec[1]]).reshape(spec[0]))
             else:
                 for begin, end, spec in zip([0, *ends], ends, specs, strict=False):
                     device = on_device.params(begin, end)
@@ -1187,25 +1188,25 @@ def _gather_many(
     ends: Sequence[int],
     specs: Sequence[cuda.LeafSpec],
 ) -> list[mx.array] | None:
-    """The uint8 arrays of ``specs``' bytes (:func:`~kvstore.codecs.cuda.byte_shape`),
-    :data:`~kvstore.codecs.cuda.GATHER_OUTPUTS` to a kernel
-    (:meth:`~kvstore.codecs.cuda.Transport.gather_many`); ``on_device``'s
+    """The uint8 arrays of ``specs``, :data:`~kvstore.codecs.cuda.GATHER_OUTPUTS` to a
+    kernel (:meth:`~kvstore.codecs.cuda.Transport.gather_many`); ``on_device``'s
     segments in array order, ``owners`` the array each writes, ``ends`` where each
     array's segments end. ``None`` where a span's pages were refused."""
     made: list[mx.array] = []
     begins = [0, *ends]
     for first in range(0, len(specs), cuda.GATHER_OUTPUTS):
         last = min(first + cuda.GATHER_OUTPUTS, len(specs))
+        sizes = [cuda.nbytes_of(spec) for spec in specs[first:last]]
         table = on_device.rows(slice(begins[first], ends[last - 1]))
         if table is None:
             return None
         if not len(table):  # arrays of no bytes
-            made.extend(mx.zeros(cuda.byte_shape(spec), mx.uint8) for spec in specs[first:last])
+            made.extend(mx.zeros((n,), mx.uint8) for n in sizes)
             continue
         table = table.copy()
         output = owners[begins[first] : ends[last - 1]].astype(np.uint64) - np.uint64(first)
         table[:, 2] |= output << np.uint64(cuda.OUTPUT_OFFSET_BITS)
-        made.extend(transport.gather_many(_params(table), specs[first:last]))
+        made.extend(transport.gather_many(_params(table), sizes))
     return made
 
 

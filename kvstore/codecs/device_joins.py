@@ -67,10 +67,14 @@ def joined(specs: Sequence[LeafSpec], columns: Sequence[Sequence[Placed]]) -> li
                 dst = (output - first) << cuda.OUTPUT_OFFSET_BITS | offset
                 words += [src, src_pitch, dst, pitch, width, height]
         params = np.array([len(words) // cuda.SEGMENT_WORDS, *words], np.uint64)
+        sizes = [cuda.nbytes_of(spec) for spec in specs[first:last]]
         flat = [buffer.reshape(-1).view(mx.uint8) for buffer in buffers]
-        made.extend(cuda.transport().assemble_many(params, flat, specs[first:last]))
+        made.extend(cuda.transport().assemble_many(params, flat, sizes))
         first = last
-    return [cuda.viewed(array, spec) for array, spec in zip(made, specs, strict=True)]
+    return [
+        array.view(MLX_DTYPES[name]).reshape(shape)
+        for array, (shape, name) in zip(made, specs, strict=True)
+    ]
 
 
 def _segments(shape: tuple[int, ...], name: str, pieces: Sequence[Placed]) -> list[_Planned] | None:

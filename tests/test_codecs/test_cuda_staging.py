@@ -14,7 +14,6 @@ import pytest
 
 from kvstore.codecs import cuda
 from kvstore.codecs.arena import write_records
-from kvstore.codecs.arrays import MLX_DTYPES
 from kvstore.codecs.record import encode_record, plan_record
 from kvstore.store import open_store
 
@@ -98,14 +97,13 @@ class HostTransport:
         self.gathers += 1
         return mx.array(self._segments(params, [nbytes], bits=None)[0])
 
-    def gather_many(self, params: np.ndarray, specs) -> list[mx.array]:
-        """One gather kernel of several uint8 outputs, each of its spec's byte shape: each
-        segment's ``dst_offset`` names its output (high bits) and an offset into it."""
-        assert 0 < len(specs) <= cuda.GATHER_OUTPUTS
+    def gather_many(self, params: np.ndarray, nbytes) -> list[mx.array]:
+        """One gather kernel of several outputs: each segment's ``dst_offset`` names its
+        output (high bits) and an offset into it."""
+        assert 0 < len(nbytes) <= cuda.GATHER_OUTPUTS
         self.gathers += 1
-        nbytes = [cuda.nbytes_of(spec) for spec in specs]
         outs = self._segments(params, nbytes, bits=cuda.OUTPUT_OFFSET_BITS)
-        return [_bytes_of(out, spec) for out, spec in zip(outs, specs, strict=True)]
+        return [mx.array(out) for out in outs]
 
     def _segments(self, params: np.ndarray, nbytes, bits: int | None) -> list[np.ndarray]:
         """The gather kernel's segments written into new outputs of ``nbytes``; ``bits``:
@@ -132,14 +130,13 @@ class HostTransport:
         self.assembles += 1
         return mx.array(self._assembled(params, buffers, [nbytes], bits=None)[0])
 
-    def assemble_many(self, params: np.ndarray, buffers, specs) -> list[mx.array]:
-        """One assemble kernel of several uint8 outputs, each of its spec's byte shape:
-        each segment's ``dst_offset`` names its output (high bits) and an offset into it."""
-        assert 0 < len(specs) <= cuda.GATHER_OUTPUTS
-        self.assembled_many.append(len(specs))
-        nbytes = [cuda.nbytes_of(spec) for spec in specs]
+    def assemble_many(self, params: np.ndarray, buffers, nbytes) -> list[mx.array]:
+        """One assemble kernel of several outputs: each segment's ``dst_offset`` names
+        its output (high bits) and an offset into it."""
+        assert 0 < len(nbytes) <= cuda.GATHER_OUTPUTS
+        self.assembled_many.append(len(nbytes))
         outs = self._assembled(params, buffers, nbytes, bits=cuda.OUTPUT_OFFSET_BITS)
-        return [_bytes_of(out, spec) for out, spec in zip(outs, specs, strict=True)]
+        return [mx.array(out) for out in outs]
 
     def _assembled(self, params: np.ndarray, buffers, nbytes, bits: int | None) -> list[np.ndarray]:
         assert len(buffers) <= cuda.ASSEMBLE_INPUTS
@@ -162,11 +159,6 @@ class HostTransport:
                 assert first + width <= source.size
                 out[at : at + width] = source[first : first + width]
         return outs
-
-
-def _bytes_of(out: np.ndarray, spec) -> mx.array:
-    """Bytes ``out`` as a many-output kernel makes them: uint8, of ``spec``'s byte shape."""
-    return mx.array(out.reshape(cuda.byte_shape(spec)))
 
 
 class HostStaging:
@@ -366,28 +358,3 @@ def test_in_use_asks_nothing_of_the_device(monkeypatch):
     assert cuda.in_use()
     monkeypatch.setattr(cuda, "TRANSPORT", False)
     assert not cuda.in_use()
-
-
-@pytest.mark.parametrize(
-    ("spec", "want"),
-    [
-        (((1, 2, 3, 4), "bfloat16"), (1, 2, 3, 8)),
-        (((2, 5), "uint32"), (2, 20)),
-        (((7,), "uint8"), (7,)),
-        (((), "float32"), (4,)),
-    ],
-)
-def test_a_many_output_kernels_bytes_become_their_array_by_one_view(spec, want):
-    # The kernel makes each array's bytes with its last axis that many bytes wide, so
-    # that one view (not a view and a reshape) makes the array: bit for bit.
-    shape, name = spec
-    assert cuda.byte_shape(spec) == want
-    values = np.arange(max(1, int(np.prod(shape))), dtype=np.float64).reshape(shape) * 3 + 1
-    array = mx.array(values).astype(MLX_DTYPES[name])
-    raw = np.array(array.reshape(-1).view(mx.uint8)).reshape(want)  # as the kernel writes them
-    got = cuda.viewed(mx.array(raw), spec)
-    assert got.shape == shape and got.dtype == array.dtype
-    assert mx.array_equal(got, array).item()
-    with pytest.raises(ValueError, match=r"65 arrays; a kernel makes 1 to 64"):
-        cuda._all_outputs([spec] * 65)
-    assert cuda._all_outputs([spec]) == [want, *[(16,)] * 63]

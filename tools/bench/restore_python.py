@@ -77,14 +77,14 @@ class FreeTransport:
     def gather(self, params: np.ndarray, nbytes: int) -> mx.array:
         return mx.zeros((nbytes,), mx.uint8)
 
-    def gather_many(self, params: np.ndarray, specs: Any) -> list[mx.array]:
-        return [mx.zeros(cuda.byte_shape(spec), mx.uint8) for spec in specs]
+    def gather_many(self, params: np.ndarray, nbytes: Any) -> list[mx.array]:
+        return [mx.zeros((n,), mx.uint8) for n in nbytes]
 
     def assemble(self, params: np.ndarray, buffers: Any, nbytes: int) -> mx.array:
         return mx.zeros((nbytes,), mx.uint8)
 
-    def assemble_many(self, params: np.ndarray, buffers: Any, specs: Any) -> list[mx.array]:
-        return [mx.zeros(cuda.byte_shape(spec), mx.uint8) for spec in specs]
+    def assemble_many(self, params: np.ndarray, buffers: Any, nbytes: Any) -> list[mx.array]:
+        return [mx.zeros((n,), mx.uint8) for n in nbytes]
 
 
 class FreeStaging:
