@@ -187,9 +187,8 @@ class RecordPlan:
     payload_nbytes: int
     meta: Mapping[str, Any]
 
-    def head(self, checksum: int) -> bytes:
-        """Prefix, header and zero padding: everything before the payload."""
-        header = {
+    def _header(self, checksum: int) -> dict[str, Any]:
+        return {
             "format": FORMAT_VERSION,
             "writer": writer(),
             "layers": list(self.entries),
@@ -197,14 +196,15 @@ class RecordPlan:
             "payload_nbytes": self.payload_nbytes,
             "checksum": {"algorithm": CHECKSUM_ALGORITHM, "value": checksum},
         }
+
+    def head(self, checksum: int) -> bytes:
+        """Prefix, header and zero padding: everything before the payload."""
+        header = self._header(checksum)
         try:
             packed = msgpack.packb(header, use_bin_type=True)
         except (TypeError, ValueError, OverflowError) as exc:
             raise TypeError(f"[encode_record] The header is not msgpack-able: {exc}.") from exc
-        try:  # what we write, we must be able to read
-            check_bounds("encode_record", header)
-        except CorruptEntryError as exc:
-            raise ValueError(f"{exc} Store less meta per record.") from exc
+        self._within_bounds  # noqa: B018 - what we write, we must be able to read
         if len(packed) > BOUNDS.header_bytes:
             raise ValueError(
                 f"[encode_record] The header is {len(packed)} bytes; records allow "
@@ -214,6 +214,22 @@ class RecordPlan:
         header_sum = xxhash.xxh3_64_intdigest(fixed + packed)
         head = _PREFIX.pack(MAGIC, FORMAT_VERSION, 0, len(packed), header_sum) + packed
         return head + bytes(_payload_offset(len(packed)) - len(head))
+
+    @functools.cached_property
+    def _within_bounds(self) -> bool:
+        """Checked once per plan: a head differs from another of the plan by its
+        checksum alone, an integer, so :meth:`head`'s two calls per record (the widest
+        checksum's, then the real one's) walked the same header twice (qwen-0.5B, 8192
+        tokens: 64 walks, ~9 ms of a 127 ms save on the VM).
+
+        Raises:
+            ValueError: the header is past a bound of the format.
+        """
+        try:
+            check_bounds("encode_record", self._header(0))
+        except CorruptEntryError as exc:
+            raise ValueError(f"{exc} Store less meta per record.") from exc
+        return True
 
     @property
     def nbytes_bound(self) -> int:

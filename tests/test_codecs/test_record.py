@@ -15,12 +15,14 @@ from kvstore.codecs import (
     decode_record_to_mlx,
     encode_record,
     read_header,
+    record,
     snapshot,
     snapshot_held,
     snapshot_to_mlx,
 )
 from kvstore.codecs.arrays import BFLOAT16_WORDS
 from kvstore.codecs.header import BOUNDS
+from kvstore.codecs.record import plan_record
 from kvstore.errors import CorruptEntryError, FormatVersionError, UnknownSignatureError
 from kvstore.testing.codec import assert_snapshots_equal, fill_cache
 
@@ -290,6 +292,25 @@ def test_encode_errors():
         encode_record([snap], meta={"ids": list(range(BOUNDS.array_len + 1))})
     with pytest.raises(TypeError, match="dtype"):
         encode_record([type(snap)("kv:plain", 0, 3, {"keys": np.zeros(3, np.float64)}, {})])
+
+
+def test_a_plans_header_is_checked_against_the_bounds_once_for_both_its_heads(monkeypatch):
+    # A record's head is made twice (with the widest checksum to size it, then with the
+    # real one); they differ by an integer only, so the header is walked once.
+    cache = KVCache()
+    fill_cache(cache, [3])
+    plan = plan_record([snapshot(cache)], meta={"ids": [1, 2, 3]})
+    walks = []
+    real = record.check_bounds
+    monkeypatch.setattr(record, "check_bounds", lambda *a: walks.append(a) or real(*a))
+    bound = plan.nbytes_bound
+    head = plan.head(12345)
+    assert len(walks) == 1 and len(head) + plan.payload_nbytes <= bound
+    assert walks[0][1]["meta"] == {"ids": [1, 2, 3]}  # the header as written, walked
+    too_long = plan_record([snapshot(cache)], meta={"ids": list(range(BOUNDS.array_len + 1))})
+    for _ in range(2):  # a plan past a bound fails every time, not only the first
+        with pytest.raises(ValueError, match="Store less meta"):
+            too_long.head(0)
 
 
 def test_empty_and_zero_token_records():
