@@ -33,6 +33,10 @@ threshold (then a neighbour), and the scale of every row whose cells all agree
 within ``1e-5``. A kernel
 that does not build or is not proven leaves the ops in place.
 
+A layer's keys and values are encoded by one launch (:func:`encoded_together`): each
+tensor's row encode is a device function of the kernel's header, and the pair is
+proven as a pair, on trial rows of each tensor's own.
+
 On by default on a CUDA GPU; ``KVSTORE_TQ_RHT_KERNEL=0`` turns both off.
 Rotations other than one-round RHT (dense matrices for head dims that are not
 powers of two, two rounds), and head dims outside 32..1024, take the ops.
@@ -125,7 +129,7 @@ def _chunked_copy(dst: str, src: str, address: str) -> str:
 
 #: The encode of row ``row`` of ``x`` ``[N, D]`` by the calling warp, a device function
 #: (``ROW_FN``, of rows of type ``ROW_T``) in the kernel's header: one per tensor a kernel
-#: encodes (:func:`_encode_source`). Writes ``codes`` ``[N, WORDS]`` uint32, ``scale``
+#: encodes (:func:`encode_parts`). Writes ``codes`` ``[N, WORDS]`` uint32, ``scale``
 #: ``[N]`` float32, the same scales rounded to float16 (``scale16``, what is stored unless
 #: a check says otherwise: no cast after the kernel) and ``verdicts`` ``[N]`` uint8, each
 #: row's :mod:`~kvstore.turboquant.verdict`: ``NOT_FINITE`` where the norm is not finite,
@@ -391,7 +395,7 @@ def encode_parts(
     configs: Sequence[EncodeConfig], scale_limit: float
 ) -> tuple[str, list[str], list[str], str, str]:
     """``(name, input names, output names, header, body)`` of the kernel encoding one
-    tensor of each of ``configs``: tensor ``s``'s inputs ``x<s>`` (rows ``[N_s, D_s]``),
+    tensor of each of ``configs``: tensor ``s``'s inputs ``x<s>`` (vectors ``[..., D]``),
     ``signs<s>``, ``thresholds<s>``, ``centroids<s>``; its outputs ``codes<s>``,
     ``scale<s>``, ``scale16_<s>``; then ``verdicts``, every tensor's rows in order. One
     warp per row of them all; each tensor's row encode is a device function of the
@@ -432,7 +436,7 @@ def encode_parts(
 @functools.cache
 def _encode_kernel(configs: tuple[EncodeConfig, ...], scale_limit: float) -> Any:
     """The kernel of :func:`encode_parts`. Its name says the rows' types: MLX keeps one
-    compiled module per kernel name, whatever its inputs' types."""
+    compiled module per kernel name, so each combination of types is named apart."""
     name, inputs, outputs, header, body = encode_parts(configs, scale_limit)
     return cuda_kernel(
         name=name, input_names=inputs, output_names=outputs, source=body, header=header
