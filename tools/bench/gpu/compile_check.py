@@ -66,8 +66,8 @@ class Nvrtc:
         return None if status == 0 else log.value.decode()
 
 
-#: Each row dtype an encode reads, by its name and CUDA type.
-_ROW_TYPES = {"bfloat16": "__nv_bfloat16", "float16": "__half", "float32": "float"}
+#: Each row dtype an encode reads, by its name and CUDA type (the kernels' own table).
+_ROW_TYPES = {cuda_rht._name(dtype): ctype for dtype, ctype in cuda_rht._CUDA_TYPES.items()}
 
 
 def encode_kernel(
