@@ -29,6 +29,7 @@ from kvstore.turboquant.quantizer import (
     TQ_BITS,
     ScaleMode,
     TurboQuantizer,
+    decode_many,
     encode_many,
     quantizer_for,
 )
@@ -192,8 +193,7 @@ class TurboQuantRows:
         mu = None if self.mu is None else self.mu[:, None, :]
         # Together: one evaluation (on a GPU, one host round trip) for both sides.
         stored_keys, stored_values = encode_many([(kq, keys, mu), (vq, values, None)])
-        new_keys = _with_decoded(kq, stored_keys, dtype, mu)
-        new_values = _with_decoded(vq, stored_values, dtype, None)
+        new_keys, new_values = _with_decoded((kq, vq), (stored_keys, stored_values), dtype, mu)
         if self.keys is not None:
             self.keys, new_keys = _same_scale_dtype(self.keys, new_keys)
             self.values, new_values = _same_scale_dtype(self.values, new_values)
@@ -285,24 +285,35 @@ class TurboQuantRows:
         assert dtype is not None and self.head_dim is not None
         kq, vq = self.quantizers(self.head_dim)
         mu = None if self.mu is None else self.mu[:, None, :]
-        self.keys = _with_decoded(kq, keys, dtype, mu, rows)
-        self.values = _with_decoded(vq, values, dtype, None, rows)
+        self.keys, self.values = _with_decoded((kq, vq), (keys, values), dtype, mu, rows)
 
 
 def _with_decoded(
-    quantizer: TurboQuantizer,
-    stored: Any,
+    quantizers: tuple[TurboQuantizer, TurboQuantizer],
+    stored: tuple[Any, Any],
     dtype: mx.Dtype,
     mu: mx.array | None,
     rows: int | None = None,
-) -> tuple[mx.array, mx.array, mx.array]:
-    codes, scales = stored
-    total = codes.shape[2]
-    if rows is None or rows >= total:
-        return codes, scales[..., None], quantizer.decode(codes, scales, dtype, mu=mu)
-    held = quantizer.decode(codes[:, :, :rows], scales[:, :, :rows], dtype, mu=mu)
-    pad = mx.zeros((*held.shape[:2], total - rows, held.shape[3]), dtype)
-    return codes, scales[..., None], mx.concatenate([held, pad], axis=2)
+) -> tuple[Tree, Tree]:
+    """The key and value row trees ``(codes, scales [B, H, T, 1], decoded)`` of stored
+    ``(codes, scales)`` keys and values, decoded together (:func:`decode_many`: on a CUDA
+    GPU one launch); only the first ``rows`` buffer rows are decoded, the rest zeros."""
+    total = stored[0][0].shape[2]
+    held = None if rows is None or rows >= total else rows
+    wanted = stored if held is None else [(c[:, :, :held], s[:, :, :held]) for c, s in stored]
+    decoded = decode_many(
+        [
+            (q, codes, scales, dtype, m)
+            for q, (codes, scales), m in zip(quantizers, wanted, (mu, None), strict=True)
+        ]
+    )
+    out = []
+    for (codes, scales), x in zip(stored, decoded, strict=True):
+        if held is not None:
+            pad = mx.zeros((*x.shape[:2], total - held, x.shape[3]), dtype)
+            x = mx.concatenate([x, pad], axis=2)
+        out.append((codes, scales[..., None], x))
+    return out[0], out[1]
 
 
 def stored_rows(tree: Tree) -> tuple[mx.array, mx.array]:

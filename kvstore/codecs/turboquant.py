@@ -45,7 +45,7 @@ from kvstore.codecs.turboquant_params import (
 )
 from kvstore.errors import CorruptEntryError
 from kvstore.signature import parse_signature
-from kvstore.turboquant.quantizer import encode_many
+from kvstore.turboquant.quantizer import decode_many, encode_many
 
 __all__ = ["TurboQuantRowCodec", "TurboQuantKVCodec", "RotatingTurboQuantKVCodec"]
 
@@ -187,8 +187,14 @@ class TurboQuantRowCodec(RowCodec):
         dtype = MLX_DTYPES[snapshot.meta["dtype"]]
         kq, vq = params.quantizers()
         (kc, ks), (vc, vs) = self.rows_from_tensors(snapshot.tensors)
-        keys = kq.decode(as_mlx(kc), as_mlx(ks), dtype, mu=params.key_mean())
-        return keys, vq.decode(as_mlx(vc), as_mlx(vs), dtype)
+        # Together: on a CUDA GPU one launch for both (a restore's stacked layers too).
+        keys, values = decode_many(
+            [
+                (kq, as_mlx(kc), as_mlx(ks), dtype, params.key_mean()),
+                (vq, as_mlx(vc), as_mlx(vs), dtype, None),
+            ]
+        )
+        return keys, values
 
     def from_dense(
         self, keys: Any, values: Any, *, start: int, stop: int, meta: Mapping[str, Any]

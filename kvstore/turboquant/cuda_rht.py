@@ -33,9 +33,10 @@ threshold (then a neighbour), and the scale of every row whose cells all agree
 within ``1e-5``. A kernel
 that does not build or is not proven leaves the ops in place.
 
-A layer's keys and values are encoded by one launch (:func:`encoded_together`): each
-tensor's row encode is a device function of the kernel's header, and the pair is
-proven as a pair, on trial rows of each tensor's own.
+A layer's keys and values are encoded by one launch (:func:`encoded_together`) and
+decoded by one (:func:`decoded_together`): each tensor's row encode (decode) is a device
+function of the kernel's header, and the pair is proven as a pair, on trial rows of
+each tensor's own.
 
 On by default on a CUDA GPU; ``KVSTORE_TQ_RHT_KERNEL=0`` turns both off.
 Rotations other than one-round RHT (dense matrices for head dims that are not
@@ -64,7 +65,9 @@ from kvstore.turboquant.verdict import FINE, NOT_FINITE, WIDE_SCALE
 __all__ = [
     "ENV",
     "TOGETHER",
+    "decode_parts",
     "decoded",
+    "decoded_together",
     "enabled",
     "encode_parts",
     "encoded",
@@ -213,15 +216,17 @@ __device__ __forceinline__ void ROW_FN(
 """
 )
 
-#: One warp per row of ``codes`` ``[N, WORDS]``; ``factors`` ``[N]`` (the scales, of
-#: their stored float type), ``table`` (the centroids) float32; ``out`` ``[N, D]`` of
-#: type ``OT``.
+#: The decode of row ``row`` of ``codes`` ``[N, WORDS]`` by the calling warp, a device
+#: function (``ROW_FN``, scales of type ``SCALE_T``, output of type ``OUT_T``) in the kernel's
+#: header: one per tensor a kernel decodes (:func:`decode_parts`). ``factors`` ``[N]`` (the
+#: scales, of their stored float type), ``table`` (the centroids) float32; writes ``out``
+#: ``[N, D]``.
 _DECODE = (
     """
+__device__ __forceinline__ void ROW_FN(
+    const unsigned int* codes, const unsigned long long row, const unsigned int lane,
+    const SCALE_T* factors, const float* table, const float* signs, OUT_T* out) {
     constexpr int V = DIM / 32;
-    const unsigned long long row = ((unsigned long long)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
-    const unsigned int lane = threadIdx.x & 31u;
-    if (row >= (unsigned long long)codes_shape[0]) return;
     const unsigned int* words = codes + row * WORDS;
     const float f = static_cast<float>(factors[row]);
     float v[V];
@@ -235,14 +240,15 @@ _DECODE = (
 """
     + _BUTTERFLIES
     + """
-    constexpr int NB = V * (int)sizeof(OT);
+    constexpr int NB = V * (int)sizeof(OUT_T);
     alignas(16) unsigned char raw[NB];
-    OT* t = reinterpret_cast<OT*>(raw);
+    OUT_T* t = reinterpret_cast<OUT_T*>(raw);
     #pragma unroll
-    for (int i = 0; i < V; ++i) t[i] = OT(v[i] * INV_ROOT_D * signs[lane * V + i]);
-    OT* dst = out + row * DIM + lane * V;
+    for (int i = 0; i < V; ++i) t[i] = OUT_T(v[i] * INV_ROOT_D * signs[lane * V + i]);
+    OUT_T* dst = out + row * DIM + lane * V;
 """
     + _chunked_copy("dst", "raw", "dst")
+    + "}\n"
 )
 
 
@@ -310,8 +316,7 @@ def encoded_together(
     are not to be used for every tensor (then for none)."""
     if not tensors or not all(_encodable(x, q) for x, q in tensors):
         return None
-    size = 1 if os.environ.get(TOGETHER_ENV) == "0" else TOGETHER
-    groups = [tensors[i : i + size] for i in range(0, len(tensors), size)]
+    groups = _groups(tensors)
     # A group's kernel proven as it is: a pair's proof checks each tensor against the ops,
     # so its tensors' own kernels are neither built nor proven (each build is ~1 s of a
     # process's first encode). A pair not proven leaves every tensor to its own kernel.
@@ -342,9 +347,42 @@ def decoded(rows: mx.array, scales: mx.array, q: Quantizer, dtype: mx.Dtype) -> 
     """``R^-1(table[index] * scale)`` as ``dtype`` ``[N, D]`` of packed ``rows``
     (uint32 ``[N, W]``) and their ``scales`` (``[N]``, float16 or float32), lazily,
     by the kernel; ``None`` where it is not to be used."""
-    if not rows.shape[0] or not usable(q) or not _proven("decode", q, dtype, scales.dtype):
+    together = decoded_together([(rows, scales, q, dtype)])
+    return None if together is None else together[0]
+
+
+#: A tensor to decode: ``(rows uint32 [N, W], scales [N], quantizer, output dtype)``.
+DecodeItem = tuple[mx.array, mx.array, "Quantizer", mx.Dtype]
+
+
+def decoded_together(tensors: Sequence[DecodeItem]) -> list[mx.array] | None:
+    """:func:`decoded` of each of ``tensors``, lazily: one kernel launch per
+    :data:`TOGETHER` tensors (a layer's keys and values, or a restore's stacked layers'),
+    where each was a launch of its own. ``None`` where the kernels are not to be used for
+    every tensor (then for none)."""
+    if not tensors or not all(_decodable(rows, q, dtype) for rows, _, q, dtype in tensors):
         return None
-    return _decode(rows, scales, q, dtype)
+    groups = _groups(tensors)
+    if not all(
+        _proven("decode", group[0][2], group[0][3], group[0][1].dtype)
+        if len(group) == 1
+        else _proven_decode_together(group)
+        for group in groups
+    ):
+        return None
+    return [out for group in groups for out in _decode(group)]
+
+
+def _groups(tensors: Sequence[Any]) -> list[Sequence[Any]]:
+    """``tensors`` in the groups that share a launch: :data:`TOGETHER` each, or one each
+    where :data:`TOGETHER_ENV` is ``"0"``."""
+    size = 1 if os.environ.get(TOGETHER_ENV) == "0" else TOGETHER
+    return [tensors[i : i + size] for i in range(0, len(tensors), size)]
+
+
+def _decodable(rows: mx.array, q: Quantizer, dtype: mx.Dtype) -> bool:
+    """Whether packed ``rows`` of ``q`` decoded as ``dtype`` are a kind the kernels do."""
+    return bool(rows.shape[0]) and dtype in _CUDA_TYPES and usable(q)
 
 
 def _float(value: float) -> str:
@@ -379,9 +417,10 @@ _CUDA_TYPES = {mx.bfloat16: "__nv_bfloat16", mx.float16: "__half", mx.float32: "
 #: At most this many tensors share one encode kernel (a layer's keys and values): each
 #: other count is one more kernel to build and prove per configuration.
 TOGETHER = 2
-#: ``"0"``: each tensor of an :func:`encoded_together` launched alone, as before it (for
-#: the device's A/B, ``tools/bench/gpu/next.sh together``).
-TOGETHER_ENV = "KVSTORE_TQ_ENCODE_TOGETHER"
+#: ``"0"``: each tensor of an :func:`encoded_together` or :func:`decoded_together`
+#: launched alone, as before them (for the device's A/B, ``tools/bench/gpu/next.sh
+#: together``).
+TOGETHER_ENV = "KVSTORE_TQ_TOGETHER"
 
 #: An encode kernel's tensor: ``(bits, head dim, scale mode, rows' dtype name)``.
 EncodeConfig = tuple[int, int, str, str]
@@ -443,14 +482,49 @@ def _encode_kernel(configs: tuple[EncodeConfig, ...], scale_limit: float) -> Any
     )
 
 
+#: A decode kernel's tensor: ``(bits, head dim, scales' dtype name, output dtype name)``.
+DecodeConfig = tuple[int, int, str, str]
+
+
+def decode_parts(configs: Sequence[DecodeConfig]) -> tuple[str, list[str], list[str], str, str]:
+    """``(name, input names, output names, header, body)`` of the kernel decoding one
+    tensor of each of ``configs``: tensor ``s``'s inputs ``codes<s>`` (``[N, W]``),
+    ``factors<s>`` (its scales ``[N]``), ``table<s>`` (the centroids), ``signs<s>``; its
+    output ``out<s>`` ``[N, D]``. One warp per row of them all; each tensor's row decode
+    is a device function of the header (:data:`_DECODE`), as the encode's are."""
+    header, inputs, outputs = [], [], []
+    body = [
+        "const unsigned long long row = "
+        "((unsigned long long)blockIdx.x * blockDim.x + threadIdx.x) >> 5;",
+        "const unsigned int lane = threadIdx.x & 31u;",
+        "unsigned long long start = 0, end = 0;",
+    ]
+    for s, (bits, dim, scales, out) in enumerate(configs):
+        fn = f"kvstore_tq_decode_row_{s}"
+        source = _source(_DECODE, bits, dim, "l2", 0.0).replace("ROW_FN", fn)
+        header.append(
+            source.replace("SCALE_T", _CUDA_TYPES[getattr(mx, scales)]).replace(
+                "OUT_T", _CUDA_TYPES[getattr(mx, out)]
+            )
+        )
+        inputs += [f"codes{s}", f"factors{s}", f"table{s}", f"signs{s}"]
+        outputs.append(f"out{s}")
+        body += [
+            f"end += (unsigned long long)codes{s}_shape[0];",
+            f"if (row < end) {{ {fn}(codes{s}, row - start, lane, factors{s}, table{s}, "
+            f"signs{s}, out{s}); return; }}",
+            "start = end;",
+        ]
+    name = "kvstore_tq_rht_decode_" + "_".join("_".join(map(str, c)) for c in configs)
+    return name, inputs, outputs, "".join(header), "\n".join(body)
+
+
 @functools.cache
-def _decode_kernel(bits: int, dim: int, dtype: str) -> Any:
-    """The decode kernel of this width and head dim, its scales of type ``dtype``."""
+def _decode_kernel(configs: tuple[DecodeConfig, ...]) -> Any:
+    """The kernel of :func:`decode_parts` (named by its types, as the encode's)."""
+    name, inputs, outputs, header, body = decode_parts(configs)
     return cuda_kernel(
-        name=f"kvstore_tq_rht_decode_{bits}_{dim}_{dtype}",
-        input_names=["codes", "factors", "table", "signs"],
-        output_names=["out"],
-        source=_source(_DECODE, bits, dim, "l2", 0.0),
+        name=name, input_names=inputs, output_names=outputs, source=body, header=header
     )
 
 
@@ -512,19 +586,27 @@ def _encode(
     return made, out[-1]
 
 
-def _decode(rows: mx.array, scales: mx.array, q: Quantizer, dtype: mx.Dtype) -> mx.array:
-    count, t = int(rows.shape[0]), _tables(q)
-    (out,) = _decode_kernel(q.bits, q.dim, _name(scales.dtype))(
+def _decode(tensors: Sequence[DecodeItem]) -> list[mx.array]:
+    """One launch of :func:`_decode_kernel` over ``tensors``: each one's rows ``[N, D]``."""
+    inputs, shapes, dtypes, configs, total = [], [], [], [], 0
+    for rows, scales, q, dtype in tensors:
+        count, t = int(rows.shape[0]), _tables(q)
         # uint32 as the kernel reads them (a no-op for stored codes): the kernel's name
         # does not say the codes' type.
-        inputs=[rows.astype(mx.uint32), scales.reshape(-1), t.centroids, t.signs],
-        output_shapes=[(count, q.dim)],
-        output_dtypes=[dtype],
-        grid=_grid(count),
-        threadgroup=(_BLOCK, 1, 1),
-        template=[("OT", dtype)],
+        inputs += [rows.astype(mx.uint32), scales.reshape(-1), t.centroids, t.signs]
+        shapes.append((count, q.dim))
+        dtypes.append(dtype)
+        configs.append((q.bits, q.dim, _name(scales.dtype), _name(dtype)))
+        total += count
+    return list(
+        _decode_kernel(tuple(configs))(
+            inputs=inputs,
+            output_shapes=shapes,
+            output_dtypes=dtypes,
+            grid=_grid(total),
+            threadgroup=(_BLOCK, 1, 1),
+        )
     )
-    return out
 
 
 _LOCK = threading.RLock()  # a proof makes its quantizer's tables
@@ -567,7 +649,7 @@ _ULP = {"float32": 0.0, "bfloat16": 2.0**-7, "float16": 2.0**-10}
 
 def _agrees(op: str, q: Quantizer, dtype: mx.Dtype, extra: Any) -> bool:
     if op == "decode":
-        return _decode_agrees(q, dtype, extra)
+        return _decodes_agree([(trial_rows(q.dim), q, dtype, extra)])
     return _encodes_agree([(trial_rows(q.dim).astype(dtype), q)], float(extra))
 
 
@@ -631,19 +713,54 @@ def _trial_rows_of(dim: int, tensor: int) -> mx.array:
     return mx.array(rows[: rows.shape[0] - 5 * tensor])
 
 
-def _decode_agrees(q: Quantizer, dtype: mx.Dtype, scales_dtype: mx.Dtype) -> bool:
-    if _name(dtype) not in _ULP:
-        return False
-    idx, scale, _ = q.quantize(trial_rows(q.dim))
-    scales = scale.astype(scales_dtype)
-    factors = scales.reshape(-1, 1).astype(mx.float32)
-    want = q.rotation.inverse(mx.take(q.centroids, idx.astype(mx.uint32)) * factors)
-    got = _decode(pack_indices(idx, q.bits), scales, q, dtype).astype(mx.float32)
-    mx.eval(want, got)
-    expected, found = np.array(want), np.array(got)
-    top = float(np.abs(expected).max())
-    bound = 1e-5 * max(top, 1e-30) + _ULP[_name(dtype)] * np.abs(expected)
-    return bool((np.abs(found - expected) <= bound).all())
+#: A decode's trial: ``(vectors float32 [N, D], quantizer, output dtype, scales' dtype)``.
+_DecodeTrial = tuple[mx.array, "Quantizer", mx.Dtype, mx.Dtype]
+
+
+def _decodes_agree(trials: Sequence[_DecodeTrial]) -> bool:
+    """Whether one launch of the decode kernel over ``trials``' vectors, each encoded by
+    the ops, agrees with the ops' decode of each: within ``1e-5`` of the largest value,
+    and one ulp of a narrower output."""
+    made, wanted = [], []
+    for rows, q, dtype, scales_dtype in trials:
+        if _name(dtype) not in _ULP:
+            return False
+        idx, scale, _ = q.quantize(rows)
+        stored = scale.astype(scales_dtype)
+        factors = stored.reshape(-1, 1).astype(mx.float32)
+        wanted.append(q.rotation.inverse(mx.take(q.centroids, idx.astype(mx.uint32)) * factors))
+        made.append((pack_indices(idx, q.bits), stored, q, dtype))
+    got = _decode(made)
+    for want, out, (_, _, dtype, _) in zip(wanted, got, trials, strict=True):
+        found32 = out.astype(mx.float32)
+        mx.eval(want, found32)
+        expected, found = np.array(want), np.array(found32)
+        top = float(np.abs(expected).max())
+        bound = 1e-5 * max(top, 1e-30) + _ULP[_name(dtype)] * np.abs(expected)
+        if not (np.abs(found - expected) <= bound).all():
+            return False
+    return True
+
+
+def _proven_decode_together(group: Sequence[DecodeItem]) -> bool:
+    """Whether the kernel decoding ``group``'s tensors in one launch builds here and
+    agrees with the ops on each, once per process and kernel (trial rows of each
+    tensor's own, as :func:`_proven_together`'s)."""
+    configs = tuple(
+        (q.bits, q.dim, _name(scales.dtype), _name(dtype)) for _, scales, q, dtype in group
+    )
+    key = ("decode together", configs)
+    with _LOCK:
+        if key not in _PROVEN:
+            trials = [
+                (_trial_rows_of(q.dim, s), q, dtype, scales.dtype)
+                for s, (_, scales, q, dtype) in enumerate(group)
+            ]
+            try:
+                _PROVEN[key] = _decodes_agree(trials)
+            except Exception:  # noqa: BLE001 - a kernel that does not build or run: one each
+                _PROVEN[key] = False
+        return _PROVEN[key]
 
 
 def _encode_agrees(

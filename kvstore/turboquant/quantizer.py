@@ -43,6 +43,7 @@ __all__ = [
     "TurboQuantizer",
     "bits_per_value",
     "cell_indices",
+    "decode_many",
     "encode_many",
     "lookup",
     "quantizer_for",
@@ -320,21 +321,13 @@ class TurboQuantizer:
         Raises:
             EncodingError: ``codes`` is not ``[..., W]`` for this D and bits.
         """
-        if codes.shape[-1] != self.words or codes.shape[:-1] != scales.shape:
-            raise EncodingError(
-                f"[turboquant.decode] codes must be [..., {self.words}] uint32 with scales "
-                f"matching their leading axes (D={self.dim}, bits={self.bits}); received codes "
-                f"{tuple(codes.shape)}, scales {tuple(scales.shape)}.",
-                codes_shape=tuple(codes.shape),
-                scales_shape=tuple(scales.shape),
-            )
+        self._check_codes(codes, scales)
         lead = codes.shape[:-1]
         rows = codes.reshape(-1, self.words)
         # The whole decode as one kernel on a CUDA GPU, once proven (cuda_rht).
         fused = cuda_rht.decoded(rows, scales, self, dtype if mu is None else mx.float32)
         if fused is not None:
-            x = fused.reshape(*lead, self.dim)
-            return x if mu is None else (x + mu).astype(dtype)
+            return _decoded_as(fused, lead, dtype, mu)
         flat_scales = scales.reshape(-1)
 
         def decoded(b: slice) -> mx.array:
@@ -354,6 +347,16 @@ class TurboQuantizer:
         if mu is not None:
             x = x + mu
         return x.astype(dtype)
+
+    def _check_codes(self, codes: mx.array, scales: mx.array) -> None:
+        if codes.shape[-1] != self.words or codes.shape[:-1] != scales.shape:
+            raise EncodingError(
+                f"[turboquant.decode] codes must be [..., {self.words}] uint32 with scales "
+                f"matching their leading axes (D={self.dim}, bits={self.bits}); received codes "
+                f"{tuple(codes.shape)}, scales {tuple(scales.shape)}.",
+                codes_shape=tuple(codes.shape),
+                scales_shape=tuple(scales.shape),
+            )
 
     def _ops_decoded(self, codes: mx.array, factors: mx.array) -> mx.array:
         y = lookup(self.centroids, unpack_indices(codes, self.bits, self.dim))
@@ -406,6 +409,41 @@ def encode_many(
         wide_scale = q.scale_dtype == "float32" or worst == WIDE_SCALE
         out.append((codes, scale if wide_scale else scale16))
     return out
+
+
+def decode_many(
+    items: Sequence[tuple[TurboQuantizer, mx.array, mx.array, mx.Dtype, mx.array | None]],
+) -> list[mx.array]:
+    """:meth:`TurboQuantizer.decode` of each ``(quantizer, codes, scales, dtype, mu)``:
+    on a CUDA GPU a layer's keys and values in one kernel launch
+    (:func:`cuda_rht.decoded_together`), elsewhere one by one. Lazy, as ``decode``.
+
+    Raises:
+        EncodingError: as :meth:`TurboQuantizer.decode`, for the first tensor at fault.
+    """
+    for q, codes, scales, _, _ in items:
+        q._check_codes(codes, scales)
+    fused = cuda_rht.decoded_together(
+        [
+            (codes.reshape(-1, q.words), scales, q, dtype if mu is None else mx.float32)
+            for q, codes, scales, dtype, mu in items
+        ]
+    )
+    if fused is None:
+        return [q.decode(codes, scales, dtype, mu=mu) for q, codes, scales, dtype, mu in items]
+    return [
+        _decoded_as(x, codes.shape[:-1], dtype, mu)
+        for x, (_, codes, _, dtype, mu) in zip(fused, items, strict=True)
+    ]
+
+
+def _decoded_as(
+    rows: mx.array, lead: Sequence[int], dtype: mx.Dtype, mu: mx.array | None
+) -> mx.array:
+    """A kernel's decoded ``rows`` ``[N, D]`` in the codes' leading axes, ``mu`` added
+    (the kernel decoded to float32 then) and cast to ``dtype``."""
+    x = rows.reshape(*lead, rows.shape[-1])
+    return x if mu is None else (x + mu).astype(dtype)
 
 
 #: A tensor to encode: ``(quantizer, its shape, its vectors [..., D])``.

@@ -16,6 +16,7 @@ from kvstore.turboquant.quantizer import (
     FLOAT16_SCALE_LIMIT,
     TQ_BITS,
     TurboQuantizer,
+    decode_many,
     encode_many,
     quantizer_for,
 )
@@ -288,3 +289,109 @@ def test_a_pair_kernels_source_encodes_each_tensor_with_its_own_function():
     assert (
         "for (int k = 0; k < 16 - 1; ++k)" in header and "for (int k = 0; k < 8 - 1; ++k)" in header
     )
+
+
+def _ops_decode_launch(tensors):
+    """What one launch of the decode kernel over ``tensors`` returns, made by the ops (a
+    stand-in for the kernel on this CPU)."""
+    return [
+        q._ops_decoded(rows, scales.reshape(-1, 1).astype(mx.float32)).astype(dtype)
+        for rows, scales, q, dtype in tensors
+    ]
+
+
+def _decode_kernels_standing_in(monkeypatch, launch=_ops_decode_launch):
+    """The decode kernels switched on, each launch made by ``launch``; returns the
+    launches, as the tensors' row counts of each."""
+    launches = []
+
+    def launched(tensors):
+        launches.append([int(rows.shape[0]) for rows, *_ in tensors])
+        return launch(tensors)
+
+    monkeypatch.setattr(cuda_rht, "enabled", lambda: True)
+    monkeypatch.setattr(cuda_rht, "_decode", launched)
+    monkeypatch.setattr(cuda_rht, "_PROVEN", {})
+    return launches
+
+
+def _encoded_layer():
+    kq, vq, keys, values = _keys_and_values()
+    (kc, ks), (vc, vs) = encode_many([(kq, keys, None), (vq, values, None)])
+    want = [kq.decode(kc, ks, mx.bfloat16), vq.decode(vc, vs, mx.bfloat16)]  # the ops'
+    return [(kq, kc, ks, mx.bfloat16, None), (vq, vc, vs, mx.bfloat16, None)], want
+
+
+def test_a_layers_keys_and_values_are_decoded_in_one_launch(monkeypatch):
+    items, want = _encoded_layer()
+    launches = _decode_kernels_standing_in(monkeypatch)
+    got = decode_many(items)
+    # The pair's kernel proven on trial rows of 96 and 91, then one launch for 80 + 80.
+    assert launches == [[96, 91], [80, 80]]
+    for x, w in zip(got, want, strict=True):
+        assert x.shape == (1, 2, 40, 128) and x.dtype == mx.bfloat16
+        assert mx.array_equal(x, w).item()
+    decode_many(items)
+    assert launches[-1] == [80, 80] and len(launches) == 3  # proven once per process
+    monkeypatch.setenv(cuda_rht.TOGETHER_ENV, "0")  # the A/B switch: a launch each
+    decode_many(items)
+    assert launches[3:] == [[96], [96], [80], [80]]
+
+
+def test_a_decode_with_a_key_mean_adds_it_after_the_kernel(monkeypatch):
+    items, _ = _encoded_layer()
+    mu = mx.arange(2 * 128, dtype=mx.float32).reshape(2, 1, 128) / 256
+    items[0] = (*items[0][:4], mu)
+    kq, kc, ks = items[0][:3]
+    want = kq.decode(kc, ks, mx.bfloat16, mu=mu)  # the ops'
+    _decode_kernels_standing_in(monkeypatch)
+    keys, _ = decode_many(items)
+    assert keys.dtype == mx.bfloat16 and mx.array_equal(keys, want).item()
+
+
+def test_a_pair_decode_kernel_that_mixes_its_tensors_up_is_not_used(monkeypatch):
+    items, want = _encoded_layer()
+
+    def mixed_up(tensors):  # the second tensor's rows written as the first's
+        made = _ops_decode_launch(tensors)
+        if len(made) == 2:
+            made[1] = made[0][: made[1].shape[0]]
+        return made
+
+    launches = _decode_kernels_standing_in(monkeypatch, mixed_up)
+    got = decode_many(items)
+    # The pair refused: each tensor's own kernel proven and launched.
+    assert launches == [[96, 91], [96], [80], [96], [80]]
+    assert any(key[0] == "decode together" and not ok for key, ok in cuda_rht._PROVEN.items())
+    for x, w in zip(got, want, strict=True):
+        assert mx.array_equal(x, w).item()
+
+
+def test_decode_many_refuses_codes_that_do_not_fit_their_quantizer():
+    items, _ = _encoded_layer()
+    kq, kc, ks = items[0][:3]
+    with pytest.raises(EncodingError, match=r"codes must be \[\.\.\., 16\] uint32"):
+        decode_many([(kq, kc[..., :8], ks, mx.bfloat16, None), items[1]])
+
+
+def test_a_pair_decode_kernels_source_decodes_each_tensor_with_its_own_function():
+    configs = ((4, 128, "float16", "bfloat16"), (3, 64, "float32", "float32"))
+    name, inputs, outputs, header, body = cuda_rht.decode_parts(configs)
+    assert name == "kvstore_tq_rht_decode_4_128_float16_bfloat16_3_64_float32_float32"
+    assert inputs == [
+        "codes0",
+        "factors0",
+        "table0",
+        "signs0",
+        "codes1",
+        "factors1",
+        "table1",
+        "signs1",
+    ]
+    assert outputs == ["out0", "out1"]
+    assert "const __half* factors" in header and "__nv_bfloat16* out" in header
+    assert "const float* factors" in header and "float* out) {" in header
+    for s in (0, 1):
+        assert f"__device__ __forceinline__ void kvstore_tq_decode_row_{s}(" in header
+        assert f"end += (unsigned long long)codes{s}_shape[0];" in body
+        assert f"signs{s}, out{s}); return; }}" in body

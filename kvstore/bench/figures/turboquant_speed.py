@@ -9,7 +9,8 @@ repetition times, interleaved, to ``mx.eval``:
 * ``encode``: keys and values through their TurboQuant quantizers together
   (``encode_many``), as caches and codecs encode (keys ``matched``, values
   ``ls``, codes packed, float16 scales, the NaN/Inf check);
-* ``decode``: those codes and scales back to bfloat16 rows;
+* ``decode``: those codes and scales back to bfloat16 rows together (``decode_many``),
+  as caches and codecs decode;
 * ``fwht`` (tq 4/4 rows only, a limit): the float32 Hadamard transform of
   keys and values alone, the floor of an RHT codec built from MLX ops.
 
@@ -50,7 +51,7 @@ def layer_rows(kv: SyntheticKV, layer: int = 0) -> tuple[mx.array, mx.array]:
 
 def cases(keys: mx.array, values: mx.array, bits: int) -> list[Case]:
     """The peer's and TurboQuant ``bits``/``bits``'s cases on the same rows."""
-    from kvstore.turboquant.quantizer import encode_many, quantizer_for
+    from kvstore.turboquant.quantizer import decode_many, encode_many, quantizer_for
 
     dim = int(keys.shape[-1])
     affine = [mx.quantize(x, group_size=GROUP, bits=PEER_BITS) for x in (keys, values)]
@@ -81,10 +82,12 @@ def cases(keys: mx.array, values: mx.array, bits: int) -> list[Case]:
             "decode",
             "ours",
             run(
-                lambda: [
-                    kq.decode(*encoded[0], mx.bfloat16),
-                    vq.decode(*encoded[1], mx.bfloat16),
-                ]
+                lambda: decode_many(
+                    [
+                        (kq, *encoded[0], mx.bfloat16, None),
+                        (vq, *encoded[1], mx.bfloat16, None),
+                    ]
+                )
             ),
         ),
     ]

@@ -91,6 +91,21 @@ def encode_kernel(
     return name, ", ".join(params), body, header
 
 
+def decode_kernel(configs: tuple[cuda_rht.DecodeConfig, ...]) -> tuple[str, str, str, str]:
+    """``(name, parameters, body, header)`` of the decode kernel of ``configs``."""
+    name, inputs, outputs, header, body = cuda_rht.decode_parts(configs)
+    params = []
+    for s, (_, _, scales, _) in enumerate(configs):
+        codes, factors, table, signs = inputs[4 * s : 4 * s + 4]
+        params.append(
+            f"const uint32_t* {codes}, const __grid_constant__ Shape {codes}_shape, "
+            f"const {_ROW_TYPES[scales]}* {factors}, const float* {table}, const float* {signs}"
+        )
+    for s, (_, _, _, out) in enumerate(configs):
+        params.append(f"{_ROW_TYPES[out]}* {outputs[s]}")
+    return name, ", ".join(params), body, header
+
+
 def kernels() -> list[tuple[str, str, str, str]]:
     """``(name, parameters, body, header)`` of every variant kvstore may build: each
     encode alone, and together with a tensor of another scale mode, width and dtype as
@@ -103,18 +118,12 @@ def kernels() -> list[tuple[str, str, str, str]]:
                     out.append(encode_kernel(((bits, dim, mode, dtype),)))
                     values = (max(2, bits - 1), dim, "ls", "bfloat16")
                     out.append(encode_kernel(((bits, dim, mode, dtype), values)))
-            for scales in ("__half", "float"):
-                for o in ("__nv_bfloat16", "__half", "float"):
-                    params = (
-                        "const uint32_t* codes, const __grid_constant__ Shape codes_shape, "
-                        f"const {scales}* factors, const float* table, const float* signs, "
-                        f"{o}* out"
-                    )
-                    body = f"using OT = {o};\n" + cuda_rht._source(
-                        cuda_rht._DECODE, bits, dim, "l2", 0.0
-                    )
-                    name = f"rht_decode_{bits}_{dim}_{scales.strip('_')}_{o.strip('_')}"
-                    out.append((name, params, body, ""))
+            for scales in ("float16", "float32"):
+                for o in _ROW_TYPES:
+                    out.append(decode_kernel(((bits, dim, scales, o),)))
+                    # With a tensor of another width, scales and output, as a pair is.
+                    other = (max(2, bits - 1), dim, "float16", "bfloat16")
+                    out.append(decode_kernel(((bits, dim, scales, o), other)))
             body = cuda_decode.source(bits, dim, packed_words(dim, bits))
             params = (
                 "const uint32_t* codes, const float* factors, const float* table, "

@@ -60,7 +60,7 @@ def evaluated(make: Callable[[], Any]) -> Callable[[], Any]:
 def cases_of(tokens: int) -> tuple[dict[str, Callable[[], Any]], list[float]]:
     from kvstore.turboquant import cuda_rht
     from kvstore.turboquant.quantizer import FLOAT16_SCALE_LIMIT as LIMIT
-    from kvstore.turboquant.quantizer import encode_many, quantizer_for
+    from kvstore.turboquant.quantizer import decode_many, encode_many, quantizer_for
 
     shape = (1, 8, tokens, 128)
     keys = mx.random.normal(shape, key=mx.random.key(1)).astype(mx.bfloat16)
@@ -145,6 +145,31 @@ def cases_of(tokens: int) -> tuple[dict[str, Callable[[], Any]], list[float]]:
 
     reads: list[float] = []
 
+    def per_layer(layers: int) -> Callable[[], Any]:
+        # Many launches in one evaluation: what a launch costs the device, without the
+        # evaluation's floor (is a 512-token layer's kernel ~5 us of work or ~40?).
+        tensors = [(rows, kq), (values.reshape(-1, 128), vq)]
+
+        return evaluated(lambda: [cuda_rht._encode(tensors, LIMIT) for _ in range(layers)])
+
+    pair_inputs = [x for t in ((rows, kq), (values.reshape(-1, 128), vq)) for x in _pair_inputs(*t)]
+    pair_empty: Any = mx.fast.cuda_kernel(
+        name="kvstore_floor_pair_empty",
+        input_names=[f"in{i}" for i in range(len(pair_inputs))],
+        output_names=[f"out{i}" for i in range(7)],
+        source="if (threadIdx.x == 0 && blockIdx.x == 0) out6[0] = 0;",
+    )
+
+    def pair_shaped_empty() -> Any:
+        lead = (int(rows.shape[0]),)
+        return pair_empty(
+            inputs=pair_inputs,
+            output_shapes=[(*lead, 16), lead, lead, (*lead, 16), lead, lead, (2 * lead[0],)],
+            output_dtypes=[mx.uint32, mx.float32, mx.float16] * 2 + [mx.uint8],
+            grid=cuda_rht._grid(2 * lead[0]),
+            threadgroup=(256, 1, 1),
+        )
+
     def host_read_only() -> None:
         reads.append(host_read())
 
@@ -182,10 +207,23 @@ def cases_of(tokens: int) -> tuple[dict[str, Callable[[], Any]], list[float]]:
         "encode_many keys+values": lambda: encode_many([(kq, keys, None), (vq, values, None)]),
         "encode_many + P11's eval": p11_encode,
         "decode kernel alone (keys)": evaluated(
-            lambda: cuda_rht._decode(stored_codes, stored_scales, kq, mx.bfloat16)
+            lambda: cuda_rht._decode([(stored_codes, stored_scales, kq, mx.bfloat16)])
+        ),
+        "decode kernel, keys+values in one launch": evaluated(
+            lambda: cuda_rht._decode(
+                [
+                    (stored_codes, stored_scales, kq, mx.bfloat16),
+                    (encoded[1][0].reshape(-1, vq.words), encoded[1][1], vq, mx.bfloat16),
+                ]
+            )
+        ),
+        "decode_many keys+values": evaluated(
+            lambda: decode_many(
+                [(kq, *encoded[0], mx.bfloat16, None), (vq, *encoded[1], mx.bfloat16, None)]
+            )
         ),
         "decode kernel, tables in device memory": device_tables(
-            lambda: cuda_rht._decode(stored_codes, stored_scales, kq, mx.bfloat16)
+            lambda: cuda_rht._decode([(stored_codes, stored_scales, kq, mx.bfloat16)])
         ),
         "encode kernel, tables in device memory": device_tables(
             lambda: cuda_rht._encode([(rows, kq)], LIMIT)
@@ -193,15 +231,30 @@ def cases_of(tokens: int) -> tuple[dict[str, Callable[[], Any]], list[float]]:
         "empty kernel over the decode's grid": evaluated(lambda: empty_kernel(1, decode_grid)),
         "decode kernel, one row": evaluated(
             lambda: cuda_rht._decode(
-                stored_codes[:1], stored_scales.reshape(-1)[:1], kq, mx.bfloat16
+                [(stored_codes[:1], stored_scales.reshape(-1)[:1], kq, mx.bfloat16)]
             )
         ),
+        "encode kernel, one row of each": evaluated(
+            lambda: cuda_rht._encode([(rows[:1], kq), (values.reshape(-1, 128)[:1], vq)], LIMIT)
+        ),
+        "encode kernel + verdict, keys+values": evaluated(
+            lambda: mx.max(cuda_rht._encode([(rows, kq), (values.reshape(-1, 128), vq)], LIMIT)[1])
+        ),
+        "16 layers' encode kernels in one evaluation (all)": per_layer(16),
+        "empty kernel, the pair encode's inputs and outputs": evaluated(pair_shaped_empty),
         "decode (keys)": evaluated(lambda: kq.decode(*encoded[0], mx.bfloat16)),
         "decode keys+values": evaluated(
             lambda: [kq.decode(*encoded[0], mx.bfloat16), vq.decode(*encoded[1], mx.bfloat16)]
         ),
         "host read of 2 bytes (the whole step)": host_read_only,
     }, reads
+
+
+def _pair_inputs(x: mx.array, q: Any) -> list[mx.array]:
+    from kvstore.turboquant import cuda_rht
+
+    t = cuda_rht._tables(q)
+    return [x, t.signs, t.thresholds, t.centroids]
 
 
 def probe() -> None:

@@ -65,7 +65,7 @@
 #                pieces; with CUDA graphs and without), then P11: ~150 s
 # STEP together  rht_probe.py (the kernels proven?), floor_probe.py (with a layer's keys and
 #                values encoded in one launch), then P11 with them in one launch (the
-#                default) and with a launch each (KVSTORE_TQ_ENCODE_TOGETHER=0): ~350 s
+#                default) and with a launch each (KVSTORE_TQ_TOGETHER=0): ~350 s
 # STEP g1-4k     G1 at 4096 tokens: ~150 s
 # STEP g1-16k    G1 at 16384 tokens: ~230 s
 # STEP g2a       G2 at 4096 tokens, lossless + kv:quant:8:64 and 4:64: ~330 s
@@ -157,7 +157,7 @@ case "$step" in
     timeout 200 python3 tools/bench/gpu/floor_probe.py 2>&1 | tee "$out/floor-probe.txt"
     # Only the tables kept: the device returns a limited count of files.
     for ab in together apart; do
-      env=$([ "$ab" = apart ] && echo KVSTORE_TQ_ENCODE_TOGETHER=0 || echo KVSTORE_TQ_ENCODE_TOGETHER=1)
+      env=$([ "$ab" = apart ] && echo KVSTORE_TQ_TOGETHER=0 || echo KVSTORE_TQ_TOGETHER=1)
       env "$env" KVSTORE_BENCH_GIT=$rev CHECK_TIMEOUT=1 BENCH_TIMEOUT=200 REPEATS=5 \
         bash tools/bench/gpu/run.sh P11 "/tmp/p11-$ab" >/dev/null 2>&1
       cp "/tmp/p11-$ab/bench-table.txt" "$out/p11-$ab.txt"
