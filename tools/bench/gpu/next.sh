@@ -51,6 +51,9 @@
 # STEP alike     ab_env of TQ 4/4 and q8 with a lossy restore's joins made per tensor name
 #                (kvstore/codecs/alike_joins.py, the default) against per (layer, name) as
 #                before (KVSTORE_ALIKE_JOINS=0), 6 each: ~250 s
+# STEP tqpair    ab_env of TQ 4/4 with a restore's stacked keys and values decoded in one
+#                launch (cuda_rht.decoded_together, the default) against a launch each
+#                (KVSTORE_TQ_TOGETHER=0), 6 each: ~150 s
 # STEP fwdgraphs forward_profile.py (the one-token forward after a restore, against the
 #                same over the model's own caches) with MLX's CUDA graphs and without
 #                (MLX_USE_CUDA_GRAPHS=0), one host: G2's forwards were 11.5-16.2 ms with
@@ -64,8 +67,8 @@
 #                the evaluation's floor, an empty custom kernel, the peers, the encode's
 #                pieces; with CUDA graphs and without), then P11: ~150 s
 # STEP together  rht_probe.py (the kernels proven?), floor_probe.py (with a layer's keys and
-#                values encoded in one launch), then P11 with them in one launch (the
-#                default) and with a launch each (KVSTORE_TQ_TOGETHER=0): ~350 s
+#                values encoded, and decoded, in one launch), then P11 with them in one
+#                launch (the default) and with a launch each (KVSTORE_TQ_TOGETHER=0): ~350 s
 # STEP g1-4k     G1 at 4096 tokens: ~150 s
 # STEP g1-16k    G1 at 16384 tokens: ~230 s
 # STEP g2a       G2 at 4096 tokens, lossless + kv:quant:8:64 and 4:64: ~330 s
@@ -139,6 +142,10 @@ case "$step" in
     timeout 420 python3 -m tools.bench.gpu.ab_env --repeats 6 base: \
       'per-layer-joins:KVSTORE_ALIKE_JOINS=0' --policies kv:turboquant:4:4,kv:quant:8:64 \
       2>&1 | tee "$out/ab-alike.txt" ;;
+  tqpair)
+    timeout 300 python3 -m tools.bench.gpu.ab_env --repeats 6 base: \
+      'apart:KVSTORE_TQ_TOGETHER=0' --policies kv:turboquant:4:4 \
+      2>&1 | tee "$out/ab-tqpair.txt" ;;
   fwdgraphs)
     timeout 200 python3 tools/bench/gpu/forward_profile.py --repeats 5 2>&1 | tee "$out/forward-graphs.txt"
     MLX_USE_CUDA_GRAPHS=0 timeout 200 python3 tools/bench/gpu/forward_profile.py --repeats 5 \
