@@ -51,6 +51,8 @@
 # STEP alike     ab_env of TQ 4/4 and q8 with a lossy restore's joins made per tensor name
 #                (kvstore/codecs/alike_joins.py, the default) against per (layer, name) as
 #                before (KVSTORE_ALIKE_JOINS=0), 6 each: ~250 s
+# STEP variants which part of the encode kernel costs a launch its ~20 us, and the verdict
+#                kept by the kernel against mx.max (encode_variants.py): ~60 s
 # STEP tqpair    ab_env of TQ 4/4 with a restore's stacked keys and values decoded in one
 #                launch (cuda_rht.decoded_together, the default) against a launch each
 #                (KVSTORE_TQ_TOGETHER=0), 6 each: ~150 s
@@ -142,6 +144,8 @@ case "$step" in
     timeout 420 python3 -m tools.bench.gpu.ab_env --repeats 6 base: \
       'per-layer-joins:KVSTORE_ALIKE_JOINS=0' --policies kv:turboquant:4:4,kv:quant:8:64 \
       2>&1 | tee "$out/ab-alike.txt" ;;
+  variants)
+    timeout 240 python3 tools/bench/gpu/encode_variants.py 2>&1 | tee "$out/encode-variants.txt" ;;
   tqpair)
     timeout 300 python3 -m tools.bench.gpu.ab_env --repeats 6 base: \
       'apart:KVSTORE_TQ_TOGETHER=0' --policies kv:turboquant:4:4 \
