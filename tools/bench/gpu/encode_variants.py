@@ -22,7 +22,9 @@ then the verdict: each row's byte reduced by ``mx.max`` and read back (as
 ``encode_many``), against the kernel keeping the worst verdict per tensor itself
 (``atomicMax`` where a row is not fine, the output zeroed by MLX's ``init_value``)::
 
-    python3 tools/bench/gpu/encode_variants.py
+    python3 tools/bench/gpu/encode_variants.py [--verdicts]
+
+(``--verdicts``: the verdict's cases alone.)
 """
 
 from __future__ import annotations
@@ -147,7 +149,7 @@ def probe() -> None:
             [mx.quantize(x, group_size=64, bits=4) for x in (keys, values)]
         ),
     }
-    for label, change in variants().items():
+    for label, change in variants().items() if "--verdicts" not in sys.argv else ():
         kernel = kernel_of(label, change(cuda_rht._ENCODE), configs, LIMIT)
         mx.eval(launch(kernel, krows, vrows))
         cases[f"{label}: one row of each"] = lambda kernel=kernel: mx.eval(
@@ -174,7 +176,21 @@ def probe() -> None:
         mx.eval(out)
         return out[-1].tolist()
 
+    def with_wide_max() -> Any:
+        # The maximum over 16 bytes, not 1: an output past MLX's 8-byte scalar pool
+        # (managed memory the host's reads may pull over) is device memory.
+        out = launch(plain, krows, vrows)
+        top = mx.max(out[-1].reshape(16, -1), axis=1)
+        mx.eval(out, top)
+        return max(top.tolist())
+
+    def lazy_max() -> Any:
+        out = launch(plain, krows, vrows)
+        mx.eval(out, mx.max(out[-1]))
+
     cases["verdict: mx.max + item"] = with_max
+    cases["verdict: mx.max over 16 bytes + tolist"] = with_wide_max
+    cases["verdict: mx.max, not read"] = lazy_max
     cases["verdict: atomicMax + init_value + tolist"] = with_atomic
     cases["encode_many (for reference)"] = lambda: encode_many(
         [(kq, keys, None), (vq, values, None)]
@@ -193,7 +209,9 @@ def main() -> int:
         return 0
     probe()
     env = {**os.environ, "MLX_USE_CUDA_GRAPHS": "0"}
-    subprocess.run([sys.executable, __file__, "--child"], env=env, timeout=240, check=False)
+    subprocess.run(
+        [sys.executable, __file__, "--child", *sys.argv[1:]], env=env, timeout=240, check=False
+    )
     return 0
 
 

@@ -53,6 +53,8 @@
 #                before (KVSTORE_ALIKE_JOINS=0), 6 each: ~250 s
 # STEP variants which part of the encode kernel costs a launch its ~20 us, and the verdict
 #                kept by the kernel against mx.max (encode_variants.py): ~60 s
+# STEP verdicts the verdict's cases of encode_variants.py (a 16-byte maximum against a 1-byte
+#                one), then P11: ~200 s
 # STEP tqpair    ab_env of TQ 4/4 with a restore's stacked keys and values decoded in one
 #                launch (cuda_rht.decoded_together, the default) against a launch each
 #                (KVSTORE_TQ_TOGETHER=0), 6 each: ~150 s
@@ -146,6 +148,11 @@ case "$step" in
       2>&1 | tee "$out/ab-alike.txt" ;;
   variants)
     timeout 240 python3 tools/bench/gpu/encode_variants.py 2>&1 | tee "$out/encode-variants.txt" ;;
+  verdicts)
+    timeout 240 python3 tools/bench/gpu/encode_variants.py --verdicts 2>&1 | tee "$out/verdicts.txt"
+    KVSTORE_BENCH_GIT=$rev CHECK_TIMEOUT=1 BENCH_TIMEOUT=240 REPEATS=5 \
+      bash tools/bench/gpu/run.sh P11 /tmp/p11 >/dev/null 2>&1
+    cp /tmp/p11/bench-table.txt "$out/p11.txt" ;;
   tqpair)
     timeout 300 python3 -m tools.bench.gpu.ab_env --repeats 6 base: \
       'apart:KVSTORE_TQ_TOGETHER=0' --policies kv:turboquant:4:4 \
