@@ -275,6 +275,12 @@ def enabled() -> bool:
 def usable(q: Quantizer) -> bool:
     """Whether ``q``'s code is one the kernels do: a one-round RHT over a power-of-two
     head dim of 32 to 1024 (whole lanes), and the kernels switched on."""
+    return _kernel_code(q) and enabled()
+
+
+def _kernel_code(q: Quantizer) -> bool:
+    """:func:`usable` but for the switch: asked of each tensor of a launch, the switch
+    once per launch (each of these checks ~1 us of a layer's ~80 on an H200 host)."""
     rotation = q.rotation
     return (
         32 <= q.dim <= 1024
@@ -282,7 +288,6 @@ def usable(q: Quantizer) -> bool:
         and getattr(rotation, "method", None) == "rht"
         and rotation.rounds == 1
         and q.scale_mode in _MODES
-        and enabled()
     )
 
 
@@ -314,7 +319,7 @@ def encoded_together(
     ``encode_many`` of keys and values 108 us against ``mx.quantize``'s 40,
     ``tools/bench/results/gpu/cdb1083/floor-probe.txt``). ``None`` where the kernels
     are not to be used for every tensor (then for none)."""
-    if not tensors or not all(_encodable(x, q) for x, q in tensors):
+    if not tensors or not enabled() or not all(_encodable(x, q) for x, q in tensors):
         return None
     groups = _groups(tensors)
     # A group's kernel proven as it is: a pair's proof checks each tensor against the ops,
@@ -337,10 +342,12 @@ def encoded_together(
 
 
 def _encodable(x: mx.array, q: Quantizer) -> bool:
-    """Whether vectors ``x`` ``[..., D]`` of ``q`` are of a kind the kernels encode."""
+    """Whether vectors ``x`` ``[..., D]`` of ``q`` are of a kind the kernels encode (the
+    switch asked apart)."""
+    shape = x.shape
     return (
-        x.ndim >= 1 and x.shape[-1] == q.dim and x.size > 0 and x.dtype in _CUDA_TYPES and usable(q)
-    )
+        bool(shape) and shape[-1] == q.dim and x.size > 0 and x.dtype in _CUDA_TYPES
+    ) and _kernel_code(q)
 
 
 def decoded(rows: mx.array, scales: mx.array, q: Quantizer, dtype: mx.Dtype) -> mx.array | None:
@@ -360,7 +367,9 @@ def decoded_together(tensors: Sequence[DecodeItem]) -> list[mx.array] | None:
     :data:`TOGETHER` tensors (a layer's keys and values, or a restore's stacked layers'),
     where each was a launch of its own. ``None`` where the kernels are not to be used for
     every tensor (then for none)."""
-    if not tensors or not all(_decodable(rows, q, dtype) for rows, _, q, dtype in tensors):
+    if not tensors or not enabled():
+        return None
+    if not all(_decodable(rows, q, dtype) for rows, _, q, dtype in tensors):
         return None
     groups = _groups(tensors)
     if not all(
@@ -373,16 +382,19 @@ def decoded_together(tensors: Sequence[DecodeItem]) -> list[mx.array] | None:
     return [out for group in groups for out in _decode(group)]
 
 
-def _groups(tensors: Sequence[Any]) -> list[Sequence[Any]]:
+def _groups(tensors: Sequence[Any]) -> Sequence[Sequence[Any]]:
     """``tensors`` in the groups that share a launch: :data:`TOGETHER` each, or one each
     where :data:`TOGETHER_ENV` is ``"0"``."""
+    if len(tensors) <= TOGETHER and TOGETHER_ENV not in os.environ:
+        return (tensors,)  # a layer's keys and values, the switch never set: one group
     size = 1 if os.environ.get(TOGETHER_ENV) == "0" else TOGETHER
     return [tensors[i : i + size] for i in range(0, len(tensors), size)]
 
 
 def _decodable(rows: mx.array, q: Quantizer, dtype: mx.Dtype) -> bool:
-    """Whether packed ``rows`` of ``q`` decoded as ``dtype`` are a kind the kernels do."""
-    return bool(rows.shape[0]) and dtype in _CUDA_TYPES and usable(q)
+    """Whether packed ``rows`` of ``q`` decoded as ``dtype`` are a kind the kernels do
+    (the switch asked apart)."""
+    return bool(rows.shape[0]) and dtype in _CUDA_TYPES and _kernel_code(q)
 
 
 def _float(value: float) -> str:
