@@ -34,6 +34,7 @@ the loader.
 from __future__ import annotations
 
 import json
+import os
 import struct
 import sys
 import threading
@@ -49,7 +50,14 @@ from kvstore.codecs.arrays import as_mlx, numpy_dtype, owned_views, word_dtype
 from kvstore.codecs.copies import each_on_threads
 from kvstore.codecs.host_memory import keep_freed_memory
 
-__all__ = ["DIRECT_MIN_BYTES", "LeafSpec", "Fill", "LeafStream", "filled_arrays"]
+__all__ = [
+    "DIRECT_MIN_ARRAY_BYTES",
+    "DIRECT_MIN_BYTES",
+    "LeafSpec",
+    "Fill",
+    "LeafStream",
+    "filled_arrays",
+]
 
 #: Below this many bytes in all, writing each array into a host buffer and copying it
 #: into MLX's memory costs less than the loader's evaluation per array, which then
@@ -61,6 +69,14 @@ __all__ = ["DIRECT_MIN_BYTES", "LeafSpec", "Fill", "LeafStream", "filled_arrays"
 #: one core and the loader's writes on all of them, so with more cores than this VM's
 #: two the loader wins sooner (and P1 here did not tell 64 MiB's two ways apart).
 DIRECT_MIN_BYTES = 32 << 20
+#: ... and arrays of this many bytes or fewer each: the loader's cost is per array (~100
+#: us: a hand-off to Python and back on MLX's I/O threads), the copies' per byte. On
+#: this VM (``fill_paths`` at ``04f5cd5``, two runs): 64 arrays of 1 MiB 5.57-6.22 ms
+#: copied against 8.23-11.15 through the loader, 48 of 2 MiB 8.32-8.59 against
+#: 10.36-11.83, 52 of 2 MiB a tie (8.79-9.04 against 9.26-9.36), 64 of 4 MiB 21.2-21.6
+#: against 18.2-19.9, 52 of 8 MiB 37.8-40.1 against 24.6-25.7.
+#: ``KVSTORE_DIRECT_MIN_ARRAY_MIB`` sets it (0: the loader for every array, as before).
+DIRECT_MIN_ARRAY_BYTES = int(float(os.environ.get("KVSTORE_DIRECT_MIN_ARRAY_MIB", "2")) * (1 << 20))
 
 #: How long :func:`filled_arrays` waits for MLX to drop its reader (it takes microseconds).
 _RELEASE_TIMEOUT_S = 5.0
@@ -184,7 +200,8 @@ def filled_arrays(
         direct: allocate through MLX's loader, without a zero fill (False: each
             array written into a host buffer on this thread, one after another, and
             copied into MLX's memory: the fallback); default: for at least
-            :data:`DIRECT_MIN_BYTES` in all. Not used on a CUDA GPU, where the
+            :data:`DIRECT_MIN_BYTES` in all, of arrays over
+            :data:`DIRECT_MIN_ARRAY_BYTES` each on average. Not used on a CUDA GPU, where the
             arrays are staged through pinned memory (:func:`kvstore.codecs.cuda.upload`).
 
     Returns:
@@ -199,7 +216,8 @@ def filled_arrays(
         return cuda.upload(specs, fill)
     keep_freed_memory()  # the arrays reuse freed heap, not fresh pages (3x, host_memory)
     if direct is None:
-        direct = sum(map(cuda.nbytes_of, specs)) >= DIRECT_MIN_BYTES
+        total = sum(map(cuda.nbytes_of, specs))
+        direct = total >= DIRECT_MIN_BYTES and total > DIRECT_MIN_ARRAY_BYTES * len(specs)
     if direct:
         owned = _allocated(specs)
         if owned is not None and _written(owned, specs, fill):

@@ -141,6 +141,7 @@ def test_the_default_uses_the_loader_only_for_large_restores(monkeypatch):
     filled_arrays(SPECS, writer(values))
     assert calls == []
     monkeypatch.setattr(fill_module, "DIRECT_MIN_BYTES", 0)
+    monkeypatch.setattr(fill_module, "DIRECT_MIN_ARRAY_BYTES", 0)
     arrays = filled_arrays(SPECS, writer(values))
     assert len(calls) == 1
     assert [as_bytes(a) for a in arrays] == [v.tobytes() for v in values]
@@ -222,6 +223,7 @@ def test_a_restores_writes_on_several_threads_ask_mlx_nothing(monkeypatch):
 
     monkeypatch.setenv("KVSTORE_COPY_THREADS", "2")
     monkeypatch.setattr(fill_module, "DIRECT_MIN_BYTES", 0)
+    monkeypatch.setattr(fill_module, "DIRECT_MIN_ARRAY_BYTES", 0)
     cache = FAMILIES["plain"]()
     fill_cache(cache, [20, 1, 30])
     snapshots = snapshot_held(cache)

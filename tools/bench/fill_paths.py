@@ -10,7 +10,9 @@ each array written from its row pieces by ``write_rows``, as a restore writes th
 * ``loader``: allocated uninitialised by MLX's safetensors loader, then written on every
   core (``filled_arrays`` at or over it);
 * ``zeros``: ``mx.zeros`` and a writable view of each, then written one after another
-  (the small restores' way before the copied one).
+  (the small restores' way before the copied one);
+* ``zeros on every core``: the zeros made on this thread's CPU streams (a core each),
+  then written on every core as the loader's are.
 
 Prints the median of each, in ms; the fastest of two rounds taken in turn.
 """
@@ -23,12 +25,15 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import mlx.core as mx
 import numpy as np
 
-from kvstore.codecs.arrays import numpy_dtype, owned_arrays
+from kvstore.codecs.arrays import numpy_dtype, owned_arrays, owned_views, word_dtype
+from kvstore.codecs.copies import each_on_threads
 from kvstore.codecs.fill import Fill, LeafSpec, filled_arrays
 from kvstore.codecs.host_memory import keep_freed_memory
 from kvstore.codecs.plans import write_rows
+from kvstore.cpu_streams import cpu_streams
 
 #: (arrays, heads, tokens, head_dim, pieces an array is written from)
 CASES = (
@@ -38,6 +43,8 @@ CASES = (
     (64, 8, 512, 128, 2),
     (64, 8, 2048, 128, 8),
     (52, 4, 1024, 256, 4),
+    (52, 4, 4096, 256, 16),
+    (64, 8, 4096, 128, 16),
 )
 
 
@@ -47,6 +54,17 @@ def zeros(specs: list[LeafSpec], fill: Fill) -> list[Any]:
         fill(i, view.view(numpy_dtype(specs[i][1])))
         arrays.append(array)
     return arrays
+
+
+def zeros_on_every_core(specs: list[LeafSpec], fill: Fill) -> list[Any]:
+    streams = cpu_streams()
+    words = [
+        mx.zeros(shape, word_dtype(name), stream=streams[i % len(streams)])
+        for i, (shape, name) in enumerate(specs)
+    ]
+    owned = owned_views(words, specs)
+    each_on_threads(len(specs), lambda i: fill(i, owned[i][1].view(numpy_dtype(specs[i][1]))))
+    return [array for array, _ in owned]
 
 
 def timed(make: Callable[[], list[Any]], repetitions: int) -> float:
@@ -77,6 +95,7 @@ def compared(count: int, heads: int, tokens: int, dim: int, parts: int, repetiti
         "copied": lambda: filled_arrays(specs, fill, direct=False),
         "loader": lambda: filled_arrays(specs, fill, direct=True),
         "zeros": lambda: zeros(specs, fill),
+        "zeros on every core": lambda: zeros_on_every_core(specs, fill),
     }
     best: dict[str, float] = {}
     for _ in range(2):
