@@ -50,7 +50,7 @@ import math
 import os
 import threading
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import mlx.core as mx
@@ -438,6 +438,16 @@ TOGETHER_ENV = "KVSTORE_TQ_TOGETHER"
 EncodeConfig = tuple[int, int, str, str]
 
 
+#: A pair kernel body's first lines: the calling warp's row of all the tensors' rows, its
+#: lane, and where the tensor being walked starts and ends among those rows.
+_WARP_ROW = (
+    "const unsigned long long row = "
+    "((unsigned long long)blockIdx.x * blockDim.x + threadIdx.x) >> 5;\n"
+    "const unsigned int lane = threadIdx.x & 31u;\n"
+    "unsigned long long start = 0, end = 0;"
+)
+
+
 def _config(rows: mx.array, q: Quantizer) -> EncodeConfig:
     return (q.bits, q.dim, q.scale_mode, _name(rows.dtype))
 
@@ -453,10 +463,9 @@ def encode_parts(
     header (:data:`_ENCODE`), so that a pair's kernel computes as each one's alone."""
     header, inputs, outputs = [], [], []
     body = [
-        "const unsigned long long row = "
-        "((unsigned long long)blockIdx.x * blockDim.x + threadIdx.x) >> 5;",
-        "const unsigned int lane = threadIdx.x & 31u, warp = threadIdx.x >> 5;",
-        "unsigned long long start = 0, end = 0, rows = 1;",
+        _WARP_ROW,
+        "const unsigned int warp = threadIdx.x >> 5;",
+        "unsigned long long rows = 1;",
     ]
     for s, (bits, dim, mode, dtype) in enumerate(configs):
         fn = f"kvstore_tq_encode_row_{s}"
@@ -505,12 +514,7 @@ def decode_parts(configs: Sequence[DecodeConfig]) -> tuple[str, list[str], list[
     output ``out<s>`` ``[N, D]``. One warp per row of them all; each tensor's row decode
     is a device function of the header (:data:`_DECODE`), as the encode's are."""
     header, inputs, outputs = [], [], []
-    body = [
-        "const unsigned long long row = "
-        "((unsigned long long)blockIdx.x * blockDim.x + threadIdx.x) >> 5;",
-        "const unsigned int lane = threadIdx.x & 31u;",
-        "unsigned long long start = 0, end = 0;",
-    ]
+    body = [_WARP_ROW]
     for s, (bits, dim, scales, out) in enumerate(configs):
         fn = f"kvstore_tq_decode_row_{s}"
         source = _source(_DECODE, bits, dim, "l2", 0.0).replace("ROW_FN", fn)
@@ -642,14 +646,20 @@ def _proven(op: str, q: Quantizer, dtype: mx.Dtype, extra: Any) -> bool:
     output dtype and the scales' (``extra``)."""
     mode = q.scale_mode if op == "encode" else ""
     key = (op, q.bits, q.dim, mode, _name(dtype), str(extra))
-    proven = _PROVEN.get(key)  # once per process: no lock on a launch's way
+    return _remembered(key, lambda: _agrees(op, q, dtype, extra))
+
+
+def _remembered(key: tuple[Any, ...], prove: Callable[[], bool]) -> bool:
+    """``prove()`` once per process and ``key`` (a kernel that does not build or run is
+    not proven: the ops stay), then what it said: no lock on a launch's way."""
+    proven = _PROVEN.get(key)
     if proven is not None:
         return proven
     with _LOCK:
         if key not in _PROVEN:
             try:
-                _PROVEN[key] = _agrees(op, q, dtype, extra)
-            except Exception:  # noqa: BLE001 - a kernel that does not build or run: the ops stay
+                _PROVEN[key] = bool(prove())
+            except Exception:  # noqa: BLE001 - a kernel that does not build or run
                 _PROVEN[key] = False
         return _PROVEN[key]
 
@@ -718,21 +728,14 @@ def _proven_together(group: Sequence[tuple[mx.array, Quantizer]], scale_limit: f
     each tensor's own, in another order and count per tensor (a row written to another
     tensor's place, or at another's offset, would not agree)."""
     configs = tuple(_config(rows, q) for rows, q in group)
-    key = ("together", configs, str(scale_limit))
-    proven = _PROVEN.get(key)
-    if proven is not None:
-        return proven
-    with _LOCK:
-        if key not in _PROVEN:
-            trials = [
-                (_trial_rows_of(q.dim, s).astype(rows.dtype), q)
-                for s, (rows, q) in enumerate(group)
-            ]
-            try:
-                _PROVEN[key] = _encodes_agree(trials, scale_limit)
-            except Exception:  # noqa: BLE001 - a kernel that does not build or run: one each
-                _PROVEN[key] = False
-        return _PROVEN[key]
+
+    def prove() -> bool:
+        trials = [
+            (_trial_rows_of(q.dim, s).astype(rows.dtype), q) for s, (rows, q) in enumerate(group)
+        ]
+        return _encodes_agree(trials, scale_limit)
+
+    return _remembered(("together", configs, str(scale_limit)), prove)
 
 
 def _trial_rows_of(dim: int, tensor: int) -> mx.array:
@@ -777,21 +780,15 @@ def _proven_decode_together(group: Sequence[DecodeItem]) -> bool:
     configs = tuple(
         (q.bits, q.dim, _name(scales.dtype), _name(dtype)) for _, scales, q, dtype in group
     )
-    key = ("decode together", configs)
-    proven = _PROVEN.get(key)
-    if proven is not None:
-        return proven
-    with _LOCK:
-        if key not in _PROVEN:
-            trials = [
-                (_trial_rows_of(q.dim, s), q, dtype, scales.dtype)
-                for s, (_, scales, q, dtype) in enumerate(group)
-            ]
-            try:
-                _PROVEN[key] = _decodes_agree(trials)
-            except Exception:  # noqa: BLE001 - a kernel that does not build or run: one each
-                _PROVEN[key] = False
-        return _PROVEN[key]
+
+    def prove() -> bool:
+        trials = [
+            (_trial_rows_of(q.dim, s), q, dtype, scales.dtype)
+            for s, (_, scales, q, dtype) in enumerate(group)
+        ]
+        return _decodes_agree(trials)
+
+    return _remembered(("decode together", configs), prove)
 
 
 def _encode_agrees(

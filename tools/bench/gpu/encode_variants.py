@@ -30,14 +30,13 @@ then the verdict: each row's byte reduced by ``mx.max`` and read back (as
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 from collections.abc import Callable
 from typing import Any
 
 import mlx.core as mx
 
-from tools.bench.gpu.probe import timed
+from tools.bench.gpu.probe import timed, with_and_without_graphs
 
 REPEATS = 60
 
@@ -204,15 +203,7 @@ def probe() -> None:
 
 
 def main() -> int:
-    if "--child" in sys.argv:
-        probe()
-        return 0
-    probe()
-    env = {**os.environ, "MLX_USE_CUDA_GRAPHS": "0"}
-    subprocess.run(
-        [sys.executable, __file__, "--child", *sys.argv[1:]], env=env, timeout=240, check=False
-    )
-    return 0
+    return with_and_without_graphs(probe, __file__)
 
 
 if __name__ == "__main__":

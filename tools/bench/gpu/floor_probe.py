@@ -33,8 +33,6 @@ from __future__ import annotations
 
 import os
 import statistics
-import subprocess
-import sys
 import time
 from collections.abc import Callable
 from types import SimpleNamespace
@@ -43,7 +41,7 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from tools.bench.gpu.probe import timed
+from tools.bench.gpu.probe import timed, with_and_without_graphs
 
 REPEATS = 60
 
@@ -276,13 +274,7 @@ def probe() -> None:
 
 
 def main() -> int:
-    if "--child" in sys.argv:
-        probe()
-        return 0
-    probe()
-    env = {**os.environ, "MLX_USE_CUDA_GRAPHS": "0"}
-    subprocess.run([sys.executable, __file__, "--child"], env=env, timeout=240, check=False)
-    return 0
+    return with_and_without_graphs(probe, __file__)
 
 
 if __name__ == "__main__":

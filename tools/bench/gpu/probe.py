@@ -35,6 +35,18 @@ MiB = 1 << (12 if SMALL else 20)
 RESULTS: dict[str, Any] = {}
 
 
+def with_and_without_graphs(probe: Callable[[], None], script: str) -> int:
+    """Run ``probe`` here, then ``script`` again in a child with ``MLX_USE_CUDA_GRAPHS=0``
+    (MLX reads it once per process) and this process's arguments; the child is told by
+    ``--child``, where it runs ``probe`` alone."""
+    probe()
+    if "--child" not in sys.argv:
+        env = {**os.environ, "MLX_USE_CUDA_GRAPHS": "0"}
+        argv = [sys.executable, script, "--child", *sys.argv[1:]]
+        subprocess.run(argv, env=env, timeout=240, check=False)
+    return 0
+
+
 def timed(fn: Callable[[], Any], repeats: int = 5, warmup: int = 1) -> float:
     for _ in range(warmup):
         fn()
