@@ -254,3 +254,31 @@ def test_a_restores_writes_on_several_threads_ask_mlx_nothing(monkeypatch):
         strict=True,
     ):
         assert mx.array_equal(a, b).item()
+
+
+@pytest.mark.parametrize(
+    ("count", "shape", "loader"),
+    [
+        (40, (1, 2, 4096, 64), False),  # 40 MiB in arrays of 1 MiB: copied
+        (16, (1, 2, 8192, 64), False),  # 32 MiB in arrays of 2 MiB: copied
+        (10, (1, 4, 8192, 64), True),  # 40 MiB in arrays of 4 MiB: the loader's
+        (4, (1, 2, 4096, 64), False),  # 4 MiB in all: copied
+    ],
+)
+def test_a_restore_takes_the_loader_only_for_many_bytes_in_large_arrays(
+    monkeypatch, count, shape, loader
+):
+    # MLX's loader costs ~100 us an array, a copy of 1 MiB less: arrays of 2 MiB or less
+    # each are written into a host buffer and copied, however many bytes in all.
+    loaded = []
+    allocated = fill_module._allocated
+
+    def counting(specs):
+        loaded.append(len(specs))
+        return allocated(specs)
+
+    monkeypatch.setattr(fill_module, "_allocated", counting)
+    specs = [(shape, "bfloat16")] * count
+    arrays = filled_arrays(specs, lambda i, view: view.fill(i))
+    assert loaded == ([count] if loader else [])
+    assert [int(np.asarray(a.view(mx.uint16)).max()) for a in arrays] == list(range(count))
