@@ -34,6 +34,7 @@ buffer must outlive them); :func:`snapshot_to_mlx` and
 from __future__ import annotations
 
 import functools
+import math
 import os
 import struct
 import threading
@@ -261,9 +262,8 @@ def plan_record(
         manifest = tensor_manifest(snap)
         for entry, array in zip(manifest, snap.tensors.values(), strict=True):
             start = _align(end)
-            nbytes = (
-                int(np.prod(entry["shape"], dtype=np.int64)) * numpy_dtype(entry["dtype"]).itemsize
-            )
+            # math.prod of the shape's ints: np.prod was ~4 us a tensor, half of a plan.
+            nbytes = math.prod(entry["shape"]) * numpy_dtype(entry["dtype"]).itemsize
             entry.update(offset=start, nbytes=nbytes)
             tensors.append((array, start))
             end = start + nbytes
