@@ -47,7 +47,7 @@ import numpy as np
 
 from kvstore.abc.codec import Snapshot
 from kvstore.abc.store import DURABILITY_MODES, BlockSave, PrefixStore, SaveResult
-from kvstore.codecs import codec_for, get_codec
+from kvstore.codecs import codec_for
 from kvstore.errors import CapabilityError, StoreError
 from kvstore.store import keys as K
 from kvstore.store.kv.checkpoints import checkpoint_layers, checkpoint_positions, live_positions
@@ -400,7 +400,7 @@ class HandedOff(BlockEncoder):
                 stored = self._stored.get(i)
                 if stored is None:
                     stored = self._stored[i] = self._apply(whole, i)
-                out.append(get_codec(stored.signature).slice(stored, start, stop))
+                out.append(self.cut(stored, start, stop))
                 continue
             if (i, start) in self._blocks:
                 snap = self._blocks[(i, start)]
@@ -418,6 +418,7 @@ class HandedOff(BlockEncoder):
         self._stored.clear()
         self._blocks.clear()
         self._states.clear()
+        self._on_host.clear()
 
 
 class _OneByOne(Exception):
