@@ -158,6 +158,13 @@ class BlockEncoder:
         if checkpoint and self._recurrent:
             live = live_positions(self._caches, stop if self._tokens is None else self._tokens)
             states = checkpoint_layers(self._caches, self._codecs, self._captured, stop, live)
+        if not self._wholes:  # once: each layer's snapshot to cut, all to the host at once
+            wholes = [
+                self._whole(i, cache, codec)
+                for i, (cache, codec) in enumerate(zip(self._caches, self._codecs, strict=True))
+                if i not in self._recurrent
+            ]
+            self.to_host([w for w in wholes if w is not None])
         out: list[Snapshot | None] = []
         for i, (cache, codec) in enumerate(zip(self._caches, self._codecs, strict=True)):
             if i in self._recurrent:
@@ -196,22 +203,28 @@ class BlockEncoder:
 
     def cut(self, whole: Snapshot, start: int, stop: int) -> Snapshot:
         """Tokens ``[start, stop)`` of ``whole`` (a snapshot of a range, as stored), by
-        its codec's ``slice``. Off a CUDA GPU, from host views of ``whole`` made once:
-        each block's tensors are then numpy views, where MLX slices cost a view, an
-        evaluation and a host view each (~6.7 us a tensor; a qwen-0.5B save of 8192
-        tokens cuts 1536)."""
-        codec = get_codec(whole.signature)
-        if cuda.available():  # the records' payloads are built on the device
-            return codec.slice(whole, start, stop)
+        its codec's ``slice``: from its host views where :meth:`to_host` made them."""
         held = self._on_host.get(id(whole))
-        if held is None or held[0] is not whole:
-            names = list(whole.tensors)
-            views = as_numpy_all([whole.tensors[name] for name in names])
-            host = Snapshot(
-                whole.signature, whole.start, whole.stop, dict(zip(names, views)), whole.meta
+        source = held[1] if held is not None and held[0] is whole else whole
+        return get_codec(whole.signature).slice(source, start, stop)
+
+    def to_host(self, wholes: Sequence[Snapshot]) -> None:
+        """Host views of ``wholes``' tensors, for :meth:`cut` to cut blocks from: each
+        block's tensors are then numpy views, where MLX slices cost a view, an
+        evaluation and a host view each (~6.7 us a tensor; a qwen-0.5B save of 8192
+        tokens cuts 1536). All in one evaluation (one per layer cost a small save more
+        than it saved). Not on a CUDA GPU, where the records' payloads are built on the
+        device from the MLX arrays."""
+        if not wholes or cuda.available():
+            return
+        tensors = [array for whole in wholes for array in whole.tensors.values()]
+        views = iter(as_numpy_all(tensors))
+        for whole in wholes:
+            host = {name: next(views) for name in whole.tensors}
+            self._on_host[id(whole)] = (
+                whole,
+                Snapshot(whole.signature, whole.start, whole.stop, host, whole.meta),
             )
-            held = self._on_host[id(whole)] = (whole, host)
-        return codec.slice(held[1], start, stop)
 
     def _apply(self, snap: Snapshot, layer: int) -> Snapshot:
         """``snap`` in the encoding the storage policy stores layer ``layer``'s family as."""

@@ -387,6 +387,12 @@ class HandedOff(BlockEncoder):
             return None
 
     def layers(self, start: int, stop: int, *, checkpoint: bool = False) -> list[Snapshot | None]:
+        if self._ranges and not self._stored:
+            # The policy's encoding of each whole range once (one encode a layer), all to
+            # the host at once for the blocks to be cut from.
+            for i, taken in self._ranges.items():
+                self._stored[i] = self._apply(taken, i)
+            self.to_host(list(self._stored.values()))
         out: list[Snapshot | None] = []
         assert self._codecs is not None
         states = self._states.get(stop) if checkpoint else None
@@ -396,11 +402,7 @@ class HandedOff(BlockEncoder):
                 continue
             whole = self._ranges.get(i)
             if whole is not None and whole.start <= start and stop <= whole.stop:
-                # The policy's encoding of the whole range once, then cut (one encode a layer).
-                stored = self._stored.get(i)
-                if stored is None:
-                    stored = self._stored[i] = self._apply(whole, i)
-                out.append(self.cut(stored, start, stop))
+                out.append(self.cut(self._stored[i], start, stop))
                 continue
             if (i, start) in self._blocks:
                 snap = self._blocks[(i, start)]
