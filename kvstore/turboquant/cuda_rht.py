@@ -382,11 +382,9 @@ def decoded_together(tensors: Sequence[DecodeItem]) -> list[mx.array] | None:
     return [out for group in groups for out in _decode(group)]
 
 
-def _groups(tensors: Sequence[Any]) -> Sequence[Sequence[Any]]:
+def _groups(tensors: Sequence[Any]) -> list[Sequence[Any]]:
     """``tensors`` in the groups that share a launch: :data:`TOGETHER` each, or one each
     where :data:`TOGETHER_ENV` is ``"0"``."""
-    if len(tensors) <= TOGETHER and TOGETHER_ENV not in os.environ:
-        return (tensors,)  # a layer's keys and values, the switch never set: one group
     size = 1 if os.environ.get(TOGETHER_ENV) == "0" else TOGETHER
     return [tensors[i : i + size] for i in range(0, len(tensors), size)]
 
@@ -507,6 +505,10 @@ def _encode_kernel(configs: tuple[EncodeConfig, ...], scale_limit: float) -> Any
 DecodeConfig = tuple[int, int, str, str]
 
 
+def _decode_config(scales: mx.array, q: Quantizer, dtype: mx.Dtype) -> DecodeConfig:
+    return (q.bits, q.dim, _name(scales.dtype), _name(dtype))
+
+
 def decode_parts(configs: Sequence[DecodeConfig]) -> tuple[str, list[str], list[str], str, str]:
     """``(name, input names, output names, header, body)`` of the kernel decoding one
     tensor of each of ``configs``: tensor ``s``'s inputs ``codes<s>`` (``[N, W]``),
@@ -622,7 +624,7 @@ def _decode(tensors: Sequence[DecodeItem]) -> list[mx.array]:
         inputs += [rows.astype(mx.uint32), scales.reshape(-1), t.centroids, t.signs]
         shapes.append((count, q.dim))
         dtypes.append(dtype)
-        configs.append((q.bits, q.dim, _name(scales.dtype), _name(dtype)))
+        configs.append(_decode_config(scales, q, dtype))
         total += count
     return list(
         _decode_kernel(tuple(configs))(
@@ -777,9 +779,7 @@ def _proven_decode_together(group: Sequence[DecodeItem]) -> bool:
     """Whether the kernel decoding ``group``'s tensors in one launch builds here and
     agrees with the ops on each, once per process and kernel (trial rows of each
     tensor's own, as :func:`_proven_together`'s)."""
-    configs = tuple(
-        (q.bits, q.dim, _name(scales.dtype), _name(dtype)) for _, scales, q, dtype in group
-    )
+    configs = tuple(_decode_config(scales, q, dtype) for _, scales, q, dtype in group)
 
     def prove() -> bool:
         trials = [
