@@ -41,12 +41,21 @@ from tools.bench.gpu.probe import timed, with_and_without_graphs
 REPEATS = 60
 
 
+def _replaced(t: str, first: str, last: str, replacement: str) -> str:
+    """``t`` with the text from line ``first`` through line ``last`` replaced."""
+    start = t.index(first)
+    end = t.index(last, start) + len(last)
+    return t[:start] + replacement + t[end:]
+
+
 def variants() -> dict[str, Callable[[str], str]]:
     def no_packing(t: str) -> str:
-        start = t.index("    for (unsigned int w = lane; w < WORDS; w += 32) packed[warp][w] = 0u;")
-        end_text = "codes[row * WORDS + w] = packed[warp][w];\n"
-        end = t.index(end_text) + len(end_text)
-        return t[:start] + "    if (lane < WORDS) codes[row * WORDS + lane] = idx[0];\n" + t[end:]
+        return _replaced(
+            t,
+            "    for (unsigned int w = lane; w < WORDS; w += 32) packed[warp][w] = 0u;",
+            "codes[row * WORDS + w] = packed[warp][w];\n",
+            "    if (lane < WORDS) codes[row * WORDS + lane] = idx[0];\n",
+        )
 
     def l2_scale(t: str) -> str:
         return t.replace("if (MODE == 0) {", "if (true) {")
@@ -55,10 +64,12 @@ def variants() -> dict[str, Callable[[str], str]]:
         return t.replace("(z > thresholds[k])", "(z > kvstore_probe_thresholds[k])")
 
     def no_staging(t: str) -> str:
-        start = t.index("    alignas(16) unsigned char raw[NB];")
-        end_text = "    const auto* t = reinterpret_cast<decltype(src)>(raw);\n"
-        end = t.index(end_text) + len(end_text)
-        return t[:start] + "    const auto* t = src;\n" + t[end:]
+        return _replaced(
+            t,
+            "    alignas(16) unsigned char raw[NB];",
+            "    const auto* t = reinterpret_cast<decltype(src)>(raw);\n",
+            "    const auto* t = src;\n",
+        )
 
     def all_four(t: str) -> str:
         return no_staging(constant_thresholds(l2_scale(no_packing(t))))
