@@ -13,6 +13,7 @@ import sys
 
 from kvstore.errors import StoreFullError
 from kvstore.store import open_store
+from kvstore.store.engines import writeback
 from kvstore.testing.store import check_match, check_views, encoder_for, verify_record
 
 NS = "procs"
@@ -42,8 +43,12 @@ def say(*words: object) -> None:
     sys.stdout.flush()
 
 
-def writer(path: str, seed: int, filler: str) -> None:
-    """Save prompts forever, acknowledging each once put_blocks returned (for the SIGKILL test)."""
+def writer(path: str, seed: int, filler: str, pump: str = "0") -> None:
+    """Save prompts forever, acknowledging each once put_blocks returned (for the SIGKILL test).
+    With ``pump`` "1", every commit has its writeback started early, however small
+    (:mod:`kvstore.store.engines.writeback`)."""
+    if pump == "1":
+        writeback.MIN_BYTES = 0
     store = open_(path, map_size=1 << 20)
     say("READY")
     for i in range(10**9):

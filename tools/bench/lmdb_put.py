@@ -18,18 +18,51 @@ Issue 13's G3 note quotes it; the times are this machine's.
 from __future__ import annotations
 
 import argparse
+import ctypes
+import os
 import shutil
 import statistics
 import tempfile
+import threading
 import time
 
 import lmdb
 import numpy as np
 
+_libc = ctypes.CDLL(None, use_errno=True)
 
-def run(values: list[bytes], repeats: int, *, writemap: bool, delete: bool) -> list[float]:
+
+class Writeback:
+    """A thread that starts the data file's writeback every ``period`` s while set."""
+
+    def __init__(self, path: str, period: float = 0.002) -> None:
+        self.fd = os.open(os.path.join(path, "data.mdb"), os.O_RDONLY)
+        self.period = period
+        self.on = threading.Event()
+        self.stop = False
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while not self.stop:
+            self.on.wait(0.05)
+            while self.on.is_set():
+                _libc.sync_file_range(self.fd, ctypes.c_int64(0), ctypes.c_int64(0), 2)
+                time.sleep(self.period)
+
+    def close(self) -> None:
+        self.stop = True
+        self.on.clear()
+        self.thread.join()
+        os.close(self.fd)
+
+
+def run(
+    values: list[bytes], repeats: int, *, writemap: bool, delete: bool, behind: bool = False
+) -> list[float]:
     path = tempfile.mkdtemp(prefix="lmdb-put-")
     env = lmdb.open(path, map_size=1 << 34, sync=True, metasync=True, writemap=writemap)
+    writeback = Writeback(path) if behind else None
     puts, commits = [], []
     try:
         for rep in range(repeats):
@@ -42,9 +75,15 @@ def run(values: list[bytes], repeats: int, *, writemap: bool, delete: bool) -> l
                 for i, value in enumerate(values):
                     txn.put(b"%d-%d" % (rep, i), value)
                 put = time.perf_counter()
+                if writeback is not None:
+                    writeback.on.set()
+            if writeback is not None:
+                writeback.on.clear()
             puts.append(put - start)
             commits.append(time.perf_counter() - put)
     finally:
+        if writeback is not None:
+            writeback.close()
         env.close()
         shutil.rmtree(path, ignore_errors=True)
     return [statistics.median(puts), statistics.median(commits)]
@@ -59,12 +98,14 @@ def main() -> int:
     rng = np.random.default_rng(0)
     values = [rng.bytes((args.mib << 20) + 4096 * i) for i in range(args.values)]
     print(f"{args.values} values of ~{args.mib} MiB, sync=True, medians of {args.repeats}")
-    for label, writemap, delete in (
-        ("plain", False, False),
-        ("after delete", False, True),
-        ("writemap", True, False),
+    for label, writemap, delete, behind in (
+        ("plain", False, False, False),
+        ("plain, behind", False, False, True),
+        ("after delete", False, True, False),
+        ("delete, behind", False, True, True),
+        ("writemap", True, False, False),
     ):
-        put, commit = run(values, args.repeats, writemap=writemap, delete=delete)
+        put, commit = run(values, args.repeats, writemap=writemap, delete=delete, behind=behind)
         total = 1e3 * (put + commit)
         print(
             f"{label:<14} put {1e3 * put:7.0f} ms  commit {1e3 * commit:7.0f} ms  {total:7.0f} ms"

@@ -33,6 +33,7 @@ from kvstore.errors import (
     StoreFullError,
     StoreUnavailableError,
 )
+from kvstore.store.engines import writeback as _writeback
 from kvstore.store.engines.boundary import Translation, translate_errors
 from kvstore.store.engines.lmdb_file import check_file, meta_damage
 from kvstore.store.engines.lmdb_guard import DAMAGED, NodeGuard, address_of, view_at
@@ -193,6 +194,11 @@ class _SharedEnv:
         #: confirms it (``None`` then).
         self.map_unconfirmed: int | None = None
         self._data = Path(key) / "data.mdb"
+        #: Starts a large synced commit's writeback early (None: read-only, unsynced,
+        #: or not on Linux).
+        self.writeback = (
+            _writeback.writeback_for(self._data) if not readonly and env.flags()["sync"] else None
+        )
 
     def file_size(self) -> int:
         """Bytes of ``data.mdb`` now (it only grows while open)."""
@@ -228,6 +234,8 @@ class _SharedEnv:
             self.refs -= 1
             if self.refs == 0:
                 del self._open[self.key]
+                if self.writeback is not None:
+                    self.writeback.close()
                 self.env.close()
 
 
@@ -466,6 +474,12 @@ class LMDBBackend(Backend):
         process), for tools and benchmarks; the store itself goes through the gate."""
         return self._env
 
+    @property
+    def writeback(self) -> _writeback.Writeback | None:
+        """The pump that starts large commits' writeback early (``None`` where commits
+        are left as LMDB makes them: read-only, unsynced, off, or not on Linux)."""
+        return self._shared.writeback if self._shared is not None else None
+
     # Capabilities.
     @property
     def supports_zero_copy(self) -> bool:
@@ -518,7 +532,7 @@ class LMDBBackend(Backend):
                 with translate_errors(LMDB_ERRORS, "write", self.url):
                     try:
                         result = fn(_LMDBView(txn, self._shared, write=True))  # type: ignore[arg-type]
-                        txn.commit()
+                        self._commit(txn, size_hint)
                         return result
                     except lmdb.MapFullError:
                         pass  # the transaction is void: grow the map, run fn again
@@ -526,6 +540,16 @@ class LMDBBackend(Backend):
                         self._raise_if_disk_full(exc, size_hint)
                         raise
             self._grow(size_hint)
+
+    def _commit(self, txn: lmdb.Transaction, size_hint: int) -> None:
+        """``txn.commit()``; a large one with its writeback started early
+        (:mod:`~kvstore.store.engines.writeback`)."""
+        writeback = self.writeback
+        if writeback is None or size_hint < _writeback.MIN_BYTES:
+            txn.commit()
+            return
+        with writeback.during():
+            txn.commit()
 
     def _raise_if_disk_full(self, exc: lmdb.Error, size_hint: int) -> None:
         """A write that failed because the disk is full is StoreFullError.
