@@ -83,6 +83,8 @@
 # STEP g2bars    the same with the two policies G2 has bars for, kv:quant:8:64 and
 #                kv:turboquant:4:4, on one host and one lossless run: ~440 s (g2b alone
 #                took 339 s at 8e1beb9, g2q8 279)
+# STEP g3ab      disk_probe.py and lmdb_put.py at 512 MiB, then G3 at 4096 tokens with the
+#                commit's writeback pump on and off (KVSTORE_COMMIT_WRITEBACK=1/0)
 #
 # Results under OUT; copy them to tools/bench/results/gpu/<rev>/ to commit.
 set -uo pipefail
@@ -180,6 +182,17 @@ case "$step" in
         bash tools/bench/gpu/run.sh P11 "/tmp/p11-$ab" >/dev/null 2>&1
       cp "/tmp/p11-$ab/bench-table.txt" "$out/p11-$ab.txt"
     done ;;
+  g3ab)
+    # The disk and LMDB alone, then G3 at 4096 tokens with the commit's writeback pump on
+    # and off (kvstore/store/engines/writeback.py).
+    timeout 100 python3 tools/bench/disk_probe.py --dir /tmp --mib 512 --repeats 3 2>&1 | tee "$out/disk-probe.txt"
+    timeout 100 python3 tools/bench/lmdb_put.py --values 128 --mib 4 --repeats 3 2>&1 | tee "$out/lmdb-put.txt"
+    for wb in 1 0; do
+      KVSTORE_COMMIT_WRITEBACK=$wb KVSTORE_BENCH_GPU_TOKENS=4096 KVSTORE_BENCH_GIT=$rev \
+        CHECK_TIMEOUT=1 BENCH_TIMEOUT=180 REPEATS=5 bash tools/bench/gpu/run.sh G3 "/tmp/g3-wb$wb" >/dev/null 2>&1
+      cp "/tmp/g3-wb$wb/bench-table.txt" "$out/g3-wb$wb.txt"
+      tail -3 "/tmp/g3-wb$wb/bench-log.txt" > "$out/g3-wb$wb-log.txt"
+    done ;;
   g1-4k)
     KVSTORE_BENCH_GPU_TOKENS=4096 KVSTORE_BENCH_GIT=$rev CHECK_TIMEOUT=60 BENCH_TIMEOUT=400 \
       REPEATS=5 bash tools/bench/gpu/run.sh G1 "$out/g1-4k" ;;
@@ -196,5 +209,5 @@ case "$step" in
     esac
     KVSTORE_BENCH_G2_POLICIES=$policies KVSTORE_BENCH_GPU_TOKENS=4096 KVSTORE_BENCH_GIT=$rev \
       CHECK_TIMEOUT=1 BENCH_TIMEOUT=540 REPEATS=5 bash tools/bench/gpu/run.sh G2 "$out/$step" ;;
-  *) echo "next.sh: unknown step $step (ab, profiles, probe, graphs, stage, spans, model, parent, rht, floor, g1-4k, g1-16k, g2a, g2q8, g2b, g2c, g2bars, copy, early, reader, alike, fwdgraphs)"; exit 2 ;;
+  *) echo "next.sh: unknown step $step (ab, profiles, probe, graphs, stage, spans, model, parent, rht, floor, g1-4k, g1-16k, g2a, g2q8, g2b, g2c, g2bars, g3ab, copy, early, reader, alike, fwdgraphs)"; exit 2 ;;
 esac
