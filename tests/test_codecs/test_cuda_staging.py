@@ -350,6 +350,34 @@ def test_an_arena_still_referenced_is_not_reused():
     del first, second
 
 
+def _address(record: memoryview) -> int:
+    return int(np.frombuffer(record, np.uint8).ctypes.data)
+
+
+@pytest.mark.parametrize("pinned", [False, True], ids=["host", "pinned"])
+def test_an_arena_nothing_refers_to_is_reused(request, pinned):
+    """The next save writes into the same buffer once the records of the last are gone:
+    no fresh pages (nor, on a GPU, a new page-locked buffer) per save."""
+    from kvstore.caches import KVCache
+    from kvstore.codecs import codec_for
+
+    if pinned:
+        staged = request.getfixturevalue("staged")
+    cache = KVCache()
+    rows = mx.random.normal((1, 2, 32, 64))
+    cache.update_and_fetch(rows, rows)
+    codec = codec_for(cache)
+    first = write_records([plan_record([codec.snapshot(cache, 0, 16)])])
+    where = _address(first[0])
+    del first
+    second = write_records([plan_record([codec.snapshot(cache, 16, 32)])])
+    assert _address(second[0]) == where
+    want = encode_record([codec.snapshot(cache, 16, 32)])
+    assert bytes(second[0]) == want
+    if pinned:
+        assert staged.downloads == 2
+
+
 def test_in_use_asks_nothing_of_the_device(monkeypatch):
     monkeypatch.setattr(cuda, "TRANSPORT", None)
     assert not cuda.in_use()
