@@ -56,6 +56,16 @@ def main() -> int:
     parser.add_argument("--policies", default="lossless,kv:quant:8:64")
     parser.add_argument("--durability", default="sync")
     parser.add_argument("--top", type=int, default=0, help="also print the top N functions")
+    parser.add_argument(
+        "--behind",
+        action="store_true",
+        help="save_behind + flush (the writer thread; the profile then shows the wait only)",
+    )
+    parser.add_argument(
+        "--reuse",
+        action="store_true",
+        help="delete the last save first (its pages are reused, as in P2 and G3)",
+    )
     args = parser.parse_args()
 
     from mlx_lm.models.cache import save_prompt_cache
@@ -83,9 +93,16 @@ def main() -> int:
                 profile, times = cProfile.Profile(), []
                 for i in range(args.repeats):
                     tokens = [i + 1] + [0] * (args.tokens - 1)  # a new prefix each time
+                    if args.reuse:
+                        store.delete("ns")
+                        store.flush()
                     start = time.perf_counter()
                     profile.enable()
-                    store.save("ns", tokens, caches)
+                    if args.behind:
+                        store.save_behind("ns", tokens, caches)
+                        store.flush()
+                    else:
+                        store.save("ns", tokens, caches)
                     profile.disable()
                     times.append(time.perf_counter() - start)
             stats = pstats.Stats(profile)
@@ -94,7 +111,11 @@ def main() -> int:
             total = sum(times)
             med = statistics.median(times)
             ratio = statistics.median(peer) / med
-            print(f"{policy}: save {1e3 * med:.0f} ms (median); vs mlx-lm {ratio:.2f}x")
+            how = ("behind" if args.behind else "save") + (", reusing pages" if args.reuse else "")
+            print(
+                f"{policy} ({how}): save {1e3 * med:.0f} ms (median; "
+                f"{', '.join(f'{1e3 * t:.0f}' for t in times)}); vs mlx-lm {ratio:.2f}x"
+            )
             for label, needles in PARTS.items():
                 part = _cumulative(stats, needles)
                 print(
