@@ -66,6 +66,12 @@ def main() -> int:
         action="store_true",
         help="delete the last save first (its pages are reused, as in P2 and G3)",
     )
+    parser.add_argument(
+        "--with-peer",
+        action="store_true",
+        help="mlx-lm's save of the same caches before each of ours, unlinked only after it "
+        "(G3's order: its unsynced pages are still in the page cache)",
+    )
     args = parser.parse_args()
 
     from mlx_lm.models.cache import save_prompt_cache
@@ -96,6 +102,9 @@ def main() -> int:
                     if args.reuse:
                         store.delete("ns")
                         store.flush()
+                    if args.with_peer:
+                        (scratch / "peer.safetensors").unlink(missing_ok=True)
+                        save_prompt_cache(str(scratch / "peer.safetensors"), peer_caches)
                     start = time.perf_counter()
                     profile.enable()
                     if args.behind:
