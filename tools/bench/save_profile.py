@@ -48,6 +48,22 @@ def _cumulative(stats: pstats.Stats, needles: tuple[str, ...]) -> float:
     return total
 
 
+def _model_caches(layers: int, tokens: int) -> tuple[list[Any], list[Any]]:
+    """G3's caches: a seeded model's prefill, and mlx-lm caches copied from them."""
+    import mlx.core as mx
+    import numpy as np
+
+    from kvstore.bench.figures.gpu_common import LLAMA8B, build, prefill
+    from kvstore.bench.figures.gpu_save import _mlx_lm_caches
+
+    config = dict(LLAMA8B, num_hidden_layers=layers, intermediate_size=1024, vocab_size=4096)
+    model = build(config)
+    prompt = np.random.default_rng(0).integers(0, 4096, (1, tokens)).astype(np.int32)
+    caches = model.make_cache()
+    prefill(model, mx.array(prompt), caches)
+    return caches, _mlx_lm_caches(caches, tokens)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, default=8)
@@ -72,12 +88,23 @@ def main() -> int:
         help="mlx-lm's save of the same caches before each of ours, unlinked only after it "
         "(G3's order: its unsynced pages are still in the page cache)",
     )
+    parser.add_argument(
+        "--model-caches",
+        action="store_true",
+        help="the caches a llama-8B-shaped model's prefill leaves (its MLP and vocabulary "
+        "small), and G3's peer caches made from them, instead of synthetic ones",
+    )
     args = parser.parse_args()
 
     from mlx_lm.models.cache import save_prompt_cache
 
-    kv = SyntheticKV(KVShape("llama8b", layers=args.layers, kv_heads=8, head_dim=128), args.tokens)
-    caches, peer_caches = kv.ours(), kv.mlx_lm()
+    if args.model_caches:
+        caches, peer_caches = _model_caches(args.layers, args.tokens)
+    else:
+        kv = SyntheticKV(
+            KVShape("llama8b", layers=args.layers, kv_heads=8, head_dim=128), args.tokens
+        )
+        caches, peer_caches = kv.ours(), kv.mlx_lm()
     scratch = Path(tempfile.mkdtemp(prefix="save-profile-"))
     mib = 2 * args.layers * 8 * 128 * 2 * args.tokens / 2**20
     print(f"{args.layers} layers x {args.tokens} tokens ({mib:.0f} MiB bf16), {args.durability}")
