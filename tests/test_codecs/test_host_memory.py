@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-#: What applies the setting: a CPU restore's fill, or a save.
+#: What applies the setting: a CPU restore's fill, or a save (made now or behind).
 TRIGGERS = {
     "restore": 'fill.filled_arrays([((2, 3), "float32")], lambda i, view: view.fill(1))',
     "save": (
@@ -19,6 +19,15 @@ TRIGGERS = {
         "from kvstore.store import open_store; cache = KVCache(); "
         "cache.update_and_fetch(mx.ones((1, 2, 4, 8)), mx.ones((1, 2, 4, 8))); "
         'open_store("memory://", block_size=4).save("ns", [1, 2, 3, 4], [cache])'
+    ),
+    # A process that only saves behind (a server, G3) applies it too: its writer's LMDB
+    # pages were faulted in afresh on every commit.
+    "save_behind": (
+        "import mlx.core as mx; from kvstore.caches import KVCache; "
+        "from kvstore.store import open_store; cache = KVCache(); "
+        "cache.update_and_fetch(mx.ones((1, 2, 4, 8)), mx.ones((1, 2, 4, 8))); "
+        'store = open_store("memory://", block_size=4); '
+        'store.save_behind("ns", [1, 2, 3, 4], [cache]); store.flush()'
     ),
 }
 
