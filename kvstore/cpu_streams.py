@@ -25,7 +25,7 @@ from typing import Any, TypeVar
 
 import mlx.core as mx
 
-from kvstore.threads import threads_from_env
+from kvstore.knobs import count_from_env
 
 __all__ = ["cpu_streams", "evaluated_in_waves", "stream_count"]
 
@@ -39,7 +39,7 @@ _local = threading.local()
 def stream_count() -> int:
     """How many CPU streams a thread spreads its blocks over."""
     default = max(1, min(MAX_STREAMS, os.cpu_count() or 1))
-    return threads_from_env("KVSTORE_CPU_STREAMS", default, "streams")
+    return count_from_env("KVSTORE_CPU_STREAMS", default, "streams")
 
 
 def cpu_streams() -> list[mx.Stream]:

@@ -11,12 +11,11 @@ is paid once, where the pool is made (a process's first read, its warm-up).
 
 from __future__ import annotations
 
-import os
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
-__all__ = ["KeptPool", "started_pool", "threads_from_env"]
+__all__ = ["KeptPool", "started_pool"]
 
 
 def started_pool(workers: int, prefix: str) -> ThreadPoolExecutor:
@@ -53,22 +52,3 @@ class KeptPool:
             pool, self._pool = self._pool, None
         if pool is not None:
             pool.shutdown()
-
-
-def threads_from_env(name: str, default: int, what: str = "threads") -> int:
-    """``default``, unless the environment variable ``name`` sets a positive count (of
-    ``what``, for the error).
-
-    Raises:
-        ValueError: ``name`` is set to something other than a positive integer.
-    """
-    value = os.environ.get(name, "").strip()
-    if not value:
-        return default
-    try:
-        count = int(value)
-    except ValueError:
-        count = 0
-    if count < 1:
-        raise ValueError(f"{name}={value!r}: expected a positive number of {what}.")
-    return count

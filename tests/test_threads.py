@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import threading
 
-import pytest
-
-from kvstore.threads import KeptPool, started_pool, threads_from_env
+from kvstore.threads import KeptPool, started_pool
 
 
 def test_a_started_pool_has_every_thread_running_when_it_returns():
@@ -46,20 +44,3 @@ def test_one_pool_is_made_when_many_threads_ask_at_once():
         asker.join()
     assert len({id(pool) for pool in got}) == 1
     kept.forget()
-
-
-@pytest.mark.parametrize("value, want", [(None, 7), ("3", 3), (" 12 ", 12)])
-def test_a_count_from_the_environment_or_the_default(monkeypatch, value, want):
-    if value is None:
-        monkeypatch.delenv("KVSTORE_TEST_COUNT", raising=False)
-    else:
-        monkeypatch.setenv("KVSTORE_TEST_COUNT", value)
-    assert threads_from_env("KVSTORE_TEST_COUNT", 7) == want
-
-
-def test_a_count_that_is_not_positive_names_the_variable_and_what_it_counts(monkeypatch):
-    monkeypatch.setenv("KVSTORE_TEST_COUNT", "-1")
-    with pytest.raises(
-        ValueError, match="KVSTORE_TEST_COUNT='-1': expected a positive number of groups"
-    ):
-        threads_from_env("KVSTORE_TEST_COUNT", 7, "groups")

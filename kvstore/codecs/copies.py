@@ -15,7 +15,8 @@ import threading
 from collections.abc import Callable
 from concurrent.futures import Future
 
-from kvstore.threads import KeptPool, threads_from_env
+from kvstore.knobs import count_from_env
+from kvstore.threads import KeptPool
 
 __all__ = ["each_on_threads", "threads"]
 
@@ -23,7 +24,7 @@ __all__ = ["each_on_threads", "threads"]
 def threads() -> int:
     """Threads the arrays are written on, the caller's own included: the cores, at most 8
     (``KVSTORE_COPY_THREADS``)."""
-    return threads_from_env("KVSTORE_COPY_THREADS", max(1, min(8, os.cpu_count() or 1)))
+    return count_from_env("KVSTORE_COPY_THREADS", max(1, min(8, os.cpu_count() or 1)))
 
 
 #: The threads besides the caller's.

@@ -50,7 +50,8 @@ import numpy as np
 
 from kvstore.codecs.arrays import MLX_DTYPES, numpy_dtype
 from kvstore.cuda_kernel import cuda_kernel
-from kvstore.threads import KeptPool, threads_from_env
+from kvstore.knobs import count_from_env, mib_from_env
+from kvstore.threads import KeptPool
 
 __all__ = [
     "LeafSpec",
@@ -670,7 +671,7 @@ _SLOTS_READY = threading.Event()
 def workers() -> int:
     """Staging threads: most of the cores, at most 12 (34 GB/s measured there; the
     bus, not the cores, is the limit beyond); ``KVSTORE_CUDA_THREADS`` sets them."""
-    return threads_from_env("KVSTORE_CUDA_THREADS", max(1, min(12, (os.cpu_count() or 1) - 2)))
+    return count_from_env("KVSTORE_CUDA_THREADS", max(1, min(12, (os.cpu_count() or 1) - 2)))
 
 
 def in_use() -> bool:
@@ -734,7 +735,7 @@ def slot_min_bytes() -> int:
     one record of a 256-token block of a llama-8B-shaped model, or one layer's keys of a
     16k-token prompt, so a restore does not grow slots (page-locking is a ~1 ms call per
     8 MiB, touching the pages more)."""
-    return int(float(os.environ.get("KVSTORE_CUDA_SLOT_MIB", "32")) * (1 << 20))
+    return mib_from_env("KVSTORE_CUDA_SLOT_MIB", 32)
 
 
 def _prepare_slots() -> None:

@@ -53,7 +53,8 @@ import numpy as np
 
 from kvstore.codecs import cuda, device_joins
 from kvstore.codecs.arrays import MLX_DTYPES, dtype_name, numpy_dtype
-from kvstore.threads import KeptPool, threads_from_env
+from kvstore.knobs import count_from_env, mib_from_env, ms_from_env
+from kvstore.threads import KeptPool
 
 __all__ = [
     "GATHER_MIN_BYTES",
@@ -76,14 +77,12 @@ __all__ = [
 ]
 
 #: Below this many bytes in all, staging through slots costs less than page-locking.
-GATHER_MIN_BYTES = int(float(os.environ.get("KVSTORE_CUDA_GATHER_MIN_MIB", "16")) * (1 << 20))
+GATHER_MIN_BYTES = mib_from_env("KVSTORE_CUDA_GATHER_MIN_MIB", 16)
 
 #: Groups of spans a gather of rows in several spans crosses the bus in (at most
 #: :data:`~kvstore.codecs.cuda.ASSEMBLE_INPUTS`; 1: a gather per array, after every span
 #: is locked): :func:`_group_buffers`.
-GATHER_GROUPS = min(
-    cuda.ASSEMBLE_INPUTS, threads_from_env("KVSTORE_CUDA_GATHER_GROUPS", 8, "groups")
-)
+GATHER_GROUPS = min(cuda.ASSEMBLE_INPUTS, count_from_env("KVSTORE_CUDA_GATHER_GROUPS", 8, "groups"))
 
 #: Whether each span is copied into device memory as soon as it is locked, on the
 #: thread that locked it (``KVSTORE_CUDA_STAGE_SPANS``, default on; ``0``: the gathers
@@ -119,9 +118,7 @@ if PAGES_ROUTE not in ("lock", "copy"):
 #: The most bytes one staging thread copies at a time on the ``copy`` route
 #: (``KVSTORE_CUDA_COPY_CHUNK_MIB``): each record is cut into about equal chunks of at
 #: most this, so that a restore's few records keep every thread busy.
-COPY_CHUNK_BYTES = max(
-    mmap.PAGESIZE, int(float(os.environ.get("KVSTORE_CUDA_COPY_CHUNK_MIB", "4")) * (1 << 20))
-)
+COPY_CHUNK_BYTES = max(mmap.PAGESIZE, mib_from_env("KVSTORE_CUDA_COPY_CHUNK_MIB", 4))
 
 #: Registrations at once (``KVSTORE_CUDA_REGISTER_THREADS``). The driver locks a
 #: restore's pages no faster on more threads, only all of them later: H200, 4096 tokens
@@ -139,7 +136,7 @@ REGISTER_THREADS_DEFAULT = 4
 #: registrations ended 45.7 -> 21.8 ms into the restore, which took 67.8 -> 51.2 ms.
 #: (Locking each record in pieces, to start gathers sooner, cost more than it saved:
 #: 74-97 ms with pieces of 8, 4 or 2 MiB, a call costing about 4 ms whatever its size.)
-SWITCH_SECONDS = float(os.environ.get("KVSTORE_CUDA_SWITCH_MS", "0.5")) / 1e3
+SWITCH_SECONDS = ms_from_env("KVSTORE_CUDA_SWITCH_MS", 0.5)
 
 #: How long a restore's pages stay locked after it returns. Unregistering 512 MiB takes
 #: the driver about 7 ms, and kernels launched meanwhile wait on it: H200, the one-token
@@ -148,7 +145,7 @@ SWITCH_SECONDS = float(os.environ.get("KVSTORE_CUDA_SWITCH_MS", "0.5")) / 1e3
 #: ``tools/bench/results/gpu/0b78bf9/forward-profile.txt``). Let go later, that cost
 #: leaves the first token's path. A restore that needs the same pages sooner starts
 #: their release at once and locks them after it (:func:`_pinned`).
-RELEASE_DELAY_SECONDS = float(os.environ.get("KVSTORE_CUDA_RELEASE_DELAY_MS", "250")) / 1e3
+RELEASE_DELAY_SECONDS = ms_from_env("KVSTORE_CUDA_RELEASE_DELAY_MS", 250)
 
 #: Words per segment (``src, src_pitch, dst_offset, dst_pitch, width, height``, bytes;
 #: ``src`` 0 writes zeros): ``height`` runs of ``width`` bytes. The kernel's layout.
@@ -1362,7 +1359,7 @@ def register_threads() -> int:
     """The threads that lock a restore's pages (:data:`REGISTER_THREADS_DEFAULT`,
     ``KVSTORE_CUDA_REGISTER_THREADS``): the cores a big restore on a CUDA GPU keeps busy
     besides its own thread and the checks."""
-    return threads_from_env("KVSTORE_CUDA_REGISTER_THREADS", REGISTER_THREADS_DEFAULT)
+    return count_from_env("KVSTORE_CUDA_REGISTER_THREADS", REGISTER_THREADS_DEFAULT)
 
 
 _REGISTER_POOL = KeptPool("kvstore-cuda-register", register_threads)

@@ -34,7 +34,6 @@ the loader.
 from __future__ import annotations
 
 import json
-import os
 import struct
 import sys
 import threading
@@ -49,6 +48,7 @@ from kvstore.codecs import cuda
 from kvstore.codecs.arrays import as_mlx, numpy_dtype, owned_views, word_dtype
 from kvstore.codecs.copies import each_on_threads
 from kvstore.codecs.host_memory import keep_freed_memory
+from kvstore.knobs import mib_from_env
 
 __all__ = [
     "DIRECT_MIN_ARRAY_BYTES",
@@ -76,7 +76,7 @@ DIRECT_MIN_BYTES = 32 << 20
 #: 10.36-11.83, 52 of 2 MiB a tie (8.79-9.04 against 9.26-9.36), 64 of 4 MiB 21.2-21.6
 #: against 18.2-19.9, 52 of 8 MiB 37.8-40.1 against 24.6-25.7.
 #: ``KVSTORE_DIRECT_MIN_ARRAY_MIB`` sets it (0: the loader for every array, as before).
-DIRECT_MIN_ARRAY_BYTES = int(float(os.environ.get("KVSTORE_DIRECT_MIN_ARRAY_MIB", "2")) * (1 << 20))
+DIRECT_MIN_ARRAY_BYTES = mib_from_env("KVSTORE_DIRECT_MIN_ARRAY_MIB", 2)
 
 #: How long :func:`filled_arrays` waits for MLX to drop its reader (it takes microseconds).
 _RELEASE_TIMEOUT_S = 5.0

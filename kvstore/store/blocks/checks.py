@@ -21,7 +21,8 @@ from typing import Any, TypeVar
 
 from kvstore.codecs import cuda, cuda_pages
 from kvstore.errors import CorruptEntryError, FormatVersionError
-from kvstore.threads import KeptPool, threads_from_env
+from kvstore.knobs import count_from_env
+from kvstore.threads import KeptPool
 
 __all__ = ["PARALLEL_MIN_BYTES", "Verdict", "check_records", "served_run", "in_background"]
 
@@ -92,7 +93,7 @@ def _workers() -> int:
     cores = os.cpu_count() or 1
     # A restore on a GPU sets CUDA up before its first check.
     locking = cuda_pages.register_threads() if cuda.in_use() else 0
-    return threads_from_env("KVSTORE_VERIFY_THREADS", max(2, min(16, cores - locking)))
+    return count_from_env("KVSTORE_VERIFY_THREADS", max(2, min(16, cores - locking)))
 
 
 #: The threads besides a check's caller.

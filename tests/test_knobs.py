@@ -1,0 +1,84 @@
+"""Tuning knobs from the environment (kvstore.knobs): the default when unset, the value
+when set, and a clear StoreConfigError naming the variable when it is not a value."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from kvstore.errors import StoreConfigError
+from kvstore.knobs import count_from_env, mib_from_env, ms_from_env
+
+NAME = "KVSTORE_TEST_KNOB"
+
+
+@pytest.fixture
+def knob(monkeypatch):
+    def set_(value):
+        if value is None:
+            monkeypatch.delenv(NAME, raising=False)
+        else:
+            monkeypatch.setenv(NAME, value)
+
+    return set_
+
+
+@pytest.mark.parametrize("value, want", [(None, 7), ("", 7), ("3", 3), (" 12 ", 12)])
+def test_a_count_from_the_environment_or_the_default(knob, value, want):
+    knob(value)
+    assert count_from_env(NAME, 7) == want
+
+
+@pytest.mark.parametrize("value", ["-1", "0", "2.5", "many"])
+def test_a_count_that_is_not_positive_names_the_variable_and_what_it_counts(knob, value):
+    knob(value)
+    with pytest.raises(
+        StoreConfigError,
+        match=rf"\[config\] {NAME}='{value}': expected a positive number of groups; "
+        r"unset it for the default \(7\)\.",
+    ) as caught:
+        count_from_env(NAME, 7, "groups")
+    assert (caught.value.variable, caught.value.found) == (NAME, value)
+    assert isinstance(caught.value, ValueError)  # what callers caught before
+
+
+@pytest.mark.parametrize(
+    "value, mib, ms",
+    [(None, 2 << 20, 0.5e-3), ("0", 0, 0.0), ("1.5", 3 << 19, 1.5e-3), (" 64 ", 64 << 20, 0.064)],
+)
+def test_mib_and_ms_from_the_environment_or_the_default(knob, value, mib, ms):
+    knob(value)
+    assert mib_from_env(NAME, 2) == mib
+    assert ms_from_env(NAME, 0.5) == pytest.approx(ms)
+
+
+@pytest.mark.parametrize("value", ["-1", "2MiB", "nan", "inf"])
+def test_an_amount_that_is_not_one_names_the_variable_and_its_unit(knob, value):
+    knob(value)
+    with pytest.raises(
+        StoreConfigError,
+        match=rf"{NAME}='{value}': expected a number of MiB, 0 or more; unset it for the "
+        r"default \(2 MiB\)",
+    ):
+        mib_from_env(NAME, 2)
+    with pytest.raises(StoreConfigError, match=r"a number of ms, 0 or more.*\(250 ms\)"):
+        ms_from_env(NAME, 250)
+
+
+def test_a_malformed_knob_read_at_import_says_which_and_how_to_fix_it():
+    # fill.py reads KVSTORE_DIRECT_MIN_ARRAY_MIB when it loads: before, a bad value was
+    # Python's own "could not convert string to float" from deep in the import.
+    done = subprocess.run(
+        [sys.executable, "-c", "import kvstore.codecs.fill"],
+        env={"KVSTORE_DIRECT_MIN_ARRAY_MIB": "two", "PATH": "/usr/bin:/bin"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode != 0
+    assert (
+        "kvstore.errors.StoreConfigError: [config] KVSTORE_DIRECT_MIN_ARRAY_MIB='two': "
+        "expected a number of MiB, 0 or more; unset it for the default (2 MiB)."
+    ) in done.stderr
