@@ -136,7 +136,8 @@ REGISTER_THREADS_DEFAULT = 4
 #: registrations ended 45.7 -> 21.8 ms into the restore, which took 67.8 -> 51.2 ms.
 #: (Locking each record in pieces, to start gathers sooner, cost more than it saved:
 #: 74-97 ms with pieces of 8, 4 or 2 MiB, a call costing about 4 ms whatever its size.)
-SWITCH_SECONDS = ms_from_env("KVSTORE_CUDA_SWITCH_MS", 0.5)
+#: At least 1 us: sys.setswitchinterval refuses 0.
+SWITCH_SECONDS = max(1e-6, ms_from_env("KVSTORE_CUDA_SWITCH_MS", 0.5))
 
 #: How long a restore's pages stay locked after it returns. Unregistering 512 MiB takes
 #: the driver about 7 ms, and kernels launched meanwhile wait on it: H200, the one-token
