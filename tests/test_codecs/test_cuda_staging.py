@@ -335,6 +335,24 @@ def test_records_downloaded_into_a_pinned_arena_equal_encoded_ones(staged):
     assert [bytes(r) for r in records] == [encode_record(layer) for layer in layers]
 
 
+def test_large_records_hashed_as_each_lands_equal_encoded_ones(staged):
+    """Over PARALLEL_MIN_BYTES the pool hashes each record as soon as its payload has
+    landed in the pinned arena, while the next is downloaded: the same bytes."""
+    from kvstore.caches import KVCache
+    from kvstore.codecs import arena, codec_for
+
+    cache = KVCache()
+    rows = mx.random.normal((1, 32, 768, 64))  # 6 MiB a tensor
+    cache.update_and_fetch(rows, rows * 3)
+    codec = codec_for(cache)
+    layers = [[codec.snapshot(cache, s, s + 256)] for s in (0, 256, 512)]
+    plans = [plan_record(layer) for layer in layers]
+    assert sum(p.nbytes_bound for p in plans) >= arena.PARALLEL_MIN_BYTES
+    records = write_records(plans)
+    assert staged.downloads == 3
+    assert [bytes(r) for r in records] == [encode_record(layer) for layer in layers]
+
+
 def test_an_arena_still_referenced_is_not_reused():
     from kvstore.caches import KVCache
     from kvstore.codecs import codec_for
