@@ -22,7 +22,7 @@ import os
 import sys
 import threading
 from collections.abc import Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, cast
 
 import mlx.core as mx
@@ -105,28 +105,22 @@ def write_records(plans: Sequence[RecordPlan]) -> list[memoryview]:
     # MLX evaluates a graph only on the thread whose stream built it: here, not in the pool.
     mx.eval([a for plan in plans for a, _ in plan.tensors if isinstance(a, mx.array)])
     buffer = _arena().take(end, on_gpu)
-
-    def one(i: int) -> int:
-        return write_record(plans[i], buffer[starts[i] :], payload_written=on_gpu)
-
-    parallel = end >= PARALLEL_MIN_BYTES and len(plans) > 1
     if on_gpu:
         heads = [len(plan.head((1 << 64) - 1)) for plan in plans]
         payloads = [device_payload(plan) for plan in plans]
-        # Each record is hashed on the pool as soon as its payload has landed, while
-        # the next crosses the bus.
-        hashed: list[Future[int]] = []
         cuda.download(
             payloads,
             _arena().pinned,
             [start + head for start, head in zip(starts, heads, strict=True)],
-            (lambda i: hashed.append(_pool().submit(one, i))) if parallel else None,
         )
         del payloads
-        lengths = [f.result() for f in hashed] if parallel else [one(i) for i in range(len(plans))]
-    elif parallel:
-        lengths = list(_pool().map(one, range(len(plans))))
-    else:
+
+    def one(i: int) -> int:
+        return write_record(plans[i], buffer[starts[i] :], payload_written=on_gpu)
+
+    if end < PARALLEL_MIN_BYTES or len(plans) < 2:
         lengths = [one(i) for i in range(len(plans))]
+    else:
+        lengths = list(_pool().map(one, range(len(plans))))
     view = memoryview(cast(Any, buffer))
     return [view[start : start + n] for start, n in zip(starts, lengths, strict=True)]

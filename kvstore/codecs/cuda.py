@@ -825,22 +825,13 @@ def upload(specs: Sequence[LeafSpec], fill: Fill) -> list[mx.array]:
     return list(pool().map(one, range(len(specs))))
 
 
-def download(
-    arrays: Sequence[mx.array],
-    slot: PinnedBuffer,
-    offsets: Sequence[int],
-    landed: Callable[[int], None] | None = None,
-) -> None:
-    """The bytes of each contiguous device array into ``slot`` at its offset (waits),
-    one after another; ``landed(i)`` as soon as array ``i``'s bytes are there (a save
-    hashes them on other threads while later ones cross the bus)."""
+def download(arrays: Sequence[mx.array], slot: PinnedBuffer, offsets: Sequence[int]) -> None:
+    """The bytes of each contiguous device array into ``slot`` at its offset (waits)."""
     staging = transport()
     flats = [a.reshape(-1).view(mx.uint8) for a in arrays]
     mx.eval(flats)
-    for i, (flat, offset) in enumerate(zip(flats, offsets, strict=True)):
+    for flat, offset in zip(flats, offsets, strict=True):
         staging.to_host(flat, slot, offset)
-        if landed is not None:
-            landed(i)
 
 
 def new_buffer(nbytes: int) -> PinnedBuffer:

@@ -335,9 +335,9 @@ def test_records_downloaded_into_a_pinned_arena_equal_encoded_ones(staged):
     assert [bytes(r) for r in records] == [encode_record(layer) for layer in layers]
 
 
-def test_large_records_hashed_as_each_lands_equal_encoded_ones(staged):
-    """Over PARALLEL_MIN_BYTES the pool hashes each record as soon as its payload has
-    landed in the pinned arena, while the next is downloaded: the same bytes."""
+def test_large_records_hashed_on_the_pool_equal_encoded_ones(staged):
+    """Over PARALLEL_MIN_BYTES the pool hashes the records whose payloads were downloaded
+    into the pinned arena: the same bytes as encoded on the host."""
     from kvstore.caches import KVCache
     from kvstore.codecs import arena, codec_for
 
