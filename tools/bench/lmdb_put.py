@@ -8,7 +8,12 @@ kvstore), ``put`` and ``commit`` (``sync=True``) of such values:
 * ``after delete``: the same, each save after deleting the previous one
   (what G3's and P2's repetitions do: the pages come from LMDB's freelist);
 * ``writemap``: ``writemap=True`` (puts write into the mapped file; no
-  write-out copy at commit)::
+  write-out copy at commit);
+* ``value file``: the layout issue 13 names if LMDB's copy is the limit -- the values
+  ``pwrite``-n once into a file of their own (into the space the last save's values
+  took, or appended), its writeback started behind, ``fdatasync``-ed, and then a
+  synced LMDB commit of small index entries (key -> offset, length); "put" is the
+  writes, "commit" the syncs and the index::
 
     .venv/bin/python tools/bench/lmdb_put.py --values 32 --mib 4
 
@@ -89,6 +94,38 @@ def run(
     return [statistics.median(puts), statistics.median(commits)]
 
 
+def run_value_file(values: list[bytes], repeats: int, *, reuse: bool) -> list[float]:
+    """The values written once into a file beside the index, then the index committed."""
+    path = tempfile.mkdtemp(prefix="value-file-")
+    env = lmdb.open(path, map_size=1 << 30, sync=True, metasync=True)
+    fd = os.open(os.path.join(path, "values"), os.O_RDWR | os.O_CREAT, 0o644)
+    writes, syncs = [], []
+    end = 0
+    try:
+        for rep in range(repeats):
+            at = 0 if reuse else end
+            start = time.perf_counter()
+            index = []
+            for i, value in enumerate(values):
+                os.pwrite(fd, value, at)
+                _libc.sync_file_range(fd, ctypes.c_int64(at), ctypes.c_int64(len(value)), 2)
+                index.append((b"%d-%d" % (rep, i), b"%d:%d" % (at, len(value))))
+                at += len(value)
+            end = max(end, at)
+            written = time.perf_counter()
+            os.fdatasync(fd)
+            with env.begin(write=True) as txn:
+                for key, where in index:
+                    txn.put(key, where)
+            writes.append(written - start)
+            syncs.append(time.perf_counter() - written)
+    finally:
+        os.close(fd)
+        env.close()
+        shutil.rmtree(path, ignore_errors=True)
+    return [statistics.median(writes), statistics.median(syncs)]
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--values", type=int, default=32)
@@ -106,11 +143,15 @@ def main() -> int:
         ("writemap", True, False, False),
     ):
         put, commit = run(values, args.repeats, writemap=writemap, delete=delete, behind=behind)
-        total = 1e3 * (put + commit)
-        print(
-            f"{label:<14} put {1e3 * put:7.0f} ms  commit {1e3 * commit:7.0f} ms  {total:7.0f} ms"
-        )
+        _line(label, put, commit)
+    for label, reuse in (("value file", True), ("value file, +", False)):
+        _line(label, *run_value_file(values, args.repeats, reuse=reuse))
     return 0
+
+
+def _line(label: str, put: float, commit: float) -> None:
+    total = 1e3 * (put + commit)
+    print(f"{label:<14} put {1e3 * put:7.0f} ms  commit {1e3 * commit:7.0f} ms  {total:7.0f} ms")
 
 
 if __name__ == "__main__":
