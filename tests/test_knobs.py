@@ -31,17 +31,22 @@ def test_a_count_from_the_environment_or_the_default(knob, value, want):
     assert count_from_env(NAME, 7) == want
 
 
+def refused(call, value: str, message: str) -> None:
+    """``call()`` raises StoreConfigError matching ``message``, naming the knob and value."""
+    with pytest.raises(StoreConfigError, match=message) as caught:
+        call()
+    assert (caught.value.variable, caught.value.found) == (NAME, value)
+    assert isinstance(caught.value, ValueError)  # what callers caught before
+
+
 @pytest.mark.parametrize("value", ["-1", "0", "2.5", "many"])
 def test_a_count_that_is_not_positive_names_the_variable_and_what_it_counts(knob, value):
     knob(value)
-    with pytest.raises(
-        StoreConfigError,
-        match=rf"\[config\] {NAME}='{value}': expected a positive number of groups; "
-        r"unset it for the default \(7\)\.",
-    ) as caught:
-        count_from_env(NAME, 7, "groups")
-    assert (caught.value.variable, caught.value.found) == (NAME, value)
-    assert isinstance(caught.value, ValueError)  # what callers caught before
+    message = (
+        rf"\[config\] {NAME}='{value}': expected a positive number of groups; "
+        r"unset it for the default \(7\)\."
+    )
+    refused(lambda: count_from_env(NAME, 7, "groups"), value, message)
 
 
 @pytest.mark.parametrize(
@@ -57,14 +62,10 @@ def test_mib_and_ms_from_the_environment_or_the_default(knob, value, mib, ms):
 @pytest.mark.parametrize("value", ["-1", "2MiB", "nan", "inf"])
 def test_an_amount_that_is_not_one_names_the_variable_and_its_unit(knob, value):
     knob(value)
-    with pytest.raises(
-        StoreConfigError,
-        match=rf"{NAME}='{value}': expected a number of MiB, 0 or more; unset it for the "
-        r"default \(2 MiB\)",
-    ):
-        mib_from_env(NAME, 2)
-    with pytest.raises(StoreConfigError, match=r"a number of ms, 0 or more.*\(250 ms\)"):
-        ms_from_env(NAME, 250)
+    mib = rf"{NAME}='{value}': expected a number of MiB, 0 or more; unset it for the "
+    mib += r"default \(2 MiB\)"
+    refused(lambda: mib_from_env(NAME, 2), value, mib)
+    refused(lambda: ms_from_env(NAME, 250), value, r"a number of ms, 0 or more.*\(250 ms\)")
 
 
 def test_a_malformed_knob_read_at_import_says_which_and_how_to_fix_it():
