@@ -19,10 +19,11 @@ time it fills arrays on the CPU, and a save the first time it saves: LMDB
 copies each record into pages it allocates per transaction and frees at the
 commit, so every save faulted them in afresh (LMDB's put of 128 MiB: 62-81 ms
 -> 28 ms on the same VM, ``tools/bench/save_profile.py``; P2's durable save of
-2048 tokens of llama-8B 342 -> 255 ms, of 8192 1.95 s -> 925 ms). A write-behind
-writer applies it when it is made (``store.save_behind``): a process that only saved
-behind never had it, and on an H200 G3's 512 MiB lossless save took 743 ms against 381
-with it (``tools/bench/results/gpu/1f9aae7/``).
+2048 tokens of llama-8B 342 -> 255 ms, of 8192 1.95 s -> 925 ms). A save applies it
+when its encoder is made, whether the save is made now or handed off
+(``store.save_behind``). A process that only saved behind once never had it: on an
+H200, G3's 512 MiB lossless save took 743 ms against 381 with it
+(``tools/bench/results/gpu/1f9aae7/``).
 ``KVSTORE_HOST_MALLOC=os`` leaves the allocator as it is. Elsewhere (macOS, musl,
 a GPU's memory) it does nothing.
 """

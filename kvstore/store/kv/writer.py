@@ -48,7 +48,6 @@ import numpy as np
 from kvstore.abc.codec import Snapshot
 from kvstore.abc.store import DURABILITY_MODES, BlockSave, PrefixStore, SaveResult
 from kvstore.codecs import codec_for
-from kvstore.codecs.host_memory import keep_freed_memory
 from kvstore.errors import CapabilityError, StoreError
 from kvstore.store import keys as K
 from kvstore.store.kv.checkpoints import checkpoint_layers, checkpoint_positions, live_positions
@@ -165,11 +164,6 @@ class WriteBehind:
 
     def __init__(self, store: PrefixStore, durability: str, group_window: float) -> None:
         assert durability in DURABILITY_MODES
-        # The writer's LMDB pages and records reuse freed heap, as a save's do (host_memory).
-        # A process that only saved behind never applied it, and on an H200 each commit of
-        # a 4096-token llama-8B save faulted 512 MiB of LMDB's pages in afresh: G3's
-        # lossless save took 743 ms where the same save after a synchronous one took 410.
-        keep_freed_memory()
         self._store = store
         self._group = durability == "group"
         self._window = group_window if self._group else 0.0
