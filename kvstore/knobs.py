@@ -2,7 +2,8 @@
 
 The data path's knobs (``KVSTORE_COPY_THREADS``, ``KVSTORE_DIRECT_MIN_ARRAY_MIB``,
 ``KVSTORE_CUDA_SWITCH_MS``, ...) are read when their module loads or their pool is
-made. A value that is not one of the kind wanted raises
+made; its on/off switches (``KVSTORE_COMMIT_WRITEBACK``, ``KVSTORE_TQ_TOGETHER``, ...)
+are on unless set to exactly ``"0"``. A count or amount that is not one raises
 :class:`~kvstore.errors.StoreConfigError` naming the variable, what it got and what it
 expects, instead of Python's own ``ValueError`` from ``int()`` or ``float()``.
 """
@@ -14,7 +15,7 @@ import os
 
 from kvstore.errors import StoreConfigError
 
-__all__ = ["count_from_env", "mib_from_env", "ms_from_env"]
+__all__ = ["count_from_env", "mib_from_env", "ms_from_env", "switch_from_env"]
 
 _MiB = 1 << 20
 
@@ -27,7 +28,12 @@ def _refused(name: str, value: str, expected: str, default: object) -> StoreConf
     )
 
 
-def _set(name: str) -> str:
+def switch_from_env(name: str) -> bool:
+    """Whether the switch ``name`` is on: unset or anything but ``"0"``."""
+    return os.environ.get(name, "1") != "0"
+
+
+def _value(name: str) -> str:
     return os.environ.get(name, "").strip()
 
 
@@ -38,7 +44,7 @@ def count_from_env(name: str, default: int, what: str = "threads") -> int:
     Raises:
         StoreConfigError: ``name`` is set to something other than a positive integer.
     """
-    value = _set(name)
+    value = _value(name)
     if not value:
         return default
     try:
@@ -51,7 +57,7 @@ def count_from_env(name: str, default: int, what: str = "threads") -> int:
 
 
 def _amount(name: str, default: float, unit: str) -> float:
-    value = _set(name)
+    value = _value(name)
     if not value:
         return default
     try:

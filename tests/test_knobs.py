@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from kvstore.errors import StoreConfigError
-from kvstore.knobs import count_from_env, mib_from_env, ms_from_env
+from kvstore.knobs import count_from_env, mib_from_env, ms_from_env, switch_from_env
 
 NAME = "KVSTORE_TEST_KNOB"
 
@@ -29,6 +29,14 @@ def knob(monkeypatch):
 def test_a_count_from_the_environment_or_the_default(knob, value, want):
     knob(value)
     assert count_from_env(NAME, 7) == want
+
+
+@pytest.mark.parametrize(
+    "value, on", [(None, True), ("1", True), ("", True), ("yes", True), (" 0", True), ("0", False)]
+)
+def test_a_switch_is_off_only_for_exactly_0(knob, value, on):
+    knob(value)
+    assert switch_from_env(NAME) is on
 
 
 def refused(call, value: str, message: str) -> None:

@@ -32,7 +32,6 @@ the route before it, for an A/B on the device).
 from __future__ import annotations
 
 import itertools
-import os
 from collections.abc import Mapping, Sequence
 from operator import attrgetter
 from typing import Any, cast
@@ -46,12 +45,13 @@ from kvstore.codecs.fill import LeafSpec
 from kvstore.codecs.header import LayerEntry, TensorEntry
 from kvstore.codecs.payload_tensors import Payload, PayloadTensors, entries_by_name
 from kvstore.codecs.plans import Stack, alike_row_names, rows_read
+from kvstore.knobs import switch_from_env
 
 __all__ = ["joined_alike", "joined_records"]
 
 #: Whether the joins are made per tensor name where they can be (the default), or always
 #: per (layer, name) by :func:`~kvstore.codecs.plans.join_runs` (``KVSTORE_ALIKE_JOINS=0``).
-ALIKE_JOINS = os.environ.get("KVSTORE_ALIKE_JOINS", "1") != "0"
+ALIKE_JOINS = switch_from_env("KVSTORE_ALIKE_JOINS")
 
 _TENSORS = attrgetter("tensors")
 _PAYLOAD = attrgetter("payload")

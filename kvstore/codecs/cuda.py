@@ -50,7 +50,7 @@ import numpy as np
 
 from kvstore.codecs.arrays import MLX_DTYPES, numpy_dtype
 from kvstore.cuda_kernel import cuda_kernel
-from kvstore.knobs import count_from_env, mib_from_env
+from kvstore.knobs import count_from_env, mib_from_env, switch_from_env
 from kvstore.threads import KeptPool
 
 __all__ = [
@@ -687,7 +687,7 @@ def available() -> bool:
         return False
     if TRANSPORT is not None:
         return True
-    if os.environ.get("KVSTORE_CUDA_STAGING", "1") == "0":
+    if not switch_from_env("KVSTORE_CUDA_STAGING"):
         TRANSPORT = False
         return False
     try:

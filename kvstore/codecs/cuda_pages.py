@@ -53,7 +53,7 @@ import numpy as np
 
 from kvstore.codecs import cuda, device_joins
 from kvstore.codecs.arrays import MLX_DTYPES, dtype_name, numpy_dtype
-from kvstore.knobs import count_from_env, mib_from_env, ms_from_env
+from kvstore.knobs import count_from_env, mib_from_env, ms_from_env, switch_from_env
 from kvstore.threads import KeptPool
 
 __all__ = [
@@ -94,7 +94,7 @@ GATHER_GROUPS = min(cuda.ASSEMBLE_INPUTS, count_from_env("KVSTORE_CUDA_GATHER_GR
 #: with every page locked by 20.8, and the bus needing ~10 ms for the 512 MiB:
 #: ``tools/bench/results/gpu/7837ba3/ab-graphs.txt``). For that moment the rows are on
 #: the device twice, as in groups.
-STAGE_SPANS = os.environ.get("KVSTORE_CUDA_STAGE_SPANS", "1") != "0"
+STAGE_SPANS = switch_from_env("KVSTORE_CUDA_STAGE_SPANS")
 
 #: How a restore's records reach the device memory its gathers read
 #: (``KVSTORE_CUDA_PAGES_ROUTE``). ``lock``: the store's pages are page-locked where they

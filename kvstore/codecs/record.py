@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 import struct
 import threading
 from collections.abc import Callable, Container, Iterator, Mapping, Sequence
@@ -78,6 +77,7 @@ from kvstore.codecs.header_parse import forget_tensor_tables, parse_header
 from kvstore.codecs.payload_tensors import Payload, PayloadTensors, numpy_view
 from kvstore.codecs.snapshot_meta import note_checked
 from kvstore.errors import CorruptEntryError, FormatVersionError
+from kvstore.knobs import switch_from_env
 
 __all__ = [
     "MAGIC",
@@ -130,7 +130,7 @@ _PARSED_LOCK = threading.Lock()
 _PROMISED: dict[int, tuple[threading.Event, int]] = {}
 #: Whether checks wait for the headers a reader promised (:func:`reader_parses`;
 #: ``KVSTORE_READER_PARSES=0``: they parse whichever they reach first, as before).
-READER_PARSES = os.environ.get("KVSTORE_READER_PARSES", "1") != "0"
+READER_PARSES = switch_from_env("KVSTORE_READER_PARSES")
 
 
 def _align(n: int) -> int:

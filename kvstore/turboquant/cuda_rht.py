@@ -47,7 +47,6 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 import threading
 import weakref
 from collections.abc import Callable, Sequence
@@ -57,6 +56,7 @@ import mlx.core as mx
 import numpy as np
 
 from kvstore.cuda_kernel import cuda_kernel
+from kvstore.knobs import switch_from_env
 from kvstore.turboquant.codebook import codebook
 from kvstore.turboquant.kernel_switch import switched_on
 from kvstore.turboquant.packing import pack_indices, packed_words, unpack_indices
@@ -385,7 +385,7 @@ def decoded_together(tensors: Sequence[DecodeItem]) -> list[mx.array] | None:
 def _groups(tensors: Sequence[Any]) -> list[Sequence[Any]]:
     """``tensors`` in the groups that share a launch: :data:`TOGETHER` each, or one each
     where :data:`TOGETHER_ENV` is ``"0"``."""
-    size = 1 if os.environ.get(TOGETHER_ENV) == "0" else TOGETHER
+    size = TOGETHER if switch_from_env(TOGETHER_ENV) else 1
     return [tensors[i : i + size] for i in range(0, len(tensors), size)]
 
 

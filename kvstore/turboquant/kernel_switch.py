@@ -7,16 +7,16 @@ is a CUDA GPU.
 
 from __future__ import annotations
 
-import os
-
 import mlx.core as mx
+
+from kvstore.knobs import switch_from_env
 
 __all__ = ["switched_on"]
 
 
 def switched_on(env: str) -> bool:
     """``env`` is not ``"0"`` and the default device is a CUDA GPU."""
-    if os.environ.get(env, "1") == "0":
+    if not switch_from_env(env):
         return False
     try:
         return bool(mx.cuda.is_available()) and mx.default_device() == mx.gpu

@@ -30,6 +30,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from kvstore.knobs import switch_from_env
+
 __all__ = ["MIN_BYTES", "PERIOD_S", "Writeback", "writeback_for"]
 
 #: Commits smaller than this are left alone (their fsync is short either way).
@@ -56,7 +58,7 @@ _CALL = _sync_file_range()
 
 def enabled() -> bool:
     """Whether commits start their writeback early here (Linux, not turned off)."""
-    return _CALL is not None and os.environ.get("KVSTORE_COMMIT_WRITEBACK", "1") != "0"
+    return _CALL is not None and switch_from_env("KVSTORE_COMMIT_WRITEBACK")
 
 
 class Writeback:

@@ -32,7 +32,6 @@ filled (``PrefixStore.read_checking``), and before anything is returned.
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
@@ -68,6 +67,7 @@ from kvstore.errors import (
     FormatVersionError,
     UnknownSignatureError,
 )
+from kvstore.knobs import switch_from_env
 from kvstore.signature import parse_signature
 from kvstore.store.kv.checkpoints import checkpoint_block, usable_checkpoint
 
@@ -437,7 +437,7 @@ def _stacked(
     are one stack, a 16384-token one's four. Where the joins of a stack lie one after
     another in a gather's output (``stacks``, from :func:`join_runs`), the decode reads
     them there as they are, not concatenated."""
-    if os.environ.get("KVSTORE_STACKED_DECODE", "1") == "0":
+    if not switch_from_env("KVSTORE_STACKED_DECODE"):
         return recoded
     kinds: dict[tuple[str, str], list[list[int]]] = {}
     held: dict[tuple[str, str], int] = {}  # vectors in each kind's last stack
@@ -492,7 +492,7 @@ def _views_of(
 #: processes restoring 4096 tokens of llama-8B, taken in turn (median of 4),
 #: TurboQuant 4/4 25.5 -> 23.6 ms and ``kv:quant:8:64`` 27.5 -> 26.3, ``run_plans``
 #: 5.1 -> 3.5 and 5.9 -> 3.3 ms (``tools/bench/results/gpu/d0ceccd/ab-early.txt``).
-EARLY_DECODE = os.environ.get("KVSTORE_EARLY_DECODE", "1") != "0"
+EARLY_DECODE = switch_from_env("KVSTORE_EARLY_DECODE")
 
 #: The most vectors of a kind one stacked decode holds (:func:`_stacked`).
 STACKED_DECODE_VECTORS = 1 << 20
