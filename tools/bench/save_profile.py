@@ -64,6 +64,49 @@ def _model_caches(layers: int, tokens: int) -> tuple[list[Any], list[Any]]:
     return caches, _mlx_lm_caches(caches, tokens)
 
 
+def _time_phases() -> dict[str, list[float]]:
+    """Wrap the save's phases in wall clocks (this tool's process only): per save, the
+    records' encode, the sum of LMDB's puts, and the commit."""
+    from kvstore.store.blocks import prefix, saving
+    from kvstore.store.engines import lmdb as engine
+
+    spent: dict[str, list[float]] = {"encode (D2H, hash)": [], "lmdb puts": [], "commit": []}
+    puts = [0.0]
+
+    def timed(label: str, fn: Any) -> Any:
+        def wrapper(*a: Any, **k: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                spent[label].append(time.perf_counter() - start)
+
+        return wrapper
+
+    put = engine._LMDBView.put
+
+    def counted_put(self: Any, key: bytes, value: Any, **k: Any) -> bool:
+        start = time.perf_counter()
+        try:
+            return put(self, key, value, **k)
+        finally:
+            puts[0] += time.perf_counter() - start
+
+    commit = engine.LMDBBackend._commit
+
+    def counted_commit(self: Any, txn: Any, size_hint: int) -> None:
+        put_s, puts[0] = puts[0], 0.0
+        if size_hint < 1 << 20:  # a delete's or the recency's commit, not a save's
+            return commit(self, txn, size_hint)
+        spent["lmdb puts"].append(put_s)
+        return timed("commit", commit)(self, txn, size_hint)
+
+    engine._LMDBView.put = counted_put  # type: ignore[method-assign]
+    engine.LMDBBackend._commit = counted_commit  # type: ignore[method-assign]
+    prefix.saving.encode_missing = timed("encode (D2H, hash)", saving.encode_missing)
+    return spent
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, default=8)
@@ -94,7 +137,14 @@ def main() -> int:
         help="the caches a llama-8B-shaped model's prefill leaves (its MLP and vocabulary "
         "small), and G3's peer caches made from them, instead of synthetic ones",
     )
+    parser.add_argument(
+        "--phases",
+        action="store_true",
+        help="also the wall time of each save's phases, on whichever thread runs them: "
+        "encoding the records, LMDB's puts, its commit",
+    )
     args = parser.parse_args()
+    phases = _time_phases() if args.phases else None
 
     from mlx_lm.models.cache import save_prompt_cache
 
@@ -152,6 +202,11 @@ def main() -> int:
                 f"{policy} ({how}): save {1e3 * med:.0f} ms (median; "
                 f"{', '.join(f'{1e3 * t:.0f}' for t in times)}); vs mlx-lm {ratio:.2f}x"
             )
+            if phases is not None:
+                for label, spent in phases.items():
+                    per = sorted(spent[-args.repeats :])
+                    print(f"  wall: {label:<34} {1e3 * statistics.median(per):7.1f} ms (median)")
+                    spent.clear()
             for label, needles in PARTS.items():
                 part = _cumulative(stats, needles)
                 print(
