@@ -63,9 +63,7 @@ class _Buffer:
 
     def __init__(self, nbytes: int, pinned: bool) -> None:
         self.pinned: Any = cuda.new_buffer(nbytes) if pinned else None
-        self.array: np.ndarray = (
-            self.pinned.array if self.pinned is not None else np.empty(nbytes, np.uint8)
-        )
+        self.array: np.ndarray = self.pinned.array if pinned else np.empty(nbytes, np.uint8)
 
     def free(self) -> bool:
         """Whether no record refers to the buffer: it is held by ``array`` here,

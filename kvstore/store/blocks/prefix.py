@@ -58,7 +58,7 @@ from kvstore.errors import (
     StoreUnavailableError,
 )
 from kvstore.store import keys as K
-from kvstore.store.blocks import meta, saving, waves
+from kvstore.store.blocks import meta, saving
 from kvstore.store.blocks.eviction import Block, Budget, budgets, enforce
 from kvstore.store.blocks.housekeeping import Housekeeper, Pending, apply_pending
 from kvstore.store.blocks.integrity import Survey
@@ -379,8 +379,49 @@ class BlockPrefixStore(CacheMethods, PrefixStore):
         jobs = [saving.SaveJob.of(s, self._settings.block_size) for s in saves]
         now = self._clock()
         for _ in range(_SAVE_ATTEMPTS):
-            if self._save_attempt(jobs, now):
+            with self._backend.reader() as view:
+                saving.survey_jobs(view, jobs)
+            writing = []
+            for job in jobs:
+                if job.result is not None:
+                    continue
+                if not job.missing:  # dedup: hashing and one read; recency is batched
+                    if self._house is not None:
+                        self._house.touch(job.existing, now)
+                    self._counters.add(saves=1, deduplicated_blocks=len(job.existing))
+                    job.result = SaveResult(
+                        job.save.namespace,
+                        len(job.toks),
+                        deduplicated=len(job.existing),
+                        covered_by=job.cover,
+                    )
+                    continue
+                todo = [s for s in job.missing if s.index not in job.encoded]
+                saving.encode_missing(
+                    job.ns, todo, job.encoded, job.save.encode, job.save.checkpoints
+                )
+                writing.append(job)
+            if not writing:
                 break
+            size = sum(saving.record_nbytes(r) for j in writing for r in j.encoded.values())
+            try:
+                outs = self._write_with_pending(
+                    partial(self._commit_saves, jobs=writing, now=now), size_hint=size
+                )
+            except saving.Stale:
+                continue
+            for job, out in zip(writing, outs, strict=True):
+                job.result = saving.result_of(job, out)
+                self._counters.add(
+                    saves=1,
+                    saved_blocks=len(out.written),
+                    saved_bytes=out.written_bytes,
+                    deduplicated_blocks=out.deduplicated,
+                    evictions=len(out.evicted),
+                    evicted_bytes=job.result.evicted_bytes,
+                    evicted_checkpoint_bytes=job.result.evicted_checkpoint_bytes,
+                )
+            break
         else:
             namespace = next(j.save.namespace for j in jobs if j.result is None)
             raise StoreError(
@@ -389,88 +430,6 @@ class BlockPrefixStore(CacheMethods, PrefixStore):
                 namespace=namespace,
             )
         return [job.result for job in jobs if job.result is not None]
-
-    def _save_attempt(self, jobs: list[saving.SaveJob], now: float) -> bool:
-        """One attempt at every save without a result; ``False`` where a block seen
-        stored vanished before its commit (concurrent eviction): survey again."""
-        with self._backend.reader() as view:
-            saving.survey_jobs(view, jobs)
-        writing = []
-        for job in jobs:
-            if job.result is not None:
-                continue
-            if not job.missing:  # dedup: hashing and one read; recency is batched
-                if self._house is not None:
-                    self._house.touch(job.existing, now)
-                self._counters.add(saves=1, deduplicated_blocks=len(job.existing))
-                job.result = SaveResult(
-                    job.save.namespace,
-                    len(job.toks),
-                    deduplicated=len(job.existing),
-                    covered_by=job.cover,
-                )
-                continue
-            todo = [s for s in job.missing if s.index not in job.encoded]
-            if len(jobs) == 1 and len(todo) > 2 and not job.encoded and not job.upgrading:
-                # Its first block alone: whether the save is large enough for waves.
-                self._encode(job, todo[:1])
-                first = saving.record_nbytes(job.encoded[todo[0].index])
-                if waves.worth_waves(first, len(todo)):
-                    try:
-                        waves.save_in_waves(
-                            job,
-                            waves.wave_spans(todo, first),
-                            partial(self._encode, job),
-                            partial(self._commit_wave, now=now),
-                        )
-                    except saving.Stale:
-                        return False
-                    job.result = saving.result_of(job)
-                    self._count_save(job.result)
-                    return True
-                todo = todo[1:]
-            self._encode(job, todo)
-            writing.append(job)
-        if not writing:
-            return True
-        size = sum(saving.record_nbytes(r) for j in writing for r in j.encoded.values())
-        try:
-            outs = self._write_with_pending(
-                partial(self._commit_saves, jobs=writing, now=now), size_hint=size
-            )
-        except saving.Stale:
-            return False
-        for job, out in zip(writing, outs, strict=True):
-            job.result = saving.result_of(job, out)
-            self._count_save(job.result)
-        return True
-
-    def _encode(
-        self, job: saving.SaveJob, spans: list[saving.Span], into: dict[int, Any] | None = None
-    ) -> None:
-        saving.encode_missing(
-            job.ns,
-            spans,
-            job.encoded if into is None else into,
-            job.save.encode,
-            job.save.checkpoints,
-        )
-
-    def _commit_wave(self, wave: saving.SaveJob, size: int, *, now: float) -> saving.SaveOutcome:
-        return self._write_with_pending(
-            partial(self._commit_saves, jobs=[wave], now=now), size_hint=size
-        )[0]
-
-    def _count_save(self, result: SaveResult) -> None:
-        self._counters.add(
-            saves=1,
-            saved_blocks=len(result.written),
-            saved_bytes=result.written_bytes,
-            deduplicated_blocks=result.deduplicated,
-            evictions=result.evicted,
-            evicted_bytes=result.evicted_bytes,
-            evicted_checkpoint_bytes=result.evicted_checkpoint_bytes,
-        )
 
     def _commit_saves(
         self, txn: WriteView, pending: Pending, *, jobs: list[saving.SaveJob], now: float

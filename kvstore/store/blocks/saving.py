@@ -19,7 +19,7 @@ index entry keeps it, and the totals count it apart.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -51,7 +51,6 @@ __all__ = [
     "encode_missing",
     "commit_blocks",
     "record_nbytes",
-    "merged",
 ]
 
 #: ``make_room(txn, incoming bytes, pinned record keys) -> evicted blocks``.
@@ -335,15 +334,6 @@ class SaveJob:
     cover: bytes | None = None
     missing: list[Span] = field(default_factory=list)
     result: SaveResult | None = None
-    #: The outcomes of the transactions that already committed some of its blocks (a
-    #: save in waves, :mod:`~kvstore.store.blocks.waves`), in order.
-    committed: list[SaveOutcome] = field(default_factory=list)
-
-    @property
-    def upgrading(self) -> bool:
-        """Whether it encodes stored blocks again, to add their checkpoint (the survey
-        counts every span once, stored or missing, and an upgrade twice)."""
-        return len(self.existing) + len(self.missing) > len(self.spans)
 
     @classmethod
     def of(cls, save: BlockSave, block_size: int) -> SaveJob:
@@ -367,31 +357,8 @@ def survey_jobs(view: ReadView, jobs: list[SaveJob]) -> None:
             job.missing = [*missing, *upgradable(view, job.ns, stored, job.save.checkpoints)]
 
 
-def merged(outcomes: Sequence[SaveOutcome]) -> SaveOutcome:
-    """One save's outcome from those of its transactions, in order. A later
-    transaction found the earlier ones' blocks stored: they count as written, not
-    deduplicated."""
-    if len(outcomes) == 1:
-        return outcomes[0]
-    last = outcomes[-1]
-    earlier = sum(len(o.written) for o in outcomes[:-1])
-    return SaveOutcome(
-        written=tuple(k for o in outcomes for k in o.written),
-        written_bytes=sum(o.written_bytes for o in outcomes),
-        deduplicated=max(0, last.deduplicated - earlier),
-        superseded=sum(o.superseded for o in outcomes),
-        evicted=tuple(b for o in outcomes for b in o.evicted),
-        covered_by=last.covered_by,
-        checkpoints=sum(o.checkpoints for o in outcomes),
-        checkpoint_bytes=sum(o.checkpoint_bytes for o in outcomes),
-        upgraded=sum(o.upgraded for o in outcomes),
-    )
-
-
-def result_of(job: SaveJob, last: SaveOutcome | None = None) -> SaveResult:
-    """The :class:`~kvstore.abc.store.SaveResult` of a committed save: its last
-    transaction's outcome ``last`` after those in ``job.committed``."""
-    out = merged([*job.committed, *([] if last is None else [last])])
+def result_of(job: SaveJob, out: SaveOutcome) -> SaveResult:
+    """The :class:`~kvstore.abc.store.SaveResult` of a committed save."""
     return SaveResult(
         job.save.namespace,
         len(job.toks),
