@@ -53,50 +53,37 @@ def _align(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
 
 
-#: Buffers an arena keeps: a save in waves (:mod:`kvstore.store.blocks.waves`) writes
-#: the next wave's records while the last wave's are being committed.
-KEPT = 2
-
-
-class _Buffer:
-    """One kept buffer: host memory, or pinned memory on a CUDA GPU."""
-
-    def __init__(self, nbytes: int, pinned: bool) -> None:
-        self.pinned: Any = cuda.new_buffer(nbytes) if pinned else None
-        self.array: np.ndarray = self.pinned.array if pinned else np.empty(nbytes, np.uint8)
-
-    def free(self) -> bool:
-        """Whether no record refers to the buffer: it is held by ``array`` here,
-        getrefcount's argument and (pinned) the pinned buffer's ``array`` only.
-        (Counting one fewer made every save take a new buffer: on an H200 a pinned one
-        of 512 MiB, faulted in and page-locked, cost each 4096-token llama-8B save
-        310 ms.)"""
-        return sys.getrefcount(self.array) <= 2 + (self.pinned is not None)
-
-
 class _Arena:
-    """One thread's buffers, at most :data:`KEPT`, reused once their records are gone."""
+    """One thread's buffer (host memory, or pinned memory on a CUDA GPU)."""
 
     def __init__(self) -> None:
-        self.kept: list[_Buffer] = []
+        self.pinned: Any = None
+        self.array: np.ndarray | None = None
 
-    def take(self, nbytes: int, pinned: bool) -> _Buffer:
+    def take(self, nbytes: int, pinned: bool) -> np.ndarray:
         """A buffer of at least ``nbytes`` that nothing else refers to."""
-        free = [b for b in self.kept if b.free() and (b.pinned is not None) == pinned]
-        for kept in free:
-            if kept.array.nbytes >= nbytes:
-                return kept
-        # None fits: a free one grows, else a new one joins (the oldest in use is let go
-        # of when the arena is full; its records keep it alive while they live).
-        if free:
-            self.kept.remove(free[0])
-            nbytes = max(nbytes, int(1.25 * free[0].array.nbytes))
-        elif len(self.kept) >= KEPT:
-            self.kept.pop(0)
-        del free
-        fresh = _Buffer(nbytes, pinned)
-        self.kept.append(fresh)
-        return fresh
+        array = self.array
+        # Held by this arena, ``array`` here and getrefcount's argument only (and the
+        # pinned buffer's ``array``): no record of it is alive. (Counting one fewer
+        # made every save take a new buffer: on an H200 a pinned one of 512 MiB,
+        # faulted in and page-locked, cost each 4096-token llama-8B save 310 ms.)
+        free = array is not None and sys.getrefcount(array) <= 3 + (self.pinned is not None)
+        if (
+            not free
+            or array is None
+            or array.nbytes < nbytes
+            or (self.pinned is not None) != pinned
+        ):
+            size = max(nbytes, int(1.25 * array.nbytes) if free and array is not None else 0)
+            self.array = None
+            if pinned:
+                self.pinned = cuda.new_buffer(size)
+                self.array = self.pinned.array
+            else:
+                self.pinned = None
+                self.array = np.empty(size, np.uint8)
+        assert self.array is not None
+        return self.array
 
 
 def _arena() -> _Arena:
@@ -117,14 +104,13 @@ def write_records(plans: Sequence[RecordPlan]) -> list[memoryview]:
     on_gpu = cuda.available()
     # MLX evaluates a graph only on the thread whose stream built it: here, not in the pool.
     mx.eval([a for plan in plans for a, _ in plan.tensors if isinstance(a, mx.array)])
-    taken = _arena().take(end, on_gpu)
-    buffer = taken.array
+    buffer = _arena().take(end, on_gpu)
     if on_gpu:
         heads = [len(plan.head((1 << 64) - 1)) for plan in plans]
         payloads = [device_payload(plan) for plan in plans]
         cuda.download(
             payloads,
-            taken.pinned,
+            _arena().pinned,
             [start + head for start, head in zip(starts, heads, strict=True)],
         )
         del payloads

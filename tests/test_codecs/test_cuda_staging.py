@@ -396,37 +396,6 @@ def test_an_arena_nothing_refers_to_is_reused(request, pinned):
         assert staged.downloads == 2
 
 
-@pytest.mark.parametrize("pinned", [False, True], ids=["host", "pinned"])
-def test_two_arenas_alternate_while_one_is_held(request, pinned):
-    """A save in waves writes a wave while the last one's records are committed: two
-    buffers alternate, neither made anew per wave."""
-    from kvstore.caches import KVCache
-    from kvstore.codecs import codec_for
-
-    if pinned:
-        request.getfixturevalue("staged")
-    cache = KVCache()
-    rows = mx.random.normal((1, 2, 48, 64))
-    cache.update_and_fetch(rows, rows)
-    codec = codec_for(cache)
-
-    def wave(start: int) -> list[memoryview]:
-        return write_records([plan_record([codec.snapshot(cache, start, start + 16)])])
-
-    first = wave(0)
-    second = wave(16)  # the first is still held: another buffer
-    where = _address(first[0]), _address(second[0])
-    assert where[0] != where[1]
-    del first
-    third = wave(32)  # the first buffer again, the second still held
-    assert _address(third[0]) == where[0]
-    assert bytes(third[0]) == encode_record([codec.snapshot(cache, 32, 48)])
-    assert bytes(second[0]) == encode_record([codec.snapshot(cache, 16, 32)])
-    del second
-    fourth = wave(0)
-    assert _address(fourth[0]) == where[1]
-
-
 def test_in_use_asks_nothing_of_the_device(monkeypatch):
     monkeypatch.setattr(cuda, "TRANSPORT", None)
     assert not cuda.in_use()
