@@ -137,6 +137,7 @@ def main() -> int:
         help="the caches a llama-8B-shaped model's prefill leaves (its MLP and vocabulary "
         "small), and G3's peer caches made from them, instead of synthetic ones",
     )
+    parser.add_argument("--sort", default="cumulative", help="--top's order (pstats' keys)")
     parser.add_argument(
         "--phases",
         action="store_true",
@@ -173,6 +174,8 @@ def main() -> int:
             url = f"lmdb://{scratch / policy.replace(':', '-')}"
             with open_store(url, **options) as store:
                 store.save("warm", list(range(256)), caches)
+                for spent in (phases or {}).values():
+                    spent.clear()
                 profile, times = cProfile.Profile(), []
                 for i in range(args.repeats):
                     tokens = [i + 1] + [0] * (args.tokens - 1)  # a new prefix each time
@@ -191,9 +194,12 @@ def main() -> int:
                         store.save("ns", tokens, caches)
                     profile.disable()
                     times.append(time.perf_counter() - start)
+                    if phases is not None:  # this save's sums (a save in waves has several)
+                        for spent in phases.values():
+                            spent[:] = [*spent[:i], sum(spent[i:])]
             stats = pstats.Stats(profile)
             if args.top:
-                stats.sort_stats("cumulative").print_stats(args.top)
+                stats.sort_stats(args.sort).print_stats(args.top)
             total = sum(times)
             med = statistics.median(times)
             ratio = statistics.median(peer) / med
@@ -204,8 +210,11 @@ def main() -> int:
             )
             if phases is not None:
                 for label, spent in phases.items():
-                    per = sorted(spent[-args.repeats :])
-                    print(f"  wall: {label:<34} {1e3 * statistics.median(per):7.1f} ms (median)")
+                    per = spent[-args.repeats :]
+                    print(
+                        f"  wall: {label:<34} {1e3 * statistics.median(per):7.1f} ms (median; "
+                        f"{', '.join(f'{1e3 * t:.0f}' for t in per)})"
+                    )
                     spent.clear()
             for label, needles in PARTS.items():
                 part = _cumulative(stats, needles)
