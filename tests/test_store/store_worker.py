@@ -13,7 +13,7 @@ import sys
 
 from kvstore.errors import StoreFullError
 from kvstore.store import open_store
-from kvstore.store.engines import lmdb_values, writeback
+from kvstore.store.engines import writeback
 from kvstore.testing.store import check_match, check_views, encoder_for, verify_record
 
 NS = "procs"
@@ -43,18 +43,13 @@ def say(*words: object) -> None:
     sys.stdout.flush()
 
 
-def writer(path: str, seed: int, filler: str, pump: str = "0", values: str = "inline") -> None:
+def writer(path: str, seed: int, filler: str, pump: str = "0") -> None:
     """Save prompts forever, acknowledging each once put_blocks returned (for the SIGKILL test).
     With ``pump`` "1", every commit has its writeback started early, however small
-    (:mod:`kvstore.store.engines.writeback`). With ``values`` "segments", every record
-    of 1 KiB or more is written into a segment file
-    (:mod:`kvstore.store.engines.lmdb_values`)."""
+    (:mod:`kvstore.store.engines.writeback`)."""
     if pump == "1":
         writeback.MIN_BYTES = 0
-    if values == "segments":
-        lmdb_values.VALUE_MIN = 1024
-        lmdb_values.SEGMENT_BYTES = 1 << 20  # segments fill, roll and empty
-    store = open_(path, map_size=1 << 20, values=values)
+    store = open_(path, map_size=1 << 20)
     say("READY")
     for i in range(10**9):
         save(store, prompt(int(seed), i), int(filler))

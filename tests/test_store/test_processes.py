@@ -51,9 +51,7 @@ def test_sigkill_at_random_points_during_saves_loses_nothing_acknowledged(tmp_pa
     rng = random.Random(2024)
     acknowledged: list[list[int]] = []
     for kill in range(20):
-        # Half the writers pump every commit's writeback; half write records to segments.
-        values = "segments" if kill % 4 >= 2 else "inline"
-        writer = spawn("writer", path, kill, rng.choice([0, 20_000, 200_000]), kill % 2, values)
+        writer = spawn("writer", path, kill, rng.choice([0, 20_000, 200_000]), kill % 2)
         assert writer.stdout.readline().strip() == "READY"
         seen = []
         for _ in range(rng.randrange(0, 4)):

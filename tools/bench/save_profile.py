@@ -94,12 +94,12 @@ def _time_phases() -> dict[str, list[float]]:
 
     commit = engine.LMDBBackend._commit
 
-    def counted_commit(self: Any, txn: Any, view: Any, size_hint: int) -> None:
+    def counted_commit(self: Any, txn: Any, size_hint: int) -> None:
         put_s, puts[0] = puts[0], 0.0
         if size_hint < 1 << 20:  # a delete's or the recency's commit, not a save's
-            return commit(self, txn, view, size_hint)
+            return commit(self, txn, size_hint)
         spent["lmdb puts"].append(put_s)
-        return timed("commit", commit)(self, txn, view, size_hint)
+        return timed("commit", commit)(self, txn, size_hint)
 
     engine._LMDBView.put = counted_put  # type: ignore[method-assign]
     engine.LMDBBackend._commit = counted_commit  # type: ignore[method-assign]

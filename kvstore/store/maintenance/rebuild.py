@@ -28,7 +28,6 @@ import lmdb
 
 from kvstore.errors import CapabilityError, StoreError
 from kvstore.store.engines.lmdb_file import salvage
-from kvstore.store.engines.lmdb_values import VALUES_DIR
 from kvstore.store.maintenance.migrate.swap import exchange_paths
 
 __all__ = ["Rebuilt", "rebuild_lmdb"]
@@ -95,7 +94,6 @@ def _rebuilt(store: Path, old_bytes: int) -> Rebuilt:
     shutil.rmtree(fresh, ignore_errors=True)
     try:
         keys, nbytes = _copy_into(store, fresh, old_bytes)
-        _link_segments(store, fresh)
         _swap(store, fresh)
     finally:
         shutil.rmtree(fresh, ignore_errors=True)  # the old, damaged store after the swap
@@ -149,18 +147,6 @@ def _copy_into(store: Path, fresh: Path, size_hint: int) -> tuple[int, int]:
     finally:
         out.close()
     return keys, nbytes
-
-
-def _link_segments(store: Path, fresh: Path) -> None:
-    """The segment files (:mod:`~kvstore.store.engines.lmdb_values`) into the fresh store
-    too, as hard links: the pointers copied refer to them, and until the swap the old
-    store still holds them as they were."""
-    values = store / VALUES_DIR
-    if not values.is_dir():
-        return
-    (fresh / VALUES_DIR).mkdir()
-    for name in os.listdir(values):
-        os.link(values / name, fresh / VALUES_DIR / name)
 
 
 def _swap(store: Path, fresh: Path) -> None:
