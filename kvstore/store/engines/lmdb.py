@@ -17,7 +17,6 @@ import errno
 import os
 import shutil
 import threading
-import time
 from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -34,7 +33,6 @@ from kvstore.errors import (
     StoreFullError,
     StoreUnavailableError,
 )
-from kvstore.store.engines import lmdb_values as _values
 from kvstore.store.engines import writeback as _writeback
 from kvstore.store.engines.boundary import Translation, translate_errors
 from kvstore.store.engines.lmdb_file import check_file, meta_damage
@@ -201,27 +199,6 @@ class _SharedEnv:
         self.writeback = (
             _writeback.writeback_for(self._data) if not readonly and env.flags()["sync"] else None
         )
-        #: The store's segment files (:mod:`~kvstore.store.engines.lmdb_values`), where
-        #: it has them or a store opened on it writes them (``None``: every value is in
-        #: LMDB's pages, and reads and writes skip the pointer checks).
-        self.segments: _values.Segments | None = None
-        if (Path(key) / _values.VALUES_DIR).is_dir():
-            self.use_segments()
-        #: Whether a writer swept the segments a crash left unlinked (once a process).
-        self.swept = False
-        self._released = 0.0
-
-    def use_segments(self) -> _values.Segments:
-        if self.segments is None:
-            self.segments = _values.Segments(Path(self.key), sync=bool(self.env.flags()["sync"]))
-        return self.segments
-
-    def release_unlinked(self) -> None:
-        """At most once a second, unmap the segments unlinked since (their space)."""
-        now = time.monotonic()
-        if self.segments is not None and now - self._released > 1.0:
-            self._released = now
-            self.segments.release_unlinked()
 
     def file_size(self) -> int:
         """Bytes of ``data.mdb`` now (it only grows while open)."""
@@ -259,8 +236,6 @@ class _SharedEnv:
                 del self._open[self.key]
                 if self.writeback is not None:
                     self.writeback.close()
-                if self.segments is not None:
-                    self.segments.close()
                 self.env.close()
 
 
@@ -274,21 +249,15 @@ class _LMDBView:
     errors on one value make that value damaged, never a dead process.
     """
 
-    __slots__ = ("_txn", "_cursor", "_guard", "_end", "_shared", "_mapped", "_segments", "_out")
+    __slots__ = ("_txn", "_cursor", "_guard", "_end", "_shared", "_mapped")
 
-    def __init__(
-        self, txn: lmdb.Transaction, shared: _SharedEnv, write: bool, segments: bool = False
-    ) -> None:
+    def __init__(self, txn: lmdb.Transaction, shared: _SharedEnv, write: bool) -> None:
         self._txn = txn
         self._cursor: lmdb.Cursor | None = None
         self._shared = shared
         self._guard = shared.guard
         self._mapped = not write
         self._end = 0  # measured when the first value is read
-        #: The store's segments (pointers are read through them), if it has any.
-        self._segments = shared.use_segments() if segments else shared.segments
-        #: Whether large values are written into segments.
-        self._out = segments
 
     def _cur(self) -> lmdb.Cursor:
         if self._cursor is None:
@@ -312,10 +281,7 @@ class _LMDBView:
         shared = self._shared
         base = shared.map_base
         if offset < 0 or base == 0:
-            value = cursor.value()
-            if self._segments is not None and _values.Pointer.looks_like(value):
-                return self._segments.view(value)
-            return value
+            return cursor.value()
         if base is None or shared.map_unconfirmed is not None:
             # Once per map: python-lmdb's view of one value says where the map lies, and
             # its view of a second (elsewhere) that the values lie where LMDB's layout
@@ -361,10 +327,7 @@ class _LMDBView:
                     return
                 if not ascending and (key < prefix or not key.startswith(prefix)):
                     return
-                if not _values.is_private(key):
-                    value = self._value(cursor)
-                    if value is not None:  # a segment gone since: deleted since
-                        yield key, value
+                yield key, self._value(cursor)
             if not step():
                 return
 
@@ -396,58 +359,15 @@ class _LMDBView:
                 key = bytes(raw)
                 if not key.startswith(prefix):
                     return
-                if not _values.is_private(key):
-                    yield key
+                yield key
             if not cursor.next():
                 return
 
     def put(self, key: bytes, value: Any, *, if_absent: bool = False) -> bool:
-        segments = self._segments
-        if segments is None:
-            return self._txn.put(key, value, overwrite=not if_absent)
-        if if_absent and self._txn.get(key) is not None:
-            return False
-        self._forget(key)
-        if not self._out or memoryview(value).nbytes < _values.VALUE_MIN:
-            return self._txn.put(key, value)
-        pointer, filled = segments.append(value)
-        self._add_live(pointer.segment, pointer.length)
-        if filled is not None and self._txn.get(_values.live_key(filled)) is None:
-            segments.emptied(filled)  # the one that filled up holds nothing live
-        return self._txn.put(key, pointer.encode())
+        return self._txn.put(key, value, overwrite=not if_absent)
 
     def delete(self, key: bytes) -> bool:
-        if self._segments is not None:
-            self._forget(key)
         return self._txn.delete(key)
-
-    def _forget(self, key: bytes) -> None:
-        """The live bytes of the segment ``key``'s value is in, less that value's (it is
-        about to be deleted or replaced)."""
-        old = self._txn.get(key)
-        if old is None or not _values.Pointer.looks_like(old):
-            return
-        pointer = _values.Pointer.decode(old)
-        if pointer is not None:
-            self._add_live(pointer.segment, -pointer.length)
-
-    def _add_live(self, segment: int, delta: int) -> None:
-        key = _values.live_key(segment)
-        live = _values.decode_live(self._txn.get(key)) + delta
-        if live > 0:
-            self._txn.put(key, _values.encode_live(live))
-            return
-        self._txn.delete(key)
-        assert self._segments is not None
-        self._segments.emptied(segment)
-
-    def still_empty(self) -> list[int]:
-        """The segments this transaction emptied that hold no live value at its end."""
-        if self._segments is None:
-            return []
-        return [
-            s for s in self._segments.emptied_segments if self._txn.get(_values.live_key(s)) is None
-        ]
 
 
 class LMDBBackend(Backend):
@@ -462,10 +382,6 @@ class LMDBBackend(Backend):
         max_readers: concurrent read transactions across all processes.
         sync: fsync every commit (durable); ``False`` trades durability after a
             power loss (not a process crash) for commit latency.
-        values: ``"inline"``: every value in LMDB's pages; ``"segments"``: values of
-            1 MiB or more written once into segment files beside it, LMDB holding a
-            pointer (:mod:`~kvstore.store.engines.lmdb_values`). A store read with
-            either setting reads both. Default: ``KVSTORE_LMDB_VALUES``, else inline.
     """
 
     def __init__(
@@ -478,11 +394,9 @@ class LMDBBackend(Backend):
         create: bool = True,
         max_readers: int = 126,
         sync: bool = True,
-        values: str | None = None,
         url: str | None = None,
     ) -> None:
         self.path = Path(path).expanduser()
-        self._segments_out = _values_setting(values) == "segments"
         self.url = url or f"lmdb://{self.path.resolve()}"
         self._readonly = readonly
         self._max_map_size = max_map_size
@@ -608,8 +522,6 @@ class LMDBBackend(Backend):
 
     @contextmanager
     def reader(self) -> Iterator[_LMDBView]:
-        if self._shared is not None:
-            self._shared.release_unlinked()
         with self._begin("read", write=False) as txn:
             with translate_errors(LMDB_ERRORS, "read", self.url):
                 yield _LMDBView(txn, self._shared, write=False)  # type: ignore[arg-type]
@@ -618,51 +530,26 @@ class LMDBBackend(Backend):
         while True:
             with self._begin("write", write=True) as txn:
                 with translate_errors(LMDB_ERRORS, "write", self.url):
-                    view = _LMDBView(txn, self._shared, True, self._segments_out)  # type: ignore[arg-type]
                     try:
-                        self._sweep_segments(view)
-                        result = fn(view)
-                        self._commit(txn, view, size_hint)
+                        result = fn(_LMDBView(txn, self._shared, write=True))  # type: ignore[arg-type]
+                        self._commit(txn, size_hint)
                         return result
                     except lmdb.MapFullError:
                         pass  # the transaction is void: grow the map, run fn again
                     except lmdb.Error as exc:
                         self._raise_if_disk_full(exc, size_hint)
                         raise
-                    finally:
-                        if view._segments is not None:
-                            view._segments.end_transaction()
             self._grow(size_hint)
 
-    def _commit(self, txn: lmdb.Transaction, view: _LMDBView, size_hint: int) -> None:
+    def _commit(self, txn: lmdb.Transaction, size_hint: int) -> None:
         """``txn.commit()``; a large one with its writeback started early
-        (:mod:`~kvstore.store.engines.writeback`). Values written into segments are
-        synced first, and segments it emptied unlinked after."""
-        segments = view._segments
-        empty = view.still_empty()
-        if segments is not None:
-            segments.before_commit()
+        (:mod:`~kvstore.store.engines.writeback`)."""
         writeback = self.writeback
         if writeback is None or size_hint < _writeback.MIN_BYTES:
             txn.commit()
-        else:
-            with writeback.during():
-                txn.commit()
-        if segments is not None:
-            segments.after_commit(empty)
-
-    def _sweep_segments(self, view: _LMDBView) -> None:
-        """Once a process, in its first write: unlink the segments a process killed
-        between a commit and its unlink left behind (no live value, not the newest)."""
-        shared = self._shared
-        if shared is None or shared.swept:
             return
-        shared.swept = True
-        segments = view._segments
-        if segments is not None:
-            for segment in segments.numbers()[:-1]:
-                if view._txn.get(_values.live_key(segment)) is None:
-                    segments.emptied(segment)
+        with writeback.during():
+            txn.commit()
 
     def _raise_if_disk_full(self, exc: lmdb.Error, size_hint: int) -> None:
         """A write that failed because the disk is full is StoreFullError.
@@ -716,10 +603,8 @@ class LMDBBackend(Backend):
         with translate_errors(LMDB_ERRORS, "stats", self.url):
             info, stat = self._env.info(), self._env.stat()
         data = self.path / "data.mdb"
-        segments = self._shared.segments if self._shared is not None else None
         return {
             "engine": f"lmdb {'.'.join(map(str, lmdb.version()))}",
-            "segment_bytes": segments.disk_bytes() if segments is not None else 0,
             "path": str(self.path),
             "entries": stat["entries"],
             "map_size": info["map_size"],
@@ -740,21 +625,6 @@ class LMDBBackend(Backend):
         shared, self._shared = getattr(self, "_shared", None), None
         if shared is not None:
             shared.release()
-
-
-def _values_setting(values: str | None) -> str:
-    """``values`` (or ``KVSTORE_LMDB_VALUES``, or ``"inline"``), checked."""
-    where = "values"
-    if values is None:
-        values, where = os.environ.get("KVSTORE_LMDB_VALUES", "inline"), "KVSTORE_LMDB_VALUES"
-    if values not in ("inline", "segments"):
-        raise StoreConfigError(
-            f"[open_store] {where}={values!r}: expected 'inline' (every value in LMDB's "
-            f"pages) or 'segments' (large values in segment files beside it).",
-            setting=where,
-            found=values,
-        )
-    return values
 
 
 def open_lmdb_backend(location: str, url: str, options: dict[str, Any]) -> LMDBBackend:

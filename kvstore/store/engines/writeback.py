@@ -141,12 +141,3 @@ class Writeback:
 def writeback_for(data_file: Path) -> Writeback | None:
     """A pump for ``data_file``, or ``None`` where commits are left as LMDB makes them."""
     return Writeback(data_file) if enabled() else None
-
-
-def start(fd: int, offset: int, nbytes: int) -> None:
-    """Start writing ``nbytes`` at ``offset`` of ``fd`` back now, without waiting (a value
-    written into a segment file, :mod:`~kvstore.store.engines.lmdb_values`); nothing
-    where the call is missing or turned off."""
-    if enabled():
-        assert _CALL is not None
-        _CALL(fd, offset, nbytes, _SYNC_FILE_RANGE_WRITE)
