@@ -538,3 +538,22 @@ def test_a_decode_given_the_header_already_read_is_the_decode_that_reads_it(monk
         if a is not None:
             assert (a.signature, a.start, a.stop, a.meta) == (b.signature, b.start, b.stop, b.meta)
             assert all(np.array_equal(a.tensors[n], b.tensors[n]) for n in a.tensors)
+
+
+def test_a_record_written_into_a_buffer_is_the_encoded_record():
+    """``write_record`` (a save's records, into the arena) writes the bytes
+    ``encode_record`` makes: the alignment gaps between tensors of several dtypes, a
+    strided token range and a quantized layer's scales, over a buffer of stale bytes."""
+    from kvstore.codecs import codec_for
+    from kvstore.codecs import record as record_module
+
+    plain, quant = KVCache(), QuantizedKVCache(group_size=64, bits=4)
+    rows = mx.random.normal((1, 2, 40, 64))
+    plain.update_and_fetch(rows.astype(mx.bfloat16), rows.astype(mx.bfloat16))
+    quant.update_and_fetch(rows, rows * 3)
+    layers = [codec_for(plain).snapshot(plain, 3, 37), codec_for(quant).snapshot(quant, 0, 40)]
+    plan = record_module.plan_record(layers)
+    out = np.full(plan.nbytes_bound + 64, 0xAB, np.uint8)  # stale bytes: every gap rewritten
+    n = record_module.write_record(plan, out)
+    assert bytes(out[:n]) == encode_record(layers)
+    record_module.verify_record(memoryview(out[:n]))
