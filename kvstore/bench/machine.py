@@ -1,25 +1,42 @@
-"""What a run ran on: CPU, memory, OS, Python, package versions, BLAS, git revision.
+"""What a run ran on: CPU, memory, OS, Python, package versions, BLAS, git revision,
+and how fast fresh memory is faulted in.
 
 The BLAS matters (BENCHMARKS.md "The BLAS caveat"): the ``mlx[cpu]`` Linux
 wheel bundles the reference BLAS, ~10x slower at matmul than an OpenBLAS
 preloaded with ``LD_PRELOAD``. Which one MLX calls is read from the
 libraries mapped into this process (``/proc/self/maps``): a BLAS named in
 ``LD_PRELOAD`` and mapped wins symbol lookup over the bundled one.
+
+So does a page's first touch (:func:`memory_touch`). On the microVMs the figures were
+measured on, the host backs a guest page only when the guest first touches it: 18 GiB
+took 41 s to touch on a fresh CI VM and 11 s the second time. Every fresh page a save
+or a restore writes (a growing store's page cache, a new buffer) pays that there, and
+a long-running machine or bare metal does not; the rates say which kind a run was.
 """
 
 from __future__ import annotations
 
+import mmap
 import os
 import platform
 import re
 import subprocess
 import sys
+import time
 from collections.abc import Mapping
 from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-__all__ = ["describe", "machine_info", "package_versions", "blas_info", "git_revision", "PACKAGES"]
+__all__ = [
+    "describe",
+    "machine_info",
+    "memory_touch",
+    "package_versions",
+    "blas_info",
+    "git_revision",
+    "PACKAGES",
+]
 
 #: Distributions whose versions a run records.
 PACKAGES = (
@@ -42,8 +59,32 @@ _SLOW_NOTE = "slow for model compute; see BENCHMARKS.md 'The BLAS caveat'"
 
 
 def describe() -> dict[str, Any]:
-    """``{"machine":, "versions":, "git":}`` for this process."""
-    return {"machine": machine_info(), "versions": package_versions(), "git": git_revision()}
+    """``{"machine":, "versions":, "git":}`` for this process (the machine's facts with
+    :func:`memory_touch`'s rates)."""
+    machine = {**machine_info(), "memory_touch": memory_touch()}
+    return {"machine": machine, "versions": package_versions(), "git": git_revision()}
+
+
+def memory_touch(nbytes: int = 256 << 20) -> dict[str, float] | None:
+    """GB/s at which this process faults ``nbytes`` of new anonymous memory in, a byte
+    per page: ``first``, a mapping of its own; ``reused``, a second one made after the
+    first is unmapped (the kernel hands back pages it has just freed). ``first`` far
+    below ``reused``: memory the host backs only on its first touch (a microVM not
+    long started). ``None`` where memory cannot be mapped so."""
+    page = mmap.PAGESIZE
+    rates = {}
+    for label in ("first", "reused"):
+        try:
+            mapped = mmap.mmap(-1, nbytes)
+        except (OSError, ValueError):
+            return None
+        view = memoryview(mapped)
+        start = time.perf_counter()
+        view[::page] = bytes(len(range(0, nbytes, page)))  # one byte per page
+        rates[label] = nbytes / max(time.perf_counter() - start, 1e-9) / 1e9
+        view.release()
+        mapped.close()
+    return rates
 
 
 def machine_info() -> dict[str, Any]:

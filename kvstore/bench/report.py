@@ -28,12 +28,18 @@ def format_table(results: BenchResults) -> str:
     blas = (m.get("blas") or {}).get("mlx", "?")
     rev = (results.git or {}).get("revision", "not a checkout")[:12]
     dirty = " (dirty)" if (results.git or {}).get("dirty") else ""
+    touch = m.get("memory_touch")
+    memory = (
+        f"; new memory faulted in at {touch['first']:.2g} GB/s ({touch['reused']:.2g} reused)"
+        if touch
+        else ""
+    )
     lines = [
         f"kvstore bench{' --quick' if results.quick else ''}: {results.repeats} repetitions, "
         f"median [IQR]; ratios are medians of per-repetition ratios (>1: ours faster)",
         f"machine: {m.get('cpu')}, {m.get('usable_cpus')} cpus, "
         f"{(m.get('memory_bytes') or 0) / 2**30:.0f} GiB, {m.get('os')}, {m.get('python')}; "
-        f"mlx BLAS: {blas}; git {rev}{dirty}",
+        f"mlx BLAS: {blas}; git {rev}{dirty}{memory}",
     ]
     for record in results.figures:
         lines.append("")

@@ -7,7 +7,14 @@ from importlib import metadata
 
 import pytest
 
-from kvstore.bench.machine import blas_info, describe, git_revision, machine_info, package_versions
+from kvstore.bench.machine import (
+    blas_info,
+    describe,
+    git_revision,
+    machine_info,
+    memory_touch,
+    package_versions,
+)
 
 BUNDLED = "/v/site-packages/mlx_cpu.libs/libblas-bd8a282c.so.3.10.0"
 NUMPY = "/v/site-packages/numpy.libs/libscipy_openblas64_-32a4b2a6.so"
@@ -65,7 +72,15 @@ def test_machine_info_and_versions_describe_this_process():
     assert versions["mlx-lm"] == metadata.version("mlx-lm")
     assert versions["numpy"] == metadata.version("numpy")
     assert versions["lmdb"] == metadata.version("lmdb")
-    assert set(describe()) == {"machine", "versions", "git"}
+    described = describe()
+    assert set(described) == {"machine", "versions", "git"}
+    touch = described["machine"]["memory_touch"]
+    assert set(touch) == {"first", "reused"} and min(touch.values()) > 0
+
+
+def test_memory_touch_reports_both_rates_or_none():
+    assert memory_touch(1 << 20)["first"] > 0
+    assert memory_touch(0) is None  # nothing mapped: no figure, not an error
 
 
 def _git(cwd, *args):
