@@ -1,12 +1,14 @@
 """LMDB's side of a durable save, alone: put + commit of save-sized values, three ways.
 
 A save of a 4096-token llama-8B-shaped block set is a few dozen values of
-~4 MiB in one transaction. This times, with python-lmdb directly (no
-kvstore), ``put`` and ``commit`` (``sync=True``) of such values:
+~4 MiB in one transaction. This times, with python-lmdb directly (kvstore's
+store not used), ``put`` and ``commit`` (``sync=True``) of such values:
 
 * ``plain``: a new environment opened as kvstore opens it (no writemap);
 * ``after delete``: the same, each save after deleting the previous one
   (what G3's and P2's repetitions do: the pages come from LMDB's freelist);
+* ``, behind``: those two with kvstore's writeback pump running during the commit
+  (:mod:`kvstore.store.engines.writeback`, as a large commit of the store runs);
 * ``writemap``: ``writemap=True`` (puts write into the mapped file; no
   write-out copy at commit);
 * ``value file``: the layout issue 13 names if LMDB's copy is the limit -- the values
@@ -28,38 +30,16 @@ import os
 import shutil
 import statistics
 import tempfile
-import threading
 import time
+from contextlib import nullcontext
+from pathlib import Path
 
 import lmdb
 import numpy as np
 
+from kvstore.store.engines.writeback import writeback_for
+
 _libc = ctypes.CDLL(None, use_errno=True)
-
-
-class Writeback:
-    """A thread that starts the data file's writeback every ``period`` s while set."""
-
-    def __init__(self, path: str, period: float = 0.002) -> None:
-        self.fd = os.open(os.path.join(path, "data.mdb"), os.O_RDONLY)
-        self.period = period
-        self.on = threading.Event()
-        self.stop = False
-        self.thread = threading.Thread(target=self._run, daemon=True)
-        self.thread.start()
-
-    def _run(self) -> None:
-        while not self.stop:
-            self.on.wait(0.05)
-            while self.on.is_set():
-                _libc.sync_file_range(self.fd, ctypes.c_int64(0), ctypes.c_int64(0), 2)
-                time.sleep(self.period)
-
-    def close(self) -> None:
-        self.stop = True
-        self.on.clear()
-        self.thread.join()
-        os.close(self.fd)
 
 
 def run(
@@ -67,7 +47,8 @@ def run(
 ) -> list[float]:
     path = tempfile.mkdtemp(prefix="lmdb-put-")
     env = lmdb.open(path, map_size=1 << 34, sync=True, metasync=True, writemap=writemap)
-    writeback = Writeback(path) if behind else None
+    # kvstore's own pump (the commits LMDBBackend makes), not a copy of it.
+    pump = writeback_for(Path(path) / "data.mdb") if behind else None
     puts, commits = [], []
     try:
         for rep in range(repeats):
@@ -76,19 +57,17 @@ def run(
                     for i in range(len(values)):
                         txn.delete(b"%d-%d" % (rep - 1, i))
             start = time.perf_counter()
-            with env.begin(write=True) as txn:
-                for i, value in enumerate(values):
-                    txn.put(b"%d-%d" % (rep, i), value)
-                put = time.perf_counter()
-                if writeback is not None:
-                    writeback.on.set()
-            if writeback is not None:
-                writeback.on.clear()
+            txn = env.begin(write=True)
+            for i, value in enumerate(values):
+                txn.put(b"%d-%d" % (rep, i), value)
+            put = time.perf_counter()
+            with pump.during() if pump is not None else nullcontext():
+                txn.commit()
             puts.append(put - start)
             commits.append(time.perf_counter() - put)
     finally:
-        if writeback is not None:
-            writeback.close()
+        if pump is not None:
+            pump.close()
         env.close()
         shutil.rmtree(path, ignore_errors=True)
     return [statistics.median(puts), statistics.median(commits)]

@@ -67,23 +67,19 @@ def _model_caches(layers: int, tokens: int) -> tuple[list[Any], list[Any]]:
 def _time_phases() -> dict[str, list[float]]:
     """Wrap the save's phases in wall clocks (this tool's process only): per save, the
     records' encode, the sum of LMDB's puts, and the commit."""
-    from kvstore.store.blocks import prefix, saving
+    from kvstore.store.blocks import saving
     from kvstore.store.engines import lmdb as engine
 
     spent: dict[str, list[float]] = {"encode (D2H, hash)": [], "lmdb puts": [], "commit": []}
     puts = [0.0]
+    encode, put, commit = saving.encode_missing, engine._LMDBView.put, engine.LMDBBackend._commit
 
-    def timed(label: str, fn: Any) -> Any:
-        def wrapper(*a: Any, **k: Any) -> Any:
-            start = time.perf_counter()
-            try:
-                return fn(*a, **k)
-            finally:
-                spent[label].append(time.perf_counter() - start)
-
-        return wrapper
-
-    put = engine._LMDBView.put
+    def timed_encode(*a: Any, **k: Any) -> None:
+        start = time.perf_counter()
+        try:
+            encode(*a, **k)
+        finally:
+            spent["encode (D2H, hash)"].append(time.perf_counter() - start)
 
     def counted_put(self: Any, key: bytes, value: Any, **k: Any) -> bool:
         start = time.perf_counter()
@@ -92,18 +88,20 @@ def _time_phases() -> dict[str, list[float]]:
         finally:
             puts[0] += time.perf_counter() - start
 
-    commit = engine.LMDBBackend._commit
-
-    def counted_commit(self: Any, txn: Any, size_hint: int) -> None:
+    def timed_commit(self: Any, txn: Any, size_hint: int) -> None:
         put_s, puts[0] = puts[0], 0.0
         if size_hint < 1 << 20:  # a delete's or the recency's commit, not a save's
             return commit(self, txn, size_hint)
         spent["lmdb puts"].append(put_s)
-        return timed("commit", commit)(self, txn, size_hint)
+        start = time.perf_counter()
+        try:
+            return commit(self, txn, size_hint)
+        finally:
+            spent["commit"].append(time.perf_counter() - start)
 
+    saving.encode_missing = timed_encode  # type: ignore[assignment]
     engine._LMDBView.put = counted_put  # type: ignore[method-assign]
-    engine.LMDBBackend._commit = counted_commit  # type: ignore[method-assign]
-    prefix.saving.encode_missing = timed("encode (D2H, hash)", saving.encode_missing)
+    engine.LMDBBackend._commit = timed_commit  # type: ignore[method-assign]
     return spent
 
 
@@ -194,7 +192,7 @@ def main() -> int:
                         store.save("ns", tokens, caches)
                     profile.disable()
                     times.append(time.perf_counter() - start)
-                    if phases is not None:  # this save's sums (a save in waves has several)
+                    if phases is not None:  # this save's sums (a retried save commits twice)
                         for spent in phases.values():
                             spent[:] = [*spent[:i], sum(spent[i:])]
             stats = pstats.Stats(profile)
