@@ -39,7 +39,7 @@ from typing import Any, cast
 import mlx.core as mx
 
 from kvstore.abc.codec import Snapshot
-from kvstore.codecs import cuda, cuda_pages
+from kvstore.codecs import cuda, cuda_pages, one_buffer
 from kvstore.codecs.arrays import MLX_DTYPES
 from kvstore.codecs.fill import LeafSpec
 from kvstore.codecs.header import LayerEntry, TensorEntry
@@ -208,7 +208,7 @@ def _joined(
             if count > 1:
                 stacks.append(Stack(whole, tuple(members)))
         else:  # padding between them: a view each, no stack
-            step = cuda_pages.padded_nbytes((shape, dtype))
+            step = one_buffer.padded_nbytes((shape, dtype))
             members = [
                 flat[at : at + nbytes].view(mlx_dtype).reshape(shape)
                 for at in range(begin, begin + count * step, step)
@@ -276,5 +276,5 @@ def _gathered(
     flat = cuda_pages.gathered_flat(sized, table, pages, lazy=True)
     if flat is None:
         return None
-    steps = [cuda_pages.padded_nbytes(spec) * count for spec in specs]
+    steps = [one_buffer.padded_nbytes(spec) * count for spec in specs]
     return flat, specs, list(itertools.accumulate(steps, initial=0))[:-1]

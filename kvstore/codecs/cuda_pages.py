@@ -52,6 +52,7 @@ import mlx.core as mx
 import numpy as np
 
 from kvstore.codecs import cuda, device_joins
+from kvstore.codecs.one_buffer import buffer_starts, padded_nbytes, views_in
 from kvstore.codecs.arrays import MLX_DTYPES, dtype_name, numpy_dtype
 from kvstore.knobs import count_from_env, mib_from_env, ms_from_env, switch_from_env
 from kvstore.threads import KeptPool
@@ -69,9 +70,6 @@ __all__ = [
     "alike_table",
     "gathered",
     "gathered_flat",
-    "buffer_starts",
-    "views_in",
-    "stacked_view",
     "settle",
     "trial_done",
 ]
@@ -1032,47 +1030,13 @@ def gathered_flat(
 ) -> mx.array | None:
     """:func:`gathered` with ``one_buffer``, as the one uint8 device array that holds
     every array of ``specs``, each at its :func:`buffer_starts` (:func:`views_in` cuts
-    them; :func:`stacked_view` takes a run of them as one array). ``pieces`` may be
+    them; :func:`~kvstore.codecs.one_buffer.stacked_view` takes a run of them as one
+    array). ``pieces`` may be
     their segment table, made already (:func:`alike_table`; with ``pages``)."""
     if not specs or sum(map(cuda.nbytes_of, specs)) < GATHER_MIN_BYTES or not proven():
         return None
     made = _gather(specs, pieces, pages, one_buffer=True, lazy=lazy and pages is not None)
     return None if made is None else made[0]
-
-
-def padded_nbytes(spec: cuda.LeafSpec) -> int:
-    """The bytes an array of ``spec`` takes in a one-buffer gather's output: its own, in
-    whole 16-byte words (the next array starts on a word)."""
-    return -(-cuda.nbytes_of(spec) // 16) * 16
-
-
-def buffer_starts(specs: Sequence[cuda.LeafSpec]) -> list[int]:
-    """Where each array of ``specs`` starts in a one-buffer gather's output
-    (:func:`padded_nbytes` each), then where the last one ends."""
-    return list(itertools.accumulate(map(padded_nbytes, specs), initial=0))
-
-
-def views_in(flat: mx.array, specs: Sequence[cuda.LeafSpec]) -> list[mx.array]:
-    """The arrays of ``specs`` in ``flat`` (:func:`gathered_flat`): views, no copies."""
-    return [
-        flat[at : at + cuda.nbytes_of((shape, name))].view(MLX_DTYPES[name]).reshape(shape)
-        for at, (shape, name) in zip(buffer_starts(specs), specs, strict=False)
-    ]
-
-
-def stacked_view(
-    flat: mx.array, specs: Sequence[cuda.LeafSpec], first: int, count: int
-) -> mx.array | None:
-    """Arrays ``first`` .. ``first + count - 1`` of ``specs`` in ``flat`` as one array
-    stacked along their first axis: a view (they lie one after another), or ``None``
-    where they differ in shape or dtype, or padding lies between them."""
-    spec = specs[first]
-    (shape, name), nbytes = spec, cuda.nbytes_of(spec)
-    if nbytes % 16 or any(specs[i] != spec for i in range(first, first + count)) or not shape:
-        return None
-    at = buffer_starts(specs[: first + 1])[first]
-    whole = flat[at : at + count * nbytes].view(MLX_DTYPES[name])
-    return whole.reshape((count * shape[0], *shape[1:]))
 
 
 def _gather(

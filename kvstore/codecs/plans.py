@@ -29,7 +29,7 @@ import numpy as np
 
 from kvstore.abc.codec import RestorePlan, Snapshot
 from kvstore.caches.base import Tree
-from kvstore.codecs import cuda, cuda_pages, device_joins
+from kvstore.codecs import cuda, cuda_pages, device_joins, one_buffer
 from kvstore.codecs.arrays import MLX_DTYPES, as_numpy_all, dtype_name, owned_arrays
 from kvstore.codecs.fill import LeafSpec, filled_arrays
 from kvstore.codecs.header import TensorEntry
@@ -396,7 +396,7 @@ def join_runs(
             lazy=True,
         )
     if flat is not None:
-        filled = cuda_pages.views_in(flat, specs)
+        filled = one_buffer.views_in(flat, specs)
         if stacks is not None:
             stacks.extend(_stacks(flat, specs, [joins[i][1] for i in hosted], filled))
     else:
@@ -426,11 +426,11 @@ def _stacks(
     flat: mx.array, specs: Sequence[LeafSpec], names: Sequence[str], views: Sequence[mx.array]
 ) -> list[Stack]:
     """The runs of ``specs`` (gathered one after another into ``flat``, ``views`` of
-    each) of one name that stack as a view (:func:`cuda_pages.stacked_view`)."""
+    each) of one name that stack as a view (:func:`one_buffer.stacked_view`)."""
     out, first = [], 0
     for _, run in itertools.groupby(names):
         count = len(list(run))
-        whole = cuda_pages.stacked_view(flat, specs, first, count) if count > 1 else None
+        whole = one_buffer.stacked_view(flat, specs, first, count) if count > 1 else None
         if whole is not None:
             out.append(Stack(whole, tuple(views[first : first + count])))
         first += count

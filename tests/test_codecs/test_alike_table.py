@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kvstore.codecs import cuda_pages
+from kvstore.codecs import cuda_pages, one_buffer
 
 #: Kinds of tensor as a lossy record stores them: (stored shape, dtype).
 KINDS = [
@@ -68,7 +68,7 @@ def test_the_table_for_all_arrays_is_the_per_array_paths_table(records, cuts):
     kinds = [0, 1, 2, 3, 0, 1, 3, 2, 1, 0]
     rows, specs, layouts = case(rng, kinds, records, counts_of)
     assert all(layout is not None for layout in layouts)
-    want = cuda_pages._segment_table(layouts, cuda_pages.buffer_starts(specs))
+    want = cuda_pages._segment_table(layouts, one_buffer.buffer_starts(specs))
     got = cuda_pages.alike_table(rows, specs)
     assert got is not None and got.dtype == want.dtype
     assert np.array_equal(got, want)

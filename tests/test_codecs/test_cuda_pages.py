@@ -15,7 +15,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from kvstore.codecs import cuda, cuda_pages
+from kvstore.codecs import cuda, cuda_pages, one_buffer
 from kvstore.store import open_store
 from kvstore.threads import KeptPool
 from tests.test_codecs.test_cuda_staging import HostTransport
@@ -928,15 +928,15 @@ def test_a_lazy_gather_from_pages_pinned_already_leaves_the_evaluation_to_its_ca
 
 def test_a_run_of_gathered_arrays_stacks_as_a_view_where_nothing_lies_between_them():
     specs = [((1, 2, 4, 8), "uint16")] * 3 + [((1, 2, 3, 3), "uint16")] * 2
-    starts = cuda_pages.buffer_starts(specs)
+    starts = one_buffer.buffer_starts(specs)
     flat = mx.array(np.arange(starts[-1], dtype=np.uint8))
-    views = cuda_pages.views_in(flat, specs)
-    whole = cuda_pages.stacked_view(flat, specs, 0, 3)
+    views = one_buffer.views_in(flat, specs)
+    whole = one_buffer.stacked_view(flat, specs, 0, 3)
     assert whole is not None and whole.shape == (3, 2, 4, 8)
     for i, view in enumerate(views[:3]):
         assert mx.array_equal(whole[i : i + 1], view).item()
-    assert cuda_pages.stacked_view(flat, specs, 2, 2) is None  # another shape
-    assert cuda_pages.stacked_view(flat, specs, 3, 2) is None  # 36 bytes each: padded to 48
+    assert one_buffer.stacked_view(flat, specs, 2, 2) is None  # another shape
+    assert one_buffer.stacked_view(flat, specs, 3, 2) is None  # 36 bytes each: padded to 48
 
 
 @pytest.mark.parametrize("policy", ["kv:quant:8:64", "kv:turboquant:4:4"])

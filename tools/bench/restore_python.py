@@ -42,7 +42,7 @@ import numpy as np
 
 from kvstore.bench.workloads import WORKLOADS, SyntheticKV
 from kvstore.caches import KVCache
-from kvstore.codecs import cuda, cuda_pages, plans, record
+from kvstore.codecs import cuda, cuda_pages, one_buffer, plans, record
 from kvstore.store import open_store
 from kvstore.store.kv import restore
 from kvstore.turboquant.quantizer import TurboQuantizer
@@ -121,6 +121,7 @@ PHASES: tuple[tuple[Any, str], ...] = (
     (cuda_pages._DeviceTable, "params"),
     (cuda_pages, "_group_buffers"),
     (cuda_pages, "views_in"),
+    (one_buffer, "views_in"),
     (restore, "transcode_stacked"),
     (restore, "run_plans"),
 )

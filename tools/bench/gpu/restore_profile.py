@@ -105,7 +105,7 @@ def child_restore(url: str, tokens: int, layers: int, switch_ms: float) -> dict[
 
     from kvstore.bench.figures.gpu_session import thread_usage
     from kvstore.caches import KVCache
-    from kvstore.codecs import cuda, cuda_pages, growing, plans
+    from kvstore.codecs import cuda, cuda_pages, growing, one_buffer, plans
     from kvstore.store import open_store
     from kvstore.store.kv import restore
 
@@ -205,6 +205,7 @@ def child_restore(url: str, tokens: int, layers: int, switch_ms: float) -> dict[
         line.wrap(cuda_pages._DeviceTable, "params", "gather: device table")
         line.wrap(cuda_pages, "_group_buffers", "gather: group buffers")
         line.wrap(cuda_pages, "views_in", "join: views")
+        line.wrap(one_buffer, "views_in", "join: views")
         line.wrap(plans, "_stacks", "join: stacks")
     if switch_ms:
         sys.setswitchinterval(switch_ms / 1e3)
