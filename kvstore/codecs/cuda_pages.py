@@ -52,8 +52,8 @@ import mlx.core as mx
 import numpy as np
 
 from kvstore.codecs import cuda, device_joins
-from kvstore.codecs.one_buffer import buffer_starts, padded_nbytes, views_in
 from kvstore.codecs.arrays import MLX_DTYPES, dtype_name, numpy_dtype
+from kvstore.codecs.one_buffer import buffer_starts, padded_nbytes, views_in
 from kvstore.knobs import count_from_env, mib_from_env, ms_from_env, switch_from_env
 from kvstore.threads import KeptPool
 
