@@ -1,6 +1,6 @@
 """Tuning knobs read from the environment: one parser per kind of value, one error shape.
 
-The data path's knobs (``KVSTORE_COPY_THREADS``, ``KVSTORE_DIRECT_MIN_ARRAY_MIB``,
+The data path's knobs (``KVSTORE_COPY_THREADS``, ``KVSTORE_CUDA_GATHER_MIN_MIB``,
 ``KVSTORE_CUDA_SWITCH_MS``, ...) are read when their module loads or their pool is
 made; its on/off switches (``KVSTORE_COMMIT_WRITEBACK``, ``KVSTORE_TQ_TOGETHER``, ...)
 are on unless set to exactly ``"0"``. A count or amount that is not one raises

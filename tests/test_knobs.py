@@ -77,17 +77,18 @@ def test_an_amount_that_is_not_one_names_the_variable_and_its_unit(knob, value):
 
 
 def test_a_malformed_knob_read_at_import_says_which_and_how_to_fix_it():
-    # fill.py reads KVSTORE_DIRECT_MIN_ARRAY_MIB when it loads: before, a bad value was
-    # Python's own "could not convert string to float" from deep in the import.
+    # cuda_pages.py reads KVSTORE_CUDA_GATHER_MIN_MIB when it loads (on any machine):
+    # before, a bad value was Python's own "could not convert string to float" from
+    # deep in the import.
     done = subprocess.run(
-        [sys.executable, "-c", "import kvstore.codecs.fill"],
-        env={"KVSTORE_DIRECT_MIN_ARRAY_MIB": "two", "PATH": "/usr/bin:/bin"},
+        [sys.executable, "-c", "import kvstore.codecs.cuda_pages"],
+        env={"KVSTORE_CUDA_GATHER_MIN_MIB": "two", "PATH": "/usr/bin:/bin"},
         capture_output=True,
         text=True,
         timeout=120,
     )
     assert done.returncode != 0
     assert (
-        "kvstore.errors.StoreConfigError: [config] KVSTORE_DIRECT_MIN_ARRAY_MIB='two': "
-        "expected a number of MiB, 0 or more; unset it for the default (2 MiB)."
+        "kvstore.errors.StoreConfigError: [config] KVSTORE_CUDA_GATHER_MIN_MIB='two': "
+        "expected a number of MiB, 0 or more; unset it for the default (16 MiB)."
     ) in done.stderr

@@ -6,10 +6,11 @@ the memory of a restore. MLX's safetensors loader does allocate without
 initialising: ``mx.load(file_like, format="safetensors")`` allocates each
 tensor the header describes and asks the file object to ``readinto`` it.
 So :func:`filled_arrays` hands MLX a *virtual* safetensors file
-(:class:`LeafStream`) whose header describes the arrays wanted and whose
-``readinto`` writes nothing: the arrays come back allocated, and the caller
-then writes every one of them through a numpy view of its memory, all at once on
-every core (:func:`~kvstore.codecs.copies.each_on_threads`). Writing each inside
+(:class:`LeafStream`) whose header describes a few flat buffers and whose
+``readinto`` writes nothing: the buffers come back allocated, the arrays are cut
+from them as views (the loader costs ~100 us per array it allocates), and the
+caller then writes every one of them through a numpy view of its memory, all at
+once on every core (:func:`~kvstore.codecs.copies.each_on_threads`). Writing each inside
 its ``readinto`` cost a thread switch and a GIL hand-off per array on MLX's I/O
 threads, which read one array at a time: 64 arrays of a 512-token llama-8B
 restore took 25.9 ms that way and 17.8 ms written afterwards on 2 cores.
@@ -23,11 +24,11 @@ byte of it was written: when MLX reads in a pattern the stream does not serve,
 or a write fails, the arrays are discarded and made again the plain way.
 
 The plain way, and the way for restores under :data:`DIRECT_MIN_BYTES`, where the
-loader's cost per array is more than the copies: each array written into a host
+loader's cost is more than the copies: each array written into a host
 buffer and copied once into MLX's memory (``mx.array``). The buffer is the same freed
 block of the heap for every array (``keep_freed_memory``), so it is written and read
 back in the CPU's cache: 48 arrays of 128 KiB (a 512-token qwen-0.5B restore) in
-0.74 ms, against 1.45 zero-filled by ``mx.zeros`` and then written, and 5.45 through
+0.74 ms, against 1.45 zero-filled by ``mx.zeros`` and then written, and 1.69 through
 the loader.
 """
 
@@ -45,13 +46,13 @@ import mlx.core as mx
 import numpy as np
 
 from kvstore.codecs import cuda
-from kvstore.codecs.arrays import as_mlx, numpy_dtype, owned_views, word_dtype
+from kvstore.codecs.arrays import as_mlx, numpy_dtype, word_dtype
 from kvstore.codecs.copies import each_on_threads
 from kvstore.codecs.host_memory import keep_freed_memory
-from kvstore.knobs import mib_from_env
+from kvstore.codecs.one_buffer import buffer_starts, host_views_in, padded_nbytes, views_in
 
 __all__ = [
-    "DIRECT_MIN_ARRAY_BYTES",
+    "BUFFER_MAX_BYTES",
     "DIRECT_MIN_BYTES",
     "LeafSpec",
     "Fill",
@@ -60,23 +61,20 @@ __all__ = [
 ]
 
 #: Below this many bytes in all, writing each array into a host buffer and copying it
-#: into MLX's memory costs less than the loader's evaluation per array, which then
-#: writes on every core (2-core x86 CPU, arrays written from two to 32 row pieces each,
-#: ``python -m tools.bench.fill_paths``: 6 MiB in 48 arrays 0.74 ms copied against 5.45
-#: through the loader, 24 MiB 2.28 against 6.20, 64 MiB in 64 arrays 7.03 against
-#: 9.07; 96 MiB in 48 arrays 16.3 against 14.2, 104 MiB in 52 arrays 16.9 against 10.9).
-#: Kept where the zero-filled way ended, not at the crossover here: the copies run on
-#: one core and the loader's writes on all of them, so with more cores than this VM's
-#: two the loader wins sooner (and P1 here did not tell 64 MiB's two ways apart).
+#: into MLX's memory costs less than the loader's allocation, which then writes on
+#: every core (2-core x86 CPU, arrays written from two to 32 row pieces each,
+#: ``python -m tools.bench.fill_paths`` with the loader's few buffers: 6 MiB in 48 arrays
+#: 0.77 ms copied against 1.69 through the loader, 24 MiB 2.43 against 3.06; 64 MiB in
+#: 64 arrays 6.52 against 5.05, 96 MiB in 48 arrays 9.80 against 7.63, 256 MiB in 64
+#: 24.0 against 15.8). With more cores than this VM's two the loader wins sooner.
 DIRECT_MIN_BYTES = 32 << 20
-#: ... and arrays of this many bytes or fewer each: the loader's cost is per array (~100
-#: us: a hand-off to Python and back on MLX's I/O threads), the copies' per byte. On
-#: this VM (``fill_paths`` at ``04f5cd5``, two runs): 64 arrays of 1 MiB 5.57-6.22 ms
-#: copied against 8.23-11.15 through the loader, 48 of 2 MiB 8.32-8.59 against
-#: 10.36-11.83, 52 of 2 MiB a tie (8.79-9.04 against 9.26-9.36), 64 of 4 MiB 21.2-21.6
-#: against 18.2-19.9, 52 of 8 MiB 37.8-40.1 against 24.6-25.7.
-#: ``KVSTORE_DIRECT_MIN_ARRAY_MIB`` sets it (0: the loader for every array, as before).
-DIRECT_MIN_ARRAY_BYTES = mib_from_env("KVSTORE_DIRECT_MIN_ARRAY_MIB", 2)
+
+#: The most bytes of arrays the loader allocates as one buffer: an array is a view of
+#: its buffer, which lives as long as any of its arrays does (a cache whose first
+#: step after a restore replaces its arrays frees its buffer once every cache in it
+#: has), so a restore holds at most this much more memory, for a moment, than with a
+#: buffer per array.
+BUFFER_MAX_BYTES = 64 << 20
 
 #: How long :func:`filled_arrays` waits for MLX to drop its reader (it takes microseconds).
 _RELEASE_TIMEOUT_S = 5.0
@@ -200,12 +198,13 @@ def filled_arrays(
         direct: allocate through MLX's loader, without a zero fill (False: each
             array written into a host buffer on this thread, one after another, and
             copied into MLX's memory: the fallback); default: for at least
-            :data:`DIRECT_MIN_BYTES` in all, of arrays over
-            :data:`DIRECT_MIN_ARRAY_BYTES` each on average. Not used on a CUDA GPU, where the
-            arrays are staged through pinned memory (:func:`kvstore.codecs.cuda.upload`).
+            :data:`DIRECT_MIN_BYTES` in all. Not used on a CUDA GPU, where the arrays
+            are staged through pinned memory (:func:`kvstore.codecs.cuda.upload`).
 
     Returns:
-        The arrays, owned (no other array shares their memory), in order.
+        The arrays, in order, each its own bytes: through the loader, views of a few
+        buffers of :data:`BUFFER_MAX_BYTES` (no two overlapping), otherwise each its
+        own buffer.
 
     Raises:
         What ``fill`` raises, when it fails again on the host buffers.
@@ -217,7 +216,7 @@ def filled_arrays(
     keep_freed_memory()  # the arrays reuse freed heap, not fresh pages (3x, host_memory)
     if direct is None:
         total = sum(map(cuda.nbytes_of, specs))
-        direct = total >= DIRECT_MIN_BYTES and total > DIRECT_MIN_ARRAY_BYTES * len(specs)
+        direct = total >= DIRECT_MIN_BYTES
     if direct:
         owned = _allocated(specs)
         if owned is not None and _written(owned, specs, fill):
@@ -244,21 +243,25 @@ def _written(
 ) -> bool:
     """Whether ``fill`` wrote every one of the ``owned`` arrays, on every core."""
     try:
-        each_on_threads(len(specs), lambda i: fill(i, _typed(owned[i][1], specs[i])))
+        each_on_threads(len(specs), lambda i: fill(i, owned[i][1]))
     except Exception:  # noqa: BLE001 - the fallback writes them again, raising if it fails again
         return False
     return True
 
 
-def _typed(view: np.ndarray, spec: LeafSpec) -> np.ndarray:
-    """A writable view of an allocated array as ``fill`` is given it."""
-    return view.view(numpy_dtype(spec[1]))
-
-
 def _allocated(specs: Sequence[LeafSpec]) -> list[tuple[mx.array, np.ndarray]] | None:
-    """Arrays of ``specs`` allocated by MLX's loader, uninitialised, each with a writable
-    view of its memory; ``None`` when MLX did not read the stream as expected."""
-    stream = LeafStream(specs)
+    """Arrays of ``specs`` in buffers allocated by MLX's loader, uninitialised, each
+    with a writable view of its memory (``numpy_dtype``); ``None`` when MLX did not
+    read the stream as expected.
+
+    The loader costs ~100 us an array it allocates (a hand-off to Python and back on
+    its I/O threads: 6.1 ms for a 2048-token llama-8B restore's 64 arrays on this
+    2-core VM), so it allocates a few buffers of at most :data:`BUFFER_MAX_BYTES`
+    (0.3 ms), and the arrays are views cut from them (:mod:`~kvstore.codecs.one_buffer`).
+    """
+    groups = _buffer_groups(specs)
+    sizes = [buffer_starts(group)[-1] for group in groups]
+    stream = LeafStream([((size,), "uint8") for size in sizes])
     unshared = sys.getrefcount(stream)
     try:
         loaded = mx.load(cast(BinaryIO, stream), format="safetensors")  # duck-typed file
@@ -271,6 +274,28 @@ def _allocated(specs: Sequence[LeafSpec]) -> list[tuple[mx.array, np.ndarray]] |
     deadline = time.monotonic() + _RELEASE_TIMEOUT_S
     while sys.getrefcount(stream) > unshared and time.monotonic() < deadline:
         time.sleep(0)  # hands the GIL to MLX's thread
-    if not (stream.complete and isinstance(loaded, dict) and len(loaded) == len(specs)):
+    if not (stream.complete and isinstance(loaded, dict) and len(loaded) == len(groups)):
         return None
-    return owned_views([loaded[str(i)] for i in range(len(specs))], specs)
+    arrays: list[mx.array] = []
+    views: list[np.ndarray] = []
+    for k, group in enumerate(groups):
+        flat = loaded[str(k)]
+        arrays += views_in(flat, group)
+        views += host_views_in(np.asarray(flat), group)
+    mx.eval(arrays)
+    return list(zip(arrays, views, strict=True))
+
+
+def _buffer_groups(specs: Sequence[LeafSpec]) -> list[Sequence[LeafSpec]]:
+    """``specs`` cut into runs of at most :data:`BUFFER_MAX_BYTES` each (an array over
+    it a run of its own), in order."""
+    groups: list[Sequence[LeafSpec]] = []
+    first, size = 0, 0
+    for i, spec in enumerate(specs):
+        nbytes = padded_nbytes(spec)
+        if i > first and size + nbytes > BUFFER_MAX_BYTES:
+            groups.append(specs[first:i])
+            first, size = i, 0
+        size += nbytes
+    groups.append(specs[first:])
+    return groups

@@ -141,7 +141,6 @@ def test_the_default_uses_the_loader_only_for_large_restores(monkeypatch):
     filled_arrays(SPECS, writer(values))
     assert calls == []
     monkeypatch.setattr(fill_module, "DIRECT_MIN_BYTES", 0)
-    monkeypatch.setattr(fill_module, "DIRECT_MIN_ARRAY_BYTES", 0)
     arrays = filled_arrays(SPECS, writer(values))
     assert len(calls) == 1
     assert [as_bytes(a) for a in arrays] == [v.tobytes() for v in values]
@@ -223,7 +222,6 @@ def test_a_restores_writes_on_several_threads_ask_mlx_nothing(monkeypatch):
 
     monkeypatch.setenv("KVSTORE_COPY_THREADS", "2")
     monkeypatch.setattr(fill_module, "DIRECT_MIN_BYTES", 0)
-    monkeypatch.setattr(fill_module, "DIRECT_MIN_ARRAY_BYTES", 0)
     cache = FAMILIES["plain"]()
     fill_cache(cache, [20, 1, 30])
     snapshots = snapshot_held(cache)
@@ -259,17 +257,18 @@ def test_a_restores_writes_on_several_threads_ask_mlx_nothing(monkeypatch):
 @pytest.mark.parametrize(
     ("count", "shape", "loader"),
     [
-        (40, (1, 2, 4096, 64), False),  # 40 MiB in arrays of 1 MiB: copied
-        (16, (1, 2, 8192, 64), False),  # 32 MiB in arrays of 2 MiB: copied
-        (10, (1, 4, 8192, 64), True),  # 40 MiB in arrays of 4 MiB: the loader's
+        (40, (1, 2, 4096, 64), True),  # 40 MiB in arrays of 1 MiB: the loader's
+        (16, (1, 2, 8192, 64), True),  # 32 MiB in arrays of 2 MiB: the loader's
+        (640, (1, 2, 256, 64), True),  # 40 MiB in arrays of 64 KiB: the loader's
         (4, (1, 2, 4096, 64), False),  # 4 MiB in all: copied
+        (31, (1, 2, 4096, 64), False),  # 31 MiB in all: copied
     ],
 )
-def test_a_restore_takes_the_loader_only_for_many_bytes_in_large_arrays(
+def test_a_restore_takes_the_loader_for_many_bytes_whatever_its_arrays_sizes(
     monkeypatch, count, shape, loader
 ):
-    # MLX's loader costs ~100 us an array, a copy of 1 MiB less: arrays of 2 MiB or less
-    # each are written into a host buffer and copied, however many bytes in all.
+    # The loader allocates a few buffers, not an array each: its cost no longer grows
+    # with the arrays' count, so only the bytes in all choose.
     loaded = []
     allocated = fill_module._allocated
 
@@ -282,3 +281,40 @@ def test_a_restore_takes_the_loader_only_for_many_bytes_in_large_arrays(
     arrays = filled_arrays(specs, lambda i, view: view.fill(i))
     assert loaded == ([count] if loader else [])
     assert [int(np.asarray(a.view(mx.uint16)).max()) for a in arrays] == list(range(count))
+
+
+def _buffer_of(array: mx.array) -> int:
+    return np.asarray(array.view(mx.uint8)).ctypes.data
+
+
+def test_the_loaders_arrays_are_views_of_buffers_of_at_most_the_cap_each(monkeypatch):
+    # 10 arrays of 1 MiB, 3 MiB a buffer: buffers of 3, 3, 3 and 1 arrays, each array
+    # starting where the one before it ends (1 MiB is whole 16-byte words).
+    monkeypatch.setattr(fill_module, "BUFFER_MAX_BYTES", 3 << 20)
+    shape = (1, 2, 4096, 64)
+    specs = [(shape, "bfloat16")] * 10
+    arrays = filled_arrays(specs, lambda i, view: view.fill(i + 1), direct=True)
+    starts = [_buffer_of(a) for a in arrays]
+    mib = 1 << 20
+    for group in ([0, 1, 2], [3, 4, 5], [6, 7, 8]):
+        assert [starts[i] - starts[group[0]] for i in group] == [0, mib, 2 * mib]
+    assert [int(np.asarray(a.view(mx.uint16)).min()) for a in arrays] == list(range(1, 11))
+    assert all(a.shape == shape and a.dtype == mx.bfloat16 for a in arrays)
+
+
+def test_an_array_written_in_place_after_a_restore_leaves_its_neighbours_alone():
+    # The loader's arrays share a buffer: a cache writing one of them in place (a
+    # rotating cache's next token) or growing one (a concatenation) changes that one
+    # alone.
+    values = sources([((1, 2, 2048, 64), "bfloat16")] * 4, seed=3)
+    arrays = filled_arrays([((1, 2, 2048, 64), "bfloat16")] * 4, writer(values), direct=True)
+    assert len({_buffer_of(a) - i * (1 << 19) for i, a in enumerate(arrays)}) == 1
+    before = [as_bytes(a) for a in arrays]
+    arrays[1][..., 0:8, :] = mx.ones((1, 2, 8, 64), mx.bfloat16)
+    grown = mx.concatenate([arrays[2], mx.zeros((1, 2, 256, 64), mx.bfloat16)], axis=2)
+    mx.eval(arrays[1], grown)
+    assert as_bytes(arrays[0]) == before[0] and as_bytes(arrays[3]) == before[3]
+    assert as_bytes(arrays[2]) == before[2]
+    assert as_bytes(grown[..., :2048, :]) == before[2]
+    assert (np.asarray(arrays[1].astype(mx.float32))[..., :8, :] == 1).all()
+    assert as_bytes(arrays[1][..., 8:, :]) == bytes(memoryview(values[1][..., 8:, :].copy()))

@@ -71,7 +71,6 @@ def test_a_newer_format_is_a_verdict_and_other_errors_propagate(threads):
 def test_restores_through_the_large_read_paths_are_bit_exact(family, lmdb_url, monkeypatch):
     monkeypatch.setattr(checks, "PARALLEL_MIN_BYTES", 0)
     monkeypatch.setattr(fill, "DIRECT_MIN_BYTES", 0)
-    monkeypatch.setattr(fill, "DIRECT_MIN_ARRAY_BYTES", 0)
     streams = []
 
     class Recorded(fill.LeafStream):
