@@ -3,7 +3,8 @@
 The data path's knobs (``KVSTORE_COPY_THREADS``, ``KVSTORE_CUDA_GATHER_MIN_MIB``,
 ``KVSTORE_CUDA_SWITCH_MS``, ...) are read when their module loads or their pool is
 made; its on/off switches (``KVSTORE_COMMIT_WRITEBACK``, ``KVSTORE_TQ_TOGETHER``, ...)
-are on unless set to exactly ``"0"``. A count or amount that is not one raises
+are on unless set to exactly ``"0"``; its choices (``KVSTORE_CUDA_PAGES_ROUTE``, ...)
+take one of a few words. A count or amount that is not one raises
 :class:`~kvstore.errors.StoreConfigError` naming the variable, what it got and what it
 expects, instead of Python's own ``ValueError`` from ``int()`` or ``float()``.
 """
@@ -15,7 +16,7 @@ import os
 
 from kvstore.errors import StoreConfigError
 
-__all__ = ["count_from_env", "mib_from_env", "ms_from_env", "switch_from_env"]
+__all__ = ["choice_from_env", "count_from_env", "mib_from_env", "ms_from_env", "switch_from_env"]
 
 _MiB = 1 << 20
 
@@ -76,6 +77,27 @@ def mib_from_env(name: str, default_mib: float) -> int:
         StoreConfigError: ``name`` is set to something other than such a number.
     """
     return int(_amount(name, default_mib, "MiB") * _MiB)
+
+
+def choice_from_env(
+    name: str, choices: tuple[str, ...], default: str, *, counting: str | None = None
+) -> str:
+    """``default``, unless ``name`` sets one of ``choices`` (any case, spaces around
+    ignored), or, with ``counting``, a number (0 or more) of what it counts: lower case.
+
+    Raises:
+        StoreConfigError: ``name`` is set to something else.
+    """
+    value = _value(name).lower()
+    if not value:
+        return default
+    if value in choices or (counting is not None and value.isdigit()):
+        return value
+    named = [repr(choice) for choice in choices]
+    if counting is not None:
+        named.insert(0, f"a number of {counting}")
+    expected = named[0] if len(named) == 1 else f"{', '.join(named[:-1])} or {named[-1]}"
+    raise _refused(name, _value(name), expected, repr(default) if default else "unset")
 
 
 def ms_from_env(name: str, default_ms: float) -> float:

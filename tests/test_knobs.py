@@ -9,7 +9,13 @@ import sys
 import pytest
 
 from kvstore.errors import StoreConfigError
-from kvstore.knobs import count_from_env, mib_from_env, ms_from_env, switch_from_env
+from kvstore.knobs import (
+    choice_from_env,
+    count_from_env,
+    mib_from_env,
+    ms_from_env,
+    switch_from_env,
+)
 
 NAME = "KVSTORE_TEST_KNOB"
 
@@ -74,6 +80,71 @@ def test_an_amount_that_is_not_one_names_the_variable_and_its_unit(knob, value):
     mib += r"default \(2 MiB\)"
     refused(lambda: mib_from_env(NAME, 2), value, mib)
     refused(lambda: ms_from_env(NAME, 250), value, r"a number of ms, 0 or more.*\(250 ms\)")
+
+
+@pytest.mark.parametrize(
+    "value, want", [(None, "lock"), ("", "lock"), ("copy", "copy"), (" LOCK ", "lock")]
+)
+def test_a_choice_from_the_environment_or_the_default(knob, value, want):
+    knob(value)
+    assert choice_from_env(NAME, ("lock", "copy"), "lock") == want
+
+
+@pytest.mark.parametrize("value, want", [(None, ""), ("auto", "auto"), ("0", "0"), ("12", "12")])
+def test_a_choice_that_may_be_a_count(knob, value, want):
+    knob(value)
+    assert choice_from_env(NAME, ("auto",), "", counting="calls") == want
+
+
+@pytest.mark.parametrize(
+    "choices, default, counting, value, expected",
+    [
+        (
+            ("lock", "copy"),
+            "lock",
+            None,
+            "locked",
+            r"'lock' or 'copy'; unset it for the default \('lock'\)",
+        ),
+        (("keep", "os"), "keep", None, "1", r"'keep' or 'os'; unset it for the default \('keep'\)"),
+        (
+            ("auto",),
+            "",
+            "calls",
+            "-1",
+            r"a number of calls or 'auto'; unset it for the default \(unset\)",
+        ),
+        (("auto",), "", "calls", "few", r"a number of calls or 'auto'"),
+    ],
+)
+def test_a_choice_not_offered_names_the_variable_and_the_choices(
+    knob, choices, default, counting, value, expected
+):
+    knob(value)
+    message = rf"\[config\] {NAME}='{value}': expected {expected}"
+    refused(lambda: choice_from_env(NAME, choices, default, counting=counting), value, message)
+
+
+@pytest.mark.parametrize(
+    "variable, module, expected",
+    [
+        ("KVSTORE_CUDA_PAGES_ROUTE", "kvstore.codecs.cuda_pages", "'lock' or 'copy'"),
+        ("KVSTORE_CUDA_LOCK_SPANS", "kvstore.codecs.cuda_pages", "a number of calls or 'auto'"),
+        ("KVSTORE_HOST_MALLOC", "kvstore.codecs.host_memory", "'keep' or 'os'"),
+    ],
+)
+def test_a_choice_knob_not_offered_stops_the_import_by_name(variable, module, expected):
+    # Before, KVSTORE_HOST_MALLOC=oss kept freed memory without a word, and the CUDA
+    # choices raised a bare ValueError.
+    done = subprocess.run(
+        [sys.executable, "-c", f"import {module}"],
+        env={variable: "oss", "PATH": "/usr/bin:/bin"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode != 0
+    assert f"StoreConfigError: [config] {variable}='oss': expected {expected};" in done.stderr
 
 
 def test_a_malformed_knob_read_at_import_says_which_and_how_to_fix_it():

@@ -54,7 +54,13 @@ import numpy as np
 from kvstore.codecs import cuda, device_joins
 from kvstore.codecs.arrays import MLX_DTYPES, dtype_name, numpy_dtype
 from kvstore.codecs.one_buffer import buffer_starts, padded_nbytes, views_in
-from kvstore.knobs import count_from_env, mib_from_env, ms_from_env, switch_from_env
+from kvstore.knobs import (
+    choice_from_env,
+    count_from_env,
+    mib_from_env,
+    ms_from_env,
+    switch_from_env,
+)
 from kvstore.threads import KeptPool
 
 __all__ = [
@@ -109,9 +115,7 @@ STAGE_SPANS = switch_from_env("KVSTORE_CUDA_STAGE_SPANS")
 #: driver's locking, and waited ~4 ms more for the GIL, taken back some eight times a
 #: chunk, which held the restore's own thread back as long. Kept for hosts where locking
 #: is slower; it would win with each chunk's work done in one call that keeps no GIL.
-PAGES_ROUTE = os.environ.get("KVSTORE_CUDA_PAGES_ROUTE", "lock").strip().lower()
-if PAGES_ROUTE not in ("lock", "copy"):
-    raise ValueError(f"KVSTORE_CUDA_PAGES_ROUTE={PAGES_ROUTE!r}: expected 'lock' or 'copy'.")
+PAGES_ROUTE = choice_from_env("KVSTORE_CUDA_PAGES_ROUTE", ("lock", "copy"), "lock")
 
 #: The most bytes one staging thread copies at a time on the ``copy`` route
 #: (``KVSTORE_CUDA_COPY_CHUNK_MIB``): each record is cut into about equal chunks of at
@@ -1465,12 +1469,7 @@ def _spans(ranges: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:
 #: fresh-process restores (``0045756/``) ``auto`` took q8's (17 MiB records) from 26.9 to
 #: 22.5 ms and TurboQuant 4/4's (8.3 MiB) from 27.4 to 25.4, but lossless (32 MiB) from
 #: 29.4 to 31.0: a large record's call costs little beside its pages.
-LOCK_SPANS = os.environ.get("KVSTORE_CUDA_LOCK_SPANS", "").strip().lower()
-if LOCK_SPANS not in ("", "auto") and not LOCK_SPANS.isdigit():
-    raise ValueError(
-        f"KVSTORE_CUDA_LOCK_SPANS={LOCK_SPANS!r}: expected a number of calls, 'auto', "
-        f"or 0 (a call per record)."
-    )
+LOCK_SPANS = choice_from_env("KVSTORE_CUDA_LOCK_SPANS", ("auto",), "", counting="calls")
 
 #: What a page-locking call costs the driver whatever its size, and how fast a locked
 #: span crosses to the device (H200: ``cb892dd/register-probe.txt``, ``probe.json``).

@@ -31,11 +31,12 @@ a GPU's memory) it does nothing.
 from __future__ import annotations
 
 import ctypes
-import os
 import platform
 import threading
 
-__all__ = ["KEEP_BYTES", "keep_freed_memory"]
+from kvstore.knobs import choice_from_env
+
+__all__ = ["KEEP_BYTES", "MALLOC", "keep_freed_memory"]
 
 #: Blocks up to this size are served from (and freed back to) glibc's heap: the largest
 #: value ``mallopt`` takes (an ``int``). At 1 GiB, freeing a 1 GiB restore (llama-8B,
@@ -47,6 +48,10 @@ KEEP_BYTES = (1 << 31) - 1
 # glibc's malloc.h
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
+
+#: ``KVSTORE_HOST_MALLOC``: ``keep`` (freed blocks kept, as above) or ``os`` (the
+#: allocator left as it is); read when this module loads.
+MALLOC = choice_from_env("KVSTORE_HOST_MALLOC", ("keep", "os"), "keep")
 
 _LOCK = threading.Lock()
 _APPLIED: bool | None = None
@@ -62,7 +67,7 @@ def keep_freed_memory() -> bool:
 
 
 def _apply() -> bool:
-    if os.environ.get("KVSTORE_HOST_MALLOC", "keep") == "os":
+    if MALLOC == "os":
         return False
     if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
         return False

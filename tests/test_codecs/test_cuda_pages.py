@@ -762,7 +762,7 @@ def test_pages_are_locked_on_threads_of_their_own_as_many_as_the_environment_say
     ("variable", "value", "message"),
     [
         ("KVSTORE_CUDA_GATHER_GROUPS", "0", "expected a positive number of groups"),
-        ("KVSTORE_CUDA_LOCK_SPANS", "few", "expected a number of calls, 'auto'"),
+        ("KVSTORE_CUDA_LOCK_SPANS", "few", "expected a number of calls or 'auto'"),
     ],
 )
 def test_a_setting_the_route_cannot_use_is_refused_by_name(variable, value, message):
