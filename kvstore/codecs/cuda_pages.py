@@ -39,7 +39,6 @@ import ctypes
 import itertools
 import math
 import mmap
-import os
 import sys
 import threading
 from collections import Counter
