@@ -65,9 +65,11 @@ __all__ = [
 #: every core (2-core x86 CPU, arrays written from two to 32 row pieces each,
 #: ``python -m tools.bench.fill_paths`` with the loader's few buffers: 6 MiB in 48 arrays
 #: 0.77 ms copied against 1.69 through the loader, 24 MiB 2.43 against 3.06; 64 MiB in
-#: 64 arrays 6.52 against 5.05, 96 MiB in 48 arrays 9.80 against 7.63, 256 MiB in 64
-#: 24.0 against 15.8). With more cores than this VM's two the loader wins sooner.
-DIRECT_MIN_BYTES = 32 << 20
+#: 64 arrays 6.52 against 5.05, 256 MiB in 64 24.0 against 15.8). A whole restore, with
+#: its checks hashing beside, crosses sooner (``tools.bench.restore_python --cpu-route``,
+#: qwen-0.5B: 2048 tokens, 24 MiB, 8.1-8.7 ms copied against 6.2-6.8 through the loader;
+#: 512 tokens, 6 MiB, a tie at 3.1-3.5 ms). With more cores the loader wins sooner still.
+DIRECT_MIN_BYTES = 16 << 20
 
 #: The most bytes of arrays the loader allocates as one buffer: an array is a view of
 #: its buffer, which lives as long as any of its arrays does (a cache whose first

@@ -261,7 +261,8 @@ def test_a_restores_writes_on_several_threads_ask_mlx_nothing(monkeypatch):
         (16, (1, 2, 8192, 64), True),  # 32 MiB in arrays of 2 MiB: the loader's
         (640, (1, 2, 256, 64), True),  # 40 MiB in arrays of 64 KiB: the loader's
         (4, (1, 2, 4096, 64), False),  # 4 MiB in all: copied
-        (31, (1, 2, 4096, 64), False),  # 31 MiB in all: copied
+        (15, (1, 2, 4096, 64), False),  # 15 MiB in all: copied
+        (16, (1, 2, 4096, 64), True),  # 16 MiB in all: the loader's
     ],
 )
 def test_a_restore_takes_the_loader_for_many_bytes_whatever_its_arrays_sizes(
