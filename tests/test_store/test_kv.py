@@ -79,6 +79,40 @@ def test_a_saved_prompt_restores_bit_exactly_and_continues_alike(family, lmdb_ur
     assert mx.array_equal(model(more, cache=restored), model(more, cache=expected)).item()
 
 
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_caches_restored_as_views_of_shared_buffers_continue_alike_token_by_token(
+    family, lmdb_url, monkeypatch
+):
+    # Through MLX's loader a restore's arrays are views cut from a few buffers: each
+    # layer's next tokens (a window's written in place, a growing cache's appended)
+    # must change that layer alone, step after step, as in caches never stored.
+    from kvstore.codecs import fill
+    from kvstore.codecs.one_buffer import padded_nbytes
+
+    monkeypatch.setattr(fill, "DIRECT_MIN_BYTES", 0)
+    grouped = []
+    real_groups = fill._buffer_groups
+
+    def two_largest_a_buffer(specs):
+        monkeypatch.setattr(fill, "BUFFER_MAX_BYTES", 2 * max(map(padded_nbytes, specs)))
+        grouped.append(real_groups(specs))
+        return grouped[-1]
+
+    monkeypatch.setattr(fill, "_buffer_groups", two_largest_a_buffer)
+    model, policy, ns = setup(family)
+    tokens = prompt(1, 70)
+    with open_(lmdb_url) as store:
+        expected = capture_save(store, model, tokens, policy)
+        restored = store.restore(store.lookup(ns, tokens + [3]), model.make_cache(policy))
+    assert_same_caches(restored, expected)
+    sizes = [len(group) for groups in grouped for group in groups]
+    assert len(sizes) > 1 and max(sizes) > 1, sizes
+    for t in prompt(6, 40):  # past a 32-token window: every slot rewritten
+        step = mx.array([[t]])
+        assert mx.array_equal(model(step, cache=restored), model(step, cache=expected)).item()
+    assert_same_caches(restored, expected)
+
+
 @pytest.mark.parametrize("family", ["plain", "quant"])
 def test_prompts_diverging_mid_block_reuse_exactly_their_common_prefix(family, lmdb_url):
     model, policy, ns = setup(family)
