@@ -85,3 +85,75 @@ def test_kvstore_host_malloc_os_leaves_the_allocator_as_it_was():
     applied, given_back_kib = _run(KVSTORE_HOST_MALLOC="os")
     assert applied == "False"
     assert given_back_kib > 48 << 10  # glibc's own way: the block went back to the kernel
+
+
+# ---------------------------------------------------------------- huge pages
+
+HUGE_SCRIPT = """
+import mlx.core as mx
+from kvstore.codecs import fill
+
+def anon_huge_kib():
+    with open("/proc/self/smaps_rollup") as f:
+        return int(next(l for l in f if l.startswith("AnonHugePages")).split()[1])
+
+before = anon_huge_kib()
+specs = [((1, 8, 2048, 128), "bfloat16")] * 8  # 32 MiB through the loader: fresh buffers
+arrays = fill.filled_arrays(specs, lambda i, view: view.fill(i), direct=True)
+mx.eval(arrays)
+print(anon_huge_kib() - before)
+"""
+
+
+def _thp_mode() -> str:
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            return f.read().split("[")[1].split("]")[0]
+    except (OSError, IndexError):
+        return "absent"
+
+
+def _huge_kib(**env: str) -> int:
+    done = subprocess.run(
+        [sys.executable, "-c", HUGE_SCRIPT],
+        env={**os.environ, **env},
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=120,
+    )
+    return int(done.stdout.split()[-1])
+
+
+@pytest.mark.skipif(
+    _thp_mode() != "madvise",
+    reason=f"transparent huge pages are {_thp_mode()!r} here, not given on advice",
+)
+def test_a_restores_fresh_buffers_are_backed_by_huge_pages_on_advice():
+    # MLX allocates the loader's buffers without advice (numpy advises its own large
+    # arrays): advised, a fresh process's first restore faults 2 MiB pages.
+    assert _huge_kib() >= 16 << 10  # most of the 32 MiB
+    assert _huge_kib(KVSTORE_HUGE_PAGES="0") == 0
+    assert _huge_kib(KVSTORE_HOST_MALLOC="os") == 0
+
+
+def test_the_advice_covers_the_whole_huge_pages_inside_a_buffer_only(monkeypatch):
+    import numpy as np
+
+    from kvstore.codecs import host_memory
+
+    advised = []
+    monkeypatch.setattr(
+        host_memory, "_madvise", lambda: lambda start, n, advice: advised.append((start, n))
+    )
+    buffer = np.empty(9 << 20, np.uint8)
+    address = buffer.ctypes.data
+    host_memory.advise_huge_pages(buffer)
+    ((start, n),) = [(s.value, n.value) for s, n in advised]
+    huge = 2 << 20
+    assert start % huge == 0 and n % huge == 0
+    assert address <= start < address + huge and start + n <= address + buffer.nbytes
+    assert start + n > address + buffer.nbytes - huge  # none left out at the end
+    advised.clear()
+    host_memory.advise_huge_pages(np.empty(host_memory.HUGE_MIN_BYTES - 1, np.uint8))
+    assert advised == []  # too small to be worth a call
