@@ -57,9 +57,7 @@ __all__ = [
     "LeafSpec",
     "Fill",
     "LeafStream",
-    "allocated_arrays",
     "filled_arrays",
-    "fills_directly",
 ]
 
 #: Below this many bytes in all, writing each array into a host buffer and copying it
@@ -219,28 +217,14 @@ def filled_arrays(
         return cuda.upload(specs, fill)
     keep_freed_memory()  # the arrays reuse freed heap, not fresh pages (3x, host_memory)
     if direct is None:
-        direct = fills_directly(specs)
+        total = sum(map(cuda.nbytes_of, specs))
+        direct = total >= DIRECT_MIN_BYTES
     if direct:
         owned = _allocated(specs)
         if owned is not None and _written(owned, specs, fill):
             return [array for array, _ in owned]
         del owned  # an array not written completely is never handed out
     return _copied(specs, fill)
-
-
-def fills_directly(specs: Sequence[LeafSpec]) -> bool:
-    """Whether :func:`filled_arrays` has MLX's loader allocate arrays of ``specs`` (at
-    least :data:`DIRECT_MIN_BYTES` in all), rather than copy each through a host
-    buffer."""
-    return sum(map(cuda.nbytes_of, specs)) >= DIRECT_MIN_BYTES
-
-
-def allocated_arrays(specs: Sequence[LeafSpec]) -> list[tuple[mx.array, np.ndarray]] | None:
-    """Arrays of ``specs`` allocated by MLX's loader, uninitialised, each with a writable
-    view of its memory in its dtype, for a caller that writes every byte of them itself
-    (:mod:`~kvstore.codecs.fused_fill`); ``None`` where MLX did not allocate them so."""
-    keep_freed_memory()
-    return _allocated(specs)
 
 
 def _copied(specs: Sequence[LeafSpec], fill: Fill) -> list[mx.array]:

@@ -32,7 +32,6 @@ from kvstore.caches.base import Tree
 from kvstore.codecs import cuda, cuda_pages, device_joins, one_buffer
 from kvstore.codecs.arrays import MLX_DTYPES, as_numpy_all, dtype_name, owned_arrays
 from kvstore.codecs.fill import LeafSpec, filled_arrays
-from kvstore.codecs.fused_fill import Done, fill_hashing
 from kvstore.codecs.header import TensorEntry
 from kvstore.codecs.payload_tensors import PayloadTensors, same_entries, stored
 
@@ -207,7 +206,6 @@ def run_plans(
     plans: Sequence[RestorePlan],
     pages: cuda_pages.PinnedPages | None = None,
     stacks: Sequence[Stack] = (),
-    hashing: tuple[Sequence[np.ndarray], Done] | None = None,
 ) -> list[Any]:
     """The caches of ``plans``: every array of every plan allocated and filled in one go.
 
@@ -221,10 +219,6 @@ def run_plans(
     ``stacks``: arrays on the device whose members are pieces of the plans (a lossy
     restore's rows, decoded for all layers at once); arrays whose every piece is such a
     member are written by one kernel per 64 of them (:mod:`~kvstore.codecs.device_joins`).
-
-    ``hashing``: ``(the records' payloads, done)``: on the host, the arrays are written
-    record by record and each payload hashed as it is copied out, its digest given to
-    ``done`` (:mod:`~kvstore.codecs.fused_fill`), where that applies.
     """
     on_gpu = cuda.available()
     # On a GPU every lazy piece is joined there, in the one evaluation below (with the
@@ -247,13 +241,7 @@ def run_plans(
         # The pieces' views made here: the writes run on several threads, and MLX (a
         # bfloat16 piece's view) is asked only from this one.
         views = [join.host_views(column) for _, (join, column) in writers]
-        if hashing is not None:  # record by record, each hashed as it is copied
-            filled = fill_hashing(specs, views, *hashing)
-            if filled is None:  # not so: the checks hash them, beside the copies
-                for i in range(len(hashing[0])):
-                    hashing[1](i, None)
-        if filled is None:
-            filled = filled_arrays(specs, lambda k, target: write_rows(views[k], target))
+        filled = filled_arrays(specs, lambda k, target: write_rows(views[k], target))
     arrays: list[mx.array] = [None] * len(columns)  # type: ignore[list-item]
     for (i, _), array in zip(writers, filled, strict=True):
         arrays[i] = array

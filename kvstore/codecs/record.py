@@ -131,24 +131,6 @@ _PROMISED: dict[int, tuple[threading.Event, int]] = {}
 #: Whether checks wait for the headers a reader promised (:func:`reader_parses`;
 #: ``KVSTORE_READER_PARSES=0``: they parse whichever they reach first, as before).
 READER_PARSES = switch_from_env("KVSTORE_READER_PARSES")
-#: Payload digests a reader computes as it copies the payloads out (see
-#: :func:`reader_hashes`), by the payload's address and length.
-_DIGESTS: dict[tuple[int, int], _Digest] = {}
-#: Whether a CPU restore hashes each record as it copies it, the checks waiting for its
-#: digests (:func:`reader_hashes`; ``KVSTORE_FUSED_CHECKS=0``: the checks hash).
-FUSED_CHECKS = switch_from_env("KVSTORE_FUSED_CHECKS")
-
-
-class _Digest:
-    """A payload's digest a reader promised: set once it is known, or given up (``None``:
-    the check hashes the payload itself)."""
-
-    __slots__ = ("ready", "value", "thread")
-
-    def __init__(self) -> None:
-        self.ready = threading.Event()
-        self.value: int | None = None
-        self.thread = threading.get_ident()  # the reader's: it never waits on itself
 
 
 def _align(n: int) -> int:
@@ -462,11 +444,8 @@ def verify_record(buffer: Any) -> None:
     view = _bytes_view(buffer, "verify")
     # The payload is hashed before the header is parsed: xxhash releases the GIL and
     # the parse holds it, so checks on several threads hash at once while the reader
-    # parses the same headers (a restore on a GPU: its parse is remembered here). A
-    # reader that hashes the payload as it copies it (reader_hashes) is waited for.
-    computed = _promised_digest(view)
-    if computed is None:
-        computed = _payload_digest(view)
+    # parses the same headers (a restore on a GPU: its parse is remembered here).
+    computed = _payload_digest(view)
     header = _read_header(view, "verify")
     payload = _payload(view, header, "verify")
     if computed is None:
@@ -870,78 +849,6 @@ def _check_extents(op: str, layers: Sequence[LayerEntry | None], payload_nbytes:
 
 
 _OFFSET, _NBYTES, _TENSORS = attrgetter("offset"), attrgetter("nbytes"), attrgetter("tensors")
-
-
-@contextmanager
-def reader_hashes(
-    buffers: Sequence[Any],
-) -> Iterator[Callable[[int, int | None], None] | None]:
-    """Within, the calling thread computes the payload digests of ``buffers`` (records)
-    itself, as it copies the payloads out (each tensor hashed while it is still in the
-    cache), and a check (``verify``) on another thread waits for a record's digest
-    instead of hashing the payload a second time: on the 2-core CI VM the checks of a
-    256 MiB restore read it all again, +8 ms over copies of 18.4 ms, where hashed in
-    the copies they cost ~1 ms (``tools/bench/fill_fused.py``).
-
-    Yields ``done(i, digest)``: record ``i``'s payload digest (``None``: not computed:
-    its check hashes it); ``None`` where nothing was promised (off,
-    ``KVSTORE_FUSED_CHECKS=0``, or every record promised by another reader already).
-    Every record not done when the block ends is given up, so a check never waits
-    past it."""
-    promised: list[tuple[tuple[int, int], _Digest] | None] = []
-    if FUSED_CHECKS:
-        with _PARSED_LOCK:
-            for buffer in buffers:
-                key = _payload_key(buffer)
-                if key is None or key in _DIGESTS:  # another reader's: its checks wait on it
-                    promised.append(None)
-                    continue
-                digest = _DIGESTS[key] = _Digest()
-                promised.append((key, digest))
-
-    def done(i: int, value: int | None) -> None:
-        entry = promised[i] if i < len(promised) else None
-        if entry is not None and not entry[1].ready.is_set():
-            entry[1].value = value
-            entry[1].ready.set()
-
-    try:
-        yield done if any(entry is not None for entry in promised) else None
-    finally:
-        with _PARSED_LOCK:
-            for entry in promised:
-                if entry is not None:
-                    del _DIGESTS[entry[0]]
-        for entry in promised:
-            if entry is not None:
-                entry[1].ready.set()  # given up where not done: the check hashes
-
-
-def _payload_key(buffer: Any) -> tuple[int, int] | None:
-    """The payload's (address, length) a record's prefix places (``None``: not a record)."""
-    try:
-        view = memoryview(buffer).cast("B")
-        offset = _payload_offset(_PREFIX.unpack_from(view)[3])
-    except (struct.error, TypeError, ValueError):
-        return None
-    if offset > len(view):
-        return None
-    if offset == len(view):
-        return None  # no payload: nothing to hash
-    return int(np.frombuffer(view, np.uint8, offset=offset).ctypes.data), len(view) - offset
-
-
-def _promised_digest(view: memoryview) -> int | None:
-    """The payload digest a reader promised for ``view``'s payload, once it is known;
-    ``None`` when none promised it or the reader gave it up."""
-    if not _DIGESTS:
-        return None
-    key = _payload_key(view)
-    digest = _DIGESTS.get(key) if key is not None else None
-    if digest is None or digest.thread == threading.get_ident():
-        return None
-    digest.ready.wait()
-    return digest.value
 
 
 def _payload_digest(view: memoryview) -> int | None:

@@ -557,39 +557,3 @@ def test_a_record_written_into_a_buffer_is_the_encoded_record():
     n = record_module.write_record(plan, out)
     assert bytes(out[:n]) == encode_record(layers)
     record_module.verify_record(memoryview(out[:n]))
-
-
-def test_a_check_waits_for_the_digest_a_reader_promised_and_compares_it():
-    """``reader_hashes``: a check on another thread takes the digest the reader computes
-    as it copies (here a wrong one: the check must find the record corrupt, so it used
-    the promise, not a hash of its own); a digest given up is hashed by the check."""
-    import threading
-
-    from kvstore.codecs import codec_for
-    from kvstore.codecs import record as record_module
-
-    cache = KVCache()
-    rows = mx.random.normal((1, 2, 16, 64))
-    cache.update_and_fetch(rows, rows)
-    records = [memoryview(encode_record([codec_for(cache).snapshot(cache, 0, 16)]))] * 1
-    records.append(memoryview(encode_record([codec_for(cache).snapshot(cache, 0, 8)])))
-    verdicts: list[BaseException | None] = [None, None]
-
-    def check(i: int) -> None:
-        try:
-            record_module.verify_record(records[i])
-        except CorruptEntryError as exc:
-            verdicts[i] = exc
-
-    with record_module.reader_hashes(records) as done:
-        assert done is not None
-        threads = [threading.Thread(target=check, args=(i,)) for i in range(2)]
-        for t in threads:
-            t.start()
-        done(0, 12345)  # not the payload's digest
-        done(1, None)  # given up: its check hashes it
-        for t in threads:
-            t.join(timeout=10)
-    assert isinstance(verdicts[0], CorruptEntryError)
-    assert "Payload checksum mismatch" in str(verdicts[0])
-    assert verdicts[1] is None

@@ -33,12 +33,10 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from contextlib import ExitStack
 from dataclasses import dataclass
 from typing import Any, cast
 
 import mlx.core as mx
-import numpy as np
 
 from kvstore.abc.cache import is_recurrent_cache, is_sliding_window_cache, signature_of
 from kvstore.abc.codec import RestorePlan, Snapshot
@@ -47,7 +45,6 @@ from kvstore.codecs import (
     cuda,
     cuda_pages,
     decode_record,
-    fill,
     get_codec,
     read_header,
     transcode,
@@ -60,7 +57,6 @@ from kvstore.codecs.record import (
     Record,
     RecordHeader,
     decode_records_on_device,
-    reader_hashes,
     reader_parses,
     record_payload,
 )
@@ -159,25 +155,12 @@ def _restored(
         with store.read_checking(wanted) as views:
             pages = cuda_pages.pin(views) if on_gpu else None
             try:
-                # On the host, this thread hashes each record as it copies it out, and the
-                # checks wait for its digests rather than read every record again
-                # (reader_hashes; fused_fill). Any digest not given when the block ends
-                # is given up: that record's check hashes it.
-                with ExitStack() as promises:
-                    large = sum(len(view) for view in views) >= fill.DIRECT_MIN_BYTES
-                    done = (
-                        promises.enter_context(reader_hashes(views))
-                        if large and not on_gpu
-                        else None
-                    )
-                    headers = _headers(wanted, views)
-                    if len(headers) < len(wanted):  # the rest of the prefix is unreadable
-                        tokens = wanted[len(headers)].start
-                        continue
-                    best = _restorable(cut, needs, headers)
-                    if best != tokens:
-                        tokens = best
-                        continue
+                headers = _headers(wanted, views)
+                if len(headers) < len(wanted):  # the rest of the prefix is unreadable
+                    tokens = wanted[len(headers)].start
+                    continue
+                best = _restorable(cut, needs, headers)
+                if best == tokens:
                     # Every layer planned first, then all arrays allocated in one go.
                     decoded: list[Stack] = []
                     plans = _alike_plans(cut, needs, headers, views, pages, decoded)
@@ -191,24 +174,17 @@ def _restored(
                             )
                         }
                         plans = _plans(cut, needs, records, pages, decoded)
-                    hashing = None
-                    if done is not None:
-                        payloads = [
-                            np.frombuffer(record_payload(view, header).view, np.uint8)
-                            for view, header in zip(views, headers, strict=False)
-                        ]
-                        hashing = (payloads, done)
-                    restored = run_plans(plans, pages, decoded, hashing)
-                    del hashing
-                intact = views.intact()
-                if intact == len(wanted):
-                    return restored
-                del restored  # made from a record that failed its checksum: not served
-                tokens = wanted[intact].start
-                continue
+                    restored = run_plans(plans, pages, decoded)
+                    intact = views.intact()
+                    if intact == len(wanted):
+                        return restored
+                    del restored  # made from a record that failed its checksum: not served
+                    tokens = wanted[intact].start
+                    continue
             finally:
                 if pages is not None:
                     pages.release()
+        tokens = best
     return list(caches)
 
 
