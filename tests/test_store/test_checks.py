@@ -14,7 +14,7 @@ from kvstore.store.blocks.checks import check_records
 from kvstore.testing.codec import fill_cache
 
 from .kv_helpers import assert_same_caches, prompt
-from .test_kv import capture_save, lmdb_url, open_, setup
+from .test_kv import lmdb_url, saved_and_restored
 
 __all__ = ["lmdb_url"]  # the fixture, shared with test_kv
 
@@ -79,11 +79,7 @@ def test_restores_through_the_large_read_paths_are_bit_exact(family, lmdb_url, m
             streams.append(self)
 
     monkeypatch.setattr(fill, "LeafStream", Recorded)
-    model, policy, ns = setup(family)
-    tokens = prompt(31, 70)
-    with open_(lmdb_url) as store:
-        expected = capture_save(store, model, tokens, policy)
-        restored = store.restore(store.lookup(ns, tokens + [1]), model.make_cache(policy))
+    _, expected, restored = saved_and_restored(lmdb_url, family, prompt(31, 70))
     assert restored[0].offset == 70
     assert len(streams) == 1 and streams[0].complete  # filled by the loader, no fallback
     assert_same_caches(restored, expected)

@@ -62,6 +62,16 @@ def capture_save(store, model, tokens, policy):
     return prefilled(model, tokens, policy)
 
 
+def saved_and_restored(url, family, tokens):
+    """``family``'s model, the caches of ``tokens`` saved into a fresh store at ``url``,
+    and those restored from it in full: ``(model, expected, restored)``."""
+    model, policy, ns = setup(family)
+    with open_(url) as store:
+        expected = capture_save(store, model, tokens, policy)
+        restored = store.restore(store.lookup(ns, [*tokens, 3]), model.make_cache(policy))
+    return model, expected, restored
+
+
 # ---------------------------------------------------------------- round trips
 
 
@@ -99,11 +109,7 @@ def test_caches_restored_as_views_of_shared_buffers_continue_alike_token_by_toke
         return grouped[-1]
 
     monkeypatch.setattr(fill, "_buffer_groups", two_largest_a_buffer)
-    model, policy, ns = setup(family)
-    tokens = prompt(1, 70)
-    with open_(lmdb_url) as store:
-        expected = capture_save(store, model, tokens, policy)
-        restored = store.restore(store.lookup(ns, tokens + [3]), model.make_cache(policy))
+    model, expected, restored = saved_and_restored(lmdb_url, family, prompt(1, 70))
     assert_same_caches(restored, expected)
     sizes = [len(group) for groups in grouped for group in groups]
     assert len(sizes) > 1 and max(sizes) > 1, sizes
