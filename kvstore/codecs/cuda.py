@@ -49,8 +49,9 @@ import mlx.core as mx
 import numpy as np
 
 from kvstore.codecs.arrays import MLX_DTYPES, numpy_dtype
+from kvstore.codecs.host_memory import advise_huge_pages
 from kvstore.cuda_kernel import cuda_kernel
-from kvstore.knobs import count_from_env, mib_from_env, switch_from_env
+from kvstore.knobs import choice_from_env, count_from_env, mib_from_env, switch_from_env
 from kvstore.threads import KeptPool
 
 __all__ = [
@@ -228,6 +229,16 @@ _ASSEMBLE_MANY_SOURCE = _segments_source(
 )
 
 
+#: How a pinned buffer's pages are mapped (``KVSTORE_PINNED_PAGES``). ``shared``: shared
+#: anonymous memory (Python's ``mmap.mmap(-1, n)``; shmem, which Linux backs with 4 KiB
+#: pages only where ``shmem_enabled`` is ``never``, as on the machines measured). ``huge``:
+#: private anonymous memory advised 2 MiB pages (:func:`advise_huge_pages`): fewer
+#: faults when a buffer is first touched, and fewer TLB misses for the CPU reading it (a
+#: save's hash and LMDB's puts read the arena: 118 ms for 512 MiB on the H200). Not
+#: measured on a GPU yet: ``shared`` stays the default until it is.
+PINNED_PAGES = choice_from_env("KVSTORE_PINNED_PAGES", ("shared", "huge"), "shared")
+
+
 class PinnedBuffer:
     """Host memory the GPU can read and write: anonymous pages, touched and page-locked.
 
@@ -238,8 +249,14 @@ class PinnedBuffer:
 
     def __init__(self, nbytes: int, driver: Driver | None) -> None:
         size = max(mmap.PAGESIZE, -(-nbytes // mmap.PAGESIZE) * mmap.PAGESIZE)
-        self._map: mmap.mmap | None = mmap.mmap(-1, size)
+        if PINNED_PAGES == "huge":
+            private = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
+            self._map: mmap.mmap | None = mmap.mmap(-1, size, flags=private)
+        else:
+            self._map = mmap.mmap(-1, size)
         self.array = np.frombuffer(self._map, np.uint8)
+        if PINNED_PAGES == "huge":
+            advise_huge_pages(self.array)
         self.array[:: mmap.PAGESIZE] = 0  # fault every page in before locking it
         self._driver = driver
         # Without a driver (a test's stand-in) the memory is plain, seen at its address.

@@ -157,3 +157,40 @@ def test_the_advice_covers_the_whole_huge_pages_inside_a_buffer_only(monkeypatch
     advised.clear()
     host_memory.advise_huge_pages(np.empty(host_memory.HUGE_MIN_BYTES - 1, np.uint8))
     assert advised == []  # too small to be worth a call
+
+
+PINNED_SCRIPT = """
+from kvstore.codecs import cuda
+
+def anon_huge_kib():
+    with open("/proc/self/smaps_rollup") as f:
+        return int(next(l for l in f if l.startswith("AnonHugePages")).split()[1])
+
+before = anon_huge_kib()
+buffer = cuda.PinnedBuffer(32 << 20, None)  # no driver: mapped and touched, not locked
+buffer.array[:] = 7
+print(anon_huge_kib() - before, int(buffer.array.sum()) == 7 * (32 << 20))
+buffer.release()
+"""
+
+
+@pytest.mark.skipif(
+    _thp_mode() != "madvise",
+    reason=f"transparent huge pages are {_thp_mode()!r} here, not given on advice",
+)
+def test_pinned_buffers_take_huge_pages_only_when_asked():
+    def run(**env: str) -> tuple[int, str]:
+        done = subprocess.run(
+            [sys.executable, "-c", PINNED_SCRIPT],
+            env={**os.environ, **env},
+            capture_output=True,
+            text=True,
+            check=True,
+            timeout=120,
+        )
+        kib, whole = done.stdout.split()
+        return int(kib), whole
+
+    assert run() == (0, "True")  # shared memory: 4 KiB pages, as always
+    kib, whole = run(KVSTORE_PINNED_PAGES="huge")
+    assert kib >= 16 << 10 and whole == "True"
