@@ -132,6 +132,7 @@ def test_a_choice_not_offered_names_the_variable_and_the_choices(
         ("KVSTORE_CUDA_LOCK_SPANS", "kvstore.codecs.cuda_pages", "a number of calls or 'auto'"),
         ("KVSTORE_HOST_MALLOC", "kvstore.codecs.host_memory", "'keep' or 'os'"),
         ("KVSTORE_PINNED_PAGES", "kvstore.codecs.cuda", "'shared' or 'huge'"),
+        ("KVSTORE_HUGE_PAGES", "kvstore.codecs.host_memory", "'0' or '1'"),
     ],
 )
 def test_a_choice_knob_not_offered_stops_the_import_by_name(variable, module, expected):

@@ -48,7 +48,7 @@ import numpy as np
 from kvstore.codecs import cuda
 from kvstore.codecs.arrays import as_mlx, numpy_dtype, word_dtype
 from kvstore.codecs.copies import each_on_threads
-from kvstore.codecs.host_memory import advise_huge_pages, keep_freed_memory
+from kvstore.codecs.host_memory import HUGE_PAGES, advise_huge_pages, keep_freed_memory
 from kvstore.codecs.one_buffer import buffer_starts, host_views_in, padded_nbytes, views_in
 
 __all__ = [
@@ -283,7 +283,8 @@ def _allocated(specs: Sequence[LeafSpec]) -> list[tuple[mx.array, np.ndarray]] |
     for k, group in enumerate(groups):
         flat = loaded[str(k)]
         host = np.asarray(flat)
-        advise_huge_pages(host)  # a fresh buffer's pages: 2 MiB each as they fault in
+        if HUGE_PAGES:  # a fresh buffer's pages: 2 MiB each as they fault in
+            advise_huge_pages(host)
         arrays += views_in(flat, group)
         views += host_views_in(host, group)
     mx.eval(arrays)

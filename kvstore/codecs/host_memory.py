@@ -35,9 +35,16 @@ every copy after (256 MiB copied in 19.6 ms against 21.3-22.2 on 4 KiB pages her
 fresh process's first 2048-token llama-8B restore took 48-57 ms against 104-119
 (``tools/bench/first_restore.py``, ``tools/bench/results/cpu-thp/``).
 
-``KVSTORE_HOST_MALLOC=os`` leaves the allocator and the pages as they are;
-``KVSTORE_HUGE_PAGES=0`` the pages only. Elsewhere (macOS, musl, a GPU's memory) it
-does nothing.
+It is off unless ``KVSTORE_HUGE_PAGES=1``. Huge pages have to be found whole: where
+free memory is in pieces (a server's page cache full of model weights, a VM that has
+run a while), each fault of an advised buffer waits for the kernel to compact memory.
+In ``kvstore bench``'s D2 (a fresh process's first restore) a 1 GiB restore (llama-8B,
+8192 tokens) took 591-1146 ms advised against 353-602 not, the kernel's direct
+compactions counted meanwhile, while a 256 MiB one took 47-88 ms (one 250) against
+96-107.
+
+``KVSTORE_HOST_MALLOC=os`` leaves the allocator and the pages as they are. Elsewhere
+(macOS, musl, a GPU's memory) it does nothing.
 """
 
 from __future__ import annotations
@@ -50,7 +57,7 @@ from typing import Any
 
 import numpy as np
 
-from kvstore.knobs import choice_from_env, switch_from_env
+from kvstore.knobs import choice_from_env
 
 __all__ = ["KEEP_BYTES", "MALLOC", "advise_huge_pages", "keep_freed_memory"]
 
@@ -74,8 +81,9 @@ HUGE_MIN_BYTES = 4 << 20
 #: ``KVSTORE_HOST_MALLOC``: ``keep`` (freed blocks kept, as above) or ``os`` (the
 #: allocator left as it is); read when this module loads.
 MALLOC = choice_from_env("KVSTORE_HOST_MALLOC", ("keep", "os"), "keep")
-#: ``KVSTORE_HUGE_PAGES``: whether fresh buffers are advised 2 MiB pages (``0``: not).
-HUGE_PAGES = switch_from_env("KVSTORE_HUGE_PAGES")
+#: ``KVSTORE_HUGE_PAGES=1``: a CPU restore advises its fresh buffers 2 MiB pages (off
+#: by default: see the module).
+HUGE_PAGES = choice_from_env("KVSTORE_HUGE_PAGES", ("0", "1"), "0") == "1"
 
 _LOCK = threading.Lock()
 _APPLIED: bool | None = None
@@ -110,9 +118,10 @@ def _apply() -> bool:
 def advise_huge_pages(buffer: np.ndarray) -> None:
     """Ask Linux to back ``buffer``'s pages not yet faulted in with 2 MiB pages (the
     whole 2 MiB pages inside it; see the module). Call it on fresh memory, before
-    writing it: pages already there stay as they are. Nothing where the setting is off
-    (``KVSTORE_HOST_MALLOC=os``), off Linux, or for buffers under
-    :data:`HUGE_MIN_BYTES`; a kernel that refuses the advice changes nothing."""
+    writing it: pages already there stay as they are. Nothing with
+    ``KVSTORE_HOST_MALLOC=os``, off Linux, or for buffers under :data:`HUGE_MIN_BYTES`;
+    a kernel that refuses the advice changes nothing. Whether to ask is the caller's
+    (a restore: :data:`HUGE_PAGES`)."""
     madvise = _madvise()
     if buffer.nbytes < HUGE_MIN_BYTES or madvise is None:
         return
@@ -126,7 +135,7 @@ def advise_huge_pages(buffer: np.ndarray) -> None:
 @functools.cache
 def _madvise() -> Any:
     """libc's ``madvise``, or ``None`` where huge pages are not to be advised."""
-    if MALLOC == "os" or not HUGE_PAGES or platform.system() != "Linux":
+    if MALLOC == "os" or platform.system() != "Linux":
         return None
     try:
         madvise = ctypes.CDLL(None).madvise

@@ -33,7 +33,7 @@ SMALL = Sizes(("qwen0.5b",), (256, 512))
 
 def test_every_figure_of_benchmarks_md_is_in_the_table_under_its_own_id():
     gpu = [f"G{i}" for i in range(1, 6)]
-    assert list(FIGURES) == [f"P{i}" for i in range(1, 12)] + ["D1"] + gpu
+    assert list(FIGURES) == [f"P{i}" for i in range(1, 12)] + ["D1", "D2"] + gpu
     for fid, figure in FIGURES.items():
         assert figure.id == fid and figure.title and figure.peer
     assert all(FIGURES[f"P{i}"].bars for i in range(1, 12))  # every P-figure has its bar(s)
@@ -366,3 +366,39 @@ def test_g2_policies_narrow_by_name_and_refuse_unknown_ones(monkeypatch):
     monkeypatch.setenv(gpu_ttft.POLICIES_ENV, " , ")
     with pytest.raises(ValueError, match="names no policy"):
         gpu_ttft.lossy_policies()
+
+
+def test_d2_times_each_side_in_fresh_processes_holding_the_whole_prompt(tmp_path, monkeypatch):
+    from kvstore.bench.figures import first_restore
+
+    spawned = []
+    real = first_restore.fresh_process
+
+    def recorded(spec):
+        spawned.append(spec["case"])
+        return real(spec)
+
+    monkeypatch.setattr(first_restore, "fresh_process", recorded)
+    result = first_restore.FIGURE.run(context(tmp_path, sizes=Sizes(("gemma-swa",), (64,))))
+    (row,) = result.rows  # one prompt length: no scaling row
+    assert row.label == "gemma-swa 64"
+    assert row.roles == {"ours first": "ours", "mlx-lm first": "peer"}
+    assert [len(s) for s in row.samples.values()] == [5, 5]
+    assert len(row.ratios["vs mlx-lm"].per_rep) == 5
+    # In turn, the order swapped each repetition; every process held all 64 tokens
+    # (fresh_process's reports are checked by the figure).
+    # One untimed process of each first (the harness's warm-up round).
+    assert spawned == ["ours", "mlx-lm"] + ["ours", "mlx-lm", "mlx-lm", "ours"] * 2 + [
+        "ours",
+        "mlx-lm",
+    ]
+    assert figure_status(evaluate(first_restore.FIGURE, result), result) == "reported"
+    assert list(tmp_path.iterdir()) == []  # the store and the file removed
+
+
+def test_d2_a_fresh_process_that_fails_says_which_and_why():
+    from kvstore.bench.figures import first_restore
+
+    spec = {"case": "mlx-lm", "file": "/nonexistent.safetensors", "workload": "qwen0.5b"}
+    with pytest.raises(RuntimeError, match=r"D2's fresh mlx-lm process failed \(1\)"):
+        first_restore.fresh_process({**spec, "tokens": 16})

@@ -12,6 +12,7 @@ from kvstore.bench.figures import (
     decode,
     decode_speed,
     dedup_bytes,
+    first_restore,
     gpu_namespace,
     gpu_save,
     gpu_ttft,
@@ -41,6 +42,7 @@ FIGURES: dict[str, Figure] = {
     "P10": lookup.P10,
     "P11": turboquant_speed.FIGURE,
     "D1": decode.FIGURE,
+    "D2": first_restore.FIGURE,
     # On a GPU (BENCHMARKS.md "On a GPU"; tools/bench/gpu/run.sh runs them there).
     "G1": gpu_ttft.G1,
     "G2": gpu_ttft.G2,
