@@ -113,16 +113,21 @@ def _thp_mode() -> str:
         return "absent"
 
 
-def _huge_kib(**env: str) -> int:
+def _printed(script: str, **env: str) -> list[str]:
+    """What ``script`` printed, run in a fresh process with ``env`` added."""
     done = subprocess.run(
-        [sys.executable, "-c", HUGE_SCRIPT],
+        [sys.executable, "-c", script],
         env={**os.environ, **env},
         capture_output=True,
         text=True,
         check=True,
         timeout=120,
     )
-    return int(done.stdout.split()[-1])
+    return done.stdout.split()
+
+
+def _huge_kib(**env: str) -> int:
+    return int(_printed(HUGE_SCRIPT, **env)[-1])
 
 
 @pytest.mark.skipif(
@@ -180,15 +185,7 @@ buffer.release()
 )
 def test_pinned_buffers_take_huge_pages_only_when_asked():
     def run(**env: str) -> tuple[int, str]:
-        done = subprocess.run(
-            [sys.executable, "-c", PINNED_SCRIPT],
-            env={**os.environ, **env},
-            capture_output=True,
-            text=True,
-            check=True,
-            timeout=120,
-        )
-        kib, whole = done.stdout.split()
+        kib, whole = _printed(PINNED_SCRIPT, **env)
         return int(kib), whole
 
     assert run() == (0, "True")  # shared memory: 4 KiB pages, as always
