@@ -17,6 +17,7 @@ __all__ = [
     "MIB",
     "prompt_params",
     "per_prompt",
+    "per_prompt_run",
     "scaling_rows",
     "scaling_metric",
     "prompt_cache_file",
@@ -45,6 +46,13 @@ def per_prompt(ctx: BenchContext, measure: Callable[[SyntheticKV], Row | list[Ro
             measured = measure(synthetic_kv(workload, tokens))
             rows.extend(measured if isinstance(measured, list) else [measured])
     return rows + scaling_rows(rows)
+
+
+def per_prompt_run(
+    measure: Callable[[BenchContext, SyntheticKV], Row | list[Row]],
+) -> Callable[[BenchContext], FigureResult]:
+    """A figure's ``run``: :func:`per_prompt` of ``measure(ctx, kv)``."""
+    return lambda ctx: FigureResult(per_prompt(ctx, lambda kv: measure(ctx, kv)))
 
 
 def scaling_metric(case: str) -> str:

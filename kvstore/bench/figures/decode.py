@@ -28,9 +28,9 @@ from contextlib import contextmanager
 
 import mlx.core as mx
 
-from kvstore.bench.figures.common import per_prompt, prompt_params
+from kvstore.bench.figures.common import per_prompt_run, prompt_params
 from kvstore.bench.harness import BenchContext, Case, Figure, Ratio
-from kvstore.bench.results import FigureResult, Row
+from kvstore.bench.results import Row
 from kvstore.bench.workloads import SyntheticKV, memcpy_case
 
 __all__ = ["FIGURE", "record_of"]
@@ -94,14 +94,10 @@ def measure(ctx: BenchContext, kv: SyntheticKV) -> list[Row]:
     return rows
 
 
-def run(ctx: BenchContext) -> FigureResult:
-    return FigureResult(per_prompt(ctx, lambda kv: measure(ctx, kv)))
-
-
 FIGURE = Figure(
     "D1",
     "record decode into MLX memory (header, checksum, one copy)",
     "numpy.copyto of the payload into a touched buffer of the same size (memcpy)",
     (),
-    run,
+    per_prompt_run(measure),
 )

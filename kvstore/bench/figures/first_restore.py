@@ -29,9 +29,9 @@ from contextlib import ExitStack
 from typing import Any
 
 from kvstore.bench.figures import store_cases
-from kvstore.bench.figures.common import per_prompt, prompt_cache_file, prompt_params
+from kvstore.bench.figures.common import per_prompt_run, prompt_cache_file, prompt_params
 from kvstore.bench.harness import BenchContext, Figure, ratio
-from kvstore.bench.results import FigureResult, Row
+from kvstore.bench.results import Row
 from kvstore.bench.workloads import SyntheticKV, cache_nbytes
 
 __all__ = ["FIGURE", "OURS", "PEER"]
@@ -100,14 +100,10 @@ def measure(ctx: BenchContext, kv: SyntheticKV) -> Row:
     )
 
 
-def run(ctx: BenchContext) -> FigureResult:
-    return FigureResult(per_prompt(ctx, lambda kv: measure(ctx, kv)))
-
-
 FIGURE = Figure(
     "D2",
     "a new session's first restore: a fresh process restores the prompt once",
     "mlx-lm load_prompt_cache + mx.eval in a fresh process (file in the page cache)",
     (),
-    run,
+    per_prompt_run(measure),
 )
