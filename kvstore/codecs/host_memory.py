@@ -59,7 +59,14 @@ import numpy as np
 
 from kvstore.knobs import choice_from_env
 
-__all__ = ["KEEP_BYTES", "MALLOC", "advise_huge_pages", "keep_freed_memory"]
+__all__ = [
+    "HUGE_MIN_BYTES",
+    "HUGE_PAGES",
+    "KEEP_BYTES",
+    "MALLOC",
+    "advise_huge_pages",
+    "keep_freed_memory",
+]
 
 #: Blocks up to this size are served from (and freed back to) glibc's heap: the largest
 #: value ``mallopt`` takes (an ``int``). At 1 GiB, freeing a 1 GiB restore (llama-8B,
