@@ -62,7 +62,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         description=__doc__.splitlines()[0] if __doc__ else None,
     )
     p.add_argument(
-        "--quick", action="store_true", help="small sizes: a smoke run (about three minutes on a 2-core machine)"
+        "--quick",
+        action="store_true",
+        help="small sizes: a smoke run (about three minutes on a 2-core machine)",
     )
     p.add_argument(
         "--only",
