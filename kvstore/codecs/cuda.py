@@ -249,13 +249,11 @@ class PinnedBuffer:
 
     def __init__(self, nbytes: int, driver: Driver | None) -> None:
         size = max(mmap.PAGESIZE, -(-nbytes // mmap.PAGESIZE) * mmap.PAGESIZE)
-        if PINNED_PAGES == "huge":
-            private = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
-            self._map: mmap.mmap | None = mmap.mmap(-1, size, flags=private)
-        else:
-            self._map = mmap.mmap(-1, size)
+        huge = PINNED_PAGES == "huge"
+        flags = mmap.MAP_PRIVATE if huge else mmap.MAP_SHARED  # anonymous either way
+        self._map: mmap.mmap | None = mmap.mmap(-1, size, flags=flags)
         self.array = np.frombuffer(self._map, np.uint8)
-        if PINNED_PAGES == "huge":
+        if huge:
             advise_huge_pages(self.array)
         self.array[:: mmap.PAGESIZE] = 0  # fault every page in before locking it
         self._driver = driver
