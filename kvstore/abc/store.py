@@ -87,6 +87,7 @@ __all__ = [
     "BlockSave",
     "SaveHandle",
     "CheckingViews",
+    "Claim",
     "DURABILITY_MODES",
     "PrefixStore",
 ]
@@ -607,6 +608,10 @@ class SaveHandle(Protocol):
         counts its saves without a thread waiting on each."""
 
 
+#: A read's ``claim`` (:meth:`PrefixStore.read_checking`).
+Claim = Callable[[Sequence[memoryview]], AbstractContextManager[None]]
+
+
 class CheckingViews(list[memoryview]):
     """Views of records whose checks may still be running (:meth:`PrefixStore.read_checking`).
 
@@ -724,13 +729,22 @@ class PrefixStore(ABC):
         """Verified zero-copy views of the records of ``blocks`` (valid inside the ``with``)."""
 
     @contextmanager
-    def read_checking(self, blocks: Sequence[BlockRef]) -> Iterator[CheckingViews]:
+    def read_checking(
+        self, blocks: Sequence[BlockRef], *, claim: Claim | None = None
+    ) -> Iterator[CheckingViews]:
         """:meth:`read`, handing the views out while their checksums are still being
         computed, so the caller's copy of them overlaps the store's hashing (a restore's
         two passes over the same bytes, on different cores). The views are those of
         the leading stored records; ``views.intact()`` waits for the checks and says
         how many of them passed, counting the rest as :meth:`read` would. A store that
-        checks as it reads (this default) hands out verified views."""
+        checks as it reads (this default) hands out verified views.
+
+        ``claim(views)``: entered just before the checks start, and left when the read
+        ends, before the checks are waited for (a reader that hashes records as it
+        copies them claims them here: :class:`kvstore.codecs.copied_sums.Claims`). The
+        caller resolves or drops its claims before ``views.intact()``, which waits for
+        the checks that wait for them. Not entered by a store whose views are verified
+        before they are handed out."""
         with self.read(blocks) as views:
             yield CheckingViews(views, lambda: len(views))
 

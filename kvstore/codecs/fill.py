@@ -40,7 +40,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import BinaryIO, cast
+from typing import BinaryIO, Protocol, cast
 
 import mlx.core as mx
 import numpy as np
@@ -57,6 +57,7 @@ __all__ = [
     "LeafSpec",
     "Fill",
     "LeafStream",
+    "Units",
     "filled_arrays",
 ]
 
@@ -187,8 +188,27 @@ class LeafStream:
                 self.problem = problem
 
 
+class Units(Protocol):
+    """The writes of a restore's arrays cut otherwise than one per array (record by
+    record: :mod:`~kvstore.codecs.record_copies`)."""
+
+    #: How many units there are.
+    count: int
+
+    def write(self, k: int, targets: Sequence[np.ndarray]) -> None:
+        """Unit ``k``: its bytes of ``targets`` (a writable view of every array); the
+        units together write every byte, no two the same one."""
+
+    def unused(self) -> None:
+        """Called when the arrays are written by ``fill`` instead."""
+
+
 def filled_arrays(
-    specs: Sequence[LeafSpec], fill: Fill, *, direct: bool | None = None
+    specs: Sequence[LeafSpec],
+    fill: Fill,
+    *,
+    direct: bool | None = None,
+    units: Units | None = None,
 ) -> list[mx.array]:
     """Fresh, evaluated MLX arrays of ``specs``, each written by ``fill``.
 
@@ -202,6 +222,8 @@ def filled_arrays(
             copied into MLX's memory: the fallback); default: for at least
             :data:`DIRECT_MIN_BYTES` in all. Not used on a CUDA GPU, where the arrays
             are staged through pinned memory (:func:`kvstore.codecs.cuda.upload`).
+        units: what writes the arrays allocated through the loader, instead of
+            ``fill`` (which writes them on every other way, after ``units.unused()``).
 
     Returns:
         The arrays, in order, each its own bytes: through the loader, views of a few
@@ -214,6 +236,8 @@ def filled_arrays(
     if not specs:
         return []
     if cuda.available():  # a CUDA GPU: through pinned staging, every core copying
+        if units is not None:
+            units.unused()
         return cuda.upload(specs, fill)
     keep_freed_memory()  # the arrays reuse freed heap, not fresh pages (3x, host_memory)
     if direct is None:
@@ -221,9 +245,11 @@ def filled_arrays(
         direct = total >= DIRECT_MIN_BYTES
     if direct:
         owned = _allocated(specs)
-        if owned is not None and _written(owned, specs, fill):
+        if owned is not None and _written(owned, specs, fill, units):
             return [array for array, _ in owned]
         del owned  # an array not written completely is never handed out
+    if units is not None:
+        units.unused()
     return _copied(specs, fill)
 
 
@@ -241,11 +267,19 @@ def _copied(specs: Sequence[LeafSpec], fill: Fill) -> list[mx.array]:
 
 
 def _written(
-    owned: list[tuple[mx.array, np.ndarray]], specs: Sequence[LeafSpec], fill: Fill
+    owned: list[tuple[mx.array, np.ndarray]],
+    specs: Sequence[LeafSpec],
+    fill: Fill,
+    units: Units | None,
 ) -> bool:
-    """Whether ``fill`` wrote every one of the ``owned`` arrays, on every core."""
+    """Whether ``fill`` (or ``units``) wrote every one of the ``owned`` arrays, on every
+    core."""
     try:
-        each_on_threads(len(specs), lambda i: fill(i, owned[i][1]))
+        if units is not None:
+            targets = [view for _, view in owned]
+            each_on_threads(units.count, lambda k: units.write(k, targets))
+        else:
+            each_on_threads(len(specs), lambda i: fill(i, owned[i][1]))
     except Exception:  # noqa: BLE001 - the fallback writes them again, raising if it fails again
         return False
     return True

@@ -31,9 +31,11 @@ from kvstore.abc.codec import RestorePlan, Snapshot
 from kvstore.caches.base import Tree
 from kvstore.codecs import cuda, cuda_pages, device_joins, one_buffer
 from kvstore.codecs.arrays import MLX_DTYPES, as_numpy_all, dtype_name, owned_arrays
+from kvstore.codecs.copied_sums import Claims
 from kvstore.codecs.fill import LeafSpec, filled_arrays
 from kvstore.codecs.header import TensorEntry
 from kvstore.codecs.payload_tensors import PayloadTensors, same_entries, stored
+from kvstore.codecs.record_copies import record_writes
 
 __all__ = [
     "Tree",
@@ -206,6 +208,7 @@ def run_plans(
     plans: Sequence[RestorePlan],
     pages: cuda_pages.PinnedPages | None = None,
     stacks: Sequence[Stack] = (),
+    claims: Claims | None = None,
 ) -> list[Any]:
     """The caches of ``plans``: every array of every plan allocated and filled in one go.
 
@@ -219,6 +222,10 @@ def run_plans(
     ``stacks``: arrays on the device whose members are pieces of the plans (a lossy
     restore's rows, decoded for all layers at once); arrays whose every piece is such a
     member are written by one kernel per 64 of them (:mod:`~kvstore.codecs.device_joins`).
+
+    ``claims``: the records the pieces lie in (on the CPU), those claimed hashed as their
+    rows are copied (:mod:`~kvstore.codecs.record_copies`); claims not resolved by
+    then are dropped before this returns.
     """
     on_gpu = cuda.available()
     # On a GPU every lazy piece is joined there, in the one evaluation below (with the
@@ -241,7 +248,14 @@ def run_plans(
         # The pieces' views made here: the writes run on several threads, and MLX (a
         # bfloat16 piece's view) is asked only from this one.
         views = [join.host_views(column) for _, (join, column) in writers]
-        filled = filled_arrays(specs, lambda k, target: write_rows(views[k], target))
+        units = record_writes(specs, views, claims) if claims is not None else None
+        if units is not None:
+            units.claim()
+        elif claims is not None:
+            claims.drop()  # the checks hash the records, beside the copies
+        filled = filled_arrays(specs, lambda k, target: write_rows(views[k], target), units=units)
+    if claims is not None:
+        claims.drop()
     arrays: list[mx.array] = [None] * len(columns)  # type: ignore[list-item]
     for (i, _), array in zip(writers, filled, strict=True):
         arrays[i] = array

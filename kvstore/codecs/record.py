@@ -58,6 +58,7 @@ from kvstore.codecs.arrays import (
     contiguous_chunks,
     numpy_dtype,
 )
+from kvstore.codecs.copied_sums import digest_of
 from kvstore.codecs.header import (
     BOUNDS,
     FORMAT_VERSION,
@@ -98,6 +99,7 @@ __all__ = [
     "snapshot_to_mlx",
     "verify_record",
     "record_payload",
+    "placed_payload",
     "checkpoint_nbytes",
     "forget_parsed_headers",
 ]
@@ -445,7 +447,8 @@ def verify_record(buffer: Any) -> None:
     # The payload is hashed before the header is parsed: xxhash releases the GIL and
     # the parse holds it, so checks on several threads hash at once while the reader
     # parses the same headers (a restore on a GPU: its parse is remembered here).
-    computed = _payload_digest(view)
+    # A restore copying the record's rows may hash them as it goes (copied_sums).
+    computed = digest_of(view, _payload_digest)
     header = _read_header(view, "verify")
     payload = _payload(view, header, "verify")
     if computed is None:
@@ -851,13 +854,20 @@ def _check_extents(op: str, layers: Sequence[LayerEntry | None], payload_nbytes:
 _OFFSET, _NBYTES, _TENSORS = attrgetter("offset"), attrgetter("nbytes"), attrgetter("tensors")
 
 
-def _payload_digest(view: memoryview) -> int | None:
-    """The checksum of the payload the prefix places (``None``: it places none); the
-    header, parsed next, says whether that is the payload and the sum it must have."""
+def placed_payload(view: memoryview) -> memoryview | None:
+    """The payload record ``view``'s prefix places (``None``: it places none): the bytes
+    its check hashes, before the header, parsed next, says whether that is the payload
+    and the sum it must have."""
     if len(view) < _PREFIX.size:
         return None
     offset = _payload_offset(_PREFIX.unpack_from(view)[3])
-    return xxhash.xxh3_64_intdigest(view[offset:]) if offset <= len(view) else None
+    return view[offset:] if offset <= len(view) else None
+
+
+def _payload_digest(view: memoryview) -> int | None:
+    """The checksum of :func:`placed_payload` (``None``: none placed)."""
+    payload = placed_payload(view)
+    return None if payload is None else xxhash.xxh3_64_intdigest(payload)
 
 
 def _payload(view: memoryview, header: RecordHeader, op: str) -> memoryview:

@@ -142,3 +142,41 @@ def engine_of(store):
     """The engine that persists ``store``'s blocks (a tiered store's slowest tier's)."""
     tiers = getattr(store, "tiers", None)
     return (tiers[-1] if tiers else store).backend
+
+
+class _ChecksAtTheEnd:
+    """A read's checks, run when first waited for (``intact()``, or the read's end)
+    instead of on a thread from the start: after a restore's copies."""
+
+    def __init__(self, check):
+        self._check, self._result = check, None
+
+    def result(self):
+        if self._check is not None:
+            self._result, self._check = self._check(), None
+        return self._result
+
+
+@pytest.fixture
+def hashed_as_copied(monkeypatch):
+    """Restores on the CPU copy record by record and hash each record as they copy it,
+    however small (``record_copies``' thresholds lowered, two copying threads), and the
+    checks wait until the copies are done: every record is hashed by its copy. The list
+    of the digests the readers handed the checks."""
+    from kvstore.codecs import copied_sums, fill, record_copies
+    from kvstore.store.blocks import reading
+
+    monkeypatch.setattr(fill, "DIRECT_MIN_BYTES", 0)
+    monkeypatch.setattr(record_copies, "DIRECT_MIN_BYTES", 0)
+    monkeypatch.setattr(record_copies, "LAYER_MIN_BYTES", 0)
+    monkeypatch.setenv("KVSTORE_COPY_THREADS", "2")
+    monkeypatch.setattr(reading, "in_background", _ChecksAtTheEnd)
+    resolved: list[int] = []
+    real = copied_sums.Claims.resolve
+
+    def resolve(self, record, digest):
+        resolved.append(digest)
+        real(self, record, digest)
+
+    monkeypatch.setattr(copied_sums.Claims, "resolve", resolve)
+    return resolved

@@ -119,6 +119,53 @@ def test_caches_restored_as_views_of_shared_buffers_continue_alike_token_by_toke
     assert_same_caches(restored, expected)
 
 
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_caches_copied_and_hashed_record_by_record_restore_bit_exactly(
+    family, lmdb_url, hashed_as_copied
+):
+    # Each record's rows copied in the order they lie in it, its payload hashed behind
+    # the copy for the store's checks: the same caches, and they continue alike.
+    model, expected, restored = saved_and_restored(lmdb_url, family, prompt(1, 70))
+    assert_same_caches(restored, expected)
+    assert len(hashed_as_copied) == 5  # every record hashed by its copy
+    for t in prompt(6, 40):
+        step = mx.array([[t]])
+        assert mx.array_equal(model(step, cache=restored), model(step, cache=expected)).item()
+
+
+def test_records_the_checks_hashed_first_are_only_copied(lmdb_url, hashed_as_copied, monkeypatch):
+    from concurrent.futures import Future
+
+    from kvstore.store.blocks import reading
+
+    def at_once(check):  # every check done before the restore copies a row
+        done: Future = Future()
+        done.set_result(check())
+        return done
+
+    monkeypatch.setattr(reading, "in_background", at_once)
+    model, expected, restored = saved_and_restored(lmdb_url, "plain", prompt(1, 70))
+    assert_same_caches(restored, expected)
+    assert hashed_as_copied == []
+
+
+@pytest.mark.parametrize("family", ["plain", "quant"])
+def test_a_match_cut_inside_a_block_copied_record_by_record_reuses_exactly_its_rows(
+    family, lmdb_url, hashed_as_copied
+):
+    model, policy, ns = setup(family)
+    first = prompt(3, 60)
+    with open_(lmdb_url) as store:
+        saved = capture_save(store, model, first, policy)
+        match = store.lookup(ns, first[:37] + [(t + 1) % 256 for t in first[37:50]])
+        restored = store.restore(match, model.make_cache(policy))
+    assert {c.offset for c in restored} == {37}
+    assert len(hashed_as_copied) == 3  # the third block's record cut to its first 5 rows
+    for c in saved:
+        c.trim(60 - 37)
+    assert_same_caches(restored, saved)
+
+
 @pytest.mark.parametrize("family", ["plain", "quant"])
 def test_prompts_diverging_mid_block_reuse_exactly_their_common_prefix(family, lmdb_url):
     model, policy, ns = setup(family)

@@ -28,10 +28,10 @@ def test_generation_recomputes_when_the_server_dies_mid_restore_and_reuses_after
         # The server hangs as the restore starts reading blocks, then dies.
         read = store.read_checking  # what a restore reads through
 
-        def read_as_the_server_dies(blocks):
+        def read_as_the_server_dies(blocks, **options):
             server.pause()
             threading.Timer(0.3, server.kill).start()
-            return read(blocks)
+            return read(blocks, **options)
 
         store.read_checking = read_as_the_server_dies
         with caplog.at_level(logging.WARNING, "kvstore"):

@@ -3,6 +3,8 @@ restore that never serves what fails them."""
 
 from __future__ import annotations
 
+import pytest
+
 from kvstore.abc.store import MissReason
 from kvstore.bridge import generate_tokens
 from kvstore.bridge.namespace import namespace_for_model
@@ -73,3 +75,43 @@ def test_an_intact_store_reads_the_same_either_way(tmp_path):
             got = [bytes(v) for v in views]
             assert views.intact() == len(blocks)
     assert got == want and len(want) == len(blocks)
+
+
+def test_a_record_hashed_by_its_copy_that_fails_its_checksum_is_never_served(
+    tmp_path, hashed_as_copied
+):
+    # The restore's copy hashes each record for the checks: a flipped byte must still
+    # end the run there, as when the checks hash it themselves.
+    url = _saved(tmp_path)
+    with open_store(url, readonly=True, touch_interval=0) as store:
+        blocks = _match(store).blocks
+    _flip_payload(url, blocks[2].key)
+    model = model_for("tiny")
+    with open_store(url, touch_interval=0) as store:
+        restored = store.restore(_match(store), model.make_cache())
+        assert store.activity()["misses"][MissReason.CORRUPT] == 1
+    # Every record's digest came from its copy, the flipped one's too; then the restore
+    # of the two blocks before it, again.
+    assert len(hashed_as_copied) == len(blocks) + 2
+    assert restored[0].offset == blocks[2].start == 2 * BLOCK
+    assert_same_caches(restored, prefilled(model, TOKENS[: 2 * BLOCK]))
+
+
+def test_a_read_that_fails_with_its_records_claimed_ends_and_its_checks_hash_them(tmp_path):
+    # A reader that claimed every record and then failed before hashing one: leaving
+    # the read drops the claims, its checks hash the records themselves, and nothing
+    # is counted corrupt.
+    from kvstore.codecs.copied_sums import Claims
+
+    url = _saved(tmp_path)
+    with open_store(url, touch_interval=0) as store:
+        blocks = _match(store).blocks
+        claims = Claims(lambda views: True)
+        with pytest.raises(RuntimeError, match="the copy failed"):
+            with store.read_checking(blocks, claim=claims.taken) as views:
+                assert [i in claims for i in range(len(views))] == [True] * len(blocks)
+                raise RuntimeError("the copy failed")
+        assert store.activity()["misses"].get(MissReason.CORRUPT, 0) == 0
+        with store.read_checking(blocks, claim=claims.taken) as views:
+            claims.drop()  # before intact(): the checks would wait for the claims
+            assert views.intact() == len(blocks)

@@ -41,6 +41,7 @@ from kvstore.abc.store import (
     BlockRef,
     BlockSave,
     CheckingViews,
+    Claim,
     Match,
     MissReason,
     PrefixStore,
@@ -320,13 +321,17 @@ class BlockPrefixStore(CacheMethods, PrefixStore):
             yield views
 
     @contextmanager
-    def read_checking(self, blocks: Sequence[BlockRef]) -> Iterator[CheckingViews]:
-        with self._read(blocks, checking=True) as views:
+    def read_checking(
+        self, blocks: Sequence[BlockRef], *, claim: Claim | None = None
+    ) -> Iterator[CheckingViews]:
+        with self._read(blocks, checking=True, claim=claim) as views:
             assert isinstance(views, CheckingViews)
             yield views
 
     @contextmanager
-    def _read(self, blocks: Sequence[BlockRef], *, checking: bool) -> Iterator[list[memoryview]]:
+    def _read(
+        self, blocks: Sequence[BlockRef], *, checking: bool, claim: Claim | None = None
+    ) -> Iterator[list[memoryview]]:
         self._check_open("read")
         corrupt: list[bytes] = []
         keys: list[bytes] = []
@@ -342,7 +347,9 @@ class BlockPrefixStore(CacheMethods, PrefixStore):
             report = partial(
                 count_read_end, self._counters, self._why_absent, blocks, corrupt=corrupt
             )
-            with served_views(padded, self._verify, report, checking=checking) as views:
+            with served_views(
+                padded, self._verify, report, checking=checking, claim=claim
+            ) as views:
                 yield views
         if corrupt:
             self._quarantine.update(corrupt)

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Collection, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from typing import Any, cast
 
-from kvstore.abc.store import Backend, BlockRef, CheckingViews, MissReason
+from kvstore.abc.store import Backend, BlockRef, CheckingViews, Claim, MissReason
 from kvstore.errors import CorruptEntryError, FormatVersionError
 from kvstore.store.blocks.checks import Verdict, in_background, served_run
 from kvstore.store.blocks.stats import Counters
@@ -31,13 +31,16 @@ def served_views(
     report: Report,
     *,
     checking: bool,
+    claim: Claim | None = None,
 ) -> Iterator[list[memoryview]]:
     """The views a read serves of ``values`` (one per block, ``None`` where not stored).
 
     ``checking``: a :class:`~kvstore.abc.store.CheckingViews` of every leading
     stored record, its checks running on other threads (``intact()`` waits
     for them); else the verified views, checked here first. ``report`` is
-    called once, from whichever thread ran the checks.
+    called once, from whichever thread ran the checks. ``claim``: with
+    ``checking``, entered with the views before the checks start and left before
+    they are waited for (:meth:`~kvstore.abc.store.PrefixStore.read_checking`).
     """
     served: list[list[memoryview]] = []
 
@@ -47,8 +50,11 @@ def served_views(
         report(len(views), verdict, absent)
         return len(views)
 
+    claimed = ExitStack()
     if checking:
         stored = [memoryview(cast(Any, v)) for v in itertools.takewhile(_is_stored, values)]
+        if claim is not None:
+            claimed.enter_context(claim(stored))
         pending = in_background(check)
         out: list[memoryview] = CheckingViews(stored, pending.result)
     else:
@@ -58,6 +64,7 @@ def served_views(
         yield out
     finally:
         if checking:
+            claimed.close()  # a check waiting on a claim left unresolved hashes itself
             pending.result()  # the hashing threads read the views: wait, then release
         release(stored)
         release(served[0] if served else [])

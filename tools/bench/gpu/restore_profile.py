@@ -127,9 +127,9 @@ def child_restore(url: str, tokens: int, layers: int, switch_ms: float) -> dict[
     line = Timeline()
     real_read = store.read_checking  # what a restore reads through
 
-    def read(wanted: Any) -> Any:
+    def read(wanted: Any, **options: Any) -> Any:
         start = time.perf_counter()
-        ctx = real_read(wanted)
+        ctx = real_read(wanted, **options)
         views = ctx.__enter__()
         line.events.append(("store.read_checking enter (get)", start, time.perf_counter(), 0))
 

@@ -1,0 +1,147 @@
+"""Checksums taken by the copy that reads the bytes anyway: a record's payload hashed
+by the thread copying its rows, a chunk at a time, from the CPU's cache, instead of
+read from memory a second time by the store's checks.
+
+A restore on the CPU is bound by memory bandwidth. On the 2-core x86 CI VM, a
+2048-token llama-8B restore (256 MiB) took 30.2 ms with the checks hashing every
+record beside the copies, and 26.7 ms with the copies hashing most of them (median
+of five alternations of ``python -m tools.bench.restore_python --cpu-route --shape
+llama8b --tokens 2048``).
+
+The protocol, between a reader and the store's checks
+(:meth:`~kvstore.abc.store.PrefixStore.read_checking`), one record at a time:
+
+* before the checks start, the reader opens its read's records to claims
+  (:meth:`Claims.taken`, the read's ``claim``); a record another reader opened is
+  not opened again;
+* the checks hash records from the last one while the reader parses and plans;
+  as its copies start, the reader claims every record no check has begun
+  (:meth:`Claims.claim_open`), and the checks wait for the reader's digests
+  (:func:`digest_of`), which they still compare with the headers': nothing is
+  served that was not checked. Claimed one record at a time instead, as each copy
+  began, the checks went on hashing beside the copies, competing with them for the
+  memory bus: 32.5 ms, slower than with no claims;
+* a claim the reader leaves unresolved (it failed) is dropped when its read ends
+  its checks, and the check waiting on it hashes the record itself; the records
+  are closed before the read's views are released, so a digest is never taken
+  for other bytes at the same address.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+
+import numpy as np
+
+__all__ = ["Claims", "digest_of"]
+
+_OPEN, _CHECKED, _CLAIMED = "open", "checked", "claimed"
+
+
+class _Record:
+    """One record opened to claims: who hashes it, and the reader's digest."""
+
+    __slots__ = ("state", "done", "digest")
+
+    def __init__(self) -> None:
+        self.state = _OPEN
+        self.done = threading.Event()
+        #: The reader's digest once ``done``; ``None`` when it dropped its claim.
+        self.digest: int | None = None
+
+
+#: (address, length) of each open record's bytes -> the record.
+_RECORDS: dict[tuple[int, int], _Record] = {}
+_LOCK = threading.Lock()
+
+
+def _key(view: memoryview) -> tuple[int, int]:
+    return int(np.frombuffer(view, np.uint8).ctypes.data), view.nbytes
+
+
+def digest_of(view: memoryview, digest: Callable[[memoryview], int | None]) -> int | None:
+    """``digest(view)`` (the checksum a check computes of record ``view``), or the digest
+    the reader that claimed ``view`` computed of the same bytes as it copied them."""
+    if not _RECORDS or not view.nbytes:  # records open before the checks that ask start
+        return digest(view)
+    with _LOCK:
+        record = _RECORDS.get(_key(view))
+        if record is not None and record.state == _OPEN:
+            record.state = _CHECKED  # this check hashes it; its reader only copies it
+    if record is not None and record.state == _CLAIMED:
+        record.done.wait()
+        if record.digest is not None:
+            return record.digest
+    return digest(view)
+
+
+class Claims:
+    """The records of one read that its reader may hash as it copies them.
+
+    Args:
+        wanted: whether to open a read's records to claims at all, given their
+            views (a restore does for what it copies on the CPU, in enough records
+            to keep every copying thread busy).
+    """
+
+    def __init__(self, wanted: Callable[[Sequence[memoryview]], bool]) -> None:
+        self._wanted = wanted
+        self._open: dict[int, _Record] = {}
+        #: The read's views, when they were wanted.
+        self.records: Sequence[memoryview] = ()
+
+    def __contains__(self, record: int) -> bool:
+        """Whether record ``record`` (its index in the read's views) is this reader's
+        to claim or hash."""
+        return record in self._open
+
+    @contextmanager
+    def taken(self, views: Sequence[memoryview]) -> Iterator[None]:
+        """Open every record of ``views`` no other reader has to claims (when
+        ``wanted``); on exit drop every claim (an unresolved one makes its check hash
+        the record) and close them."""
+        keys: list[tuple[int, int]] = []
+        if self._wanted(views):
+            self.records = views
+            with _LOCK:
+                for i, view in enumerate(views):
+                    key = _key(view)
+                    if view.nbytes and key not in _RECORDS:
+                        keys.append(key)
+                        self._open[i] = _RECORDS[key] = _Record()
+        try:
+            yield
+        finally:
+            self.drop()
+            self.records = ()
+            with _LOCK:
+                for key in keys:
+                    del _RECORDS[key]
+
+    def claim_open(self) -> set[int]:
+        """Claim every record of this reader's that no check has begun hashing (the
+        checks hash the rest): their indices in the read's views."""
+        with _LOCK:
+            claimed = {i for i, found in self._open.items() if found.state == _OPEN}
+            for i in claimed:
+                self._open[i].state = _CLAIMED
+        return claimed
+
+    def resolve(self, record: int, digest: int) -> None:
+        """Hand the checks claimed record ``record``'s payload digest (computed over
+        exactly the bytes the record format's check hashes)."""
+        found = self._open[record]
+        found.digest = digest
+        found.done.set()
+
+    def drop(self) -> None:
+        """Give up every claim not resolved yet, and claim nothing more: the checks
+        hash those records."""
+        with _LOCK:
+            for found in self._open.values():
+                if found.state == _OPEN:
+                    found.state = _CHECKED
+                found.done.set()
+        self._open = {}

@@ -1,0 +1,153 @@
+"""A restore's host writes cut by record: each record's rows copied into the caches'
+arrays in the order they lie in it, and its payload hashed a chunk behind the copy,
+while the chunk is still in the CPU's cache (:mod:`~kvstore.codecs.copied_sums` says
+why, and how the store's checks take the digest).
+
+:func:`record_writes` regroups the per-array row pieces of
+:func:`~kvstore.codecs.plans.run_plans` into one unit of work per record (plus one
+per array with zeros past its rows); :func:`~kvstore.codecs.fill.filled_arrays` runs
+the units on every core. Only pieces that are plain views into the records' payloads
+are written this way: anything else (rows decoded from a lossy record, a piece to
+widen) leaves the arrays to the per-array writes.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Sequence
+
+import numpy as np
+import xxhash
+from numpy.lib.array_utils import byte_bounds
+
+from kvstore.codecs import copies
+from kvstore.codecs.arrays import numpy_dtype
+from kvstore.codecs.copied_sums import Claims
+from kvstore.codecs.fill import DIRECT_MIN_BYTES, LeafSpec
+from kvstore.codecs.record import placed_payload
+
+__all__ = ["HASH_CHUNK_BYTES", "RecordWrites", "record_writes", "worth_claiming"]
+
+#: A record's payload is hashed up to the end of its last copied piece once that many
+#: bytes are waiting: small enough to be read back from the CPU's cache (L2 is 512 KiB
+#: on the CI VM's EPYC), large enough that a hash call's cost is noise. Hashing after
+#: each 512 KiB llama-8B tensor and after each 256 KiB of qwen-0.5B's 64 KiB ones were
+#: the fastest of the cuts tried.
+HASH_CHUNK_BYTES = 256 << 10
+
+
+#: The bytes a record must hold per layer, on average, for its rows to be copied
+#: record by record: each piece copied costs ~3 us of Python holding the GIL, and
+#: qwen-0.5B's 64 KiB pieces (128 KiB a layer) made a 8192-token restore 20.3 -> 24.5 ms
+#: where llama-8B's 512 KiB ones made a 2048-token one 32.1 -> 29.7 ms.
+LAYER_MIN_BYTES = 512 << 10
+
+
+def worth_claiming(views: Sequence[memoryview], layers: int) -> bool:
+    """Whether a restore of the records ``views`` (of ``layers`` layers) hashes them as
+    it copies: when its arrays are written on every core
+    (:data:`~kvstore.codecs.fill.DIRECT_MIN_BYTES`), there is a record for every
+    copying thread (a record is hashed by one), and its pieces are large
+    (:data:`LAYER_MIN_BYTES`)."""
+    total = sum(v.nbytes for v in views)
+    return (
+        len(views) >= copies.threads()
+        and total >= DIRECT_MIN_BYTES
+        and total >= LAYER_MIN_BYTES * layers * len(views)
+    )
+
+
+# One piece to copy: its first byte in the store's pages, the array, its rows, itself.
+_Piece = tuple[int, int, int, int, np.ndarray]
+
+
+class RecordWrites:
+    """Units of work (:class:`~kvstore.codecs.fill.Units`): record ``k`` copied and,
+    when claimed (:meth:`claim`), hashed; then one unit per array with rows to zero."""
+
+    def __init__(
+        self,
+        claims: Claims,
+        payloads: list[tuple[int, memoryview, int]],
+        pieces: dict[int, list[_Piece]],
+        tails: list[tuple[int, int]],
+    ) -> None:
+        self._claims = claims
+        # (record, payload, address) of each record with pieces, in order.
+        self._records = [p for p in payloads if p[0] in pieces]
+        self._pieces = pieces
+        self._tails = tails
+        self.count = len(self._records) + len(tails)
+        self._claimed: set[int] = set()
+
+    def claim(self) -> None:
+        """Claim the records no check has begun hashing, just before the copies."""
+        self._claimed = self._claims.claim_open()
+
+    def write(self, k: int, targets: Sequence[np.ndarray]) -> None:
+        if k >= len(self._records):
+            array, rows = self._tails[k - len(self._records)]
+            targets[array][:, :, rows:] = 0
+            return
+        record, payload, address = self._records[k]
+        hasher = xxhash.xxh3_64() if record in self._claimed else None
+        done = 0  # bytes of the payload hashed
+        for start, array, first, stop, piece in self._pieces.get(record, ()):
+            # The pieces before this one, copied just now, hashed from the cache.
+            if hasher is not None and start - address - done >= HASH_CHUNK_BYTES:
+                hasher.update(payload[done : start - address])
+                done = start - address
+            targets[array][:, :, first:stop] = piece
+        if hasher is not None:
+            hasher.update(payload[done:])
+            self._claims.resolve(record, hasher.intdigest())
+
+    def unused(self) -> None:
+        """The arrays were written some other way: the checks hash the records."""
+        self._claims.drop()
+
+
+def record_writes(
+    specs: Sequence[LeafSpec], pieces: Sequence[Sequence[np.ndarray]], claims: Claims
+) -> RecordWrites | None:
+    """The writes of the arrays ``specs`` (array ``k`` is ``pieces[k]`` joined along
+    the row axis, then zeros), record by record of ``claims.records``; ``None`` when a
+    piece is not a view into one of their payloads of its array's dtype and shape."""
+    if not claims.records:
+        return None
+    payloads = []
+    for record, view in enumerate(claims.records):
+        payload = placed_payload(view)
+        if payload is not None and payload.nbytes:
+            payloads.append((record, payload, int(np.frombuffer(payload, np.uint8).ctypes.data)))
+    payloads.sort(key=lambda p: p[2])
+    starts = [address for _, _, address in payloads]
+    by_record: dict[int, list[_Piece]] = {}
+    tails = []
+    for array, ((shape, name), row_pieces) in enumerate(zip(specs, pieces, strict=True)):
+        dtype, rows = numpy_dtype(name), 0
+        for piece in row_pieces:
+            if not (
+                isinstance(piece, np.ndarray)
+                and piece.dtype == dtype
+                and piece.ndim == len(shape) > 2
+                and piece.shape[:2] == shape[:2]
+                and piece.shape[3:] == shape[3:]
+            ):
+                return None
+            if not piece.shape[2]:
+                continue
+            first, end = byte_bounds(piece)
+            at = bisect.bisect_right(starts, first) - 1
+            if at < 0 or end > starts[at] + payloads[at][1].nbytes:
+                return None
+            stop = rows + int(piece.shape[2])
+            by_record.setdefault(payloads[at][0], []).append((first, array, rows, stop, piece))
+            rows = stop
+        if rows > shape[2]:
+            return None
+        if rows < shape[2]:
+            tails.append((array, rows))
+    for record_pieces in by_record.values():
+        record_pieces.sort(key=lambda p: p[0])  # in the order they lie
+    return RecordWrites(claims, payloads, by_record, tails)
