@@ -26,7 +26,7 @@ from kvstore.codecs.copied_sums import Claims
 from kvstore.codecs.fill import DIRECT_MIN_BYTES, LeafSpec
 from kvstore.codecs.record import placed_payload
 
-__all__ = ["HASH_CHUNK_BYTES", "RecordWrites", "record_writes", "worth_claiming"]
+__all__ = ["HASH_CHUNK_BYTES", "PIECE_MIN_BYTES", "RecordWrites", "record_writes", "worth_claiming"]
 
 #: A record's payload is hashed up to the end of its last copied piece once that many
 #: bytes are waiting: small enough to be read back from the CPU's cache (L2 is 512 KiB
@@ -36,25 +36,20 @@ __all__ = ["HASH_CHUNK_BYTES", "RecordWrites", "record_writes", "worth_claiming"
 HASH_CHUNK_BYTES = 256 << 10
 
 
-#: The bytes a record must hold per layer, on average, for its rows to be copied
+#: The bytes a row piece must hold, on average, for a restore's rows to be copied
 #: record by record: each piece copied costs ~3 us of Python holding the GIL, and
-#: qwen-0.5B's 64 KiB pieces (128 KiB a layer) made a 8192-token restore 20.3 -> 24.5 ms
-#: where llama-8B's 512 KiB ones made a 2048-token one 32.1 -> 29.7 ms.
-LAYER_MIN_BYTES = 512 << 10
+#: qwen-0.5B's 64 KiB pieces made an 8192-token restore 20.3 -> 24.5 ms where
+#: llama-8B's 512 KiB ones made a 2048-token one 31.4 -> 27.1 ms. (A model without
+#: windows restores from its headers instead, a few strided copies per record:
+#: :mod:`~kvstore.codecs.host_alike`.)
+PIECE_MIN_BYTES = 256 << 10
 
 
-def worth_claiming(views: Sequence[memoryview], layers: int) -> bool:
-    """Whether a restore of the records ``views`` (of ``layers`` layers) hashes them as
-    it copies: when its arrays are written on every core
-    (:data:`~kvstore.codecs.fill.DIRECT_MIN_BYTES`), there is a record for every
-    copying thread (a record is hashed by one), and its pieces are large
-    (:data:`LAYER_MIN_BYTES`)."""
-    total = sum(v.nbytes for v in views)
-    return (
-        len(views) >= copies.threads()
-        and total >= DIRECT_MIN_BYTES
-        and total >= LAYER_MIN_BYTES * layers * len(views)
-    )
+def worth_claiming(views: Sequence[memoryview]) -> bool:
+    """Whether a restore of the records ``views`` may hash them as it copies: when its
+    arrays are written on every core (:data:`~kvstore.codecs.fill.DIRECT_MIN_BYTES`)
+    and there is a record for every copying thread (a record is hashed by one)."""
+    return len(views) >= copies.threads() and sum(v.nbytes for v in views) >= DIRECT_MIN_BYTES
 
 
 # One piece to copy: its first byte in the store's pages, the array, its rows, itself.
@@ -114,6 +109,9 @@ def record_writes(
     the row axis, then zeros), record by record of ``claims.records``; ``None`` when a
     piece is not a view into one of their payloads of its array's dtype and shape."""
     if not claims.records:
+        return None
+    count = sum(map(len, pieces))
+    if not count or sum(p.nbytes for run in pieces for p in run) < PIECE_MIN_BYTES * count:
         return None
     payloads = []
     for record, view in enumerate(claims.records):

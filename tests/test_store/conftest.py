@@ -168,7 +168,7 @@ def hashed_as_copied(monkeypatch):
 
     monkeypatch.setattr(fill, "DIRECT_MIN_BYTES", 0)
     monkeypatch.setattr(record_copies, "DIRECT_MIN_BYTES", 0)
-    monkeypatch.setattr(record_copies, "LAYER_MIN_BYTES", 0)
+    monkeypatch.setattr(record_copies, "PIECE_MIN_BYTES", 0)
     monkeypatch.setenv("KVSTORE_COPY_THREADS", "2")
     monkeypatch.setattr(reading, "in_background", _ChecksAtTheEnd)
     resolved: list[int] = []

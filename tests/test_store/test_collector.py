@@ -30,13 +30,13 @@ def test_a_restore_runs_with_the_collector_off_and_turns_it_back_on(
     model = model_for("tiny")
     tokens = prompt(3, 4 * BLOCK)
     seen = []
-    real = restore._plans
+    real = restore._restorable  # planning, whichever way the restore goes next
 
-    def plans(*args, **kwargs):
+    def restorable(*args, **kwargs):
         seen.append(gc.isenabled())
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(restore, "_plans", plans)
+    monkeypatch.setattr(restore, "_restorable", restorable)
     with open_store(f"lmdb://{tmp_path}/s", block_size=BLOCK) as store:
         store.save("ns", tokens, prefilled(model, tokens))
         got = store.restore(store.lookup("ns", tokens), model.make_cache())
@@ -49,10 +49,10 @@ def test_a_restore_that_raises_turns_the_collector_back_on(tmp_path, monkeypatch
     model = model_for("tiny")
     tokens = prompt(4, 2 * BLOCK)
 
-    def plans(*args, **kwargs):
+    def restorable(*args, **kwargs):
         raise RuntimeError("planning failed")
 
-    monkeypatch.setattr(restore, "_plans", plans)
+    monkeypatch.setattr(restore, "_restorable", restorable)
     with open_store(f"lmdb://{tmp_path}/s", block_size=BLOCK) as store:
         store.save("ns", tokens, prefilled(model, tokens))
         with pytest.raises(RuntimeError, match="planning failed"):

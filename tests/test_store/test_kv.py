@@ -24,6 +24,7 @@ from kvstore.errors import StoreConfigError
 from kvstore.model import CachePolicy
 from kvstore.store import keys as K
 from kvstore.store import open_backend, open_store
+from kvstore.store.kv import restore
 from kvstore.store.kv.save import BlockEncoder
 
 from .kv_helpers import (
@@ -121,13 +122,22 @@ def test_caches_restored_as_views_of_shared_buffers_continue_alike_token_by_toke
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_caches_copied_and_hashed_record_by_record_restore_bit_exactly(
-    family, lmdb_url, hashed_as_copied
+    family, lmdb_url, hashed_as_copied, monkeypatch
 ):
     # Each record's rows copied in the order they lie in it, its payload hashed behind
-    # the copy for the store's checks: the same caches, and they continue alike.
+    # the copy for the store's checks: the same caches, and they continue alike. A
+    # growing family's (no window) are planned from the headers, with strided copies.
+    from kvstore.codecs import host_alike
+
+    planned = []
+    real = host_alike.restored_alike
+    monkeypatch.setattr(
+        restore, "restored_alike", lambda *a: planned.append(real(*a)) or planned[-1]
+    )
     model, expected, restored = saved_and_restored(lmdb_url, family, prompt(1, 70))
     assert_same_caches(restored, expected)
     assert len(hashed_as_copied) == 5  # every record hashed by its copy
+    assert [p is not None for p in planned] == ([] if family.startswith("window") else [True])
     for t in prompt(6, 40):
         step = mx.array([[t]])
         assert mx.array_equal(model(step, cache=restored), model(step, cache=expected)).item()

@@ -109,6 +109,7 @@ class FreeStaging:
 PHASES: tuple[tuple[Any, str], ...] = (
     (restore, "_headers"),
     (restore, "_restorable"),
+    (restore, "_host_alike"),
     (restore, "_decoded"),
     (restore, "_plans"),
     (restore, "join_runs"),

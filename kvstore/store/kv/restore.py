@@ -52,6 +52,8 @@ from kvstore.codecs import (
 )
 from kvstore.codecs.alike_joins import joined_alike, joined_records
 from kvstore.codecs.copied_sums import Claims
+from kvstore.codecs.growing import GrowingKVCodec
+from kvstore.codecs.host_alike import restored_alike
 from kvstore.codecs.payload_tensors import stored
 from kvstore.codecs.plans import Stack, join_runs, members_of, run_plans
 from kvstore.codecs.record import (
@@ -156,7 +158,7 @@ def _restored(
         # 2-core CPU, 8192 tokens 385 -> 339 ms. Nothing is returned before they pass.
         # On the CPU the records' rows are copied record by record, each hashed as it
         # is copied, for the checks (record_copies); on a GPU the GPU reads them.
-        claims = Claims(lambda views: not on_gpu and worth_claiming(views, len(needs)))
+        claims = Claims(lambda views: not on_gpu and worth_claiming(views))
         with store.read_checking(wanted, claim=claims.taken) as views:
             pages = cuda_pages.pin(views) if on_gpu else None
             try:
@@ -168,20 +170,9 @@ def _restored(
                     claims.drop()  # decoded rows, not copies: the checks hash beside
                 best = _restorable(cut, needs, headers)
                 if best == tokens:
-                    # Every layer planned first, then all arrays allocated in one go.
-                    decoded: list[Stack] = []
-                    plans = _alike_plans(cut, needs, headers, views, pages, decoded)
-                    if plans is None:
-                        # Each header's own checksum was checked by its parse, which is
-                        # remembered.
-                        records = {
-                            ref.key: record.layers
-                            for ref, record in zip(
-                                wanted, _decoded(views, headers, needs, pages), strict=True
-                            )
-                        }
-                        plans = _plans(cut, needs, records, pages, decoded)
-                    restored = run_plans(plans, pages, decoded, claims)
+                    restored = None if on_gpu else _host_alike(cut, needs, headers, views, claims)
+                    if restored is None:
+                        restored = _planned(cut, needs, headers, views, pages, claims)
                     intact = views.intact()
                     if intact == len(wanted):
                         return restored
@@ -193,6 +184,58 @@ def _restored(
                     pages.release()
         tokens = best
     return list(caches)
+
+
+def _planned(
+    match: Match,
+    needs: Sequence[LayerNeed],
+    headers: Sequence[RecordHeader],
+    views: Sequence[memoryview],
+    pages: cuda_pages.PinnedPages | None,
+    claims: Claims,
+) -> list[Any]:
+    """The caches of ``match``, every layer planned first from its snapshots, then all
+    arrays allocated and written in one go (:func:`~kvstore.codecs.plans.run_plans`)."""
+    decoded: list[Stack] = []
+    plans = _alike_plans(match, needs, headers, views, pages, decoded)
+    if plans is None:
+        # Each header's own checksum was checked by its parse, which is remembered.
+        records = {
+            ref.key: record.layers
+            for ref, record in zip(
+                _union(match, needs), _decoded(views, headers, needs, pages), strict=True
+            )
+        }
+        plans = _plans(match, needs, records, pages, decoded)
+    return run_plans(plans, pages, decoded, claims)
+
+
+def _host_alike(
+    match: Match,
+    needs: Sequence[LayerNeed],
+    headers: Sequence[RecordHeader],
+    views: Sequence[memoryview],
+    claims: Claims,
+) -> list[Any] | None:
+    """The caches of a lossless restore on the host of a model without windows, every
+    layer stored as its cache holds it: planned from the headers, no snapshot per
+    (record, layer) (:func:`~kvstore.codecs.host_alike.restored_alike`). ``None``
+    where the restore is not so."""
+    if not needs or len(set(needs)) != 1:
+        return None
+    need = needs[0]
+    if need.checkpoint or need.window is not None or len(headers) != len(match.blocks):
+        return None
+    codec = get_codec(need.signature)
+    if not isinstance(codec, GrowingKVCodec) or any(
+        layer is None or layer.signature != need.signature
+        for header in headers
+        for layer in header.layers
+    ):
+        return None
+    payloads = [record_payload(view, header) for view, header in zip(views, headers)]
+    rows = [ref.rows for ref in match.blocks]
+    return restored_alike(codec, [h.layers for h in headers], payloads, rows, claims)
 
 
 def _decoded(
