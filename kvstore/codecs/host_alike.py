@@ -35,9 +35,16 @@ from kvstore.codecs.growing import GrowingKVCodec
 from kvstore.codecs.header import LayerEntry, TensorEntry
 from kvstore.codecs.payload_tensors import Payload, entries_by_name, numpy_view
 from kvstore.codecs.plans import CachePlan, write_rows
-from kvstore.codecs.record_copies import HASH_CHUNK_BYTES
 
 __all__ = ["restored_alike"]
+
+#: The most bytes of a record one strided copy reads, and so the most hashed at once
+#: behind it: still in the CPU's cache when hashed, and few Python steps a record.
+#: An 8192-token qwen-0.5B restore (32 records of 48 tensors of 64 KiB) took 15.1-16.2
+#: ms in runs of 256 KiB, 14.1 in runs of 1 MiB or 4 MiB, 17.3-18.0 in runs of 128 KiB;
+#: a 2048-token llama-8B one (512 KiB tensors) 26.5-27.1 ms from 512 KiB to 2 MiB
+#: (``python -m tools.bench.restore_python --cpu-route``).
+RUN_MAX_BYTES = 1 << 20
 
 #: What a placeholder piece views: nothing (zero strides).
 _NOTHING = np.zeros(16, np.uint8)
@@ -221,7 +228,7 @@ class _AlikeWrites:
             source = np.ndarray((many, *shape), dtype, payload, entry.offset, (step, *strides))
             target[:, :, :, start : start + count] = source
             end = entries[first + many - 1].offset + entries[first + many - 1].nbytes
-            if hasher is not None and end - done >= HASH_CHUNK_BYTES:
+            if hasher is not None and end - done >= RUN_MAX_BYTES:
                 hasher.update(payload[done:end])  # just copied: still in the cache
                 done = end
         if hasher is not None and self._claims is not None:
@@ -260,8 +267,8 @@ def _strides(shape: Sequence[int], itemsize: int) -> tuple[int, ...]:
 def _runs(entries: list[TensorEntry], targets: Sequence[np.ndarray]) -> list[_Run]:
     """``entries`` (array ``k``'s tensor in a record) cut into runs in payload order:
     arrays whose tensors follow at one byte step in the payload, alike, going to arrays
-    alike at one step in memory; each run at most :data:`HASH_CHUNK_BYTES` (one array
-    at least), so its bytes are still in the cache when hashed."""
+    alike at one step in memory; each run at most :data:`RUN_MAX_BYTES` (one array at
+    least), so its bytes are still in the cache when hashed."""
     order = sorted(range(len(entries)), key=lambda k: entries[k].offset)
     addresses = [int(t.ctypes.data) for t in targets]
     runs: list[_Run] = []
@@ -269,7 +276,7 @@ def _runs(entries: list[TensorEntry], targets: Sequence[np.ndarray]) -> list[_Ru
     while i < len(order):
         k = order[i]
         entry, target = entries[k], targets[k]
-        limit = max(1, HASH_CHUNK_BYTES // max(1, entry.nbytes))
+        limit = max(1, RUN_MAX_BYTES // max(1, entry.nbytes))
         j = i + 1
         step = entries[order[j]].offset - entry.offset if j < len(order) else 0
         gap = addresses[order[j]] - addresses[k] if j < len(order) else 0
