@@ -30,7 +30,7 @@ from numpy.lib.stride_tricks import as_strided
 from kvstore.abc.codec import Snapshot
 from kvstore.codecs.arrays import numpy_dtype
 from kvstore.codecs.copied_sums import Claims
-from kvstore.codecs.fill import LeafSpec, filled_arrays
+from kvstore.codecs.fill import LeafSpec, common_alignment, filled_arrays
 from kvstore.codecs.growing import GrowingKVCodec
 from kvstore.codecs.header import LayerEntry, TensorEntry
 from kvstore.codecs.payload_tensors import Payload, entries_by_name, numpy_view
@@ -106,7 +106,8 @@ def restored_alike(
         write_rows(pieces, target)
 
     writes.claim()
-    arrays = filled_arrays(specs, fill, units=writes)
+    align = common_alignment(p.address for p in payloads)
+    arrays = filled_arrays(specs, fill, units=writes, align=align)
     if claims is not None:
         claims.drop()
     caches, at = [], 0

@@ -253,7 +253,12 @@ def run_plans(
             units.claim()
         elif claims is not None:
             claims.drop()  # the checks hash the records, beside the copies
-        filled = filled_arrays(specs, lambda k, target: write_rows(views[k], target), units=units)
+        filled = filled_arrays(
+            specs,
+            lambda k, target: write_rows(views[k], target),
+            units=units,
+            align=units.align if units is not None else None,
+        )
     if claims is not None:
         claims.drop()
     arrays: list[mx.array] = [None] * len(columns)  # type: ignore[list-item]

@@ -23,7 +23,7 @@ from numpy.lib.array_utils import byte_bounds
 from kvstore.codecs import copies
 from kvstore.codecs.arrays import numpy_dtype
 from kvstore.codecs.copied_sums import Claims
-from kvstore.codecs.fill import DIRECT_MIN_BYTES, LeafSpec
+from kvstore.codecs.fill import DIRECT_MIN_BYTES, LeafSpec, common_alignment
 from kvstore.codecs.record import placed_payload
 
 __all__ = ["HASH_CHUNK_BYTES", "PIECE_MIN_BYTES", "RecordWrites", "record_writes", "worth_claiming"]
@@ -74,6 +74,8 @@ class RecordWrites:
         self._tails = tails
         self.count = len(self._records) + len(tails)
         self._claimed: set[int] = set()
+        #: Where the records lie, modulo fill.ALIGN_BYTES (filled_arrays' ``align``).
+        self.align = common_alignment(address for _, _, address in payloads)
 
     def claim(self) -> None:
         """Claim the records no check has begun hashing, just before the copies."""

@@ -273,9 +273,9 @@ def test_a_restore_takes_the_loader_for_many_bytes_whatever_its_arrays_sizes(
     loaded = []
     allocated = fill_module._allocated
 
-    def counting(specs):
+    def counting(specs, align=None):
         loaded.append(len(specs))
-        return allocated(specs)
+        return allocated(specs, align)
 
     monkeypatch.setattr(fill_module, "_allocated", counting)
     specs = [(shape, "bfloat16")] * count
@@ -319,3 +319,28 @@ def test_an_array_written_in_place_after_a_restore_leaves_its_neighbours_alone()
     assert as_bytes(grown[..., :2048, :]) == before[2]
     assert (np.asarray(arrays[1].astype(mx.float32))[..., :8, :] == 1).all()
     assert as_bytes(arrays[1][..., 8:, :]) == bytes(memoryview(values[1][..., 8:, :].copy()))
+
+
+@pytest.mark.parametrize("align", [0, 16, 48])
+@pytest.mark.parametrize("direct", [True, False])
+def test_arrays_start_where_their_rows_lie_modulo_the_alignment(direct, align):
+    # Copies run fastest between addresses alike modulo fill.ALIGN_BYTES: the first
+    # array of each buffer is placed so (the others follow on 64-byte multiples here).
+    specs = [((1, 2, 64, 64), "float16"), ((1, 2, 64, 64), "bfloat16")] * 3
+    values = sources(specs, seed=3)
+    given = []
+
+    def fill(i, view):
+        given.append(view.ctypes.data)
+        np.copyto(view, values[i])
+
+    arrays = filled_arrays(specs, fill, direct=direct, align=align)
+    assert [as_bytes(a) for a in arrays] == [v.tobytes() for v in values]
+    assert {address % fill_module.ALIGN_BYTES for address in given} == {align}
+    if direct:  # the host views are the arrays' own memory
+        assert sorted(given) == sorted(np.asarray(a.view(mx.uint8)).ctypes.data for a in arrays)
+
+
+def test_the_most_common_alignment_of_the_sources_is_the_one_asked_for():
+    assert fill_module.common_alignment([64 + 16, 128 + 16, 200]) == 16
+    assert fill_module.common_alignment([]) is None

@@ -57,7 +57,7 @@ def _assert_same(got, want):
 )
 def test_caches_planned_from_headers_are_the_codecs_own_restore(make, runs, direct, monkeypatch):
     # direct: written through MLX's loader by strided copies, record by record; else
-    # each array joined from its pieces (a restore under fill.DIRECT_MIN_BYTES).
+    # the same into one host buffer, copied at once (under fill.DIRECT_MIN_BYTES).
     monkeypatch.setattr(fill, "DIRECT_MIN_BYTES", 0 if direct else 1 << 40)
     found = []
     real = host_alike._runs
@@ -67,10 +67,9 @@ def test_caches_planned_from_headers_are_the_codecs_own_restore(make, runs, dire
     records = _records(cache, 3, 50)
     got = _restored(records, [16, 16, 16, 2])
     assert len(got) == 3
-    # Through the loader, a few strided copies a record, arrays alike at one step.
-    assert [[many for _, many, _, _ in layout] for layout in found] == (
-        [runs, runs] if direct else []  # two layouts: whole blocks, and the tail
-    )
+    # A few strided copies a record, arrays alike at one step; two layouts: whole
+    # blocks, and the tail.
+    assert [[many for _, many, _, _ in layout] for layout in found] == [runs, runs]
     for layer in got:
         _assert_same(layer, cache)
 
@@ -110,5 +109,23 @@ def test_claimed_records_are_hashed_by_their_copies_exactly_as_the_checks_hash(m
     assert handed == {
         i: xxhash.xxh3_64_intdigest(placed_payload(view)) for i, view in enumerate(views)
     }
+    for layer in got:
+        _assert_same(layer, cache)
+
+
+@pytest.mark.parametrize("direct", [False, True])
+def test_when_the_record_copies_fail_each_array_is_written_from_its_pieces(direct, monkeypatch):
+    monkeypatch.setattr(fill, "DIRECT_MIN_BYTES", 0 if direct else 1 << 40)
+    failed = []
+
+    def broken(self, k, targets):
+        failed.append(k)
+        raise OSError("a page went away")
+
+    monkeypatch.setattr(host_alike._AlikeWrites, "write", broken)
+    cache = KVCache()
+    fill_cache(cache, [40], heads=2, head_dim=64)
+    got = _restored(_records(cache, 2, 40), [16, 16, 8])
+    assert failed
     for layer in got:
         _assert_same(layer, cache)
