@@ -744,7 +744,8 @@ class PrefixStore(ABC):
         copies them claims them here: :class:`kvstore.codecs.copied_sums.Claims`). The
         caller resolves or drops its claims before ``views.intact()``, which waits for
         the checks that wait for them. Not entered by a store whose views are verified
-        before they are handed out."""
+        before they are handed out, nor by one whose ``verify`` takes no digests
+        (:func:`kvstore.codecs.copied_sums.takes_digests`)."""
         with self.read(blocks) as views:
             yield CheckingViews(views, lambda: len(views))
 

@@ -32,10 +32,26 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from typing import Any, TypeVar
 
 import numpy as np
 
-__all__ = ["Claims", "digest_of"]
+__all__ = ["Claims", "digest_of", "takes_digests", "taking_digests"]
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def taking_digests(verify: _F) -> _F:
+    """Mark ``verify`` (a store's record check) as one that takes a reader's digests
+    (:func:`digest_of`): a read claims records only for a check that does."""
+    verify.takes_copied_digests = True  # type: ignore[attr-defined]
+    return verify
+
+
+def takes_digests(verify: Callable[..., Any]) -> bool:
+    """Whether ``verify`` was marked by :func:`taking_digests`."""
+    return bool(getattr(verify, "takes_copied_digests", False))
+
 
 _OPEN, _CHECKED, _CLAIMED = "open", "checked", "claimed"
 

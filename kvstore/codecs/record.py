@@ -58,7 +58,7 @@ from kvstore.codecs.arrays import (
     contiguous_chunks,
     numpy_dtype,
 )
-from kvstore.codecs.copied_sums import digest_of
+from kvstore.codecs.copied_sums import digest_of, taking_digests
 from kvstore.codecs.header import (
     BOUNDS,
     FORMAT_VERSION,
@@ -430,6 +430,7 @@ def record_payload(buffer: Any, header: RecordHeader) -> Payload:
     return Payload(_payload(_bytes_view(buffer, "decode_record"), header, "decode_record"))
 
 
+@taking_digests
 def verify_record(buffer: Any) -> None:
     """Raise unless ``buffer`` is an intact record this reader reads.
 

@@ -115,3 +115,21 @@ def test_a_read_that_fails_with_its_records_claimed_ends_and_its_checks_hash_the
         with store.read_checking(blocks, claim=claims.taken) as views:
             claims.drop()  # before intact(): the checks would wait for the claims
             assert views.intact() == len(blocks)
+
+
+def test_a_store_whose_check_takes_no_digests_is_never_claimed_from(tmp_path):
+    # A reader hashing records for a check that hashes them anyway would hash twice.
+    from kvstore.codecs.copied_sums import Claims
+
+    url = _saved(tmp_path)
+    claims = Claims(lambda views: True)
+    with open_store(url, touch_interval=0) as store:  # the record check: takes them
+        blocks = _match(store).blocks
+        with store.read_checking(blocks, claim=claims.taken) as views:
+            assert claims.records and claims.claim_open() == set(range(len(blocks)))
+            claims.drop()
+            assert views.intact() == len(blocks)
+    with open_store(url, touch_interval=0, verify=lambda view: None) as store:
+        with store.read_checking(blocks, claim=claims.taken) as views:
+            assert claims.records == () and claims.claim_open() == set()
+            assert views.intact() == len(blocks)

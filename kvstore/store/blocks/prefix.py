@@ -53,6 +53,7 @@ from kvstore.abc.store import (
     VerifyReport,
     WriteView,
 )
+from kvstore.codecs.copied_sums import taking_digests
 from kvstore.errors import (
     StoreConfigError,
     StoreError,
@@ -122,6 +123,7 @@ STORE_OPTIONS: dict[str, Callable[[Any], Any]] = {
 _SAVE_ATTEMPTS = 8
 
 
+@taking_digests  # it is verify_record's
 def verify_kv_record(record: memoryview) -> None:
     """The default ``verify``: an intact kvstore record (:mod:`kvstore.codecs.record`).
 

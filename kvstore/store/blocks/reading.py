@@ -14,6 +14,7 @@ from contextlib import ExitStack, contextmanager
 from typing import Any, cast
 
 from kvstore.abc.store import Backend, BlockRef, CheckingViews, Claim, MissReason
+from kvstore.codecs.copied_sums import takes_digests
 from kvstore.errors import CorruptEntryError, FormatVersionError
 from kvstore.store.blocks.checks import Verdict, in_background, served_run
 from kvstore.store.blocks.stats import Counters
@@ -53,7 +54,7 @@ def served_views(
     claimed = ExitStack()
     if checking:
         stored = [memoryview(cast(Any, v)) for v in itertools.takewhile(_is_stored, values)]
-        if claim is not None:
+        if claim is not None and takes_digests(verify):  # else no check would take them
             claimed.enter_context(claim(stored))
         pending = in_background(check)
         out: list[memoryview] = CheckingViews(stored, pending.result)
