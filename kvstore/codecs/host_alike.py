@@ -30,7 +30,7 @@ from numpy.lib.stride_tricks import as_strided
 from kvstore.abc.codec import Snapshot
 from kvstore.codecs.arrays import numpy_dtype
 from kvstore.codecs.copied_sums import Claims
-from kvstore.codecs.fill import LeafSpec, common_alignment, filled_arrays
+from kvstore.codecs.fill import common_alignment, filled_arrays
 from kvstore.codecs.growing import GrowingKVCodec
 from kvstore.codecs.header import LayerEntry, TensorEntry
 from kvstore.codecs.payload_tensors import Payload, entries_by_name, numpy_view
@@ -78,29 +78,31 @@ def restored_alike(
         at += count
     total = at
     shapes: dict[tuple[int, int], bool] = {}
-    wants = [cast_entry(layer).tensors for layer in first]
-    if not all(_alike(want, cast_entry(layer), shapes) for want, layer in zip(wants, first)):
+    wants = [_entry(layer).tensors for layer in first]
+    if not all(_alike(want, _entry(layer), shapes) for want, layer in zip(wants, first)):
         return None
     for entries in layers:
         for want, layer in zip(wants, entries, strict=True):
-            tensors = cast_entry(layer).tensors
+            tensors = _entry(layer).tensors
             # One header template's records share their layers' tuples: the same layout.
-            if tensors is not want and not _alike(want, cast_entry(layer), shapes):
+            if tensors is not want and not _alike(want, _entry(layer), shapes):
                 return None
     plans, named = [], []
     for i, layer in enumerate(first):
-        plan, names = _plan(codec, cast_entry(layer), cast_entry(layers[-1][i]), total)
+        plan, names = _plan(codec, _entry(layer), _entry(layers[-1][i]), total)
         if plan is None:
             return None
         plans.append(plan)
         named += [(i, name) for name in names]
     specs = [leaf for plan in plans for leaf in plan.leaves]
-    writes = _AlikeWrites(specs, named, layers, payloads, rows, starts, total, claims)
+    records = [(p.view, n, at) for p, n, at in zip(payloads, rows, starts, strict=True)]
+    tails = [(k, total) for k, (shape, _) in enumerate(specs) if shape[2] > total]
+    writes = _AlikeWrites(named, layers, records, tails, claims)
 
     def fill(k: int, target: np.ndarray) -> None:
         i, name = named[k]
         pieces = [
-            numpy_view(p.view, entries_by_name(cast_entry(e[i]).tensors)[name])[:, :, :n]
+            numpy_view(p.view, entries_by_name(_entry(e[i]).tensors)[name])[:, :, :n]
             for e, p, n in zip(layers, payloads, rows, strict=True)
         ]
         write_rows(pieces, target)
@@ -118,8 +120,8 @@ def restored_alike(
     return caches
 
 
-def cast_entry(layer: LayerEntry | None) -> LayerEntry:
-    assert layer is not None  # every layer was checked there
+def _entry(layer: LayerEntry | None) -> LayerEntry:
+    assert layer is not None  # restored_alike checked every layer first
     return layer
 
 
@@ -181,26 +183,18 @@ class _AlikeWrites:
 
     def __init__(
         self,
-        specs: Sequence[LeafSpec],
         named: Sequence[tuple[int, str]],
         layers: Sequence[Sequence[LayerEntry | None]],
-        payloads: Sequence[Payload],
-        rows: Sequence[int],
-        starts: Sequence[int],
-        total: int,
+        records: Sequence[tuple[memoryview, int, int]],
+        tails: Sequence[tuple[int, int]],
         claims: Claims | None,
     ) -> None:
-        self._specs = specs
-        self._named = named
-        self._layers = layers
-        self._payloads = payloads
-        self._rows = rows
-        self._starts = starts
+        #: Each array's layer and tensor name; each record's layers; each record's
+        #: payload, rows and first row; each array with rows to zero, from which.
+        self._named, self._layers, self._records, self._tails = named, layers, records, tails
         self._claims = claims
         self._claimed: set[int] = set()
-        self._tails = [k for k, (shape, _) in enumerate(specs) if shape[2] > total]
-        self._total = total
-        self.count = len(payloads) + len(self._tails)
+        self.count = len(records) + len(tails)
         self._layouts: dict[tuple[int, ...], tuple[list[TensorEntry], list[_Run]]] = {}
         self._lock = threading.Lock()
 
@@ -214,11 +208,12 @@ class _AlikeWrites:
             self._claims.drop()
 
     def write(self, k: int, targets: Sequence[np.ndarray]) -> None:
-        if k >= len(self._payloads):
-            targets[self._tails[k - len(self._payloads)]][:, :, self._total :] = 0
+        if k >= len(self._records):
+            array, rows = self._tails[k - len(self._records)]
+            targets[array][:, :, rows:] = 0
             return
         entries, runs = self._layout(k, targets)
-        payload, count, start = self._payloads[k].view, self._rows[k], self._starts[k]
+        payload, count, start = self._records[k]
         hasher = xxhash.xxh3_64() if k in self._claimed else None
         done = 0  # bytes of the payload hashed
         for first, many, step, target in runs:
@@ -242,15 +237,14 @@ class _AlikeWrites:
         """Record ``record``'s tensor of each array, and its strided copies: found once
         per header template (whose records share their layers' tuples of tensors)."""
         layers = self._layers[record]
-        key = tuple(id(cast_entry(layer).tensors) for layer in layers)
+        key = tuple(id(_entry(layer).tensors) for layer in layers)
         found = self._layouts.get(key)
         if found is None:
             with self._lock:
                 found = self._layouts.get(key)
                 if found is None:
                     entries = [
-                        entries_by_name(cast_entry(layers[i]).tensors)[name]
-                        for i, name in self._named
+                        entries_by_name(_entry(layers[i]).tensors)[name] for i, name in self._named
                     ]
                     found = self._layouts[key] = (entries, _runs(entries, targets))
         return found

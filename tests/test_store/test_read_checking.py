@@ -52,7 +52,13 @@ def test_views_come_before_their_checks_and_intact_counts_the_good_ones(tmp_path
             assert len(views) == 2
 
 
-def test_a_restore_never_serves_rows_filled_from_a_record_that_fails_its_checksum(tmp_path):
+@pytest.mark.parametrize("hashed_by", ["the checks", "the copies"])
+def test_a_restore_never_serves_rows_filled_from_a_record_that_fails_its_checksum(
+    tmp_path, hashed_by, request
+):
+    # The copies hash each record for the checks (hashed_as_copied): a flipped byte must
+    # end the run there as when the checks hash it themselves.
+    digests = request.getfixturevalue("hashed_as_copied") if hashed_by == "the copies" else []
     url = _saved(tmp_path)
     with open_store(url, readonly=True, touch_interval=0) as store:
         blocks = _match(store).blocks
@@ -61,6 +67,9 @@ def test_a_restore_never_serves_rows_filled_from_a_record_that_fails_its_checksu
     with open_store(url, touch_interval=0) as store:
         restored = store.restore(_match(store), model.make_cache())
         assert store.activity()["misses"][MissReason.CORRUPT] == 1
+    # By the copies: every record's digest, the flipped one's too; then the restore of
+    # the two blocks before it, again.
+    assert len(digests) == (len(blocks) + 2 if hashed_by == "the copies" else 0)
     assert restored[0].offset == blocks[2].start == 2 * BLOCK
     assert_same_caches(restored, prefilled(model, TOKENS[: 2 * BLOCK]))
 
@@ -75,26 +84,6 @@ def test_an_intact_store_reads_the_same_either_way(tmp_path):
             got = [bytes(v) for v in views]
             assert views.intact() == len(blocks)
     assert got == want and len(want) == len(blocks)
-
-
-def test_a_record_hashed_by_its_copy_that_fails_its_checksum_is_never_served(
-    tmp_path, hashed_as_copied
-):
-    # The restore's copy hashes each record for the checks: a flipped byte must still
-    # end the run there, as when the checks hash it themselves.
-    url = _saved(tmp_path)
-    with open_store(url, readonly=True, touch_interval=0) as store:
-        blocks = _match(store).blocks
-    _flip_payload(url, blocks[2].key)
-    model = model_for("tiny")
-    with open_store(url, touch_interval=0) as store:
-        restored = store.restore(_match(store), model.make_cache())
-        assert store.activity()["misses"][MissReason.CORRUPT] == 1
-    # Every record's digest came from its copy, the flipped one's too; then the restore
-    # of the two blocks before it, again.
-    assert len(hashed_as_copied) == len(blocks) + 2
-    assert restored[0].offset == blocks[2].start == 2 * BLOCK
-    assert_same_caches(restored, prefilled(model, TOKENS[: 2 * BLOCK]))
 
 
 def test_a_read_that_fails_with_its_records_claimed_ends_and_its_checks_hash_them(tmp_path):
