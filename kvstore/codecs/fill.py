@@ -229,11 +229,10 @@ def filled_arrays(
         fill: ``fill(i, view)`` must write every byte of array ``i`` (its memory is
             uninitialised either way); with ``direct`` it runs on several threads
             at once, for different arrays, so it may only write its own array.
-        direct: allocate through MLX's loader, without a zero fill (False: every
-            array written into one host buffer, copied into MLX's memory at once, and
-            the arrays cut from it; or, the fallback, each written into a host buffer
-            of its own and copied, one after another); default: for at least
-            :data:`DIRECT_MIN_BYTES` in all. Not used on a CUDA GPU, where the arrays
+        direct: allocate through MLX's loader, without a zero fill (False: each
+            array written into a host buffer on this thread, one after another, and
+            copied into MLX's memory: the fallback); default: with ``units``, or for
+            at least :data:`DIRECT_MIN_BYTES` in all. Not used on a CUDA GPU, where the arrays
             are staged through pinned memory (:func:`kvstore.codecs.cuda.upload`).
         units: what writes the arrays allocated through the loader, instead of
             ``fill`` (which writes them on every other way, after ``units.unused()``).
@@ -241,9 +240,9 @@ def filled_arrays(
             :data:`ALIGN_BYTES`: the arrays start so too (a few buffers do).
 
     Returns:
-        The arrays, in order, each its own bytes: views of a few buffers of at most
-        :data:`BUFFER_MAX_BYTES` (no two overlapping), or, the fallback, each its own
-        buffer.
+        The arrays, in order, each its own bytes: through the loader, views of a few
+        buffers of :data:`BUFFER_MAX_BYTES` (no two overlapping), otherwise each its
+        own buffer.
 
     Raises:
         What ``fill`` raises, when it fails again on the host buffers.
@@ -256,49 +255,19 @@ def filled_arrays(
         return cuda.upload(specs, fill)
     keep_freed_memory()  # the arrays reuse freed heap, not fresh pages (3x, host_memory)
     if direct is None:
-        total = sum(map(cuda.nbytes_of, specs))
-        direct = total >= DIRECT_MIN_BYTES
+        # Units write records whole, the arrays' first writes: no host buffer between,
+        # whose fresh pages a new process's restore would fault in too (D2, qwen-0.5B
+        # at 512 tokens, 6 MiB: 8.9-9.4 ms through the loader, 13.2-14.2 through one
+        # host buffer copied into MLX's memory at once).
+        direct = units is not None or sum(map(cuda.nbytes_of, specs)) >= DIRECT_MIN_BYTES
     if direct:
         owned = _allocated(specs, align)
         if owned is not None and _written(owned, specs, fill, units):
             return [array for array, _ in owned]
         del owned  # an array not written completely is never handed out
-    else:
-        arrays = _copied_at_once(specs, fill, units, align)
-        if arrays is not None:
-            return arrays
     if units is not None:
         units.unused()
     return _copied(specs, fill)
-
-
-def _copied_at_once(
-    specs: Sequence[LeafSpec], fill: Fill, units: Units | None, align: int | None
-) -> list[mx.array] | None:
-    """Every array of ``specs`` written (by ``units``, or ``fill``) into one host buffer,
-    copied into MLX's memory at once, and cut into views; ``None`` (nothing made) over
-    :data:`BUFFER_MAX_BYTES`, or when a write failed. One ``mx.array`` copy instead of
-    one per array (~28 us each): a 512-token qwen-0.5B restore's 48 arrays in 2.2 ms
-    instead of 3.8 (``python -m tools.bench.restore_python --cpu-route --shape qwen0.5b
-    --tokens 512``)."""
-    size = buffer_starts(specs)[-1]
-    if size > BUFFER_MAX_BYTES:
-        return None
-    host = np.empty(size + ALIGN_BYTES, np.uint8)
-    shift = _shift(host, align)
-    targets = host_views_in(host[shift:], specs)
-    try:  # on this thread: small, a hand-off to another would cost more than it saves
-        if units is not None:
-            for k in range(units.count):
-                units.write(k, targets)
-        else:
-            for i, target in enumerate(targets):
-                fill(i, target)
-    except Exception:  # noqa: BLE001 - the fallback writes them again, raising if it fails again
-        return None
-    arrays = views_in(mx.array(host)[shift:], specs)  # one copy, then views
-    mx.eval(arrays)
-    return arrays
 
 
 def _copied(specs: Sequence[LeafSpec], fill: Fill) -> list[mx.array]:

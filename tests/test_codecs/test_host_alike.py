@@ -46,7 +46,6 @@ def _assert_same(got, want):
         assert_arrays_equal(a[:, :, : want.offset], b[:, :, : want.offset])
 
 
-@pytest.mark.parametrize("direct", [False, True])
 @pytest.mark.parametrize(
     ("make", "runs"),
     [
@@ -55,10 +54,10 @@ def _assert_same(got, want):
         (lambda: QuantizedKVCache(64, 4), [1, 2] * 6),
     ],
 )
-def test_caches_planned_from_headers_are_the_codecs_own_restore(make, runs, direct, monkeypatch):
-    # direct: written through MLX's loader by strided copies, record by record; else
-    # the same into one host buffer, copied at once (under fill.DIRECT_MIN_BYTES).
-    monkeypatch.setattr(fill, "DIRECT_MIN_BYTES", 0 if direct else 1 << 40)
+def test_caches_planned_from_headers_are_the_codecs_own_restore(make, runs, monkeypatch):
+    # Written through MLX's loader by strided copies, record by record, however small
+    # (units skip fill.DIRECT_MIN_BYTES's host buffer).
+    monkeypatch.setattr(fill, "DIRECT_MIN_BYTES", 1 << 40)
     found = []
     real = host_alike._runs
     monkeypatch.setattr(host_alike, "_runs", lambda *a: found.append(real(*a)) or found[-1])
@@ -113,9 +112,7 @@ def test_claimed_records_are_hashed_by_their_copies_exactly_as_the_checks_hash(m
         _assert_same(layer, cache)
 
 
-@pytest.mark.parametrize("direct", [False, True])
-def test_when_the_record_copies_fail_each_array_is_written_from_its_pieces(direct, monkeypatch):
-    monkeypatch.setattr(fill, "DIRECT_MIN_BYTES", 0 if direct else 1 << 40)
+def test_when_the_record_copies_fail_each_array_is_written_from_its_pieces(monkeypatch):
     failed = []
 
     def broken(self, k, targets):
