@@ -24,9 +24,13 @@ untouched (nothing reused).
 
 Each layer's rows go from the store's pages into one MLX buffer per tensor,
 in one copy (:func:`kvstore.codecs.rows.join_rows`; on a CUDA GPU, the GPU
-reads them out of the pages: :mod:`kvstore.codecs.cuda_pages`); the records
-were verified by the store's ``verify`` while the restore parsed, planned and
-filled (``PrefixStore.read_checking``), and before anything is returned.
+reads them out of the pages: :mod:`kvstore.codecs.cuda_pages`; on the host, for
+a model without windows stored as its caches hold it, planned from the headers
+alone: :mod:`kvstore.codecs.host_alike`); the records were verified by the
+store's ``verify`` while the restore parsed, planned and filled
+(``PrefixStore.read_checking``), and before anything is returned. On the host
+the copies hash the records they copy for those checks
+(:mod:`kvstore.codecs.copied_sums`).
 """
 
 from __future__ import annotations
