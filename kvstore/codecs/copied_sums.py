@@ -34,7 +34,7 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any, TypeVar
 
-import numpy as np
+from kvstore.codecs.payload_tensors import Payload
 
 __all__ = ["Claims", "digest_of", "takes_digests", "taking_digests"]
 
@@ -74,7 +74,7 @@ _LOCK = threading.Lock()
 
 
 def _key(view: memoryview) -> tuple[int, int]:
-    return int(np.frombuffer(view, np.uint8).ctypes.data), view.nbytes
+    return Payload(view).address, view.nbytes
 
 
 def digest_of(view: memoryview, digest: Callable[[memoryview], int | None]) -> int | None:

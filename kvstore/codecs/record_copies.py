@@ -24,6 +24,7 @@ from kvstore.codecs import copies
 from kvstore.codecs.arrays import numpy_dtype
 from kvstore.codecs.copied_sums import Claims
 from kvstore.codecs.fill import DIRECT_MIN_BYTES, LeafSpec, common_alignment
+from kvstore.codecs.payload_tensors import Payload
 from kvstore.codecs.record import placed_payload
 
 __all__ = ["HASH_CHUNK_BYTES", "PIECE_MIN_BYTES", "RecordWrites", "record_writes", "worth_claiming"]
@@ -119,7 +120,7 @@ def record_writes(
     for record, view in enumerate(claims.records):
         payload = placed_payload(view)
         if payload is not None and payload.nbytes:
-            payloads.append((record, payload, int(np.frombuffer(payload, np.uint8).ctypes.data)))
+            payloads.append((record, payload, Payload(payload).address))
     payloads.sort(key=lambda p: p[2])
     starts = [address for _, _, address in payloads]
     by_record: dict[int, list[_Piece]] = {}

@@ -158,19 +158,16 @@ class _ChecksAtTheEnd:
 
 
 @pytest.fixture
-def hashed_as_copied(monkeypatch):
-    """Restores on the CPU copy record by record and hash each record as they copy it,
-    however small (``record_copies``' thresholds lowered, two copying threads), and the
-    checks wait until the copies are done: every record is hashed by its copy. The list
-    of the digests the readers handed the checks."""
+def copied_digests(monkeypatch):
+    """Restores on the CPU copy record by record and may hash each record as they copy
+    it, however small (``record_copies``' thresholds lowered, two copying threads); the
+    list of the digests the readers handed the checks."""
     from kvstore.codecs import copied_sums, fill, record_copies
-    from kvstore.store.blocks import reading
 
     monkeypatch.setattr(fill, "DIRECT_MIN_BYTES", 0)
     monkeypatch.setattr(record_copies, "DIRECT_MIN_BYTES", 0)
     monkeypatch.setattr(record_copies, "PIECE_MIN_BYTES", 0)
     monkeypatch.setenv("KVSTORE_COPY_THREADS", "2")
-    monkeypatch.setattr(reading, "in_background", _ChecksAtTheEnd)
     resolved: list[int] = []
     real = copied_sums.Claims.resolve
 
@@ -180,3 +177,13 @@ def hashed_as_copied(monkeypatch):
 
     monkeypatch.setattr(copied_sums.Claims, "resolve", resolve)
     return resolved
+
+
+@pytest.fixture
+def hashed_as_copied(copied_digests, monkeypatch):
+    """:func:`copied_digests`, the checks waiting until the copies are done: every
+    record is hashed by its copy."""
+    from kvstore.store.blocks import reading
+
+    monkeypatch.setattr(reading, "in_background", _ChecksAtTheEnd)
+    return copied_digests

@@ -125,23 +125,13 @@ def test_a_store_whose_check_takes_no_digests_is_never_claimed_from(tmp_path):
 
 
 def test_threads_restoring_one_prefix_at_once_share_claims_and_all_get_it_exactly(
-    tmp_path, monkeypatch
+    tmp_path, copied_digests
 ):
     # Readers on several threads open the same records (the same pages): a record is
     # claimed by one reader only, the others' checks take that reader's digest or hash
     # it themselves, and every restore is the prefill's caches; nothing waits forever.
     import threading
 
-    from kvstore.codecs import copied_sums, fill, record_copies
-
-    monkeypatch.setattr(fill, "DIRECT_MIN_BYTES", 0)
-    monkeypatch.setattr(record_copies, "DIRECT_MIN_BYTES", 0)
-    monkeypatch.setenv("KVSTORE_COPY_THREADS", "2")
-    handed = []
-    real = copied_sums.Claims.resolve
-    monkeypatch.setattr(
-        copied_sums.Claims, "resolve", lambda self, i, d: handed.append(d) or real(self, i, d)
-    )
     url = _saved(tmp_path)
     model = model_for("tiny")
     want = prefilled(model, TOKENS)
@@ -163,7 +153,7 @@ def test_threads_restoring_one_prefix_at_once_share_claims_and_all_get_it_exactl
         assert not any(thread.is_alive() for thread in threads), "a restore never ended"
         assert store.activity()["misses"].get(MissReason.CORRUPT, 0) == 0
     assert errors == [] and len(got) == 18
-    assert handed  # some records were hashed by their copies, for the checks
+    assert copied_digests  # some records were hashed by their copies, for the checks
     for restored in got:
         assert restored[0].offset == len(TOKENS)
         assert_same_caches(restored, want)

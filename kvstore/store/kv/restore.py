@@ -214,6 +214,20 @@ def _planned(
     return run_plans(plans, pages, decoded, claims)
 
 
+def _one_whole_need(
+    match: Match, needs: Sequence[LayerNeed], headers: Sequence[RecordHeader]
+) -> LayerNeed | None:
+    """The one need of every layer when each layer reads every block of ``match`` (a
+    model without windows or recurrent layers, every record's header parsed); else
+    ``None``."""
+    if not needs or len(set(needs)) != 1:
+        return None
+    need = needs[0]
+    if need.checkpoint or need.window is not None or len(headers) != len(match.blocks):
+        return None
+    return need
+
+
 def _host_alike(
     match: Match,
     needs: Sequence[LayerNeed],
@@ -225,10 +239,8 @@ def _host_alike(
     layer stored as its cache holds it: planned from the headers, no snapshot per
     (record, layer) (:func:`~kvstore.codecs.host_alike.restored_alike`). ``None``
     where the restore is not so."""
-    if not needs or len(set(needs)) != 1:
-        return None
-    need = needs[0]
-    if need.checkpoint or need.window is not None or len(headers) != len(match.blocks):
+    need = _one_whole_need(match, needs, headers)
+    if need is None:
         return None
     codec = get_codec(need.signature)
     if not isinstance(codec, GrowingKVCodec) or any(
@@ -435,10 +447,8 @@ def _alike_plans(
     under a storage policy), made from the headers: each layer's rows of every record
     joined at once (:func:`~kvstore.codecs.alike_joins.joined_records`), no snapshot
     per (record, layer) decoded first. ``None`` where the restore is not so."""
-    if pages is None or not needs or len(set(needs)) != 1:
-        return None
-    need = needs[0]
-    if need.checkpoint or need.window is not None or len(headers) != len(match.blocks):
+    need = _one_whole_need(match, needs, headers)
+    if pages is None or need is None:
         return None
     entries = [header.layers for header in headers]
     if any(entry is None or entry.signature == need.signature for entry in entries[0]):
