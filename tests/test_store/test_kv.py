@@ -13,6 +13,7 @@ import random
 import mlx.core as mx
 import numpy as np
 import pytest
+from mlx.utils import tree_flatten
 
 from kvstore.abc.store import MissReason
 from kvstore.bridge import generate_tokens
@@ -134,13 +135,38 @@ def test_caches_copied_and_hashed_record_by_record_restore_bit_exactly(
     monkeypatch.setattr(
         restore, "restored_alike", lambda *a: planned.append(real(*a)) or planned[-1]
     )
+    # The arrays are allocated holding all ones (NaN in every float dtype), as reused
+    # memory may: the room past the rows restored is zeroed as a prefill's growth
+    # zeroes it (a cache's state holds it), and nothing else of them is left over.
+    from kvstore.codecs import fill
+
+    real_allocated = fill._allocated
+
+    def poisoned(*args, **kwargs):
+        owned = real_allocated(*args, **kwargs)
+        for _, view in owned or ():
+            view.view(np.uint8).fill(0xFF)
+        return owned
+
+    monkeypatch.setattr(fill, "_allocated", poisoned)
     model, expected, restored = saved_and_restored(lmdb_url, family, prompt(1, 70))
     assert_same_caches(restored, expected)
     assert len(hashed_as_copied) == 5  # every record hashed by its copy
     assert [p is not None for p in planned] == ([] if family.startswith("window") else [True])
+    room = [_rows_past_offset(cache) for cache in restored]
+    assert all(not r.any() for r in room)
+    assert family.startswith("window") or all(r.size for r in room)  # a ring is full
     for t in prompt(6, 40):
         step = mx.array([[t]])
         assert mx.array_equal(model(step, cache=restored), model(step, cache=expected)).item()
+
+
+def _rows_past_offset(cache) -> np.ndarray:
+    """The bytes of every array of ``cache``'s state in the rows past its ``offset``."""
+    leaves = [leaf for _, leaf in tree_flatten(cache.state[:2])]
+    return np.concatenate(
+        [np.asarray(leaf[:, :, cache.offset :]).view(np.uint8).ravel() for leaf in leaves]
+    )
 
 
 def test_records_the_checks_hashed_first_are_only_copied(lmdb_url, hashed_as_copied, monkeypatch):
