@@ -38,11 +38,31 @@ def buffer_starts(specs: Sequence[LeafSpec]) -> list[int]:
 
 def views_in(flat: mx.array, specs: Sequence[LeafSpec]) -> list[mx.array]:
     """The arrays of ``specs`` in ``flat`` (uint8, :func:`buffer_starts`): views, no
-    copies."""
-    return [
-        flat[at : at + nbytes_of((shape, name))].view(MLX_DTYPES[name]).reshape(shape)
-        for at, (shape, name) in zip(buffer_starts(specs), specs, strict=False)
-    ]
+    copies.
+
+    Each is one strided view of ``flat`` seen as its dtype (one view per dtype), not a
+    slice, a dtype view and a reshape: a third of the graph's nodes, which the caller
+    evaluates (48 arrays of a 512-token qwen-0.5B restore: 0.25 -> 0.13 ms on the x86
+    CI VM).
+    """
+    words = flat[: flat.size // 16 * 16]  # arrays start on 16-byte words: every dtype fits
+    seen: dict[str, mx.array] = {}
+    out = []
+    for at, (shape, name) in zip(buffer_starts(specs), specs, strict=False):
+        typed = seen.get(name)
+        if typed is None:
+            typed = seen[name] = words.view(MLX_DTYPES[name])
+        out.append(mx.as_strided(typed, shape, _contiguous_strides(shape), at // typed.itemsize))
+    return out
+
+
+def _contiguous_strides(shape: Sequence[int]) -> list[int]:
+    """The strides, in elements, of a row-contiguous array of ``shape``."""
+    strides, step = [], 1
+    for n in reversed(shape):
+        strides.append(step)
+        step *= n
+    return strides[::-1]
 
 
 def host_views_in(flat: np.ndarray, specs: Sequence[LeafSpec]) -> list[np.ndarray]:
