@@ -81,17 +81,18 @@ class GrowingKVCodec(RowCodec):
                 )
             self.check_compatible(snaps[0], snap, ("dtype",))
             expected = snap.stop
-        cache = self.make_cache(snaps[-1].meta)
-        capacity = growth_capacity(expected, cache.step)
+        meta = snaps[-1].meta
+        capacity = growth_capacity(expected, self.make_cache(meta).step)
         rows = [self.rows_from_tensors(s.tensors) for s in snaps]
 
         def build(trees: list[Any]) -> Any:
+            cache = self.make_cache(meta)  # a new one each call: the plan is reusable
             cache.keys, cache.values = trees
             cache.offset = expected
             return cache
 
         joins = [RowsJoin([r[side] for r in rows], capacity) for side in (0, 1)]
-        return CachePlan(joins, build)
+        return CachePlan(joins, build, reusable=True)
 
 
 class PlainKVCodec(RawRowCodec, GrowingKVCodec):

@@ -87,13 +87,10 @@ def restored_alike(
             # One header template's records share their layers' tuples: the same layout.
             if tensors is not want and not _alike(want, _entry(layer), shapes):
                 return None
-    plans, named = [], []
-    for i, layer in enumerate(first):
-        plan, names = _plan(codec, _entry(layer), _entry(layers[-1][i]), total)
-        if plan is None:
-            return None
-        plans.append(plan)
-        named += [(i, name) for name in names]
+    found = _plans(codec, first, layers[-1], total)
+    if found is None:
+        return None
+    plans, named = found
     specs = [leaf for plan in plans for leaf in plan.leaves]
     records = [(p.view, n, at) for p, n, at in zip(payloads, rows, starts, strict=True)]
     tails = [(k, total) for k, (shape, _) in enumerate(specs) if shape[2] > total]
@@ -118,6 +115,40 @@ def restored_alike(
         caches.append(plan.assemble(arrays[at : at + n]))
         at += n
     return caches
+
+
+def _plans(
+    codec: GrowingKVCodec,
+    first: Sequence[LayerEntry | None],
+    last: Sequence[LayerEntry | None],
+    total: int,
+) -> tuple[list[CachePlan], list[tuple[int, str]]] | None:
+    """The plan of each layer (:func:`_plan`; one reusable plan for the layers laid out
+    alike, of the same meta: a plan is ~11 us, 0.27 ms of a 24-layer qwen-0.5B
+    restore), and each array's layer and tensor name; ``None`` where a layer cannot be
+    planned so. ``first``/``last``: the first and last records' layers."""
+    plans: list[CachePlan] = []
+    named: list[tuple[int, str]] = []
+    reusable: list[tuple[Any, Any, CachePlan, list[str]]] = []  # (layout, meta, plan, names)
+    for i, layer in enumerate(first):
+        entry, meta = _entry(layer), _entry(last[i]).meta
+        layout = (
+            entry.signature,
+            [(t.name, t.dtype, t.shape[:2], t.shape[3:]) for t in entry.tensors],
+        )
+        same = next((r for r in reusable if r[0] == layout and r[1] == meta), None)
+        if same is not None:
+            plan, names = same[2], same[3]
+        else:
+            made, names = _plan(codec, entry, meta, total)
+            if made is None:
+                return None
+            plan = made
+            if plan.reusable:
+                reusable.append((layout, meta, plan, names))
+        plans.append(plan)
+        named += [(i, name) for name in names]
+    return plans, named
 
 
 def _entry(layer: LayerEntry | None) -> LayerEntry:
@@ -149,11 +180,13 @@ def _alike(
 
 
 def _plan(
-    codec: GrowingKVCodec, layer: LayerEntry, last: LayerEntry, total: int
+    codec: GrowingKVCodec, layer: LayerEntry, meta: Any, total: int
 ) -> tuple[CachePlan | None, list[str]]:
-    """``codec``'s plan of a layer of ``total`` rows laid out as ``layer``'s tensors (the
-    meta of the last record's, as a restore of its snapshots reads it), made from a
-    snapshot of placeholders; and the tensor name of each of its arrays, in order."""
+    """``codec``'s plan of a layer of ``total`` rows laid out as ``layer``'s tensors,
+    of ``meta`` (the last record's layer's, as a restore of its snapshots reads it),
+    made from a snapshot of placeholders; and the tensor name of each of its arrays,
+    in order. The plan depends on nothing else: a reusable one serves every layer
+    laid out alike, of the same meta."""
     placeholders: dict[int, str] = {}
     tensors = {}
     for t in layer.tensors:
@@ -161,7 +194,7 @@ def _plan(
         piece = np.ndarray(shape, numpy_dtype(t.dtype), _NOTHING, 0, (0,) * len(shape))
         placeholders[id(piece)] = t.name
         tensors[t.name] = piece
-    plan = codec.plan_restore(Snapshot(layer.signature, 0, total, tensors, last.meta))
+    plan = codec.plan_restore(Snapshot(layer.signature, 0, total, tensors, meta))
     names = []
     for join, column in plan.columns():
         pieces = join.columns[column]

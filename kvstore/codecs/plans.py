@@ -159,10 +159,15 @@ class CachePlan:
     Attributes:
         joins: the row trees to assemble (keys, values...).
         build: ``build(trees)`` -> the live cache, given each join's result.
+        reusable: ``build`` makes a new cache each call, from nothing but ``trees``
+            and what the plan's snapshots described: one plan then assembles every
+            layer whose snapshots it would plan alike
+            (:mod:`~kvstore.codecs.host_alike`).
     """
 
     joins: Sequence[RowsJoin]
     build: Callable[[list[Tree]], Any]
+    reusable: bool = False
 
     @property
     def leaves(self) -> list[LeafSpec]:

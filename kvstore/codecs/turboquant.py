@@ -174,7 +174,7 @@ class TurboQuantRowCodec(RowCodec):
             mx.eval(cache.keys, cache.values)
             return cache
 
-        return CachePlan(plan.joins, build)
+        return CachePlan(plan.joins, build, reusable=plan.reusable)
 
     def filled_rows(self, cache: Any) -> int:
         """Buffer rows of a restored cache that hold tokens (the rest is capacity)."""

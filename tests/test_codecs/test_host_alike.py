@@ -73,6 +73,30 @@ def test_caches_planned_from_headers_are_the_codecs_own_restore(make, runs, monk
         _assert_same(layer, cache)
 
 
+def test_layers_laid_out_alike_share_one_plan_and_each_gets_its_own_cache(monkeypatch):
+    # A growing codec's plan makes a new cache each time it assembles one (reusable):
+    # one plan for the layers of one layout and meta, a plan each for the others.
+    caches = [KVCache() for _ in range(4)]
+    for seed, cache in enumerate(caches[:3]):
+        fill_cache(cache, [40], seed=seed, heads=2, head_dim=64)
+    fill_cache(caches[3], [40], seed=3, heads=4, head_dim=64)  # another layout
+    codec = codec_for(caches[0])
+    records = [
+        encode_record([codec.snapshot(c, start, min(start + BLOCK, 40)) for c in caches])
+        for start in range(0, 40, BLOCK)
+    ]
+    made = []
+    real = type(codec).plan_restore
+    monkeypatch.setattr(
+        type(codec), "plan_restore", lambda self, s: made.append(real(self, s)) or made[-1]
+    )
+    got = _restored(records, [16, 16, 8])
+    assert len(made) == 2 and all(plan.reusable for plan in made)
+    assert len({id(layer) for layer in got}) == 4
+    for layer, want in zip(got, caches, strict=True):
+        _assert_same(layer, want)
+
+
 def test_a_match_cut_inside_its_last_block_restores_exactly_those_rows(monkeypatch):
     monkeypatch.setattr(fill, "DIRECT_MIN_BYTES", 0)
     cache = KVCache()
