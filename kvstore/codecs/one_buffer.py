@@ -68,8 +68,10 @@ def _contiguous_strides(shape: Sequence[int]) -> list[int]:
 def host_views_in(flat: np.ndarray, specs: Sequence[LeafSpec]) -> list[np.ndarray]:
     """:func:`views_in` of a numpy view of the buffer: each array's memory as
     ``numpy_dtype(name)`` (bfloat16 as its words)."""
+    # One constructor call an array, not a slice, a view and a reshape: 57 -> 30 us for
+    # 48 arrays.
     return [
-        flat[at : at + nbytes_of((shape, name))].view(numpy_dtype(name)).reshape(shape)
+        np.ndarray(shape, numpy_dtype(name), flat, at)
         for at, (shape, name) in zip(buffer_starts(specs), specs, strict=False)
     ]
 
