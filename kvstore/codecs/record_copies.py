@@ -23,11 +23,18 @@ from numpy.lib.array_utils import byte_bounds
 from kvstore.codecs import copies
 from kvstore.codecs.arrays import numpy_dtype
 from kvstore.codecs.copied_sums import Claims
-from kvstore.codecs.fill import DIRECT_MIN_BYTES, LeafSpec, common_alignment
+from kvstore.codecs.fill import LeafSpec, common_alignment
 from kvstore.codecs.payload_tensors import Payload
 from kvstore.codecs.record import placed_payload
 
-__all__ = ["HASH_CHUNK_BYTES", "PIECE_MIN_BYTES", "RecordWrites", "record_writes", "worth_claiming"]
+__all__ = [
+    "CLAIM_MIN_BYTES",
+    "HASH_CHUNK_BYTES",
+    "PIECE_MIN_BYTES",
+    "RecordWrites",
+    "record_writes",
+    "worth_claiming",
+]
 
 #: A record's payload is hashed up to the end of its last copied piece once that many
 #: bytes are waiting: small enough to be read back from the CPU's cache (L2 is 512 KiB
@@ -46,11 +53,21 @@ HASH_CHUNK_BYTES = 256 << 10
 PIECE_MIN_BYTES = 256 << 10
 
 
+#: The fewest bytes of records a restore hashes as it copies them. Below it the store's
+#: checks hash every record from the store's pages while the restore parses and plans,
+#: on the cores it leaves idle, and the copies only copy: a 2048-token qwen-0.5B
+#: restore (24 MiB) took 5.15-5.94 ms so against 5.71-6.18 claimed, where a 512-token
+#: llama-8B one (64 MiB) took 9.2-9.4 claimed against 10.1-10.8, and an 8192-token
+#: qwen-0.5B one (96 MiB) 12.9-13.2 against 14.2-14.4 (``python -m
+#: tools.bench.restore_python --cpu-route``, 2-core x86 CI VM, alternated).
+CLAIM_MIN_BYTES = 32 << 20
+
+
 def worth_claiming(views: Sequence[memoryview]) -> bool:
-    """Whether a restore of the records ``views`` may hash them as it copies: when its
-    arrays are written on every core (:data:`~kvstore.codecs.fill.DIRECT_MIN_BYTES`)
-    and there is a record for every copying thread (a record is hashed by one)."""
-    return len(views) >= copies.threads() and sum(v.nbytes for v in views) >= DIRECT_MIN_BYTES
+    """Whether a restore of the records ``views`` may hash them as it copies: at least
+    :data:`CLAIM_MIN_BYTES` of them, and a record for every copying thread (a record
+    is hashed by one)."""
+    return len(views) >= copies.threads() and sum(v.nbytes for v in views) >= CLAIM_MIN_BYTES
 
 
 # One piece to copy: its first byte in the store's pages, the array, its rows, itself.

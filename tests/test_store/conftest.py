@@ -165,7 +165,7 @@ def copied_digests(monkeypatch):
     from kvstore.codecs import copied_sums, fill, record_copies
 
     monkeypatch.setattr(fill, "DIRECT_MIN_BYTES", 0)
-    monkeypatch.setattr(record_copies, "DIRECT_MIN_BYTES", 0)
+    monkeypatch.setattr(record_copies, "CLAIM_MIN_BYTES", 0)
     monkeypatch.setattr(record_copies, "PIECE_MIN_BYTES", 0)
     monkeypatch.setenv("KVSTORE_COPY_THREADS", "2")
     resolved: list[int] = []
