@@ -24,7 +24,6 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
-import xxhash
 from numpy.lib.stride_tricks import as_strided
 
 from kvstore.abc.codec import Snapshot
@@ -35,6 +34,7 @@ from kvstore.codecs.growing import GrowingKVCodec
 from kvstore.codecs.header import LayerEntry, TensorEntry
 from kvstore.codecs.payload_tensors import Payload, entries_by_name, numpy_view
 from kvstore.codecs.plans import CachePlan, write_rows
+from kvstore.codecs.record_copies import RecordUnits
 
 __all__ = ["restored_alike"]
 
@@ -209,10 +209,9 @@ def _plan(
 _Run = tuple[int, int, int, np.ndarray]
 
 
-class _AlikeWrites:
-    """Units of work (:class:`~kvstore.codecs.fill.Units`): record ``k`` copied, a few
-    strided copies per header template, and hashed when claimed; then one unit per array
-    with rows to zero past the restored ones."""
+class _AlikeWrites(RecordUnits):
+    """Record ``k`` copied by a few strided copies per header template, and hashed
+    behind them when claimed (:class:`~kvstore.codecs.record_copies.RecordUnits`)."""
 
     def __init__(
         self,
@@ -222,32 +221,17 @@ class _AlikeWrites:
         tails: Sequence[tuple[int, int]],
         claims: Claims | None,
     ) -> None:
+        super().__init__(claims, len(records), tails)
         #: Each array's layer and tensor name; each record's layers; each record's
-        #: payload, rows and first row; each array with rows to zero, from which.
-        self._named, self._layers, self._records, self._tails = named, layers, records, tails
-        self._claims = claims
-        self._claimed: set[int] = set()
-        self.count = len(records) + len(tails)
+        #: payload, rows and first row.
+        self._named, self._layers, self._records = named, layers, records
         self._layouts: dict[tuple[int, ...], tuple[list[TensorEntry], list[_Run]]] = {}
         self._lock = threading.Lock()
 
-    def claim(self) -> None:
-        """Claim the records no check has begun hashing, just before the copies."""
-        if self._claims is not None and self._claims.records:
-            self._claimed = self._claims.claim_open()
-
-    def unused(self) -> None:
-        if self._claims is not None:
-            self._claims.drop()
-
-    def write(self, k: int, targets: Sequence[np.ndarray]) -> None:
-        if k >= len(self._records):
-            array, rows = self._tails[k - len(self._records)]
-            targets[array][:, :, rows:] = 0
-            return
+    def _copy(self, k: int, targets: Sequence[np.ndarray]) -> None:
         entries, runs = self._layout(k, targets)
         payload, count, start = self._records[k]
-        hasher = xxhash.xxh3_64() if k in self._claimed else None
+        hasher = self._hasher(k)
         done = 0  # bytes of the payload hashed
         for first, many, step, target in runs:
             entry = entries[first]
@@ -260,9 +244,7 @@ class _AlikeWrites:
             if hasher is not None and end - done >= RUN_MAX_BYTES:
                 hasher.update(payload[done:end])  # just copied: still in the cache
                 done = end
-        if hasher is not None and self._claims is not None:
-            hasher.update(payload[done:])
-            self._claims.resolve(k, hasher.intdigest())
+        self._resolve(k, hasher, payload[done:])
 
     def _layout(
         self, record: int, targets: Sequence[np.ndarray]

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import xxhash
@@ -31,6 +32,7 @@ __all__ = [
     "CLAIM_MIN_BYTES",
     "HASH_CHUNK_BYTES",
     "PIECE_MIN_BYTES",
+    "RecordUnits",
     "RecordWrites",
     "record_writes",
     "worth_claiming",
@@ -74,9 +76,64 @@ def worth_claiming(views: Sequence[memoryview]) -> bool:
 _Piece = tuple[int, int, int, int, np.ndarray]
 
 
-class RecordWrites:
-    """Units of work (:class:`~kvstore.codecs.fill.Units`): record ``k`` copied and,
-    when claimed (:meth:`claim`), hashed; then one unit per array with rows to zero."""
+class RecordUnits:
+    """What a restore's record-by-record :class:`~kvstore.codecs.fill.Units` share, however
+    they cut each record's copies: units ``0 .. records - 1`` copy a record each
+    (:meth:`_copy`, the subclass's), hashing it when it is claimed (:meth:`claim`), then
+    one unit per array with rows to zero past the restored ones.
+
+    Args:
+        claims: the read's claims (``None``: nothing is hashed here).
+        records: how many records are copied.
+        tails: ``(array, first row to zero)`` of each array with rows past the restored.
+    """
+
+    def __init__(
+        self, claims: Claims | None, records: int, tails: Sequence[tuple[int, int]]
+    ) -> None:
+        self._claims = claims
+        self._copies = records
+        self._tails = tails
+        self.count = records + len(tails)
+        self._claimed: set[int] = set()
+
+    def claim(self) -> None:
+        """Claim the records no check has begun hashing, just before the copies."""
+        if self._claims is not None and self._claims.records:
+            self._claimed = self._claims.claim_open()
+
+    def unused(self) -> None:
+        """The arrays were written some other way: the checks hash the records."""
+        if self._claims is not None:
+            self._claims.drop()
+
+    def write(self, k: int, targets: Sequence[np.ndarray]) -> None:
+        if k >= self._copies:
+            array, rows = self._tails[k - self._copies]
+            targets[array][:, :, rows:] = 0
+            return
+        self._copy(k, targets)
+
+    def _copy(self, k: int, targets: Sequence[np.ndarray]) -> None:
+        """Unit ``k``'s record copied into ``targets``, hashed behind its copies by
+        :meth:`_hasher` and :meth:`_resolve`."""
+        raise NotImplementedError
+
+    def _hasher(self, record: int) -> Any:
+        """A hasher of claimed record ``record`` (its index in the read's views), or
+        ``None`` when the checks hash it."""
+        return xxhash.xxh3_64() if record in self._claimed else None
+
+    def _resolve(self, record: int, hasher: Any, rest: memoryview) -> None:
+        """Hash the ``rest`` of claimed record ``record`` and hand the checks its digest."""
+        if hasher is not None and self._claims is not None:
+            hasher.update(rest)
+            self._claims.resolve(record, hasher.intdigest())
+
+
+class RecordWrites(RecordUnits):
+    """Record ``k``'s row pieces copied in the order they lie in it, and hashed a
+    :data:`HASH_CHUNK_BYTES` chunk behind when claimed (:class:`RecordUnits`)."""
 
     def __init__(
         self,
@@ -85,27 +142,16 @@ class RecordWrites:
         pieces: dict[int, list[_Piece]],
         tails: list[tuple[int, int]],
     ) -> None:
-        self._claims = claims
         # (record, payload, address) of each record with pieces, in order.
         self._records = [p for p in payloads if p[0] in pieces]
+        super().__init__(claims, len(self._records), tails)
         self._pieces = pieces
-        self._tails = tails
-        self.count = len(self._records) + len(tails)
-        self._claimed: set[int] = set()
         #: Where the records lie, modulo fill.ALIGN_BYTES (filled_arrays' ``align``).
         self.align = common_alignment(address for _, _, address in payloads)
 
-    def claim(self) -> None:
-        """Claim the records no check has begun hashing, just before the copies."""
-        self._claimed = self._claims.claim_open()
-
-    def write(self, k: int, targets: Sequence[np.ndarray]) -> None:
-        if k >= len(self._records):
-            array, rows = self._tails[k - len(self._records)]
-            targets[array][:, :, rows:] = 0
-            return
+    def _copy(self, k: int, targets: Sequence[np.ndarray]) -> None:
         record, payload, address = self._records[k]
-        hasher = xxhash.xxh3_64() if record in self._claimed else None
+        hasher = self._hasher(record)
         done = 0  # bytes of the payload hashed
         for start, array, first, stop, piece in self._pieces.get(record, ()):
             # The pieces before this one, copied just now, hashed from the cache.
@@ -113,13 +159,7 @@ class RecordWrites:
                 hasher.update(payload[done : start - address])
                 done = start - address
             targets[array][:, :, first:stop] = piece
-        if hasher is not None:
-            hasher.update(payload[done:])
-            self._claims.resolve(record, hasher.intdigest())
-
-    def unused(self) -> None:
-        """The arrays were written some other way: the checks hash the records."""
-        self._claims.drop()
+        self._resolve(record, hasher, payload[done:])
 
 
 def record_writes(
