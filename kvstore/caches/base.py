@@ -12,9 +12,10 @@ arrays in the same order, which is what makes logits bit-identical to mlx-lm.
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import Any, ClassVar, cast
 
 import mlx.core as mx
+import numpy as np
 from mlx.utils import tree_flatten, tree_map
 
 from kvstore.caches.mask import create_attention_mask
@@ -71,6 +72,18 @@ def zeros_like_rows(tree: Tree, tokens: int) -> Tree:
     return map_rows(lambda a: mx.zeros((*a.shape[:2], tokens, a.shape[3]), a.dtype), tree)
 
 
+def _zero_rows_from(leaf: mx.array, first: int) -> None:
+    """Zero an evaluated ``[B, H, T, width]`` buffer's rows from ``first`` on, in its
+    memory where it is one C-contiguous block (a restore's arrays share one buffer, and
+    an MLX slice update of any of them would copy it whole); else by a slice update."""
+    view = memoryview(cast(Any, leaf))  # MLX arrays are buffers (writable, shared)
+    if not view.c_contiguous or leaf.ndim != 4:
+        leaf[..., first:, :] = 0
+        return
+    planes = np.frombuffer(view.cast("B"), np.uint8).reshape(leaf.shape[0] * leaf.shape[1], -1)
+    planes[:, first * leaf.shape[3] * leaf.itemsize :] = 0
+
+
 class BaseKVCache:
     """Attributes and methods common to every family (mlx-lm ``_BaseCache`` plus ours)."""
 
@@ -100,22 +113,30 @@ class BaseKVCache:
         return keys, values
 
     # -- shared -------------------------------------------------------------------
+    def buffers(self) -> tuple[Tree | None, Tree | None]:
+        """The key and value buffers as they are, capacity included: rows past ``offset``
+        may hold what the heap held (:meth:`GrowingKVCache.leave_unwritten`), so read
+        them only below it."""
+        return self.keys, self.values
+
     def empty(self) -> bool:
-        return self.keys is None
+        return self.buffers()[0] is None
 
     @property
     def nbytes(self) -> int:
         """Bytes allocated, capacity padding included (as mlx-lm reports it)."""
-        if self.keys is None:
+        keys, values = self.buffers()
+        if keys is None:
             return 0
-        return sum(leaf.nbytes for leaf in row_leaves((self.keys, self.values)))
+        return sum(leaf.nbytes for leaf in row_leaves((keys, values)))
 
     def bytes_per_token(self) -> int:
         """Physical bytes one more token costs: one row of keys and values
         across batch and heads. 0 while the cache is empty (no shapes yet)."""
-        if self.keys is None:
+        keys, values = self.buffers()
+        if keys is None:
             return 0
-        return sum(leaf.nbytes // leaf.shape[2] for leaf in row_leaves((self.keys, self.values)))
+        return sum(leaf.nbytes // leaf.shape[2] for leaf in row_leaves((keys, values)))
 
     def is_trimmable(self) -> bool:
         return True
@@ -165,46 +186,109 @@ class BaseKVCache:
 
 
 class GrowingKVCache(BaseKVCache):
-    """Rows appended to a buffer that grows in steps of ``step`` tokens."""
+    """Rows appended to a buffer that grows in steps of ``step`` tokens.
+
+    A host restore may leave the buffer's rows past the restored ones unwritten (the
+    room for the next tokens: 12% of a 2048-token restore's bytes, a third of a
+    512-token one's), holding what the heap held (:meth:`leave_unwritten`). The steps
+    write those rows before attention reads them, so only what reads the whole buffer
+    would see them: ``keys`` and ``values`` zero them first, once. The cache's own steps
+    use the buffers directly.
+    """
+
+    #: The first buffer row that may hold what the heap held rather than zeros or rows
+    #: written here; ``None``: none does.
+    _unwritten: int | None = None
+    _keys: Tree | None = None
+    _values: Tree | None = None
 
     def __init__(self) -> None:
-        self.keys = None
-        self.values = None
+        self._keys = None
+        self._values = None
         self.offset = 0
+
+    @property
+    def keys(self) -> Tree | None:
+        if self._unwritten is not None:
+            self._zero_unwritten()
+        return self._keys
+
+    @keys.setter
+    def keys(self, tree: Tree | None) -> None:
+        if self._unwritten is not None:  # the buffer left behind must not keep them either
+            self._zero_unwritten()
+        self._keys = tree
+
+    @property
+    def values(self) -> Tree | None:
+        if self._unwritten is not None:
+            self._zero_unwritten()
+        return self._values
+
+    @values.setter
+    def values(self, tree: Tree | None) -> None:
+        if self._unwritten is not None:  # the buffer left behind must not keep them either
+            self._zero_unwritten()
+        self._values = tree
+
+    def leave_unwritten(self, rows: int) -> None:
+        """Note that the buffers' rows from ``rows`` on were not written (a restore left
+        its room as the allocator gave it): they are zeroed before the whole buffer is
+        first read through ``keys``, ``values`` or ``state``."""
+        if self._keys is not None and rows < tree_length(self._keys):
+            self._unwritten = rows
+
+    def _zero_unwritten(self) -> None:
+        first, self._unwritten = self._unwritten, None
+        assert first is not None
+        leaves = row_leaves((self._keys, self._values))
+        mx.eval(leaves)
+        for leaf in leaves:
+            _zero_rows_from(leaf, first)
+
+    def buffers(self) -> tuple[Tree | None, Tree | None]:
+        return self._keys, self._values
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[Tree, Tree]:
         prev = self.offset
         new_keys, new_values = self._encode_pair(keys, values)
         num_steps = keys.shape[2]
-        if self.keys is None or prev + num_steps > tree_length(self.keys):
+        if self._keys is None or prev + num_steps > tree_length(self._keys):
             grow = (self.step + num_steps - 1) // self.step * self.step
             fresh_k = zeros_like_rows(new_keys, grow)
             fresh_v = zeros_like_rows(new_values, grow)
-            if self.keys is None:
-                self.keys, self.values = fresh_k, fresh_v
+            if self._keys is None:
+                self._keys, self._values = fresh_k, fresh_v
             else:
                 if prev % self.step != 0:
-                    self.keys, self.values = map_rows(
-                        lambda a: a[..., :prev, :], (self.keys, self.values)
+                    # Rows from prev on go: the unwritten ones too (they lie past offset).
+                    self._keys, self._values = map_rows(
+                        lambda a: a[..., :prev, :], (self._keys, self._values)
                     )
-                self.keys, self.values = map_rows(
+                    self._unwritten = None
+                self._keys, self._values = map_rows(
                     lambda a, b: mx.concatenate([a, b], axis=2),
-                    (self.keys, self.values),
+                    (self._keys, self._values),
                     (fresh_k, fresh_v),
                 )
         self.offset += num_steps
         for buf, new in zip(
-            row_leaves((self.keys, self.values)), row_leaves((new_keys, new_values))
+            row_leaves((self._keys, self._values)), row_leaves((new_keys, new_values))
         ):
             buf[..., prev : self.offset, :] = new
+        if self._unwritten is not None and self.offset > self._unwritten:
+            # Written from prev (never past the unwritten rows' start: offset only
+            # trims back) to offset.
+            self._unwritten = self.offset if self.offset < tree_length(self._keys) else None
         return self._present(*self.keys_and_values())
 
     def keys_and_values(self) -> tuple[Tree, Tree]:
         """The stored rows of the ``offset`` logical tokens (no capacity padding)."""
-        assert self.keys is not None and self.values is not None
-        if self.offset < tree_length(self.keys):
-            return map_rows(lambda a: a[..., : self.offset, :], (self.keys, self.values))
-        return self.keys, self.values
+        keys, values = self._keys, self._values
+        assert keys is not None and values is not None
+        if self.offset < tree_length(keys):
+            return map_rows(lambda a: a[..., : self.offset, :], (keys, values))
+        return keys, values
 
     def size(self) -> int:
         return self.offset

@@ -12,7 +12,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from kvstore.abc.codec import Snapshot
-from kvstore.caches import KVCache, QuantizedKVCache
+from kvstore.caches import BaseKVCache, GrowingKVCache, KVCache, QuantizedKVCache
 from kvstore.caches.plain import PLAIN_FAMILY
 from kvstore.caches.quantized import QUANT_FAMILY
 from kvstore.codecs.plans import CachePlan, RowsJoin, run_plans
@@ -39,7 +39,9 @@ class GrowingKVCodec(RowCodec):
         self.check_cache(cache)
         offset = int(cache.offset)
         start, stop = self.check_range(start, stop, offset)
-        keys, values = slice_rows(cache.keys, start, stop), slice_rows(cache.values, start, stop)
+        # Rows below offset only: a restored cache's unwritten room is not read.
+        buffers = cache.buffers() if isinstance(cache, BaseKVCache) else (cache.keys, cache.values)
+        keys, values = slice_rows(buffers[0], start, stop), slice_rows(buffers[1], start, stop)
         meta = {"dtype": self.meta_dtype(cache, keys), "offset": offset}
         return Snapshot(self.signature, start, stop, self.tensors_from_rows(keys, values), meta)
 
@@ -82,7 +84,8 @@ class GrowingKVCodec(RowCodec):
             self.check_compatible(snaps[0], snap, ("dtype",))
             expected = snap.stop
         meta = snaps[-1].meta
-        capacity = growth_capacity(expected, self.make_cache(meta).step)
+        probe = self.make_cache(meta)
+        capacity = growth_capacity(expected, probe.step)
         rows = [self.rows_from_tensors(s.tensors) for s in snaps]
 
         def build(trees: list[Any]) -> Any:
@@ -92,7 +95,8 @@ class GrowingKVCodec(RowCodec):
             return cache
 
         joins = [RowsJoin([r[side] for r in rows], capacity) for side in (0, 1)]
-        return CachePlan(joins, build, reusable=True)
+        room_unwritten = isinstance(probe, GrowingKVCache)
+        return CachePlan(joins, build, reusable=True, room_unwritten=room_unwritten)
 
 
 class PlainKVCodec(RawRowCodec, GrowingKVCodec):

@@ -93,7 +93,13 @@ def restored_alike(
     plans, named = found
     specs = [leaf for plan in plans for leaf in plan.leaves]
     records = [(p.view, n, at) for p, n, at in zip(payloads, rows, starts, strict=True)]
-    tails = [(k, total) for k, (shape, _) in enumerate(specs) if shape[2] > total]
+    # The room past the rows is zeroed here only for caches that cannot take it unwritten.
+    zeroed = [not plan.room_unwritten for plan in plans for _ in plan.leaves]
+    tails = [
+        (k, total)
+        for k, (shape, _) in enumerate(specs)
+        if shape[2] > total and zeroed[k]
+    ]
     writes = _AlikeWrites(named, layers, records, tails, claims)
 
     def fill(k: int, target: np.ndarray) -> None:
@@ -112,7 +118,10 @@ def restored_alike(
     caches, at = [], 0
     for plan in plans:
         n = len(plan.leaves)
-        caches.append(plan.assemble(arrays[at : at + n]))
+        cache = plan.assemble(arrays[at : at + n])
+        if plan.room_unwritten:
+            cache.leave_unwritten(total)
+        caches.append(cache)
         at += n
     return caches
 

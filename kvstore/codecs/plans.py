@@ -163,11 +163,16 @@ class CachePlan:
             and what the plan's snapshots described: one plan then assembles every
             layer whose snapshots it would plan alike
             (:mod:`~kvstore.codecs.host_alike`).
+        room_unwritten: ``build``'s cache is a
+            :class:`~kvstore.caches.base.GrowingKVCache`, which can take its buffers'
+            rows past the joined ones unwritten
+            (:meth:`~kvstore.caches.base.GrowingKVCache.leave_unwritten`).
     """
 
     joins: Sequence[RowsJoin]
     build: Callable[[list[Tree]], Any]
     reusable: bool = False
+    room_unwritten: bool = False
 
     @property
     def leaves(self) -> list[LeafSpec]:

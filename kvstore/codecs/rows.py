@@ -147,7 +147,8 @@ class RowCodec(KVCodec):
                 f"caches; received a cache with signature '{found}'. Use codec_for(cache).",
                 signature=found,
             )
-        if cache.keys is None:
+        # empty(), not keys: ours would zero a restored cache's unwritten room to say so.
+        if cache.empty() if hasattr(cache, "empty") else cache.keys is None:
             raise CapabilityError(
                 f"[{type(self).__name__}.snapshot] The cache is empty: nothing to snapshot "
                 f"(not even its shapes). Snapshot after the first update.",

@@ -161,6 +161,86 @@ def test_caches_copied_and_hashed_record_by_record_restore_bit_exactly(
         assert mx.array_equal(model(step, cache=restored), model(step, cache=expected)).item()
 
 
+@pytest.mark.parametrize("family", ["plain", "quant"])
+def test_room_a_restore_leaves_unwritten_is_zeroed_before_the_whole_buffer_is_read(
+    family, lmdb_url, copied_digests, monkeypatch
+):
+    # A growing family's restore leaves the room past its rows as the allocator gave it
+    # (here: all ones). Its steps and its saves read only rows below offset, and never
+    # zero it; whatever reads the whole buffer (keys, values, state, mlx-lm's
+    # save_prompt_cache) sees zeros there, as after a prefill.
+    from kvstore.codecs import fill
+
+    real_allocated = fill._allocated
+
+    def poisoned(*args, **kwargs):
+        owned = real_allocated(*args, **kwargs)
+        for _, view in owned or ():
+            view.view(np.uint8).fill(0xFF)
+        return owned
+
+    monkeypatch.setattr(fill, "_allocated", poisoned)
+    model, expected, restored = saved_and_restored(lmdb_url, family, prompt(1, 70))
+    assert_same_caches(restored, expected)  # read through a snapshot of the rows
+
+    def room(cache):  # the buffers' bytes past offset, not zeroed by reading them
+        leaves = [leaf for _, leaf in tree_flatten(cache.buffers())]
+        return np.concatenate(
+            [np.asarray(leaf[:, :, cache.offset :]).view(np.uint8).ravel() for leaf in leaves]
+        )
+
+    assert all(r.size and (r == 0xFF).all() for r in map(room, restored))
+    for t in prompt(6, 3):
+        step = mx.array([[t]])
+        assert mx.array_equal(model(step, cache=restored), model(step, cache=expected)).item()
+    assert all(r.size and (r == 0xFF).all() for r in map(room, restored))
+    restored[0].trim(2)  # rows past offset that were written stay as they are
+    expected[0].trim(2)
+    assert not (room(restored[0])[: room(restored[0]).size // 2] == 0xFF).all()
+    # Through keys: zeroed, in that layer alone; through state in the rest.
+    assert restored[1].keys is not None
+    assert not room(restored[1]).any()
+    assert not any(_rows_past_offset(cache).any() for cache in restored[1:])
+    for a, b in zip(restored, expected, strict=True):  # the trimmed rows too
+        assert np.array_equal(_rows_past_offset(a), _rows_past_offset(b))
+        assert all(
+            mx.array_equal(x, y).item()
+            for (_, x), (_, y) in zip(tree_flatten(a.state[:2]), tree_flatten(b.state[:2]))
+        )
+    for t in prompt(7, 300):  # past the capacity: the buffers grow
+        step = mx.array([[t]])
+        assert mx.array_equal(model(step, cache=restored), model(step, cache=expected)).item()
+    assert_same_caches(restored, expected)
+    assert all(not _rows_past_offset(cache).any() for cache in restored)
+
+
+def test_a_restored_cache_handed_to_mlx_lm_has_no_unwritten_room(
+    lmdb_url, copied_digests, monkeypatch, tmp_path
+):
+    # mlx-lm's own classes know nothing of unwritten rows: what goes to them is zeroed.
+    from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
+
+    from kvstore.codecs import fill
+    from kvstore.mlx_lm.families import as_mlx_lm_caches
+
+    real_allocated = fill._allocated
+
+    def poisoned(*args, **kwargs):
+        owned = real_allocated(*args, **kwargs)
+        for _, view in owned or ():
+            view.view(np.uint8).fill(0xFF)
+        return owned
+
+    monkeypatch.setattr(fill, "_allocated", poisoned)
+    _, _, restored = saved_and_restored(lmdb_url, "plain", prompt(1, 70))
+    theirs = as_mlx_lm_caches(restored)
+    assert type(theirs[0]).__module__.startswith("mlx_lm.")
+    save_prompt_cache(str(tmp_path / "c.safetensors"), theirs)
+    for cache in load_prompt_cache(str(tmp_path / "c.safetensors")):
+        assert cache.keys.shape[2] > cache.offset
+        assert not _rows_past_offset(cache).any()
+
+
 def _rows_past_offset(cache) -> np.ndarray:
     """The bytes of every array of ``cache``'s state in the rows past its ``offset``."""
     leaves = [leaf for _, leaf in tree_flatten(cache.state[:2])]
