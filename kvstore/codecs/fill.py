@@ -82,6 +82,19 @@ DIRECT_MIN_BYTES = 16 << 20
 #: buffer per array.
 BUFFER_MAX_BYTES = 64 << 20
 
+#: On the CPU, an array of at least this many bytes gets a buffer of its own from the
+#: loader (~100-130 us more an array on the 2-core CI VM). MLX writes into an array in
+#: place only when nothing else shares its buffer, so a cache's first step after a
+#: restore copies an array cut from a shared one whole, on one core, to write one token
+#: into its room (``python -m tools.bench.first_step``, restore + that step):
+#: a 2048-token llama-8B restore (64 arrays of 4.5 MiB) 50.3 ms shared (22.5 + 27.7)
+#: against 32.6 (31.3 + 1.3) with a buffer each, 8192 tokens 181 against 105; 1024 tokens
+#: (2.25 MiB) 35.4 against 27.9, 512 (1.5 MiB) a tie. Under 4 MiB the arrays stay
+#: together: an 8192-token qwen-0.5B restore's 2.1 MiB arrays, each alone, lost the
+#: strided copies of :mod:`~kvstore.codecs.host_alike` (13 -> 33 ms). On a GPU the copy
+#: runs at the device's bandwidth and the loader's hand-offs would cost more than it.
+OWN_BUFFER_MIN_BYTES = 4 << 20
+
 #: The arrays of a restore start at the same address modulo this many bytes as the rows
 #: copied into them (``align``): on the x86 CI VM a copy of 512 KiB tensors into arrays
 #: 16 bytes further on in their 4 KiB page took twice as long (4.3 against 1.8-2.1 ms
@@ -360,15 +373,22 @@ def _allocated(
 
 
 def _buffer_groups(specs: Sequence[LeafSpec]) -> list[Sequence[LeafSpec]]:
-    """``specs`` cut into runs of at most :data:`BUFFER_MAX_BYTES` each (an array over
-    it a run of its own), in order."""
+    """``specs`` cut into runs of at most :data:`BUFFER_MAX_BYTES` each, in order; an
+    array over it, or on the CPU of at least :data:`OWN_BUFFER_MIN_BYTES`, a run of its
+    own."""
     groups: list[Sequence[LeafSpec]] = []
     first, size = 0, 0
+    own_from = OWN_BUFFER_MIN_BYTES if mx.default_device() == mx.cpu else None
     for i, spec in enumerate(specs):
         nbytes = padded_nbytes(spec)
-        if i > first and size + nbytes > BUFFER_MAX_BYTES:
+        alone = own_from is not None and nbytes >= own_from
+        if i > first and (alone or size + nbytes > BUFFER_MAX_BYTES):
             groups.append(specs[first:i])
             first, size = i, 0
         size += nbytes
-    groups.append(specs[first:])
+        if alone:
+            groups.append(specs[i : i + 1])
+            first, size = i + 1, 0
+    if first < len(specs):
+        groups.append(specs[first:])
     return groups

@@ -121,12 +121,16 @@ def test_p1_measures_the_peers_at_every_length_and_waits_for_ours(tmp_path, monk
     *prompts, scaling = result.rows
     assert [r.params["tokens"] for r in prompts] == [256, 512]
     for row in prompts:
-        assert list(row.samples) == ["mlx-lm load", "memcpy"]
+        assert list(row.samples) == ["mlx-lm load", "memcpy", "mlx-lm load + step"]
         assert all(len(s) == 5 for s in row.samples.values())
         assert set(row.ratios) == {"mlx-lm vs memcpy"}
         assert row.params["mib"] == pytest.approx(row.params["tokens"] * 12 / 1024)
     assert scaling.params == {"workload": "qwen0.5b", "scaling": True, "tokens": [256, 512]}
-    assert set(scaling.values) == {"mlx-lm load s/MiB max/min", "memcpy s/MiB max/min"}
+    assert set(scaling.values) == {
+        "mlx-lm load s/MiB max/min",
+        "memcpy s/MiB max/min",
+        "mlx-lm load + step s/MiB max/min",
+    }
     assert all(v >= 1.0 for v in scaling.values.values())  # max/min, by construction
     assert "issue 5" in result.pending
     assert list(tmp_path.iterdir()) == []  # the prompt-cache files are gone
@@ -139,15 +143,21 @@ def test_p1_judges_its_bars_once_ours_is_plugged_in(tmp_path, monkeypatch):
     @contextmanager
     def ours(ctx, kv):
         built.append(kv.label)
-        yield Case("ours", "ours", lambda: None)
+        yield Case("ours", "ours", kv.mlx_lm)  # caches, for the first step after it
 
     monkeypatch.setattr(restore, "OURS", ours)
     result = restore.FIGURE.run(context(tmp_path, sizes=SMALL))
     assert built == ["qwen0.5b 256", "qwen0.5b 512"]
     assert result.pending is None
-    assert {"vs mlx-lm", "vs memcpy", "mlx-lm vs memcpy"} == set(result.rows[0].ratios)
+    assert set(result.rows[0].ratios) == {
+        "vs mlx-lm",
+        "vs memcpy",
+        "mlx-lm vs memcpy",
+        "with the first step vs mlx-lm",
+    }
+    assert list(result.rows[0].samples)[-1] == "ours + step"
     checks = evaluate(restore.FIGURE, result)
-    assert len(checks) == 2 + 2 + 1  # two ratio bars per length, one scaling bar
+    assert len(checks) == 2 + 2 + 1  # two ratio bars per length, one scaling bar (none on the step)
     assert all(c.status != NOT_MEASURED and c.value is not None for c in checks)
 
 

@@ -21,8 +21,14 @@ def test_p1_restores_from_the_store_next_to_the_peers(tmp_path):
     result = restore.FIGURE.run(context(tmp_path, sizes=SMALL))
     *prompts, scaling = result.rows
     for row in prompts:
-        assert list(row.samples) == ["ours", "mlx-lm load", "memcpy"]
-        assert {"vs mlx-lm", "vs memcpy"} <= set(row.ratios)
+        assert list(row.samples) == [
+            "ours",
+            "mlx-lm load",
+            "memcpy",
+            "mlx-lm load + step",
+            "ours + step",
+        ]
+        assert {"vs mlx-lm", "vs memcpy", "with the first step vs mlx-lm"} <= set(row.ratios)
     assert "ours s/MiB max/min" in scaling.values
     assert result.pending is None
     assert all(c.status != NOT_MEASURED for c in evaluate(restore.FIGURE, result))

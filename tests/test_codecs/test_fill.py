@@ -303,6 +303,32 @@ def test_the_loaders_arrays_are_views_of_buffers_of_at_most_the_cap_each(monkeyp
     assert all(a.shape == shape and a.dtype == mx.bfloat16 for a in arrays)
 
 
+def test_large_arrays_get_a_buffer_each_and_a_step_writes_them_in_place(monkeypatch):
+    # MLX writes into an array in place only when no other array shares its buffer: a
+    # cache's first step after a restore would copy a shared one whole. Arrays from
+    # OWN_BUFFER_MIN_BYTES get their own; smaller ones still share.
+    monkeypatch.setattr(fill_module, "OWN_BUFFER_MIN_BYTES", 256 << 10)
+    big, small = (1, 2, 2048, 64), (1, 2, 256, 64)  # 512 and 64 KiB of bfloat16
+    specs = [(big, "bfloat16"), (small, "bfloat16"), (small, "bfloat16"), (big, "bfloat16")]
+    values = sources(specs, seed=5)
+    arrays = filled_arrays(specs, writer(values), direct=True)
+    starts = [_buffer_of(a) for a in arrays]
+    assert starts[2] - starts[1] == 64 << 10  # the small ones: one buffer
+    assert len({starts[0], starts[1], starts[3]}) == 3
+    row = mx.ones((1, 2, 1, 64), mx.bfloat16)
+    for i in range(4):
+        arrays[i][..., 7:8, :] = row
+    mx.eval(arrays)
+    moved = [_buffer_of(a) != start for a, start in zip(arrays, starts, strict=True)]
+    assert moved == [False, True, True, False]
+    one = np.asarray(row.view(mx.uint16))[..., 0, :]
+    for a, v in zip(arrays, values, strict=True):
+        bits = np.asarray(a.view(mx.uint16))
+        assert (bits[..., 7, :] == one).all()
+        assert np.array_equal(bits[..., 8:, :], v.view(np.uint16)[..., 8:, :])
+        assert np.array_equal(bits[..., :7, :], v.view(np.uint16)[..., :7, :])
+
+
 def test_an_array_written_in_place_after_a_restore_leaves_its_neighbours_alone():
     # The loader's arrays share a buffer: a cache writing one of them in place (a
     # rotating cache's next token) or growing one (a concatenation) changes that one

@@ -6,7 +6,10 @@ Per workload and prompt length, side by side on the same cache:
   from an LMDB prefix store (:func:`~.store_cases.restore`);
 * ``mlx-lm load``: ``load_prompt_cache`` + ``mx.eval`` of the file mlx-lm's
   ``save_prompt_cache`` wrote for the same cache, read from the page cache;
-* ``memcpy``: ``numpy.copyto`` of as many bytes into an already-touched buffer.
+* ``memcpy``: ``numpy.copyto`` of as many bytes into an already-touched buffer;
+* ``ours + step`` and ``mlx-lm load + step``: each, then the first decode step (one
+  token into every layer's cache, evaluated): a cache that must copy its arrays to
+  take that token pays it there (no bar; ``with the first step vs mlx-lm``).
 
 Bars (BENCHMARKS.md): ours >= 1.0x mlx-lm, >= 40% of memcpy, and time per
 MiB flat within 25% across prompt lengths.
@@ -26,7 +29,13 @@ from kvstore.bench.figures.common import (
 )
 from kvstore.bench.harness import BenchContext, Figure, Ratio, at_least, at_most
 from kvstore.bench.results import FigureResult, Row
-from kvstore.bench.workloads import SyntheticKV, cache_nbytes, memcpy_case, mlx_lm_load_case
+from kvstore.bench.workloads import (
+    SyntheticKV,
+    cache_nbytes,
+    memcpy_case,
+    mlx_lm_load_case,
+    with_first_step,
+)
 
 __all__ = ["FIGURE", "OURS", "PENDING"]
 
@@ -41,6 +50,7 @@ RATIOS = (
     Ratio("vs mlx-lm", "ours", "mlx-lm load"),
     Ratio("vs memcpy", "ours", "memcpy"),
     Ratio("mlx-lm vs memcpy", "mlx-lm load", "memcpy"),
+    Ratio("with the first step vs mlx-lm", "ours + step", "mlx-lm load + step"),
 )
 
 
@@ -52,9 +62,12 @@ def measure(ctx: BenchContext, kv: SyntheticKV) -> Row:
             prompt_cache_file(ctx, caches, f"p1-{kv.shape.name}-{kv.tokens}")
         )
         del caches  # the peer loads its own copy from the file
-        cases = [mlx_lm_load_case(path), memcpy_case(nbytes)]
+        load = mlx_lm_load_case(path)
+        cases = [load, memcpy_case(nbytes), with_first_step(load, kv)]
         if OURS is not None:
-            cases.insert(0, stack.enter_context(OURS(ctx, kv)))
+            ours = stack.enter_context(OURS(ctx, kv))
+            cases[:0] = [ours]
+            cases.append(with_first_step(ours, kv))
         return ctx.measure(kv.label, prompt_params(kv, nbytes), cases, RATIOS)
 
 
