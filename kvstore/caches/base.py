@@ -185,6 +185,27 @@ class BaseKVCache:
         return f"{type(self).__name__}({self.signature()}, offset={self.offset})"
 
 
+class _RowBuffer:
+    """A growing cache's ``keys`` or ``values``: held in ``_keys``/``_values``, the rows
+    a restore left unwritten zeroed before the buffer is read or replaced (a buffer left
+    behind must not keep them either)."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self._slot = f"_{name}"
+
+    def __get__(self, cache: Any, owner: type | None = None) -> Any:
+        if cache is None:
+            return self
+        if cache._unwritten is not None:
+            cache._zero_unwritten()
+        return getattr(cache, self._slot)
+
+    def __set__(self, cache: Any, tree: Tree | None) -> None:
+        if cache._unwritten is not None:
+            cache._zero_unwritten()
+        setattr(cache, self._slot, tree)
+
+
 class GrowingKVCache(BaseKVCache):
     """Rows appended to a buffer that grows in steps of ``step`` tokens.
 
@@ -207,29 +228,8 @@ class GrowingKVCache(BaseKVCache):
         self._values = None
         self.offset = 0
 
-    @property
-    def keys(self) -> Tree | None:
-        if self._unwritten is not None:
-            self._zero_unwritten()
-        return self._keys
-
-    @keys.setter
-    def keys(self, tree: Tree | None) -> None:
-        if self._unwritten is not None:  # the buffer left behind must not keep them either
-            self._zero_unwritten()
-        self._keys = tree
-
-    @property
-    def values(self) -> Tree | None:
-        if self._unwritten is not None:
-            self._zero_unwritten()
-        return self._values
-
-    @values.setter
-    def values(self, tree: Tree | None) -> None:
-        if self._unwritten is not None:  # the buffer left behind must not keep them either
-            self._zero_unwritten()
-        self._values = tree
+    keys = _RowBuffer()
+    values = _RowBuffer()
 
     def leave_unwritten(self, rows: int) -> None:
         """Note that the buffers' rows from ``rows`` on were not written (a restore left

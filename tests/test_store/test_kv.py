@@ -46,6 +46,23 @@ def lmdb_url(tmp_path):
     return f"lmdb://{tmp_path / 'store'}"
 
 
+@pytest.fixture
+def poisoned_allocations(monkeypatch):
+    """A restore's arrays are allocated holding all ones (NaN in every float dtype), as
+    reused memory may."""
+    from kvstore.codecs import fill
+
+    real_allocated = fill._allocated
+
+    def poisoned(*args, **kwargs):
+        owned = real_allocated(*args, **kwargs)
+        for _, view in owned or ():
+            view.view(np.uint8).fill(0xFF)
+        return owned
+
+    monkeypatch.setattr(fill, "_allocated", poisoned)
+
+
 def open_(url, **options):
     options.setdefault("block_size", BLOCK)
     options.setdefault("touch_interval", 0)
@@ -123,7 +140,7 @@ def test_caches_restored_as_views_of_shared_buffers_continue_alike_token_by_toke
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_caches_copied_and_hashed_record_by_record_restore_bit_exactly(
-    family, lmdb_url, hashed_as_copied, monkeypatch
+    family, lmdb_url, hashed_as_copied, poisoned_allocations, monkeypatch
 ):
     # Each record's rows copied in the order they lie in it, its payload hashed behind
     # the copy for the store's checks: the same caches, and they continue alike. A
@@ -136,19 +153,9 @@ def test_caches_copied_and_hashed_record_by_record_restore_bit_exactly(
         restore, "restored_alike", lambda *a: planned.append(real(*a)) or planned[-1]
     )
     # The arrays are allocated holding all ones (NaN in every float dtype), as reused
-    # memory may: the room past the rows restored is zeroed as a prefill's growth
-    # zeroes it (a cache's state holds it), and nothing else of them is left over.
-    from kvstore.codecs import fill
-
-    real_allocated = fill._allocated
-
-    def poisoned(*args, **kwargs):
-        owned = real_allocated(*args, **kwargs)
-        for _, view in owned or ():
-            view.view(np.uint8).fill(0xFF)
-        return owned
-
-    monkeypatch.setattr(fill, "_allocated", poisoned)
+    # memory may (poisoned_allocations): the room past the rows restored is zeroed as a
+    # prefill's growth zeroes it (a cache's state holds it), and nothing else of them is
+    # left over.
     model, expected, restored = saved_and_restored(lmdb_url, family, prompt(1, 70))
     assert_same_caches(restored, expected)
     assert len(hashed_as_copied) == 5  # every record hashed by its copy
@@ -163,23 +170,12 @@ def test_caches_copied_and_hashed_record_by_record_restore_bit_exactly(
 
 @pytest.mark.parametrize("family", ["plain", "quant"])
 def test_room_a_restore_leaves_unwritten_is_zeroed_before_the_whole_buffer_is_read(
-    family, lmdb_url, copied_digests, monkeypatch
+    family, lmdb_url, copied_digests, poisoned_allocations
 ):
     # A growing family's restore leaves the room past its rows as the allocator gave it
     # (here: all ones). Its steps and its saves read only rows below offset, and never
     # zero it; whatever reads the whole buffer (keys, values, state, mlx-lm's
     # save_prompt_cache) sees zeros there, as after a prefill.
-    from kvstore.codecs import fill
-
-    real_allocated = fill._allocated
-
-    def poisoned(*args, **kwargs):
-        owned = real_allocated(*args, **kwargs)
-        for _, view in owned or ():
-            view.view(np.uint8).fill(0xFF)
-        return owned
-
-    monkeypatch.setattr(fill, "_allocated", poisoned)
     model, expected, restored = saved_and_restored(lmdb_url, family, prompt(1, 70))
     assert_same_caches(restored, expected)  # read through a snapshot of the rows
 
@@ -215,23 +211,13 @@ def test_room_a_restore_leaves_unwritten_is_zeroed_before_the_whole_buffer_is_re
 
 
 def test_a_restored_cache_handed_to_mlx_lm_has_no_unwritten_room(
-    lmdb_url, copied_digests, monkeypatch, tmp_path
+    lmdb_url, copied_digests, poisoned_allocations, tmp_path
 ):
     # mlx-lm's own classes know nothing of unwritten rows: what goes to them is zeroed.
     from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
 
-    from kvstore.codecs import fill
     from kvstore.mlx_lm.families import as_mlx_lm_caches
 
-    real_allocated = fill._allocated
-
-    def poisoned(*args, **kwargs):
-        owned = real_allocated(*args, **kwargs)
-        for _, view in owned or ():
-            view.view(np.uint8).fill(0xFF)
-        return owned
-
-    monkeypatch.setattr(fill, "_allocated", poisoned)
     _, _, restored = saved_and_restored(lmdb_url, "plain", prompt(1, 70))
     theirs = as_mlx_lm_caches(restored)
     assert type(theirs[0]).__module__.startswith("mlx_lm.")
