@@ -81,6 +81,8 @@ class RowsJoin:
         if rows > capacity:
             raise ValueError(f"[join_rows] {rows} rows do not fit a capacity of {capacity}.")
         self.capacity = capacity
+        #: The rows the pieces hold (the rest of ``capacity`` is room).
+        self.rows = rows
         self._leaves: list[LeafSpec] | None = None
         #: Each column's pieces that are MLX arrays, found once (a lossy restore asks
         #: :meth:`lazy` and :meth:`holds_mlx` of 192 joins of 16 pieces).
@@ -249,16 +251,28 @@ def run_plans(
         if on_gpu
         else {}
     )
+    # Each column's cache takes the rows past its joined ones unwritten (on the host).
+    rooms = [
+        plan.room_unwritten
+        for plan in plans
+        if isinstance(plan, CachePlan)
+        for _ in plan.columns()
+    ]
     writers = [(i, c) for i, c in enumerate(columns) if i not in joined]
     specs = [join.leaves()[column] for _, (join, column) in writers]
     # On a GPU every writer's pieces are host arrays here (the MLX ones were joined).
     pieces = [join.columns[column] for _, (join, column) in writers]
     filled = cuda_pages.gathered(specs, pieces, pages) if on_gpu else None
+    units = None
     if filled is None:
         # The pieces' views made here: the writes run on several threads, and MLX (a
         # bfloat16 piece's view) is asked only from this one.
         views = [join.host_views(column) for _, (join, column) in writers]
-        units = record_writes(specs, views, claims) if claims is not None else None
+        units = (
+            record_writes(specs, views, claims, [rooms[i] for i, _ in writers])
+            if claims is not None
+            else None
+        )
         if units is not None:
             units.claim()
         elif claims is not None:
@@ -283,7 +297,10 @@ def run_plans(
             caches.append(plan.finish(owned_arrays(list(plan.leaves))))
             continue
         n = len(plan.leaves)
-        caches.append(plan.assemble(arrays[at : at + n]))
+        cache = plan.assemble(arrays[at : at + n])
+        if plan.room_unwritten and units is not None:
+            cache.leave_unwritten(plan.joins[0].rows)  # the record writes left them
+        caches.append(cache)
         at += n
     return caches
 

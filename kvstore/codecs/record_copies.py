@@ -163,11 +163,15 @@ class RecordWrites(RecordUnits):
 
 
 def record_writes(
-    specs: Sequence[LeafSpec], pieces: Sequence[Sequence[np.ndarray]], claims: Claims
+    specs: Sequence[LeafSpec],
+    pieces: Sequence[Sequence[np.ndarray]],
+    claims: Claims,
+    room_unwritten: Sequence[bool] = (),
 ) -> RecordWrites | None:
     """The writes of the arrays ``specs`` (array ``k`` is ``pieces[k]`` joined along
-    the row axis, then zeros), record by record of ``claims.records``; ``None`` when a
-    piece is not a view into one of their payloads of its array's dtype and shape."""
+    the row axis, then zeros, unless ``room_unwritten[k]``: its cache takes the rows past
+    them unwritten), record by record of ``claims.records``; ``None`` when a piece is not
+    a view into one of their payloads of its array's dtype and shape."""
     if not claims.records:
         return None
     count = sum(map(len, pieces))
@@ -204,7 +208,7 @@ def record_writes(
             rows = stop
         if rows > shape[2]:
             return None
-        if rows < shape[2]:
+        if rows < shape[2] and not (array < len(room_unwritten) and room_unwritten[array]):
             tails.append((array, rows))
     for record_pieces in by_record.values():
         record_pieces.sort(key=lambda p: p[0])  # in the order they lie
