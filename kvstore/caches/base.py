@@ -28,6 +28,7 @@ __all__ = [
     "GrowingKVCache",
     "map_rows",
     "row_leaves",
+    "stored_buffers",
     "tree_length",
     "zeros_like_rows",
 ]
@@ -183,6 +184,13 @@ class BaseKVCache:
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.signature()}, offset={self.offset})"
+
+
+def stored_buffers(cache: Any) -> tuple[Tree | None, Tree | None]:
+    """``cache``'s key and value buffers as they are: ours through
+    :meth:`BaseKVCache.buffers` (a restored cache's unwritten room is not zeroed for a
+    reader of rows below ``offset``), any other cache's ``keys`` and ``values``."""
+    return cache.buffers() if isinstance(cache, BaseKVCache) else (cache.keys, cache.values)
 
 
 class _RowBuffer:

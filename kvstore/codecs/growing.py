@@ -12,7 +12,8 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from kvstore.abc.codec import Snapshot
-from kvstore.caches import BaseKVCache, GrowingKVCache, KVCache, QuantizedKVCache
+from kvstore.caches import GrowingKVCache, KVCache, QuantizedKVCache
+from kvstore.caches.base import stored_buffers
 from kvstore.caches.plain import PLAIN_FAMILY
 from kvstore.caches.quantized import QUANT_FAMILY
 from kvstore.codecs.plans import CachePlan, RowsJoin, run_plans
@@ -39,8 +40,7 @@ class GrowingKVCodec(RowCodec):
         self.check_cache(cache)
         offset = int(cache.offset)
         start, stop = self.check_range(start, stop, offset)
-        # Rows below offset only: a restored cache's unwritten room is not read.
-        buffers = cache.buffers() if isinstance(cache, BaseKVCache) else (cache.keys, cache.values)
+        buffers = stored_buffers(cache)  # rows below offset only
         keys, values = slice_rows(buffers[0], start, stop), slice_rows(buffers[1], start, stop)
         meta = {"dtype": self.meta_dtype(cache, keys), "offset": offset}
         return Snapshot(self.signature, start, stop, self.tensors_from_rows(keys, values), meta)

@@ -33,7 +33,7 @@ from kvstore.codecs.fill import common_alignment, filled_arrays
 from kvstore.codecs.growing import GrowingKVCodec
 from kvstore.codecs.header import LayerEntry, TensorEntry
 from kvstore.codecs.payload_tensors import Payload, entries_by_name, numpy_view
-from kvstore.codecs.plans import CachePlan, write_rows
+from kvstore.codecs.plans import CachePlan, rooms_unwritten, write_rows
 from kvstore.codecs.record_copies import RecordUnits
 
 __all__ = ["restored_alike"]
@@ -94,12 +94,8 @@ def restored_alike(
     specs = [leaf for plan in plans for leaf in plan.leaves]
     records = [(p.view, n, at) for p, n, at in zip(payloads, rows, starts, strict=True)]
     # The room past the rows is zeroed here only for caches that cannot take it unwritten.
-    zeroed = [not plan.room_unwritten for plan in plans for _ in plan.leaves]
-    tails = [
-        (k, total)
-        for k, (shape, _) in enumerate(specs)
-        if shape[2] > total and zeroed[k]
-    ]
+    rooms = rooms_unwritten(plans)
+    tails = [(k, total) for k, (shape, _) in enumerate(specs) if shape[2] > total and not rooms[k]]
     writes = _AlikeWrites(named, layers, records, tails, claims)
 
     def fill(k: int, target: np.ndarray) -> None:
@@ -118,10 +114,7 @@ def restored_alike(
     caches, at = [], 0
     for plan in plans:
         n = len(plan.leaves)
-        cache = plan.assemble(arrays[at : at + n])
-        if plan.room_unwritten:
-            cache.leave_unwritten(total)
-        caches.append(cache)
+        caches.append(plan.assemble(arrays[at : at + n], room_left=True))
         at += n
     return caches
 

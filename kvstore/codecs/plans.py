@@ -44,6 +44,7 @@ __all__ = [
     "RowsJoin",
     "CachePlan",
     "as_device",
+    "rooms_unwritten",
     "run_plans",
     "join_runs",
     "Stack",
@@ -187,19 +188,36 @@ class CachePlan:
         """``(join, column)`` of each array of :attr:`leaves`, in order."""
         return [(join, column) for join in self.joins for column in range(len(join.columns))]
 
-    def assemble(self, arrays: Sequence[mx.array]) -> Any:
-        """The cache, given the filled arrays of :attr:`leaves`, in order."""
+    def assemble(self, arrays: Sequence[mx.array], room_left: bool = False) -> Any:
+        """The cache, given the filled arrays of :attr:`leaves`, in order. ``room_left``:
+        the writes left the rows past the joined ones unwritten where the plan's cache
+        takes them so (:attr:`room_unwritten`, :func:`rooms_unwritten`)."""
         trees, at = [], 0
         for join in self.joins:
             n = len(join.columns)
             trees.append(join.tree(arrays[at : at + n]))
             at += n
-        return self.build(trees)
+        cache = self.build(trees)
+        if room_left and self.room_unwritten:
+            cache.leave_unwritten(self.joins[0].rows)
+        return cache
 
     def finish(self, buffers: Sequence[tuple[mx.array, np.ndarray]]) -> Any:
         for (join, column), (_, target) in zip(self.columns(), buffers, strict=True):
             join.fill_leaf(column, target)
         return self.assemble([array for array, _ in buffers])
+
+
+def rooms_unwritten(plans: Sequence[Any]) -> list[bool]:
+    """For each leaf of ``plans``' :class:`CachePlan` ones, in order: whether its cache
+    takes the rows past the joined ones unwritten (a host restore then skips their
+    zeros)."""
+    return [
+        plan.room_unwritten
+        for plan in plans
+        if isinstance(plan, CachePlan)
+        for _ in plan.columns()
+    ]
 
 
 def as_device(piece: Any) -> mx.array:
@@ -251,13 +269,6 @@ def run_plans(
         if on_gpu
         else {}
     )
-    # Each column's cache takes the rows past its joined ones unwritten (on the host).
-    rooms = [
-        plan.room_unwritten
-        for plan in plans
-        if isinstance(plan, CachePlan)
-        for _ in plan.columns()
-    ]
     writers = [(i, c) for i, c in enumerate(columns) if i not in joined]
     specs = [join.leaves()[column] for _, (join, column) in writers]
     # On a GPU every writer's pieces are host arrays here (the MLX ones were joined).
@@ -268,6 +279,7 @@ def run_plans(
         # The pieces' views made here: the writes run on several threads, and MLX (a
         # bfloat16 piece's view) is asked only from this one.
         views = [join.host_views(column) for _, (join, column) in writers]
+        rooms = rooms_unwritten(plans)
         units = (
             record_writes(specs, views, claims, [rooms[i] for i, _ in writers])
             if claims is not None
@@ -297,10 +309,8 @@ def run_plans(
             caches.append(plan.finish(owned_arrays(list(plan.leaves))))
             continue
         n = len(plan.leaves)
-        cache = plan.assemble(arrays[at : at + n])
-        if plan.room_unwritten and units is not None:
-            cache.leave_unwritten(plan.joins[0].rows)  # the record writes left them
-        caches.append(cache)
+        # The record writes leave the room unwritten (write_rows zeroes it).
+        caches.append(plan.assemble(arrays[at : at + n], room_left=units is not None))
         at += n
     return caches
 

@@ -166,7 +166,7 @@ def record_writes(
     specs: Sequence[LeafSpec],
     pieces: Sequence[Sequence[np.ndarray]],
     claims: Claims,
-    room_unwritten: Sequence[bool] = (),
+    room_unwritten: Sequence[bool],
 ) -> RecordWrites | None:
     """The writes of the arrays ``specs`` (array ``k`` is ``pieces[k]`` joined along
     the row axis, then zeros, unless ``room_unwritten[k]``: its cache takes the rows past
@@ -208,7 +208,7 @@ def record_writes(
             rows = stop
         if rows > shape[2]:
             return None
-        if rows < shape[2] and not (array < len(room_unwritten) and room_unwritten[array]):
+        if rows < shape[2] and not room_unwritten[array]:
             tails.append((array, rows))
     for record_pieces in by_record.values():
         record_pieces.sort(key=lambda p: p[0])  # in the order they lie

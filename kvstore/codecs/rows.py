@@ -23,7 +23,7 @@ from typing import Any, ClassVar
 import mlx.core as mx
 
 from kvstore.abc.codec import KVCodec, Snapshot
-from kvstore.caches.base import Tree
+from kvstore.caches.base import Tree, stored_buffers
 from kvstore.caches.packed import quantize_rows
 from kvstore.codecs.arrays import MLX_DTYPES, as_mlx, dtype_name, owned_arrays
 from kvstore.codecs.plans import RowsJoin, row_leaves_of
@@ -147,8 +147,7 @@ class RowCodec(KVCodec):
                 f"caches; received a cache with signature '{found}'. Use codec_for(cache).",
                 signature=found,
             )
-        # empty(), not keys: ours would zero a restored cache's unwritten room to say so.
-        if cache.empty() if hasattr(cache, "empty") else cache.keys is None:
+        if stored_buffers(cache)[0] is None:
             raise CapabilityError(
                 f"[{type(self).__name__}.snapshot] The cache is empty: nothing to snapshot "
                 f"(not even its shapes). Snapshot after the first update.",
