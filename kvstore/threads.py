@@ -7,15 +7,20 @@ on an H200 host a pool of 16 threads made inside the first timed restore held
 its header parse up by about 15 ms (``tools/bench/results/gpu/9a9d5cb/``). A
 pool made here has every thread waiting for work when it returns, so the cost
 is paid once, where the pool is made (a process's first read, its warm-up).
+
+:func:`keep_thread_state` is for the other threads that run Python here: a C++
+library's own workers calling back into it.
 """
 
 from __future__ import annotations
 
+import ctypes
+import sys
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
-__all__ = ["KeptPool", "started_pool"]
+__all__ = ["KeptPool", "keep_thread_state", "started_pool"]
 
 
 def started_pool(workers: int, prefix: str) -> ThreadPoolExecutor:
@@ -52,3 +57,29 @@ class KeptPool:
             pool, self._pool = self._pool, None
         if pool is not None:
             pool.shutdown()
+
+
+# CPython's: takes the GIL for a thread, making it a thread state if it has none.
+_GIL_ENSURE = ctypes.pythonapi.PyGILState_Ensure if sys.implementation.name == "cpython" else None
+_KEPT = threading.local()  # per thread state: set once the state is kept
+
+
+def keep_thread_state() -> bool:
+    """Keep the calling thread's Python thread state until the process ends; whether it
+    was kept just now. Called with the GIL held, from a thread Python did not start.
+
+    A thread that is not Python's calls into Python through ``PyGILState_Ensure``,
+    which makes it a thread state, and ``PyGILState_Release``, which destroys it: every
+    call-back, however short, allocates the state, maps and unmaps its frame stack
+    (a TLB shootdown on every core), and drops its ``threading.local`` values. MLX's
+    loader calls a Python file object so, on its four I/O threads, once for each array
+    it reads: a :class:`~kvstore.codecs.fill.LeafStream` allocation took 113-144 us
+    an array, and 68-84 with each thread's state kept (64 arrays of 4.5 MiB, 2-core CI
+    VM, ``mmap``/``munmap`` once an array under ``strace``). One ``PyGILState_Ensure``
+    more than it releases keeps the state: a few hundred bytes a thread, for the
+    threads of a fixed pool. Elsewhere than CPython, nothing is done."""
+    if _GIL_ENSURE is None or getattr(_KEPT, "kept", False):
+        return False
+    _GIL_ENSURE()  # never released: the thread keeps its state from now on
+    _KEPT.kept = True
+    return True

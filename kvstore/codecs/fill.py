@@ -8,7 +8,7 @@ tensor the header describes and asks the file object to ``readinto`` it.
 So :func:`filled_arrays` hands MLX a *virtual* safetensors file
 (:class:`LeafStream`) whose header describes a few flat buffers and whose
 ``readinto`` writes nothing: the buffers come back allocated, the arrays are cut
-from them as views (the loader costs ~100 us per array it allocates), and the
+from them as views (the loader costs ~70 us per array it allocates), and the
 caller then writes every one of them through a numpy view of its memory, all at
 once on every core (:func:`~kvstore.codecs.copies.each_on_threads`). Writing each inside
 its ``readinto`` cost a thread switch and a GIL hand-off per array on MLX's I/O
@@ -51,6 +51,7 @@ from kvstore.codecs.arrays import as_mlx, numpy_dtype, word_dtype
 from kvstore.codecs.copies import each_on_threads
 from kvstore.codecs.host_memory import HUGE_PAGES, advise_huge_pages, keep_freed_memory
 from kvstore.codecs.one_buffer import buffer_starts, host_views_in, padded_nbytes, views_in
+from kvstore.threads import keep_thread_state
 
 __all__ = [
     "ALIGN_BYTES",
@@ -83,10 +84,11 @@ DIRECT_MIN_BYTES = 16 << 20
 BUFFER_MAX_BYTES = 64 << 20
 
 #: On the CPU, an array of at least this many bytes gets a buffer of its own from the
-#: loader (~100-130 us more an array on the 2-core CI VM). MLX writes into an array in
-#: place only when nothing else shares its buffer, so a cache's first step after a
-#: restore copies an array cut from a shared one whole, on one core, to write one token
-#: into its room (``python -m tools.bench.first_step``, restore + that step):
+#: loader (~70 us more an array on the 2-core CI VM, ~120 before its I/O threads kept
+#: their Python states: :func:`kvstore.threads.keep_thread_state`). MLX writes into an
+#: array in place only when nothing else shares its buffer, so a cache's first step
+#: after a restore copies an array cut from a shared one whole, on one core, to write
+#: one token into its room (``python -m tools.bench.first_step``, restore + that step):
 #: a 2048-token llama-8B restore (64 arrays of 4.5 MiB) 50.3 ms shared (22.5 + 27.7)
 #: against 32.6 (31.3 + 1.3) with a buffer each, 8192 tokens 181 against 105; 1024 tokens
 #: (2.25 MiB) 35.4 against 27.9, 512 (1.5 MiB) a tie. Under 4 MiB the arrays stay
@@ -175,6 +177,7 @@ class LeafStream:
 
     # The file protocol MLX's PyFileReader uses: seek, tell, readinto, closed.
     def seek(self, offset: int, whence: int = 0) -> int:
+        keep_thread_state()  # MLX's I/O thread keeps its Python state for the next read
         base = (0, self.tell(), self._size)[whence]
         self._local.pos = base + offset
         return int(self._local.pos)
@@ -335,10 +338,11 @@ def _allocated(
     with a writable view of its memory (``numpy_dtype``); ``None`` when MLX did not
     read the stream as expected.
 
-    The loader costs ~100 us an array it allocates (a hand-off to Python and back on
-    its I/O threads: 6.1 ms for a 2048-token llama-8B restore's 64 arrays on this
-    2-core VM), so it allocates a few buffers of at most :data:`BUFFER_MAX_BYTES`
-    (0.3 ms), and the arrays are views cut from them (:mod:`~kvstore.codecs.one_buffer`).
+    The loader costs ~70 us an array it allocates (a hand-off to Python and back on
+    its I/O threads: 4.5 ms for a 2048-token llama-8B restore's 64 arrays on this
+    2-core VM, 6.1 before those threads kept their Python states), so it allocates a few
+    buffers of at most :data:`BUFFER_MAX_BYTES` (0.3 ms), and the arrays are views cut
+    from them (:mod:`~kvstore.codecs.one_buffer`).
     """
     groups = _buffer_groups(specs)
     slack = 0 if align is None else ALIGN_BYTES

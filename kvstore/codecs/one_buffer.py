@@ -3,7 +3,7 @@
 A restore makes its arrays this way wherever it can: one allocation, and views cut
 from it at no cost, where an allocation per array costs a fixed amount each (on a
 CUDA GPU one gather writes them all, :mod:`kvstore.codecs.cuda_pages`; on the CPU
-MLX's loader allocates each array it reads at ~100 us a time,
+MLX's loader allocates each array it reads at ~70 us a time,
 :mod:`kvstore.codecs.fill`). Each array starts on a 16-byte word, so a kernel may
 read and write it in 16-byte words, whatever the arrays before it.
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+import threading
 import time
 
 import mlx.core as mx
@@ -169,6 +170,29 @@ def test_mlx_has_dropped_its_reader_when_the_arrays_are_returned(monkeypatch):
         filled_arrays(specs, lambda i, view: view.fill(1), direct=True)
         held.append(sys.getrefcount(streams.pop()))
     assert set(held) == {1}  # getrefcount's own: nothing else holds the stream
+
+
+def test_the_loaders_io_threads_keep_their_python_state_from_one_array_to_the_next():
+    # MLX reads each array on one of its own I/O threads, which Python did not start:
+    # without their states kept, every read would find its threading.local empty again.
+    local = threading.local()
+    seen: dict[int, list[int]] = {}
+
+    class Counting(LeafStream):
+        def seek(self, offset, whence=0):
+            position = super().seek(offset, whence)
+            local.reads = getattr(local, "reads", 0) + 1
+            seen.setdefault(threading.get_ident(), []).append(local.reads)
+            return position
+
+    for _ in range(20):
+        stream = Counting([((64,), "uint8")] * 8)
+        mx.load(stream, format="safetensors")
+        assert stream.complete
+    seen.pop(threading.get_ident(), None)  # the header, read on this thread
+    assert sum(map(len, seen.values())) == 160  # every array read on an I/O thread
+    assert all(reads == list(range(1, len(reads) + 1)) for reads in seen.values())
+    assert max(map(len, seen.values())) > 1
 
 
 @pytest.mark.parametrize("family", ["plain", "quant-4-64", "rotating-keep4", "tq-4-3"])
