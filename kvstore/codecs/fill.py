@@ -90,11 +90,15 @@ BUFFER_MAX_BYTES = 64 << 20
 #: after a restore copies an array cut from a shared one whole, on one core, to write
 #: one token into its room (``python -m tools.bench.first_step``, restore + that step):
 #: a 2048-token llama-8B restore (64 arrays of 4.5 MiB) 50.3 ms shared (22.5 + 27.7)
-#: against 32.6 (31.3 + 1.3) with a buffer each, 8192 tokens 181 against 105; 1024 tokens
-#: (2.25 MiB) 35.4 against 27.9, 512 (1.5 MiB) a tie. Under 4 MiB the arrays stay
-#: together: an 8192-token qwen-0.5B restore's 2.1 MiB arrays, each alone, lost the
-#: strided copies of :mod:`~kvstore.codecs.host_alike` (13 -> 33 ms). On a GPU the copy
-#: runs at the device's bandwidth and the loader's hand-offs would cost more than it.
+#: against 32.6 (31.3 + 1.3) with a buffer each, 8192 tokens 181 against 105. Under 4 MiB
+#: the arrays stay together, though with the loader at ~70 us an array a buffer each
+#: would shorten the restore and its step there too (``6f7837f``: llama-8B 1024 tokens,
+#: 2.25 MiB arrays, 27.6 -> 18.4 ms; 512, 1.5 MiB, 16.8 -> 13.6; qwen-0.5B 8192, 2.1
+#: MiB, 22.2 -> 20.8, but 4096 13.0 -> 13.6 and 2048 8.0 -> 10.1): the restore alone
+#: would pay 4.7-7.9 ms more (llama-8B 512 tokens 7.8 -> 12.7 ms, P1's bar against
+#: mlx-lm's load at ~0.92x -> ~0.6x), and small tensors lose the strided copies of
+#: :mod:`~kvstore.codecs.host_alike`. On a GPU the copy runs at the device's bandwidth
+#: and the loader's hand-offs would cost more than it.
 OWN_BUFFER_MIN_BYTES = 4 << 20
 
 #: The arrays of a restore start at the same address modulo this many bytes as the rows
