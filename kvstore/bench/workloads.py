@@ -36,6 +36,7 @@ __all__ = [
     "SyntheticKV",
     "synthetic_kv",
     "windowed_signature",
+    "attended_arrays",
     "cache_arrays",
     "cache_nbytes",
     "memcpy_case",
@@ -173,6 +174,16 @@ def synthetic_kv(workload: str, tokens: int, seed: int = 0) -> SyntheticKV:
 def cache_arrays(caches: list[Any]) -> list[mx.array]:
     """Every array of the caches' ``state`` (what a save writes and a load must evaluate)."""
     leaves = cast(list[tuple[str, Any]], tree_flatten([c.state for c in caches]))
+    return [a for _, a in leaves if isinstance(a, mx.array)]
+
+
+def attended_arrays(caches: list[Any]) -> list[mx.array]:
+    """What a restore or a load must have evaluated before the first forward: the rows
+    below each cache's ``offset`` that attention reads (``keys_and_values``, ours and
+    mlx-lm's; a cache without it, its ``state``). A restored cache's room past its rows
+    is the steps' to write, and its ``state`` would zero that room first."""
+    trees = [c.keys_and_values() if hasattr(c, "keys_and_values") else c.state for c in caches]
+    leaves = cast(list[tuple[str, Any]], tree_flatten(trees))
     return [a for _, a in leaves if isinstance(a, mx.array)]
 
 

@@ -11,6 +11,7 @@ from kvstore.bench.workloads import (
     WORKLOADS,
     KVShape,
     SyntheticKV,
+    attended_arrays,
     cache_arrays,
     cache_nbytes,
     memcpy_case,
@@ -109,3 +110,23 @@ def test_mlx_lm_save_and_load_cases_round_trip_the_cache(tmp_path):
     loaded = mlx_lm_load_case(path).run()
     for a, b in zip(cache_arrays(loaded), cache_arrays(caches)):
         assert np.array_equal(np.array(a.astype(mx.float32)), np.array(b.astype(mx.float32)))
+
+
+def test_attended_arrays_are_the_rows_below_offset_and_leave_a_restores_room_unwritten():
+    kv = SyntheticKV(TINY_SWA, tokens=40)
+    ours, theirs = kv.ours(), kv.mlx_lm()
+    growing = ours[2]  # the global layer: rows in a buffer with room past them
+    assert growing.buffers()[0].shape[2] > growing.offset == 40
+    growing.leave_unwritten(40)  # as a host restore leaves it
+    got = attended_arrays([growing])
+    assert growing._unwritten == 40  # its room not zeroed for a reader of its rows
+    peer = theirs[2]
+    want = [peer.keys[..., :40, :], peer.values[..., :40, :]]
+    assert [a.shape for a in got] == [(1, 2, 40, 8)] * 2
+    assert all(mx.array_equal(a, b).item() for a, b in zip(got, want))
+    # mlx-lm's caches (their buffers' room zeroed): the same rows below their offset.
+    held = attended_arrays(theirs)
+    assert [a.shape[2] for a in held] == [40] * 6
+    assert all(mx.array_equal(a, b).item() for a, b in zip(held[4:], want))
+    cache_arrays([growing])  # its state reads the whole buffer: zeroed first
+    assert growing._unwritten is None
