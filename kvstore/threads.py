@@ -15,6 +15,7 @@ library's own workers calling back into it.
 from __future__ import annotations
 
 import ctypes
+import os
 import sys
 import threading
 from collections.abc import Callable
@@ -36,13 +37,24 @@ def started_pool(workers: int, prefix: str) -> ThreadPoolExecutor:
 
 class KeptPool:
     """A :func:`started_pool` made at its first use (``workers()`` threads then) and
-    kept for the process."""
+    kept for the process.
+
+    A child forked from the process has none of its threads: there the pool is
+    forgotten, and the child's first use makes its own (a pool whose threads are gone
+    would take tasks and never run them)."""
 
     def __init__(self, prefix: str, workers: Callable[[], int]) -> None:
         self._prefix = prefix
         self._workers = workers
         self._lock = threading.Lock()
         self._pool: ThreadPoolExecutor | None = None
+        if hasattr(os, "register_at_fork"):
+            os.register_at_fork(after_in_child=self._forget_in_child)
+
+    def _forget_in_child(self) -> None:
+        # The parent's lock may have been held by a thread that is not in the child.
+        self._lock = threading.Lock()
+        self._pool = None
 
     def get(self) -> ThreadPoolExecutor:
         """The pool, made now if it is not yet."""

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import threading
+import warnings
 
 from kvstore.threads import KeptPool, started_pool
 
@@ -44,3 +46,33 @@ def test_one_pool_is_made_when_many_threads_ask_at_once():
         asker.join()
     assert len({id(pool) for pool in got}) == 1
     kept.forget()
+
+
+def test_a_forked_child_makes_its_own_pool_where_the_parents_threads_are_gone():
+    kept = KeptPool("test-fork", lambda: 2)
+    assert kept.get().submit(lambda: 1).result() == 1
+    with warnings.catch_warnings():  # Python 3.12+: forking a process with threads warns
+        warnings.simplefilter("ignore", DeprecationWarning)
+        pid = os.fork()
+    if pid == 0:  # the child: the parent's pool has no threads here
+        try:
+            ok = kept.get().submit(lambda: 2).result(timeout=10) == 2
+        except BaseException:
+            ok = False
+        os._exit(0 if ok else 1)
+    _, status = os.waitpid(pid, 0)
+    kept.forget()
+    assert os.waitstatus_to_exitcode(status) == 0
+
+
+def test_opening_a_store_starts_the_threads_a_restore_copies_and_checks_on(tmp_path):
+    from kvstore.codecs import copies
+    from kvstore.store import open_store
+    from kvstore.store.blocks import checks
+
+    pools = [copies._POOL, checks._POOL, checks._BACKGROUND]
+    for pool in pools:
+        pool.forget()
+    assert all(pool._pool is None for pool in pools)
+    with open_store(f"lmdb://{tmp_path / 's'}"):
+        assert all(pool._pool is not None for pool in pools)

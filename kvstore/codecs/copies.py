@@ -18,7 +18,7 @@ from concurrent.futures import Future
 from kvstore.knobs import count_from_env
 from kvstore.threads import KeptPool
 
-__all__ = ["each_on_threads", "threads"]
+__all__ = ["each_on_threads", "start_threads", "threads"]
 
 
 def threads() -> int:
@@ -29,6 +29,11 @@ def threads() -> int:
 
 #: The threads besides the caller's.
 _POOL = KeptPool("kvstore-copy", lambda: max(1, threads() - 1))
+
+
+def start_threads() -> None:
+    """Start the pool's threads now (before a process's first restore needs them)."""
+    _POOL.get()
 
 
 def each_on_threads(count: int, work: Callable[[int], None]) -> None:

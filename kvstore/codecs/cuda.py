@@ -62,6 +62,7 @@ __all__ = [
     "Transport",
     "TRANSPORT",
     "available",
+    "default_is_cuda",
     "transport",
     "pool",
     "workers",
@@ -695,6 +696,14 @@ def in_use() -> bool:
     return TRANSPORT is not None and TRANSPORT is not False
 
 
+def default_is_cuda() -> bool:
+    """Whether MLX's default device is a CUDA GPU (sets nothing up)."""
+    try:
+        return bool(mx.cuda.is_available() and mx.default_device() == mx.gpu)
+    except (AttributeError, RuntimeError):
+        return False
+
+
 def available() -> bool:
     """True when the default device is a CUDA GPU and staging works here."""
     global TRANSPORT
@@ -705,10 +714,7 @@ def available() -> bool:
     if not switch_from_env("KVSTORE_CUDA_STAGING"):
         TRANSPORT = False
         return False
-    try:
-        on_cuda = mx.cuda.is_available() and mx.default_device() == mx.gpu
-    except (AttributeError, RuntimeError):
-        on_cuda = False
+    on_cuda = default_is_cuda()
     with _LOCK:
         if TRANSPORT is None:
             try:

@@ -61,6 +61,7 @@ from kvstore.errors import (
 )
 from kvstore.store import keys as K
 from kvstore.store.blocks import meta, saving
+from kvstore.store.blocks.checks import start_read_threads
 from kvstore.store.blocks.eviction import Block, Budget, budgets, enforce
 from kvstore.store.blocks.housekeeping import Housekeeper, Pending, apply_pending
 from kvstore.store.blocks.integrity import Survey
@@ -228,6 +229,7 @@ class BlockPrefixStore(CacheMethods, PrefixStore):
             else None
         )
         self._meta_lock = threading.Lock()
+        start_read_threads()  # here, not inside the process's first restore
 
     # ------------------------------------------------------------------ settings
 
