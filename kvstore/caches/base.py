@@ -26,6 +26,7 @@ __all__ = [
     "Tree",
     "BaseKVCache",
     "GrowingKVCache",
+    "UnwrittenRoom",
     "map_rows",
     "row_leaves",
     "stored_buffers",
@@ -194,9 +195,9 @@ def stored_buffers(cache: Any) -> tuple[Tree | None, Tree | None]:
 
 
 class _RowBuffer:
-    """A growing cache's ``keys`` or ``values``: held in ``_keys``/``_values``, the rows
-    a restore left unwritten zeroed before the buffer is read or replaced (a buffer left
-    behind must not keep them either)."""
+    """A cache's ``keys`` or ``values`` (:class:`UnwrittenRoom`): held in
+    ``_keys``/``_values``, the rows a restore left unwritten zeroed before the buffer is
+    read or replaced (a buffer left behind must not keep them either)."""
 
     def __set_name__(self, owner: type, name: str) -> None:
         self._slot = f"_{name}"
@@ -214,27 +215,22 @@ class _RowBuffer:
         setattr(cache, self._slot, tree)
 
 
-class GrowingKVCache(BaseKVCache):
-    """Rows appended to a buffer that grows in steps of ``step`` tokens.
+class UnwrittenRoom:
+    """Buffers a host restore may leave unwritten past the rows it restored: the room
+    for the next tokens (12% of a 2048-token llama-8B restore's bytes, a third of a
+    512-token one's), holding what the heap held (:meth:`leave_unwritten`).
 
-    A host restore may leave the buffer's rows past the restored ones unwritten (the
-    room for the next tokens: 12% of a 2048-token restore's bytes, a third of a
-    512-token one's), holding what the heap held (:meth:`leave_unwritten`). The steps
-    write those rows before attention reads them, so only what reads the whole buffer
-    would see them: ``keys`` and ``values`` zero them first, once. The cache's own steps
-    use the buffers directly.
-    """
+    The cache's steps write those rows before attention reads them, so only what reads
+    the whole buffer would see them: ``keys`` and ``values`` zero them first, once. The
+    cache's own steps use the buffers directly (``_keys``, ``_values``) and tell how far
+    they wrote (:meth:`_written_to`). A growing cache and a sliding window's ring before
+    it fills take it so."""
 
     #: The first buffer row that may hold what the heap held rather than zeros or rows
     #: written here; ``None``: none does.
     _unwritten: int | None = None
     _keys: Tree | None = None
     _values: Tree | None = None
-
-    def __init__(self) -> None:
-        self._keys = None
-        self._values = None
-        self.offset = 0
 
     keys = _RowBuffer()
     values = _RowBuffer()
@@ -246,6 +242,13 @@ class GrowingKVCache(BaseKVCache):
         if self._keys is not None and rows < tree_length(self._keys):
             self._unwritten = rows
 
+    def _written_to(self, row: int) -> None:
+        """The cache's step wrote its rows up to ``row`` (from below the unwritten rows'
+        start: writes go on from the last one, and a trim only moves back)."""
+        if self._unwritten is not None and row > self._unwritten:
+            assert self._keys is not None
+            self._unwritten = row if row < tree_length(self._keys) else None
+
     def _zero_unwritten(self) -> None:
         first, self._unwritten = self._unwritten, None
         assert first is not None
@@ -256,6 +259,16 @@ class GrowingKVCache(BaseKVCache):
 
     def buffers(self) -> tuple[Tree | None, Tree | None]:
         return self._keys, self._values
+
+
+class GrowingKVCache(UnwrittenRoom, BaseKVCache):
+    """Rows appended to a buffer that grows in steps of ``step`` tokens; a host restore
+    may leave its room unwritten (:class:`UnwrittenRoom`)."""
+
+    def __init__(self) -> None:
+        self._keys = None
+        self._values = None
+        self.offset = 0
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[Tree, Tree]:
         prev = self.offset
@@ -284,10 +297,7 @@ class GrowingKVCache(BaseKVCache):
             row_leaves((self._keys, self._values)), row_leaves((new_keys, new_values))
         ):
             buf[..., prev : self.offset, :] = new
-        if self._unwritten is not None and self.offset > self._unwritten:
-            # Written from prev (never past the unwritten rows' start: offset only
-            # trims back) to offset.
-            self._unwritten = self.offset if self.offset < tree_length(self._keys) else None
+        self._written_to(self.offset)
         return self._present(*self.keys_and_values())
 
     def keys_and_values(self) -> tuple[Tree, Tree]:

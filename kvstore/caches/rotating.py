@@ -22,6 +22,7 @@ from kvstore.caches.base import (
     BaseKVCache,
     Batchable,
     Tree,
+    UnwrittenRoom,
     row_leaves,
     tree_length,
     zeros_like_rows,
@@ -62,8 +63,10 @@ ROTATING_QUANT_FAMILY = Family(
 )
 
 
-class RingKVCache(BaseKVCache):
-    """A window of the last ``max_size`` tokens plus the first ``keep`` ones."""
+class RingKVCache(UnwrittenRoom, BaseKVCache):
+    """A window of the last ``max_size`` tokens plus the first ``keep`` ones; before the
+    window fills, a host restore may leave its room unwritten (:class:`UnwrittenRoom`:
+    the steps here use ``_keys``/``_values``)."""
 
     def __init__(self, max_size: int, keep: int = 0) -> None:
         if not (isinstance(max_size, int) and max_size > 0):
@@ -76,8 +79,8 @@ class RingKVCache(BaseKVCache):
                 f"received {keep!r}."
             )
         self.keep = keep
-        self.keys = None
-        self.values = None
+        self._keys = None
+        self._values = None
         self.offset = 0
         self.max_size = max_size
         self._idx = 0
@@ -113,51 +116,55 @@ class RingKVCache(BaseKVCache):
         return tree_map(lambda a: a[..., : self._idx, :], v)
 
     def _update_concat(self, keys: Tree, values: Tree, num_steps: int) -> tuple[Tree, Tree]:
-        if self.keys is None:
-            self.keys, self.values = keys, values
+        if self._keys is None:
+            self._keys, self._values = keys, values
         else:
-            self.keys = self._temporal_order(self.keys)
-            self.values = self._temporal_order(self.values)
-            self._idx = tree_length(self.keys)
+            # In temporal order the ring ends at _idx: no row past it, written or not.
+            self._keys = self._temporal_order(self._keys)
+            self._values = self._temporal_order(self._values)
+            self._unwritten = None
+            self._idx = tree_length(self._keys)
             # Up to max_size + S - 1 rows, so every new token sees a full window.
             trim_size = self._idx - self.max_size + 1
-            self.keys = self._trim(trim_size, self.keys, keys)
-            self.values = self._trim(trim_size, self.values, values)
+            self._keys = self._trim(trim_size, self._keys, keys)
+            self._values = self._trim(trim_size, self._values, values)
         self.offset += num_steps
-        self._idx = tree_length(self.keys)
-        return self.keys, self.values
+        self._idx = tree_length(self._keys)
+        return self._keys, self._values
 
     def _update_in_place(self, keys: Tree, values: Tree, num_steps: int) -> tuple[Tree, Tree]:
         prev = self.offset
-        if self.keys is None or (
-            prev >= tree_length(self.keys) and tree_length(self.keys) < self.max_size
+        if self._keys is None or (
+            prev >= tree_length(self._keys) and tree_length(self._keys) < self.max_size
         ):
+            # Every row written by now (the room past them is not reached before).
             new_size = min(self.step, self.max_size - prev)
             fresh_k = zeros_like_rows(keys, new_size)
             fresh_v = zeros_like_rows(values, new_size)
-            if self.keys is None:
-                self.keys, self.values = fresh_k, fresh_v
+            if self._keys is None:
+                self._keys, self._values = fresh_k, fresh_v
             else:
-                self.keys, self.values = tree_map(
+                self._keys, self._values = tree_map(
                     lambda a, b: mx.concatenate([a, b], axis=2),
-                    (self.keys, self.values),
+                    (self._keys, self._values),
                     (fresh_k, fresh_v),
                 )
             self._idx = prev
 
-        trim_size = tree_length(self.keys) - self.max_size
+        trim_size = tree_length(self._keys) - self.max_size
         if trim_size > 0:
-            self.keys = self._trim(trim_size, self.keys)
-            self.values = self._trim(trim_size, self.values)
+            self._keys = self._trim(trim_size, self._keys)
+            self._values = self._trim(trim_size, self._values)
             self._idx = self.max_size
 
         if self._idx == self.max_size:  # wrap to just after the sink tokens
             self._idx = self.keep
 
-        for buf, new in zip(row_leaves((self.keys, self.values)), row_leaves((keys, values))):
+        for buf, new in zip(row_leaves((self._keys, self._values)), row_leaves((keys, values))):
             buf[..., self._idx : self._idx + num_steps, :] = new
         self.offset += num_steps
         self._idx += num_steps
+        self._written_to(self._idx)
         return self.keys_and_values()
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[Tree, Tree]:
@@ -166,9 +173,9 @@ class RingKVCache(BaseKVCache):
         # A round rolled all the way back leaves a wrapped ring one row short of its
         # window (issue 16): the next token is appended, not written in place.
         short = (
-            self.keys is not None
+            self._keys is not None
             and self.offset >= self.max_size
-            and tree_length(self.keys) < self.max_size
+            and tree_length(self._keys) < self.max_size
         )
         if num_steps == 1 and not short:
             stored = self._update_in_place(new_keys, new_values, num_steps)
@@ -178,15 +185,15 @@ class RingKVCache(BaseKVCache):
 
     def keys_and_values(self) -> tuple[Tree, Tree]:
         """The stored rows in ring order (not temporal order), padding sliced off."""
-        assert self.keys is not None and self.values is not None
-        if self.offset < tree_length(self.keys):
-            return tree_map(lambda a: a[..., : self.offset, :], (self.keys, self.values))
-        return self.keys, self.values
+        assert self._keys is not None and self._values is not None
+        if self.offset < tree_length(self._keys):
+            return tree_map(lambda a: a[..., : self.offset, :], (self._keys, self._values))
+        return self._keys, self._values
 
     def temporal_keys_and_values(self) -> tuple[Tree, Tree]:
         """The stored rows in temporal order: ``keep`` sinks, then oldest to newest."""
-        assert self.keys is not None and self.values is not None
-        return self._temporal_order(self.keys), self._temporal_order(self.values)
+        assert self._keys is not None and self._values is not None
+        return self._temporal_order(self._keys), self._temporal_order(self._values)
 
     def size(self) -> int:
         return min(self.offset, self.max_size)
@@ -215,14 +222,14 @@ class RingKVCache(BaseKVCache):
         if self.is_trimmable():
             self.trim(n)
             return
-        if self.keys is None or self._idx != tree_length(self.keys) or n > self._idx - self.keep:
+        if self._keys is None or self._idx != tree_length(self._keys) or n > self._idx - self.keep:
             raise CapabilityError(
                 f"[{self.signature()}] A wrapped window takes back only the rows of one "
                 f"multi-token forward; received n={n} at offset {self.offset}.",
                 offset=self.offset,
             )
         cut = self._idx - n
-        self.keys, self.values = tree_map(lambda a: a[..., :cut, :], (self.keys, self.values))
+        self._keys, self._values = tree_map(lambda a: a[..., :cut, :], (self._keys, self._values))
         self.offset -= n
         self._idx = cut
 

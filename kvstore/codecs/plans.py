@@ -166,10 +166,9 @@ class CachePlan:
             and what the plan's snapshots described: one plan then assembles every
             layer whose snapshots it would plan alike
             (:mod:`~kvstore.codecs.host_alike`).
-        room_unwritten: ``build``'s cache is a
-            :class:`~kvstore.caches.base.GrowingKVCache`, which can take its buffers'
-            rows past the joined ones unwritten
-            (:meth:`~kvstore.caches.base.GrowingKVCache.leave_unwritten`).
+        room_unwritten: ``build``'s cache can take its buffers' rows past the joined
+            ones unwritten (:class:`~kvstore.caches.base.UnwrittenRoom`: a growing cache,
+            a ring not yet full).
     """
 
     joins: Sequence[RowsJoin]

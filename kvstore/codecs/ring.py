@@ -32,7 +32,7 @@ import mlx.core as mx
 
 from kvstore.abc.codec import Snapshot
 from kvstore.caches import RotatingKVCache, RotatingQuantizedKVCache
-from kvstore.caches.base import Tree, tree_length
+from kvstore.caches.base import Tree, UnwrittenRoom, stored_buffers, tree_length
 from kvstore.caches.rotating import ROTATING_PLAIN_FAMILY, ROTATING_QUANT_FAMILY
 from kvstore.codecs.plans import CachePlan, RowsJoin, run_plans
 from kvstore.codecs.rows import (
@@ -84,7 +84,7 @@ class RingView:
     @classmethod
     def of(cls, cache: Any) -> RingView:
         return cls(
-            tree_length(cache.keys),
+            tree_length(stored_buffers(cache)[0]),  # its length: no row of it read
             int(cache._idx),
             int(cache.offset),
             int(cache.keep),
@@ -170,7 +170,8 @@ class RingKVCodec(RowCodec):
                 missing=gone,
                 held=ring.held(),
             )
-        keys, values = ring.rows(cache.keys, start, stop), ring.rows(cache.values, start, stop)
+        buffers = stored_buffers(cache)  # rows the ring holds only: none of its room
+        keys, values = ring.rows(buffers[0], start, stop), ring.rows(buffers[1], start, stop)
         meta: dict[str, Any] = {
             "dtype": self.meta_dtype(cache, keys),
             "offset": ring.offset,
@@ -260,7 +261,8 @@ class RingKVCodec(RowCodec):
             return cache
 
         joins = [RowsJoin([p[side] for p in pieces], capacity) for side in (0, 1)]
-        return CachePlan(joins, build)
+        # A ring not yet full (capacity past n) may take its room unwritten.
+        return CachePlan(joins, build, room_unwritten=isinstance(cache, UnwrittenRoom))
 
     @staticmethod
     def _layout(n: int, max_size: int, keep: int, last: Snapshot) -> tuple[list[Interval], int]:

@@ -210,6 +210,37 @@ def test_room_a_restore_leaves_unwritten_is_zeroed_before_the_whole_buffer_is_re
     assert all(not _rows_past_offset(cache).any() for cache in restored)
 
 
+@pytest.mark.parametrize("family", ["window", "window-quant"])
+def test_a_rings_room_a_restore_leaves_unwritten_is_zeroed_before_the_whole_buffer_is_read(
+    family, lmdb_url, copied_digests, poisoned_allocations
+):
+    # A window not yet full restores into a ring of more rows than it holds (room for
+    # the next tokens). As a growing cache's, that room is left as the allocator gave it
+    # (here: all ones) and zeroed only for what reads the whole buffer; the steps fill
+    # the window, wrap, and go on as the prefill's caches do.
+    from kvstore.caches.rotating import RingKVCache
+
+    model, expected, restored = saved_and_restored(lmdb_url, family, prompt(1, 20))
+    assert_same_caches(restored, expected)
+    rings = [cache for cache in restored if isinstance(cache, RingKVCache)]
+    assert rings and all(ring.offset < ring.max_size for ring in rings)
+    assert all(r.size and (r == 0xFF).all() for r in map(_buffer_rows_past_offset, rings))
+    for t in prompt(6, 3):
+        step = mx.array([[t]])
+        assert mx.array_equal(model(step, cache=restored), model(step, cache=expected)).item()
+    assert all(r.size and (r == 0xFF).all() for r in map(_buffer_rows_past_offset, rings))
+    assert rings[0].keys is not None  # through keys: zeroed, in that ring alone
+    assert not _buffer_rows_past_offset(rings[0]).any()
+    assert all((_buffer_rows_past_offset(ring) == 0xFF).all() for ring in rings[1:])
+    for a, b in zip(restored, expected, strict=True):  # through state: zeros, as a prefill's
+        assert np.array_equal(_rows_past_offset(a), _rows_past_offset(b))
+    for t in prompt(7, 40):  # past the window: every ring wraps
+        step = mx.array([[t]])
+        assert mx.array_equal(model(step, cache=restored), model(step, cache=expected)).item()
+    assert all(ring.offset > ring.max_size for ring in rings)
+    assert_same_caches(restored, expected)
+
+
 def test_a_restored_cache_handed_to_mlx_lm_has_no_unwritten_room(
     lmdb_url, copied_digests, poisoned_allocations, tmp_path
 ):
