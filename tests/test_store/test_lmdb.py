@@ -228,3 +228,43 @@ def test_values_that_do_not_lie_where_the_layout_says_are_read_through_lmdb(tmp_
             assert [bytes(v) for v in views] == list(VALUES.values())
     assert backend._shared.map_base == 0
     backend.close()
+
+
+def test_a_store_the_parent_opened_refuses_a_forked_child_which_opens_its_own(tmp_path):
+    # LMDB's environment, locks and reader slots are the opening process's: a forked
+    # child gets a clear error from the inherited store, and its own open works.
+    import os
+    import warnings
+
+    from kvstore.store import open_backend
+
+    url = f"lmdb://{tmp_path / 'store'}"
+    backend = open_backend(url)
+    backend.transact(lambda txn: txn.put(b"parent", b"1"))
+    with warnings.catch_warnings():  # Python 3.12+: forking a process with threads warns
+        warnings.simplefilter("ignore", DeprecationWarning)
+        pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            try:
+                with backend.reader() as view:
+                    view.get(b"parent")
+            except StoreUnavailableError as exc:
+                refused = "fork" in str(exc) and exc.opened_in == os.getppid()
+            else:
+                refused = False
+            own = open_backend(url)
+            with own.reader() as view:
+                seen = bytes(view.get(b"parent") or b"")
+            own.transact(lambda txn: txn.put(b"child", b"2"))
+            own.close()
+            backend.close()  # the parent's: left to the parent
+            code = 0 if refused and seen == b"1" else 2
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    with backend.reader() as view:  # the parent's store is as it was, the child's write in
+        assert bytes(view.get(b"parent")) == b"1" and bytes(view.get(b"child")) == b"2"
+    backend.close()

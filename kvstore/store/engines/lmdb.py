@@ -8,7 +8,10 @@ aborted, the map doubled and the transaction re-run; a process whose map
 another process grew adopts the new size on ``MapResizedError``. Every
 ``lmdb.Error`` is translated by :data:`LMDB_ERRORS`.
 
-Do not share an open store across ``fork()``; open it in the child.
+An open store is not shared across ``fork()``: LMDB's environment, its locks and its
+reader slots belong to the process that opened it. In a forked child every use of a
+store the parent had open raises :class:`~kvstore.errors.StoreUnavailableError` (a
+restore then recomputes), and ``open_store`` there opens the directory afresh.
 """
 
 from __future__ import annotations
@@ -182,6 +185,8 @@ class _SharedEnv:
         self.key = key
         self.env = env
         self.readonly = readonly
+        #: The process that opened it (a forked child's own open makes its own).
+        self.pid = os.getpid()
         self.gate = _Gate()
         self.refs = 0
         self.guard = NodeGuard(env.stat()["psize"])
@@ -213,6 +218,9 @@ class _SharedEnv:
         readonly = bool(options.get("readonly"))
         with cls._lock:
             shared = cls._open.get(key)
+            if shared is not None and shared.pid != os.getpid():
+                shared._close_inherited()  # the parent's, in a forked child: open anew
+                shared = None
             if shared is None:
                 env = lmdb.open(key, **options)
                 if not readonly:
@@ -232,11 +240,31 @@ class _SharedEnv:
     def release(self) -> None:
         with self._lock:
             self.refs -= 1
-            if self.refs == 0:
+            if self.pid != os.getpid():
+                self._close_inherited()
+            elif self.refs == 0:
                 del self._open[self.key]
                 if self.writeback is not None:
                     self.writeback.close()
                 self.env.close()
+
+    def _close_inherited(self) -> None:
+        """In a forked child, close this process's copy of the parent's environment (its
+        map and file handles; the parent's stay open, and the child holds no lock or
+        reader slot of it), so that the directory may be opened here (python-lmdb
+        refuses a second environment of one path in a process)."""
+        if self._open.get(self.key) is self:
+            del self._open[self.key]
+        self.env.close()  # a no-op once closed
+
+    @classmethod
+    def _after_fork_in_child(cls) -> None:
+        # A thread of the parent's may have held the lock at the fork.
+        cls._lock = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_SharedEnv._after_fork_in_child)
 
 
 class _LMDBView:
@@ -500,6 +528,7 @@ class LMDBBackend(Backend):
     @contextmanager
     def _begin(self, operation: str, write: bool) -> Iterator[lmdb.Transaction]:
         """A transaction under the gate, adopting a map another process grew."""
+        self._check_process(operation)
         while True:
             with self._gate.shared():
                 with translate_errors(LMDB_ERRORS, operation, self.url):
@@ -519,6 +548,18 @@ class LMDBBackend(Backend):
                 translate_errors(LMDB_ERRORS, operation, self.url),
             ):
                 self._set_mapsize(0)
+
+    def _check_process(self, operation: str) -> None:
+        """Raise where this store was opened by the process this one was forked from."""
+        shared = self._shared
+        if shared is not None and shared.pid != os.getpid():
+            raise StoreUnavailableError(
+                f"[{operation}] {self.url} was opened in process {shared.pid}, which this "
+                f"process ({os.getpid()}) was forked from; an LMDB store cannot be used "
+                f"across fork(). Open it again in this process (open_store).",
+                url=self.url,
+                opened_in=shared.pid,
+            )
 
     @contextmanager
     def reader(self) -> Iterator[_LMDBView]:
