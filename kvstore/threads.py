@@ -78,7 +78,8 @@ _KEPT = threading.local()  # per thread state: set once the state is kept
 
 def keep_thread_state() -> bool:
     """Keep the calling thread's Python thread state until the process ends; whether it
-    was kept just now. Called with the GIL held, from a thread Python did not start.
+    was kept just now. Called with the GIL held; meant for threads Python did not start
+    (on one it did, harmless: Python deletes that thread's state when the thread ends).
 
     A thread that is not Python's calls into Python through ``PyGILState_Ensure``,
     which makes it a thread state, and ``PyGILState_Release``, which destroys it: every
