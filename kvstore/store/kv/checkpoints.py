@@ -53,9 +53,9 @@ def recurrent_layers(caches: Sequence[Any]) -> list[int]:
 def recurrent_signatures(signatures: Sequence[str]) -> tuple[int, ...]:
     """Indices of the layers whose caches' ``signatures`` (known ones) are of recurrent state:
     :func:`recurrent_layers` for a save that has read them already."""
-    return tuple(
-        i for i, s in enumerate(signatures) if parse_signature(s).family.holds_recurrent_state
-    )
+    # A model's layers share a few signatures: each distinct one asked once.
+    recurrent = {s for s in set(signatures) if parse_signature(s).family.holds_recurrent_state}
+    return tuple(i for i, s in enumerate(signatures) if s in recurrent) if recurrent else ()
 
 
 def live_positions(caches: Sequence[Any], tokens: int) -> dict[int, int]:
