@@ -192,9 +192,9 @@ def _kernel() -> Any:
         if _KERNEL is None:
             _KERNEL = False
             try:
-                import mlx.core as mx
+                from kvstore.devices import default_is_cuda  # imports MLX: only here
 
-                if mx.cuda.is_available() and mx.default_device() == mx.gpu:
+                if default_is_cuda():
                     _KERNEL = checked_kernel(_build_kernel())
             except Exception:  # noqa: BLE001 - any failure means: hash on the host
                 _KERNEL = False

@@ -51,6 +51,7 @@ import numpy as np
 from kvstore.codecs.arrays import MLX_DTYPES, numpy_dtype
 from kvstore.codecs.host_memory import advise_huge_pages
 from kvstore.cuda_kernel import cuda_kernel
+from kvstore.devices import default_is_cuda
 from kvstore.knobs import choice_from_env, count_from_env, mib_from_env, switch_from_env
 from kvstore.threads import KeptPool
 
@@ -62,7 +63,6 @@ __all__ = [
     "Transport",
     "TRANSPORT",
     "available",
-    "default_is_cuda",
     "transport",
     "pool",
     "workers",
@@ -694,14 +694,6 @@ def in_use() -> bool:
     """Whether :func:`available` has found CUDA staging working in this process; sets
     nothing up (a store read alone does not compile the staging kernels)."""
     return TRANSPORT is not None and TRANSPORT is not False
-
-
-def default_is_cuda() -> bool:
-    """Whether MLX's default device is a CUDA GPU (sets nothing up)."""
-    try:
-        return bool(mx.cuda.is_available() and mx.default_device() == mx.gpu)
-    except (AttributeError, RuntimeError):
-        return False
 
 
 def available() -> bool:

@@ -29,6 +29,7 @@ from kvstore.abc.cache import (
     uses_dense_attention,
     uses_quantized_attention,
 )
+from kvstore.devices import default_is_cuda
 from kvstore.errors import CapabilityError, KVStoreError
 from kvstore.family import families
 
@@ -156,7 +157,7 @@ def dequantizes_queries(n_queries: int) -> bool:
         # queries are heads transposed out of tokens; a cache's rows a view of its buffer).
         # Dequantizing costs one pass over the rows per call, little beside many queries'
         # attention, and the fused kernel never materialises the scores.
-        return bool(mx.default_device() == mx.gpu and mx.cuda.is_available())
+        return default_is_cuda()
     if choice == "always":
         return True
     if choice == "never":

@@ -7,8 +7,7 @@ is a CUDA GPU.
 
 from __future__ import annotations
 
-import mlx.core as mx
-
+from kvstore.devices import default_is_cuda
 from kvstore.knobs import switch_from_env
 
 __all__ = ["switched_on"]
@@ -18,7 +17,4 @@ def switched_on(env: str) -> bool:
     """``env`` is not ``"0"`` and the default device is a CUDA GPU."""
     if not switch_from_env(env):
         return False
-    try:
-        return bool(mx.cuda.is_available()) and mx.default_device() == mx.gpu
-    except (AttributeError, RuntimeError):
-        return False
+    return default_is_cuda()

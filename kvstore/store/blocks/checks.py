@@ -20,6 +20,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, TypeVar
 
 from kvstore.codecs import copies, cuda, cuda_pages
+from kvstore.devices import default_is_cuda
 from kvstore.errors import CorruptEntryError, FormatVersionError
 from kvstore.knobs import count_from_env
 from kvstore.threads import KeptPool
@@ -160,7 +161,7 @@ def start_read_threads() -> None:
     alternated). Where the default device is a CUDA GPU nothing is started: there the
     checking threads are as many as the cores CUDA's page locking leaves them, known
     once a restore has set CUDA up (:func:`_workers`)."""
-    if cuda.default_is_cuda():
+    if default_is_cuda():
         return
     _POOL.get()
     _BACKGROUND.get()
