@@ -39,6 +39,7 @@ __all__ = [
     "attended_arrays",
     "cache_arrays",
     "cache_nbytes",
+    "first_step",
     "memcpy_case",
     "mlx_lm_load_case",
     "mlx_lm_save_case",
@@ -228,18 +229,28 @@ def mlx_lm_load_case(path: Path, name: str = "mlx-lm load") -> Case:
     return Case(name, "peer", load)
 
 
-def with_first_step(case: Case, kv: SyntheticKV) -> Case:
-    """``case`` (a restore or a load, returning its caches), then the first decode step:
-    one token through every layer's cache, evaluated. What a user waits for before the
-    first generated token, beside the forward: MLX writes a token into a cache's room in
-    place only when nothing else shares the array's buffer, and a cache without room
-    grows, so this step may copy the whole cache (``fill.OWN_BUFFER_MIN_BYTES``)."""
+def first_step(kv: SyntheticKV) -> Callable[[list[Any]], None]:
+    """The first decode step after a restore or a load of ``kv``'s caches: one token
+    through every layer's cache, evaluated. What a user waits for before the first
+    generated token, beside the forward: MLX writes a token into a cache's room in place
+    only when nothing else shares the array's buffer, and a cache without room grows, so
+    this step may copy the whole cache (``fill.OWN_BUFFER_MIN_BYTES``)."""
     row = mx.ones((1, kv.shape.kv_heads, 1, kv.shape.head_dim), mx.bfloat16)
     mx.eval(row)
 
+    def step(caches: list[Any]) -> None:
+        mx.eval([c.update_and_fetch(row, row) for c in caches])
+
+    return step
+
+
+def with_first_step(case: Case, kv: SyntheticKV) -> Case:
+    """``case`` (a restore or a load, returning its caches), then :func:`first_step`."""
+    step = first_step(kv)
+
     def run() -> list[Any]:
         caches = cast(list[Any], case.run())
-        mx.eval([c.update_and_fetch(row, row) for c in caches])
+        step(caches)
         return caches
 
     return Case(f"{case.name} + step", case.role, run, reset=case.reset)

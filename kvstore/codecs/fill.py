@@ -51,6 +51,7 @@ from kvstore.codecs.arrays import as_mlx, numpy_dtype, word_dtype
 from kvstore.codecs.copies import each_on_threads
 from kvstore.codecs.host_memory import HUGE_PAGES, advise_huge_pages, keep_freed_memory
 from kvstore.codecs.one_buffer import buffer_starts, host_views_in, padded_nbytes, views_in
+from kvstore.knobs import mib_from_env
 from kvstore.threads import keep_thread_state
 
 __all__ = [
@@ -97,9 +98,14 @@ BUFFER_MAX_BYTES = 64 << 20
 #: MiB, 22.2 -> 20.8, but 4096 13.0 -> 13.6 and 2048 8.0 -> 10.1): the restore alone
 #: would pay 4.7-7.9 ms more (llama-8B 512 tokens 7.8 -> 12.7 ms, P1's bar against
 #: mlx-lm's load at ~0.92x -> ~0.6x), and small tensors lose the strided copies of
-#: :mod:`~kvstore.codecs.host_alike`. On a GPU the copy runs at the device's bandwidth
-#: and the loader's hand-offs would cost more than it.
-OWN_BUFFER_MIN_BYTES = 4 << 20
+#: :mod:`~kvstore.codecs.host_alike`. A new process pays far more for that step: it
+#: copies into memory the process faults in (D2 with its first step, fresh processes
+#: alternated: llama-8B 512 tokens 98 ms restore + step at 4 MiB against 39 at 1 MiB,
+#: mlx-lm's load + step 94; qwen-0.5B 8192 104 against 56, mlx-lm 120; gemma-swa 512 83
+#: against 35). ``KVSTORE_OWN_BUFFER_MIB`` sets it (1: the first token of a new session
+#: on the CPU first, the restore alone after). On a GPU the copy runs at the device's
+#: bandwidth and the loader's hand-offs would cost more than it.
+OWN_BUFFER_MIN_BYTES = mib_from_env("KVSTORE_OWN_BUFFER_MIB", 4)
 
 #: The arrays of a restore start at the same address modulo this many bytes as the rows
 #: copied into them (``align``): on the x86 CI VM a copy of 512 KiB tensors into arrays

@@ -392,9 +392,20 @@ def test_d2_times_each_side_in_fresh_processes_holding_the_whole_prompt(tmp_path
     result = first_restore.FIGURE.run(context(tmp_path, sizes=Sizes(("gemma-swa",), (64,))))
     (row,) = result.rows  # one prompt length: no scaling row
     assert row.label == "gemma-swa 64"
-    assert row.roles == {"ours first": "ours", "mlx-lm first": "peer"}
-    assert [len(s) for s in row.samples.values()] == [5, 5]
+    assert row.roles == {
+        "ours first": "ours",
+        "mlx-lm first": "peer",
+        "ours first + step": "ours",
+        "mlx-lm first + step": "peer",
+    }
+    assert [len(s) for s in row.samples.values()] == [5, 5, 5, 5]
     assert len(row.ratios["vs mlx-lm"].per_rep) == 5
+    assert len(row.ratios["with the first step vs mlx-lm"].per_rep) == 5
+    for case in ("ours first", "mlx-lm first"):  # the step timed after the restore
+        assert all(
+            stepped > alone
+            for alone, stepped in zip(row.samples[case], row.samples[f"{case} + step"])
+        )
     # In turn, the order swapped each repetition; every process held all 64 tokens
     # (fresh_process's reports are checked by the figure).
     # One untimed process of each first (the harness's warm-up round).

@@ -394,3 +394,20 @@ def test_arrays_start_where_their_rows_lie_modulo_the_alignment(align):
 def test_the_most_common_alignment_of_the_sources_is_the_one_asked_for():
     assert fill_module.common_alignment([64 + 16, 128 + 16, 200]) == 16
     assert fill_module.common_alignment([]) is None
+
+
+@pytest.mark.parametrize(("value", "nbytes"), [("", 4 << 20), ("1", 1 << 20), ("0.5", 1 << 19)])
+def test_the_own_buffer_threshold_is_read_from_the_environment(value, nbytes):
+    # KVSTORE_OWN_BUFFER_MIB: where a new session's first token matters more than the
+    # restore alone, smaller arrays get buffers of their own too.
+    import subprocess
+
+    done = subprocess.run(
+        [sys.executable, "-c", "import kvstore.codecs.fill as f; print(f.OWN_BUFFER_MIN_BYTES)"],
+        env={"KVSTORE_OWN_BUFFER_MIB": value, "PATH": "/usr/bin:/bin"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    assert int(done.stdout) == nbytes

@@ -9,7 +9,11 @@ then in the page cache), and ``ctx.repeats`` fresh processes of each, in turn, t
 (:mod:`~kvstore.bench.figures.fresh_restore`):
 
 * ``ours first``: the store opened read-only, lookup + restore + arrays evaluated;
-* ``mlx-lm first``: ``load_prompt_cache`` + arrays evaluated.
+* ``mlx-lm first``: ``load_prompt_cache`` + arrays evaluated;
+* ``ours first + step``, ``mlx-lm first + step``: each, then its first decode step
+  (:func:`~kvstore.bench.workloads.first_step`, timed in the same process), what a new
+  session waits for before its first token besides the forward: a cache whose step must
+  copy it pays that copy into memory its process faults in.
 
 Each process imports everything, evaluates once and (ours) opens the store before its
 clock starts, as a server that has just started has, so neither side counts the
@@ -37,7 +41,9 @@ from kvstore.bench.workloads import SyntheticKV, cache_nbytes
 __all__ = ["FIGURE", "OURS", "PEER"]
 
 OURS, PEER = "ours first", "mlx-lm first"
+OURS_STEP, PEER_STEP = f"{OURS} + step", f"{PEER} + step"
 RATIO = "vs mlx-lm"
+STEP_RATIO = "with the first step vs mlx-lm"
 #: How long one fresh process may take (imports included).
 PROCESS_TIMEOUT_S = 300
 
@@ -81,7 +87,8 @@ def measure(ctx: BenchContext, kv: SyntheticKV) -> Row:
         for _ in range(ctx.warmup):
             for case in (OURS, PEER):
                 fresh_process(specs[case])
-        samples: dict[str, list[float]] = {OURS: [], PEER: []}
+        samples: dict[str, list[float]] = {OURS: [], PEER: [], OURS_STEP: [], PEER_STEP: []}
+        stepped = {OURS: OURS_STEP, PEER: PEER_STEP}
         for rep in range(ctx.repeats):
             order = [OURS, PEER] if rep % 2 == 0 else [PEER, OURS]
             for case in order:
@@ -91,12 +98,16 @@ def measure(ctx: BenchContext, kv: SyntheticKV) -> Row:
                         f"[bench] a fresh {case} held {report['tokens']} of {kv.tokens} tokens"
                     )
                 samples[case].append(report["seconds"])
+                samples[stepped[case]].append(report["seconds"] + report["step_seconds"])
     return Row(
         kv.label,
         prompt_params(kv, nbytes),
         samples,
-        {OURS: "ours", PEER: "peer"},
-        {RATIO: ratio(samples, OURS, PEER)},
+        {OURS: "ours", PEER: "peer", OURS_STEP: "ours", PEER_STEP: "peer"},
+        {
+            RATIO: ratio(samples, OURS, PEER),
+            STEP_RATIO: ratio(samples, OURS_STEP, PEER_STEP),
+        },
     )
 
 
