@@ -12,8 +12,8 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from kvstore.abc.codec import Snapshot
-from kvstore.caches import GrowingKVCache, KVCache, QuantizedKVCache
-from kvstore.caches.base import stored_buffers
+from kvstore.caches import KVCache, QuantizedKVCache
+from kvstore.caches.base import UnwrittenRoom, stored_buffers
 from kvstore.caches.plain import PLAIN_FAMILY
 from kvstore.caches.quantized import QUANT_FAMILY
 from kvstore.codecs.plans import CachePlan, RowsJoin, run_plans
@@ -95,7 +95,7 @@ class GrowingKVCodec(RowCodec):
             return cache
 
         joins = [RowsJoin([r[side] for r in rows], capacity) for side in (0, 1)]
-        room_unwritten = isinstance(probe, GrowingKVCache)
+        room_unwritten = isinstance(probe, UnwrittenRoom)
         return CachePlan(joins, build, reusable=True, room_unwritten=room_unwritten)
 
 
