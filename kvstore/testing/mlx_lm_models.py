@@ -19,6 +19,8 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 
+from kvstore.model.args import named_config
+
 __all__ = [
     "TINY_ARGS",
     "build_mlx_lm_model",
@@ -97,27 +99,9 @@ TINY_ARGS: dict[str, dict[str, Any]] = {
         sliding_window_pattern=2,
         max_position_embeddings=4096,
     ),
-    # Qwen3.5: 3 Gated-DeltaNet layers, then 1 gated attention layer (Dk = Dv = 64, K = 4).
-    "qwen3_5": dict(
-        model_type="qwen3_5",
-        hidden_size=128,
-        num_hidden_layers=4,
-        intermediate_size=256,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=64,
-        rms_norm_eps=1e-6,
-        vocab_size=256,
-        max_position_embeddings=4096,
-        tie_word_embeddings=True,
-        full_attention_interval=4,
-        linear_num_key_heads=2,
-        linear_num_value_heads=4,
-        linear_key_head_dim=64,
-        linear_value_head_dim=64,
-        linear_conv_kernel_dim=4,
-        rope_parameters={"type": "default", "rope_theta": 100000.0, "partial_rotary_factor": 0.25},
-    ),
+    # Qwen3.5: 3 Gated-DeltaNet layers, then 1 gated attention layer (Dk = Dv = 64, K = 4):
+    # our reference model's own tiny hybrid, so the two are built from one config.
+    "qwen3_5": named_config("tiny-qwen3_5"),
     # Qwen3-Next (MoE off): mlx-lm's own hybrid, for stock ArraysCache caches.
     "qwen3_next": dict(
         model_type="qwen3_next",
