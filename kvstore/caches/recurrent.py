@@ -79,8 +79,8 @@ class _Round:
 
 class _Slots:
     """What both recurrent caches share of mlx-lm's ``ArraysCache`` protocol: state
-    arrays indexed as ``cache[i]``, an ``offset``, and the batch bookkeeping
-    (``lengths``, ``left_padding``; ``None`` for a single sequence)."""
+    arrays indexed as ``cache[i]``, an ``offset``, the batch bookkeeping (``lengths``,
+    ``left_padding``; ``None`` for a single sequence), and a state of a fixed size."""
 
     cache: list[Any]
     offset: int
@@ -100,6 +100,25 @@ class _Slots:
             self.lengths -= n
         if self.left_padding is not None:
             self.left_padding -= n
+
+    def size(self) -> int:
+        return self.offset
+
+    @property
+    def nbytes(self) -> int:
+        return sum(int(a.nbytes) for a in self.cache if a is not None)
+
+    def bytes_per_token(self) -> int:
+        """0: one more token costs no memory (the state has a fixed size)."""
+        return 0
+
+    def bytes_per_checkpoint(self) -> int:
+        """Bytes of one checkpoint: every slot's array (the conv window and the state of
+        a Gated-DeltaNet layer; 0 while empty)."""
+        return self.nbytes
+
+    def is_trimmable(self) -> bool:
+        return False
 
     def make_mask(self, N: int, **_: Any) -> mx.array | None:
         """The padding mask of ``N`` new tokens (mlx-lm ``ArraysCache.make_mask``)."""
@@ -170,24 +189,6 @@ class GatedDeltaCache(_Slots):
 
     def empty(self) -> bool:
         return self.cache[0] is None and self.cache[1] is None
-
-    def size(self) -> int:
-        return self.offset
-
-    @property
-    def nbytes(self) -> int:
-        return sum(int(a.nbytes) for a in self.cache if a is not None)
-
-    def bytes_per_token(self) -> int:
-        """0: one more token costs no memory (the state has a fixed size)."""
-        return 0
-
-    def bytes_per_checkpoint(self) -> int:
-        """Bytes of one checkpoint: the conv window and the state (0 while empty)."""
-        return self.nbytes
-
-    def is_trimmable(self) -> bool:
-        return False
 
     # -- speculative rounds -------------------------------------------------------------------
     @property
@@ -373,24 +374,6 @@ class ArraysCache(_Slots):
 
     def empty(self) -> bool:
         return self.cache[0] is None
-
-    def size(self) -> int:
-        return self.offset
-
-    @property
-    def nbytes(self) -> int:
-        return sum(int(c.nbytes) for c in self.cache if c is not None)
-
-    def bytes_per_token(self) -> int:
-        """0: the state has a fixed size."""
-        return 0
-
-    def bytes_per_checkpoint(self) -> int:
-        """Bytes of one checkpoint: every slot's array (0 while empty)."""
-        return self.nbytes
-
-    def is_trimmable(self) -> bool:
-        return False
 
     def __repr__(self) -> str:
         return f"ArraysCache({self.signature()}, offset={self.offset})"
