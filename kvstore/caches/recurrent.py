@@ -101,6 +101,15 @@ class _Slots:
         if self.left_padding is not None:
             self.left_padding -= n
 
+    @property
+    def meta_state(self) -> tuple[str]:
+        """The offset, as mlx-lm's ``ArraysCache`` and ours save it."""
+        return (str(self.offset),)
+
+    @meta_state.setter
+    def meta_state(self, v: tuple[str]) -> None:
+        self.offset = int(v[0])
+
     def size(self) -> int:
         return self.offset
 
@@ -171,14 +180,6 @@ class GatedDeltaCache(_Slots):
     @state.setter
     def state(self, v: tuple[Any, Any]) -> None:
         self.cache = [v[0], v[1]]
-
-    @property
-    def meta_state(self) -> tuple[str]:
-        return (str(self.offset),)
-
-    @meta_state.setter
-    def meta_state(self, v: tuple[str]) -> None:
-        self.offset = int(v[0])
 
     @classmethod
     def from_state(cls, state: tuple[Any, Any], offset: int = 0) -> GatedDeltaCache:
@@ -301,14 +302,6 @@ class ArraysCache(_Slots):
     @state.setter
     def state(self, v: tuple[list[Any], Any, Any]) -> None:
         self.cache, self.left_padding, self.lengths = v
-
-    @property
-    def meta_state(self) -> tuple[str]:
-        return (str(self.offset),)
-
-    @meta_state.setter
-    def meta_state(self, v: tuple[str]) -> None:
-        self.offset = int(v[0])
 
     @classmethod
     def from_state(cls, state: tuple[list[Any], Any, Any]) -> ArraysCache:
