@@ -18,7 +18,6 @@ machine's cores, at most 8); 1 keeps all work on the default stream.
 
 from __future__ import annotations
 
-import os
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
@@ -26,6 +25,7 @@ from typing import Any, TypeVar
 import mlx.core as mx
 
 from kvstore.knobs import count_from_env
+from kvstore.threads import cores
 
 __all__ = ["cpu_streams", "evaluated_in_waves", "stream_count"]
 
@@ -38,7 +38,7 @@ _local = threading.local()
 
 def stream_count() -> int:
     """How many CPU streams a thread spreads its blocks over."""
-    default = max(1, min(MAX_STREAMS, os.cpu_count() or 1))
+    default = min(MAX_STREAMS, cores())
     return count_from_env("KVSTORE_CPU_STREAMS", default, "streams")
 
 

@@ -15,13 +15,26 @@ library's own workers calling back into it.
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 import sys
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
-__all__ = ["KeptPool", "keep_thread_state", "started_pool"]
+__all__ = ["KeptPool", "cores", "keep_thread_state", "started_pool"]
+
+
+@functools.cache
+def cores() -> int:
+    """The cores this process may run on, which the pools here are sized by: its CPU
+    affinity where the OS has one (a container or ``taskset`` limited to 2 of a host's
+    64 cores gets 2), otherwise the machine's count. Asked once: ``os.cpu_count`` reads
+    ``/sys`` each time (~6 us on the CI VM), and a restore sizes its pools anew.
+    """
+    if hasattr(os, "sched_getaffinity"):
+        return max(1, len(os.sched_getaffinity(0)))
+    return max(1, os.cpu_count() or 1)
 
 
 def started_pool(workers: int, prefix: str) -> ThreadPoolExecutor:

@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import threading
 import warnings
+
+import pytest
 
 from kvstore.threads import KeptPool, started_pool
 
@@ -76,3 +80,21 @@ def test_opening_a_store_starts_the_threads_a_restore_copies_and_checks_on(tmp_p
     assert all(pool._pool is None for pool in pools)
     with open_store(f"lmdb://{tmp_path / 's'}"):
         assert all(pool._pool is not None for pool in pools)
+
+
+def test_a_process_limited_to_one_core_sizes_its_threads_by_it():
+    # A container or taskset gives a process fewer cores than the machine has: its
+    # copy threads and CPU streams follow its affinity, not os.cpu_count().
+    if not hasattr(os, "sched_setaffinity"):
+        pytest.skip("no CPU affinity on this OS (macOS): os.cpu_count() is all there is")
+    code = (
+        "import os; os.sched_setaffinity(0, {min(os.sched_getaffinity(0))});"
+        "from kvstore.threads import cores; from kvstore.codecs import copies;"
+        "from kvstore.cpu_streams import stream_count;"
+        "print(cores(), copies.threads(), stream_count(), os.cpu_count())"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVSTORE_")}
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True
+    ).stdout.split()
+    assert out[:3] == ["1", "1", "1"], out

@@ -18,7 +18,6 @@ differ, so a digest never depends on where it was computed.
 
 from __future__ import annotations
 
-import os
 import threading
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -28,6 +27,7 @@ import numpy as np
 import xxhash
 
 from kvstore.cuda_kernel import cuda_kernel
+from kvstore.threads import cores
 
 __all__ = ["ROW_BYTES", "array_digests", "row_digests_host"]
 
@@ -153,9 +153,7 @@ def _pool() -> ThreadPoolExecutor:
     global _POOL
     with _POOL_LOCK:
         if _POOL is None:
-            _POOL = ThreadPoolExecutor(
-                max(1, min(16, os.cpu_count() or 1)), thread_name_prefix="kvstore-digest"
-            )
+            _POOL = ThreadPoolExecutor(min(16, cores()), thread_name_prefix="kvstore-digest")
         return _POOL
 
 
@@ -175,7 +173,7 @@ def _host_digests(views: Sequence[memoryview]) -> list[str]:
     jobs = []
     for k, view in enumerate(views):
         rows = max(1, -(-len(view) // ROW_BYTES))
-        step = max(1, rows // (4 * (os.cpu_count() or 1)) + 1)
+        step = max(1, rows // (4 * cores()) + 1)
         for first in range(0, rows, step):
             jobs.append((k, first, view[first * ROW_BYTES : (first + step) * ROW_BYTES]))
     parts = list(_pool().map(lambda job: row_digests_host(job[2]), jobs))

@@ -58,6 +58,7 @@ from typing import Any, cast
 import xxhash
 
 from kvstore.errors import CapabilityError, StoreConfigError
+from kvstore.threads import cores
 
 __all__ = [
     "model_fingerprint",
@@ -213,7 +214,7 @@ def _directory_manifest(root: Path) -> list[tuple[str, str]]:
         files.append(("weights/index", index))
     files += [(f"weights/{path.name}", path) for path in weights]
     # Shards on several cores at once (xxhash releases the GIL); cache hits cost a stat.
-    with ThreadPoolExecutor(max(1, min(8, os.cpu_count() or 1))) as pool:
+    with ThreadPoolExecutor(min(8, cores())) as pool:
         digests = list(pool.map(lambda f: file_digest(f[1], cache, lock), files))
     manifest += [(name, digest) for (name, _), digest in zip(files, digests, strict=True)]
     if json.dumps(cache, sort_keys=True) != before:

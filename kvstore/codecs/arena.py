@@ -18,7 +18,6 @@ store writing back later -- simply makes the next save take a new buffer).
 
 from __future__ import annotations
 
-import os
 import sys
 import threading
 from collections.abc import Sequence
@@ -30,6 +29,7 @@ import numpy as np
 
 from kvstore.codecs import cuda
 from kvstore.codecs.record import ALIGN, RecordPlan, device_payload, write_record
+from kvstore.threads import cores
 
 __all__ = ["write_records"]
 
@@ -44,7 +44,7 @@ def _pool() -> ThreadPoolExecutor:
     global _POOL
     with _LOCK:
         if _POOL is None:
-            workers = max(1, min(8, os.cpu_count() or 1))
+            workers = min(8, cores())
             _POOL = ThreadPoolExecutor(workers, thread_name_prefix="kvstore-records")
         return _POOL
 

@@ -10,13 +10,12 @@ llama-8B rows (512 tokens) took 25.9 ms that way and 17.8 on two threads.
 
 from __future__ import annotations
 
-import os
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future
 
 from kvstore.knobs import count_from_env
-from kvstore.threads import KeptPool
+from kvstore.threads import KeptPool, cores
 
 __all__ = ["each_on_threads", "start_threads", "threads"]
 
@@ -24,7 +23,7 @@ __all__ = ["each_on_threads", "start_threads", "threads"]
 def threads() -> int:
     """Threads the arrays are written on, the caller's own included: the cores, at most 8
     (``KVSTORE_COPY_THREADS``)."""
-    return count_from_env("KVSTORE_COPY_THREADS", max(1, min(8, os.cpu_count() or 1)))
+    return count_from_env("KVSTORE_COPY_THREADS", min(8, cores()))
 
 
 #: The threads besides the caller's.

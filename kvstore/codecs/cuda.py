@@ -38,7 +38,6 @@ import contextlib
 import ctypes
 import math
 import mmap
-import os
 import queue
 import threading
 from collections.abc import Callable, Iterator, Sequence
@@ -53,7 +52,7 @@ from kvstore.codecs.host_memory import advise_huge_pages
 from kvstore.cuda_kernel import cuda_kernel
 from kvstore.devices import default_is_cuda
 from kvstore.knobs import choice_from_env, count_from_env, mib_from_env, switch_from_env
-from kvstore.threads import KeptPool
+from kvstore.threads import KeptPool, cores
 
 __all__ = [
     "LeafSpec",
@@ -687,7 +686,7 @@ _SLOTS_READY = threading.Event()
 def workers() -> int:
     """Staging threads: most of the cores, at most 12 (34 GB/s measured there; the
     bus, not the cores, is the limit beyond); ``KVSTORE_CUDA_THREADS`` sets them."""
-    return count_from_env("KVSTORE_CUDA_THREADS", max(1, min(12, (os.cpu_count() or 1) - 2)))
+    return count_from_env("KVSTORE_CUDA_THREADS", max(1, min(12, cores() - 2)))
 
 
 def in_use() -> bool:

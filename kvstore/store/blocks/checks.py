@@ -14,7 +14,6 @@ it saves).
 from __future__ import annotations
 
 import itertools
-import os
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, TypeVar
@@ -23,7 +22,7 @@ from kvstore.codecs import copies, cuda, cuda_pages
 from kvstore.devices import default_is_cuda
 from kvstore.errors import CorruptEntryError, FormatVersionError
 from kvstore.knobs import count_from_env
-from kvstore.threads import KeptPool
+from kvstore.threads import KeptPool, cores
 
 __all__ = [
     "PARALLEL_MIN_BYTES",
@@ -98,10 +97,10 @@ def _workers() -> int:
     (median of 5 fresh processes, ``tools/bench/results/gpu/71cbce0/ab-env.txt``); now
     4 lock them (:func:`~kvstore.codecs.cuda_pages.register_threads`), and on the 12
     left it took 33.9 ms against 37.3 on 6 (``0a997c3/ab-threads2.txt``)."""
-    cores = os.cpu_count() or 1
+    usable = cores()
     # A restore on a GPU sets CUDA up before its first check.
     locking = cuda_pages.register_threads() if cuda.in_use() else 0
-    return count_from_env("KVSTORE_VERIFY_THREADS", max(2, min(16, cores - locking)))
+    return count_from_env("KVSTORE_VERIFY_THREADS", max(2, min(16, usable - locking)))
 
 
 #: The threads besides a check's caller.
