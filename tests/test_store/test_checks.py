@@ -99,7 +99,7 @@ def test_restores_through_the_large_read_paths_are_bit_exact(family, lmdb_url, m
 def test_the_checking_threads_are_the_cores_the_page_locking_leaves(
     monkeypatch, cores, on_gpu, setting, want
 ):
-    monkeypatch.setattr(checks.os, "cpu_count", lambda: cores)
+    monkeypatch.setattr(checks, "cores", lambda: cores)
     monkeypatch.setattr(cuda, "in_use", lambda: on_gpu)
     monkeypatch.delenv("KVSTORE_CUDA_REGISTER_THREADS", raising=False)
     if setting is None:
@@ -118,7 +118,7 @@ def test_a_thread_count_that_is_not_positive_is_refused_by_name(monkeypatch, set
 
 
 def test_page_locking_threads_set_by_the_environment_leave_the_rest_to_the_checks(monkeypatch):
-    monkeypatch.setattr(checks.os, "cpu_count", lambda: 16)
+    monkeypatch.setattr(checks, "cores", lambda: 16)
     monkeypatch.setattr(cuda, "in_use", lambda: True)
     monkeypatch.delenv("KVSTORE_VERIFY_THREADS", raising=False)
     monkeypatch.setenv("KVSTORE_CUDA_REGISTER_THREADS", "6")
