@@ -14,8 +14,10 @@ The protocol, between a reader and the store's checks
 * before the checks start, the reader opens its read's records to claims
   (:meth:`Claims.taken`, the read's ``claim``); a record another reader opened is
   not opened again;
-* the checks hash records from the last one while the reader parses and plans;
-  as its copies start, the reader claims every record no check has begun
+* a large record (:data:`RESERVED_MIN_BYTES`) is claimed as it is opened: no check
+  begins it, though a check may wait for it;
+* the checks hash the other records from the last one while the reader parses and
+  plans; as its copies start, the reader claims every record no check has begun
   (:meth:`Claims.claim_open`), and the checks wait for the reader's digests
   (:func:`digest_of`), which they still compare with the headers': nothing is
   served that was not checked. Claimed one record at a time instead, as each copy
@@ -36,7 +38,7 @@ from typing import Any, TypeVar
 
 from kvstore.codecs.payload_tensors import Payload
 
-__all__ = ["Claims", "digest_of", "takes_digests", "taking_digests"]
+__all__ = ["RESERVED_MIN_BYTES", "Claims", "digest_of", "takes_digests", "taking_digests"]
 
 _F = TypeVar("_F", bound=Callable[..., Any])
 
@@ -54,6 +56,17 @@ def takes_digests(verify: Callable[..., Any]) -> bool:
 
 
 _OPEN, _CHECKED, _CLAIMED = "open", "checked", "claimed"
+
+#: A record of at least this many bytes is claimed by its reader as the read opens it,
+#: so no check begins it: a check that does hashes it whole from memory, beside the
+#: copies, long after the parse it was to fill. In P1 the checks had begun some or all
+#: of a restore's records before the copies in about one restore of five (all 8 of a
+#: 2048-token llama-8B restore's 32 MiB records, twice); claimed at once, P1's ratio to
+#: mlx-lm's load went 0.81-0.89 -> 0.85-0.99 at llama-8B 512, 0.67-0.80 -> 0.74-0.78
+#: at 2048, 1.21-1.26 -> 1.30-1.44 at gemma-swa 512 (three runs alternated on the 2-core
+#: x86 CI VM, ``tools/bench/results/cpu-62c5bbd-reserved-p1ab/``). Smaller records stay open to
+#: the checks, which hash a few on the core the parse leaves idle.
+RESERVED_MIN_BYTES = 8 << 20
 
 
 class _Record:
@@ -105,6 +118,8 @@ class Claims:
     def __init__(self, wanted: Callable[[Sequence[memoryview]], bool]) -> None:
         self._wanted = wanted
         self._open: dict[int, _Record] = {}
+        #: The records claimed as they were opened (:data:`RESERVED_MIN_BYTES`).
+        self._reserved: set[int] = set()
         #: The read's views, when they were wanted.
         self.records: Sequence[memoryview] = ()
 
@@ -127,6 +142,9 @@ class Claims:
                     if view.nbytes and key not in _RECORDS:
                         keys.append(key)
                         self._open[i] = _RECORDS[key] = _Record()
+                        if view.nbytes >= RESERVED_MIN_BYTES:
+                            self._open[i].state = _CLAIMED
+                            self._reserved.add(i)
         try:
             yield
         finally:
@@ -143,7 +161,7 @@ class Claims:
             claimed = {i for i, found in self._open.items() if found.state == _OPEN}
             for i in claimed:
                 self._open[i].state = _CLAIMED
-        return claimed
+            return claimed | (self._reserved & self._open.keys())
 
     def resolve(self, record: int, digest: int) -> None:
         """Hand the checks claimed record ``record``'s payload digest (computed over
@@ -161,3 +179,4 @@ class Claims:
                     found.state = _CHECKED
                 found.done.set()
         self._open = {}
+        self._reserved = set()

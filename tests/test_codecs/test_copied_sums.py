@@ -8,6 +8,7 @@ import threading
 import pytest
 import xxhash
 
+from kvstore.codecs import copied_sums
 from kvstore.codecs.copied_sums import Claims, digest_of
 from kvstore.codecs.record import verify_record
 from kvstore.errors import CorruptEntryError
@@ -91,3 +92,36 @@ def test_a_record_a_check_began_hashing_is_not_claimed_and_its_reader_only_copie
         assert digest_of(memoryview(raw), hashing) == xxhash.xxh3_64_intdigest(raw)
         assert hashing.calls == 1 and 0 in claims
         assert claims.claim_open() == set()
+
+
+def test_a_large_record_is_claimed_as_it_is_opened_and_no_check_begins_it(monkeypatch):
+    # A check that began a large record would hash it whole from memory beside the
+    # copies: the reader claims it at once, and a check waits for its digest.
+    raw, small = small_record(heads=2), small_record()
+    assert len(small) < len(raw)
+    monkeypatch.setattr(copied_sums, "RESERVED_MIN_BYTES", len(raw))
+    big_view, small_view = memoryview(raw), memoryview(small)
+    want = xxhash.xxh3_64_intdigest(payload_of(raw))
+    claims, hashing, got = Claims(_every), _Hashing(), []
+    with claims.taken([big_view, small_view]):
+        check = threading.Thread(target=lambda: got.append(digest_of(big_view, hashing)))
+        check.start()
+        check.join(0.2)
+        assert check.is_alive() and hashing.calls == 0  # waiting, not hashing
+        # The small one a check may still begin while the reader parses.
+        assert digest_of(small_view, hashing) == xxhash.xxh3_64_intdigest(small_view)
+        assert claims.claim_open() == {0}
+        claims.resolve(0, want)
+        check.join()
+    assert got == [want] and hashing.calls == 1
+
+
+def test_a_large_record_its_reader_leaves_unresolved_is_hashed_by_its_check(monkeypatch):
+    raw = small_record()
+    monkeypatch.setattr(copied_sums, "RESERVED_MIN_BYTES", len(raw))
+    record, claims, hashing, got = memoryview(raw), Claims(_every), _Hashing(), []
+    with claims.taken([record]):
+        check = threading.Thread(target=lambda: got.append(digest_of(record, hashing)))
+        check.start()
+    check.join()  # the read ended without a digest: the check hashed it itself
+    assert got == [xxhash.xxh3_64_intdigest(raw)] and hashing.calls == 1
