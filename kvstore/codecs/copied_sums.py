@@ -64,8 +64,8 @@ _OPEN, _CHECKED, _CLAIMED = "open", "checked", "claimed"
 #: 2048-token llama-8B restore's 32 MiB records, twice); claimed at once, P1's ratio to
 #: mlx-lm's load went 0.81-0.89 -> 0.85-0.99 at llama-8B 512, 0.67-0.80 -> 0.74-0.78
 #: at 2048, 1.21-1.26 -> 1.30-1.44 at gemma-swa 512 (three runs alternated on the 2-core
-#: x86 CI VM, ``tools/bench/results/cpu-62c5bbd-reserved-p1ab/``). Smaller records stay open to
-#: the checks, which hash a few on the core the parse leaves idle.
+#: x86 CI VM, ``tools/bench/results/cpu-62c5bbd-reserved-p1ab/``). Smaller records
+#: stay open to the checks, which hash a few on the core the parse leaves idle.
 RESERVED_MIN_BYTES = 8 << 20
 
 
@@ -118,8 +118,6 @@ class Claims:
     def __init__(self, wanted: Callable[[Sequence[memoryview]], bool]) -> None:
         self._wanted = wanted
         self._open: dict[int, _Record] = {}
-        #: The records claimed as they were opened (:data:`RESERVED_MIN_BYTES`).
-        self._reserved: set[int] = set()
         #: The read's views, when they were wanted.
         self.records: Sequence[memoryview] = ()
 
@@ -144,7 +142,6 @@ class Claims:
                         self._open[i] = _RECORDS[key] = _Record()
                         if view.nbytes >= RESERVED_MIN_BYTES:
                             self._open[i].state = _CLAIMED
-                            self._reserved.add(i)
         try:
             yield
         finally:
@@ -158,10 +155,11 @@ class Claims:
         """Claim every record of this reader's that no check has begun hashing (the
         checks hash the rest): their indices in the read's views."""
         with _LOCK:
-            claimed = {i for i, found in self._open.items() if found.state == _OPEN}
-            for i in claimed:
-                self._open[i].state = _CLAIMED
-            return claimed | (self._reserved & self._open.keys())
+            for found in self._open.values():
+                if found.state == _OPEN:
+                    found.state = _CLAIMED
+            # Those just claimed and those claimed as they were opened.
+            return {i for i, found in self._open.items() if found.state == _CLAIMED}
 
     def resolve(self, record: int, digest: int) -> None:
         """Hand the checks claimed record ``record``'s payload digest (computed over
@@ -179,4 +177,3 @@ class Claims:
                     found.state = _CHECKED
                 found.done.set()
         self._open = {}
-        self._reserved = set()
