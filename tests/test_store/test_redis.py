@@ -6,6 +6,7 @@ The store semantics run on Redis and Redis Cluster in the shared suite
 
 from __future__ import annotations
 
+import subprocess
 import sys
 import threading
 import time
@@ -213,6 +214,38 @@ def test_records_are_chunked_manifests_in_one_slot_chunks_everywhere(url):
         nodes = {connector.client.get_node_from_key(c).name for c in layout.chunks(key, m)}
         assert len(nodes) > 1
     store.close()
+
+
+_SECOND_READ_FAULTS = """
+import resource, sys
+from kvstore.store import open_store
+from kvstore.testing.store import encoder_for, verify_record
+store = open_store(sys.argv[1], block_size=4, verify=verify_record, touch_interval=0)
+tokens = list(range(32))
+store.put_blocks("ns", tokens, encoder_for(tokens, filler=8 << 20))
+def read():
+    with store.read(store.lookup("ns", tokens).blocks) as views:
+        return sum(v.nbytes for v in views)
+total = read()
+assert total > 64 << 20, total
+faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+assert read() == total
+print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults, total)
+"""
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="glibc's allocator setting (Linux only)")
+def test_a_second_read_reuses_the_first_reads_freed_heap(redis_server, tmp_path):
+    # Every reply is a fresh block as large as its chunk: glibc gave each its own pages
+    # and returned them on free, so every read faulted its records' pages in afresh.
+    # A read keeps freed heap (kvstore.codecs.host_memory) in a process of its own.
+    url = f"{redis_server.url}?key_prefix=heap/"
+    done = subprocess.run(
+        [sys.executable, "-c", _SECOND_READ_FAULTS, url], capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr
+    faults, total = map(int, done.stdout.split())
+    assert faults < total // 4096 // 8, (faults, total)  # faulted afresh: one per page
 
 
 def test_a_record_is_invisible_until_its_commit(url, monkeypatch):
