@@ -218,8 +218,9 @@ class RedisBackend(Backend):
         """
         # Each reply is a fresh block as large as its chunk: kept freed heap, not pages
         # faulted in afresh, which cost more than the loopback transfer itself (P9's
-        # llama8b 2048: 368 -> 215 ms on the CI VM; a restore applies it only once its
-        # records are read, so a process's first restore paid it).
+        # llama8b 2048: 368 -> 215 ms on the CI VM). A restore applies it too, but only
+        # once its records are read: a fresh process's second restore of those 256 MiB
+        # still took 349-363 ms against 252-268 now (its first, 498 -> 485).
         keep_freed_memory()
         layout = self.layout
         sliding = self.ttl is not None
