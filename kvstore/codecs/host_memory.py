@@ -23,7 +23,9 @@ commit, so every save faulted them in afresh (LMDB's put of 128 MiB: 62-81 ms
 when its encoder is made, whether the save is made now or handed off
 (``store.save_behind``). A process that only saved behind once never had it: on an
 H200, G3's 512 MiB lossless save took 743 ms against 381 with it
-(``tools/bench/results/gpu/1f9aae7/``).
+(``tools/bench/results/gpu/1f9aae7/``). A read from Redis applies it before its replies
+arrive, each a fresh block as large as its chunk (P9's 256 MiB: 368 -> 213 ms here,
+``tools/bench/redis_transfer.py``).
 
 Memory faulted in for the first time is slow on these machines (the microVMs fault a
 guest page in at 1.4-2 GB/s, ``kvstore bench``'s machine line), and a process's first
