@@ -1,4 +1,4 @@
-"""Host memory that a restore's arrays and a save's pages reuse instead of faulting in afresh.
+"""Host memory that a restore's arrays and a store's values reuse instead of faulting in afresh.
 
 On Linux, MLX's CPU arrays come from ``malloc``, and glibc serves each one
 of more than 128 KiB to 32 MiB (its ``M_MMAP_THRESHOLD``, which it raises as
@@ -14,18 +14,18 @@ heap for the next allocation (``M_MMAP_THRESHOLD`` and ``M_TRIM_THRESHOLD`` at
 restore then takes 97 ms, and 8192 tokens 1254 -> 360 ms (mlx-lm's load 72 -> 21 ms
 in the same process: the setting is the process's, so it helps every
 allocation there). The process's resident memory stays near its peak instead
-of shrinking after a restore is dropped. A restore applies it the first
-time it fills arrays on the CPU, and a save the first time it saves: LMDB
-copies each record into pages it allocates per transaction and frees at the
-commit, so every save faulted them in afresh (LMDB's put of 128 MiB: 62-81 ms
--> 28 ms on the same VM, ``tools/bench/save_profile.py``; P2's durable save of
-2048 tokens of llama-8B 342 -> 255 ms, of 8192 1.95 s -> 925 ms). A save applies it
-when its encoder is made, whether the save is made now or handed off
-(``store.save_behind``). A process that only saved behind once never had it: on an
-H200, G3's 512 MiB lossless save took 743 ms against 381 with it
-(``tools/bench/results/gpu/1f9aae7/``). A read from Redis applies it before its replies
-arrive, each a fresh block as large as its chunk (P9's 256 MiB: 368 -> 213 ms here,
-``tools/bench/redis_transfer.py``).
+of shrinking after a restore is dropped. Opening a store applies it
+(``kvstore.store.open_store`` and ``open_backend``), and so does a CPU restore's fill
+of its arrays (records may be restored without a store). Every large value a store
+moves is such a block: LMDB copies each record into pages it allocates per
+transaction and frees at the commit, so every save faulted them in afresh (LMDB's put
+of 128 MiB: 62-81 ms -> 28 ms on the same VM, ``tools/bench/save_profile.py``; P2's
+durable save of 2048 tokens of llama-8B 342 -> 255 ms, of 8192 1.95 s -> 925 ms; 8
+records of 32 MiB through ``put_blocks`` 1.3 s -> 0.73 s); a Redis reply is a fresh
+block as large as its chunk (P9's 256 MiB: 368 -> 213 ms, ``tools/bench/redis_transfer.py``).
+Until the thirtieth session a save applied it when its encoder was made, and a process
+that had only saved behind once before that never had it: on an H200, G3's 512 MiB
+lossless save took 743 ms against 381 with it (``tools/bench/results/gpu/1f9aae7/``).
 
 Memory faulted in for the first time is slow on these machines (the microVMs fault a
 guest page in at 1.4-2 GB/s, ``kvstore bench``'s machine line), and a process's first

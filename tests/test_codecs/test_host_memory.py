@@ -1,6 +1,7 @@
-"""The host allocator setting a CPU restore or a save applies (kvstore.codecs.host_memory): freed
-blocks are kept for the next arrays instead of given back and faulted in again. Each
-case runs in a fresh process, since the setting is the process's."""
+"""The host allocator setting that opening a store or a CPU restore applies
+(kvstore.codecs.host_memory): freed blocks are kept for the next arrays and values instead
+of given back and faulted in again. Each case runs in a fresh process, since the setting
+is the process's."""
 
 from __future__ import annotations
 
@@ -11,8 +12,16 @@ import sys
 
 import pytest
 
-#: What applies the setting: a CPU restore's fill, or a save (made now or behind).
+#: What applies the setting: a CPU restore's fill, opening a store or a backend (whatever
+#: is done with it after), or a save (made now or behind) on an opened store.
 TRIGGERS = {
+    "open_store": (
+        "import tempfile; from kvstore.store import open_store; "
+        'open_store("lmdb://" + tempfile.mkdtemp() + "/s").close()'
+    ),
+    "open_backend": (
+        'from kvstore.store import open_backend; open_backend("memory://heap").close()'
+    ),
     "restore": 'fill.filled_arrays([((2, 3), "float32")], lambda i, view: view.fill(1))',
     "save": (
         "import mlx.core as mx; from kvstore.caches import KVCache; "
@@ -67,7 +76,7 @@ def _run(trigger: str = "restore", block_bytes: int = 64 << 20, **env: str) -> t
 
 
 @pytest.mark.parametrize("trigger", sorted(TRIGGERS))
-def test_a_cpu_restore_or_a_save_keeps_freed_blocks_for_the_next_arrays(trigger):
+def test_each_trigger_keeps_freed_blocks_for_the_next_arrays(trigger):
     applied, given_back_kib = _run(trigger)
     assert applied == "True"
     assert given_back_kib < 16 << 10  # the 64 MiB stayed in the heap, for reuse

@@ -33,7 +33,6 @@ from kvstore.abc.store import BlockSpan, PrefixStore, SaveResult
 from kvstore.codecs import codec_for, cuda, get_codec
 from kvstore.codecs.arena import write_records
 from kvstore.codecs.arrays import as_numpy_all
-from kvstore.codecs.host_memory import keep_freed_memory
 from kvstore.codecs.record import plan_record
 from kvstore.errors import CapabilityError
 from kvstore.signature import UNKNOWN
@@ -120,12 +119,6 @@ class BlockEncoder:
     def __init__(
         self, caches: Sequence[Any], policy: str, captured: Captured, tokens: int | None = None
     ) -> None:
-        # LMDB's dirty pages and the records' arenas reuse freed heap instead of faulting
-        # in fresh pages each save (host_memory): put 62-81 -> 28 ms for 128 MiB on the CI
-        # VM. Here, so that a save made now and one handed off (HandedOff) both apply it:
-        # a process that only saved behind once never did, and on an H200 G3's lossless
-        # 4096-token save took 743 ms where it takes 381 with it.
-        keep_freed_memory()
         self._caches = list(caches)
         # Each cache's signature once per save: a re-save of a stored prefix (dedup) is
         # mostly this bookkeeping, so the layers' facts are read from one pass.

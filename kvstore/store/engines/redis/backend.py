@@ -13,7 +13,6 @@ from urllib.parse import urlsplit, urlunsplit
 from redis import exceptions as rx
 
 from kvstore.abc.store import Backend, Buffer
-from kvstore.codecs.host_memory import keep_freed_memory
 from kvstore.errors import CorruptEntryError, FormatVersionError, StoreConfigError, StoreError
 from kvstore.store.engines.boundary import translate_errors
 from kvstore.store.engines.redis.client import (
@@ -216,12 +215,6 @@ class RedisBackend(Backend):
 
         A record with a chunk missing (evicted, expired, deleted meanwhile) is ``None``.
         """
-        # Each reply is a fresh block as large as its chunk: kept freed heap, not pages
-        # faulted in afresh, which cost more than the loopback transfer itself (P9's
-        # llama8b 2048: 368 -> 215 ms on the CI VM). A restore applies it too, but only
-        # once its records are read: a fresh process's second restore of those 256 MiB
-        # still took 349-363 ms against 252-268 now (its first, 498 -> 485).
-        keep_freed_memory()
         layout = self.layout
         sliding = self.ttl is not None
         commands: list[Command] = [
