@@ -352,6 +352,10 @@ def test_a_gpu_session_runs_in_a_fresh_interpreter(tmp_path):
     assert all(g in (0, 1, 2) and t >= 0 for g, t in collected)
     line = gpu_common.session_line(session)
     assert line.startswith(f"total {1e3 * session.total_s:.1f}, ")
+    # The forward's graph built apart from its evaluation (both inside forward_s).
+    build = session.detail["forward_build_s"]
+    assert 0 < build <= session.forward_s and session.detail["forward_build_cpu_s"] >= 0
+    assert f"(built in {1e3 * build:.1f}, cpu " in line
     # The restoring thread's faults and context switches, counted where Linux counts them.
     usage = session.detail["restore_thread"]
     if sys.platform == "linux":

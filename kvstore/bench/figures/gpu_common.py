@@ -168,10 +168,12 @@ def session_line(session: Session) -> str:
     gcs = " ".join(f"gen{g} {1e3 * t:.1f}" for g, t in collected) or "none"
     usage = session.detail.get("restore_thread") or {}
     thread = "".join(f", {n} {usage[n]}" for n in ("faults", "waits", "preempted") if n in usage)
+    build = 1e3 * session.detail.get("forward_build_s", float("nan"))
+    build_cpu = 1e3 * session.detail.get("forward_build_cpu_s", float("nan"))
     return (
         f"total {ms['total_s']:.1f}, lookup {ms['lookup_s']:.2f}, restore {ms['restore_s']:.1f} "
-        f"(returned at {call:.1f}, cpu {cpu:.1f}{thread}), forward {ms['forward_s']:.1f}; "
-        f"collections: {gcs}"
+        f"(returned at {call:.1f}, cpu {cpu:.1f}{thread}), forward {ms['forward_s']:.1f} "
+        f"(built in {build:.1f}, cpu {build_cpu:.1f}); collections: {gcs}"
     )
 
 

@@ -86,6 +86,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     t2, cpu2, usage2 = time.perf_counter(), time.thread_time(), thread_usage()
     held = int(restored[0].offset)
     logits = model(last, restored)[:, -1]
+    built, cpu_built = time.perf_counter(), time.thread_time()
     mx.eval(logits)
     t3 = time.perf_counter()
     gc.callbacks.remove(collections)
@@ -117,6 +118,11 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
             # (Linux): at d0ceccd its CPU time varied by up to 8 ms between sessions
             # for the same work; whether it faulted or was switched out more says why.
             "restore_thread": {k: usage2[k] - usage1[k] for k in usage1},
+            # The forward's graph built (the model call, Python on this thread) apart
+            # from its evaluation: in G2 at b6c3868 fresh sessions' forwards spread
+            # 10.6-17.4 ms where one process's took 9-10 after any restore.
+            "forward_build_s": built - t2,
+            "forward_build_cpu_s": cpu_built - cpu2,
         },
     }
 
