@@ -17,7 +17,10 @@
 # prepare.sh strips. Pack them here first with `bash tools/bench/gpu/headers.sh` and carry
 # [".gpu/b", ".gpu/inc"]: this script extracts .gpu/inc/mlxinc.tar.xz beside the installed
 # mlx package. Without them those kernels fail to compile ("cannot open source file
-# cute/numeric/numeric_types.hpp") and G5 says so in its row.
+# cute/numeric/numeric_types.hpp") and G5 says so in its row, and MLX's CPU JIT fails
+# under the device's g++ 13 (every test that compiles on the CPU stream).
+#
+#   bash tools/bench/gpu/run.sh tests [OUT_DIR]        # the CUDA tests instead, to tests.txt
 set -uo pipefail
 figures=${1:-G1,G2,G3,G4}
 out=${2:-${OUT:-tools/bench/results/gpu}}
@@ -32,6 +35,15 @@ if [ -n "$mlx_dir" ] && [ ! -d "$mlx_dir/include/cute" ]; then
   else
     echo "run.sh: warning: $mlx_dir/include/cute is missing and .gpu/inc/mlxinc.tar.xz was not carried (tools/bench/gpu/headers.sh): quantized matmul kernels will not compile"
   fi
+fi
+if [ "$figures" = tests ]; then  # what touches CUDA: pages, staging, joins, checks, pools
+  timeout "${TEST_TIMEOUT:-150}" python3 -m pytest -q -p no:cacheprovider \
+    tests/test_codecs/test_cuda_pages.py tests/test_codecs/test_cuda_staging.py \
+    tests/test_codecs/test_device_joins.py tests/test_store/test_read_checking.py \
+    tests/test_store/test_checks.py tests/test_threads.py > "$out/tests.txt" 2>&1
+  status=$?
+  tail -3 "$out/tests.txt"
+  exit "$status"
 fi
 timeout "${CHECK_TIMEOUT:-90}" python3 tools/bench/gpu/check.py 2>&1 | tee "$out/gpu-check.txt"
 timeout "${BENCH_TIMEOUT:-540}" python3 -m kvstore.cli bench --only "$figures" \
