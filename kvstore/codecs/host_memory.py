@@ -23,7 +23,9 @@ of 128 MiB: 62-81 ms -> 28 ms on the same VM, ``tools/bench/save_profile.py``; P
 durable save of 2048 tokens of llama-8B 342 -> 255 ms, of 8192 1.95 s -> 925 ms; 8
 records of 32 MiB through ``put_blocks`` 1.3 s -> 0.73 s); a Redis reply is a fresh
 block as large as its chunk (P9's 256 MiB: 368 -> 213 ms, ``tools/bench/redis_transfer.py``).
-Until the thirtieth session a save applied it when its encoder was made, and a process
+A server opens its store before it loads the model (``kvstore serve``), so on the CPU
+the load's freed temporaries stay in the heap too, for the caches after them. Until the
+thirtieth session a save applied it when its encoder was made, and a process
 that had only saved behind once before that never had it: on an H200, G3's 512 MiB
 lossless save took 743 ms against 381 with it (``tools/bench/results/gpu/1f9aae7/``).
 
