@@ -25,9 +25,10 @@ def _seed_mlx():
 
 @pytest.fixture
 def registries_restored():
-    """The family and codec registries (and the signature parse cache) as they were
+    """The family and codec registries (and the signature caches) as they were
     before the test: for tests that register families or codecs of their own."""
     from kvstore import family as family_module
+    from kvstore.abc.cache import _canonical
     from kvstore.codecs import registry as registry_module
     from kvstore.signature import _parse_cached
 
@@ -41,3 +42,4 @@ def registries_restored():
     registry_module._INSTANCES.clear()
     registry_module._INSTANCES.update(instances)
     _parse_cached.cache_clear()
+    _canonical.cache_clear()

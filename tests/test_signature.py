@@ -114,6 +114,19 @@ def test_a_registered_family_is_parsed_against_its_declaration(registries_restor
         parse_signature("kv:toy")
 
 
+def test_a_cache_of_a_kind_registered_later_reports_it_then(registries_restored):
+    from kvstore.abc.cache import signature_string
+    from kvstore.signature import UNKNOWN
+
+    class Toy:
+        def signature(self):
+            return "kv:toy:3"
+
+    assert signature_string(Toy()) == UNKNOWN  # not registered: unknown, and not kept so
+    register_family(Family("kv:toy", "a test family", params=(ParamSpec("width", (3, 5)),)))
+    assert signature_string(Toy()) == "kv:toy:3"
+
+
 def test_a_kind_keeps_its_meaning(registries_restored):
     register_family(Family("kv:toy", "a test family"))
     register_family(Family("kv:toy", "a test family"))  # the same declaration again
