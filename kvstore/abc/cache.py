@@ -33,11 +33,13 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol, TypeVar, runtime_checkable
 
 from kvstore.errors import CapabilityError
 from kvstore.family import Family, Quantization, find_family
 from kvstore.signature import UNKNOWN, Signature, parse_signature
+
+T = TypeVar("T")
 
 __all__ = [
     "SupportsTrim",
@@ -116,25 +118,23 @@ def signature_of(cache: object) -> Signature | None:
 
     Never raises: a missing, failing or unparsable signature is ``None``.
     """
-    try:
-        report = _reporter_for(type(cache))  # type: ignore[arg-type]
-        if report is None:
-            return None
-        return parse_signature(report(cache))
-    except Exception:  # fail closed: a broken signature is an unknown one
-        return None
+    return _read(cache, parse_signature, None)
 
 
 def signature_string(cache: object) -> str:
     """The canonical signature of ``cache``, or ``'unknown'`` (what :func:`signature_of`
     says, as text)."""
+    return _read(cache, _canonical, UNKNOWN)
+
+
+def _read(cache: object, parse: Callable[[str], T], unknown: T) -> T:
+    """``parse`` of what ``cache`` reports as its signature; ``unknown`` when it reports
+    none, or that fails (fail closed: a broken signature is an unknown one)."""
     try:
         report = _reporter_for(type(cache))  # type: ignore[arg-type]
-        if report is None:
-            return UNKNOWN
-        return _canonical(report(cache))
-    except Exception:  # fail closed: a broken signature is an unknown one
-        return UNKNOWN
+        return unknown if report is None else parse(report(cache))
+    except Exception:
+        return unknown
 
 
 @functools.lru_cache(maxsize=256)
