@@ -235,10 +235,11 @@ print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults, total)
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="glibc's allocator setting (Linux only)")
-def test_a_second_read_reuses_the_first_reads_freed_heap(redis_server, tmp_path):
+def test_a_second_read_reuses_the_first_reads_freed_heap(redis_server):
     # Every reply is a fresh block as large as its chunk: glibc gave each its own pages
-    # and returned them on free, so every read faulted its records' pages in afresh.
-    # A read keeps freed heap (kvstore.codecs.host_memory) in a process of its own.
+    # and returned them on free, so every read faulted its records' pages in afresh. A
+    # process that opened a store keeps freed heap (kvstore.codecs.host_memory); this
+    # one opens it in a fresh interpreter, where nothing else has applied the setting.
     url = f"{redis_server.url}?key_prefix=heap/"
     done = subprocess.run(
         [sys.executable, "-c", _SECOND_READ_FAULTS, url], capture_output=True, text=True

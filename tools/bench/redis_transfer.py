@@ -64,11 +64,10 @@ def socket_pair(nbytes: int, chunk: bytes, repetitions: int) -> float:
     """Seconds to receive ``nbytes`` sent by another process over loopback TCP."""
     listener = socket.create_server(("127.0.0.1", 0))
     port = listener.getsockname()[1]
-    rounds = repetitions
     sender = os.fork()
     if sender == 0:  # the child sends ``nbytes`` each time it is asked
         conn, _ = listener.accept()
-        for _ in range(rounds):
+        for _ in range(repetitions):
             conn.recv(1)
             for _ in range(nbytes // len(chunk)):
                 conn.sendall(chunk)
@@ -83,7 +82,7 @@ def socket_pair(nbytes: int, chunk: bytes, repetitions: int) -> float:
             while got < nbytes:
                 got += conn.recv_into(buf[got:])
 
-        seconds = timed(receive, rounds)
+        seconds = timed(receive, repetitions)
     os.waitpid(sender, 0)
     return seconds
 
