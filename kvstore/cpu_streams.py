@@ -18,8 +18,9 @@ machine's cores, at most 8); 1 keeps all work on the default stream.
 
 from __future__ import annotations
 
+import contextlib
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar
 
 import mlx.core as mx
@@ -27,7 +28,7 @@ import mlx.core as mx
 from kvstore.knobs import count_from_env
 from kvstore.threads import cores
 
-__all__ = ["cpu_streams", "evaluated_in_waves", "stream_count"]
+__all__ = ["cpu_streams", "evaluated_in_waves", "spread", "stream_count"]
 
 T = TypeVar("T")
 #: More streams than this gains little (blocks are ~1 MiB) and holds more blocks at once.
@@ -73,3 +74,24 @@ def evaluated_in_waves(items: Sequence[T], build: Callable[[T], Any]) -> list[An
         mx.eval(wave)
         results.extend(wave)
     return results
+
+
+@contextlib.contextmanager
+def spread(index: int) -> Iterator[None]:
+    """Build what follows on this thread's CPU stream ``index`` (modulo their count), so
+    that one evaluation of many independent items runs them on every core, a stream's
+    items on its own thread. On a GPU, or with one stream, it changes nothing.
+
+    For work that cannot be cut into cache-sized waves but comes in independent items: a
+    lossy storage policy's per-layer ``mx.quantize`` at a save and ``mx.dequantize`` at
+    a restore, which MLX's CPU backend runs at ~0.5-0.9 GB/s on one core. What is built
+    here must be evaluated on this thread (the streams are its own)."""
+    if mx.default_device() != mx.cpu:
+        yield
+        return
+    streams = cpu_streams()
+    if len(streams) == 1:
+        yield
+        return
+    with mx.stream(streams[index % len(streams)]):
+        yield

@@ -8,7 +8,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from kvstore.cpu_streams import cpu_streams, evaluated_in_waves, stream_count
+from kvstore.cpu_streams import cpu_streams, evaluated_in_waves, spread, stream_count
 
 
 def _stream_of_each(items: list[int]) -> tuple[list[mx.array], list[mx.Stream]]:
@@ -39,6 +39,29 @@ def test_one_stream_or_one_item_stays_on_the_default_stream(monkeypatch):
     monkeypatch.setenv("KVSTORE_CPU_STREAMS", "4")
     _, seen = _stream_of_each([5])
     assert [repr(s) for s in seen] == [repr(mx.default_stream(mx.cpu))]
+
+
+def test_spread_builds_item_i_on_stream_i_modulo_their_count(monkeypatch):
+    monkeypatch.setenv("KVSTORE_CPU_STREAMS", "3")
+    streams = cpu_streams()
+    seen, built = [], []
+    for i in range(5):
+        with spread(i):
+            seen.append(repr(mx.default_stream(mx.cpu)))
+            built.append(
+                mx.quantize(mx.arange(64 * (i + 1), dtype=mx.float32).reshape(-1, 64), 64, 8)
+            )
+    assert seen == [repr(streams[i % 3]) for i in range(5)]
+    assert repr(mx.default_stream(mx.cpu)) == repr(streams[0])  # restored after each
+    mx.eval(built)  # one evaluation runs them all, each on its stream's thread
+    monkeypatch.setenv("KVSTORE_CPU_STREAMS", "1")
+    for i in range(5):
+        assert [np.array(a).tobytes() for a in built[i]] == [
+            np.array(a).tobytes()
+            for a in mx.quantize(mx.arange(64 * (i + 1), dtype=mx.float32).reshape(-1, 64), 64, 8)
+        ]
+        with spread(i):  # one stream: the default one
+            assert repr(mx.default_stream(mx.cpu)) == repr(streams[0])
 
 
 def test_a_bad_stream_count_is_a_clear_error(monkeypatch):

@@ -398,6 +398,32 @@ def test_a_lossy_storage_policy_stores_quantized_and_restores_the_live_family(
                 assert 0 < err < (0.02 if policy_sig.endswith(":8:64") else 0.3)
 
 
+@pytest.mark.parametrize("policy_sig", ["kv:quant:8:64", "kv:mxfp4"])
+@pytest.mark.parametrize("family", ["plain", "window"])
+def test_a_lossy_policy_spread_over_cpu_streams_stores_and_restores_the_same_bits(
+    family, policy_sig, tmp_path, monkeypatch
+):
+    # On the CPU a policy's quantize is built on a stream per layer, and a restore
+    # decodes each block's layers together (codecs.host_stacks): the records and the
+    # caches are those of one stream converting one piece at a time.
+    model, policy, ns = setup(family)
+    tokens = prompt(11, 50)
+    caches = prefilled(model, tokens, policy)
+    got = {}
+    for streams, stacked in (("1", "0"), ("3", "1")):
+        monkeypatch.setenv("KVSTORE_CPU_STREAMS", streams)
+        monkeypatch.setenv("KVSTORE_STACKED_DECODE", stacked)
+        with open_(f"lmdb://{tmp_path / streams}", storage_policy=policy_sig) as store:
+            store.save(ns, tokens, caches)
+            match = store.lookup(ns, tokens + [1])
+            assert match.tokens == 50
+            with store.read(match.blocks) as views:
+                records = [bytes(v) for v in views]
+            got[streams] = (records, store.restore(match, model.make_cache(policy)))
+    assert got["1"][0] == got["3"][0]
+    assert_same_caches(got["3"][1], got["1"][1])
+
+
 def test_a_layer_is_transcoded_into_the_family_of_its_cache(lmdb_url):
     model, _, _ = setup("plain")
     tokens = prompt(9, 40)

@@ -58,6 +58,7 @@ from kvstore.codecs.alike_joins import joined_alike, joined_records
 from kvstore.codecs.copied_sums import Claims
 from kvstore.codecs.growing import GrowingKVCodec
 from kvstore.codecs.host_alike import restored_alike
+from kvstore.codecs.host_stacks import converted_by_block
 from kvstore.codecs.payload_tensors import stored
 from kvstore.codecs.plans import Stack, join_runs, members_of, run_plans
 from kvstore.codecs.record import (
@@ -479,6 +480,8 @@ def _converted_plans(
             # Queued now, the decode runs on the device while this thread plans the
             # caches and their joins, rather than inside run_plans' evaluation.
             mx.async_eval([stack.whole for stack in decoded])
+    elif recoded and switch_from_env("KVSTORE_STACKED_DECODE"):
+        recoded = converted_by_block(layers, lambda i: needs[i].signature, recoded)
     for i in recoded:
         layers[i] = [transcode(s, needs[i].signature) for s in layers[i]]
     return [get_codec(need.signature).plan_restore(layers[i]) for i, need in enumerate(needs)]
