@@ -55,6 +55,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         metavar="N",
         help="saves waiting for the store's writer thread at most; more are dropped (default 32)",
     )
+    p.add_argument(
+        "--no-warmup",
+        dest="warm_up",
+        action="store_false",
+        help="do not run each model once as it loads (by default its kernels are built "
+        "before the first request, not during it)",
+    )
     p.set_defaults(run=run, passthrough=PASSES_THROUGH)
 
 
@@ -80,4 +87,5 @@ def run(args: argparse.Namespace) -> int:
         store,
         tenant=args.tenant,
         save_queue=args.save_queue,
+        warm_up=args.warm_up,
     )

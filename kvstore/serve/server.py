@@ -7,7 +7,8 @@ that same ``main()`` with ``run`` replaced by :func:`_run`, which makes the
 same three things, each mlx-lm's class with one change:
 
 * :class:`StoreModelProvider` binds each model it loads to the prompt cache
-  (its namespace, or why it stays in memory);
+  (its namespace, or why it stays in memory), and warms it up
+  (:mod:`~kvstore.serve.warmup`: its kernels built before the first request);
 * the prompt cache is a :class:`~kvstore.mlx_lm.StorePromptCache`, saving
   through the store's own writer thread (``store.save_behind``: group commits
   under the store's ``durability``, never on the generation thread);
@@ -39,6 +40,7 @@ import mlx_lm.server as mlx_server
 from kvstore.abc.store import PrefixStore
 from kvstore.errors import CapabilityError, KVStoreError
 from kvstore.mlx_lm import StorePromptCache, check_mlx_lm_version
+from kvstore.serve import warmup
 from kvstore.serve.metrics import CONTENT_TYPE, ServeMetrics
 
 __all__ = [
@@ -61,6 +63,8 @@ class ServeState:
         self.metrics = ServeMetrics(prompt_cache)
         prompt_cache.add_listener(self.metrics.observe)
         self.started = time.time()
+        #: Each model path loaded and warmed up: how long its warm-up took (None: failed).
+        self.warmups: dict[str, float | None] = {}
 
     def stats(self) -> dict[str, Any]:
         """The ``/v1/kvstore/stats`` document."""
@@ -72,16 +76,23 @@ class ServeState:
             out["store"].update(blocks=content.blocks, bytes=content.bytes, up=True)
         except KVStoreError as exc:
             out["store"].update(up=False, error=f"{type(exc).__name__}: {exc}")
-        out["server"] = {"mlx_lm": mlx_lm_version(), "uptime_s": time.time() - self.started}
+        out["server"] = {
+            "mlx_lm": mlx_lm_version(),
+            "uptime_s": time.time() - self.started,
+            "warmup_s": dict(self.warmups),
+        }
         return out
 
 
 class StoreModelProvider(mlx_server.ModelProvider):  # type: ignore[misc]  # mlx-lm is untyped
-    """mlx-lm's model provider, binding each model it loads to the prompt cache."""
+    """mlx-lm's model provider, binding each model it loads to the prompt cache and
+    warming it up (unless ``warm`` is off)."""
 
-    def __init__(self, cli_args: Any, prompt_cache: StorePromptCache) -> None:
+    def __init__(self, cli_args: Any, state: ServeState, warm: bool = True) -> None:
         super().__init__(cli_args)
-        self.prompt_cache = prompt_cache
+        self.prompt_cache = state.prompt_cache
+        self._state = state
+        self._warm = warm
 
     def _load(
         self, model_path: str, adapter_path: str | None = None, draft_model_path: str | None = None
@@ -98,6 +109,11 @@ class StoreModelProvider(mlx_server.ModelProvider):  # type: ignore[misc]  # mlx
             )
         except KVStoreError as exc:  # unnamed: it stays in memory, like mlx-lm's own cache
             log.warning("kvstore: %s is served from memory only: %s", model_path, exc)
+        if self._warm:  # on the thread that loads it: mlx-lm's generation thread
+            took = warmup.warm_up(self.model)
+            self._state.warmups[model_path] = took
+            if took is not None:
+                log.info("kvstore: %s warmed up in %.2f s", model_path, took)
 
 
 class StoreResponseGenerator(mlx_server.ResponseGenerator):  # type: ignore[misc]
@@ -172,11 +188,13 @@ def serve(
     *,
     tenant: str | None = None,
     save_queue: int = 32,
+    warm_up: bool = True,
     prog: str = "kvstore serve",
 ) -> int:
     """Run ``mlx_lm.server`` with ``mlx_lm_argv`` (its options) and ``store`` behind
     its prompt cache, until interrupted (SIGINT or SIGTERM); then close the store,
-    which commits the saves still handed off.
+    which commits the saves still handed off. ``warm_up``: run each model once as it
+    loads (:mod:`~kvstore.serve.warmup`).
 
     Raises:
         CapabilityError: mlx-lm outside the tested range, or a distributed run.
@@ -203,7 +221,7 @@ def serve(
         )
         state = ServeState(store, prompt_cache)
         states.append(state)
-        provider = StoreModelProvider(cli, prompt_cache)
+        provider = StoreModelProvider(cli, state, warm=warm_up)
         generator = StoreResponseGenerator(provider, state)
         log.info("kvstore: prompt cache persisted in %s", store.url)
         mlx_server._run_http_server(host, port, generator, handler_class=StoreAPIHandler)

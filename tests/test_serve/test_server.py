@@ -4,6 +4,7 @@ processes, the batched and sequential paths, the exact-hit crash guarded, the en
 from __future__ import annotations
 
 import json
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -30,7 +31,9 @@ def servers(model_dir, hybrid_dir, store_url, server_env, logs, tmp_path_factory
     kv = ("--kv-bits", "8", "--kv-group-size", "64", "--quantized-kv-start", "0")
     q = ServerProcess.kvstore(model_dir, q_store, *kv, log=logs / "q.log", env=server_env)
     h_store = f"lmdb://{tmp_path_factory.mktemp('h-store')}"
-    h = ServerProcess.kvstore(hybrid_dir, h_store, log=logs / "hybrid.log", env=server_env)
+    h = ServerProcess.kvstore(
+        hybrid_dir, h_store, "--no-warmup", log=logs / "hybrid.log", env=server_env
+    )
     ServerProcess.start_all(stock, a, b, q, h)
     running = {"stock": stock, "a": a, "b": b, "q": q, "hybrid": h}
     yield running  # a test may replace one (a restart)
@@ -53,6 +56,25 @@ REQUESTS = [
     conversation("What does functools.lru_cache do?"),
     conversation("And its maxsize?", ("What does functools.lru_cache do?", "It memoizes.")),
 ]
+
+
+def test_each_model_is_warmed_up_as_it_loads_and_the_warm_up_saves_nothing(servers):
+    # First in the module: no request has reached a, b or h yet. The model loads on
+    # mlx-lm's generation thread, after /health answers: wait for it.
+    deadline = time.monotonic() + 120
+    while not all(servers[k].stats()["server"]["warmup_s"] for k in ("a", "b")):
+        assert time.monotonic() < deadline, "no warm-up reported"
+        time.sleep(0.2)
+    for name in ("a", "b"):
+        stats = servers[name].stats()
+        ((path, took),) = stats["server"]["warmup_s"].items()
+        assert path.endswith("tiny-llama") and took is not None and took > 0
+        assert stats["prompt_cache"]["saves"] == 0 and stats["prompt_cache"]["hits"] == {}
+    assert servers["a"].stats()["store"]["blocks"] == 0  # a's and b's store
+    while not servers["hybrid"].stats()["models"]:  # loaded (and bound) ...
+        assert time.monotonic() < deadline, "the hybrid model never loaded"
+        time.sleep(0.2)
+    assert servers["hybrid"].stats()["server"]["warmup_s"] == {}  # ... not warmed: --no-warmup
 
 
 def test_greedy_text_is_the_stock_servers_streaming_and_not(stock, ours):

@@ -1,0 +1,47 @@
+"""A loaded model's kernels made ready before its first request.
+
+MLX builds a kernel the first time a process runs it: on a GPU a process's first
+forward compiles and loads its kernels (about a second with MLX's CUDA backend; Metal
+builds its pipelines), so the first request after a server starts would wait for that
+on top of its prefill or its restore -- the request the store exists to make fast,
+the one after a restart. llama.cpp warms a model up the same way by default.
+
+:func:`warm_up` runs a short prefill and one decode step through the model on caches
+of its own, thrown away after: the prefill's and the decode's kernels (the full and
+the vector attention) are built, and nothing reaches the prompt cache or the store.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import mlx.core as mx
+
+__all__ = ["PREFILL_TOKENS", "warm_up"]
+
+log = logging.getLogger("kvstore.serve")
+
+#: The warm-up prefill's length: several rows, so the prefill's matmuls and attention
+#: take the kernels a prompt's do, not a decode step's.
+PREFILL_TOKENS = 32
+
+
+def warm_up(model: Any, tokens: int = PREFILL_TOKENS) -> float | None:
+    """Run a :data:`PREFILL_TOKENS`-token prefill (token id 0) and one decode step of
+    ``model`` on fresh caches, evaluated; the seconds it took, or ``None`` (logged) when
+    the model's forward failed: a request then meets the same error, with its own
+    message, and the server stays up."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    start = time.perf_counter()
+    try:
+        caches = make_prompt_cache(model)
+        logits = model(mx.zeros((1, tokens), mx.int32), cache=caches)
+        mx.eval(logits)
+        mx.eval(model(mx.zeros((1, 1), mx.int32), cache=caches))
+    except Exception as exc:  # noqa: BLE001 - a warm-up never stops the server
+        log.warning("kvstore: the model's warm-up failed (%s: %s)", type(exc).__name__, exc)
+        return None
+    return time.perf_counter() - start

@@ -1,0 +1,49 @@
+"""kvstore.serve.warmup: a model run once as it loads, on caches of its own; a model whose
+forward fails is reported, never raised into the server."""
+
+from __future__ import annotations
+
+import logging
+
+import mlx.core as mx
+import pytest
+
+from kvstore.serve.warmup import PREFILL_TOKENS, warm_up
+from kvstore.testing.mlx_lm_models import build_mlx_lm_model
+
+
+class Recording:
+    """``model``, noting each call's input length and its caches' offsets after it."""
+
+    def __init__(self, model):
+        self.model, self.calls = model, []
+
+    def __getattr__(self, name):  # layers, make_cache...: make_prompt_cache asks them
+        return getattr(self.model, name)
+
+    def __call__(self, inputs, cache=None):
+        out = self.model(inputs, cache=cache)
+        mx.eval(out)
+        self.calls.append((inputs.shape[1], [getattr(c, "offset", 0) for c in cache], id(cache)))
+        return out
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3_next"])
+def test_a_prefill_and_one_decode_step_run_on_caches_of_their_own(arch):
+    model = Recording(build_mlx_lm_model(arch))
+    took = warm_up(model)
+    assert took is not None and took > 0
+    (n1, offsets1, caches1), (n2, offsets2, caches2) = model.calls
+    assert (n1, n2) == (PREFILL_TOKENS, 1) and caches1 == caches2  # one set, thrown away
+    held = [o for o in offsets2 if o]  # a recurrent layer's state keeps no offset
+    assert held and set(held) == {PREFILL_TOKENS + 1}
+
+
+def test_a_model_whose_forward_fails_is_logged_not_raised(caplog):
+    class Broken(Recording):
+        def __call__(self, inputs, cache=None):
+            raise ValueError("no kernel for this shape")
+
+    with caplog.at_level(logging.WARNING, logger="kvstore.serve"):
+        assert warm_up(Broken(build_mlx_lm_model("llama"))) is None
+    assert "warm-up failed (ValueError: no kernel for this shape)" in caplog.text
