@@ -44,13 +44,20 @@ def stream_count() -> int:
 
 
 def cpu_streams() -> list[mx.Stream]:
-    """This thread's CPU streams: its default one first, then its extra ones."""
+    """This thread's CPU streams: its default one first, then its extra ones.
+
+    The default one as it was at the thread's first call: inside :func:`spread`'s
+    context MLX's default stream is one of the extra ones, and waves built there
+    (a TurboQuant decode in a spread block) would put two items on one stream."""
     count = stream_count()
+    base: mx.Stream | None = getattr(_local, "base", None)
+    if base is None:
+        base = _local.base = mx.default_stream(mx.cpu)
     extra: list[mx.Stream] = getattr(_local, "extra", [])
     while len(extra) < count - 1:
         extra.append(mx.new_stream(mx.cpu))
     _local.extra = extra
-    return [mx.default_stream(mx.cpu), *extra[: count - 1]]
+    return [base, *extra[: count - 1]]
 
 
 def evaluated_in_waves(items: Sequence[T], build: Callable[[T], Any]) -> list[Any]:

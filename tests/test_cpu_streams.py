@@ -64,6 +64,17 @@ def test_spread_builds_item_i_on_stream_i_modulo_their_count(monkeypatch):
             assert repr(mx.default_stream(mx.cpu)) == repr(streams[0])
 
 
+def test_waves_inside_a_spread_still_use_every_stream(monkeypatch):
+    # Inside spread(1) MLX's default stream is the first extra one; waves built there
+    # (a TurboQuant decode) must not put two items on it.
+    monkeypatch.setenv("KVSTORE_CPU_STREAMS", "2")
+    streams = cpu_streams()
+    with spread(1):
+        assert cpu_streams() == streams
+        _, seen = _stream_of_each([0, 1])
+    assert [repr(s) for s in seen] == [repr(s) for s in streams]
+
+
 def test_a_bad_stream_count_is_a_clear_error(monkeypatch):
     monkeypatch.setenv("KVSTORE_CPU_STREAMS", "0")
     with pytest.raises(

@@ -9,14 +9,16 @@ in them for 24 MiB of rows. So, as a GPU restore stacks its layers
 (:func:`~kvstore.codecs.transcode.transcode_stacked`), a CPU restore stacks each
 block's layers of one kind: their stored tensors copied into one array per name (the
 stored bytes, smaller than the rows), converted by one decode, each layer's rows a
-slice of it. Each block's decode is built on a CPU stream in turn
+slice of it. A packed family's block decodes are built on the CPU's streams in turn
 (:func:`~kvstore.cpu_streams.spread`), so that the restore's one evaluation runs them
-on every core. The conversion is elementwise over the batch axis, so every layer's
-rows are the same bits as converted alone.
+on every core (TurboQuant's decode spreads its own waves). The conversion is
+elementwise over the batch axis, so every layer's rows are the same bits as converted
+alone.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable, Sequence
 from typing import TypeGuard
@@ -46,21 +48,23 @@ def converted_by_block(
     conversion per block, in place; the layers it could not convert so (returned, in
     order) are left as they were.
 
-    Only layers stored in a packed family (rows ``mx.quantize`` made, decoded by one
-    ``mx.dequantize`` a tensor): TurboQuant's decode walks its rows in cache-sized
-    waves over the cores already, and stacked, a 2048-token llama-8B restore under
-    ``kv:turboquant:4:4`` took longer (639-651 -> 723-748 ms here)."""
+    Each block's decode goes to a CPU stream of its own only for a packed family (rows
+    ``mx.quantize`` made, decoded by one ``mx.dequantize`` a tensor): TurboQuant's decode
+    walks its rows in cache-sized waves over the streams itself. Stacked so, a
+    2048-token restore under ``kv:turboquant`` took 641-692 ms against 660-744 one piece
+    at a time (llama-8B, 4/4) and 81-87 against 114-133 (qwen-0.5B, 3/3)."""
     kinds: dict[tuple[str, str, int], list[int]] = {}
     for i in recoded:
-        if layers[i] and packed(layers[i][0].signature):
+        if layers[i]:
             kinds.setdefault((layers[i][0].signature, wanted(i), len(layers[i])), []).append(i)
     done: set[int] = set()
-    for (_, to_signature, blocks), which in kinds.items():
+    for (stored, to_signature, blocks), which in kinds.items():
         if len(which) < 2:
             continue
+        spreads = packed(stored)
         converted: list[list[Snapshot]] = []  # per block, the layers of `which` in order
         for k in range(blocks):
-            with spread(k):
+            with spread(k) if spreads else contextlib.nullcontext():
                 got = _converted_block([layers[i][k] for i in which], to_signature)
             if got is None:
                 break

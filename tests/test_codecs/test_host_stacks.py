@@ -1,6 +1,6 @@
 """converted_by_block: a lossy restore's layers decoded on the host a block at a time,
 every layer of a kind in one conversion, each layer's rows the same bits as converted
-alone; and what it does not stack (TurboQuant, layers unlike the rest) left as it was,
+alone; and what it does not stack (layers unlike the rest) left as it was,
 for the caller to convert one by one."""
 
 import mlx.core as mx
@@ -81,12 +81,18 @@ def test_a_blocks_layers_decode_together_bit_for_bit_as_alone(signature, monkeyp
     assert calls == [3, 3, 3, 3]  # one conversion per block, of its three layers
 
 
-def test_turboquant_layers_are_left_to_convert_one_by_one():
+@pytest.mark.parametrize("streams", ["1", "2"])
+def test_turboquant_layers_stack_too_bit_for_bit(monkeypatch, streams):
+    # Not spread over streams (packed is False): its decode spreads its own waves.
+    monkeypatch.setenv("KVSTORE_CPU_STREAMS", streams)
     assert not packed("kv:turboquant:4:4") and not packed("kv:plain")
-    layers = [layer_blocks(FAMILIES["kv:turboquant:4:4"], seed) for seed in range(2)]
-    before = [list(blocks) for blocks in layers]
-    assert converted_by_block(layers, lambda i: "kv:plain", [0, 1]) == [0, 1]
-    assert all(a is b for got, was in zip(layers, before) for a, b in zip(got, was))
+    calls = counted(monkeypatch)
+    stored = [layer_blocks(FAMILIES["kv:turboquant:4:4"], seed) for seed in range(2)]
+    layers = [list(blocks) for blocks in stored]
+    assert converted_by_block(layers, lambda i: "kv:plain", [0, 1]) == []
+    for got, original in zip(layers, stored, strict=True):
+        assert_as_alone(got, original)
+    assert calls == [2, 2, 2, 2]
 
 
 def test_each_kind_of_layer_stacks_apart_and_a_lone_or_unlike_layer_is_left(monkeypatch):
