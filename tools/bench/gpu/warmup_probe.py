@@ -9,7 +9,9 @@ after another. Each builds the llama-8B-shaped model (bf16, seeded; ``--quick``:
 stand-in, for a CPU), runs ``warm_up(model, tokens)`` where it has one (and says how long
 it took), then serves three "requests" -- a prefill and one decode step, evaluated, on
 fresh caches each: ``--tokens`` twice, then ``--other`` -- and prints how long each took.
-Without a warm-up the first request pays for building the process's kernels.
+Without a warm-up the first request pays for building the process's kernels. Last,
+the decode's pace: the mean of 32 one-token steps after the last request.
+Environment variables pass to the processes (``MLX_USE_CUDA_GRAPHS=0``...).
 """
 
 from __future__ import annotations
@@ -46,6 +48,12 @@ for name, n in (("first", tokens), ("second", tokens), ("other", other)):
     token = mx.argmax(logits[:, -1:], axis=-1)
     mx.eval(model(token, cache=caches))
     out[name + "_s"] = time.perf_counter() - t
+# The decode's pace: 32 steps after the last request, one token each, evaluated each.
+t = time.perf_counter()
+for _ in range(32):
+    token = mx.argmax(model(token, cache=caches)[:, -1:], axis=-1)
+    mx.eval(token)
+out["decode_step_s"] = (time.perf_counter() - t) / 32
 print(json.dumps(out))
 """
 
