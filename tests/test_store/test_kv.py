@@ -513,6 +513,37 @@ def test_bit_flips_in_stored_values_are_counted_misses_never_wrong_kv(lmdb_url):
     assert flips == 12
 
 
+@pytest.mark.parametrize("policy_sig", ["kv:quant:8:64", "kv:turboquant:4:4"])
+def test_a_flipped_bit_under_a_lossy_policy_cuts_the_restore_to_the_intact_blocks(
+    policy_sig, tmp_path
+):
+    # On the CPU a block's layers are decoded together (codecs.host_stacks), possibly
+    # before the checks find the block damaged: nothing of it may reach the caches.
+    model, policy, ns = setup("plain")
+    tokens = prompt(31, 5 * BLOCK + 3)
+    caches = prefilled(model, tokens, policy)
+    clean, damaged = (f"lmdb://{tmp_path / name}" for name in ("clean", "damaged"))
+    for url in (clean, damaged):
+        with open_(url, storage_policy=policy_sig) as store:
+            store.save(ns, tokens, caches)
+            keys = [ref.key for ref in store.lookup(ns, tokens + [1]).blocks]
+    raw = open_backend(damaged)
+    with raw.reader() as view:
+        value = bytearray(view.get(keys[2]))
+    value[-100] ^= 0x10  # in the payload's last layer
+    raw.put_many([(keys[2], bytes(value))])
+    raw.close()
+    with open_(damaged, storage_policy=policy_sig) as store:
+        got = store.restore(store.lookup(ns, tokens + [1]), model.make_cache(policy))
+        assert store.stats().corruptions == 1
+    assert got[0].offset == 2 * BLOCK
+    with open_(clean, storage_policy=policy_sig) as store:
+        match = store.lookup(ns, tokens[: 2 * BLOCK] + [1])
+        assert match.tokens == 2 * BLOCK
+        want = store.restore(match, model.make_cache(policy))
+    assert_same_caches(got, want)
+
+
 # ---------------------------------------------------------------- generate's faults
 
 
