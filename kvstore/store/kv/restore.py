@@ -473,7 +473,8 @@ def _converted_plans(
     """Every layer's plan from its snapshots, those of ``recoded`` (stored in another
     encoding) converted to their cache's first: where they were joined on a CUDA GPU
     (``stacks``: their joins' stacks), decoded in one go per stack
-    (:func:`_stacked`)."""
+    (:func:`_stacked`); elsewhere a block's layers of one kind in one go
+    (:func:`~kvstore.codecs.host_stacks.converted_by_block`)."""
     if stacks is not None:
         recoded = _stacked(layers, needs, recoded, stacks, decoded)
         if decoded and EARLY_DECODE:
