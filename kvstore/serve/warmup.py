@@ -9,6 +9,11 @@ the one after a restart. llama.cpp warms a model up the same way by default.
 :func:`warm_up` runs a short prefill and one decode step through the model on caches
 of its own, thrown away after: the prefill's and the decode's kernels (the full and
 the vector attention) are built, and nothing reaches the prompt cache or the store.
+On a CUDA GPU it also starts the process's one trial of the restore's page route in
+the background (:func:`kvstore.codecs.cuda_pages.proven`): a process's first restore
+stages its rows instead while that trial has not passed (its kernel's first load
+compiles it, about a second), and after a restart that first restore is the first
+request's.
 """
 
 from __future__ import annotations
@@ -18,6 +23,8 @@ import time
 from typing import Any
 
 import mlx.core as mx
+
+from kvstore.codecs import cuda_pages
 
 __all__ = ["PREFILL_TOKENS", "warm_up"]
 
@@ -44,4 +51,6 @@ def warm_up(model: Any, tokens: int = PREFILL_TOKENS) -> float | None:
     except Exception as exc:  # noqa: BLE001 - a warm-up never stops the server
         log.warning("kvstore: the model's warm-up failed (%s: %s)", type(exc).__name__, exc)
         return None
-    return time.perf_counter() - start
+    took = time.perf_counter() - start
+    cuda_pages.proven()  # starts the page route's trial; False at once without CUDA
+    return took

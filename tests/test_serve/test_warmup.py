@@ -8,6 +8,7 @@ import logging
 import mlx.core as mx
 import pytest
 
+from kvstore.codecs import cuda_pages
 from kvstore.serve.warmup import PREFILL_TOKENS, warm_up
 from kvstore.testing.mlx_lm_models import build_mlx_lm_model
 
@@ -29,9 +30,12 @@ class Recording:
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3_next"])
-def test_a_prefill_and_one_decode_step_run_on_caches_of_their_own(arch):
+def test_a_prefill_and_one_decode_step_run_on_caches_of_their_own(arch, monkeypatch):
+    asked = []  # the restore's page route tried in the background (CUDA only)
+    monkeypatch.setattr(cuda_pages, "proven", lambda: asked.append(True) or False)
     model = Recording(build_mlx_lm_model(arch))
     took = warm_up(model)
+    assert asked == [True]
     assert took is not None and took > 0
     (n1, offsets1, caches1), (n2, offsets2, caches2) = model.calls
     assert (n1, n2) == (PREFILL_TOKENS, 1) and caches1 == caches2  # one set, thrown away
