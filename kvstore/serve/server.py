@@ -110,7 +110,8 @@ class StoreModelProvider(mlx_server.ModelProvider):  # type: ignore[misc]  # mlx
         except KVStoreError as exc:  # unnamed: it stays in memory, like mlx-lm's own cache
             log.warning("kvstore: %s is served from memory only: %s", model_path, exc)
         if self._warm:  # on the thread that loads it: mlx-lm's generation thread
-            took = warmup.warm_up(self.model)
+            cli = self.cli_args
+            took = warmup.warm_up(self.model, kv_bits=cli.kv_bits, kv_group_size=cli.kv_group_size)
             self._state.warmups[model_path] = took
             if took is not None:
                 log.info("kvstore: %s warmed up in %.2f s", model_path, took)

@@ -35,11 +35,20 @@ log = logging.getLogger("kvstore.serve")
 PREFILL_TOKENS = 32
 
 
-def warm_up(model: Any, tokens: int = PREFILL_TOKENS) -> float | None:
+def warm_up(
+    model: Any,
+    tokens: int = PREFILL_TOKENS,
+    *,
+    kv_bits: int | None = None,
+    kv_group_size: int = 64,
+) -> float | None:
     """Run a :data:`PREFILL_TOKENS`-token prefill (token id 0) and one decode step of
-    ``model`` on fresh caches, evaluated; the seconds it took, or ``None`` (logged) when
-    the model's forward failed: a request then meets the same error, with its own
-    message, and the server stays up."""
+    ``model`` on fresh caches, evaluated; with ``kv_bits`` (the server's ``--kv-bits``)
+    one more step on those caches quantized as mlx-lm quantizes them, so that attention
+    over packed rows is built too. The seconds it took, or ``None`` (logged) when the
+    model's forward failed: a request then meets the same error, with its own message,
+    and the server stays up."""
+    from mlx_lm.generate import maybe_quantize_kv_cache
     from mlx_lm.models.cache import make_prompt_cache
 
     start = time.perf_counter()
@@ -48,6 +57,9 @@ def warm_up(model: Any, tokens: int = PREFILL_TOKENS) -> float | None:
         logits = model(mx.zeros((1, tokens), mx.int32), cache=caches)
         mx.eval(logits)
         mx.eval(model(mx.zeros((1, 1), mx.int32), cache=caches))
+        if kv_bits is not None:
+            maybe_quantize_kv_cache(caches, 0, kv_group_size, kv_bits)
+            mx.eval(model(mx.zeros((1, 1), mx.int32), cache=caches))
     except Exception as exc:  # noqa: BLE001 - a warm-up never stops the server
         log.warning("kvstore: the model's warm-up failed (%s: %s)", type(exc).__name__, exc)
         return None

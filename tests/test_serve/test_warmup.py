@@ -17,7 +17,7 @@ class Recording:
     """``model``, noting each call's input length and its caches' offsets after it."""
 
     def __init__(self, model):
-        self.model, self.calls = model, []
+        self.model, self.calls, self.kinds = model, [], []
 
     def __getattr__(self, name):  # layers, make_cache...: make_prompt_cache asks them
         return getattr(self.model, name)
@@ -26,6 +26,7 @@ class Recording:
         out = self.model(inputs, cache=cache)
         mx.eval(out)
         self.calls.append((inputs.shape[1], [getattr(c, "offset", 0) for c in cache], id(cache)))
+        self.kinds.append({type(c).__name__ for c in cache})
         return out
 
 
@@ -41,6 +42,14 @@ def test_a_prefill_and_one_decode_step_run_on_caches_of_their_own(arch, monkeypa
     assert (n1, n2) == (PREFILL_TOKENS, 1) and caches1 == caches2  # one set, thrown away
     held = [o for o in offsets2 if o]  # a recurrent layer's state keeps no offset
     assert held and set(held) == {PREFILL_TOKENS + 1}
+
+
+def test_with_kv_bits_one_more_step_runs_over_the_caches_quantized():
+    model = Recording(build_mlx_lm_model("llama"))
+    assert warm_up(model, kv_bits=8, kv_group_size=32) is not None
+    assert [n for n, _, _ in model.calls] == [PREFILL_TOKENS, 1, 1]
+    assert model.kinds == [{"KVCache"}, {"KVCache"}, {"QuantizedKVCache"}]
+    assert set(model.calls[2][1]) == {PREFILL_TOKENS + 2}
 
 
 def test_a_model_whose_forward_fails_is_logged_not_raised(caplog):
