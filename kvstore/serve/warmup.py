@@ -42,8 +42,8 @@ def warm_up(
     kv_bits: int | None = None,
     kv_group_size: int = 64,
 ) -> float | None:
-    """Run a :data:`PREFILL_TOKENS`-token prefill (token id 0) and one decode step of
-    ``model`` on fresh caches, evaluated; with ``kv_bits`` (the server's ``--kv-bits``)
+    """Run a prefill of ``tokens`` tokens (token id 0) and one decode step of ``model``
+    on fresh caches, evaluated; with ``kv_bits`` (the server's ``--kv-bits``)
     one more step on those caches quantized as mlx-lm quantizes them, so that attention
     over packed rows is built too. The seconds it took, or ``None`` (logged) when the
     model's forward failed: a request then meets the same error, with its own message,
