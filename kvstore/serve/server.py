@@ -63,7 +63,8 @@ class ServeState:
         self.metrics = ServeMetrics(prompt_cache)
         prompt_cache.add_listener(self.metrics.observe)
         self.started = time.time()
-        #: Each model path loaded and warmed up: how long its warm-up took (None: failed).
+        #: Each model path loaded and warmed up (a draft model's with " (draft)"): how
+        #: long its warm-up took (None: failed).
         self.warmups: dict[str, float | None] = {}
 
     def stats(self) -> dict[str, Any]:
@@ -109,12 +110,17 @@ class StoreModelProvider(mlx_server.ModelProvider):  # type: ignore[misc]  # mlx
             )
         except KVStoreError as exc:  # unnamed: it stays in memory, like mlx-lm's own cache
             log.warning("kvstore: %s is served from memory only: %s", model_path, exc)
-        if self._warm:  # on the thread that loads it: mlx-lm's generation thread
-            cli = self.cli_args
-            took = warmup.warm_up(self.model, kv_bits=cli.kv_bits, kv_group_size=cli.kv_group_size)
-            self._state.warmups[model_path] = took
+        if not self._warm:
+            return
+        cli = self.cli_args
+        warmed = [(model_path, self.model)]
+        if self.draft_model is not None:  # speculative decoding runs it on every request
+            warmed.append((f"{draft_model_path} (draft)", self.draft_model))
+        for name, model in warmed:  # on the thread that loads them: mlx-lm's generation thread
+            took = warmup.warm_up(model, kv_bits=cli.kv_bits, kv_group_size=cli.kv_group_size)
+            self._state.warmups[name] = took
             if took is not None:
-                log.info("kvstore: %s warmed up in %.2f s", model_path, took)
+                log.info("kvstore: %s warmed up in %.2f s", name, took)
 
 
 class StoreResponseGenerator(mlx_server.ResponseGenerator):  # type: ignore[misc]

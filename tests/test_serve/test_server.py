@@ -23,7 +23,8 @@ def store_url(tmp_path_factory):
 @pytest.fixture(scope="module")
 def servers(model_dir, hybrid_dir, store_url, server_env, logs, tmp_path_factory):
     """Started at once: stock mlx_lm.server; two kvstore servers on one LMDB store; one
-    quantizing the KV from the first token (--kv-bits 8); one serving a hybrid model."""
+    quantizing the KV from the first token (--kv-bits 8); one serving a hybrid model
+    (not warmed up); one with a draft model (speculative decoding)."""
     stock = ServerProcess.stock(model_dir, log=logs / "stock.log", env=server_env)
     a = ServerProcess.kvstore(model_dir, store_url, log=logs / "a.log", env=server_env)
     b = ServerProcess.kvstore(model_dir, store_url, log=logs / "b.log", env=server_env)
@@ -34,8 +35,11 @@ def servers(model_dir, hybrid_dir, store_url, server_env, logs, tmp_path_factory
     h = ServerProcess.kvstore(
         hybrid_dir, h_store, "--no-warmup", log=logs / "hybrid.log", env=server_env
     )
-    ServerProcess.start_all(stock, a, b, q, h)
-    running = {"stock": stock, "a": a, "b": b, "q": q, "hybrid": h}
+    d_store = f"lmdb://{tmp_path_factory.mktemp('d-store')}"
+    draft = ("--draft-model", str(model_dir))
+    d = ServerProcess.kvstore(model_dir, d_store, *draft, log=logs / "d.log", env=server_env)
+    ServerProcess.start_all(stock, a, b, q, h, d)
+    running = {"stock": stock, "a": a, "b": b, "q": q, "hybrid": h, "draft": d}
     yield running  # a test may replace one (a restart)
     for server in running.values():
         server.stop()
@@ -62,7 +66,7 @@ def test_each_model_is_warmed_up_as_it_loads_and_the_warm_up_saves_nothing(serve
     # First in the module: no request has reached a, b or h yet. The model loads on
     # mlx-lm's generation thread, after /health answers: wait for it.
     deadline = time.monotonic() + 120
-    while not all(servers[k].stats()["server"]["warmup_s"] for k in ("a", "b")):
+    while not all(servers[k].stats()["server"]["warmup_s"] for k in ("a", "b", "draft")):
         assert time.monotonic() < deadline, "no warm-up reported"
         time.sleep(0.2)
     for name in ("a", "b"):
@@ -71,6 +75,8 @@ def test_each_model_is_warmed_up_as_it_loads_and_the_warm_up_saves_nothing(serve
         assert path.endswith("tiny-llama") and took is not None and took > 0
         assert stats["prompt_cache"]["saves"] == 0 and stats["prompt_cache"]["hits"] == {}
     assert servers["a"].stats()["store"]["blocks"] == 0  # a's and b's store
+    warmed = servers["draft"].stats()["server"]["warmup_s"]  # the draft model too
+    assert sorted(warmed) == [path, f"{path} (draft)"] and all(warmed.values())
     while not servers["hybrid"].stats()["models"]:  # loaded (and bound) ...
         assert time.monotonic() < deadline, "the hybrid model never loaded"
         time.sleep(0.2)
