@@ -33,9 +33,8 @@ from kvstore.abc.store import BlockSpan, PrefixStore, SaveResult
 from kvstore.codecs import codec_for, cuda, get_codec
 from kvstore.codecs.arena import write_records
 from kvstore.codecs.arrays import as_numpy_all
-from kvstore.codecs.host_stacks import packed
+from kvstore.codecs.host_stacks import spread_packed
 from kvstore.codecs.record import plan_record
-from kvstore.cpu_streams import spread
 from kvstore.errors import CapabilityError
 from kvstore.signature import UNKNOWN
 from kvstore.store import keys as K
@@ -226,13 +225,10 @@ class BlockEncoder:
 
     def _apply(self, snap: Snapshot, layer: int) -> Snapshot:
         """``snap`` in the encoding the storage policy stores layer ``layer``'s family as."""
-        if not packed(stored_signature(snap.signature, self._policy, layer)):
-            return apply_policy(snap, self._policy, layer)
         # On the CPU ``mx.quantize`` runs on one core (~0.5 GB/s here): each layer's is
         # built on a stream in turn, and write_records' one evaluation runs them on
-        # every core. (TurboQuant's encode spreads its own waves; spread again, a
-        # 2048-token save took longer.)
-        with spread(layer):
+        # every core.
+        with spread_packed(stored_signature(snap.signature, self._policy, layer), layer):
             return apply_policy(snap, self._policy, layer)
 
 
