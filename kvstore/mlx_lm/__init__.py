@@ -4,10 +4,12 @@
 ``fetch(tokens) -> (caches, rest)`` and ``insert(tokens, caches)`` for
 ``stream_generate`` users, ``fetch_nearest_cache``/``insert_cache`` for
 ``mlx_lm.server`` (``kvstore serve``). :func:`stream_generate` does the fetch,
-the generation and the insert in one call. Needs mlx-lm in
+the generation and the insert in one call; :func:`unfused_for_model` spares a model's
+suffixes the fused attention's per-shape build on a CUDA GPU. Needs mlx-lm in
 :data:`~kvstore.mlx_lm.version.TESTED_MLX_LM`.
 """
 
+from kvstore.mlx_lm.attention import unfused_for_model
 from kvstore.mlx_lm.binding import Binding
 from kvstore.mlx_lm.events import (
     IMAGE_PROMPT,
@@ -37,4 +39,5 @@ __all__ = [
     "TESTED_MLX_LM",
     "check_mlx_lm_version",
     "mlx_lm_version",
+    "unfused_for_model",
 ]

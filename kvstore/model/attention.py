@@ -5,6 +5,12 @@ The choice is made only through the capability predicates of
 cache whose signature we do not know fails closed with ``CapabilityError``
 before any layer touches it.
 
+Dense rows go to MLX's fused kernel, except where :func:`attends_unfused` says a call
+of that many queries and keys is attended by plain ops (:func:`unfused_attention`): by
+default, calls of 4 queries or more but few scores on MLX's CUDA backend, whose fused
+kernel builds a cuDNN graph for every shape of queries and keys it has not run (26-37 ms
+on an H100), and a suffix's shape is new on nearly every request.
+
 A quantized cache is attended over its packed rows with ``mx.quantized_matmul``
 (:func:`quantized_attention`), except where :func:`dequantizes_queries` says a
 call of that many queries attends the rows dequantized (:func:`dequantized_attention`):
@@ -36,6 +42,9 @@ from kvstore.family import families
 __all__ = [
     "Attend",
     "DEQUANTIZED_PREFILL",
+    "UNFUSED_ATTENTION",
+    "UNFUSED_SCORES_MAX",
+    "attends_unfused",
     "attention_for",
     "recurrent_for",
     "dense_attention",
@@ -43,6 +52,7 @@ __all__ = [
     "dequantizes_queries",
     "packed_attention",
     "quantized_attention",
+    "unfused_attention",
 ]
 
 #: ``attend(queries, keys, values, scale, mask) -> output``; keys/values are
@@ -56,8 +66,92 @@ PackedRows = tuple[mx.array, mx.array, mx.array]
 def dense_attention(
     queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask: Any
 ) -> mx.array:
-    """Fused attention over dense key/value rows."""
+    """Attention over dense key/value rows: MLX's fused kernel, or plain ops where
+    :func:`attends_unfused` says so for this many queries."""
+    if attends_unfused(queries.shape[-2], keys.shape[-2]):
+        return unfused_attention(queries, keys, values, scale, mask)
     return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
+
+
+def unfused_attention(
+    queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask: Any
+) -> mx.array:
+    """Attention by plain ops: two matmuls and a softmax, none built per shape.
+
+    The query heads that share a key/value head are folded into its rows (``[B,
+    kv_heads, repeats * L, D]``), so the keys and values are read as they are, never
+    broadcast to every query head. The scores and their softmax are float32 and the
+    weights take the values' dtype for the second matmul, as a fused kernel keeps them
+    (scores rounded to bfloat16 were off cuDNN's output by ~1% of its largest value on
+    an H100). ``mask``: ``None``, ``"causal"`` (query ``i`` sees the keys up to
+    ``T - L + i``, as the fused kernel's bottom-right mask), or an array that broadcasts
+    to ``[B, query heads, L, T]``, boolean (True: attended) or additive.
+    """
+    B, n_q, L, D = queries.shape
+    n_kv, T = keys.shape[-3], keys.shape[-2]
+    repeats = n_q // n_kv
+    folded = (queries.astype(mx.float32) * scale).reshape(B, n_kv, repeats * L, D)
+    scores = folded @ keys.astype(mx.float32).swapaxes(-1, -2)
+    if mask is not None:
+        if type(mask) is str:  # "causal"
+            rows = mx.arange(repeats * L) % L + (T - L)
+            mask = rows[:, None] >= mx.arange(T)[None]
+        else:
+            mask = mx.broadcast_to(mask, (B, n_q, L, T)).reshape(B, n_kv, repeats * L, T)
+        if mask.dtype == mx.bool_:
+            scores = mx.where(mask, scores, mx.finfo(mx.float32).min)
+        else:
+            scores = scores + mask
+    weights = mx.softmax(scores, axis=-1).astype(values.dtype)
+    return (weights @ values).reshape(B, n_q, L, values.shape[-1])
+
+
+#: The environment variable choosing when dense attention runs by plain ops
+#: (:func:`unfused_attention`): ``auto`` (the default: calls of 4 queries or more, at
+#: most :data:`UNFUSED_SCORES_MAX` scores a head, on MLX's CUDA backend), ``always``
+#: (calls of 2 queries or more, as many scores, on any backend) or ``never``.
+UNFUSED_ATTENTION = "KVSTORE_UNFUSED_ATTENTION"
+_UNFUSED_CHOICES = ("auto", "always", "never")
+#: The most scores (queries x keys) a head of a call attended by plain ops has: they are
+#: materialised, and past this they cost more than the fused kernel's graph build once.
+#: On an H100 (``tools/bench/gpu/shape_probe.py``, a llama-8B-shaped forward over a
+#: restored prefix, shapes not run before): 4096 keys and 45 queries 25.8 ms by plain ops
+#: against 63.3 fused, 250 queries 35.2 against 62.6, 600 queries 67.1 against 74.0,
+#: 1500 queries 157 against 94; 16384 keys and 51 queries 39.6 against 67.3, 121 queries
+#: 60.8 against 67.1, 301 queries 99.0 against 67.9.
+UNFUSED_SCORES_MAX = 3 << 19
+
+
+def attends_unfused(n_queries: int, n_keys: int) -> bool:
+    """Whether a call of ``n_queries`` queries over ``n_keys`` dense rows is attended by
+    plain ops (:data:`UNFUSED_ATTENTION`).
+
+    MLX's CUDA backend attends 4 queries or more with cuDNN, whose graph it builds for
+    each shape of queries, keys and their strides it has not run and keeps (256 of them):
+    26-37 ms a build on an H100, against 0.2-0.7 ms for the call once built. A suffix
+    after a restored prefix, a speculative step's verification or the last chunk of a
+    prefill has a shape of its own nearly every time. Fewer than 4 queries take MLX's
+    vector kernel, built once.
+
+    Raises:
+        KVStoreError: :data:`UNFUSED_ATTENTION` is set to something else than ``auto``,
+            ``always`` or ``never``.
+    """
+    if n_queries < 2 or n_queries * n_keys > UNFUSED_SCORES_MAX:
+        return False
+    choice = os.environ.get(UNFUSED_ATTENTION, "auto")
+    if choice == "auto":
+        return n_queries >= 4 and default_is_cuda()
+    if choice == "always":
+        return True
+    if choice == "never":
+        return False
+    raise KVStoreError(
+        f"[attention] {UNFUSED_ATTENTION} must be one of {', '.join(_UNFUSED_CHOICES)}; "
+        f"got {choice!r}. Unset it for the default (auto: on MLX's CUDA backend only).",
+        found=choice,
+        supported=_UNFUSED_CHOICES,
+    )
 
 
 def quantized_attention(

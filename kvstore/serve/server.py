@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import signal
 import sys
 import threading
@@ -40,6 +41,8 @@ import mlx_lm.server as mlx_server
 from kvstore.abc.store import PrefixStore
 from kvstore.errors import CapabilityError, KVStoreError
 from kvstore.mlx_lm import StorePromptCache, check_mlx_lm_version
+from kvstore.mlx_lm.attention import unfused_for_model
+from kvstore.model.attention import UNFUSED_ATTENTION
 from kvstore.serve import warmup
 from kvstore.serve.metrics import CONTENT_TYPE, ServeMetrics
 
@@ -66,6 +69,9 @@ class ServeState:
         #: Each model path loaded and warmed up (a draft model's with " (draft)"): how
         #: long its warm-up took (None: failed).
         self.warmups: dict[str, float | None] = {}
+        #: The mlx-lm modules whose few-query attention goes by plain ops where
+        #: ``KVSTORE_UNFUSED_ATTENTION`` says so (:mod:`kvstore.mlx_lm.attention`).
+        self.unfused_attention: set[str] = set()
 
     def stats(self) -> dict[str, Any]:
         """The ``/v1/kvstore/stats`` document."""
@@ -81,6 +87,10 @@ class ServeState:
             "mlx_lm": mlx_lm_version(),
             "uptime_s": time.time() - self.started,
             "warmup_s": dict(self.warmups),
+            "unfused_attention": {
+                "modules": sorted(self.unfused_attention),
+                "mode": os.environ.get(UNFUSED_ATTENTION, "auto"),
+            },
         }
         return out
 
@@ -99,6 +109,9 @@ class StoreModelProvider(mlx_server.ModelProvider):  # type: ignore[misc]  # mlx
         self, model_path: str, adapter_path: str | None = None, draft_model_path: str | None = None
     ) -> None:
         super()._load(model_path, adapter_path, draft_model_path)
+        for model in (self.model, self.draft_model):
+            if model is not None:  # before the warm-up, which then builds what they run
+                self._state.unfused_attention.update(unfused_for_model(model))
         source = model_path if Path(model_path).is_dir() else None
         try:
             self.prompt_cache.bind(

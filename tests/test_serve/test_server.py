@@ -10,6 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvstore.model.attention import UNFUSED_ATTENTION
 from kvstore.testing.serve_processes import ServerProcess
 
 from .conftest import SYSTEM, chat, chat_stream, complete, conversation
@@ -22,12 +23,14 @@ def store_url(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def servers(model_dir, hybrid_dir, store_url, server_env, logs, tmp_path_factory):
-    """Started at once: stock mlx_lm.server; two kvstore servers on one LMDB store; one
-    quantizing the KV from the first token (--kv-bits 8); one serving a hybrid model
-    (not warmed up); one with a draft model (speculative decoding)."""
+    """Started at once: stock mlx_lm.server; two kvstore servers on one LMDB store (b
+    attending every call of several queries by plain ops); one quantizing the KV from the
+    first token (--kv-bits 8); one serving a hybrid model (not warmed up); one with a
+    draft model (speculative decoding)."""
     stock = ServerProcess.stock(model_dir, log=logs / "stock.log", env=server_env)
     a = ServerProcess.kvstore(model_dir, store_url, log=logs / "a.log", env=server_env)
-    b = ServerProcess.kvstore(model_dir, store_url, log=logs / "b.log", env=server_env)
+    unfused = {**server_env, UNFUSED_ATTENTION: "always"}
+    b = ServerProcess.kvstore(model_dir, store_url, log=logs / "b.log", env=unfused)
     q_store = f"lmdb://{tmp_path_factory.mktemp('q-store')}"
     kv = ("--kv-bits", "8", "--kv-group-size", "64", "--quantized-kv-start", "0")
     q = ServerProcess.kvstore(model_dir, q_store, *kv, log=logs / "q.log", env=server_env)
@@ -83,6 +86,14 @@ def test_each_model_is_warmed_up_as_it_loads_and_the_warm_up_saves_nothing(serve
     assert servers["hybrid"].stats()["server"]["warmup_s"] == {}  # ... not warmed: --no-warmup
 
 
+def test_the_models_attention_routes_few_queries_through_plain_ops_as_set(servers):
+    # mlx-lm's llama module attends through kvstore.mlx_lm.attention in both servers;
+    # a's (auto) keeps the fused kernel on this CPU, b's (always) takes plain ops.
+    for name, mode in (("a", "auto"), ("b", "always")):
+        routed = servers[name].stats()["server"]["unfused_attention"]
+        assert routed == {"modules": ["mlx_lm.models.llama"], "mode": mode}
+
+
 def test_greedy_text_is_the_stock_servers_streaming_and_not(stock, ours):
     for messages in REQUESTS:
         want = chat(stock, messages)[0]
@@ -103,6 +114,14 @@ def test_two_live_servers_share_one_store(servers, stock):
     assert again == text == chat(stock, messages)[0]
     assert cached == prompt_tokens - 1  # all but the token the model must see
     assert b.stats()["prompt_cache"]["hits"] == {"store": 1}
+
+
+def test_plain_op_attention_writes_the_stock_servers_text(stock, servers):
+    b = servers["b"]  # after the test above: it counts b's hits
+    for messages in REQUESTS:
+        want = chat(stock, messages)[0]
+        assert chat(b, messages)[0] == want
+        assert chat_stream(b, messages)[0] == want
 
 
 def test_concurrent_requests_take_the_batched_path_and_reuse(stock, ours):

@@ -1,0 +1,75 @@
+"""mlx-lm models' dense attention for calls of few queries, by plain ops where
+:func:`~kvstore.model.attention.attends_unfused` says so.
+
+mlx-lm's model modules attend through ``mlx_lm.models.base.scaled_dot_product_attention``,
+which each imports by name. On MLX's CUDA backend its fused kernel builds a cuDNN graph
+for every shape of queries and keys it has not run (~26 ms on an H100), and the suffix
+a server prefills after a restored prefix has a new shape on nearly every request: a
+4096-token restore's 47-token suffix took 54.6 ms through the fused kernel against
+11.6 once its shape was built, and 35.8 by plain ops (an H100) (``tools/bench/gpu/shape_probe.py``).
+:func:`unfused_for_model` puts :func:`~kvstore.model.attention.unfused_attention` in
+front of that function in the modules a model's layers come from; every other call
+(quantized caches, attention sinks, one query, long prefills) goes on as mlx-lm has it.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import mlx.core as mx
+
+from kvstore.model.attention import attends_unfused, unfused_attention
+
+__all__ = ["unfused_for_model"]
+
+#: The name mlx-lm's model modules import their attention function under.
+_NAME = "scaled_dot_product_attention"
+
+
+def unfused_for_model(model: Any) -> list[str]:
+    """Route ``model``'s few-query dense attention through plain ops (see the module).
+
+    Changes the modules its layers' classes are defined in, so every model of those
+    classes in the process is served so; idempotent. Returns the names of the modules
+    that route so (empty: none imports mlx-lm's function).
+    """
+    from mlx_lm.models import base
+
+    original = base.scaled_dot_product_attention
+    names = {type(module).__module__ for _, module in model.named_modules()}
+    routed = []
+    for name in sorted(names):
+        module = sys.modules.get(name)
+        found = getattr(module, _NAME, None)
+        if found is original:
+            setattr(module, _NAME, _with_unfused(original))
+        elif getattr(found, "__wrapped__", None) is not original:
+            continue
+        routed.append(name)
+    return routed
+
+
+def _with_unfused(original: Callable[..., mx.array]) -> Callable[..., mx.array]:
+    @functools.wraps(original)
+    def attend(
+        queries: mx.array,
+        keys: Any,
+        values: Any,
+        cache: Any,
+        scale: float,
+        mask: Any,
+        sinks: mx.array | None = None,
+    ) -> mx.array:
+        # mlx-lm's own test for a quantized cache's packed rows.
+        if sinks is None and not hasattr(cache, "bits") and _unfused(queries, keys):
+            return unfused_attention(queries, keys, values, scale, mask)
+        return original(queries, keys, values, cache, scale=scale, mask=mask, sinks=sinks)
+
+    return attend
+
+
+def _unfused(queries: mx.array, keys: Any) -> bool:
+    return isinstance(keys, mx.array) and attends_unfused(queries.shape[-2], keys.shape[-2])

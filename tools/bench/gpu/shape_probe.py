@@ -1,0 +1,222 @@
+"""What a prompt length the process has not run before costs a forward, and where.
+
+    python3 tools/bench/gpu/shape_probe.py [--prefix 4096] [--suffixes 7,19,45,100,230,600]
+                                           [--quick]
+
+A server's warm request restores a prefix of P tokens and prefills the S new ones; both
+P and S differ from one request to the next. ``tools/bench/results/gpu/warmup-h100``
+measured ~50-150 ms more for a prompt length the process had not run, with or without
+MLX's CUDA graphs. MLX's CUDA attention builds a cuDNN graph per query/key shape and
+strides (``sdpa_cache`` in ``mlx/backend/cuda/scaled_dot_product_attention.cpp``) for
+every call of 4 or more queries, so the suspicion is that build. Three parts, each a
+first call of a shape against a repeat of it, milliseconds:
+
+A. ``mx.fast.scaled_dot_product_attention`` alone (32 query / 8 KV heads of 128, bf16,
+   causal, keys a slice of a 256-row-step buffer as a cache's are) against the same
+   attention by plain ops (``kvstore.model.attention.unfused_attention``, and a first form
+   that broadcast the keys to every query head), each on shapes it has not seen.
+B. The llama-8B-shaped reference model: a P-token prefix prefilled, then for each S a
+   suffix forward on it (trimmed back to P after each), ``KVSTORE_UNFUSED_ATTENTION``
+   ``never`` against ``auto``.
+C. mlx-lm's own llama model of the same shape (random weights), its suffix forwards
+   (what ``kvstore serve`` runs), as mlx-lm has them and with
+   ``kvstore.mlx_lm.attention.unfused_for_model``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import time
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+
+
+def broadcast(
+    queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask: Any
+) -> mx.array:
+    """Plain ops with the keys broadcast to every query head (the probe's first form)."""
+    B, n_q, L, D = queries.shape
+    n_kv, T = keys.shape[1], keys.shape[2]
+    q = (queries * scale).reshape(B, n_kv, n_q // n_kv, L, D)
+    scores = q @ mx.expand_dims(keys, 2).swapaxes(-1, -2)
+    causal = mx.arange(T - L, T)[:, None] >= mx.arange(T)[None]
+    scores = mx.where(causal, scores, mx.finfo(scores.dtype).min)
+    weights = mx.softmax(scores, axis=-1, precise=True)
+    return (weights @ mx.expand_dims(values, 2)).reshape(B, n_q, L, D)
+
+
+def fused(queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask: Any) -> mx.array:
+    return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
+
+
+def timed(fn: Any) -> float:
+    mx.synchronize()
+    t = time.perf_counter()
+    mx.eval(fn())
+    mx.synchronize()
+    return (time.perf_counter() - t) * 1e3
+
+
+def part_a(shapes: list[tuple[int, int]], out: dict[str, Any]) -> None:
+    rows = []
+    from kvstore.model.attention import unfused_attention
+
+    for name, attend in (
+        ("fused", fused),
+        ("unfused", unfused_attention),
+        ("broadcast", broadcast),
+    ):
+        for S, P in shapes:
+            T = P + S
+            room = (T + 255) // 256 * 256
+            k = mx.random.normal((1, 8, room, 128)).astype(mx.bfloat16)
+            v = mx.random.normal((1, 8, room, 128)).astype(mx.bfloat16)
+            q = mx.random.normal((1, 32, S, 128)).astype(mx.bfloat16)
+            mx.eval(k, v, q)
+            ks, vs = k[:, :, :T], v[:, :, :T]
+            call = functools.partial(attend, q, ks, vs, 128**-0.5, "causal")
+            first, again = timed(call), timed(call)
+            # How far from the fused kernel's output, relative to its largest value.
+            want = fused(q, ks, vs, 128**-0.5, "causal").astype(mx.float32)
+            off = mx.abs(call().astype(mx.float32) - want).max() / mx.abs(want).max()
+            row = {"attend": name, "S": S, "P": P, "first": first, "again": again}
+            rows.append({**row, "off": off.item()})
+            print(
+                f"A {name:9s} S={S:5d} P={P:5d}: first {first:8.2f} ms, again {again:7.2f} ms"
+                f" (off the fused output by {off.item():.2e} of its largest)",
+                flush=True,
+            )
+    out["A"] = rows
+
+
+def last_logits(model: Any, tokens: mx.array, caches: list[Any]) -> mx.array:
+    return model(tokens, cache=caches)[:, -1]
+
+
+def logits_rows(
+    model: Any, caches: list[Any], prefix: int, suffixes: list[int], vocab: int
+) -> list[dict[str, Any]]:
+    """How far a suffix's logits by plain-op attention are from the fused kernel's, and
+    how often their top token agrees."""
+    rows = []
+    for S in suffixes:
+        tokens = mx.array(np.random.default_rng(S + 7).integers(0, vocab, (1, S)))
+        got = {}
+        for mode in ("never", "auto"):
+            os.environ["KVSTORE_UNFUSED_ATTENTION"] = mode
+            got[mode] = model(tokens, cache=caches)[0].astype(mx.float32)
+            mx.eval(got[mode])
+            for c in caches:
+                c.trim(c.offset - prefix)
+        off = (mx.abs(got["auto"] - got["never"]).max() / mx.abs(got["never"]).max()).item()
+        agree = mx.mean(mx.argmax(got["auto"], -1) == mx.argmax(got["never"], -1)).item()
+        rows.append({"S": S, "off": off, "top_token_agrees": agree})
+        print(
+            f"logits S={S} on {prefix}: off by {off:.2e} of the largest,"
+            f" top token agrees at {agree:.0%}",
+            flush=True,
+        )
+    return rows
+
+
+def suffix_rows(
+    label: str,
+    model: Any,
+    caches: list[Any],
+    prefix: int,
+    suffixes: list[int],
+    vocab: int,
+    unfused: str = "never",
+) -> list[dict[str, Any]]:
+    os.environ["KVSTORE_UNFUSED_ATTENTION"] = unfused
+    rows = []
+    for S in suffixes:
+        tokens = mx.array(np.random.default_rng(S).integers(0, vocab, (1, S)))
+        times = []
+        for _ in range(2):
+            times.append(timed(functools.partial(last_logits, model, tokens, caches)))
+            for c in caches:
+                c.trim(c.offset - prefix)
+        rows.append(
+            {"mode": label, "S": S, "first": round(times[0], 2), "again": round(times[1], 2)}
+        )
+        print(
+            f"{label:18s} S={S:5d} on {prefix}: first {times[0]:8.2f} ms, again {times[1]:7.2f} ms",
+            flush=True,
+        )
+    return rows
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--prefix", type=int, default=4096)
+    parser.add_argument("--suffixes", default="7,19,45,100,230,600")
+    parser.add_argument("--quick", action="store_true", help="the tiny stand-in (a CPU)")
+    parser.add_argument("--out", default=None, help="also write the rows here as JSON")
+    parser.add_argument("--max", type=int, default=None, help="UNFUSED_SCORES_MAX for B and C")
+    args = parser.parse_args()
+    suffixes = [int(s) for s in args.suffixes.split(",")]
+    if args.max is not None:
+        from kvstore.model import attention as attention_module
+
+        attention_module.UNFUSED_SCORES_MAX = args.max
+    out: dict[str, Any] = {"device": str(mx.default_device()), "prefix": args.prefix}
+
+    part_a([(s, args.prefix + 17 * i) for i, s in enumerate(suffixes)], out)
+
+    from kvstore.bench.figures.gpu_common import LLAMA8B, TINY, build, prefill
+
+    config = TINY if args.quick else LLAMA8B
+    model = build(config)
+    mx.eval(model.parameters())
+    vocab = config["vocab_size"]
+    prompt = mx.array(np.random.default_rng(0).integers(0, vocab, (1, args.prefix)))
+    # The kernels of the warm-up's own shapes, so no part below pays for them; and a
+    # 32-token prefill on fresh caches by plain ops, as `kvstore serve`'s warm-up runs it.
+    caches = model.make_cache()
+    prefill(model, prompt, caches)
+    mx.eval(model(prompt[:, :1], cache=caches))
+    os.environ["KVSTORE_UNFUSED_ATTENTION"] = "auto"
+    mx.eval(model(prompt[:, :32], cache=model.make_cache()))
+    for c in caches:
+        c.trim(c.offset - args.prefix)
+    rows = suffix_rows("ours fused", model, caches, args.prefix, suffixes, vocab)
+    shifted = [s + 1 for s in suffixes]  # lengths neither mode has run
+    rows += suffix_rows("ours unfused", model, caches, args.prefix, shifted, vocab, "auto")
+    out["B"] = rows
+    out["logits"] = logits_rows(model, caches, args.prefix, [20, 100], vocab)
+    del model, caches
+
+    from mlx_lm.models import llama
+    from mlx_lm.models.cache import make_prompt_cache
+
+    dtype = mx.float32 if args.quick else mx.bfloat16
+    peer = llama.Model(llama.ModelArgs.from_dict(dict(config)))
+    peer.set_dtype(dtype)
+    mx.eval(peer.parameters())
+    caches = make_prompt_cache(peer)
+    for start in range(0, args.prefix, 2048):
+        mx.eval(peer(prompt[:, start : start + 2048], cache=caches)[:, -1])
+    out["C"] = suffix_rows(
+        "mlx-lm fused", peer, caches, args.prefix, [s + 2 for s in suffixes], vocab
+    )
+    from kvstore.mlx_lm.attention import unfused_for_model
+
+    unfused_for_model(peer)
+    mx.eval(peer(prompt[:, :32], cache=make_prompt_cache(peer)))  # the warm-up's
+    out["C"] += suffix_rows(
+        "mlx-lm unfused", peer, caches, args.prefix, [s + 3 for s in suffixes], vocab, "auto"
+    )
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(out, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
