@@ -340,6 +340,32 @@ def test_the_gpu_figures_wait_for_a_gpu_and_smoke_on_a_cpu(tmp_path, monkeypatch
     gpu_common.release_all()
 
 
+def test_g1_rows_of_a_suffix_restore_the_rest_and_only_rows_of_one_are_judged(
+    tmp_path, monkeypatch
+):
+    from kvstore.bench.figures import gpu_common, gpu_session, gpu_ttft
+
+    monkeypatch.setattr(
+        gpu_common, "RUN_SESSION", lambda spec: gpu_common.Session(**gpu_session.run(spec))
+    )
+    monkeypatch.setenv("KVSTORE_BENCH_GPU_TOKENS", "300")
+    monkeypatch.setenv(gpu_ttft.SUFFIX_ENV, "20")
+    ctx = context(tmp_path)
+    g1 = gpu_ttft.G1.run(ctx)
+    (row,) = g1.rows
+    assert row.label == "llama8b 300 +20" and row.params["suffix"] == 20
+    setup = gpu_common.setup_for(ctx, 300)
+    assert {s.restored for s in setup.sessions["lossless +20"]} == {280}  # 20 computed
+    assert {s.detail["suffix"] for s in setup.sessions["mlx-lm +20"]} == {20}
+    assert row.values["ours argmax agrees"] == 1.0 and row.values["mlx-lm argmax agrees"] == 1.0
+    assert evaluate(gpu_ttft.G1, g1)[0].status == NOT_MEASURED  # the bar is for suffix 1
+    for bad in ("0", "x", ""):
+        monkeypatch.setenv(gpu_ttft.SUFFIX_ENV, bad)
+        with pytest.raises(ValueError, match=r"KVSTORE_BENCH_G1_SUFFIX=.*token counts of 1"):
+            gpu_ttft.g1_suffixes()
+    gpu_common.release_all()
+
+
 def test_a_gpu_session_runs_in_a_fresh_interpreter(tmp_path):
     from kvstore.bench.figures import gpu_common
 

@@ -278,13 +278,14 @@ class GpuSetup:
         save_prompt_cache(str(self.mlx_lm_file), caches)
         return self.mlx_lm_file
 
-    def spec(self, case: str, policy: str = "lossless") -> dict[str, Any]:
+    def spec(self, case: str, policy: str = "lossless", suffix: int = 1) -> dict[str, Any]:
         spec: dict[str, Any] = {
             "case": case,
             "config": self.config,
             "tokens": str(self.directory / "prompt.npy"),
             "logits": str(self.directory / "logits.npy"),
             "namespace": self.namespace,
+            "suffix": suffix,
         }
         if case == "ours":
             spec["url"] = self.store_for(policy)
@@ -292,10 +293,13 @@ class GpuSetup:
             spec["file"] = str(self.mlx_lm_path())
         return spec
 
-    def run_sessions(self, key: str, case: str, policy: str = "lossless") -> list[Session]:
-        """``ctx.repeats`` fresh sessions of ``case`` (cached under ``key``)."""
+    def run_sessions(
+        self, key: str, case: str, policy: str = "lossless", suffix: int = 1
+    ) -> list[Session]:
+        """``ctx.repeats`` fresh sessions of ``case`` (cached under ``key``), each computing
+        the prompt's last ``suffix`` tokens after restoring the rest."""
         if key not in self.sessions:
-            spec = self.spec(case, policy)
+            spec = self.spec(case, policy, suffix)
             self.sessions[key] = [RUN_SESSION(spec) for _ in range(self.ctx.repeats)]
             for session in self.sessions[key]:  # each one: the medians hide two groups
                 self.ctx.log(f"    {key} session: {session_line(session)}")

@@ -10,11 +10,15 @@
 
 The process builds the seeded model, then warms the kernels the timed part
 runs -- the forward of one token over a cache as long as the prompt (zeros),
-and, for ``ours``, a restore of the prompt's first block (MLX's own first
+or, where the spec's ``suffix`` leaves more than the last token to compute, only
+what ``kvstore serve`` warms a model up with (a 32-token prefill and one step on
+fresh caches: a server meets each suffix's shape for the first time) -- and, for
+``ours``, a restore of the prompt's first block (MLX's own first
 calls and the staging kernels load there, and the page route's trial, waited
 for: ``cuda_pages.trial_done``) -- and gives MLX's buffer cache
 back, so the timed restore allocates like a new session. Timed: lookup +
-restore + the forward of the last prompt token, to its logits evaluated.
+restore + the forward of the last prompt token (the last ``suffix`` tokens, the rest
+restored), to its logits evaluated.
 Prints one JSON line: the times, the tokens restored, and whether the
 logits agree with the cold prefill's (argmax, largest difference).
 """
@@ -40,14 +44,18 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     prompt = np.load(spec["tokens"])
     reference = np.load(spec["logits"]).reshape(-1)
     n = len(prompt)
-    last = mx.array(prompt[None, -1:].astype(np.int32))
-    # Warm-up: the timed forward's kernels at its length, on a cache of zeros.
+    suffix = int(spec.get("suffix", 1))
+    last = mx.array(prompt[None, -suffix:].astype(np.int32))
     caches = model.make_cache()
-    for cache in caches:
-        shape = (1, spec["config"]["num_key_value_heads"], n - 1, spec["config"]["head_dim"])
-        dtype = model.model.embed_tokens.weight.dtype
-        cache.update_and_fetch(mx.zeros(shape, dtype), mx.zeros(shape, dtype))
-    mx.eval(model(last, caches))
+    if suffix == 1:  # Warm-up: the timed forward's kernels at its length, on zeros.
+        for cache in caches:
+            shape = (1, spec["config"]["num_key_value_heads"], n - 1, spec["config"]["head_dim"])
+            dtype = model.model.embed_tokens.weight.dtype
+            cache.update_and_fetch(mx.zeros(shape, dtype), mx.zeros(shape, dtype))
+        mx.eval(model(last, caches))
+    else:  # kvstore serve's warm-up (kvstore.serve.warmup), not the timed shapes
+        mx.eval(model(mx.zeros((1, 32), mx.int32), caches))
+        mx.eval(model(mx.zeros((1, 1), mx.int32), caches))
     store = None
     from mlx_lm.models.cache import (
         load_prompt_cache,
@@ -75,12 +83,14 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     gc.callbacks.append(collections)
     t0 = time.perf_counter()
     if store is not None:
-        match = store.lookup(spec["namespace"], prompt)
+        match = store.lookup(spec["namespace"], prompt).truncated(n - suffix)
         t1, cpu1, usage1 = time.perf_counter(), time.thread_time(), thread_usage()
         restored = store.restore(match, model.make_cache())
     else:
         t1, cpu1, usage1 = time.perf_counter(), time.thread_time(), thread_usage()
         restored = load_prompt_cache(spec["file"])
+        for cache in restored:  # the file holds all but the last token
+            cache.trim(cache.offset - (n - suffix))
     returned = time.perf_counter()
     mx.eval([c.keys for c in restored])
     t2, cpu2, usage2 = time.perf_counter(), time.thread_time(), thread_usage()
@@ -106,6 +116,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         # GIL, the driver, the device) rather than ran.
         "detail": {
             "tokens": n,
+            "suffix": suffix,
             "restore_cpu_s": cpu2 - cpu1,
             # Until the call returned: the rest of restore_s is the device finishing
             # what the call queued (and, for mlx-lm's file, its lazy load).

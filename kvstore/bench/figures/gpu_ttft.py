@@ -40,6 +40,12 @@ POLICIES = ("kv:quant:8:64", "kv:quant:4:64", "kv:turboquant:4:4", "kv:turboquan
 #: sessions of each policy and of lossless outlast one device call (about 18 s a
 #: session on the H200 at e2e0be6), so a run there takes them in two calls.
 POLICIES_ENV = "KVSTORE_BENCH_G2_POLICIES"
+#: Adds G1 rows whose sessions compute the prompt's last N tokens after restoring the
+#: rest (``45``, say, or ``1,45``; the default, 1, is G1 as BENCHMARKS.md defines it):
+#: a new question after a stored conversation. Those sessions warm up as ``kvstore
+#: serve`` does, not at the timed shapes, which a server meets for the first time; the
+#: bar judges only the rows of 1.
+SUFFIX_ENV = "KVSTORE_BENCH_G1_SUFFIX"
 WARM, COLD, PEER = "warm (ours)", "cold", "warm (mlx-lm)"
 RATIO = "warm/cold"
 FASTER = "lossless/this time"
@@ -64,10 +70,10 @@ def _session_values(prefix: str, sessions: list[G.Session]) -> dict[str, float]:
     }
 
 
-def _check(sessions: list[G.Session], tokens: int) -> None:
-    short = [s.restored for s in sessions if s.restored != tokens - 1]
+def _check(sessions: list[G.Session], tokens: int, suffix: int = 1) -> None:
+    short = [s.restored for s in sessions if s.restored != tokens - suffix]
     if short:
-        raise AssertionError(f"[bench] a session restored {short[0]} of {tokens - 1} tokens")
+        raise AssertionError(f"[bench] a session restored {short[0]} of {tokens - suffix} tokens")
 
 
 def _pending(ctx: BenchContext) -> str | None:
@@ -80,12 +86,15 @@ def run_g1(ctx: BenchContext) -> FigureResult:
         return FigureResult(pending=pending)
     rows = []
     # The longest first: G2 then finds the 4096-token setup still prepared.
-    for tokens in sorted(G.prompt_lengths(ctx), reverse=True):
+    for tokens, suffix in [
+        (t, s) for t in sorted(G.prompt_lengths(ctx), reverse=True) for s in g1_suffixes()
+    ]:
         setup = G.setup_for(ctx, tokens)
         setup.prepare()
-        ours = setup.run_sessions("lossless", "ours")
-        peer = setup.run_sessions("mlx-lm", "mlx-lm")
-        _check(ours, tokens)
+        tail = "" if suffix == 1 else f" +{suffix}"
+        ours = setup.run_sessions("lossless" + tail, "ours", suffix=suffix)
+        peer = setup.run_sessions("mlx-lm" + tail, "mlx-lm", suffix=suffix)
+        _check(ours, tokens, suffix)
         samples = {
             COLD: setup.cold,
             WARM: [s.total_s for s in ours],
@@ -99,10 +108,11 @@ def run_g1(ctx: BenchContext) -> FigureResult:
             **_session_values("ours", ours),
             **_session_values("mlx-lm", peer),
         }
-        params = {"tokens": tokens, "mib": setup.kv_bytes / MIB, "staging": ours[0].staging}
+        params = {"tokens": tokens, "suffix": suffix, "mib": setup.kv_bytes / MIB}
+        params["staging"] = ours[0].staging
         roles = {COLD: "peer", WARM: "ours", PEER: "peer"}
-        rows.append(Row(f"llama8b {tokens}", params, samples, roles, values=values))
-    rows.sort(key=lambda r: r.params["tokens"])
+        rows.append(Row(f"llama8b {tokens}{tail}", params, samples, roles, values=values))
+    rows.sort(key=lambda r: (r.params["tokens"], r.params["suffix"]))
     return FigureResult(rows, notes=_notes(ctx))
 
 
@@ -147,6 +157,21 @@ def run_g2(ctx: BenchContext) -> FigureResult:
     return FigureResult(rows, notes=_notes(ctx))
 
 
+def g1_suffixes() -> tuple[int, ...]:
+    """G1's suffixes: 1, or those :data:`SUFFIX_ENV` names."""
+    named = os.environ.get(SUFFIX_ENV, "1")
+    try:
+        chosen = tuple(int(n) for n in named.split(",") if n.strip())
+    except ValueError:
+        chosen = ()
+    if not chosen or min(chosen) < 1:
+        raise ValueError(
+            f"[bench] {SUFFIX_ENV}={named!r}: expected token counts of 1 or more, "
+            f"comma-separated (1 is G1 as defined; 45 a new question after a restore)."
+        )
+    return chosen
+
+
 def lossy_policies() -> tuple[str, ...]:
     """G2's lossy policies: :data:`POLICIES`, or those :data:`POLICIES_ENV` names."""
     named = os.environ.get(POLICIES_ENV)
@@ -177,7 +202,7 @@ G1 = Figure(
     "warm TTFT from the store (fresh process, lossless) vs cold prefill, llama-8B shape",
     "the cold prefill (chunks of 2048); mlx-lm save_prompt_cache/load_prompt_cache + the "
     "same forward",
-    (at_most(RATIO, 0.5, unit=""),),
+    (at_most(RATIO, 0.5, where={"suffix": 1}, unit=""),),
     run_g1,
 )
 
