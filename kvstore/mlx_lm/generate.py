@@ -3,7 +3,10 @@
 The three calls a ``stream_generate`` user would otherwise write, in the right
 order: the longest known prefix is fetched, only the rest of the prompt is fed,
 and afterwards exactly the tokens the caches hold KV for (the prompt and the
-generated tokens fed back) are inserted, so the next turn reuses all of it.
+generated tokens fed back) are inserted, so the next turn reuses all of it. The
+model's few-query attention is routed as ``kvstore serve`` routes it
+(:func:`~kvstore.mlx_lm.attention.unfused_for_model`): on a CUDA GPU the rest of a
+fetched prompt is attended without building a cuDNN graph of its shape.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from typing import Any
 from mlx_lm.generate import GenerationResponse
 from mlx_lm.generate import stream_generate as mlx_lm_stream_generate
 
+from kvstore.mlx_lm.attention import unfused_for_model
 from kvstore.mlx_lm.families import held_tokens, token_ids
 from kvstore.mlx_lm.prompt_cache import StorePromptCache
 
@@ -45,6 +49,7 @@ def stream_generate(
         special = bos is None or not prompt.startswith(bos)  # as mlx-lm decides
         prompt = tokenizer.encode(prompt, add_special_tokens=special)
     tokens = token_ids(prompt, "stream_generate")
+    unfused_for_model(model)  # idempotent: a few dozen attribute reads after the first
     caches, rest = prompt_cache.fetch(tokens)
     generated: list[int] = []
     try:

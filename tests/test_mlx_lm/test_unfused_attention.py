@@ -73,3 +73,19 @@ def test_a_model_whose_modules_attend_otherwise_is_left_alone(load):
     import mlx.nn as nn
 
     assert unfused_for_model(nn.Sequential(nn.Linear(2, 2))) == []
+
+
+def test_stream_generate_routes_the_model_it_is_given(load, monkeypatch, tmp_path):
+    from kvstore.mlx_lm import StorePromptCache, stream_generate
+    from kvstore.store import open_store
+
+    model, tokenizer = load("qwen3")
+    module = sys.modules[type(model).__module__]
+    # As a fresh process has it (an earlier test may have routed it), put back afterwards.
+    monkeypatch.setattr(module, "scaled_dot_product_attention", base.scaled_dot_product_attention)
+    with open_store(f"lmdb://{tmp_path / 'store'}", block_size=16) as store:
+        cache = StorePromptCache(store, model)
+        out = list(stream_generate(model, tokenizer, "def f(x):", prompt_cache=cache, max_tokens=2))
+        cache.flush()
+    assert len(out) == 2
+    assert module.scaled_dot_product_attention.__wrapped__ is base.scaled_dot_product_attention
