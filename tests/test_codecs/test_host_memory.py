@@ -148,7 +148,7 @@ def test_a_restores_fresh_buffers_are_backed_by_huge_pages_only_when_asked():
     # arrays): asked, a fresh process's first restore faults 2 MiB pages.
     assert _huge_kib() == 0  # off by default: a fault may wait for compaction
     # Asked: 2 MiB pages, as many as the kernel has whole (most of the 32 MiB on a quiet
-    # machine; 14 of them once on a CI VM after the whole suite had fragmented memory).
+    # machine; 14 MiB once on a CI VM after the whole suite had fragmented its memory).
     assert _huge_kib(KVSTORE_HUGE_PAGES="1") >= 4 << 10
     assert _huge_kib(KVSTORE_HUGE_PAGES="1", KVSTORE_HOST_MALLOC="os") == 0
 
