@@ -21,6 +21,9 @@ B. The llama-8B-shaped reference model: a P-token prefix prefilled, then for eac
 C. mlx-lm's own llama model of the same shape (random weights), its suffix forwards
    (what ``kvstore serve`` runs), as mlx-lm has them and with
    ``kvstore.mlx_lm.attention.unfused_for_model``.
+D. (``--decode N``) N one-token decode steps after the prefix, caches growing by 256 rows
+   (cuDNN decodes, a graph per buffer size) and by 255 (MLX's vector kernel): each step's
+   pace, and the steps that cross into a new buffer size.
 """
 
 from __future__ import annotations
@@ -124,6 +127,43 @@ def logits_rows(
     return rows
 
 
+def decode_rows(model: Any, prompt: mx.array, steps: int, vocab: int) -> list[dict[str, Any]]:
+    """D: one-token steps after the prefix, on caches growing by 256 rows (MLX decodes a
+    buffer of 256 rows or more, a multiple of 256, with cuDNN: a graph per buffer size) and
+    by 255 (never a multiple: MLX's vector kernel). Each step timed; the steps that cross
+    into a new buffer size are reported apart."""
+    from kvstore.bench.figures.gpu_common import prefill
+
+    rows = []
+    for step in (256, 255):
+        caches = model.make_cache()
+        for c in caches:
+            c.step = step  # the instance's growth, shadowing the class's
+        prefill(model, prompt, caches)
+        token = mx.array([[1]])
+        times, crossing = [], []
+        for _ in range(steps):
+            grows = caches[0].offset % step == 0  # this step's row needs a larger buffer
+            t = timed(functools.partial(last_logits, model, token, caches))
+            (crossing if grows else times).append(t)
+        times.sort()
+        row = {
+            "step": step,
+            "median": times[len(times) // 2],
+            "p90": times[int(len(times) * 0.9)],
+            "max": times[-1],
+            "crossing": crossing,
+        }
+        rows.append(row)
+        print(
+            f"D growth {step}: step median {row['median']:.2f} ms, p90 {row['p90']:.2f}, "
+            f"max {row['max']:.2f}; at a new buffer size "
+            + ", ".join(f"{t:.1f}" for t in crossing),
+            flush=True,
+        )
+    return rows
+
+
 def suffix_rows(
     label: str,
     model: Any,
@@ -159,6 +199,9 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="the tiny stand-in (a CPU)")
     parser.add_argument("--out", default=None, help="also write the rows here as JSON")
     parser.add_argument("--max", type=int, default=None, help="UNFUSED_SCORES_MAX for B and C")
+    parser.add_argument(
+        "--decode", type=int, default=0, help="D: this many one-token steps after the prefix"
+    )
     args = parser.parse_args()
     suffixes = [int(s) for s in args.suffixes.split(",")]
     if args.max is not None:
@@ -190,6 +233,8 @@ def main() -> int:
     rows += suffix_rows("ours unfused", model, caches, args.prefix, shifted, vocab, "auto")
     out["B"] = rows
     out["logits"] = logits_rows(model, caches, args.prefix, [20, 100], vocab)
+    if args.decode:
+        out["D"] = decode_rows(model, prompt, args.decode, vocab)
     del model, caches
 
     from mlx_lm.models import llama
