@@ -124,8 +124,9 @@ def test_plain_op_attention_writes_the_stock_servers_text(stock, servers):
         assert chat_stream(b, messages)[0] == want
 
 
-def test_concurrent_requests_take_the_batched_path_and_reuse(stock, ours):
-    server = ours
+@pytest.mark.parametrize("name", ["a", "b"])  # b: attention by plain ops, batched too
+def test_concurrent_requests_take_the_batched_path_and_reuse(stock, servers, name):
+    server = servers[name]
     topics = ["paths", "json", "regular expressions", "sockets"]
     questions = [f"Question {i}: which module handles {w}?" for i, w in enumerate(topics)]
     chat(server, conversation("Warm the system prompt."), max_tokens=2)
