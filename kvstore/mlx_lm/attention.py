@@ -3,7 +3,7 @@
 
 mlx-lm's model modules attend through ``mlx_lm.models.base.scaled_dot_product_attention``,
 which each imports by name. On MLX's CUDA backend its fused kernel builds a cuDNN graph
-for every shape of queries and keys it has not run (~26 ms on an H100), and the suffix
+for every shape of queries and keys it has not run (26-37 ms on an H100), and the suffix
 a server prefills after a restored prefix has a new shape on nearly every request: a
 4096-token restore's 47-token suffix took 54.6 ms through the fused kernel against
 11.6 once its shape was built, and 35.8 by plain ops (an H100) (``tools/bench/gpu/shape_probe.py``).

@@ -49,7 +49,7 @@ def stream_generate(
         special = bos is None or not prompt.startswith(bos)  # as mlx-lm decides
         prompt = tokenizer.encode(prompt, add_special_tokens=special)
     tokens = token_ids(prompt, "stream_generate")
-    unfused_for_model(model)  # idempotent: a few dozen attribute reads after the first
+    unfused_for_model(model)  # idempotent; after the first call a lookup and a check
     caches, rest = prompt_cache.fetch(tokens)
     generated: list[int] = []
     try:

@@ -111,7 +111,6 @@ def unfused_attention(
 #: most :data:`UNFUSED_SCORES_MAX` scores a head, on MLX's CUDA backend), ``always``
 #: (calls of 2 queries or more, as many scores, on any backend) or ``never``.
 UNFUSED_ATTENTION = "KVSTORE_UNFUSED_ATTENTION"
-_UNFUSED_CHOICES = ("auto", "always", "never")
 #: The most scores (queries x keys) a head of a call attended by plain ops has: they are
 #: materialised, and past this they cost more than the fused kernel's graph build once.
 #: On an H100 (``tools/bench/gpu/shape_probe.py``, a llama-8B-shaped forward over a
@@ -139,18 +138,31 @@ def attends_unfused(n_queries: int, n_keys: int) -> bool:
     """
     if n_queries < 2 or n_queries * n_keys > UNFUSED_SCORES_MAX:
         return False
-    choice = os.environ.get(UNFUSED_ATTENTION, "auto")
+    choice = _route_choice(UNFUSED_ATTENTION, "on MLX's CUDA backend only")
     if choice == "auto":
         return n_queries >= 4 and default_is_cuda()
-    if choice == "always":
-        return True
-    if choice == "never":
-        return False
+    return choice == "always"
+
+
+#: The words :data:`UNFUSED_ATTENTION` and :data:`DEQUANTIZED_PREFILL` take.
+_ROUTE_CHOICES = ("auto", "always", "never")
+
+
+def _route_choice(name: str, auto: str) -> str:
+    """The route the environment variable ``name`` chooses (``auto`` when unset);
+    ``auto``: what the default does, for the error.
+
+    Raises:
+        KVStoreError: ``name`` is set to something else than one of :data:`_ROUTE_CHOICES`.
+    """
+    choice = os.environ.get(name, "auto")
+    if choice in _ROUTE_CHOICES:
+        return choice
     raise KVStoreError(
-        f"[attention] {UNFUSED_ATTENTION} must be one of {', '.join(_UNFUSED_CHOICES)}; "
-        f"got {choice!r}. Unset it for the default (auto: on MLX's CUDA backend only).",
+        f"[attention] {name} must be one of {', '.join(_ROUTE_CHOICES)}; got {choice!r}. "
+        f"Unset it for the default (auto: {auto}).",
         found=choice,
-        supported=_UNFUSED_CHOICES,
+        supported=_ROUTE_CHOICES,
     )
 
 
@@ -225,7 +237,6 @@ def dequantized_attention(
 #: ``auto`` (the default: calls of more than one query on MLX's CUDA backend),
 #: ``always`` (every call of more than one query) or ``never``.
 DEQUANTIZED_PREFILL = "KVSTORE_DEQUANTIZED_PREFILL"
-_DEQUANTIZED_PREFILL_CHOICES = ("auto", "always", "never")
 
 
 def dequantizes_queries(n_queries: int) -> bool:
@@ -241,7 +252,7 @@ def dequantizes_queries(n_queries: int) -> bool:
     """
     if n_queries <= 1:
         return False
-    choice = os.environ.get(DEQUANTIZED_PREFILL, "auto")
+    choice = _route_choice(DEQUANTIZED_PREFILL, "dequantized on MLX's CUDA backend only")
     if choice == "auto":
         # MLX 0.32.4's CUDA quantized_matmul raised "[quantized_matmul] No implementation
         # for problem shape: 2047x4095x128x32, transpose: true, ..." on a prefill chunk
@@ -252,17 +263,7 @@ def dequantizes_queries(n_queries: int) -> bool:
         # Dequantizing costs one pass over the rows per call, little beside many queries'
         # attention, and the fused kernel never materialises the scores.
         return default_is_cuda()
-    if choice == "always":
-        return True
-    if choice == "never":
-        return False
-    raise KVStoreError(
-        f"[attention] {DEQUANTIZED_PREFILL} must be one of "
-        f"{', '.join(_DEQUANTIZED_PREFILL_CHOICES)}; got {choice!r}. Unset it for the "
-        f"default (auto: dequantized on MLX's CUDA backend only).",
-        found=choice,
-        supported=_DEQUANTIZED_PREFILL_CHOICES,
-    )
+    return choice == "always"
 
 
 def packed_attention(
