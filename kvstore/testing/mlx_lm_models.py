@@ -194,14 +194,21 @@ def _write_tokenizer(path: Path) -> int:
 
 
 def write_model_dir(
-    path: str | Path, arch: str = "llama", seed: int = 0, *, scale: float = 0.15, **overrides: Any
+    path: str | Path,
+    arch: str = "llama",
+    seed: int = 0,
+    *,
+    scale: float = 0.15,
+    dtype: str | None = None,
+    **overrides: Any,
 ) -> Path:
     """Write the tiny ``arch`` model as an mlx-lm model directory at ``path``.
 
     The vocabulary is the tokenizer's (259 ids); ``overrides`` change the model
     args (``num_hidden_layers=4``...). Weights are drawn with standard deviation
     ``scale``: 0.15 makes the tiny llama write varied bytes (0.08 repeats one), so
-    a wrong cache shows in the text. Returns the directory.
+    a wrong cache shows in the text. ``dtype`` (``"bfloat16"``...): the weights' stored
+    type, float32 when not given. Returns the directory.
     """
     from mlx.utils import tree_flatten
 
@@ -213,6 +220,10 @@ def write_model_dir(
     model = build_mlx_lm_model(arch, seed, scale=scale, **config)
     config.update(extra)
     weights = dict(tree_flatten(model.parameters()))
+    if dtype is not None:
+        weights = {name: value.astype(getattr(mx, dtype)) for name, value in weights.items()}
     mx.save_safetensors(str(root / "model.safetensors"), weights)  # type: ignore[arg-type]
     (root / "config.json").write_text(json.dumps(config, indent=1))
+    del model, weights
+    mx.clear_cache()  # a GPU-sized model's buffers back to the device for its servers
     return root

@@ -46,6 +46,20 @@ SMALL = dict(
     head_dim=128,
     max_position_embeddings=16384,
 )
+#: The GPU figures' model (``kvstore.bench.figures.gpu_common.LLAMA8B``) on the byte-level
+#: tokenizer, bfloat16: where a new shape's cuDNN attention graph costs what a server pays.
+LLAMA8B = dict(
+    hidden_size=4096,
+    num_hidden_layers=32,
+    intermediate_size=14336,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    head_dim=128,
+    rope_theta=500000.0,
+    tie_word_embeddings=False,
+    max_position_embeddings=16384,
+)
+SHAPES = {"small": (SMALL, None, 0.15), "llama8b": (LLAMA8B, "bfloat16", 0.02)}
 
 
 def context_text(tokens: int) -> str:
@@ -118,6 +132,12 @@ def handoff_seconds(server: ServerProcess) -> list[float]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", help="an mlx-lm model directory (default: written here)")
+    parser.add_argument(
+        "--shape",
+        choices=sorted(SHAPES),
+        default="small",
+        help="the model written here when --model is not given (llama8b: ~15 GiB, a GPU's)",
+    )
     parser.add_argument("--context", type=int, default=4000, help="system prompt tokens")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--answer", type=int, default=16, help="turn 1 answer tokens")
@@ -125,7 +145,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     work = Path(tempfile.mkdtemp(prefix="kvstore-serve-ttft-"))
-    model = Path(args.model) if args.model else write_model_dir(work / "model", "llama", **SMALL)
+    if args.model:
+        model = Path(args.model)
+    else:
+        shape, dtype, scale = SHAPES[args.shape]
+        model = write_model_dir(work / "model", "llama", scale=scale, dtype=dtype, **shape)
     env = {"KVSTORE_CACHE_DIR": str(work / "digests")}
     blas = "OpenBLAS (preloaded)" if "openblas" in os.environ.get("LD_PRELOAD", "") else "bundled"
     system = context_text(args.context)
@@ -163,7 +187,8 @@ def main(argv: list[str] | None = None) -> int:
         results = {}
         for name, server in order if rep % 2 == 0 else order[::-1]:
             results[name] = ttft(server, turn2, 8)
-        assert results["stock"]["text"] == results["ours"]["text"], "turn 2 texts differ"
+        # Not asserted: `kvstore serve` may attend the new tokens by plain ops
+        # (KVSTORE_UNFUSED_ATTENTION), whose rounding can turn a near-tie; reported below.
         stock.stop()
         ours.stop()
         samples.append(
@@ -199,6 +224,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'server':44} {'TTFT':>9} {'cached_tokens':>14}")
     for label, key in rows:
         print(f"{label:44} {med(key) * 1e3:7.0f} ms {last[key]['cached_tokens']!s:>14}")
+    agree = sum(s["stock_restarted"]["text"] == s["ours_restarted"]["text"] for s in samples)
+    print(f"turn 2 texts equal to the stock server's in {agree} of {len(samples)} repeats")
     print(f"speed-up after a restart: {med('stock_restarted') / med('ours_restarted'):.1f}x")
     total = sum(s["save_handoff_s"][0] for s in samples)
     saves = sum(s["save_handoff_s"][1] for s in samples)

@@ -1,7 +1,7 @@
 """What a prompt length the process has not run before costs a forward, and where.
 
     python3 tools/bench/gpu/shape_probe.py [--prefix 4096] [--suffixes 7,19,45,100,230,600]
-                                           [--quick]
+                                           [--quick] [--decode N] [--ops] [--skip-c]
 
 A server's warm request restores a prefix of P tokens and prefills the S new ones; both
 P and S differ from one request to the next. ``tools/bench/results/gpu/warmup-h100``
@@ -24,6 +24,8 @@ C. mlx-lm's own llama model of the same shape (random weights), its suffix forwa
 D. (``--decode N``) N one-token decode steps after the prefix, caches growing by 256 rows
    (cuDNN decodes, a graph per buffer size) and by 255 (MLX's vector kernel): each step's
    pace, and the steps that cross into a new buffer size.
+E. (``--ops``) each op of a llama-8B layer and the head on S new rows, timed the first
+   time its shape runs and again: which op charges a new shape.
 """
 
 from __future__ import annotations
@@ -53,6 +55,28 @@ def broadcast(
     return (weights @ mx.expand_dims(values, 2)).reshape(B, n_q, L, D)
 
 
+def float32_weights(
+    queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask: Any
+) -> mx.array:
+    """``unfused_attention`` with the softmax weights kept float32 for the second matmul
+    (the values cast up; TF32 on the device): nearer the float32 result, at what cost."""
+    from kvstore.model.attention import unfused_attention
+
+    out = unfused_attention(queries, keys, values.astype(mx.float32), scale, mask)
+    return out.astype(values.dtype)
+
+
+def reference(
+    queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask: Any
+) -> mx.array:
+    """Float32 attention of the same inputs on the CPU (no TF32): the yardstick."""
+    with mx.stream(mx.cpu):
+        f32 = [a.astype(mx.float32) for a in (queries, keys, values)]
+        out = broadcast(*f32, scale, mask)
+        mx.eval(out)
+    return out
+
+
 def fused(queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask: Any) -> mx.array:
     return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
 
@@ -73,6 +97,7 @@ def part_a(shapes: list[tuple[int, int]], out: dict[str, Any]) -> None:
         ("fused", fused),
         ("unfused", unfused_attention),
         ("broadcast", broadcast),
+        ("f32weights", float32_weights),
     ):
         for S, P in shapes:
             T = P + S
@@ -86,12 +111,19 @@ def part_a(shapes: list[tuple[int, int]], out: dict[str, Any]) -> None:
             first, again = timed(call), timed(call)
             # How far from the fused kernel's output, relative to its largest value.
             want = fused(q, ks, vs, 128**-0.5, "causal").astype(mx.float32)
-            off = mx.abs(call().astype(mx.float32) - want).max() / mx.abs(want).max()
+            got = call().astype(mx.float32)
+            off = mx.abs(got - want).max() / mx.abs(want).max()
+            exact = reference(q, ks, vs, 128**-0.5, "causal")
+            scale = mx.abs(exact).max()
+            off32 = (mx.abs(got - exact).max() / scale).item()
+            rounded = exact.astype(mx.bfloat16).astype(mx.float32)
+            floor = (mx.abs(rounded - exact).max() / scale).item()
             row = {"attend": name, "S": S, "P": P, "first": first, "again": again}
-            rows.append({**row, "off": off.item()})
+            rows.append({**row, "off": off.item(), "off_f32": off32, "floor": floor})
             print(
-                f"A {name:9s} S={S:5d} P={P:5d}: first {first:8.2f} ms, again {again:7.2f} ms"
-                f" (off the fused output by {off.item():.2e} of its largest)",
+                f"A {name:10s} S={S:5d} P={P:5d}: first {first:8.2f} ms, again {again:7.2f} ms"
+                f" (off the fused output by {off.item():.2e} of its largest, off float32 by"
+                f" {off32:.2e}, bfloat16 floor {floor:.2e})",
                 flush=True,
             )
     out["A"] = rows
@@ -164,6 +196,74 @@ def decode_rows(model: Any, prompt: mx.array, steps: int, vocab: int) -> list[di
     return rows
 
 
+def layer_ops(
+    w: dict[str, mx.array],
+    norm: mx.array,
+    k_buf: mx.array,
+    v_buf: mx.array,
+    x: mx.array,
+    q: mx.array,
+    g: mx.array,
+    prefix: int,
+) -> dict[str, Any]:
+    """E's ops on one suffix's rows ``x`` (hidden), ``q`` (queries), ``g`` (MLP)."""
+    import mlx.nn as nn
+
+    from kvstore.model.attention import unfused_attention
+
+    T = prefix + x.shape[1]
+    return {
+        "rms_norm": lambda: mx.fast.rms_norm(x, norm, 1e-5),
+        "q_proj": lambda: x @ w["q"].T,
+        "k_proj": lambda: x @ w["kv"].T,
+        "gate_proj": lambda: x @ w["up"].T,
+        "down_proj": lambda: g @ w["down"].T,
+        "rope": lambda: mx.fast.rope(
+            q, 128, traditional=False, base=500000.0, scale=1.0, offset=prefix
+        ),
+        "silu_mul": lambda: nn.silu(g) * g,
+        "cache_write": lambda: k_buf.at[:, :, prefix:T].add(0),  # a slice update
+        "attention": lambda: unfused_attention(
+            q, k_buf[:, :, :T], v_buf[:, :, :T], 128**-0.5, "causal"
+        ),
+        "head_last": lambda: x[:, -1:] @ w["head"].T,
+        "head_all": lambda: x @ w["head"].T,
+    }
+
+
+def op_rows(suffixes: list[int], prefix: int) -> list[dict[str, Any]]:
+    """E: the ops of one llama-8B layer (and the head) on S new rows, each timed the first
+    time its shape runs and again: which of them charges a new shape."""
+
+    def weight(rows: int, cols: int) -> mx.array:
+        return (0.02 * mx.random.normal((rows, cols))).astype(mx.bfloat16)
+
+    w = {"q": weight(4096, 4096), "kv": weight(1024, 4096), "up": weight(14336, 4096)}
+    w["down"], w["head"] = weight(4096, 14336), weight(128256, 4096)
+    norm = mx.ones((4096,), dtype=mx.bfloat16)
+    room = (prefix + max(suffixes) + 255) // 256 * 256
+    k_buf = mx.random.normal((1, 8, room, 128)).astype(mx.bfloat16)
+    v_buf = mx.random.normal((1, 8, room, 128)).astype(mx.bfloat16)
+    mx.eval(list(w.values()), norm, k_buf, v_buf)
+    rows = []
+    for S in suffixes:
+        x = (0.1 * mx.random.normal((1, S, 4096))).astype(mx.bfloat16)
+        q = mx.random.normal((1, 32, S, 128)).astype(mx.bfloat16)
+        g = mx.random.normal((1, S, 14336)).astype(mx.bfloat16)
+        mx.eval(x, q, g)
+        ops = layer_ops(w, norm, k_buf, v_buf, x, q, g, prefix)
+        row: dict[str, Any] = {"S": S}
+        for name, op in ops.items():
+            row[name] = (round(timed(op), 3), round(timed(op), 3))
+        rows.append(row)
+        print(
+            f"E S={S:5d}: "
+            + ", ".join(f"{n} {a:.2f}/{b:.2f}" for n, (a, b) in list(row.items())[1:]),
+            flush=True,
+        )
+    return rows
+
+
 def suffix_rows(
     label: str,
     model: Any,
@@ -202,6 +302,10 @@ def main() -> int:
     parser.add_argument(
         "--decode", type=int, default=0, help="D: this many one-token steps after the prefix"
     )
+    parser.add_argument(
+        "--ops", action="store_true", help="E: a layer's ops timed on new shapes one by one"
+    )
+    parser.add_argument("--skip-c", action="store_true", help="leave out C (mlx-lm's model)")
     args = parser.parse_args()
     suffixes = [int(s) for s in args.suffixes.split(",")]
     if args.max is not None:
@@ -235,7 +339,14 @@ def main() -> int:
     out["logits"] = logits_rows(model, caches, args.prefix, [20, 100], vocab)
     if args.decode:
         out["D"] = decode_rows(model, prompt, args.decode, vocab)
+    if args.ops:
+        out["E"] = op_rows([s + 5 for s in suffixes], args.prefix)
     del model, caches
+    if args.skip_c:
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(out, f, indent=1)
+        return 0
 
     from mlx_lm.models import llama
     from mlx_lm.models.cache import make_prompt_cache
