@@ -80,12 +80,12 @@ def unfused_attention(
 
     The query heads that share a key/value head are folded into its rows (``[B,
     kv_heads, repeats * L, D]``), so the keys and values are read as they are, never
-    broadcast to every query head. The scores and their softmax are float32 and the
-    weights take the values' dtype for the second matmul, as a fused kernel keeps them
-    (scores rounded to bfloat16 were off cuDNN's output by ~1% of its largest value on
-    an H100). ``mask``: ``None``, ``"causal"`` (query ``i`` sees the keys up to
-    ``T - L + i``, as the fused kernel's bottom-right mask), or an array that broadcasts
-    to ``[B, query heads, L, T]``, boolean (True: attended) or additive.
+    broadcast to every query head. The scores, their softmax and the weighted sum are
+    float32, the output the values' dtype (scores rounded to bfloat16 were off cuDNN's
+    output by ~1% of its largest value on an H100). ``mask``: ``None``, ``"causal"``
+    (query ``i`` sees the keys up to ``T - L + i``, as the fused kernel's bottom-right
+    mask), or an array that broadcasts to ``[B, query heads, L, T]``, boolean (True:
+    attended) or additive.
     """
     B, n_q, L, D = queries.shape
     n_kv, T = keys.shape[-3], keys.shape[-2]
@@ -102,8 +102,11 @@ def unfused_attention(
             scores = mx.where(mask, scores, mx.finfo(mx.float32).min)
         else:
             scores = scores + mask
-    weights = mx.softmax(scores, axis=-1).astype(values.dtype)
-    return (weights @ values).reshape(B, n_q, L, values.shape[-1])
+    # The weights stay float32 for the second matmul (TF32 on a CUDA device): rounded to
+    # bfloat16 they put the output at 1.5-2x its own rounding error off float32
+    # attention; so it is at that floor (tools/bench/gpu/shape_probe.py, part A).
+    out = mx.softmax(scores, axis=-1) @ values.astype(mx.float32)
+    return out.astype(values.dtype).reshape(B, n_q, L, values.shape[-1])
 
 
 #: The environment variable choosing when dense attention runs by plain ops

@@ -73,8 +73,9 @@ def test_values_of_another_width_and_bfloat16():
     got = unfused_attention(q, k, v, SCALE, "causal")
     assert got.shape == (1, 8, 9, 32)
     assert mx.allclose(got, by_definition(q, k, v, create_causal_mask(9, 21)), atol=1e-5)
-    # bfloat16: the scores and softmax in float32, as a fused GPU kernel keeps them;
-    # nearer the float32 result than MLX's CPU kernel, which rounds the scores.
+    # bfloat16: the scores, softmax and weighted sum in float32, so the output is off
+    # the float32 result by its own rounding to bfloat16; MLX's CPU kernel, which rounds
+    # the scores, is further off.
     exact = [x.astype(mx.bfloat16).astype(mx.float32) for x in qkv(60, 200)]
     want = by_definition(*exact, create_causal_mask(60, 140))
     q, k, v = (x.astype(mx.bfloat16) for x in exact)
@@ -83,7 +84,8 @@ def test_values_of_another_width_and_bfloat16():
     ours, kernels = (
         mx.abs(x.astype(mx.float32) - want).max().item() for x in (got, fused(q, k, v, "causal"))
     )
-    assert ours <= 4e-3 and ours < kernels, (ours, kernels)
+    floor = mx.abs(want.astype(mx.bfloat16).astype(mx.float32) - want).max().item()
+    assert ours <= floor * 1.01 and ours < kernels, (ours, floor, kernels)
 
 
 def test_which_calls_take_plain_ops(monkeypatch):

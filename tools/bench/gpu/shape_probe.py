@@ -55,15 +55,20 @@ def broadcast(
     return (weights @ mx.expand_dims(values, 2)).reshape(B, n_q, L, D)
 
 
-def float32_weights(
+def bfloat16_weights(
     queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask: Any
 ) -> mx.array:
-    """``unfused_attention`` with the softmax weights kept float32 for the second matmul
-    (the values cast up; TF32 on the device): nearer the float32 result, at what cost."""
-    from kvstore.model.attention import unfused_attention
-
-    out = unfused_attention(queries, keys, values.astype(mx.float32), scale, mask)
-    return out.astype(values.dtype)
+    """The plain ops as first landed: the softmax weights rounded to the values' dtype for
+    the second matmul (1.5-2x the output's own rounding error off float32 attention)."""
+    B, n_q, L, D = queries.shape
+    n_kv, T = keys.shape[-3], keys.shape[-2]
+    repeats = n_q // n_kv
+    folded = (queries.astype(mx.float32) * scale).reshape(B, n_kv, repeats * L, D)
+    scores = folded @ keys.astype(mx.float32).swapaxes(-1, -2)
+    rows = mx.arange(repeats * L) % L + (T - L)
+    scores = mx.where(rows[:, None] >= mx.arange(T)[None], scores, mx.finfo(mx.float32).min)
+    weights = mx.softmax(scores, axis=-1).astype(values.dtype)
+    return (weights @ values).reshape(B, n_q, L, values.shape[-1])
 
 
 def reference(
@@ -97,7 +102,7 @@ def part_a(shapes: list[tuple[int, int]], out: dict[str, Any]) -> None:
         ("fused", fused),
         ("unfused", unfused_attention),
         ("broadcast", broadcast),
-        ("f32weights", float32_weights),
+        ("bf16weights", bfloat16_weights),
     ):
         for S, P in shapes:
             T = P + S
