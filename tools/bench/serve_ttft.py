@@ -34,6 +34,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from kvstore.bench.figures.gpu_common import LLAMA8B as GPU_LLAMA8B
 from kvstore.testing.mlx_lm_models import write_model_dir
 from kvstore.testing.serve_processes import ServerProcess
 
@@ -46,19 +47,12 @@ SMALL = dict(
     head_dim=128,
     max_position_embeddings=16384,
 )
-#: The GPU figures' model (``kvstore.bench.figures.gpu_common.LLAMA8B``) on the byte-level
-#: tokenizer, bfloat16: where a new shape's cuDNN attention graph costs what a server pays.
-LLAMA8B = dict(
-    hidden_size=4096,
-    num_hidden_layers=32,
-    intermediate_size=14336,
-    num_attention_heads=32,
-    num_key_value_heads=8,
-    head_dim=128,
-    rope_theta=500000.0,
-    tie_word_embeddings=False,
-    max_position_embeddings=16384,
-)
+#: The GPU figures' model on the byte-level tokenizer (its vocabulary), bfloat16: where a
+#: new shape's cuDNN attention graph costs what a server pays.
+LLAMA8B = {
+    **{k: v for k, v in GPU_LLAMA8B.items() if k not in ("model_type", "vocab_size")},
+    "max_position_embeddings": 16384,
+}
 SHAPES = {"small": (SMALL, None, 0.15), "llama8b": (LLAMA8B, "bfloat16", 0.02)}
 
 
