@@ -159,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
         ServerProcess.start_all(stock, ours)
         first = {"stock": ttft(stock, turn1, args.answer), "ours": ttft(ours, turn1, args.answer)}
         answer = first["ours"]["text"]
-        assert answer == first["stock"]["text"], "the servers disagree on turn 1"
+        # Not asserted either: see turn 2.
         turn2 = [
             *turn1,
             {"role": "assistant", "content": answer},
