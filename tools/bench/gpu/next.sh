@@ -85,6 +85,12 @@
 #                took 339 s at 8e1beb9, g2q8 279)
 # STEP g3ab      disk_probe.py and lmdb_put.py at 512 MiB, then G3 at 4096 tokens with the
 #                commit's writeback pump on and off (KVSTORE_COMMIT_WRITEBACK=1/0)
+# STEP serve8b   tools/bench/serve_ttft.py with the llama-8B shape (written once to
+#                /tmp/m8b, 40 s), 3 repeats under KVSTORE_UNFUSED_ATTENTION=never, then
+#                auto (MODES="auto" for one): ~2 x 240 s (one repeat took 80-140 s); needs
+#                prometheus_client (prepare.sh with GPU_EXTRA_WHEELS="prometheus_client==0.26.0")
+# STEP firstpick shape_probe.py parts B and E as they are, then with CUDA_MODULE_LOADING=EAGER:
+#                is a new suffix length's remaining ~20 ms cuBLAS loading kernels? ~200 s
 #
 # Results under OUT; copy them to tools/bench/results/gpu/<rev>/ to commit.
 set -uo pipefail
@@ -209,5 +215,22 @@ case "$step" in
     esac
     KVSTORE_BENCH_G2_POLICIES=$policies KVSTORE_BENCH_GPU_TOKENS=4096 KVSTORE_BENCH_GIT=$rev \
       CHECK_TIMEOUT=1 BENCH_TIMEOUT=540 REPEATS=5 bash tools/bench/gpu/run.sh G2 "$out/$step" ;;
-  *) echo "next.sh: unknown step $step (ab, profiles, probe, graphs, stage, spans, model, parent, rht, floor, g1-4k, g1-16k, g2a, g2q8, g2b, g2c, g2bars, g3ab, copy, early, reader, alike, fwdgraphs)"; exit 2 ;;
+  serve8b)
+    [ -d /tmp/m8b ] || python3 -c "
+import sys; sys.path.insert(0, 'tools/bench')
+from serve_ttft import LLAMA8B
+from kvstore.testing.mlx_lm_models import write_model_dir
+write_model_dir('/tmp/m8b', 'llama', scale=0.02, dtype='bfloat16', **LLAMA8B)"
+    for mode in ${MODES:-never auto}; do
+      KVSTORE_UNFUSED_ATTENTION=$mode timeout 270 python3 tools/bench/serve_ttft.py --model /tmp/m8b \
+        --context 4000 --repeats 3 --json "$out/serve8b-$mode.json" > "$out/serve8b-$mode.txt" 2>&1
+      tail -8 "$out/serve8b-$mode.txt"
+    done ;;
+  firstpick)
+    for loading in LAZY EAGER; do
+      CUDA_MODULE_LOADING=$loading timeout 250 python3 tools/bench/gpu/shape_probe.py --prefix 4096 \
+        --suffixes 7,19,45,100,250 --ops --skip-c > "$out/firstpick-$loading.txt" 2>&1
+      grep -E "^(ours|E )" "$out/firstpick-$loading.txt"
+    done ;;
+  *) echo "next.sh: unknown step $step (serve8b, firstpick, ab, profiles, probe, graphs, stage, spans, model, parent, rht, floor, g1-4k, g1-16k, g2a, g2q8, g2b, g2c, g2bars, g3ab, copy, early, reader, alike, fwdgraphs)"; exit 2 ;;
 esac
