@@ -24,8 +24,8 @@ C. mlx-lm's own llama model of the same shape (random weights), its suffix forwa
 D. (``--decode N``) N one-token decode steps after the prefix, caches growing by 256 rows
    (cuDNN decodes, a graph per buffer size) and by 255 (MLX's vector kernel): each step's
    pace, and the steps that cross into a new buffer size.
-E. (``--ops``) each op of a llama-8B layer and the head on S new rows, timed the first
-   time its shape runs and again: which op charges a new shape.
+E. (``--ops``) each op of a layer (llama-8B's, or the tiny stand-in's) and the head on S
+   new rows, timed the first time its shape runs and again: which op charges a new shape.
 """
 
 from __future__ import annotations
@@ -104,12 +104,15 @@ def part_a(shapes: list[tuple[int, int]], out: dict[str, Any]) -> None:
         ("broadcast", broadcast),
         ("bf16weights", bfloat16_weights),
     ):
-        for S, P in shapes:
+        for index, (S, P) in enumerate(shapes):
             T = P + S
             room = (T + 255) // 256 * 256
-            k = mx.random.normal((1, 8, room, 128)).astype(mx.bfloat16)
-            v = mx.random.normal((1, 8, room, 128)).astype(mx.bfloat16)
-            q = mx.random.normal((1, 32, S, 128)).astype(mx.bfloat16)
+            # The same inputs of a shape for every form, so their errors compare.
+            keys = mx.random.split(mx.random.key(index), 3)
+            k, v = (
+                mx.random.normal((1, 8, room, 128), key=key).astype(mx.bfloat16) for key in keys[:2]
+            )
+            q = mx.random.normal((1, 32, S, 128), key=keys[2]).astype(mx.bfloat16)
             mx.eval(k, v, q)
             ks, vs = k[:, :, :T], v[:, :, :T]
             call = functools.partial(attend, q, ks, vs, 128**-0.5, "causal")
@@ -216,7 +219,7 @@ def layer_ops(
 
     from kvstore.model.attention import unfused_attention
 
-    T = prefix + x.shape[1]
+    T, dim = prefix + x.shape[1], q.shape[-1]
     return {
         "rms_norm": lambda: mx.fast.rms_norm(x, norm, 1e-5),
         "q_proj": lambda: x @ w["q"].T,
@@ -224,37 +227,44 @@ def layer_ops(
         "gate_proj": lambda: x @ w["up"].T,
         "down_proj": lambda: g @ w["down"].T,
         "rope": lambda: mx.fast.rope(
-            q, 128, traditional=False, base=500000.0, scale=1.0, offset=prefix
+            q, dim, traditional=False, base=500000.0, scale=1.0, offset=prefix
         ),
         "silu_mul": lambda: nn.silu(g) * g,
         "cache_write": lambda: k_buf.at[:, :, prefix:T].add(0),  # a slice update
         "attention": lambda: unfused_attention(
-            q, k_buf[:, :, :T], v_buf[:, :, :T], 128**-0.5, "causal"
+            q, k_buf[:, :, :T], v_buf[:, :, :T], dim**-0.5, "causal"
         ),
         "head_last": lambda: x[:, -1:] @ w["head"].T,
         "head_all": lambda: x @ w["head"].T,
     }
 
 
-def op_rows(suffixes: list[int], prefix: int) -> list[dict[str, Any]]:
-    """E: the ops of one llama-8B layer (and the head) on S new rows, each timed the first
-    time its shape runs and again: which of them charges a new shape."""
+def op_rows(config: dict[str, Any], suffixes: list[int], prefix: int) -> list[dict[str, Any]]:
+    """E: the ops of one layer of ``config``'s shape (and the head) on S new rows, each
+    timed the first time its shape runs and again: which of them charges a new shape."""
 
     def weight(rows: int, cols: int) -> mx.array:
         return (0.02 * mx.random.normal((rows, cols))).astype(mx.bfloat16)
 
-    w = {"q": weight(4096, 4096), "kv": weight(1024, 4096), "up": weight(14336, 4096)}
-    w["down"], w["head"] = weight(4096, 14336), weight(128256, 4096)
-    norm = mx.ones((4096,), dtype=mx.bfloat16)
+    hidden, inner = config["hidden_size"], config["intermediate_size"]
+    heads, kv_heads, dim = (
+        config["num_attention_heads"],
+        config["num_key_value_heads"],
+        config["head_dim"],
+    )
+    w = {"q": weight(heads * dim, hidden), "kv": weight(kv_heads * dim, hidden)}
+    w["up"], w["down"] = weight(inner, hidden), weight(hidden, inner)
+    w["head"] = weight(config["vocab_size"], hidden)
+    norm = mx.ones((hidden,), dtype=mx.bfloat16)
     room = (prefix + max(suffixes) + 255) // 256 * 256
-    k_buf = mx.random.normal((1, 8, room, 128)).astype(mx.bfloat16)
-    v_buf = mx.random.normal((1, 8, room, 128)).astype(mx.bfloat16)
+    k_buf = mx.random.normal((1, kv_heads, room, dim)).astype(mx.bfloat16)
+    v_buf = mx.random.normal((1, kv_heads, room, dim)).astype(mx.bfloat16)
     mx.eval(list(w.values()), norm, k_buf, v_buf)
     rows = []
     for S in suffixes:
-        x = (0.1 * mx.random.normal((1, S, 4096))).astype(mx.bfloat16)
-        q = mx.random.normal((1, 32, S, 128)).astype(mx.bfloat16)
-        g = mx.random.normal((1, S, 14336)).astype(mx.bfloat16)
+        x = (0.1 * mx.random.normal((1, S, hidden))).astype(mx.bfloat16)
+        q = mx.random.normal((1, heads, S, dim)).astype(mx.bfloat16)
+        g = mx.random.normal((1, S, inner)).astype(mx.bfloat16)
         mx.eval(x, q, g)
         ops = layer_ops(w, norm, k_buf, v_buf, x, q, g, prefix)
         row: dict[str, Any] = {"S": S}
@@ -313,6 +323,7 @@ def main() -> int:
     parser.add_argument("--skip-c", action="store_true", help="leave out C (mlx-lm's model)")
     args = parser.parse_args()
     suffixes = [int(s) for s in args.suffixes.split(",")]
+    mx.random.seed(0)  # the same inputs every run
     if args.max is not None:
         from kvstore.model import attention as attention_module
 
@@ -345,7 +356,7 @@ def main() -> int:
     if args.decode:
         out["D"] = decode_rows(model, prompt, args.decode, vocab)
     if args.ops:
-        out["E"] = op_rows([s + 5 for s in suffixes], args.prefix)
+        out["E"] = op_rows(config, [s + 5 for s in suffixes], args.prefix)
     del model, caches
     if args.skip_c:
         if args.out:
