@@ -69,6 +69,11 @@ class ServeState:
         #: Each model path loaded and warmed up (a draft model's with " (draft)"): how
         #: long its warm-up took (None: failed).
         self.warmups: dict[str, float | None] = {}
+        #: Each model path loaded: seconds mlx-lm's load took (``weights``: reading and
+        #: evaluating them, the draft's too) and binding it to the store (``bind``: its
+        #: fingerprint, from cached digests after a first start). A first request waits
+        #: for both, and the warm-up, when it comes before they are done.
+        self.loads: dict[str, dict[str, float]] = {}
         #: The mlx-lm modules whose few-query attention goes by plain ops where
         #: ``KVSTORE_UNFUSED_ATTENTION`` says so (:mod:`kvstore.mlx_lm.attention`).
         self.unfused_attention: set[str] = set()
@@ -86,6 +91,7 @@ class ServeState:
         out["server"] = {
             "mlx_lm": mlx_lm_version(),
             "uptime_s": time.time() - self.started,
+            "load_s": {path: dict(took) for path, took in self.loads.items()},
             "warmup_s": dict(self.warmups),
             "unfused_attention": {
                 "modules": sorted(self.unfused_attention),
@@ -108,7 +114,9 @@ class StoreModelProvider(mlx_server.ModelProvider):  # type: ignore[misc]  # mlx
     def _load(
         self, model_path: str, adapter_path: str | None = None, draft_model_path: str | None = None
     ) -> None:
+        start = time.perf_counter()
         super()._load(model_path, adapter_path, draft_model_path)
+        loaded = time.perf_counter()
         for model in (self.model, self.draft_model):
             if model is not None:  # before the warm-up, which then builds what they run
                 self._state.unfused_attention.update(unfused_for_model(model))
@@ -123,6 +131,14 @@ class StoreModelProvider(mlx_server.ModelProvider):  # type: ignore[misc]  # mlx
             )
         except KVStoreError as exc:  # unnamed: it stays in memory, like mlx-lm's own cache
             log.warning("kvstore: %s is served from memory only: %s", model_path, exc)
+        took = {"weights": loaded - start, "bind": time.perf_counter() - loaded}
+        self._state.loads[model_path] = took
+        log.info(
+            "kvstore: %s loaded in %.2f s, bound to the store in %.2f s",
+            model_path,
+            took["weights"],
+            took["bind"],
+        )
         if not self._warm:
             return
         cli = self.cli_args

@@ -84,6 +84,12 @@ def test_each_model_is_warmed_up_as_it_loads_and_the_warm_up_saves_nothing(serve
         assert time.monotonic() < deadline, "the hybrid model never loaded"
         time.sleep(0.2)
     assert servers["hybrid"].stats()["server"]["warmup_s"] == {}  # ... not warmed: --no-warmup
+    # What a first request waited for besides the warm-up: the load and the binding, of
+    # every server's model (one entry a model path; a draft loads within its model's).
+    for name in ("a", "b", "draft", "hybrid"):
+        ((path, took),) = servers[name].stats()["server"]["load_s"].items()
+        assert sorted(took) == ["bind", "weights"] and took["weights"] > 0 < took["bind"]
+        assert path == next(iter(servers[name].stats()["server"]["warmup_s"]), path)
 
 
 def test_the_models_attention_routes_few_queries_through_plain_ops_as_set(servers):

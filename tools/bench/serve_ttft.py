@@ -123,6 +123,14 @@ def handoff_seconds(server: ServerProcess) -> list[float]:
     return [values.get("sum", 0.0), values.get("count", 0.0)]
 
 
+def startup(server: ServerProcess) -> dict[str, float | None]:
+    """Seconds ``kvstore serve`` spent making its model ready (``/v1/kvstore/stats``):
+    mlx-lm's load, the store's binding (the fingerprint) and the warm-up."""
+    stats = server.stats()["server"]
+    (load,) = stats["load_s"].values()  # one model
+    return {**load, "warmup": next(iter(stats["warmup_s"].values()), None)}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", help="an mlx-lm model directory (default: written here)")
@@ -168,6 +176,7 @@ def main(argv: list[str] | None = None) -> int:
             {"role": "user", "content": "And the second one?"},
         ]
         warm_stock = ttft(stock, turn2, 1)  # stock, no restart: its in-memory cache
+        started = {"first start": startup(ours)}
         ours.wait_saved()
         handoff = handoff_seconds(ours)
         stock.stop()
@@ -179,6 +188,7 @@ def main(argv: list[str] | None = None) -> int:
         # a short unrelated request first, then turn 2, servers alternating.
         for server in (stock, ours):
             ttft(server, [{"role": "user", "content": "hi"}], 1)
+        started["restart"] = startup(ours)
         order = [("stock", stock), ("ours", ours)]
         results = {}
         for name, server in order if rep % 2 == 0 else order[::-1]:
@@ -193,6 +203,7 @@ def main(argv: list[str] | None = None) -> int:
                 "stock_restarted": results["stock"],
                 "ours_restarted": results["ours"],
                 "save_handoff_s": handoff,
+                "ours_startup_s": started,
             }
         )
         print(
@@ -232,6 +243,13 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"saves: the generating thread gave each {total / saves * 1e3:.2f} ms on average "
             f"(kvstore_save_handoff_seconds, {saves:.0f} saves of turn 1)"
+        )
+    for when in ("first start", "restart"):
+        parts = last["ours_startup_s"][when]
+        print(
+            f"kvstore serve's model at its {when}: "
+            + ", ".join(f"{k} {v:.2f} s" for k, v in parts.items() if v is not None)
+            + " (before its first request could run; last repeat)"
         )
     if args.json:
         Path(args.json).write_text(json.dumps({"blas": blas, "samples": samples}, indent=1))
