@@ -131,13 +131,13 @@ class StoreModelProvider(mlx_server.ModelProvider):  # type: ignore[misc]  # mlx
             )
         except KVStoreError as exc:  # unnamed: it stays in memory, like mlx-lm's own cache
             log.warning("kvstore: %s is served from memory only: %s", model_path, exc)
-        took = {"weights": loaded - start, "bind": time.perf_counter() - loaded}
-        self._state.loads[model_path] = took
+        phases = {"weights": loaded - start, "bind": time.perf_counter() - loaded}
+        self._state.loads[model_path] = phases
         log.info(
             "kvstore: %s loaded in %.2f s, bound to the store in %.2f s",
             model_path,
-            took["weights"],
-            took["bind"],
+            phases["weights"],
+            phases["bind"],
         )
         if not self._warm:
             return
