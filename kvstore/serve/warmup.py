@@ -26,7 +26,7 @@ import mlx.core as mx
 
 from kvstore.codecs import cuda_pages
 
-__all__ = ["PREFILL_TOKENS", "warm_up"]
+__all__ = ["PREFILL_TOKENS", "build_kernels", "warm_up"]
 
 log = logging.getLogger("kvstore.serve")
 
@@ -42,27 +42,37 @@ def warm_up(
     kv_bits: int | None = None,
     kv_group_size: int = 64,
 ) -> float | None:
-    """Run a prefill of ``tokens`` tokens (token id 0) and one decode step of ``model``
-    on fresh caches, evaluated; with ``kv_bits`` (the server's ``--kv-bits``)
-    one more step on those caches quantized as mlx-lm quantizes them, so that attention
-    over packed rows is built too. The seconds it took, or ``None`` (logged) when the
+    """:func:`build_kernels`, timed: the seconds it took, or ``None`` (logged) when the
     model's forward failed: a request then meets the same error, with its own message,
     and the server stays up."""
-    from mlx_lm.generate import maybe_quantize_kv_cache
-    from mlx_lm.models.cache import make_prompt_cache
-
     start = time.perf_counter()
     try:
-        caches = make_prompt_cache(model)
-        logits = model(mx.zeros((1, tokens), mx.int32), cache=caches)
-        mx.eval(logits)
-        mx.eval(model(mx.zeros((1, 1), mx.int32), cache=caches))
-        if kv_bits is not None:
-            maybe_quantize_kv_cache(caches, 0, kv_group_size, kv_bits)
-            mx.eval(model(mx.zeros((1, 1), mx.int32), cache=caches))
+        build_kernels(model, tokens, kv_bits=kv_bits, kv_group_size=kv_group_size)
     except Exception as exc:  # noqa: BLE001 - a warm-up never stops the server
         log.warning("kvstore: the model's warm-up failed (%s: %s)", type(exc).__name__, exc)
         return None
     took = time.perf_counter() - start
     cuda_pages.proven()  # starts the page route's trial; False at once without CUDA
     return took
+
+
+def build_kernels(
+    model: Any,
+    tokens: int = PREFILL_TOKENS,
+    *,
+    kv_bits: int | None = None,
+    kv_group_size: int = 64,
+) -> None:
+    """Run a prefill of ``tokens`` tokens (token id 0) and one decode step of ``model``
+    on fresh caches, evaluated; with ``kv_bits`` (the server's ``--kv-bits``)
+    one more step on those caches quantized as mlx-lm quantizes them, so that attention
+    over packed rows is built too. Raises what the model's forward raises."""
+    from mlx_lm.generate import maybe_quantize_kv_cache
+    from mlx_lm.models.cache import make_prompt_cache
+
+    caches = make_prompt_cache(model)
+    mx.eval(model(mx.zeros((1, tokens), mx.int32), cache=caches))
+    mx.eval(model(mx.zeros((1, 1), mx.int32), cache=caches))
+    if kv_bits is not None:
+        maybe_quantize_kv_cache(caches, 0, kv_group_size, kv_bits)
+        mx.eval(model(mx.zeros((1, 1), mx.int32), cache=caches))

@@ -46,16 +46,18 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     n = len(prompt)
     suffix = int(spec.get("suffix", 1))
     last = mx.array(prompt[None, -suffix:].astype(np.int32))
-    caches = model.make_cache()
     if suffix == 1:  # Warm-up: the timed forward's kernels at its length, on zeros.
+        caches = model.make_cache()
         for cache in caches:
             shape = (1, spec["config"]["num_key_value_heads"], n - 1, spec["config"]["head_dim"])
             dtype = model.model.embed_tokens.weight.dtype
             cache.update_and_fetch(mx.zeros(shape, dtype), mx.zeros(shape, dtype))
         mx.eval(model(last, caches))
-    else:  # kvstore serve's warm-up (kvstore.serve.warmup), not the timed shapes
-        mx.eval(model(mx.zeros((1, 32), mx.int32), caches))
-        mx.eval(model(mx.zeros((1, 1), mx.int32), caches))
+        del caches
+    else:  # kvstore serve's warm-up, not the timed shapes
+        from kvstore.serve.warmup import build_kernels
+
+        build_kernels(model)
     store = None
     from mlx_lm.models.cache import (
         load_prompt_cache,
@@ -75,7 +77,6 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         from kvstore.codecs import cuda_pages
 
         cuda_pages.trial_done()  # the warm-up's trial of the page route, not raced
-    del caches
     gc.collect()
     mx.clear_cache()
 
