@@ -17,6 +17,7 @@ PROBE = ROOT / "tools" / "bench" / "gpu" / "shape_probe.py"
 def test_every_part_runs_and_plain_ops_sit_at_the_rounding_floor(tmp_path):
     out = tmp_path / "probe.json"
     argv = ["--quick", "--prefix", "256", "--suffixes", "7", "--decode", "4", "--ops"]
+    argv += ["--spread", "1,2", "--decode-warm"]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     done = subprocess.run(
         [sys.executable, str(PROBE), *argv, "--skip-c", "--out", str(out)],
@@ -28,6 +29,8 @@ def test_every_part_runs_and_plain_ops_sit_at_the_rounding_floor(tmp_path):
     assert done.returncode == 0, done.stderr[-2000:]
     rows = json.loads(out.read_text())
     assert {"A", "B", "logits", "D", "E"} <= rows.keys()
+    # The warm-ups ran and were timed (a spread of 2 lengths in both modes; 2 buffer sizes).
+    assert rows["spread_ms"] > 0 and rows["decode_warm_ms"] > 0
 
     a = {row["attend"]: row for row in rows["A"]}
     assert a.keys() == {"fused", "unfused", "broadcast", "bf16weights"}

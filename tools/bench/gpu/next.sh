@@ -90,7 +90,10 @@
 #                auto (MODES="auto" for one): ~2 x 240 s (one repeat took 80-140 s); needs
 #                prometheus_client (prepare.sh with GPU_EXTRA_WHEELS="prometheus_client==0.26.0")
 # STEP firstpick shape_probe.py parts B and E as they are, then with CUDA_MODULE_LOADING=EAGER:
-#                is a new suffix length's remaining ~20 ms cuBLAS loading kernels? ~200 s
+#                is a new suffix length's remaining ~20 ms cuBLAS loading kernels? Then B
+#                after a warm-up of 18 suffix lengths (--spread), and D (520 decode steps)
+#                with every buffer size's cuDNN graph built first (--decode-warm); each
+#                loading mode's start (import to a first evaluation): ~300 s
 #
 # Results under OUT; copy them to tools/bench/results/gpu/<rev>/ to commit.
 set -uo pipefail
@@ -228,9 +231,16 @@ write_model_dir('/tmp/m8b', 'llama', scale=0.02, dtype='bfloat16', **LLAMA8B)"
     done ;;
   firstpick)
     for loading in LAZY EAGER; do
+      CUDA_MODULE_LOADING=$loading python3 -c "import time; t = time.perf_counter()
+import mlx.core as mx; mx.eval(mx.ones(4) @ mx.ones(4))
+print('start under $loading: %.2f s' % (time.perf_counter() - t))"
       CUDA_MODULE_LOADING=$loading timeout 250 python3 tools/bench/gpu/shape_probe.py --prefix 4096 \
         --suffixes 7,19,45,100,250 --ops --skip-c > "$out/firstpick-$loading.txt" 2>&1
       grep -E "^(ours|E )" "$out/firstpick-$loading.txt"
-    done ;;
+    done
+    timeout 200 python3 tools/bench/gpu/shape_probe.py --prefix 4096 --suffixes 7,19,45,100,250 \
+      --spread 1,2,3,4,6,8,12,16,24,32,48,64,96,128,192,256,384,512 --decode 520 --decode-warm \
+      --skip-c > "$out/firstpick-warm.txt" 2>&1
+    grep -E "^(ours|spread w|decode|D )" "$out/firstpick-warm.txt" ;;
   *) echo "next.sh: unknown step $step (serve8b, firstpick, ab, profiles, probe, graphs, stage, spans, model, parent, rht, floor, g1-4k, g1-16k, g2a, g2q8, g2b, g2c, g2bars, g3ab, copy, early, reader, alike, fwdgraphs)"; exit 2 ;;
 esac

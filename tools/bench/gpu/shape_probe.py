@@ -26,6 +26,12 @@ D. (``--decode N``) N one-token decode steps after the prefix, caches growing by
    pace, and the steps that cross into a new buffer size.
 E. (``--ops``) each op of a layer (llama-8B's, or the tiny stand-in's) and the head on S
    new rows, timed the first time its shape runs and again: which op charges a new shape.
+
+Two warm-ups a server could run at start, each timed, to see what they take out of B and D:
+``--spread 1,2,4,...`` runs a suffix forward of each of those lengths before B (cuBLAS
+loads a kernel the first time its heuristic picks it: do a spread of row counts load the
+kernels other counts pick?); ``--decode-warm`` builds cuDNN's decode graph of every buffer
+size D will meet (one attention call over a buffer of each size) before D.
 """
 
 from __future__ import annotations
@@ -165,6 +171,26 @@ def logits_rows(
             flush=True,
         )
     return rows
+
+
+def decode_warm(config: dict[str, Any], sizes: list[int], dtype: mx.Dtype) -> float:
+    """Build cuDNN's decode graph for each buffer size (multiples of 256): one query over a
+    buffer of that many rows sliced short of its end, as a cache hands keys to attention.
+    The graph is keyed by the buffer's rows, not the slice's, and cached per thread.
+    Returns the milliseconds it took."""
+    heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+    dim = config["hidden_size"] // heads
+    query = mx.random.normal((1, heads, 1, dim)).astype(dtype)
+    start = time.perf_counter()
+    for size in sizes:
+        keys = mx.random.normal((1, kv_heads, size, dim)).astype(dtype)
+        values = mx.random.normal((1, kv_heads, size, dim)).astype(dtype)
+        mx.eval(keys, values)  # MLX picks cuDNN only for evaluated buffers
+        out = mx.fast.scaled_dot_product_attention(
+            query, keys[..., : size - 1, :], values[..., : size - 1, :], scale=dim**-0.5
+        )
+        mx.eval(out)
+    return (time.perf_counter() - start) * 1e3
 
 
 def decode_rows(model: Any, prompt: mx.array, steps: int, vocab: int) -> list[dict[str, Any]]:
@@ -321,6 +347,12 @@ def main() -> int:
         "--ops", action="store_true", help="E: a layer's ops timed on new shapes one by one"
     )
     parser.add_argument("--skip-c", action="store_true", help="leave out C (mlx-lm's model)")
+    parser.add_argument(
+        "--spread", default="", help="warm-up: suffix forwards of these lengths before B"
+    )
+    parser.add_argument(
+        "--decode-warm", action="store_true", help="warm-up: D's decode graphs built first"
+    )
     args = parser.parse_args()
     suffixes = [int(s) for s in args.suffixes.split(",")]
     mx.random.seed(0)  # the same inputs every run
@@ -348,11 +380,23 @@ def main() -> int:
     mx.eval(model(prompt[:, :32], cache=model.make_cache()))
     for c in caches:
         c.trim(c.offset - args.prefix)
+    if args.spread:
+        spread = [int(n) for n in args.spread.split(",")]
+        start = time.perf_counter()
+        suffix_rows("spread never", model, caches, args.prefix, spread, vocab)
+        suffix_rows("spread auto", model, caches, args.prefix, spread, vocab, "auto")
+        out["spread_ms"] = round((time.perf_counter() - start) * 1e3, 1)
+        print(f"spread warm-up of {len(spread)} lengths, both modes: {out['spread_ms']} ms")
     rows = suffix_rows("ours fused", model, caches, args.prefix, suffixes, vocab)
     shifted = [s + 1 for s in suffixes]  # lengths neither mode has run
     rows += suffix_rows("ours unfused", model, caches, args.prefix, shifted, vocab, "auto")
     out["B"] = rows
     out["logits"] = logits_rows(model, caches, args.prefix, [20, 100], vocab)
+    if args.decode and args.decode_warm:
+        top = args.prefix + args.decode + 256
+        sizes = list(range(256 * ((args.prefix + 255) // 256), top + 1, 256))
+        out["decode_warm_ms"] = round(decode_warm(config, sizes, caches[0].keys.dtype), 1)
+        print(f"decode graphs of {len(sizes)} buffer sizes built: {out['decode_warm_ms']} ms")
     if args.decode:
         out["D"] = decode_rows(model, prompt, args.decode, vocab)
     if args.ops:
