@@ -31,7 +31,7 @@ Two warm-ups a server could run at start, each timed, to see what they take out 
 ``--spread 1,2,4,...`` runs a suffix forward of each of those lengths before B (cuBLAS
 loads a kernel the first time its heuristic picks it: do a spread of row counts load the
 kernels other counts pick?); ``--decode-warm`` builds cuDNN's decode graph of every buffer
-size D will meet (one attention call over a buffer of each size) before D.
+size D will meet (a decode step over caches of each size) before D.
 """
 
 from __future__ import annotations
@@ -173,23 +173,23 @@ def logits_rows(
     return rows
 
 
-def decode_warm(config: dict[str, Any], sizes: list[int], dtype: mx.Dtype) -> float:
-    """Build cuDNN's decode graph for each buffer size (multiples of 256): one query over a
-    buffer of that many rows sliced short of its end, as a cache hands keys to attention.
-    The graph is keyed by the buffer's rows, not the slice's, and cached per thread.
-    Returns the milliseconds it took."""
-    heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
-    dim = config["hidden_size"] // heads
-    query = mx.random.normal((1, heads, 1, dim)).astype(dtype)
+def decode_warm(model: Any, sizes: list[int]) -> float:
+    """Build cuDNN's decode graph of each buffer size (multiples of 256) as a server's
+    warm-up could: one decode step through the model over caches whose buffers hold that
+    many rows (zeros), all but the last written. The graph is keyed by the buffer's rows
+    and the query's strides, and cached per thread. Returns the milliseconds it took."""
+    token = mx.array([[1]])
+    probe = model.make_cache()
+    mx.eval(model(token, cache=probe))
     start = time.perf_counter()
     for size in sizes:
-        keys = mx.random.normal((1, kv_heads, size, dim)).astype(dtype)
-        values = mx.random.normal((1, kv_heads, size, dim)).astype(dtype)
-        mx.eval(keys, values)  # MLX picks cuDNN only for evaluated buffers
-        out = mx.fast.scaled_dot_product_attention(
-            query, keys[..., : size - 1, :], values[..., : size - 1, :], scale=dim**-0.5
-        )
-        mx.eval(out)
+        caches = model.make_cache()
+        for cache, like in zip(caches, probe, strict=True):
+            heads, dim, dtype = like.keys.shape[1], like.keys.shape[3], like.keys.dtype
+            rows = mx.zeros((1, heads, size, dim), dtype)
+            cache.state = (rows, mx.zeros_like(rows), size - 1)
+        mx.eval([c.state[:2] for c in caches])  # MLX picks cuDNN only for evaluated buffers
+        mx.eval(model(token, cache=caches))
     return (time.perf_counter() - start) * 1e3
 
 
@@ -395,7 +395,7 @@ def main() -> int:
     if args.decode and args.decode_warm:
         top = args.prefix + args.decode + 256
         sizes = list(range(256 * ((args.prefix + 255) // 256), top + 1, 256))
-        out["decode_warm_ms"] = round(decode_warm(config, sizes, caches[0].keys.dtype), 1)
+        out["decode_warm_ms"] = round(decode_warm(model, sizes), 1)
         print(f"decode graphs of {len(sizes)} buffer sizes built: {out['decode_warm_ms']} ms")
     if args.decode:
         out["D"] = decode_rows(model, prompt, args.decode, vocab)
