@@ -24,9 +24,10 @@ from typing import Any
 
 import mlx.core as mx
 
+from kvstore.abc.cache import is_plain_kv_cache
 from kvstore.codecs import cuda_pages
 
-__all__ = ["PREFILL_TOKENS", "build_kernels", "warm_up"]
+__all__ = ["PREFILL_TOKENS", "build_decode_graphs", "build_kernels", "warm_up"]
 
 log = logging.getLogger("kvstore.serve")
 
@@ -76,3 +77,37 @@ def build_kernels(
     if kv_bits is not None:
         maybe_quantize_kv_cache(caches, 0, kv_group_size, kv_bits)
         mx.eval(model(mx.zeros((1, 1), mx.int32), cache=caches))
+
+
+def build_decode_graphs(model: Any, up_to: int, step: int = 256) -> int:
+    """One decode step of ``model`` over caches whose buffers hold each multiple of
+    ``step`` rows up to ``up_to`` tokens (zeros, all rows but the last written); returns
+    how many sizes ran. Raises what the model's forward raises.
+
+    With MLX's CUDA backend a decode step over 256 or more cached rows, in a buffer of a
+    multiple of 256 rows (how caches grow), runs cuDNN's attention, which builds a graph
+    the first time it meets a buffer size in a thread (its key: the buffer's rows and the
+    query's shape and strides; ``sdpa_cache`` in MLX's
+    ``backend/cuda/scaled_dot_product_attention.cpp``): a conversation's first step into
+    each new size waits for one. This builds them ahead, through the model's own forward
+    so that the key is the one its steps make. Caches that do not grow (a sliding window)
+    stay empty: their buffers have one size. Run it on the thread that will generate."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    token = mx.zeros((1, 1), mx.int32)
+    probe = make_prompt_cache(model)
+    mx.eval(model(token, cache=probe))
+    sizes = range(step, up_to + step, step) if up_to >= step else range(0)
+    for size in sizes:
+        caches = make_prompt_cache(model)
+        for cache, seen in zip(caches, probe, strict=True):
+            if not is_plain_kv_cache(cache) or seen.keys is None:
+                continue  # only growing caches of plain rows take cuDNN's decode
+            shape = (*seen.keys.shape[:2], size, seen.keys.shape[3])
+            cache.keys = mx.zeros(shape, seen.keys.dtype)
+            cache.values = mx.zeros(shape, seen.values.dtype)
+            cache.offset = size - 1
+        # Evaluated first: MLX takes cuDNN's route only for evaluated buffers.
+        mx.eval([(c.keys, c.values) for c in caches if is_plain_kv_cache(c) and c.keys is not None])
+        mx.eval(model(token, cache=caches))
+    return len(sizes)

@@ -9,7 +9,8 @@ import mlx.core as mx
 import pytest
 
 from kvstore.codecs import cuda_pages
-from kvstore.serve.warmup import PREFILL_TOKENS, warm_up
+from kvstore.abc.cache import is_plain_kv_cache
+from kvstore.serve.warmup import PREFILL_TOKENS, build_decode_graphs, warm_up
 from kvstore.testing.mlx_lm_models import build_mlx_lm_model
 
 
@@ -60,3 +61,35 @@ def test_a_model_whose_forward_fails_is_logged_not_raised(caplog):
     with caplog.at_level(logging.WARNING, logger="kvstore.serve"):
         assert warm_up(Broken(build_mlx_lm_model("llama"))) is None
     assert "warm-up failed (ValueError: no kernel for this shape)" in caplog.text
+
+
+class Buffers(Recording):
+    """``model``, noting each call's caches: (family predicate, offset, buffer rows)."""
+
+    def __call__(self, inputs, cache=None):
+        out = self.model(inputs, cache=cache)
+        mx.eval(out)
+        self.calls.append(
+            [
+                (is_plain_kv_cache(c), c.offset, None if c.keys is None else c.keys.shape[2])
+                for c in cache
+            ]
+        )
+        return out
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3_text"])
+def test_decode_graphs_step_over_a_buffer_of_every_size_a_conversation_meets(arch):
+    model = Buffers(build_mlx_lm_model(arch))
+    # Up to 600 tokens: the buffers hold 256, 512, then 768 rows.
+    assert build_decode_graphs(model, 600) == 3
+    probe, *steps = model.calls
+    assert {offset for _, offset, _ in probe} == {1}
+    for size, layers in zip((256, 512, 768), steps, strict=True):
+        plain = [(offset, rows) for is_plain, offset, rows in layers if is_plain]
+        # The step wrote the buffer's last row: attention read a slice of all of it.
+        assert plain and set(plain) == {(size, size)}
+        # A sliding window's buffer has one size: it stays as a fresh cache's first step.
+        assert {offset for is_plain, offset, _ in layers if not is_plain} <= {1}
+    assert arch != "gemma3_text" or any(not p for p, _, _ in steps[0])
+    assert build_decode_graphs(model, 255) == 0  # no buffer of 256 rows is reached

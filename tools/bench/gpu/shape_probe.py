@@ -31,7 +31,8 @@ Two warm-ups a server could run at start, each timed, to see what they take out 
 ``--spread 1,2,4,...`` runs a suffix forward of each of those lengths before B (cuBLAS
 loads a kernel the first time its heuristic picks it: do a spread of row counts load the
 kernels other counts pick?); ``--decode-warm`` builds cuDNN's decode graph of every buffer
-size D will meet (a decode step over caches of each size) before D.
+size D will meet (``kvstore.serve.warmup.build_decode_graphs``: a decode step over caches
+of each size) before D.
 """
 
 from __future__ import annotations
@@ -171,26 +172,6 @@ def logits_rows(
             flush=True,
         )
     return rows
-
-
-def decode_warm(model: Any, sizes: list[int]) -> float:
-    """Build cuDNN's decode graph of each buffer size (multiples of 256) as a server's
-    warm-up could: one decode step through the model over caches whose buffers hold that
-    many rows (zeros), all but the last written. The graph is keyed by the buffer's rows
-    and the query's strides, and cached per thread. Returns the milliseconds it took."""
-    token = mx.array([[1]])
-    probe = model.make_cache()
-    mx.eval(model(token, cache=probe))
-    start = time.perf_counter()
-    for size in sizes:
-        caches = model.make_cache()
-        for cache, like in zip(caches, probe, strict=True):
-            heads, dim, dtype = like.keys.shape[1], like.keys.shape[3], like.keys.dtype
-            rows = mx.zeros((1, heads, size, dim), dtype)
-            cache.state = (rows, mx.zeros_like(rows), size - 1)
-        mx.eval([c.state[:2] for c in caches])  # MLX picks cuDNN only for evaluated buffers
-        mx.eval(model(token, cache=caches))
-    return (time.perf_counter() - start) * 1e3
 
 
 def decode_rows(model: Any, prompt: mx.array, steps: int, vocab: int) -> list[dict[str, Any]]:
@@ -393,10 +374,12 @@ def main() -> int:
     out["B"] = rows
     out["logits"] = logits_rows(model, caches, args.prefix, [20, 100], vocab)
     if args.decode and args.decode_warm:
-        top = args.prefix + args.decode + 256
-        sizes = list(range(256 * ((args.prefix + 255) // 256), top + 1, 256))
-        out["decode_warm_ms"] = round(decode_warm(model, sizes), 1)
-        print(f"decode graphs of {len(sizes)} buffer sizes built: {out['decode_warm_ms']} ms")
+        from kvstore.serve.warmup import build_decode_graphs
+
+        start = time.perf_counter()
+        sizes = build_decode_graphs(model, args.prefix + args.decode)
+        out["decode_warm_ms"] = round((time.perf_counter() - start) * 1e3, 1)
+        print(f"decode graphs of {sizes} buffer sizes built: {out['decode_warm_ms']} ms")
     if args.decode:
         out["D"] = decode_rows(model, prompt, args.decode, vocab)
     if args.ops:
