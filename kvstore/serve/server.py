@@ -105,11 +105,14 @@ class StoreModelProvider(mlx_server.ModelProvider):  # type: ignore[misc]  # mlx
     """mlx-lm's model provider, binding each model it loads to the prompt cache and
     warming it up (unless ``warm`` is off)."""
 
-    def __init__(self, cli_args: Any, state: ServeState, warm: bool = True) -> None:
+    def __init__(
+        self, cli_args: Any, state: ServeState, warm: bool = True, warm_decode: int = 0
+    ) -> None:
         super().__init__(cli_args)
         self.prompt_cache = state.prompt_cache
         self._state = state
         self._warm = warm
+        self._warm_decode = warm_decode
 
     def _load(
         self, model_path: str, adapter_path: str | None = None, draft_model_path: str | None = None
@@ -146,7 +149,12 @@ class StoreModelProvider(mlx_server.ModelProvider):  # type: ignore[misc]  # mlx
         if self.draft_model is not None:  # speculative decoding runs it on every request
             warmed.append((f"{draft_model_path} (draft)", self.draft_model))
         for name, model in warmed:  # on the thread that loads them: mlx-lm's generation thread
-            took = warmup.warm_up(model, kv_bits=cli.kv_bits, kv_group_size=cli.kv_group_size)
+            took = warmup.warm_up(
+                model,
+                kv_bits=cli.kv_bits,
+                kv_group_size=cli.kv_group_size,
+                decode_up_to=self._warm_decode,
+            )
             self._state.warmups[name] = took
             if took is not None:
                 log.info("kvstore: %s warmed up in %.2f s", name, took)
@@ -225,12 +233,14 @@ def serve(
     tenant: str | None = None,
     save_queue: int = 32,
     warm_up: bool = True,
+    warm_decode: int = 0,
     prog: str = "kvstore serve",
 ) -> int:
     """Run ``mlx_lm.server`` with ``mlx_lm_argv`` (its options) and ``store`` behind
     its prompt cache, until interrupted (SIGINT or SIGTERM); then close the store,
     which commits the saves still handed off. ``warm_up``: run each model once as it
-    loads (:mod:`~kvstore.serve.warmup`).
+    loads (:mod:`~kvstore.serve.warmup`); ``warm_decode``: with it, on a CUDA GPU, also
+    build the decode graphs of conversations up to that many tokens.
 
     Raises:
         CapabilityError: mlx-lm outside the tested range, or a distributed run.
@@ -257,7 +267,7 @@ def serve(
         )
         state = ServeState(store, prompt_cache)
         states.append(state)
-        provider = StoreModelProvider(cli, state, warm=warm_up)
+        provider = StoreModelProvider(cli, state, warm=warm_up, warm_decode=warm_decode)
         generator = StoreResponseGenerator(provider, state)
         log.info("kvstore: prompt cache persisted in %s", store.url)
         mlx_server._run_http_server(host, port, generator, handler_class=StoreAPIHandler)

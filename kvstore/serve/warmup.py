@@ -26,6 +26,7 @@ import mlx.core as mx
 
 from kvstore.abc.cache import is_plain_kv_cache
 from kvstore.codecs import cuda_pages
+from kvstore.devices import default_is_cuda
 
 __all__ = ["PREFILL_TOKENS", "build_decode_graphs", "build_kernels", "warm_up"]
 
@@ -42,13 +43,18 @@ def warm_up(
     *,
     kv_bits: int | None = None,
     kv_group_size: int = 64,
+    decode_up_to: int = 0,
 ) -> float | None:
-    """:func:`build_kernels`, timed: the seconds it took, or ``None`` (logged) when the
-    model's forward failed: a request then meets the same error, with its own message,
-    and the server stays up."""
+    """:func:`build_kernels`, and with ``decode_up_to`` on a CUDA GPU
+    :func:`build_decode_graphs` up to that many tokens, timed: the seconds it took, or
+    ``None`` (logged) when the model's forward failed: a request then meets the same
+    error, with its own message, and the server stays up."""
     start = time.perf_counter()
     try:
         build_kernels(model, tokens, kv_bits=kv_bits, kv_group_size=kv_group_size)
+        if decode_up_to and default_is_cuda():  # cuDNN's graphs: nothing to build elsewhere
+            sizes = build_decode_graphs(model, decode_up_to)
+            log.info("kvstore: decode graphs of %d buffer sizes built", sizes)
     except Exception as exc:  # noqa: BLE001 - a warm-up never stops the server
         log.warning("kvstore: the model's warm-up failed (%s: %s)", type(exc).__name__, exc)
         return None

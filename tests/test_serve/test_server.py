@@ -30,7 +30,10 @@ def servers(model_dir, hybrid_dir, store_url, server_env, logs, tmp_path_factory
     stock = ServerProcess.stock(model_dir, log=logs / "stock.log", env=server_env)
     a = ServerProcess.kvstore(model_dir, store_url, log=logs / "a.log", env=server_env)
     unfused = {**server_env, UNFUSED_ATTENTION: "always"}
-    b = ServerProcess.kvstore(model_dir, store_url, log=logs / "b.log", env=unfused)
+    # --warm-decode parses and passes through (off CUDA it builds nothing: cuDNN's graphs).
+    b = ServerProcess.kvstore(
+        model_dir, store_url, "--warm-decode", "300", log=logs / "b.log", env=unfused
+    )
     q_store = f"lmdb://{tmp_path_factory.mktemp('q-store')}"
     kv = ("--kv-bits", "8", "--kv-group-size", "64", "--quantized-kv-start", "0")
     q = ServerProcess.kvstore(model_dir, q_store, *kv, log=logs / "q.log", env=server_env)

@@ -9,6 +9,7 @@ import mlx.core as mx
 import pytest
 
 from kvstore.codecs import cuda_pages
+from kvstore.serve import warmup
 from kvstore.abc.cache import is_plain_kv_cache
 from kvstore.serve.warmup import PREFILL_TOKENS, build_decode_graphs, warm_up
 from kvstore.testing.mlx_lm_models import build_mlx_lm_model
@@ -93,3 +94,13 @@ def test_decode_graphs_step_over_a_buffer_of_every_size_a_conversation_meets(arc
         assert {offset for is_plain, offset, _ in layers if not is_plain} <= {1}
     assert arch != "gemma3_text" or any(not p for p, _, _ in steps[0])
     assert build_decode_graphs(model, 255) == 0  # no buffer of 256 rows is reached
+
+
+@pytest.mark.parametrize("cuda", [False, True])
+def test_warm_up_builds_decode_graphs_only_where_cuda_runs_them(cuda, monkeypatch):
+    monkeypatch.setattr(warmup, "default_is_cuda", lambda: cuda)
+    model = Buffers(build_mlx_lm_model("llama"))
+    assert warm_up(model, decode_up_to=300) is not None
+    # The prefill and the decode step; on CUDA the probe step and buffers of 256, 512 rows.
+    assert len(model.calls) == (5 if cuda else 2)
+    assert [rows for _, _, rows in model.calls[-1]][:1] == [512 if cuda else 256]
