@@ -73,7 +73,9 @@ def context_text(tokens: int) -> str:
 
 
 def ttft(server: ServerProcess, messages: list[dict[str, str]], max_tokens: int) -> dict[str, Any]:
-    """Stream one greedy chat completion: seconds to the first token, its text, cached tokens."""
+    """Stream one greedy chat completion: seconds to the first token, the longest wait
+    between two tokens after it (a decode step that built a graph shows there), its text,
+    cached tokens."""
     body = json.dumps(
         {
             "messages": messages,
@@ -88,14 +90,19 @@ def ttft(server: ServerProcess, messages: list[dict[str, str]], max_tokens: int)
     conn.request("POST", "/v1/chat/completions", body, {"Content-Type": "application/json"})
     response = conn.getresponse()
     first = None
-    text, cached = [], None
+    text, cached, gaps, last = [], None, [0.0], 0.0
     for raw in response:
         line = raw.decode().strip()
         if not line.startswith("data: ") or line == "data: [DONE]":
             continue
         chunk = json.loads(line[6:])
-        if chunk.get("choices") and first is None:
-            first = time.perf_counter() - start
+        if chunk.get("choices"):
+            now = time.perf_counter() - start
+            if first is None:
+                first = now
+            else:
+                gaps.append(now - last)
+            last = now
         for choice in chunk.get("choices", []):
             text.append(choice.get("delta", {}).get("content") or "")
         if chunk.get("usage"):
@@ -104,6 +111,7 @@ def ttft(server: ServerProcess, messages: list[dict[str, str]], max_tokens: int)
     conn.close()
     return {
         "ttft_s": first,
+        "max_gap_s": max(gaps),
         "text": "".join(text),
         "cached_tokens": cached,
         "prompt_tokens": prompt,
@@ -143,6 +151,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--context", type=int, default=4000, help="system prompt tokens")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--answer", type=int, default=16, help="turn 1 answer tokens")
+    parser.add_argument(
+        "--answer2",
+        type=int,
+        default=8,
+        help="turn 2 answer tokens (past the restored buffer's 256-row size, a decode step "
+        "into a new size: the longest gap between tokens is reported)",
+    )
+    parser.add_argument(
+        "--ours-arg",
+        action="append",
+        default=[],
+        metavar="ARG",
+        help="an option for kvstore serve (repeat it: --ours-arg=--warm-decode --ours-arg=8192)",
+    )
     parser.add_argument("--json", help="write every sample here")
     args = parser.parse_args(argv)
 
@@ -163,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
     for rep in range(args.repeats):
         logs, store = work / f"logs-{rep}", f"lmdb://{work / f'store-{rep}'}"
         stock = ServerProcess.stock(model, log=logs / "stock.log", env=env)
-        ours = ServerProcess.kvstore(model, store, log=logs / "ours.log", env=env)
+        ours = ServerProcess.kvstore(model, store, *args.ours_arg, log=logs / "ours.log", env=env)
         ServerProcess.start_all(stock, ours)
         first = {"stock": ttft(stock, turn1, args.answer), "ours": ttft(ours, turn1, args.answer)}
         answer = first["ours"]["text"]
@@ -182,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
         stock.stop()
         ours.stop()
         stock = ServerProcess.stock(model, log=logs / "stock-2.log", env=env)
-        ours = ServerProcess.kvstore(model, store, log=logs / "ours-2.log", env=env)
+        ours = ServerProcess.kvstore(model, store, *args.ours_arg, log=logs / "ours-2.log", env=env)
         ServerProcess.start_all(stock, ours)
         # Each server's first request pays one-off costs (MLX kernels, imports):
         # a short unrelated request first, then turn 2, servers alternating.
@@ -192,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
         order = [("stock", stock), ("ours", ours)]
         results = {}
         for name, server in order if rep % 2 == 0 else order[::-1]:
-            results[name] = ttft(server, turn2, 8)
+            results[name] = ttft(server, turn2, args.answer2)
         # Not asserted either, for the same reason as turn 1.
         stock.stop()
         ours.stop()
@@ -227,9 +249,13 @@ def main(argv: list[str] | None = None) -> int:
         f"turn 2: {last['ours_restarted']['prompt_tokens']} prompt tokens; BLAS: {blas}; "
         f"model {model}; median of {args.repeats}"
     )
-    print(f"{'server':44} {'TTFT':>9} {'cached_tokens':>14}")
+    print(f"{'server':44} {'TTFT':>9} {'cached_tokens':>14} {'longest gap':>12}")
     for label, key in rows:
-        print(f"{label:44} {med(key) * 1e3:7.0f} ms {last[key]['cached_tokens']!s:>14}")
+        gap = statistics.median(s[key]["max_gap_s"] for s in samples)
+        print(
+            f"{label:44} {med(key) * 1e3:7.0f} ms {last[key]['cached_tokens']!s:>14} "
+            f"{gap * 1e3:9.1f} ms"
+        )
     agree1 = sum(s["turn1"]["stock"]["text"] == s["turn1"]["ours"]["text"] for s in samples)
     agree = sum(s["stock_restarted"]["text"] == s["ours_restarted"]["text"] for s in samples)
     print(
