@@ -8,9 +8,9 @@ import logging
 import mlx.core as mx
 import pytest
 
+from kvstore.abc.cache import is_plain_kv_cache
 from kvstore.codecs import cuda_pages
 from kvstore.serve import warmup
-from kvstore.abc.cache import is_plain_kv_cache
 from kvstore.serve.warmup import PREFILL_TOKENS, build_decode_graphs, warm_up
 from kvstore.testing.mlx_lm_models import build_mlx_lm_model
 
