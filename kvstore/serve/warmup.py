@@ -105,15 +105,21 @@ def build_decode_graphs(model: Any, up_to: int, step: int = 256) -> int:
     mx.eval(model(token, cache=probe))
     sizes = range(step, up_to + step, step) if up_to >= step else range(0)
     for size in sizes:
-        caches = make_prompt_cache(model)
-        for cache, seen in zip(caches, probe, strict=True):
-            if not is_plain_kv_cache(cache) or seen.keys is None:
-                continue  # only growing caches of plain rows take cuDNN's decode
-            shape = (*seen.keys.shape[:2], size, seen.keys.shape[3])
-            cache.keys = mx.zeros(shape, seen.keys.dtype)
-            cache.values = mx.zeros(shape, seen.values.dtype)
-            cache.offset = size - 1
-        # Evaluated first: MLX takes cuDNN's route only for evaluated buffers.
-        mx.eval([(c.keys, c.values) for c in caches if is_plain_kv_cache(c) and c.keys is not None])
-        mx.eval(model(token, cache=caches))
+        _step_over(model, token, make_prompt_cache(model), probe, size)
+    mx.clear_cache()  # the buffers of every size go back, not into the allocator's cache
     return len(sizes)
+
+
+def _step_over(model: Any, token: mx.array, caches: list[Any], probe: list[Any], size: int) -> None:
+    """One decode step on ``caches`` with each growing one's buffers ``size`` rows of zeros
+    (the dtype and heads of ``probe``'s), all but the last written."""
+    for cache, seen in zip(caches, probe, strict=True):
+        if not is_plain_kv_cache(cache) or seen.keys is None:
+            continue  # only growing caches of plain rows take cuDNN's decode
+        shape = (*seen.keys.shape[:2], size, seen.keys.shape[3])
+        cache.keys = mx.zeros(shape, seen.keys.dtype)
+        cache.values = mx.zeros(shape, seen.values.dtype)
+        cache.offset = size - 1
+    # Evaluated first: MLX takes cuDNN's route only for evaluated buffers.
+    mx.eval([(c.keys, c.values) for c in caches if is_plain_kv_cache(c) and c.keys is not None])
+    mx.eval(model(token, cache=caches))
