@@ -22,6 +22,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 from kvstore.model.args import named_config
 
 __all__ = [
+    "MLX_LM_SHARD_BYTES",
     "TINY_ARGS",
     "build_mlx_lm_model",
     "seed_weights",
@@ -193,6 +194,39 @@ def _write_tokenizer(path: Path) -> int:
     return len(vocab) + len(SPECIAL_TOKENS)
 
 
+#: The most bytes ``mlx_lm.utils.save_model`` puts in one weight file (``MAX_FILE_SIZE_GB``).
+MLX_LM_SHARD_BYTES = 5 << 30
+
+
+def _write_shards(root: Path, weights: dict[str, mx.array], shard_bytes: int) -> None:
+    """``weights`` in mlx-lm's layout of a sharded model (``mlx_lm.utils.save_model``):
+    ``model-0000i-of-0000n.safetensors`` files filled in order up to ``shard_bytes`` each
+    (a larger tensor alone; one file is ``model.safetensors``), and
+    ``model.safetensors.index.json`` naming each weight's."""
+    shards: list[dict[str, mx.array]] = []
+    size = 0
+    for name, value in weights.items():
+        if not shards or size + value.nbytes > shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = value
+        size += value.nbytes
+    weight_map = {}
+    for i, shard in enumerate(shards, 1):
+        file = (
+            f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+            if len(shards) > 1
+            else "model.safetensors"
+        )
+        mx.save_safetensors(str(root / file), shard, metadata={"format": "mlx"})
+        weight_map.update(dict.fromkeys(shard, file))
+    index = {
+        "metadata": {"total_size": sum(v.nbytes for v in weights.values())},
+        "weight_map": dict(sorted(weight_map.items())),
+    }
+    (root / "model.safetensors.index.json").write_text(json.dumps(index, indent=4))
+
+
 def write_model_dir(
     path: str | Path,
     arch: str = "llama",
@@ -200,6 +234,7 @@ def write_model_dir(
     *,
     scale: float = 0.15,
     dtype: str | None = None,
+    shard_bytes: int | None = None,
     **overrides: Any,
 ) -> Path:
     """Write the tiny ``arch`` model as an mlx-lm model directory at ``path``.
@@ -208,7 +243,9 @@ def write_model_dir(
     args (``num_hidden_layers=4``...). Weights are drawn with standard deviation
     ``scale``: 0.15 makes the tiny llama write varied bytes (0.08 repeats one), so
     a wrong cache shows in the text. ``dtype`` (``"bfloat16"``...): the weights' stored
-    type, float32 when not given. Returns the directory.
+    type, float32 when not given. ``shard_bytes``: weights in files of at most that many
+    bytes and their index, as ``mlx_lm.utils.save_model`` writes a model (5 GiB files),
+    rather than one ``model.safetensors``. Returns the directory.
     """
     from mlx.utils import tree_flatten
 
@@ -222,7 +259,10 @@ def write_model_dir(
     weights = dict(tree_flatten(model.parameters()))
     if dtype is not None:
         weights = {name: value.astype(getattr(mx, dtype)) for name, value in weights.items()}
-    mx.save_safetensors(str(root / "model.safetensors"), weights)  # type: ignore[arg-type]
+    if shard_bytes is None:
+        mx.save_safetensors(str(root / "model.safetensors"), weights)  # type: ignore[arg-type]
+    else:
+        _write_shards(root, weights, shard_bytes)
     (root / "config.json").write_text(json.dumps(config, indent=1))
     del model, weights
     mx.clear_cache()  # a GPU-sized model's buffers back to the device for its servers

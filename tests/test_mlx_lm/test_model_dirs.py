@@ -25,3 +25,20 @@ def test_weights_stored_in_the_type_asked_for_and_loaded_as_such(tmp_path):
 
     model, _ = mlx_lm.load(str(half))
     assert {v.dtype for _, v in tree_flatten(model.parameters())} == {mx.bfloat16}
+
+
+def test_sharded_weights_load_as_the_single_file_does(tmp_path):
+    import mlx_lm
+
+    from kvstore.bridge.fingerprint import mlx_lm_fingerprint
+
+    whole = write_model_dir(tmp_path / "whole", "llama")
+    sharded = write_model_dir(tmp_path / "sharded", "llama", shard_bytes=64 << 10)
+    files = sorted(p.name for p in sharded.glob("*.safetensors"))
+    assert len(files) > 2 and files[0] == f"model-00001-of-{len(files):05d}.safetensors"
+    assert (sharded / "model.safetensors.index.json").is_file()
+    tokens = mx.array([[1, 2, 3, 4]])
+    outputs = [mlx_lm.load(str(d))[0](tokens) for d in (whole, sharded)]
+    assert mx.array_equal(*outputs)
+    # The same model: the same fingerprint for mlx-lm's loads of both directories.
+    assert mlx_lm_fingerprint(whole) == mlx_lm_fingerprint(sharded)

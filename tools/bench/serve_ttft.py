@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from kvstore.bench.figures.gpu_common import LLAMA8B as GPU_LLAMA8B
-from kvstore.testing.mlx_lm_models import write_model_dir
+from kvstore.testing.mlx_lm_models import MLX_LM_SHARD_BYTES, write_model_dir
 from kvstore.testing.serve_processes import ServerProcess
 
 SMALL = dict(
@@ -141,12 +141,17 @@ def startup(server: ServerProcess) -> dict[str, float | None]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", help="an mlx-lm model directory (default: written here)")
+    parser.add_argument(
+        "--model",
+        help="an mlx-lm model directory; one that does not exist is written there "
+        "(--shape) and kept for the next run (default: written in a temporary directory)",
+    )
     parser.add_argument(
         "--shape",
         choices=sorted(SHAPES),
         default="small",
-        help="the model written here when --model is not given (llama8b: ~15 GiB, a GPU's)",
+        help="the model written when --model names none (llama8b: ~15 GiB, a GPU's, in "
+        "mlx-lm's 5 GiB files)",
     )
     parser.add_argument("--context", type=int, default=4000, help="system prompt tokens")
     parser.add_argument("--repeats", type=int, default=3)
@@ -169,11 +174,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     work = Path(tempfile.mkdtemp(prefix="kvstore-serve-ttft-"))
-    if args.model:
-        model = Path(args.model)
-    else:
+    model = Path(args.model) if args.model else work / "model"
+    if not model.exists():
         shape, dtype, scale = SHAPES[args.shape]
-        model = write_model_dir(work / "model", "llama", scale=scale, dtype=dtype, **shape)
+        write_model_dir(
+            model, "llama", scale=scale, dtype=dtype, shard_bytes=MLX_LM_SHARD_BYTES, **shape
+        )
     env = {"KVSTORE_CACHE_DIR": str(work / "digests")}
     blas = "OpenBLAS (preloaded)" if "openblas" in os.environ.get("LD_PRELOAD", "") else "bundled"
     system = context_text(args.context)

@@ -86,7 +86,7 @@
 # STEP g3ab      disk_probe.py and lmdb_put.py at 512 MiB, then G3 at 4096 tokens with the
 #                commit's writeback pump on and off (KVSTORE_COMMIT_WRITEBACK=1/0)
 # STEP serve8b   tools/bench/serve_ttft.py with the llama-8B shape (written once to
-#                /tmp/m8b, 40 s), 3 repeats under KVSTORE_UNFUSED_ATTENTION=never, then
+#                /tmp/m8b in mlx-lm's 5 GiB files, 40 s), 3 repeats under KVSTORE_UNFUSED_ATTENTION=never, then
 #                auto (MODES="auto" for one): ~2 x 240 s (one repeat took 80-140 s); needs
 #                prometheus_client (prepare.sh with GPU_EXTRA_WHEELS="prometheus_client==0.26.0")
 # STEP firstpick shape_probe.py parts B and E as they are, then with CUDA_MODULE_LOADING=EAGER:
@@ -224,23 +224,13 @@ case "$step" in
     KVSTORE_BENCH_G2_POLICIES=$policies KVSTORE_BENCH_GPU_TOKENS=4096 KVSTORE_BENCH_GIT=$rev \
       CHECK_TIMEOUT=1 BENCH_TIMEOUT=540 REPEATS=5 bash tools/bench/gpu/run.sh G2 "$out/$step" ;;
   serve8b)
-    [ -d /tmp/m8b ] || python3 -c "
-import sys; sys.path.insert(0, 'tools/bench')
-from serve_ttft import LLAMA8B
-from kvstore.testing.mlx_lm_models import write_model_dir
-write_model_dir('/tmp/m8b', 'llama', scale=0.02, dtype='bfloat16', **LLAMA8B)"
     for mode in ${MODES:-never auto}; do
-      KVSTORE_UNFUSED_ATTENTION=$mode timeout 270 python3 tools/bench/serve_ttft.py --model /tmp/m8b \
+      KVSTORE_UNFUSED_ATTENTION=$mode timeout 270 python3 tools/bench/serve_ttft.py --model /tmp/m8b --shape llama8b \
         --context 4000 --repeats 3 --json "$out/serve8b-$mode.json" > "$out/serve8b-$mode.txt" 2>&1
       tail -8 "$out/serve8b-$mode.txt"
     done ;;
   warmdecode)
-    [ -d /tmp/m8b ] || python3 -c "
-import sys; sys.path.insert(0, 'tools/bench')
-from serve_ttft import LLAMA8B
-from kvstore.testing.mlx_lm_models import write_model_dir
-write_model_dir('/tmp/m8b', 'llama', scale=0.02, dtype='bfloat16', **LLAMA8B)"
-    timeout 280 python3 tools/bench/serve_ttft.py --model /tmp/m8b --context 4000 --repeats 1 \
+    timeout 280 python3 tools/bench/serve_ttft.py --model /tmp/m8b --shape llama8b --context 4000 --repeats 1 \
       --answer2 300 --ours-arg=--warm-decode --ours-arg=4608 --json "$out/warmdecode.json" \
       > "$out/warmdecode.txt" 2>&1
     tail -12 "$out/warmdecode.txt" ;;
