@@ -212,10 +212,7 @@ def rooms_unwritten(plans: Sequence[Any]) -> list[bool]:
     takes the rows past the joined ones unwritten (a host restore then skips their
     zeros)."""
     return [
-        plan.room_unwritten
-        for plan in plans
-        if isinstance(plan, CachePlan)
-        for _ in plan.columns()
+        plan.room_unwritten for plan in plans if isinstance(plan, CachePlan) for _ in plan.columns()
     ]
 
 
