@@ -128,8 +128,8 @@ def main() -> int:
             parts = [keys[i::n] for i in range(n)]
             with ThreadPoolExecutor(n) as pool:
                 results[f"{n} connections"] = timed(
-                    lambda: list(pool.map(fetch, parts)),
-                    args.repetitions,  # noqa: B023
+                    lambda: list(pool.map(fetch, parts)),  # noqa: B023
+                    args.repetitions,
                 )
     results["socket pair"] = socket_pair(nbytes, value, args.repetitions)
     print(f"{nbytes >> 20} MiB in {args.values} values, median of {args.repetitions}:")
