@@ -46,9 +46,11 @@ def warm_up(
     decode_up_to: int = 0,
 ) -> float | None:
     """:func:`build_kernels`, and with ``decode_up_to`` on a CUDA GPU
-    :func:`build_decode_graphs` up to that many tokens, timed: the seconds it took, or
-    ``None`` (logged) when the model's forward failed: a request then meets the same
-    error, with its own message, and the server stays up."""
+    :func:`build_decode_graphs` up to that many tokens; then, on a CUDA GPU, the restore's
+    staging set up (its kernels built on this thread) and its page route's trial started
+    in the background. Timed, all of it -- a first request waits for all of it: the
+    seconds it took, or ``None`` (logged) when the model's forward failed: a request then
+    meets the same error, with its own message, and the server stays up."""
     start = time.perf_counter()
     try:
         build_kernels(model, tokens, kv_bits=kv_bits, kv_group_size=kv_group_size)
@@ -58,9 +60,8 @@ def warm_up(
     except Exception as exc:  # noqa: BLE001 - a warm-up never stops the server
         log.warning("kvstore: the model's warm-up failed (%s: %s)", type(exc).__name__, exc)
         return None
-    took = time.perf_counter() - start
     cuda_pages.proven()  # starts the page route's trial; False at once without CUDA
-    return took
+    return time.perf_counter() - start
 
 
 def build_kernels(
