@@ -19,6 +19,7 @@ request's.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from typing import Any
 
@@ -27,10 +28,17 @@ import mlx.core as mx
 from kvstore.abc.cache import is_plain_kv_cache
 from kvstore.codecs import cuda_pages
 from kvstore.devices import default_is_cuda
+from kvstore.knobs import switch_from_env
 
-__all__ = ["PREFILL_TOKENS", "build_decode_graphs", "build_kernels", "warm_up"]
+__all__ = ["PREFILL_TOKENS", "STAGING_INLINE", "build_decode_graphs", "build_kernels", "warm_up"]
 
 log = logging.getLogger("kvstore.serve")
+
+#: The switch (on unless ``"0"``) that sets the restore's staging up on the warm-up's
+#: thread, the generating one, before a first request runs; off, on a thread of its own
+#: while requests run. An A/B for the device: a fresh 8B server's first request took
+#: ~1.1 s more than stock's, this set-up the suspect (``tools/bench/gpu/README.md``).
+STAGING_INLINE = "KVSTORE_WARMUP_STAGING_INLINE"
 
 #: The warm-up prefill's length: several rows, so the prefill's matmuls and attention
 #: take the kernels a prompt's do, not a decode step's.
@@ -60,7 +68,10 @@ def warm_up(
     except Exception as exc:  # noqa: BLE001 - a warm-up never stops the server
         log.warning("kvstore: the model's warm-up failed (%s: %s)", type(exc).__name__, exc)
         return None
-    cuda_pages.proven()  # starts the page route's trial; False at once without CUDA
+    if switch_from_env(STAGING_INLINE):
+        cuda_pages.proven()  # starts the page route's trial; False at once without CUDA
+    else:  # a restore arriving first waits for the set-up on its lock
+        threading.Thread(target=cuda_pages.proven, name="kvstore-staging-setup").start()
     return time.perf_counter() - start
 
 

@@ -104,3 +104,19 @@ def test_warm_up_builds_decode_graphs_only_where_cuda_runs_them(cuda, monkeypatc
     # The prefill and the decode step; on CUDA the probe step and buffers of 256, 512 rows.
     assert len(model.calls) == (5 if cuda else 2)
     assert [rows for _, _, rows in model.calls[-1]][:1] == [512 if cuda else 256]
+
+
+@pytest.mark.parametrize("inline", [True, False])
+def test_the_staging_set_up_runs_on_the_warm_up_thread_unless_switched_off(inline, monkeypatch):
+    import threading
+
+    ran = []  # the threads that set the restore's staging up (a no-op without CUDA)
+    done = threading.Event()
+    monkeypatch.setattr(
+        cuda_pages, "proven", lambda: ran.append(threading.current_thread().name) or done.set()
+    )
+    if not inline:
+        monkeypatch.setenv(warmup.STAGING_INLINE, "0")
+    assert warm_up(Recording(build_mlx_lm_model("llama"))) is not None
+    assert done.wait(10)
+    assert ran == [threading.current_thread().name if inline else "kvstore-staging-setup"]
