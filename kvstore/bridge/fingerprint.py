@@ -58,7 +58,7 @@ from typing import Any, cast
 
 import xxhash
 
-from kvstore.errors import CapabilityError, StoreConfigError
+from kvstore.errors import CapabilityError, KVStoreError, StoreConfigError
 from kvstore.threads import cores
 
 __all__ = [
@@ -67,6 +67,7 @@ __all__ = [
     "namespace_for",
     "file_digest",
     "digest_cache_path",
+    "cache_directory_digests",
 ]
 
 _WEIGHT_SUFFIXES = (".safetensors", ".npz", ".gguf")
@@ -233,6 +234,15 @@ def _directory_manifest(root: Path) -> list[tuple[str, str]]:
     if json.dumps(cache, sort_keys=True) != before:
         _save_cache(cache_path, cache)
     return manifest
+
+
+def cache_directory_digests(directory: str | os.PathLike[str]) -> None:
+    """Hash a model directory's files into the digest cache, where a fingerprint of it
+    reads them first: run beside loading its weights (the two read the same pages), the
+    first fingerprint of a new model then costs a few ``stat`` calls. What fails here
+    is left for the fingerprint to raise."""
+    with contextlib.suppress(KVStoreError, OSError):
+        _directory_manifest(Path(directory).expanduser())
 
 
 def _parameter_manifest(model: Any) -> list[tuple[str, str]]:

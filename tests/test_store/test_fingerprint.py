@@ -85,6 +85,22 @@ def test_repeats_are_served_from_the_digest_cache(model_dir, monkeypatch):
     assert [p.name for p in hashed] == [sorted(model_dir.glob("*.safetensors"))[-1].name]
 
 
+def test_digests_cached_ahead_leave_the_fingerprint_nothing_to_hash(model_dir, monkeypatch):
+    F.cache_directory_digests(model_dir)  # what kvstore serve runs beside mlx-lm's load
+    hashed = []
+    real = F._hash_file
+    monkeypatch.setattr(F, "_hash_file", lambda p: hashed.append(p) or real(p))
+    fp = model_fingerprint(model_dir)
+    assert hashed == []
+    monkeypatch.setattr(F, "_hash_file", real)
+    F.digest_cache_path().unlink()
+    assert model_fingerprint(model_dir) == fp  # the same fingerprint, hashed afresh
+    # What cannot be hashed is left for the fingerprint to raise.
+    F.cache_directory_digests(model_dir / "missing")
+    with pytest.raises(StoreConfigError, match="is not a directory"):
+        model_fingerprint(model_dir / "missing")
+
+
 def test_another_process_with_no_setup_agrees(model_dir, tmp_path):
     env = {"PATH": os.environ.get("PATH", ""), "HOME": str(tmp_path / "fresh-home")}
     code = (
