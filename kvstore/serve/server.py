@@ -122,17 +122,18 @@ class StoreModelProvider(mlx_server.ModelProvider):  # type: ignore[misc]  # mlx
         source = model_path if Path(model_path).is_dir() else None
         # The binding's fingerprint reads the files' digests first: hashed while mlx-lm
         # reads the same files (a new model's first start: 4.2 s for one 14 GiB file).
-        hashing = threading.Thread(
-            target=cache_directory_digests, args=(source,), name="kvstore-digests", daemon=True
-        )
+        hashing = None
         if source is not None:
+            hashing = threading.Thread(
+                target=cache_directory_digests, args=(source,), name="kvstore-digests", daemon=True
+            )
             hashing.start()
         super()._load(model_path, adapter_path, draft_model_path)
         loaded = time.perf_counter()
         for model in (self.model, self.draft_model):
             if model is not None:  # before the warm-up, which then builds what they run
                 self._state.unfused_attention.update(unfused_for_model(model))
-        if source is not None:
+        if hashing is not None:
             hashing.join()
         try:
             self.prompt_cache.bind(

@@ -125,6 +125,7 @@ def build_decode_graphs(model: Any, up_to: int, step: int = 256) -> int:
 def _step_over(model: Any, token: mx.array, caches: list[Any], probe: list[Any], size: int) -> None:
     """One decode step on ``caches`` with each growing one's buffers ``size`` rows of zeros
     (the dtype and heads of ``probe``'s), all but the last written."""
+    filled = []
     for cache, seen in zip(caches, probe, strict=True):
         if not is_plain_kv_cache(cache) or seen.keys is None:
             continue  # only growing caches of plain rows take cuDNN's decode
@@ -132,6 +133,6 @@ def _step_over(model: Any, token: mx.array, caches: list[Any], probe: list[Any],
         cache.keys = mx.zeros(shape, seen.keys.dtype)
         cache.values = mx.zeros(shape, seen.values.dtype)
         cache.offset = size - 1
-    # Evaluated first: MLX takes cuDNN's route only for evaluated buffers.
-    mx.eval([(c.keys, c.values) for c in caches if is_plain_kv_cache(c) and c.keys is not None])
+        filled += [cache.keys, cache.values]
+    mx.eval(filled)  # first: MLX takes cuDNN's route only for evaluated buffers
     mx.eval(model(token, cache=caches))
