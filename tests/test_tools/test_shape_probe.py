@@ -29,8 +29,12 @@ def test_every_part_runs_and_plain_ops_sit_at_the_rounding_floor(tmp_path):
     assert done.returncode == 0, done.stderr[-2000:]
     rows = json.loads(out.read_text())
     assert {"A", "B", "logits", "D", "E"} <= rows.keys()
-    # The warm-ups ran and were timed (a spread of 2 lengths in both modes; 2 buffer sizes).
-    assert rows["spread_ms"] > 0 and rows["decode_warm_ms"] > 0
+    # The warm-ups ran: a spread of 2 lengths in both modes; the decode graphs of the 2
+    # buffer sizes 256 + 4 steps meet (256 and 512 rows).
+    assert [(r["mode"], r["S"]) for r in rows["spread"]] == [
+        (mode, S) for mode in ("spread never", "spread auto") for S in (1, 2)
+    ]
+    assert rows["decode_warm_sizes"] == 2
 
     a = {row["attend"]: row for row in rows["A"]}
     assert a.keys() == {"fused", "unfused", "broadcast", "bf16weights"}

@@ -364,8 +364,10 @@ def main() -> int:
     if args.spread:
         spread = [int(n) for n in args.spread.split(",")]
         start = time.perf_counter()
-        suffix_rows("spread never", model, caches, args.prefix, spread, vocab)
-        suffix_rows("spread auto", model, caches, args.prefix, spread, vocab, "auto")
+        out["spread"] = suffix_rows("spread never", model, caches, args.prefix, spread, vocab)
+        out["spread"] += suffix_rows(
+            "spread auto", model, caches, args.prefix, spread, vocab, "auto"
+        )
         out["spread_ms"] = round((time.perf_counter() - start) * 1e3, 1)
         print(f"spread warm-up of {len(spread)} lengths, both modes: {out['spread_ms']} ms")
     rows = suffix_rows("ours fused", model, caches, args.prefix, suffixes, vocab)
@@ -379,6 +381,7 @@ def main() -> int:
         start = time.perf_counter()
         sizes = build_decode_graphs(model, args.prefix + args.decode)
         out["decode_warm_ms"] = round((time.perf_counter() - start) * 1e3, 1)
+        out["decode_warm_sizes"] = sizes
         print(f"decode graphs of {sizes} buffer sizes built: {out['decode_warm_ms']} ms")
     if args.decode:
         out["D"] = decode_rows(model, prompt, args.decode, vocab)
