@@ -8,7 +8,7 @@ import time
 import numpy as np
 import pytest
 
-from kvstore.abc.store import BlockRef, Match, MissReason
+from kvstore.abc.store import BlockRef, Match, MissReason, SaveResult
 from kvstore.errors import CapabilityError, StoreConfigError, StoreError
 from kvstore.store import keys as K
 from kvstore.store import open_store
@@ -97,6 +97,30 @@ def test_resaving_a_stored_prefix_only_hashes(store):
     assert shorter.written == () and shorter.covered_by == first.written[-1]
     assert store.put_blocks(NS, tokens[:8], refuse).deduplicated == 2
     assert store.stats().blocks == 3
+
+
+@pytest.mark.parametrize("length", [8, 11])  # full blocks only; a tail of its own
+def test_a_resave_counts_and_touches_its_blocks(make_store, raw, clock, length):
+    # Every block stored as its own record takes the save's short route (hashing, one
+    # read): its result, counters and recency are the whole route's.
+    store = make_store(touch_interval=0.01)
+    tokens = list(range(length))
+    clock.now = 1.0
+    first = save(store, tokens)
+    clock.now = 2.0
+    again = store.put_blocks(NS, tokens, refuse)
+    assert again == SaveResult(NS, length, deduplicated=len(first.written))
+    stats = store.stats()
+    assert stats.saves == 2 and stats.deduplicated_blocks == len(first.written)
+    use_keys = [K.use_key(*K.split_record_key(key)) for key in first.written]
+    for _ in range(1000):  # polls for the background write; no timing is asserted
+        with raw.reader() as view:
+            if all(decode_use(view.get(key))[0] == 2.0 for key in use_keys):
+                break
+        time.sleep(0.01)
+    else:
+        raise AssertionError("the re-save's recency was never written")
+    assert store.verify().clean
 
 
 def test_a_longer_tail_supersedes_the_shorter_one(store):

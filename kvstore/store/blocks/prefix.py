@@ -380,8 +380,36 @@ class BlockPrefixStore(CacheMethods, PrefixStore):
         checkpoints: Collection[int] = (),
     ) -> SaveResult:
         """:meth:`PrefixStore.put_blocks <kvstore.abc.store.PrefixStore.put_blocks>`."""
+        if not checkpoints:
+            stored = self._stored_already(namespace, tokens)
+            if stored is not None:
+                return stored
         save = BlockSave(namespace, tokens, encode, family, frozenset(checkpoints))
         return self.put_blocks_many([save])[0]
+
+    def _stored_already(self, namespace: str, tokens: Any) -> SaveResult | None:
+        """A save's result where every block of ``tokens`` is stored as its own record:
+        hashing and one read, no spans, jobs or encoder (P3, a re-save of a stored
+        prompt, is mostly these in cold caches). ``None``: the whole path decides."""
+        self._check_writable("save")
+        ns = K.parse_namespace(namespace)
+        toks = K.as_tokens(tokens, "save")
+        if not len(toks):
+            return None
+        keys = saving.record_keys(ns, toks, self._settings.block_size)
+        with self._backend.reader() as view:
+            if not saving.all_stored(view, keys):
+                return None
+        return self._deduplicated(namespace, len(toks), keys, None, self._clock())
+
+    def _deduplicated(
+        self, namespace: str, tokens: int, existing: list[bytes], cover: bytes | None, now: float
+    ) -> SaveResult:
+        """The result of a save whose blocks are all stored; their recency is batched."""
+        if self._house is not None:
+            self._house.touch(existing, now)
+        self._counters.add(saves=1, deduplicated_blocks=len(existing))
+        return SaveResult(namespace, tokens, deduplicated=len(existing), covered_by=cover)
 
     def put_blocks_many(self, saves: Sequence[BlockSave]) -> list[SaveResult]:
         """Every save's missing blocks in one atomic write (one sync: a group commit);
@@ -396,15 +424,9 @@ class BlockPrefixStore(CacheMethods, PrefixStore):
             for job in jobs:
                 if job.result is not None:
                     continue
-                if not job.missing:  # dedup: hashing and one read; recency is batched
-                    if self._house is not None:
-                        self._house.touch(job.existing, now)
-                    self._counters.add(saves=1, deduplicated_blocks=len(job.existing))
-                    job.result = SaveResult(
-                        job.save.namespace,
-                        len(job.toks),
-                        deduplicated=len(job.existing),
-                        covered_by=job.cover,
+                if not job.missing:  # dedup: hashing and one read
+                    job.result = self._deduplicated(
+                        job.save.namespace, len(job.toks), job.existing, job.cover, now
                     )
                     continue
                 todo = [s for s in job.missing if s.index not in job.encoded]

@@ -122,6 +122,22 @@ def survey(
     return existing, cover, missing
 
 
+def record_keys(ns: bytes, toks: np.ndarray, block_size: int) -> list[bytes]:
+    """The record key of each block of ``toks`` (full blocks, then the tail), as
+    :func:`spans_of` hashes them, without building the spans."""
+    digests = K.chain_digests(ns, toks, block_size)
+    start = len(digests) * block_size
+    if start < len(toks):
+        digests.append(K.block_digest(digests[-1] if digests else K.ROOT, ns, toks[start:].data))
+    return [K.record_key(ns, digest) for digest in digests]
+
+
+def all_stored(view: ReadView, keys: list[bytes]) -> bool:
+    """Whether every one of ``keys`` is stored."""
+    contains = view.contains
+    return all(contains(key) for key in keys)
+
+
 def _entry_of(view: ReadView, ns: bytes, span: Span) -> tuple[bytes, IndexEntry] | None:
     """The index key and entry of a stored span (``None`` if absent or unreadable)."""
     key = K.child_key(ns, span.parent, span.tokens, span.digest, span.full)
