@@ -30,15 +30,17 @@ from kvstore.codecs import cuda_pages
 from kvstore.devices import default_is_cuda
 from kvstore.knobs import switch_from_env
 
-__all__ = ["PREFILL_TOKENS", "STAGING_INLINE", "build_decode_graphs", "build_kernels", "warm_up"]
+__all__ = ["PREFILL_TOKENS", "STAGING_THREAD", "build_decode_graphs", "build_kernels", "warm_up"]
 
 log = logging.getLogger("kvstore.serve")
 
-#: The switch (on unless ``"0"``) that sets the restore's staging up on the warm-up's
-#: thread, the generating one, before a first request runs; off, on a thread of its own
-#: while requests run. An A/B for the device: a fresh 8B server's first request took
-#: ~1.1 s more than stock's, this set-up the suspect (``tools/bench/gpu/README.md``).
-STAGING_INLINE = "KVSTORE_WARMUP_STAGING_INLINE"
+#: The switch (on unless ``"0"``) that sets the restore's staging up on a thread of its
+#: own once the warm-up is done, while requests run (a restore arriving first waits for
+#: it on its lock); off, on the warm-up's thread, the generating one, before a first
+#: request runs. On one H100 (``tools/bench/results/gpu/staging-h100/``) the set-up took
+#: 3.4-4.5 s of a fresh 8B server's warm-up on that thread (0.5-0.7 s without it), and a
+#: restore after a restart took the same either way (197 and 196 ms, medians of 2).
+STAGING_THREAD = "KVSTORE_WARMUP_STAGING_THREAD"
 
 #: The warm-up prefill's length: several rows, so the prefill's matmuls and attention
 #: take the kernels a prompt's do, not a decode step's.
@@ -55,10 +57,11 @@ def warm_up(
 ) -> float | None:
     """:func:`build_kernels`, and with ``decode_up_to`` on a CUDA GPU
     :func:`build_decode_graphs` up to that many tokens; then, on a CUDA GPU, the restore's
-    staging set up (its kernels built on this thread) and its page route's trial started
-    in the background. Timed, all of it -- a first request waits for all of it: the
-    seconds it took, or ``None`` (logged) when the model's forward failed: a request then
-    meets the same error, with its own message, and the server stays up."""
+    staging set up (its kernels built) and its page route's trial started, on a thread of
+    their own (:data:`STAGING_THREAD`). Timed -- a first request waits for what ran on
+    this thread: the seconds it took, or ``None`` (logged) when the model's forward
+    failed: a request then meets the same error, with its own message, and the server
+    stays up."""
     start = time.perf_counter()
     try:
         build_kernels(model, tokens, kv_bits=kv_bits, kv_group_size=kv_group_size)
@@ -68,10 +71,10 @@ def warm_up(
     except Exception as exc:  # noqa: BLE001 - a warm-up never stops the server
         log.warning("kvstore: the model's warm-up failed (%s: %s)", type(exc).__name__, exc)
         return None
-    if switch_from_env(STAGING_INLINE):
-        cuda_pages.proven()  # starts the page route's trial; False at once without CUDA
-    else:  # a restore arriving first waits for the set-up on its lock
+    if switch_from_env(STAGING_THREAD):  # a restore arriving first waits on its lock
         threading.Thread(target=cuda_pages.proven, name="kvstore-staging-setup").start()
+    else:
+        cuda_pages.proven()  # starts the page route's trial; False at once without CUDA
     return time.perf_counter() - start
 
 

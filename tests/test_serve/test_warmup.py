@@ -106,8 +106,8 @@ def test_warm_up_builds_decode_graphs_only_where_cuda_runs_them(cuda, monkeypatc
     assert [rows for _, _, rows in model.calls[-1]][:1] == [512 if cuda else 256]
 
 
-@pytest.mark.parametrize("inline", [True, False])
-def test_the_staging_set_up_runs_on_the_warm_up_thread_unless_switched_off(inline, monkeypatch):
+@pytest.mark.parametrize("own_thread", [True, False])
+def test_the_staging_set_up_runs_on_its_own_thread_unless_switched_off(own_thread, monkeypatch):
     import threading
 
     ran = []  # the threads that set the restore's staging up (a no-op without CUDA)
@@ -115,8 +115,8 @@ def test_the_staging_set_up_runs_on_the_warm_up_thread_unless_switched_off(inlin
     monkeypatch.setattr(
         cuda_pages, "proven", lambda: ran.append(threading.current_thread().name) or done.set()
     )
-    if not inline:
-        monkeypatch.setenv(warmup.STAGING_INLINE, "0")
+    if not own_thread:
+        monkeypatch.setenv(warmup.STAGING_THREAD, "0")
     assert warm_up(Recording(build_mlx_lm_model("llama"))) is not None
     assert done.wait(10)
-    assert ran == [threading.current_thread().name if inline else "kvstore-staging-setup"]
+    assert ran == ["kvstore-staging-setup" if own_thread else threading.current_thread().name]

@@ -100,9 +100,9 @@
 #                stock's (which builds the graph in the answer), and the warm-up's cost:
 #                ~150 s
 # STEP staging  serve_ttft.py with the llama-8B shape, 2 repeats, kvstore serve's staging set
-#                up on its warm-up's thread (the default) and on a thread of its own
-#                (KVSTORE_WARMUP_STAGING_INLINE=0): turn 1's TTFT of a fresh server against
-#                stock's (~1.1 s more at 6bb379f) and server.warmup_s: ~2 x 170 s
+#                up on a thread of its own (the default since results/gpu/staging-h100/: it
+#                held the warm-up's thread 3.4-4.5 s) and on the warm-up's
+#                (KVSTORE_WARMUP_STAGING_THREAD=0): server.warmup_s, turn 2: ~2 x 170 s
 #
 # Results under OUT; copy them to tools/bench/results/gpu/<rev>/ to commit.
 set -uo pipefail
@@ -239,14 +239,14 @@ case "$step" in
       > "$out/warmdecode.txt" 2>&1
     tail -12 "$out/warmdecode.txt" ;;
   staging)
-    for inline in 1 0; do
-      KVSTORE_WARMUP_STAGING_INLINE=$inline timeout 280 python3 tools/bench/serve_ttft.py \
+    for thread in 1 0; do
+      KVSTORE_WARMUP_STAGING_THREAD=$thread timeout 280 python3 tools/bench/serve_ttft.py \
         --model /tmp/m8b --shape llama8b --context 4000 --repeats 2 \
-        --json "$out/staging-$inline.json" > "$out/staging-$inline.txt" 2>&1
-      tail -4 "$out/staging-$inline.txt"
+        --json "$out/staging-$thread.json" > "$out/staging-$thread.txt" 2>&1
+      tail -4 "$out/staging-$thread.txt"
       python3 -c "import json, sys; d = json.load(open(sys.argv[1]))
 for s in d['samples']: print({k: round(v['ttft_s'], 2) for k, v in s['turn1'].items()}, s['ours_startup_s'])" \
-        "$out/staging-$inline.json"
+        "$out/staging-$thread.json"
     done ;;
   firstpick)
     for loading in LAZY EAGER; do
