@@ -388,28 +388,17 @@ class BlockPrefixStore(CacheMethods, PrefixStore):
         return self.put_blocks_many([save])[0]
 
     def _stored_already(self, namespace: str, tokens: Any) -> SaveResult | None:
-        """A save's result where every block of ``tokens`` is stored as its own record:
-        hashing and one read, no spans, jobs or encoder (P3, a re-save of a stored
-        prompt, is mostly these in cold caches). ``None``: the whole path decides."""
+        """A save's result where every block of ``tokens`` is stored as its own record
+        (:func:`~.saving.stored_already`); ``None``: the whole path decides."""
         self._check_writable("save")
-        ns = K.parse_namespace(namespace)
         toks = K.as_tokens(tokens, "save")
-        if not len(toks):
+        ns, bsize = K.parse_namespace(namespace), self._settings.block_size
+        keys = saving.stored_already(self._backend.reader, ns, toks, bsize)
+        if keys is None:
             return None
-        keys = saving.record_keys(ns, toks, self._settings.block_size)
-        with self._backend.reader() as view:
-            if not saving.all_stored(view, keys):
-                return None
-        return self._deduplicated(namespace, len(toks), keys, None, self._clock())
-
-    def _deduplicated(
-        self, namespace: str, tokens: int, existing: list[bytes], cover: bytes | None, now: float
-    ) -> SaveResult:
-        """The result of a save whose blocks are all stored; their recency is batched."""
-        if self._house is not None:
-            self._house.touch(existing, now)
-        self._counters.add(saves=1, deduplicated_blocks=len(existing))
-        return SaveResult(namespace, tokens, deduplicated=len(existing), covered_by=cover)
+        return saving.deduplicated(
+            self._house, self._counters, namespace, len(toks), keys, None, self._clock()
+        )
 
     def put_blocks_many(self, saves: Sequence[BlockSave]) -> list[SaveResult]:
         """Every save's missing blocks in one atomic write (one sync: a group commit);
@@ -425,9 +414,8 @@ class BlockPrefixStore(CacheMethods, PrefixStore):
                 if job.result is not None:
                     continue
                 if not job.missing:  # dedup: hashing and one read
-                    job.result = self._deduplicated(
-                        job.save.namespace, len(job.toks), job.existing, job.cover, now
-                    )
+                    found = (job.save.namespace, len(job.toks), job.existing, job.cover)
+                    job.result = saving.deduplicated(self._house, self._counters, *found, now)
                     continue
                 todo = [s for s in job.missing if s.index not in job.encoded]
                 saving.encode_missing(
@@ -444,16 +432,7 @@ class BlockPrefixStore(CacheMethods, PrefixStore):
             except saving.Stale:
                 continue
             for job, out in zip(writing, outs, strict=True):
-                job.result = saving.result_of(job, out)
-                self._counters.add(
-                    saves=1,
-                    saved_blocks=len(out.written),
-                    saved_bytes=out.written_bytes,
-                    deduplicated_blocks=out.deduplicated,
-                    evictions=len(out.evicted),
-                    evicted_bytes=job.result.evicted_bytes,
-                    evicted_checkpoint_bytes=job.result.evicted_checkpoint_bytes,
-                )
+                job.result = saving.counted(self._counters, job, out)
             break
         else:
             namespace = next(j.save.namespace for j in jobs if j.result is None)

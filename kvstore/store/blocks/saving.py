@@ -20,6 +20,7 @@ index entry keeps it, and the totals count it apart.
 from __future__ import annotations
 
 from collections.abc import Callable, Collection
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -29,7 +30,7 @@ from kvstore.abc.store import BlockSave, BlockSpan, ReadView, RecordEncoder, Sav
 from kvstore.errors import CorruptEntryError, FormatVersionError, StoreConfigError
 from kvstore.store import keys as K
 from kvstore.store.blocks.eviction import Block
-from kvstore.store.blocks.housekeeping import touch_in
+from kvstore.store.blocks.housekeeping import Housekeeper, touch_in
 from kvstore.store.blocks.index import (
     IndexEntry,
     best_child,
@@ -39,7 +40,7 @@ from kvstore.store.blocks.index import (
     iter_entries,
 )
 from kvstore.store.blocks.removal import delete_block
-from kvstore.store.blocks.stats import add_totals
+from kvstore.store.blocks.stats import Counters, add_totals
 
 __all__ = [
     "Describe",
@@ -90,18 +91,21 @@ class SaveOutcome:
 
 def spans_of(ns: bytes, toks: np.ndarray, block_size: int) -> list[Span]:
     """The prompt's full blocks, then its partial tail (if any)."""
-    digests = K.chain_digests(ns, toks, block_size)
-    parents = [K.ROOT, *digests]
-    spans = [
-        Span(i, i * block_size, toks[i * block_size : (i + 1) * block_size], d, parents[i], True)
+    digests = block_digests(ns, toks, block_size)
+    parents, full, size = [K.ROOT, *digests], len(toks) // block_size, block_size
+    return [
+        Span(i, i * size, toks[i * size : (i + 1) * size], d, parents[i], i < full)
         for i, d in enumerate(digests)
     ]
+
+
+def block_digests(ns: bytes, toks: np.ndarray, block_size: int) -> list[bytes]:
+    """The digest of each block of the prompt: its full blocks, then its tail (if any)."""
+    digests = K.chain_digests(ns, toks, block_size)
     start = len(digests) * block_size
     if start < len(toks):
-        tail = toks[start:]
-        digest = K.block_digest(parents[-1], ns, tail.data)
-        spans.append(Span(len(digests), start, tail, digest, parents[-1], False))
-    return spans
+        digests.append(K.block_digest(digests[-1] if digests else K.ROOT, ns, toks[start:].data))
+    return digests
 
 
 def survey(
@@ -122,20 +126,52 @@ def survey(
     return existing, cover, missing
 
 
-def record_keys(ns: bytes, toks: np.ndarray, block_size: int) -> list[bytes]:
-    """The record key of each block of ``toks`` (full blocks, then the tail), as
-    :func:`spans_of` hashes them, without building the spans."""
-    digests = K.chain_digests(ns, toks, block_size)
-    start = len(digests) * block_size
-    if start < len(toks):
-        digests.append(K.block_digest(digests[-1] if digests else K.ROOT, ns, toks[start:].data))
-    return [K.record_key(ns, digest) for digest in digests]
+def stored_already(
+    reader: Callable[[], AbstractContextManager[ReadView]],
+    ns: bytes,
+    toks: np.ndarray,
+    block_size: int,
+) -> list[bytes] | None:
+    """The record key of every block of ``toks`` where each is stored as its own record
+    (a re-save of a stored prompt, the dedup a save most often is), else ``None``: what
+    :func:`survey` finds then, from the chain's digests and one read, without the spans,
+    jobs and encoder of the whole path (P3's re-save is mostly such work in cold caches)."""
+    keys = [K.record_key(ns, digest) for digest in block_digests(ns, toks, block_size)]
+    with reader() as view:
+        contains = view.contains
+        return keys if keys and all(contains(key) for key in keys) else None
 
 
-def all_stored(view: ReadView, keys: list[bytes]) -> bool:
-    """Whether every one of ``keys`` is stored."""
-    contains = view.contains
-    return all(contains(key) for key in keys)
+def deduplicated(
+    house: Housekeeper | None,
+    counters: Counters,
+    namespace: str,
+    tokens: int,
+    existing: list[bytes],
+    cover: bytes | None,
+    now: float,
+) -> SaveResult:
+    """The result of a save whose blocks are all stored: their recency batched (``house``),
+    the save counted."""
+    if house is not None:
+        house.touch(existing, now)
+    counters.add(saves=1, deduplicated_blocks=len(existing))
+    return SaveResult(namespace, tokens, deduplicated=len(existing), covered_by=cover)
+
+
+def counted(counters: Counters, job: SaveJob, out: SaveOutcome) -> SaveResult:
+    """The result of ``job``'s commit, counted."""
+    result = result_of(job, out)
+    counters.add(
+        saves=1,
+        saved_blocks=len(out.written),
+        saved_bytes=out.written_bytes,
+        deduplicated_blocks=out.deduplicated,
+        evictions=len(out.evicted),
+        evicted_bytes=result.evicted_bytes,
+        evicted_checkpoint_bytes=result.evicted_checkpoint_bytes,
+    )
+    return result
 
 
 def _entry_of(view: ReadView, ns: bytes, span: Span) -> tuple[bytes, IndexEntry] | None:
