@@ -66,6 +66,28 @@ def test_errors_are_translated_at_the_boundary(cls, ours):
     assert info.value.cause == cls.__name__
 
 
+@pytest.mark.parametrize(
+    "raised, expected", [(lmdb.BadTxnError, StoreError), (ValueError, ValueError)]
+)
+def test_a_read_views_errors_are_ours_and_its_gate_is_released(tmp_path, raised, expected):
+    store = open_(tmp_path / "s")
+    backend = store.backend
+    with pytest.raises(expected) as info:
+        with backend.reader():
+            raise raised("mdb_get")
+    if expected is StoreError:  # an engine error, translated; anything else as it was
+        assert str(info.value).startswith("[read] BadTxnError from the store at lmdb://")
+        assert isinstance(info.value.__cause__, lmdb.BadTxnError)
+    with pytest.raises(StoreUnavailableError, match="busy"):  # ours pass through untouched
+        with backend.reader():
+            raise StoreUnavailableError("busy")
+    with backend._gate.exclusive("write"):  # no read view is left holding the gate
+        pass
+    with backend.reader() as view:
+        assert view.get(b"absent") is None
+    store.close()
+
+
 def test_the_map_grows_as_needed(tmp_path):
     store = open_(tmp_path / "s", map_size=1 << 20)
     tokens = list(range(64))

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from kvstore.errors import KVStoreError
 
-__all__ = ["Translation", "translate_errors", "translated"]
+__all__ = ["Translation", "raise_translated", "translate_errors", "translated"]
 
 
 @dataclass(frozen=True)
@@ -50,10 +50,18 @@ def translate_errors(
     """Re-raise engine exceptions listed in ``table`` as ours, chained with ``from``."""
     try:
         yield
-    except KVStoreError:
-        raise
     except Exception as exc:
+        raise_translated(exc, table, operation, url)
+        raise
+
+
+def raise_translated(
+    exc: BaseException, table: Mapping[type[BaseException], Translation], operation: str, url: str
+) -> None:
+    """Raise our error for ``exc`` from it where ``exc`` is an engine exception listed in
+    ``table``; else return (the caller lets ``exc`` go on): :func:`translate_errors`' rule,
+    for a context manager written as a class."""
+    if isinstance(exc, Exception) and not isinstance(exc, KVStoreError):
         ours = translated(exc, table, operation, url)
-        if ours is None:
-            raise
-        raise ours from exc
+        if ours is not None:
+            raise ours from exc

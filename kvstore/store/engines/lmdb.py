@@ -29,7 +29,6 @@ import lmdb
 
 from kvstore.abc.store import Backend, Buffer
 from kvstore.errors import (
-    KVStoreError,
     ReadOnlyStoreError,
     StoreConfigError,
     StoreError,
@@ -37,7 +36,7 @@ from kvstore.errors import (
     StoreUnavailableError,
 )
 from kvstore.store.engines import writeback as _writeback
-from kvstore.store.engines.boundary import Translation, translate_errors, translated
+from kvstore.store.engines.boundary import Translation, raise_translated, translate_errors
 from kvstore.store.engines.lmdb_file import check_file, meta_damage
 from kvstore.store.engines.lmdb_guard import DAMAGED, NodeGuard, address_of, view_at
 from kvstore.store.keys import prefix_successor
@@ -438,14 +437,16 @@ class _Reading:
         while True:
             gate.enter()
             try:
-                self._txn = backend._env.begin(write=False, buffers=True)
-                return _LMDBView(self._txn, backend._shared, write=False)  # type: ignore[arg-type]
+                txn = backend._env.begin(write=False, buffers=True)
             except lmdb.MapResizedError:  # another process grew the map: adopt it
                 gate.leave()
             except BaseException as exc:
                 gate.leave()
-                _raise_ours(exc, "read", backend.url)
+                raise_translated(exc, LMDB_ERRORS, "read", backend.url)
                 raise
+            else:
+                self._txn = txn
+                return _LMDBView(txn, backend._shared, write=False)  # type: ignore[arg-type]
             # set_mapsize needs no transaction open in this process: resize alone.
             with gate.exclusive("read"), translate_errors(LMDB_ERRORS, "read", backend.url):
                 backend._set_mapsize(0)
@@ -459,15 +460,7 @@ class _Reading:
             self._txn = None
             backend._gate.leave()
         if exc is not None:
-            _raise_ours(exc, "read", backend.url)
-
-
-def _raise_ours(exc: BaseException, operation: str, url: str) -> None:
-    """Raise our error for an LMDB exception (``translate_errors``' rule); else return."""
-    if isinstance(exc, Exception) and not isinstance(exc, KVStoreError):
-        ours = translated(exc, LMDB_ERRORS, operation, url)
-        if ours is not None:
-            raise ours from exc
+            raise_translated(exc, LMDB_ERRORS, "read", backend.url)
 
 
 class LMDBBackend(Backend):
