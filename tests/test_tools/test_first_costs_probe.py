@@ -1,0 +1,39 @@
+"""``tools/bench/gpu/first_costs.py`` on this CPU with a tiny shape (``--quick``): it runs,
+times the staging set-up's parts that exist without CUDA, and one hand-off per save."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+from kvstore.devices import default_is_cuda
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_it_reports_the_set_up_and_every_hand_off():
+    done = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "tools/bench/gpu/first_costs.py"),
+            "--quick",
+            "--tokens",
+            "768",
+            "--step",
+            "256",
+        ],
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    parts = re.findall(r"^staging: (.+): \d+\.\d ms$", done.stdout, re.M)
+    assert parts[:2] == ["MLX's start (a first evaluation)", "import of the staging modules"]
+    # Without CUDA the set-up stops after the imports (it has nothing to build there).
+    assert len(parts) == (7 if default_is_cuda() else 2)
+    saves = re.findall(r"^hand-off (\d+) \(to (\d+) tokens\): \d+\.\d\d ms$", done.stdout, re.M)
+    assert saves == [("1", "256"), ("2", "512"), ("3", "768")]
