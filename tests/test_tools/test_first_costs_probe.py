@@ -9,12 +9,15 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from kvstore.devices import default_is_cuda
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_it_reports_the_set_up_and_every_hand_off():
+@pytest.mark.parametrize("copies_first", [False, True])
+def test_it_reports_the_set_up_and_every_hand_off(copies_first):
     done = subprocess.run(
         [
             sys.executable,
@@ -24,6 +27,7 @@ def test_it_reports_the_set_up_and_every_hand_off():
             "768",
             "--step",
             "256",
+            *(["--copies-first"] if copies_first else []),
         ],
         env={**os.environ, "PYTHONPATH": str(ROOT)},
         capture_output=True,
@@ -37,3 +41,5 @@ def test_it_reports_the_set_up_and_every_hand_off():
     assert len(parts) == (7 if default_is_cuda() else 2)
     saves = re.findall(r"^hand-off (\d+) \(to (\d+) tokens\): \d+\.\d\d ms$", done.stdout, re.M)
     assert saves == [("1", "256"), ("2", "512"), ("3", "768")]
+    copies = re.findall(r"^copies: (.+): \d+\.\d\d ms$", done.stdout, re.M)
+    assert len(copies) == (4 if copies_first else 0)

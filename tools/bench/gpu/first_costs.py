@@ -25,6 +25,7 @@ import argparse
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 
 def staging_parts() -> list[tuple[str, float]]:
@@ -61,8 +62,11 @@ def staging_parts() -> list[tuple[str, float]]:
     return parts
 
 
-def hand_offs(tokens: int, layers: int, heads: int, dim: int, step: int) -> list[float]:
-    """Seconds the caller was held by each ``save_behind`` of caches growing by ``step``."""
+def hand_offs(
+    tokens: int, layers: int, heads: int, dim: int, step: int, copies_first: bool = False
+) -> list[float]:
+    """Seconds the caller was held by each ``save_behind`` of caches growing by ``step``;
+    with ``copies_first``, after the copies a hand-off makes, made and timed first."""
     import mlx.core as mx
     from mlx_lm.models.cache import KVCache
 
@@ -75,6 +79,8 @@ def hand_offs(tokens: int, layers: int, heads: int, dim: int, step: int) -> list
         cache.update_and_fetch(rows, rows)
         caches.append(cache)
     mx.eval([c.keys for c in caches])
+    if copies_first:
+        copy_costs(caches, step)
     held = []
     with tempfile.TemporaryDirectory() as scratch:
         store = open_store(f"lmdb://{Path(scratch) / 's'}", map_size=4 * tokens * (1 << 20))
@@ -89,16 +95,37 @@ def hand_offs(tokens: int, layers: int, heads: int, dim: int, step: int) -> list
     return held
 
 
+def copy_costs(caches: list[Any], step: int) -> None:
+    """Print what the copies a hand-off makes cost the first time in a process: one
+    layer's rows ``[0, step)`` (a kernel's first use), another layer's (the same kernel),
+    then every layer's keys and values at once (their buffers allocated)."""
+    import mlx.core as mx
+
+    def timed(name: str, arrays: list[Any]) -> None:
+        start = time.perf_counter()
+        mx.eval([mx.contiguous(a[..., :step, :]) for a in arrays])
+        print(f"copies: {name}: {(time.perf_counter() - start) * 1e3:.2f} ms", flush=True)
+
+    timed("one layer's keys, first", [caches[0].keys])
+    timed("another layer's keys", [caches[1].keys])
+    timed("every layer's keys and values", [a for c in caches for a in (c.keys, c.values)])
+    timed("every layer's keys and values again", [a for c in caches for a in (c.keys, c.values)])
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=4096)
     parser.add_argument("--step", type=int, default=512, help="tokens each save adds")
     parser.add_argument("--quick", action="store_true", help="a tiny shape (a CPU)")
+    parser.add_argument(
+        "--copies-first", action="store_true", help="time a hand-off's copies before it"
+    )
     args = parser.parse_args()
     for name, seconds in staging_parts():
         print(f"staging: {name}: {seconds * 1e3:.1f} ms", flush=True)
     shape = (2, 2, 16) if args.quick else (32, 8, 128)  # layers, KV heads, head_dim
-    for i, seconds in enumerate(hand_offs(args.tokens, *shape, args.step)):
+    held = hand_offs(args.tokens, *shape, args.step, args.copies_first)
+    for i, seconds in enumerate(held):
         print(f"hand-off {i + 1} (to {(i + 1) * args.step} tokens): {seconds * 1e3:.2f} ms")
     return 0
 

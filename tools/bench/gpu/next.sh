@@ -103,9 +103,10 @@
 #                up on a thread of its own (the default since results/gpu/staging-h100/: it
 #                held the warm-up's thread 3.4-4.5 s) and on the warm-up's
 #                (KVSTORE_WARMUP_STAGING_THREAD=0): server.warmup_s, turn 2: ~2 x 170 s
-# STEP firstcosts tools/bench/gpu/first_costs.py twice (the second process finds MLX's kernel
-#                cache): the staging set-up's parts (3.4-4.5 s of a fresh 8B server's warm-up
-#                on one H100) and a fresh process's save hand-offs, 512 tokens each: ~60 s
+# STEP firstcosts tools/bench/gpu/first_costs.py twice, the second with --copies-first: the
+#                staging set-up's parts and a fresh process's save hand-offs, 512 tokens each
+#                (results/gpu/firstcosts-h100/: the first hand-off 92-94 ms, the rest ~1.1),
+#                the second after a hand-off's copies made and timed alone: ~50 s
 #
 # Results under OUT; copy them to tools/bench/results/gpu/<rev>/ to commit.
 set -uo pipefail
@@ -252,10 +253,10 @@ for s in d['samples']: print({k: round(v['ttft_s'], 2) for k, v in s['turn1'].it
         "$out/staging-$thread.json"
     done ;;
   firstcosts)
-    for run in 1 2; do
-      timeout 120 python3 tools/bench/gpu/first_costs.py > "$out/firstcosts-$run.txt" 2>&1
-      cat "$out/firstcosts-$run.txt"
-    done ;;
+    timeout 120 python3 tools/bench/gpu/first_costs.py > "$out/firstcosts-1.txt" 2>&1
+    cat "$out/firstcosts-1.txt"
+    timeout 120 python3 tools/bench/gpu/first_costs.py --copies-first > "$out/firstcosts-2.txt" 2>&1
+    cat "$out/firstcosts-2.txt" ;;
   firstpick)
     for loading in LAZY EAGER; do
       CUDA_MODULE_LOADING=$loading python3 -c "import time; t = time.perf_counter()
