@@ -38,7 +38,7 @@ def test_it_reports_the_set_up_and_every_hand_off(copies_first):
     parts = re.findall(r"^staging: (.+): \d+\.\d ms$", done.stdout, re.M)
     assert parts[:2] == ["MLX's start (a first evaluation)", "import of the staging modules"]
     # Without CUDA the set-up stops after the imports (it has nothing to build there).
-    assert len(parts) == (7 if default_is_cuda() else 2)
+    assert len(parts) == (10 if default_is_cuda() else 2)
     saves = re.findall(r"^hand-off (\d+) \(to (\d+) tokens\): \d+\.\d\d ms$", done.stdout, re.M)
     assert saves == [("1", "256"), ("2", "512"), ("3", "768")]
     copies = re.findall(r"^copies: (.+): \d+\.\d\d ms$", done.stdout, re.M)
