@@ -3,30 +3,13 @@ it runs, and says how many buffer sizes each call stepped over."""
 
 from __future__ import annotations
 
-import os
 import re
-import subprocess
-import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+from .gpu_tools import run_gpu_tool
 
 
 def test_each_call_reports_the_sizes_up_to_its_context():
-    done = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "tools/bench/gpu/decode_graphs.py"),
-            "--quick",
-            "--up-to",
-            "255,600",
-        ],
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert done.returncode == 0, done.stderr[-2000:]
+    done = run_gpu_tool("decode_graphs.py", "--quick", "--up-to", "255,600")
     assert re.search(r"^warm-up \(build_kernels\): \d+ ms$", done.stdout, re.M)
     counts = re.findall(r"^up_to (\d+): (\d+) sizes in \d+ ms$", done.stdout, re.M)
     assert counts == [("255", "0"), ("600", "3")]  # 600 tokens: buffers of 256, 512, 768

@@ -3,38 +3,19 @@ times the staging set-up's parts that exist without CUDA, and one hand-off per s
 
 from __future__ import annotations
 
-import os
 import re
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
 from kvstore.devices import default_is_cuda
 
-ROOT = Path(__file__).resolve().parents[2]
+from .gpu_tools import run_gpu_tool
 
 
 @pytest.mark.parametrize("copies_first", [False, True])
 def test_it_reports_the_set_up_and_every_hand_off(copies_first):
-    done = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "tools/bench/gpu/first_costs.py"),
-            "--quick",
-            "--tokens",
-            "768",
-            "--step",
-            "256",
-            *(["--copies-first"] if copies_first else []),
-        ],
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert done.returncode == 0, done.stderr[-2000:]
+    argv = ["--quick", "--tokens", "768", "--step", "256"]
+    done = run_gpu_tool("first_costs.py", *argv, *(["--copies-first"] if copies_first else []))
     parts = re.findall(r"^staging: (.+): \d+\.\d ms$", done.stdout, re.M)
     assert parts[:2] == ["MLX's start (a first evaluation)", "import of the staging modules"]
     # Without CUDA the set-up stops after the imports (it has nothing to build there).

@@ -5,28 +5,15 @@ the plain-op attention that landed is at the float32 result's bfloat16 rounding 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-PROBE = ROOT / "tools" / "bench" / "gpu" / "shape_probe.py"
+from .gpu_tools import run_gpu_tool
 
 
 def test_every_part_runs_and_plain_ops_sit_at_the_rounding_floor(tmp_path):
     out = tmp_path / "probe.json"
     argv = ["--quick", "--prefix", "256", "--suffixes", "7", "--decode", "4", "--ops"]
     argv += ["--spread", "1,2", "--decode-warm"]
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    done = subprocess.run(
-        [sys.executable, str(PROBE), *argv, "--skip-c", "--out", str(out)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert done.returncode == 0, done.stderr[-2000:]
+    run_gpu_tool("shape_probe.py", *argv, "--skip-c", "--out", str(out))
     rows = json.loads(out.read_text())
     assert {"A", "B", "logits", "D", "E"} <= rows.keys()
     # The warm-ups ran: a spread of 2 lengths in both modes; the decode graphs of the 2
