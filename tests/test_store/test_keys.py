@@ -91,6 +91,7 @@ def test_the_chain_names_the_whole_prefix():
     [
         ([1, -1], "OverflowError"),
         ([2**32 - 1], str(2**32 - 1)),
+        (np.array([7, 2**32 - 1, 9], dtype="<u4"), str(2**32 - 1)),
         ([1.5], "TypeError"),
         (["a"], "TypeError"),
         (np.array([[1, 2]]), "shape (1, 2)"),
