@@ -72,10 +72,22 @@ def warm_up(
         log.warning("kvstore: the model's warm-up failed (%s: %s)", type(exc).__name__, exc)
         return None
     if switch_from_env(STAGING_THREAD):  # a restore arriving first waits on its lock
-        threading.Thread(target=cuda_pages.proven, name="kvstore-staging-setup").start()
+        threading.Thread(target=_set_up_staging, name="kvstore-staging-setup").start()
     else:
-        cuda_pages.proven()  # starts the page route's trial; False at once without CUDA
+        _set_up_staging()
     return time.perf_counter() - start
+
+
+def _set_up_staging() -> None:
+    """The restore's staging set up and its page route's trial started (at once without
+    CUDA); a failure is logged, never raised: the server stays up, and a restore meets
+    the same failure where it can say what it cost."""
+    try:
+        cuda_pages.proven()
+    except Exception as exc:  # noqa: BLE001 - a warm-up never stops the server
+        log.warning(
+            "kvstore: the restore's staging set-up failed (%s: %s)", type(exc).__name__, exc
+        )
 
 
 def build_kernels(

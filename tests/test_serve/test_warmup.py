@@ -120,3 +120,24 @@ def test_the_staging_set_up_runs_on_its_own_thread_unless_switched_off(own_threa
     assert warm_up(Recording(build_mlx_lm_model("llama"))) is not None
     assert done.wait(10)
     assert ran == ["kvstore-staging-setup" if own_thread else threading.current_thread().name]
+
+
+@pytest.mark.parametrize("own_thread", [True, False])
+def test_a_failing_staging_set_up_is_logged_and_the_warm_up_stands(own_thread, monkeypatch, caplog):
+    import time
+
+    def fail():
+        raise RuntimeError("no pinned memory here")
+
+    monkeypatch.setattr(cuda_pages, "proven", fail)
+    if not own_thread:
+        monkeypatch.setenv(warmup.STAGING_THREAD, "0")
+    with caplog.at_level("WARNING", logger="kvstore.serve"):
+        assert warm_up(Recording(build_mlx_lm_model("llama"))) is not None
+        for _ in range(1000):  # the thread logs it; no timing is asserted
+            if caplog.records:
+                break
+            time.sleep(0.01)
+    assert [r.getMessage() for r in caplog.records] == [
+        "kvstore: the restore's staging set-up failed (RuntimeError: no pinned memory here)"
+    ]
