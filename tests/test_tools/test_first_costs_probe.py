@@ -9,13 +9,15 @@ import pytest
 
 from kvstore.devices import default_is_cuda
 
-from .gpu_tools import run_gpu_tool
+from .bench_tools import run_bench_tool
 
 
 @pytest.mark.parametrize("copies_first", [False, True])
 def test_it_reports_the_set_up_and_every_hand_off(copies_first):
     argv = ["--quick", "--tokens", "768", "--step", "256"]
-    done = run_gpu_tool("first_costs.py", *argv, *(["--copies-first"] if copies_first else []))
+    done = run_bench_tool(
+        "gpu/first_costs.py", *argv, *(["--copies-first"] if copies_first else [])
+    )
     parts = re.findall(r"^staging: (.+): \d+\.\d ms$", done.stdout, re.M)
     assert parts[:2] == ["MLX's start (a first evaluation)", "import of the staging modules"]
     # Without CUDA the set-up stops after the imports (it has nothing to build there).

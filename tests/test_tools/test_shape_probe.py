@@ -6,14 +6,14 @@ from __future__ import annotations
 
 import json
 
-from .gpu_tools import run_gpu_tool
+from .bench_tools import run_bench_tool
 
 
 def test_every_part_runs_and_plain_ops_sit_at_the_rounding_floor(tmp_path):
     out = tmp_path / "probe.json"
     argv = ["--quick", "--prefix", "256", "--suffixes", "7", "--decode", "4", "--ops"]
     argv += ["--spread", "1,2", "--decode-warm"]
-    run_gpu_tool("shape_probe.py", *argv, "--skip-c", "--out", str(out))
+    run_bench_tool("gpu/shape_probe.py", *argv, "--skip-c", "--out", str(out))
     rows = json.loads(out.read_text())
     assert {"A", "B", "logits", "D", "E"} <= rows.keys()
     # The warm-ups ran: a spread of 2 lengths in both modes; the decode graphs of the 2
