@@ -25,4 +25,4 @@ def test_it_reports_the_set_up_and_every_hand_off(copies_first):
     saves = re.findall(r"^hand-off (\d+) \(to (\d+) tokens\): \d+\.\d\d ms$", done.stdout, re.M)
     assert saves == [("1", "256"), ("2", "512"), ("3", "768")]
     copies = re.findall(r"^copies: (.+): \d+\.\d\d ms$", done.stdout, re.M)
-    assert len(copies) == (4 if copies_first else 0)
+    assert len(copies) == (5 if copies_first else 0)

@@ -105,20 +105,32 @@ def hand_offs(
 
 
 def copy_costs(caches: list[Any], step: int) -> None:
-    """Print what the copies a hand-off makes cost the first time in a process: one
-    layer's rows ``[0, step)`` (a kernel's first use), another layer's (the same kernel),
-    then every layer's keys and values at once (their buffers allocated)."""
+    """Print what the copies a hand-off makes cost the first time in a process: first as
+    many zeroed buffers of their size as it makes (their allocation: MLX keeps freed
+    buffers for the next of that size), then one layer's rows ``[0, step)`` (the copy
+    kernel's first use), another layer's, every layer's keys and values at once, and
+    those again."""
     import mlx.core as mx
 
-    def timed(name: str, arrays: list[Any]) -> None:
+    def timed(name: str, make: Any) -> None:
         start = time.perf_counter()
-        mx.eval([mx.contiguous(a[..., :step, :]) for a in arrays])
+        mx.eval(make())
         print(f"copies: {name}: {(time.perf_counter() - start) * 1e3:.2f} ms", flush=True)
 
-    timed("one layer's keys, first", [caches[0].keys])
-    timed("another layer's keys", [caches[1].keys])
-    timed("every layer's keys and values", [a for c in caches for a in (c.keys, c.values)])
-    timed("every layer's keys and values again", [a for c in caches for a in (c.keys, c.values)])
+    def copies(arrays: list[Any]) -> Any:
+        return lambda: [mx.contiguous(a[..., :step, :]) for a in arrays]
+
+    rows = caches[0].keys[..., :step, :]
+    count = 2 * len(caches)
+    timed(
+        f"{count} zeroed buffers of a copy's size (allocated)",
+        lambda: [mx.zeros(rows.shape, rows.dtype) for _ in range(count)],
+    )
+    timed("one layer's keys, first", copies([caches[0].keys]))
+    timed("another layer's keys", copies([caches[1].keys]))
+    every = [a for c in caches for a in (c.keys, c.values)]
+    timed("every layer's keys and values", copies(every))
+    timed("every layer's keys and values again", copies(every))
 
 
 def main() -> int:
