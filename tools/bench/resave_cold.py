@@ -103,7 +103,7 @@ def parts(store: Any, ids: Any, caches: Any) -> dict[str, Callable[[], Any]]:
         "check_caches": lambda: check_caches(toks, caches),
         "BlockEncoder (signatures)": lambda: BlockEncoder(caches, policy, {}, len(toks)),
         "stored_already (hashing, one read)": lambda: saving.stored_already(
-            store.backend.reader, ns, toks, store.settings.block_size
+            store.backend.reader, ns, saving.block_digests(ns, toks, store.settings.block_size)
         ),
     }
 

@@ -379,32 +379,30 @@ class BlockPrefixStore(CacheMethods, PrefixStore):
         family: str = "",
         checkpoints: Collection[int] = (),
     ) -> SaveResult:
-        """:meth:`PrefixStore.put_blocks <kvstore.abc.store.PrefixStore.put_blocks>`."""
-        if not checkpoints:
-            stored = self._stored_already(namespace, tokens)
-            if stored is not None:
-                return stored
-        save = BlockSave(namespace, tokens, encode, family, frozenset(checkpoints))
-        return self.put_blocks_many([save])[0]
+        """:meth:`PrefixStore.put_blocks <kvstore.abc.store.PrefixStore.put_blocks>`.
 
-    def _stored_already(self, namespace: str, tokens: Any) -> SaveResult | None:
-        """A save's result where every block of ``tokens`` is stored as its own record
-        (:func:`~.saving.stored_already`); ``None``: the whole path decides."""
+        Hashes the prompt once: where every block is stored as its own record (a re-save,
+        the dedup a save most often is) the result is made from the digests and one read,
+        without the spans, jobs and encoder of the whole path, which takes them else."""
         self._check_writable("save")
-        toks = K.as_tokens(tokens, "save")
         ns, bsize = K.parse_namespace(namespace), self._settings.block_size
-        keys = saving.stored_already(self._backend.reader, ns, toks, bsize)
-        if keys is None:
-            return None
-        return saving.deduplicated(
-            self._house, self._counters, namespace, len(toks), keys, None, self._clock()
-        )
+        toks = K.as_tokens(tokens, "save")
+        digests = saving.block_digests(ns, toks, bsize)
+        if not checkpoints:
+            keys = saving.stored_already(self._backend.reader, ns, digests)
+            if keys is not None:
+                found = (namespace, len(toks), keys, None, self._clock())
+                return saving.deduplicated(self._house, self._counters, *found)
+        save = BlockSave(namespace, toks, encode, family, frozenset(checkpoints))
+        return self._put_jobs([saving.SaveJob.of(save, bsize, digests)])[0]
 
     def put_blocks_many(self, saves: Sequence[BlockSave]) -> list[SaveResult]:
         """Every save's missing blocks in one atomic write (one sync: a group commit);
         a save with nothing missing only hashes and reads. Raises what a save would."""
         self._check_writable("save")
-        jobs = [saving.SaveJob.of(s, self._settings.block_size) for s in saves]
+        return self._put_jobs([saving.SaveJob.of(s, self._settings.block_size) for s in saves])
+
+    def _put_jobs(self, jobs: list[saving.SaveJob]) -> list[SaveResult]:
         now = self._clock()
         for _ in range(_SAVE_ATTEMPTS):
             with self._backend.reader() as view:

@@ -89,9 +89,13 @@ class SaveOutcome:
     upgraded: int = 0
 
 
-def spans_of(ns: bytes, toks: np.ndarray, block_size: int) -> list[Span]:
-    """The prompt's full blocks, then its partial tail (if any)."""
-    digests = block_digests(ns, toks, block_size)
+def spans_of(
+    ns: bytes, toks: np.ndarray, block_size: int, digests: list[bytes] | None = None
+) -> list[Span]:
+    """The prompt's full blocks, then its partial tail (if any); ``digests``: their
+    :func:`block_digests`, where the caller has them already."""
+    if digests is None:
+        digests = block_digests(ns, toks, block_size)
     parents, full, size = [K.ROOT, *digests], len(toks) // block_size, block_size
     return [
         Span(i, i * size, toks[i * size : (i + 1) * size], d, parents[i], i < full)
@@ -127,16 +131,13 @@ def survey(
 
 
 def stored_already(
-    reader: Callable[[], AbstractContextManager[ReadView]],
-    ns: bytes,
-    toks: np.ndarray,
-    block_size: int,
+    reader: Callable[[], AbstractContextManager[ReadView]], ns: bytes, digests: list[bytes]
 ) -> list[bytes] | None:
-    """The record key of every block of ``toks`` where each is stored as its own record
-    (a re-save of a stored prompt, the dedup a save most often is), else ``None``: what
-    :func:`survey` finds then, from the chain's digests and one read, without the spans,
-    jobs and encoder of the whole path (P3's re-save is mostly such work in cold caches)."""
-    keys = [K.record_key(ns, digest) for digest in block_digests(ns, toks, block_size)]
+    """The record key of every block (``digests``: :func:`block_digests`) where each is
+    stored as its own record (a re-save of a stored prompt), else ``None``: what
+    :func:`survey` finds then, from one read, without the spans, jobs and encoder of the
+    whole path (P3's re-save is mostly such work in cold caches)."""
+    keys = [K.record_key(ns, digest) for digest in digests]
     with reader() as view:
         contains = view.contains
         return keys if keys and all(contains(key) for key in keys) else None
@@ -388,10 +389,12 @@ class SaveJob:
     result: SaveResult | None = None
 
     @classmethod
-    def of(cls, save: BlockSave, block_size: int) -> SaveJob:
+    def of(cls, save: BlockSave, block_size: int, digests: list[bytes] | None = None) -> SaveJob:
+        """The job of ``save``; ``digests``: its blocks' (:func:`block_digests`), if known."""
         ns = K.parse_namespace(save.namespace)
         toks = K.as_tokens(save.tokens, "save")
-        job = cls(save, ns, toks, spans_of(ns, toks, block_size) if len(toks) else [])
+        spans = spans_of(ns, toks, block_size, digests) if len(toks) else []
+        job = cls(save, ns, toks, spans)
         if not len(toks):
             job.result = SaveResult(save.namespace, 0)
         return job
