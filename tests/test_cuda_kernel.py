@@ -1,13 +1,22 @@
-"""Every MLX CUDA kernel kvstore builds is named by what it compiles (kvstore.cuda_kernel):
-MLX loads a compiled kernel by name from its on-disk cache without comparing sources."""
+"""kvstore's CUDA kernels (kvstore.cuda_kernel): each named by what it compiles, and on the
+precompiled route compiled by NVRTC here, without a GPU, and kept on disk whole or not at all."""
 
 from __future__ import annotations
 
 import ast
+import hashlib
+import logging
 from pathlib import Path
 
+import mlx.core as mx
+import pytest
+
 import kvstore
-from kvstore.cuda_kernel import kernel_name
+from kvstore import kernel_cache, nvrtc
+from kvstore.codecs import cuda
+from kvstore.cuda_kernel import PRECOMPILED, Kernel, cuda_kernel, kernel_name, kernel_source
+from kvstore.turboquant import cuda_decode, cuda_rht
+from kvstore.turboquant.packing import packed_words
 
 ROOT = Path(kvstore.__file__).parent
 
@@ -36,3 +45,175 @@ def test_no_module_builds_a_kernel_under_a_bare_name():
             ):
                 callers.append(str(path.relative_to(ROOT)))
     assert callers == ["cuda_kernel.py"]
+
+
+# --- the precompiled route (kvstore.cuda_kernel, kvstore.nvrtc, kvstore.kernel_cache) ---
+
+
+COMPILER = nvrtc.compiler()
+needs_nvrtc = pytest.mark.skipif(
+    COMPILER is None,
+    reason="no NVRTC here (the dev extra installs nvidia-cuda-nvrtc-cu12 on Linux x86_64)",
+)
+U8, U32, U64, F32 = mx.uint8, mx.uint32, mx.uint64, mx.float32
+
+
+def test_the_whole_source_passes_shapes_and_ndims_after_the_outputs():
+    src = kernel_source(
+        "k",
+        [("x", "__nv_bfloat16", 3, True), ("p", "uint64_t", None, False)],
+        [("out", "float")],
+        "out[0] = x_shape[2] + x_ndim;",
+        header="#define H 1\n",
+    )
+    assert (
+        'extern "C" __global__ void k(\n    const __nv_bfloat16* x,\n    const uint64_t* p,\n'
+        "    float* out,\n    int x_shape_0,\n    int x_shape_1,\n    int x_shape_2,\n"
+        "    int x_ndim) {\n    const int x_shape[3] = {x_shape_0, x_shape_1, x_shape_2};\n"
+        "out[0] = x_shape[2] + x_ndim;\n}\n"
+    ) in src
+    assert src.startswith("#include <cuda_fp16.h>\n#include <cuda_bf16.h>\n")
+    assert src.index("#define H 1") < src.index("__global__")
+    plain = kernel_source("k", [("p", "uint64_t", None, False)], [("out", "uint8_t")], "")
+    assert "#include" not in plain  # no half types: no CUDA header to parse
+
+
+def _signatures() -> list[tuple[Kernel, tuple]]:
+    """Every kernel kvstore launches, with the argument dtypes its callers pass."""
+    out: list[tuple[Kernel, tuple]] = []
+    k = cuda.transport_kernels()
+    many_out = (U8,) * cuda.GATHER_OUTPUTS
+    buffers = (U8,) * cuda.ASSEMBLE_INPUTS
+    out += [
+        (k["upload"], ((U64,), (U8,), ())),
+        (k["download"], ((U64, mx.bfloat16), (U32,), ())),
+        (k["download"], ((U64, U8), (U32,), ())),
+        (k["gather"], ((U64,), (U8,), ())),
+        (k["gather_many"], ((U64,), many_out, ())),
+        (k["assemble"], ((U64, *buffers), (U8,), ())),
+        (k["assemble_many"], ((U64, *buffers), many_out, ())),
+    ]
+    from kvstore.bridge import digests
+
+    out.append((digests._build_kernel(), ((U64, U8), (U64,), ())))
+    for bits, dim in ((3, 128), (4, 64)):
+        kernel = cuda_decode._kernel(bits, dim, packed_words(dim, bits))
+        out.append((kernel, ((U32, F32, F32, U32), (F32,), ())))
+    pair = ((4, 128, "l2", "bfloat16"), (3, 128, "ls", "bfloat16"))
+    encode = cuda_rht._encode_kernel(pair, 60000.0)
+    x_in = (mx.bfloat16, F32, F32, F32)
+    enc_out = (U32, F32, mx.float16)
+    out.append((encode, ((*x_in, *x_in), (*enc_out, *enc_out, U8), (4, 4))))
+    decode = cuda_rht._decode_kernel(((4, 128, "float16", "bfloat16"),))
+    out.append((decode, ((U32, mx.float16, F32, F32), (mx.bfloat16,), (2,))))
+    return out
+
+
+@needs_nvrtc
+def test_every_kernel_compiles_on_the_precompiled_route():
+    assert COMPILER is not None and 90 in COMPILER.architectures
+    for kernel, signature in _signatures():
+        symbol, source = kernel.source_for(signature)
+        cubin = COMPILER.cubin(source, symbol, 90)
+        assert cubin[:4] == b"\x7fELF", kernel.name  # a cubin is an ELF image
+        assert symbol.encode() in cubin  # extern "C": MLX finds it by this name
+
+
+@needs_nvrtc
+def test_a_source_that_does_not_compile_says_where():
+    assert COMPILER is not None
+    with pytest.raises(nvrtc.NvrtcError, match=r"(?s)broken does not compile for sm_90.*undefined"):
+        COMPILER.cubin('extern "C" __global__ void broken(int* o) { o[0] = nope; }', "broken", 90)
+
+
+def _cubin(tag: bytes) -> bytes:
+    return b"\x7fELF" + hashlib.sha256(tag).digest() * 64
+
+
+def test_a_compiled_kernel_is_kept_and_served_to_the_next_process(tmp_path, monkeypatch):
+    monkeypatch.setenv("KVSTORE_CACHE_DIR", str(tmp_path))
+    compiles: list[bytes] = []
+
+    def compile_(tag: bytes = b"a") -> bytes:
+        compiles.append(tag)
+        return _cubin(tag)
+
+    key = kernel_cache.kernel_key("source", 90, (12, 9))
+    assert kernel_cache.cached_cubin(key, compile_) == _cubin(b"a")
+    assert kernel_cache.cached_cubin(key, compile_) == _cubin(b"a")
+    assert compiles == [b"a"]  # the second read the file
+    files = list((tmp_path / "cuda-kernels").iterdir())
+    assert [f.name for f in files] == [f"{key[:40]}.cubin"]
+    # Anything that made it is in the key: another source, GPU or compiler is another file.
+    assert (
+        len(
+            {
+                key,
+                kernel_cache.kernel_key("source2", 90, (12, 9)),
+                kernel_cache.kernel_key("source", 89, (12, 9)),
+                kernel_cache.kernel_key("source", 90, (13, 0)),
+            }
+        )
+        == 4
+    )
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate", "empty", "foreign"])
+def test_a_damaged_kernel_file_is_compiled_again_never_served(
+    tmp_path, monkeypatch, caplog, damage
+):
+    monkeypatch.setenv("KVSTORE_CACHE_DIR", str(tmp_path))
+    key = kernel_cache.kernel_key("source", 90, (12, 9))
+    kernel_cache.cached_cubin(key, lambda: _cubin(b"a"))
+    (path,) = (tmp_path / "cuda-kernels").iterdir()
+    data = bytearray(path.read_bytes())
+    if damage == "flip":
+        data[-5] ^= 0x10
+    elif damage == "truncate":
+        data = data[: len(data) // 2]
+    elif damage == "empty":
+        data = bytearray()
+    else:
+        data = bytearray(_cubin(b"a"))  # a bare cubin: no magic, no digest
+    path.write_bytes(bytes(data))
+    with caplog.at_level(logging.WARNING, logger="kvstore.cuda"):
+        assert kernel_cache.cached_cubin(key, lambda: _cubin(b"b")) == _cubin(b"b")
+    assert "is damaged; compiling it again" in caplog.text
+    assert kernel_cache.cached_cubin(key, lambda: _cubin(b"c")) == _cubin(b"b")  # rewritten
+
+
+def test_a_cache_that_cannot_be_written_only_costs_the_compile(tmp_path, monkeypatch):
+    blocked = tmp_path / "file"
+    blocked.write_text("not a directory")
+    monkeypatch.setenv("KVSTORE_CACHE_DIR", str(blocked))
+    key = kernel_cache.kernel_key("source", 90, (12, 9))
+    assert kernel_cache.cached_cubin(key, lambda: _cubin(b"a")) == _cubin(b"a")
+    assert kernel_cache.cached_cubin(key, lambda: _cubin(b"b")) == _cubin(b"b")
+
+
+def test_without_a_cuda_device_a_kernel_is_left_to_mlx(monkeypatch, caplog):
+    # NVRTC may be here (the dev extra) but the driver is not: MLX's route, logged when
+    # there was a compiler to try, and MLX's own error at the call.
+    kernel = cuda_kernel("kvstore_test_probe", ["params"], ["out"], "out[0] = 1;")
+    signature = ((U64,), (U8,), ())
+    with caplog.at_level(logging.WARNING, logger="kvstore.cuda"):
+        assert kernel._build(signature) is None
+    if COMPILER is not None:
+        assert "is left to MLX to compile" in caplog.text
+    with pytest.raises((RuntimeError, ValueError)):
+        kernel(
+            inputs=[mx.array([1], mx.uint64)],
+            output_shapes=[(1,)],
+            output_dtypes=[U8],
+            grid=(1, 1, 1),
+            threadgroup=(1, 1, 1),
+        )
+
+
+def test_the_switch_off_never_compiles(monkeypatch):
+    monkeypatch.setenv(PRECOMPILED, "0")
+    asked: list[int] = []
+    monkeypatch.setattr(nvrtc, "device_architecture", lambda: asked.append(1) or 90)
+    kernel = cuda_kernel("kvstore_test_probe_off", ["params"], ["out"], "out[0] = 1;")
+    assert kernel._build(((U64,), (U8,), ())) is None
+    assert asked == []

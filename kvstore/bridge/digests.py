@@ -60,13 +60,17 @@ __device__ __forceinline__ unsigned long long kvs_sec64(int o) {
     for (int k = 0; k < 8; ++k) v |= (unsigned long long)kvs_secret[o + k] << (8 * k);
     return v;
 }
-__device__ __forceinline__ unsigned long long kvs_load(
-        const unsigned char* p, unsigned long long off, unsigned long long avail, bool fast) {
-    if (fast) return *reinterpret_cast<const unsigned long long*>(p + off);
+__device__ __noinline__ unsigned long long kvs_load_tail(
+        const unsigned char* p, unsigned long long off, unsigned long long avail) {
     unsigned long long v = 0;
     for (int k = 0; k < 8; ++k)
         if (off + k < avail) v |= (unsigned long long)p[off + k] << (8 * k);
     return v;
+}
+__device__ __forceinline__ unsigned long long kvs_load(
+        const unsigned char* p, unsigned long long off, unsigned long long avail, bool fast) {
+    if (fast) return *reinterpret_cast<const unsigned long long*>(p + off);
+    return kvs_load_tail(p, off, avail);
 }
 __device__ __forceinline__ unsigned long long kvs_fold(unsigned long long a, unsigned long long b) {
     return (a * b) ^ __umul64hi(a, b);

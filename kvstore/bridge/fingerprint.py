@@ -57,6 +57,7 @@ from typing import Any, cast
 
 import xxhash
 
+from kvstore.cache_dir import cache_dir
 from kvstore.errors import CapabilityError, KVStoreError, StoreConfigError
 from kvstore.threads import cores
 
@@ -91,10 +92,7 @@ _NAMESPACE_PERSON = b"kvstore-nspace/1"
 
 def digest_cache_path() -> Path:
     """Where per-file digests are cached (``KVSTORE_CACHE_DIR`` or the XDG cache)."""
-    base = os.environ.get("KVSTORE_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "kvstore"
-    )
-    return Path(base) / "file-digests.json"
+    return cache_dir() / "file-digests.json"
 
 
 def _canonical_json(obj: Any, what: str) -> bytes:

@@ -49,7 +49,7 @@ import numpy as np
 
 from kvstore.codecs.arrays import MLX_DTYPES, numpy_dtype
 from kvstore.codecs.host_memory import advise_huge_pages
-from kvstore.cuda_kernel import cuda_kernel
+from kvstore.cuda_kernel import Kernel, cuda_kernel
 from kvstore.devices import default_is_cuda
 from kvstore.knobs import choice_from_env, count_from_env, mib_from_env, switch_from_env
 from kvstore.threads import KeptPool, cores
@@ -72,6 +72,7 @@ __all__ = [
     "slots_ready",
     "prepare_slots_later",
     "borrowed_slot",
+    "transport_kernels",
 ]
 
 #: One array to build: ``(shape, dtype name)``.
@@ -518,6 +519,24 @@ class Transport(Protocol):
         ``dst_offset`` naming its array (:data:`OUTPUT_OFFSET_BITS`)."""
 
 
+def transport_kernels() -> dict[str, Kernel]:
+    """:class:`KernelTransport`'s kernels by role (nothing compiles before a call)."""
+    many = [f"out{i}" for i in range(GATHER_OUTPUTS)]
+    buffers = [f"b{i}" for i in range(ASSEMBLE_INPUTS)]
+    return {
+        "upload": cuda_kernel("kvstore_upload", ["params"], ["out"], _UPLOAD_SOURCE),
+        "download": cuda_kernel("kvstore_download", ["params", "inp"], ["done"], _DOWNLOAD_SOURCE),
+        "gather": cuda_kernel("kvstore_gather", ["params"], ["out"], _GATHER_SOURCE),
+        "gather_many": cuda_kernel("kvstore_gather_many", ["params"], many, _GATHER_MANY_SOURCE),
+        "assemble": cuda_kernel(
+            "kvstore_assemble", ["params", *buffers], ["out"], _ASSEMBLE_SOURCE
+        ),
+        "assemble_many": cuda_kernel(
+            "kvstore_assemble_many", ["params", *buffers], many, _ASSEMBLE_MANY_SOURCE
+        ),
+    }
+
+
 class KernelTransport:
     """The real one: the driver for pinned memory, MLX CUDA kernels for the copies."""
 
@@ -527,42 +546,13 @@ class KernelTransport:
 
     def __init__(self) -> None:
         self.driver = Driver()
-        self._upload = cuda_kernel(
-            name="kvstore_upload",
-            input_names=["params"],
-            output_names=["out"],
-            source=_UPLOAD_SOURCE,
-        )
-        self._download = cuda_kernel(
-            name="kvstore_download",
-            input_names=["params", "inp"],
-            output_names=["done"],
-            source=_DOWNLOAD_SOURCE,
-        )
-        self._gather = cuda_kernel(
-            name="kvstore_gather",
-            input_names=["params"],
-            output_names=["out"],
-            source=_GATHER_SOURCE,
-        )
-        self._gather_many = cuda_kernel(
-            name="kvstore_gather_many",
-            input_names=["params"],
-            output_names=[f"out{i}" for i in range(GATHER_OUTPUTS)],
-            source=_GATHER_MANY_SOURCE,
-        )
-        self._assemble = cuda_kernel(
-            name="kvstore_assemble",
-            input_names=["params", *(f"b{i}" for i in range(ASSEMBLE_INPUTS))],
-            output_names=["out"],
-            source=_ASSEMBLE_SOURCE,
-        )
-        self._assemble_many = cuda_kernel(
-            name="kvstore_assemble_many",
-            input_names=["params", *(f"b{i}" for i in range(ASSEMBLE_INPUTS))],
-            output_names=[f"out{i}" for i in range(GATHER_OUTPUTS)],
-            source=_ASSEMBLE_MANY_SOURCE,
-        )
+        kernels = transport_kernels()
+        self._upload = kernels["upload"]
+        self._download = kernels["download"]
+        self._gather = kernels["gather"]
+        self._gather_many = kernels["gather_many"]
+        self._assemble = kernels["assemble"]
+        self._assemble_many = kernels["assemble_many"]
 
     def slot(self, nbytes: int) -> PinnedBuffer:
         return PinnedBuffer(nbytes, self.driver)

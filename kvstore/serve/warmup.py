@@ -29,6 +29,7 @@ from kvstore.abc.cache import is_plain_kv_cache
 from kvstore.codecs import cuda_pages
 from kvstore.devices import default_is_cuda
 from kvstore.knobs import switch_from_env
+from kvstore.store.kv.writer import handoff_copies
 
 __all__ = ["PREFILL_TOKENS", "STAGING_THREAD", "build_decode_graphs", "build_kernels", "warm_up"]
 
@@ -98,7 +99,8 @@ def build_kernels(
     kv_group_size: int = 64,
 ) -> None:
     """Run a prefill of ``tokens`` tokens (token id 0) and one decode step of ``model``
-    on fresh caches, evaluated; with ``kv_bits`` (the server's ``--kv-bits``)
+    on fresh caches, evaluated, then the copies a save's hand-off makes of those rows;
+    with ``kv_bits`` (the server's ``--kv-bits``)
     one more step on those caches quantized as mlx-lm quantizes them, so that attention
     over packed rows is built too. Raises what the model's forward raises."""
     from mlx_lm.generate import maybe_quantize_kv_cache
@@ -107,6 +109,7 @@ def build_kernels(
     caches = make_prompt_cache(model)
     mx.eval(model(mx.zeros((1, tokens), mx.int32), cache=caches))
     mx.eval(model(mx.zeros((1, 1), mx.int32), cache=caches))
+    mx.eval(handoff_copies(caches, 0, tokens))  # a save's hand-off: its copies' kernels
     if kv_bits is not None:
         maybe_quantize_kv_cache(caches, 0, kv_group_size, kv_bits)
         mx.eval(model(mx.zeros((1, 1), mx.int32), cache=caches))

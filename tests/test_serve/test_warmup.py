@@ -12,6 +12,7 @@ from kvstore.abc.cache import is_plain_kv_cache
 from kvstore.codecs import cuda_pages
 from kvstore.serve import warmup
 from kvstore.serve.warmup import PREFILL_TOKENS, build_decode_graphs, warm_up
+from kvstore.store.kv import writer
 from kvstore.testing.mlx_lm_models import build_mlx_lm_model
 
 
@@ -141,3 +142,30 @@ def test_a_failing_staging_set_up_is_logged_and_the_warm_up_stands(own_thread, m
     assert [r.getMessage() for r in caplog.records] == [
         "kvstore: the restore's staging set-up failed (RuntimeError: no pinned memory here)"
     ]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3_next"])
+def test_the_warm_up_makes_a_save_hand_offs_copies_of_its_rows(arch, monkeypatch):
+    # A fresh process's first hand-off waited 146 ms on one H100 for its copy kernel's
+    # first use: the warm-up makes the same copies once (a recurrent layer has none).
+    made = []
+
+    def recorded(caches, start, stop):
+        copies = writer.handoff_copies(caches, start, stop)
+        made.append((caches, start, stop, copies))
+        return copies
+
+    monkeypatch.setattr(warmup, "handoff_copies", recorded)
+    monkeypatch.setattr(cuda_pages, "proven", lambda: False)
+    model = Recording(build_mlx_lm_model(arch))
+    assert warm_up(model) is not None
+    ((caches, start, stop, copies),) = made
+    assert (start, stop) == (0, PREFILL_TOKENS) and id(caches) == model.calls[0][2]
+    plain = [c for c in caches if is_plain_kv_cache(c)]
+    assert plain and len(copies) == 2 * len(plain)  # keys and values of each attention layer
+    for cache, (keys, values) in zip(
+        plain, zip(copies[::2], copies[1::2], strict=True), strict=True
+    ):
+        assert keys.shape[2] == PREFILL_TOKENS and values.shape[2] == PREFILL_TOKENS
+        assert mx.array_equal(keys, cache.keys[..., :PREFILL_TOKENS, :]).item()
+        assert mx.array_equal(values, cache.values[..., :PREFILL_TOKENS, :]).item()

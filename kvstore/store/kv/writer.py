@@ -50,10 +50,15 @@ from kvstore.abc.store import DURABILITY_MODES, BlockSave, PrefixStore, SaveResu
 from kvstore.codecs import codec_for
 from kvstore.errors import CapabilityError, StoreError
 from kvstore.store import keys as K
-from kvstore.store.kv.checkpoints import checkpoint_layers, checkpoint_positions, live_positions
+from kvstore.store.kv.checkpoints import (
+    checkpoint_layers,
+    checkpoint_positions,
+    live_positions,
+    recurrent_layers,
+)
 from kvstore.store.kv.save import BlockEncoder, Captured, check_caches
 
-__all__ = ["PendingSave", "WriteBehind", "HandedOff", "DEFAULT_GROUP_WINDOW"]
+__all__ = ["PendingSave", "WriteBehind", "HandedOff", "DEFAULT_GROUP_WINDOW", "handoff_copies"]
 
 log = logging.getLogger("kvstore.store")
 
@@ -431,6 +436,25 @@ def _close_at_exit(ref: weakref.ReferenceType[WriteBehind]) -> None:
     writer = ref()
     if writer is not None:
         writer.close()
+
+
+def handoff_copies(caches: Sequence[Any], start: int, stop: int) -> list[mx.array]:
+    """The copies a hand-off of rows ``[start, stop)`` of ``caches`` makes (lazy), for a
+    warm-up to evaluate once: on one H100 a fresh process's first hand-off held its
+    caller 92-164 ms, 146 of them the first such copy (its kernel's first use), the
+    later ones ~1-2 ms (``tools/bench/results/gpu/firstcosts-h100/``). Recurrent
+    layers (a hand-off keeps their state by reference) and layers whose family cannot
+    cut those rows are left out."""
+    copies: list[mx.array] = []
+    recurrent = set(recurrent_layers(caches))
+    for i, cache in enumerate(caches):
+        if i in recurrent:
+            continue
+        try:
+            _copied(codec_for(cache).snapshot(cache, start, stop), copies)
+        except CapabilityError:
+            continue
+    return copies
 
 
 def _copied(snap: Snapshot, copies: list[mx.array]) -> Snapshot:

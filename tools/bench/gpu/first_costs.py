@@ -72,10 +72,18 @@ def staging_parts() -> list[tuple[str, float]]:
 
 
 def hand_offs(
-    tokens: int, layers: int, heads: int, dim: int, step: int, copies_first: bool = False
+    tokens: int,
+    layers: int,
+    heads: int,
+    dim: int,
+    step: int,
+    copies_first: bool = False,
+    warm_copies: bool = False,
 ) -> list[float]:
     """Seconds the caller was held by each ``save_behind`` of caches growing by ``step``;
-    with ``copies_first``, after the copies a hand-off makes, made and timed first."""
+    with ``copies_first``, after the copies a hand-off makes, made and timed first; with
+    ``warm_copies``, after ``kvstore serve``'s warm-up copies (:func:`handoff_copies` of
+    32 tokens)."""
     import mlx.core as mx
     from mlx_lm.models.cache import KVCache
 
@@ -90,6 +98,19 @@ def hand_offs(
     mx.eval([c.keys for c in caches])
     if copies_first:
         copy_costs(caches, step)
+    if warm_copies:  # as kvstore serve's warm-up does, on 32-token caches of their own
+        from kvstore.store.kv.writer import handoff_copies
+
+        small = []
+        for _ in range(2):
+            cache = KVCache()
+            rows = mx.zeros((1, heads, 32, dim), mx.bfloat16)
+            cache.update_and_fetch(rows, rows)
+            small.append(cache)
+        start = time.perf_counter()
+        mx.eval(handoff_copies(small, 0, 32))
+        took = (time.perf_counter() - start) * 1e3
+        print(f"copies: the warm-up's (32 tokens, 2 layers): {took:.2f} ms")
     held = []
     with tempfile.TemporaryDirectory() as scratch:
         store = open_store(f"lmdb://{Path(scratch) / 's'}", map_size=4 * tokens * (1 << 20))
@@ -141,11 +162,14 @@ def main() -> int:
     parser.add_argument(
         "--copies-first", action="store_true", help="time a hand-off's copies before it"
     )
+    parser.add_argument(
+        "--warm-copies", action="store_true", help="kvstore serve's warm-up copies first"
+    )
     args = parser.parse_args()
     for name, seconds in staging_parts():
         print(f"staging: {name}: {seconds * 1e3:.1f} ms", flush=True)
     shape = (2, 2, 16) if args.quick else (32, 8, 128)  # layers, KV heads, head_dim
-    held = hand_offs(args.tokens, *shape, args.step, args.copies_first)
+    held = hand_offs(args.tokens, *shape, args.step, args.copies_first, args.warm_copies)
     for i, seconds in enumerate(held):
         print(f"hand-off {i + 1} (to {(i + 1) * args.step} tokens): {seconds * 1e3:.2f} ms")
     return 0

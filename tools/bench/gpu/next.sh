@@ -107,6 +107,13 @@
 #                staging set-up's parts and a fresh process's save hand-offs, 512 tokens each
 #                (results/gpu/firstcosts-h100/: the first hand-off 92-94 ms, the rest ~1.1),
 #                the second after a hand-off's copies made and timed alone: ~50 s
+# STEP precompiled kvstore's kernels compiled by kvstore.nvrtc and kept on disk (the default
+#                since kvstore.cuda_kernel's precompiled route) in a first process (an empty
+#                cache) and a second, with serve's warm-up copies before the hand-offs; MLX
+#                compiling them (KVSTORE_CUDA_PRECOMPILED=0); check.py on the route; the
+#                row digests of 2 GiB on the device: ~120 s
+# STEP abroute  ab_env of lossless, q8 and TQ 4/4 on the precompiled route and MLX's, 4
+#                each: do launches cost more through precompiled_cuda_kernel? ~300 s
 #
 # Results under OUT; copy them to tools/bench/results/gpu/<rev>/ to commit.
 set -uo pipefail
@@ -257,6 +264,29 @@ for s in d['samples']: print({k: round(v['ttft_s'], 2) for k, v in s['turn1'].it
     cat "$out/firstcosts-1.txt"
     timeout 120 python3 tools/bench/gpu/first_costs.py --copies-first > "$out/firstcosts-2.txt" 2>&1
     cat "$out/firstcosts-2.txt" ;;
+  precompiled)
+    kept=/tmp/kvstore-kernels-$$
+    rm -rf "$kept"
+    for run in 1 2; do
+      KVSTORE_CACHE_DIR=$kept timeout 120 python3 tools/bench/gpu/first_costs.py --warm-copies \
+        > "$out/precompiled-$run.txt" 2>&1
+      echo "-- process $run"; cat "$out/precompiled-$run.txt"
+    done
+    ls -la "$kept/cuda-kernels" | tee "$out/precompiled-files.txt"
+    KVSTORE_CUDA_PRECOMPILED=0 KVSTORE_CACHE_DIR=$kept timeout 120 python3 tools/bench/gpu/first_costs.py \
+      > "$out/precompiled-off.txt" 2>&1
+    echo "-- MLX's route"; cat "$out/precompiled-off.txt"
+    KVSTORE_CACHE_DIR=$kept timeout 200 python3 tools/bench/gpu/check.py 2>&1 | tee "$out/precompiled-check.txt"
+    KVSTORE_CACHE_DIR=$kept timeout 100 python3 -c "
+import time, mlx.core as mx
+from kvstore.bridge import digests
+a = mx.random.normal((1 << 30,)).astype(mx.bfloat16); mx.eval(a)
+for i in range(3):
+    t = time.perf_counter(); d = digests.array_digests([a]); print('row digests of 2 GiB: %.1f ms' % ((time.perf_counter() - t) * 1e3), 'kernel' if digests._kernel() else 'host')
+" 2>&1 | tee "$out/precompiled-digests.txt" ;;
+  abroute)
+    timeout 560 python3 -m tools.bench.gpu.ab_env --repeats 4 base: 'mlx:KVSTORE_CUDA_PRECOMPILED=0' \
+      --policies lossless,kv:quant:8:64,kv:turboquant:4:4 2>&1 | tee "$out/ab-route.txt" ;;
   firstpick)
     for loading in LAZY EAGER; do
       CUDA_MODULE_LOADING=$loading python3 -c "import time; t = time.perf_counter()
