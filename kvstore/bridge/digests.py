@@ -33,6 +33,8 @@ __all__ = ["ROW_BYTES", "array_digests", "row_digests_host"]
 
 #: Bytes per hashed row.
 ROW_BYTES = 1 << 20
+#: The most bytes one launch of the row-digest kernel hashes (whole rows).
+LAUNCH_BYTES = 1 << 30
 
 _SECRET = (
     "b8fe6c3923a44bbe7c01812cf721ad1cded46de9839097db7240a4a4b7b3671f"
@@ -229,18 +231,25 @@ def _device_digests(kernel: Any, arrays: Sequence[Any]) -> list[str]:
 
     outs = []
     for array in arrays:
-        flat = mx.contiguous(array).reshape(-1).view(mx.uint8)
-        n = int(flat.size)
-        rows = max(1, -(-n // ROW_BYTES))
-        params = mx.array(np.array([n], np.uint64))
-        (out,) = kernel(
-            inputs=[params, flat],
-            output_shapes=[(2 * rows,)],
-            output_dtypes=[mx.uint64],
-            grid=(-(-rows // 128) * 128, 1, 1),
-            threadgroup=(128, 1, 1),
-        )
-        outs.append(out)
+        flat = mx.contiguous(array).reshape(-1)
+        # At most LAUNCH_BYTES (whole rows) a launch: MLX aborts the process on a kernel
+        # input of 2**31 bytes or more (a 70B model's embedding is 2.1 GB).
+        step = LAUNCH_BYTES // flat.itemsize
+        parts = []
+        for start in range(0, max(int(flat.size), 1), step):
+            part = flat[start : start + step].view(mx.uint8)
+            n = int(part.size)
+            rows = max(1, -(-n // ROW_BYTES))
+            params = mx.array(np.array([n], np.uint64))
+            (out,) = kernel(
+                inputs=[params, part],
+                output_shapes=[(2 * rows,)],
+                output_dtypes=[mx.uint64],
+                grid=(-(-rows // 128) * 128, 1, 1),
+                threadgroup=(128, 1, 1),
+            )
+            parts.append(out)
+        outs.append(parts[0] if len(parts) == 1 else mx.concatenate(parts))
     words = np.asarray(mx.concatenate(outs)) if outs else np.zeros(0, np.uint64)
     digests, at = [], 0
     for out in outs:

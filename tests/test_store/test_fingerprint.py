@@ -239,6 +239,31 @@ def test_row_digests_follow_their_definition_on_every_path():
     assert digests._device_digests(_fake_kernel, arrays) == want  # as the kernel's output is read
 
 
+def test_a_large_array_is_hashed_in_launches_of_whole_rows(monkeypatch):
+    # MLX aborts the process on a kernel input of 2**31 bytes (H100, both kernel routes):
+    # an array past LAUNCH_BYTES goes in parts of whole rows, same digest.
+    from kvstore.bridge import digests
+
+    rng = np.random.default_rng(2)
+    arrays = [
+        mx.array(rng.integers(0, 256, 5 * digests.ROW_BYTES + 7, dtype=np.uint8)),
+        mx.array(rng.standard_normal(3 * digests.ROW_BYTES // 2 + 1).astype(np.float32)).astype(
+            mx.bfloat16
+        ),
+    ]
+    want = digests._device_digests(_fake_kernel, arrays)
+    launches = []
+
+    def counted(**kwargs):
+        launches.append(int(kwargs["inputs"][1].size))
+        return _fake_kernel(**kwargs)
+
+    monkeypatch.setattr(digests, "LAUNCH_BYTES", 2 * digests.ROW_BYTES)
+    assert digests._device_digests(counted, arrays) == want
+    row = digests.ROW_BYTES
+    assert launches == [2 * row, 2 * row, row + 7, 2 * row, row + 2]
+
+
 def test_the_digest_kernel_is_checked_before_it_is_trusted_and_never_deadlocks(monkeypatch):
     import threading
 
