@@ -13,10 +13,8 @@ import pytest
 
 import kvstore
 from kvstore import kernel_cache, nvrtc
-from kvstore.codecs import cuda
-from kvstore.cuda_kernel import PRECOMPILED, Kernel, cuda_kernel, kernel_name, kernel_source
-from kvstore.turboquant import cuda_decode, cuda_rht
-from kvstore.turboquant.packing import packed_words
+from kvstore.cuda_kernel import PRECOMPILED, cuda_kernel, kernel_name, kernel_source
+from tools.bench.gpu import compile_check
 
 ROOT = Path(kvstore.__file__).parent
 
@@ -78,41 +76,12 @@ def test_the_whole_source_passes_shapes_and_ndims_after_the_outputs():
     assert "#include" not in plain  # no half types: no CUDA header to parse
 
 
-def _signatures() -> list[tuple[Kernel, tuple]]:
-    """Every kernel kvstore launches, with the argument dtypes its callers pass."""
-    out: list[tuple[Kernel, tuple]] = []
-    k = cuda.transport_kernels()
-    many_out = (U8,) * cuda.GATHER_OUTPUTS
-    buffers = (U8,) * cuda.ASSEMBLE_INPUTS
-    out += [
-        (k["upload"], ((U64,), (U8,), ())),
-        (k["download"], ((U64, mx.bfloat16), (U32,), ())),
-        (k["download"], ((U64, U8), (U32,), ())),
-        (k["gather"], ((U64,), (U8,), ())),
-        (k["gather_many"], ((U64,), many_out, ())),
-        (k["assemble"], ((U64, *buffers), (U8,), ())),
-        (k["assemble_many"], ((U64, *buffers), many_out, ())),
-    ]
-    from kvstore.bridge import digests
-
-    out.append((digests._build_kernel(), ((U64, U8), (U64,), ())))
-    for bits, dim in ((3, 128), (4, 64)):
-        kernel = cuda_decode._kernel(bits, dim, packed_words(dim, bits))
-        out.append((kernel, ((U32, F32, F32, U32), (F32,), ())))
-    pair = ((4, 128, "l2", "bfloat16"), (3, 128, "ls", "bfloat16"))
-    encode = cuda_rht._encode_kernel(pair, 60000.0)
-    x_in = (mx.bfloat16, F32, F32, F32)
-    enc_out = (U32, F32, mx.float16)
-    out.append((encode, ((*x_in, *x_in), (*enc_out, *enc_out, U8), (4, 4))))
-    decode = cuda_rht._decode_kernel(((4, 128, "float16", "bfloat16"),))
-    out.append((decode, ((U32, mx.float16, F32, F32), (mx.bfloat16,), (2,))))
-    return out
-
-
 @needs_nvrtc
 def test_every_kernel_compiles_on_the_precompiled_route():
     assert COMPILER is not None and 90 in COMPILER.architectures
-    for kernel, signature in _signatures():
+    # Every kind of kernel, TurboQuant's at one width and head dim (compile_check.py
+    # compiles every variant: ~500, a few minutes).
+    for kernel, signature in compile_check.kernels(widths=(3,), dims=(128,)):
         symbol, source = kernel.source_for(signature)
         cubin = COMPILER.cubin(source, symbol, 90)
         assert cubin[:4] == b"\x7fELF", kernel.name  # a cubin is an ELF image

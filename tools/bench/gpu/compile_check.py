@@ -1,152 +1,115 @@
-"""Compile kvstore's TurboQuant CUDA kernels with NVRTC on a machine without a GPU.
+"""Compile every variant of kvstore's CUDA kernels with NVRTC on a machine without a GPU.
 
-MLX builds a custom kernel by wrapping its body in a ``__global__`` function whose
-parameters are the inputs (with ``<name>_shape`` where the body reads it), then the
-outputs, and compiles it with NVRTC at first use; a kernel that does not compile is
-found on the device, where it costs device time (and ``cuda_rht`` then falls back
-to the ops without saying why). This wraps each body the same way, with a stand-in
-for MLX's ``Shape`` and the CUDA headers MLX includes, and compiles every width,
-head dim, scale mode and dtype for ``compute_90`` (the H200). NVRTC and the headers
-come from NVIDIA's wheels::
+A kernel that does not compile is found on the device, where it costs device time
+(and the kernel's user falls back to MLX ops, or to MLX's own compile, without saying
+why). This compiles each one as the precompiled route does (``kvstore.cuda_kernel``:
+:meth:`Kernel.source_for`, :mod:`kvstore.nvrtc`) for ``sm_90`` (the H100 and H200):
+every TurboQuant encode and decode width, head dim, scale mode and dtype, alone and as
+a layer's pair, the TurboQuant decode core, the staging transport's kernels and the
+row digests. NVRTC comes from the dev extra (``nvidia-cuda-nvrtc-cu12``)::
 
-    python3 -m pip download --no-deps --only-binary=:all: -d /tmp/nvrtc \\
-        nvidia-cuda-nvrtc-cu12 nvidia-cuda-runtime-cu12
-    (cd /tmp/nvrtc && for w in *.whl; do unzip -qo "$w" -d ex; done)
-    .venv/bin/python -m tools.bench.gpu.compile_check --root /tmp/nvrtc/ex/nvidia
+    .venv/bin/python -m tools.bench.gpu.compile_check [--arch 90]
 
-Prints one line per kernel that fails (with NVRTC's log) and a count.
+Prints one line per kernel that fails (with NVRTC's log) and a count. The tests
+compile one of each kind (``tests/test_cuda_kernel.py``); this compiles them all
+(a few minutes).
 """
 
 from __future__ import annotations
 
 import argparse
-import ctypes
-from pathlib import Path
+from typing import Any
 
+import mlx.core as mx
+
+from kvstore import nvrtc
+from kvstore.codecs import cuda
 from kvstore.turboquant import cuda_decode, cuda_rht
 from kvstore.turboquant.packing import packed_words
 
-#: What MLX's source has before a kernel's header (its CUDA types), then after it
-#: (its namespace, with ``Shape``), as ``mlx/backend/cuda/custom_kernel.cpp`` builds it.
-INCLUDES = r"""
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
-typedef unsigned int uint32_t;
-typedef unsigned char uint8_t;
-"""
-NAMESPACE = r"""
-namespace mlx::core::cu {
-struct Shape { int v[8]; __device__ int operator[](int i) const { return v[i]; } };
-"""
+#: Each row dtype an encode reads, by its name.
+_ROW_TYPES = {cuda_rht._name(dtype): dtype for dtype in cuda_rht._CUDA_TYPES}
+U8, U32, U64, F32 = mx.uint8, mx.uint32, mx.uint64, mx.float32
 
 
-class Nvrtc:
-    def __init__(self, root: Path) -> None:
-        self.lib = ctypes.CDLL(str(next((root / "cuda_nvrtc" / "lib").glob("libnvrtc.so.*"))))
-        self.include = root / "cuda_runtime" / "include"
-
-    def compile(self, name: str, params: str, body: str, arch: str, header: str = "") -> str | None:
-        """NVRTC's log if the kernel does not compile, else ``None``."""
-        source = (
-            f"{INCLUDES}{header}{NAMESPACE}__global__ void {name}(\n{params}) {{\n{body}\n}}\n}}\n"
-        )
-        prog = ctypes.c_void_p()
-        self.lib.nvrtcCreateProgram(
-            ctypes.byref(prog), source.encode(), f"{name}.cu".encode(), 0, None, None
-        )
-        options = [f"--gpu-architecture={arch}".encode(), f"--include-path={self.include}".encode()]
-        status = self.lib.nvrtcCompileProgram(
-            prog, len(options), (ctypes.c_char_p * len(options))(*options)
-        )
-        size = ctypes.c_size_t()
-        self.lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
-        log = ctypes.create_string_buffer(size.value)
-        self.lib.nvrtcGetProgramLog(prog, log)
-        self.lib.nvrtcDestroyProgram(ctypes.byref(prog))
-        return None if status == 0 else log.value.decode()
+def _encode(configs: tuple[cuda_rht.EncodeConfig, ...]) -> tuple[Any, tuple]:
+    ins: list[Any] = []
+    outs: list[Any] = []
+    for *_, dtype in configs:
+        ins += [_ROW_TYPES[dtype], F32, F32, F32]
+        outs += [U32, F32, mx.float16]
+    return cuda_rht._encode_kernel(configs, 60000.0), (
+        tuple(ins),
+        (*outs, U8),
+        (4,) * len(configs),
+    )
 
 
-#: Each row dtype an encode reads, by its name and CUDA type (the kernels' own table).
-_ROW_TYPES = {cuda_rht._name(dtype): ctype for dtype, ctype in cuda_rht._CUDA_TYPES.items()}
+def _decode(configs: tuple[cuda_rht.DecodeConfig, ...]) -> tuple[Any, tuple]:
+    ins: list[Any] = []
+    for _, _, scales, _ in configs:
+        ins += [U32, _ROW_TYPES[scales], F32, F32]
+    outs = tuple(_ROW_TYPES[out] for *_, out in configs)
+    return cuda_rht._decode_kernel(configs), (tuple(ins), outs, (2,) * len(configs))
 
 
-def encode_kernel(
-    configs: tuple[cuda_rht.EncodeConfig, ...], scale_limit: float = 60000.0
-) -> tuple[str, str, str, str]:
-    """``(name, parameters, body, header)`` of the encode kernel of ``configs``, its
-    parameters as MLX declares them."""
-    name, inputs, outputs, header, body = cuda_rht.encode_parts(configs, scale_limit)
-    params = []
-    for s, (_, _, _, dtype) in enumerate(configs):
-        x, signs, thresholds, centroids = inputs[4 * s : 4 * s + 4]
-        params += [
-            f"const {_ROW_TYPES[dtype]}* {x}, const __grid_constant__ Shape {x}_shape, "
-            f"const __grid_constant__ int {x}_ndim",
-            f"const float* {signs}, const float* {thresholds}, const float* {centroids}",
-        ]
-    for s in range(len(configs)):
-        codes, scale, scale16 = outputs[3 * s : 3 * s + 3]
-        params.append(f"uint32_t* {codes}, float* {scale}, __half* {scale16}")
-    params.append(f"uint8_t* {outputs[-1]}")
-    return name, ", ".join(params), body, header
-
-
-def decode_kernel(configs: tuple[cuda_rht.DecodeConfig, ...]) -> tuple[str, str, str, str]:
-    """``(name, parameters, body, header)`` of the decode kernel of ``configs``."""
-    name, inputs, outputs, header, body = cuda_rht.decode_parts(configs)
-    params = []
-    for s, (_, _, scales, _) in enumerate(configs):
-        codes, factors, table, signs = inputs[4 * s : 4 * s + 4]
-        params.append(
-            f"const uint32_t* {codes}, const __grid_constant__ Shape {codes}_shape, "
-            f"const {_ROW_TYPES[scales]}* {factors}, const float* {table}, const float* {signs}"
-        )
-    for s, (_, _, _, out) in enumerate(configs):
-        params.append(f"{_ROW_TYPES[out]}* {outputs[s]}")
-    return name, ", ".join(params), body, header
-
-
-def kernels() -> list[tuple[str, str, str, str]]:
-    """``(name, parameters, body, header)`` of every variant kvstore may build: each
-    encode alone, and together with a tensor of another scale mode, width and dtype as
-    a layer's keys and values are."""
+def kernels(
+    widths: tuple[int, ...] = (2, 3, 4, 5), dims: tuple[int, ...] = (32, 64, 128, 256)
+) -> list[tuple[Any, tuple]]:
+    """``(kernel, signature)`` of every variant kvstore may build (of TurboQuant's, those
+    of ``widths`` and head ``dims``): each TurboQuant encode alone, and together with a
+    tensor of another scale mode, width and dtype as a layer's keys and values are; the
+    decodes likewise; the rest as their callers call them."""
     out = []
-    for bits in (2, 3, 4, 5):
-        for dim in (32, 64, 128, 256):
+    for bits in widths:
+        for dim in dims:
             for mode in ("l2", "matched", "ls"):
                 for dtype in _ROW_TYPES:
-                    out.append(encode_kernel(((bits, dim, mode, dtype),)))
+                    out.append(_encode(((bits, dim, mode, dtype),)))
                     values = (max(2, bits - 1), dim, "ls", "bfloat16")
-                    out.append(encode_kernel(((bits, dim, mode, dtype), values)))
+                    out.append(_encode(((bits, dim, mode, dtype), values)))
             for scales in ("float16", "float32"):
                 for o in _ROW_TYPES:
-                    out.append(decode_kernel(((bits, dim, scales, o),)))
-                    # With a tensor of another width, scales and output, as a pair is.
+                    out.append(_decode(((bits, dim, scales, o),)))
                     other = (max(2, bits - 1), dim, "float16", "bfloat16")
-                    out.append(decode_kernel(((bits, dim, scales, o), other)))
-            body = cuda_decode.source(bits, dim, packed_words(dim, bits))
-            params = (
-                "const uint32_t* codes, const float* factors, const float* table, "
-                "const uint32_t* count, float* out"
-            )
-            out.append((f"decode_{bits}_{dim}", params, body, ""))
+                    out.append(_decode(((bits, dim, scales, o), other)))
+            kernel = cuda_decode._kernel(bits, dim, packed_words(dim, bits))
+            out.append((kernel, ((U32, F32, F32, U32), (F32,), ())))
+    transport = cuda.transport_kernels()
+    many = (U8,) * cuda.GATHER_OUTPUTS
+    buffers = (U8,) * cuda.ASSEMBLE_INPUTS
+    out += [
+        (transport["upload"], ((U64,), (U8,), ())),
+        (transport["download"], ((U64, U8), (U32,), ())),
+        (transport["gather"], ((U64,), (U8,), ())),
+        (transport["gather_many"], ((U64,), many, ())),
+        (transport["assemble"], ((U64, *buffers), (U8,), ())),
+        (transport["assemble_many"], ((U64, *buffers), many, ())),
+    ]
+    from kvstore.bridge import digests
+
+    out.append((digests._build_kernel(), ((U64, U8), (U64,), ())))
     return out
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--root", type=Path, required=True, help="the wheels' nvidia/ folder")
-    parser.add_argument("--arch", default="compute_90")
+    parser.add_argument("--arch", type=int, default=90, help="compute capability, 90: sm_90")
     args = parser.parse_args()
-    nvrtc = Nvrtc(args.root)
+    compiler = nvrtc.compiler()
+    if compiler is None:
+        print("no NVRTC found: install the dev extra (nvidia-cuda-nvrtc-cu12)")
+        return 2
     failed = 0
     every = kernels()
-    for name, params, body, header in every:
-        log = nvrtc.compile(name, params, body, args.arch, header)
-        if log is not None:
+    for kernel, signature in every:
+        symbol, source = kernel.source_for(signature)
+        try:
+            compiler.cubin(source, symbol, args.arch)
+        except nvrtc.NvrtcError as exc:
             failed += 1
-            print(f"{name}: does not compile\n{log}")
-    print(f"{len(every) - failed} of {len(every)} kernels compile for {args.arch}")
+            print(exc)
+    print(f"{len(every) - failed} of {len(every)} kernels compile for sm_{args.arch}")
     return 1 if failed else 0
 
 
