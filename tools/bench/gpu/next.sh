@@ -112,6 +112,9 @@
 #                cache) and a second, with serve's warm-up copies before the hand-offs; MLX
 #                compiling them (KVSTORE_CUDA_PRECOMPILED=0); check.py on the route; the
 #                row digests of 2 GiB on the device: ~120 s
+# STEP route    route_probe.py: a launch's Python call, evaluation, CPU and page faults on
+#                each kernel route (gather_many's 64 outputs, upload), then ab_env of q8 on
+#                both routes, 6 each: ~150 s
 # STEP abroute  ab_env of lossless, q8 and TQ 4/4 on the precompiled route and MLX's, 4
 #                each: do launches cost more through precompiled_cuda_kernel? ~300 s
 #
@@ -284,6 +287,10 @@ a = mx.random.normal((1 << 30,)).astype(mx.bfloat16); mx.eval(a)
 for i in range(3):
     t = time.perf_counter(); d = digests.array_digests([a]); print('row digests of 2 GiB: %.1f ms' % ((time.perf_counter() - t) * 1e3), 'kernel' if digests._kernel() else 'host')
 " 2>&1 | tee "$out/precompiled-digests.txt" ;;
+  route)
+    timeout 120 python3 tools/bench/gpu/route_probe.py 2>&1 | tee "$out/route-probe.txt"
+    timeout 300 python3 -m tools.bench.gpu.ab_env --repeats 6 base: 'mlx:KVSTORE_CUDA_PRECOMPILED=0' \
+      --policies kv:quant:8:64 2>&1 | tee "$out/ab-route-q8.txt" | grep -E "^== |  (base|mlx) +restore" ;;
   abroute)
     timeout 560 python3 -m tools.bench.gpu.ab_env --repeats 4 base: 'mlx:KVSTORE_CUDA_PRECOMPILED=0' \
       --policies lossless,kv:quant:8:64,kv:turboquant:4:4 2>&1 | tee "$out/ab-route.txt" ;;
