@@ -3,12 +3,22 @@
 The cache holds positions ``[0, offset)`` at buffer rows ``[0, offset)``
 (capacity padding beyond). A snapshot of ``[start, stop)`` is those rows; a
 restore concatenates ranges that start at 0 and follow each other.
+
+A restore sizes the buffer for the prompt it serves (:func:`room_for`), not only for
+the rows it restores: mlx-lm's caches grow a buffer whose rows are not a multiple of
+their ``step`` by cutting it to its rows and appending ``step`` multiples, so a prompt's
+rest run through a buffer sized for the restored rows alone copies the whole cache
+and leaves it a size no fresh prefill makes (4069 restored + 66 -> 4325 rows) -- on
+MLX's CUDA backend a decode step over a new buffer size builds a cuDNN graph (~60 ms),
+one that ``kvstore serve --warm-decode`` had not built ahead.
 """
 
 from __future__ import annotations
 
 from abc import abstractmethod
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from contextvars import ContextVar
 from typing import Any
 
 from kvstore.abc.codec import Snapshot
@@ -26,7 +36,22 @@ from kvstore.codecs.rows import (
 )
 from kvstore.errors import CapabilityError
 
-__all__ = ["GrowingKVCodec", "PlainKVCodec", "QuantizedKVCodec"]
+__all__ = ["GrowingKVCodec", "PlainKVCodec", "QuantizedKVCodec", "room_for"]
+
+#: The tokens a restore's caller will hold once the rest of its prompt has run.
+_ROOM: ContextVar[int] = ContextVar("kvstore_restore_room", default=0)
+
+
+@contextmanager
+def room_for(tokens: int) -> Iterator[None]:
+    """Growing caches restored in this context (on this thread) get room for ``tokens``
+    (a lookup's ``prompt_tokens``) and one more, rounded up to their ``step``, however
+    few rows they restore."""
+    reset = _ROOM.set(tokens)
+    try:
+        yield
+    finally:
+        _ROOM.reset(reset)
 
 
 class GrowingKVCodec(RowCodec):
@@ -85,7 +110,7 @@ class GrowingKVCodec(RowCodec):
             expected = snap.stop
         meta = snaps[-1].meta
         probe = self.make_cache(meta)
-        capacity = growth_capacity(expected, probe.step)
+        capacity = growth_capacity(max(expected, _ROOM.get()), probe.step)
         rows = [self.rows_from_tensors(s.tensors) for s in snaps]
 
         def build(trees: list[Any]) -> Any:

@@ -652,3 +652,42 @@ def test_a_uniform_layout_is_the_storage_policy_stores_have_always_kept(lmdb_url
 def test_a_per_layer_storage_policy_names_storage_policies_only(bad, lmdb_url):
     with pytest.raises(StoreConfigError, match="storage_policy"):
         open_(lmdb_url, storage_policy=bad)
+
+
+@pytest.mark.parametrize("bits", [None, 8])
+def test_a_restore_leaves_room_for_the_prompts_rest_so_its_buffers_keep_steps_sizes(lmdb_url, bits):
+    # mlx-lm grows a buffer whose rows are no multiple of its step by cutting it to its
+    # rows and appending steps: run through a buffer sized for the 200 restored rows
+    # alone (256), the prompt's 100 more made a 456-row copy of the whole cache, a size
+    # no fresh prefill makes (on CUDA: a decode graph of its own). Sized for the prompt,
+    # the rest is written in place, and the decode steps after grow it by whole steps.
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from kvstore.testing.mlx_lm_models import build_mlx_lm_model
+
+    model = build_mlx_lm_model("llama")
+    stored = list(range(1, 201))
+    caches = make_prompt_cache(model)
+    mx.eval(model(mx.array([stored]), cache=caches))
+    if bits is not None:
+        caches = [c.to_quantized(group_size=32, bits=bits) for c in caches]
+    whole = stored + list(range(300, 400))
+    with open_(lmdb_url) as store:
+        store.save("room", stored, caches)
+        match = store.lookup("room", whole)
+        template = make_prompt_cache(model)
+        if bits is not None:
+            template = [c.to_quantized(group_size=32, bits=bits) for c in template]
+        restored = store.restore(match, template)
+    assert (match.tokens, match.prompt_tokens) == (200, 300)
+
+    def rows(cache):
+        keys = cache.keys[0] if isinstance(cache.keys, (list, tuple)) else cache.keys
+        return keys.shape[2]
+
+    assert {rows(c) for c in restored} == {growth_capacity(300, 256)} == {512}
+    mx.eval(model(mx.array([whole[200:]]), cache=restored))
+    assert {rows(c) for c in restored} == {512} and {c.offset for c in restored} == {300}
+    for token in range(213):  # through the buffer's end: grown by one whole step
+        mx.eval(model(mx.array([[token]]), cache=restored))
+    assert {rows(c) for c in restored} == {768} and {c.offset for c in restored} == {513}

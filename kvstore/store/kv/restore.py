@@ -56,7 +56,7 @@ from kvstore.codecs import (
 )
 from kvstore.codecs.alike_joins import joined_alike, joined_records
 from kvstore.codecs.copied_sums import Claims
-from kvstore.codecs.growing import GrowingKVCodec
+from kvstore.codecs.growing import GrowingKVCodec, room_for
 from kvstore.codecs.host_alike import restored_alike
 from kvstore.codecs.host_stacks import converted_by_block
 from kvstore.codecs.payload_tensors import stored
@@ -144,7 +144,7 @@ def restore_caches(store: PrefixStore, match: Match, caches: Sequence[Any]) -> l
         StoreUnavailableError: the store could not be reached (a miss it counted).
     """
     needs = layer_needs(caches)
-    with collection_paused():
+    with collection_paused(), room_for(match.prompt_tokens):
         return _restored(store, match, caches, needs)
 
 
