@@ -165,6 +165,8 @@ class StoreModelProvider(mlx_server.ModelProvider):  # type: ignore[misc]  # mlx
                 kv_bits=cli.kv_bits,
                 kv_group_size=cli.kv_group_size,
                 decode_up_to=self._warm_decode,
+                # mlx-lm serves a batchable model through its BatchGenerator (not a draft)
+                batched=model is self.model and bool(self.is_batchable) and cli.kv_bits is None,
             )
             self._state.warmups[name] = took
             if took is not None:

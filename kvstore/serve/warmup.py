@@ -31,7 +31,14 @@ from kvstore.devices import default_is_cuda
 from kvstore.knobs import switch_from_env
 from kvstore.store.kv.writer import handoff_copies
 
-__all__ = ["PREFILL_TOKENS", "STAGING_THREAD", "build_decode_graphs", "build_kernels", "warm_up"]
+__all__ = [
+    "PREFILL_TOKENS",
+    "STAGING_THREAD",
+    "build_batch_kernels",
+    "build_decode_graphs",
+    "build_kernels",
+    "warm_up",
+]
 
 log = logging.getLogger("kvstore.serve")
 
@@ -55,8 +62,10 @@ def warm_up(
     kv_bits: int | None = None,
     kv_group_size: int = 64,
     decode_up_to: int = 0,
+    batched: bool = False,
 ) -> float | None:
-    """:func:`build_kernels`, and with ``decode_up_to`` on a CUDA GPU
+    """:func:`build_kernels` (with ``batched``, the server's batched generation too:
+    :func:`build_batch_kernels`), and with ``decode_up_to`` on a CUDA GPU
     :func:`build_decode_graphs` up to that many tokens; then, on a CUDA GPU, the restore's
     staging set up (its kernels built) and its page route's trial started, on a thread of
     their own (:data:`STAGING_THREAD`). Timed -- a first request waits for what ran on
@@ -66,6 +75,8 @@ def warm_up(
     start = time.perf_counter()
     try:
         build_kernels(model, tokens, kv_bits=kv_bits, kv_group_size=kv_group_size)
+        if batched:
+            build_batch_kernels(model, tokens)
         if decode_up_to and default_is_cuda():  # cuDNN's graphs: nothing to build elsewhere
             sizes = build_decode_graphs(model, decode_up_to)
             log.info("kvstore: decode graphs of %d buffer sizes built", sizes)
@@ -113,6 +124,31 @@ def build_kernels(
     if kv_bits is not None:
         maybe_quantize_kv_cache(caches, 0, kv_group_size, kv_bits)
         mx.eval(model(mx.zeros((1, 1), mx.int32), cache=caches))
+
+
+def build_batch_kernels(model: Any, tokens: int = PREFILL_TOKENS, steps: int = 3) -> int:
+    """One request of ``tokens`` tokens (token id 0) and ``steps`` generated through
+    mlx-lm's ``BatchGenerator`` -- what ``mlx_lm.server`` serves a batchable model's
+    requests with: its batched caches, masks and sampling, whose kernels
+    :func:`build_kernels`' plain caches do not build (a fresh 8B server's turn after a
+    restart held one gap of ~50 ms between tokens on an H100, as long as stock's).
+    Returns the tokens generated. Raises what the model's forward raises."""
+    from mlx_lm.generate import BatchGenerator
+
+    generator = BatchGenerator(model, max_tokens=steps)
+    generated = 0
+    try:
+        generator.insert([[0] * tokens], max_tokens=[steps])
+        for _ in range(4 * steps + 8):  # the prompt's chunks, then one token a step
+            prompt_responses, responses = generator.next()
+            generated += len(responses)
+            if any(r.finish_reason is not None for r in responses):
+                break
+            if not prompt_responses and not responses:
+                break
+    finally:
+        generator.close()
+    return generated
 
 
 def build_decode_graphs(model: Any, up_to: int, step: int = 256) -> int:

@@ -169,3 +169,22 @@ def test_the_warm_up_makes_a_save_hand_offs_copies_of_its_rows(arch, monkeypatch
         assert keys.shape[2] == PREFILL_TOKENS and values.shape[2] == PREFILL_TOKENS
         assert mx.array_equal(keys, cache.keys[..., :PREFILL_TOKENS, :]).item()
         assert mx.array_equal(values, cache.values[..., :PREFILL_TOKENS, :]).item()
+
+
+def test_batched_the_warm_up_runs_a_request_through_mlx_lms_batch_generator(monkeypatch):
+    # mlx_lm.server serves a batchable model's requests through BatchGenerator: batched
+    # caches and masks a plain-cache warm-up never builds.
+    monkeypatch.setattr(cuda_pages, "proven", lambda: False)
+    plain = Recording(build_mlx_lm_model("llama"))
+    assert warm_up(plain) is not None
+    assert all("BatchKVCache" not in kinds for kinds in plain.kinds)
+    batched = Recording(build_mlx_lm_model("llama"))
+    assert warm_up(batched, batched=True) is not None
+    runs = [(n, kinds) for (n, _, _), kinds in zip(batched.calls, batched.kinds, strict=True)]
+    assert runs[:2] == [(PREFILL_TOKENS, {"KVCache"}), (1, {"KVCache"})]  # build_kernels
+    after = runs[2:]
+    assert after and all(kinds == {"BatchKVCache"} for _, kinds in after)
+    # the prompt (its last token held back for the first step), then the steps: one
+    # token a step for the 3 generated (mlx-lm computes one more, never returned)
+    assert [n for n, _ in after] == [PREFILL_TOKENS - 1, 1, 1, 1, 1]
+    assert warmup.build_batch_kernels(build_mlx_lm_model("llama")) == 3
