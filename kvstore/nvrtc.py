@@ -101,20 +101,20 @@ def compiler() -> Compiler | None:
     """The process's NVRTC, or ``None`` where none is found or it does not load."""
     for library in _libraries():
         try:
-            lib = ctypes.CDLL(str(library))
-            probe = Compiler(lib, None)
+            found = Compiler(ctypes.CDLL(str(library)), None)
         except (OSError, AttributeError, NvrtcError):
             continue
-        return Compiler(lib, _headers(probe.version[0]))
+        found.include = _headers(found.version[0])  # the headers of its CUDA version
+        return found
     return None
 
 
 def _libraries() -> list[str | Path]:
     found: list[str | Path] = list(_SONAMES)
     for major in (13, 12):
+        library_dir = _WHEEL_DIRS[major][0]  # the library's wheel folder; the headers may differ
         for base in _wheel_roots():
-            for sub in _WHEEL_DIRS[major][:1]:
-                found += sorted((base / sub / "lib").glob(f"libnvrtc.so.{major}*"))
+            found += sorted((base / library_dir / "lib").glob(f"libnvrtc.so.{major}*"))
     for root in _toolkit_roots():
         found += sorted((root / "lib64").glob("libnvrtc.so.*"))
         found += sorted((root / "lib").glob("libnvrtc.so.*"))
