@@ -8,7 +8,8 @@ each of kvstore's staging kernels took 1.5-2.3 s at its first use, in every proc
 instead, with only the headers they use, and keeps the cubins on disk
 (:mod:`kvstore.kernel_cache`).
 
-The library is the one MLX's CUDA backend loaded (found by its soname), else NVIDIA's
+The library is the one MLX's CUDA backend loaded (read from the process's mapped
+libraries, else found by its soname), else NVIDIA's
 ``nvidia-cuda-nvrtc`` wheel, else the CUDA toolkit's (``CUDA_HOME``, ``CUDA_PATH``,
 ``/usr/local/cuda``); the CUDA headers (``cuda_bf16.h``, ``cuda_fp16.h``) are looked
 for the same way. :func:`compiler` is ``None`` where there is none.
@@ -110,7 +111,9 @@ def compiler() -> Compiler | None:
 
 
 def _libraries() -> list[str | Path]:
-    found: list[str | Path] = list(_SONAMES)
+    # The one MLX's CUDA backend loaded first: the compiler MLX itself trusts with this
+    # driver (another on the library path may be newer than the driver runs).
+    found: list[str | Path] = [*_loaded(), *_SONAMES]
     for major in (13, 12):
         library_dir = _WHEEL_DIRS[major][0]  # the library's wheel folder; the headers may differ
         for base in _wheel_roots():
@@ -119,6 +122,16 @@ def _libraries() -> list[str | Path]:
         found += sorted((root / "lib64").glob("libnvrtc.so.*"))
         found += sorted((root / "lib").glob("libnvrtc.so.*"))
     return found
+
+
+def _loaded() -> list[Path]:
+    """NVRTC libraries this process has mapped already (Linux: ``/proc/self/maps``)."""
+    try:
+        maps = Path("/proc/self/maps").read_text()
+    except OSError:
+        return []
+    paths = {line.split(None, 5)[-1] for line in maps.splitlines() if "/libnvrtc.so" in line}
+    return sorted(Path(p) for p in paths if p.startswith("/"))
 
 
 def _headers(major: int) -> Path | None:

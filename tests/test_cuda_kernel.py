@@ -89,6 +89,14 @@ def test_every_kernel_compiles_on_the_precompiled_route():
 
 
 @needs_nvrtc
+def test_the_nvrtc_this_process_loaded_is_tried_first():
+    # MLX's CUDA backend loads its NVRTC at import: that one, not another on the path.
+    loaded = nvrtc._loaded()
+    assert loaded and all("libnvrtc.so" in p.name for p in loaded)
+    assert nvrtc._libraries()[: len(loaded)] == loaded
+
+
+@needs_nvrtc
 def test_a_source_that_does_not_compile_says_where():
     assert COMPILER is not None
     with pytest.raises(nvrtc.NvrtcError, match=r"(?s)broken does not compile for sm_90.*undefined"):
