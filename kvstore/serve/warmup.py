@@ -111,9 +111,9 @@ def build_kernels(
 ) -> None:
     """Run a prefill of ``tokens`` tokens (token id 0) and one decode step of ``model``
     on fresh caches, evaluated, then the copies a save's hand-off makes of those rows;
-    with ``kv_bits`` (the server's ``--kv-bits``)
-    one more step on those caches quantized as mlx-lm quantizes them, so that attention
-    over packed rows is built too. Raises what the model's forward raises."""
+    with ``kv_bits`` (the server's ``--kv-bits``) one more step on those caches
+    quantized as mlx-lm quantizes them, so that attention over packed rows is built
+    too, and a hand-off's copies of them. Raises what the model's forward raises."""
     from mlx_lm.generate import maybe_quantize_kv_cache
     from mlx_lm.models.cache import make_prompt_cache
 
@@ -124,6 +124,7 @@ def build_kernels(
     if kv_bits is not None:
         maybe_quantize_kv_cache(caches, 0, kv_group_size, kv_bits)
         mx.eval(model(mx.zeros((1, 1), mx.int32), cache=caches))
+        mx.eval(handoff_copies(caches, 0, tokens))  # packed rows: other copies' kernels
 
 
 def build_batch_kernels(model: Any, tokens: int = PREFILL_TOKENS, steps: int = 3) -> int:

@@ -188,3 +188,20 @@ def test_batched_the_warm_up_runs_a_request_through_mlx_lms_batch_generator(monk
     # token a step for the 3 generated (mlx-lm computes one more, never returned)
     assert [n for n, _ in after] == [PREFILL_TOKENS - 1, 1, 1, 1, 1]
     assert warmup.build_batch_kernels(build_mlx_lm_model("llama")) == 3
+
+
+def test_with_kv_bits_the_hand_offs_copies_of_packed_rows_are_made_too(monkeypatch):
+    made = []
+
+    def recorded(caches, start, stop):
+        copies = writer.handoff_copies(caches, start, stop)
+        made.append(({type(c).__name__ for c in caches}, len(copies)))
+        return copies
+
+    monkeypatch.setattr(warmup, "handoff_copies", recorded)
+    monkeypatch.setattr(cuda_pages, "proven", lambda: False)
+    model = build_mlx_lm_model("llama")
+    assert warm_up(model, kv_bits=8, kv_group_size=32) is not None
+    layers = len(model.layers)
+    # plain keys and values, then each one's packed rows, scales and biases
+    assert made == [({"KVCache"}, 2 * layers), ({"QuantizedKVCache"}, 6 * layers)]
