@@ -8,9 +8,11 @@ A restore sizes the buffer for the prompt it serves (:func:`room_for`), not only
 the rows it restores: mlx-lm's caches grow a buffer whose rows are not a multiple of
 their ``step`` by cutting it to its rows and appending ``step`` multiples, so a prompt's
 rest run through a buffer sized for the restored rows alone copies the whole cache
-and leaves it a size no fresh prefill makes (4069 restored + 66 -> 4325 rows) -- on
-MLX's CUDA backend a decode step over a new buffer size builds a cuDNN graph (~60 ms),
-one that ``kvstore serve --warm-decode`` had not built ahead.
+(llama-8B shape, 4069 restored + 66 on the CI VM: 225-240 ms, against 8-11 ms written
+in place: ``tools/bench/restore_rest.py``) and leaves it a size no fresh prefill makes
+(4325 rows; on MLX's CUDA backend each new buffer size a decode step meets builds a
+cuDNN graph). ``mlx_lm.server``'s batching copies a request's cache into a buffer of
+its own anyway (``BatchKVCache.merge``): there the room saves nothing.
 """
 
 from __future__ import annotations
