@@ -168,15 +168,22 @@ def test_a_cache_that_cannot_be_written_only_costs_the_compile(tmp_path, monkeyp
     assert kernel_cache.cached_cubin(key, lambda: _cubin(b"b")) == _cubin(b"b")
 
 
-def test_without_a_cuda_device_a_kernel_is_left_to_mlx(monkeypatch, caplog):
-    # NVRTC may be here (the dev extra) but the driver is not: MLX's route, logged when
-    # there was a compiler to try, and MLX's own error at the call.
+def test_without_a_cuda_driver_a_kernel_is_left_to_mlx(monkeypatch, caplog):
+    # NVRTC is here (the dev extra) but no driver answers: MLX's route, logged.
+    def no_driver() -> int:
+        raise OSError("libcuda.so.1: cannot open shared object file")
+
+    monkeypatch.setattr(nvrtc, "device_architecture", no_driver)
     kernel = cuda_kernel("kvstore_test_probe", ["params"], ["out"], "out[0] = 1;")
-    signature = ((U64,), (U8,), ())
     with caplog.at_level(logging.WARNING, logger="kvstore.cuda"):
-        assert kernel._build(signature) is None
+        assert kernel._build(((U64,), (U8,), ())) is None
     if COMPILER is not None:
-        assert "is left to MLX to compile" in caplog.text
+        assert "is left to MLX to compile (libcuda.so.1: cannot open" in caplog.text
+
+
+@pytest.mark.skipif(mx.cuda.is_available(), reason="MLX has a CUDA backend here")
+def test_without_cuda_a_kernels_call_raises_mlxs_error():
+    kernel = cuda_kernel("kvstore_test_probe_call", ["params"], ["out"], "out[0] = 1;")
     with pytest.raises((RuntimeError, ValueError)):
         kernel(
             inputs=[mx.array([1], mx.uint64)],
