@@ -32,7 +32,7 @@ so a server and a ``stream_generate`` script share stored prompts.
 ``namespace_for(fingerprint, layer_layout, tenant=None)`` folds the
 fingerprint, the cache geometry and an optional tenant salt into 16 hex
 digits. No environment variable is needed for two processes or hosts to
-agree; ``KVSTORE_CACHE_DIR`` only moves the digest cache.
+agree; ``KVSTORE_CACHE_DIR`` (:mod:`kvstore.cache_dir`) only moves the digest cache.
 
 .. versionchanged:: 0.1 parameters of model objects are hashed in rows of
    1 MiB (so a GPU hashes them in device memory: an 8B model in under a

@@ -25,6 +25,7 @@ from typing import Any, cast
 from kvstore.bench.figures import gpu_common as G
 from kvstore.bench.harness import BenchContext, Figure, at_most
 from kvstore.bench.results import FigureResult, Row
+from kvstore.cache_dir import CACHE_DIR
 
 __all__ = ["G4"]
 
@@ -67,6 +68,7 @@ def run(ctx: BenchContext) -> FigureResult:
     from mlx.utils import tree_flatten
 
     from kvstore.bridge import namespace as N
+    from kvstore.bridge.fingerprint import digest_cache_path
 
     config = G.model_config(ctx)
     first, memory, params = _in_memory(ctx, config)
@@ -84,21 +86,22 @@ def run(ctx: BenchContext) -> FigureResult:
     mx.save_safetensors(str(directory / "model.safetensors"), weights)
     files = sum(p.stat().st_size for p in directory.iterdir())
     del model, weights
-    previous = os.environ.get("KVSTORE_CACHE_DIR")
-    os.environ["KVSTORE_CACHE_DIR"] = str(cache_dir)
+    previous = os.environ.get(CACHE_DIR)
+    os.environ[CACHE_DIR] = str(cache_dir)
     try:
 
         def cold() -> None:
-            shutil.rmtree(cache_dir, ignore_errors=True)
+            # The digests only: the folder also keeps compiled CUDA kernels.
+            digest_cache_path().unlink(missing_ok=True)
             N.namespace_for_model(directory)
 
         cold_samples = _timed(cold, ctx.repeats)
         cached = _timed(lambda: N.namespace_for_model(directory), ctx.repeats)
     finally:
         if previous is None:
-            os.environ.pop("KVSTORE_CACHE_DIR", None)
+            os.environ.pop(CACHE_DIR, None)
         else:
-            os.environ["KVSTORE_CACHE_DIR"] = previous
+            os.environ[CACHE_DIR] = previous
         shutil.rmtree(directory, ignore_errors=True)
         shutil.rmtree(cache_dir, ignore_errors=True)
     samples = {IN_MEMORY: memory, COLD: cold_samples, CACHED: cached}

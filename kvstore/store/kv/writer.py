@@ -442,7 +442,7 @@ def handoff_copies(caches: Sequence[Any], start: int, stop: int) -> list[mx.arra
     """The copies a hand-off of rows ``[start, stop)`` of ``caches`` makes (lazy), for a
     warm-up to evaluate once: on one H100 a fresh process's first hand-off held its
     caller 92-164 ms, 146 of them the first such copy (its kernel's first use), the
-    later ones ~1-2 ms (``tools/bench/results/gpu/firstcosts-h100/``). Recurrent
+    later ones ~1-2 ms (``tools/bench/results/gpu/firstcosts2-h100/``). Recurrent
     layers (a hand-off keeps their state by reference) and layers whose family cannot
     cut those rows are left out."""
     copies: list[mx.array] = []
