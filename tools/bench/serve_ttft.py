@@ -112,6 +112,9 @@ def ttft(server: ServerProcess, messages: list[dict[str, str]], max_tokens: int)
     return {
         "ttft_s": first,
         "max_gap_s": max(gaps),
+        # where the waits fell: (chunk index after the first, seconds), longest first
+        "longest_gaps": sorted(enumerate(gaps), key=lambda g: -g[1])[:3],
+        "median_gap_s": statistics.median(gaps),
         "text": "".join(text),
         "cached_tokens": cached,
         "prompt_tokens": prompt,
@@ -255,12 +258,13 @@ def main(argv: list[str] | None = None) -> int:
         f"turn 2: {last['ours_restarted']['prompt_tokens']} prompt tokens; BLAS: {blas}; "
         f"model {model}; median of {args.repeats}"
     )
-    print(f"{'server':44} {'TTFT':>9} {'cached_tokens':>14} {'longest gap':>12}")
+    print(f"{'server':44} {'TTFT':>9} {'cached_tokens':>14} {'longest gap':>12}  at chunk")
     for label, key in rows:
         gap = statistics.median(s[key]["max_gap_s"] for s in samples)
+        where = ", ".join(f"{i}: {g * 1e3:.1f}" for i, g in last[key]["longest_gaps"])
         print(
             f"{label:44} {med(key) * 1e3:7.0f} ms {last[key]['cached_tokens']!s:>14} "
-            f"{gap * 1e3:9.1f} ms"
+            f"{gap * 1e3:9.1f} ms  {where} (median {last[key]['median_gap_s'] * 1e3:.1f})"
         )
     agree1 = sum(s["turn1"]["stock"]["text"] == s["turn1"]["ours"]["text"] for s in samples)
     agree = sum(s["stock_restarted"]["text"] == s["ours_restarted"]["text"] for s in samples)

@@ -115,6 +115,9 @@
 # STEP route    route_probe.py: a launch's Python call, evaluation, CPU and page faults on
 #                each kernel route (gather_many's 64 outputs, upload), then ab_env of q8 on
 #                both routes, 6 each: ~150 s
+# STEP faults   restore_profile.py of kv:quant:8:64 and kv:turboquant:4:4 on the precompiled
+#                route and MLX's (KVSTORE_CUDA_PRECOMPILED=0): where the restore thread's
+#                ~200 more page faults on the precompiled route come from: ~120 s
 # STEP abroute  ab_env of lossless, q8 and TQ 4/4 on the precompiled route and MLX's, 4
 #                each: do launches cost more through precompiled_cuda_kernel? ~300 s
 #
@@ -291,6 +294,11 @@ for i in range(3):
     timeout 120 python3 tools/bench/gpu/route_probe.py 2>&1 | tee "$out/route-probe.txt"
     timeout 300 python3 -m tools.bench.gpu.ab_env --repeats 6 base: 'mlx:KVSTORE_CUDA_PRECOMPILED=0' \
       --policies kv:quant:8:64 2>&1 | tee "$out/ab-route-q8.txt" | grep -E "^== |  (base|mlx) +restore" ;;
+  faults)
+    for precompiled in 1 0; do
+      KVSTORE_CUDA_PRECOMPILED=$precompiled timeout 200 $profile \
+        --policies kv:quant:8:64,kv:turboquant:4:4 2>&1 | tee "$out/faults-precompiled-$precompiled.txt"
+    done ;;
   abroute)
     timeout 560 python3 -m tools.bench.gpu.ab_env --repeats 4 base: 'mlx:KVSTORE_CUDA_PRECOMPILED=0' \
       --policies lossless,kv:quant:8:64,kv:turboquant:4:4 2>&1 | tee "$out/ab-route.txt" ;;
