@@ -11,7 +11,10 @@ rest run through a buffer sized for the restored rows alone copies the whole cac
 (llama-8B shape, 4069 restored + 66 on the CI VM: 225-240 ms, against 8-11 ms written
 in place: ``tools/bench/restore_rest.py``) and leaves it a size no fresh prefill makes
 (4325 rows; on MLX's CUDA backend each new buffer size a decode step meets builds a
-cuDNN graph). ``mlx_lm.server``'s batching copies a request's cache into a buffer of
+cuDNN graph). The room is the prompt's rows rounded up to the step, the buffer a cold
+prefill of that prompt leaves: the restored session's steps then run over the sizes a
+cold one's do (a step more, 4352 rows for a 4096-token prompt, cost G1's first token a
+cuDNN graph of its own on an H100: 63 ms against 10-15). ``mlx_lm.server``'s batching copies a request's cache into a buffer of
 its own anyway (``BatchKVCache.merge``): there the room saves nothing.
 """
 
@@ -38,7 +41,7 @@ from kvstore.codecs.rows import (
 )
 from kvstore.errors import CapabilityError
 
-__all__ = ["GrowingKVCodec", "PlainKVCodec", "QuantizedKVCodec", "room_for"]
+__all__ = ["GrowingKVCodec", "PlainKVCodec", "QuantizedKVCodec", "restore_capacity", "room_for"]
 
 #: The tokens a restore's caller will hold once the rest of its prompt has run.
 _ROOM: ContextVar[int] = ContextVar("kvstore_restore_room", default=0)
@@ -47,13 +50,22 @@ _ROOM: ContextVar[int] = ContextVar("kvstore_restore_room", default=0)
 @contextmanager
 def room_for(tokens: int) -> Iterator[None]:
     """Growing caches restored in this context (on this thread) get room for ``tokens``
-    (a lookup's ``prompt_tokens``) and one more, rounded up to their ``step``, however
-    few rows they restore."""
+    (a lookup's ``prompt_tokens``) rounded up to their ``step``, however few rows they
+    restore; one that restores all ``tokens`` gets room for one more (as without)."""
     reset = _ROOM.set(tokens)
     try:
         yield
     finally:
         _ROOM.reset(reset)
+
+
+def restore_capacity(rows: int, room: int, step: int) -> int:
+    """The buffer rows of a growing cache restoring ``rows`` for a prompt of ``room``
+    tokens: the prompt's rows rounded up to ``step`` (what its cold prefill leaves),
+    or, where the prompt runs no further, room for the next token."""
+    if room <= rows:
+        return growth_capacity(rows, step)
+    return -(-room // step) * step
 
 
 class GrowingKVCodec(RowCodec):
@@ -112,7 +124,7 @@ class GrowingKVCodec(RowCodec):
             expected = snap.stop
         meta = snaps[-1].meta
         probe = self.make_cache(meta)
-        capacity = growth_capacity(max(expected, _ROOM.get()), probe.step)
+        capacity = restore_capacity(expected, _ROOM.get(), probe.step)
         rows = [self.rows_from_tensors(s.tensors) for s in snaps]
 
         def build(trees: list[Any]) -> Any:

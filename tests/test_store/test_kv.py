@@ -21,6 +21,7 @@ from kvstore.bridge.namespace import namespace_for_model
 from kvstore.caches import KVCache, QuantizedKVCache
 from kvstore.codecs import snapshot, transcode
 from kvstore.codecs.rows import growth_capacity
+from kvstore.codecs.growing import restore_capacity
 from kvstore.errors import StoreConfigError
 from kvstore.model import CachePolicy
 from kvstore.store import keys as K
@@ -685,9 +686,29 @@ def test_a_restore_leaves_room_for_the_prompts_rest_so_its_buffers_keep_steps_si
         keys = cache.keys[0] if isinstance(cache.keys, (list, tuple)) else cache.keys
         return keys.shape[2]
 
-    assert {rows(c) for c in restored} == {growth_capacity(300, 256)} == {512}
+    assert {rows(c) for c in restored} == {512}
     mx.eval(model(mx.array([whole[200:]]), cache=restored))
     assert {rows(c) for c in restored} == {512} and {c.offset for c in restored} == {300}
     for token in range(213):  # through the buffer's end: grown by one whole step
         mx.eval(model(mx.array([[token]]), cache=restored))
     assert {rows(c) for c in restored} == {768} and {c.offset for c in restored} == {513}
+
+
+@pytest.mark.parametrize(
+    ("rows", "room", "capacity"),
+    [(200, 300, 512), (4095, 4096, 4096), (4069, 4135, 4352), (256, 256, 512), (300, 0, 512)],
+)
+def test_a_restores_room_is_a_cold_prefills_buffer_for_its_prompt(rows, room, capacity):
+    # A cold prefill of a 4096-token prompt leaves 4096 rows: a restore of its first
+    # 4095 for it sized like that runs its last token over the buffer a cold session's
+    # does (a step more, on CUDA, cost that token a cuDNN graph of its own). Where the
+    # prompt runs no further (all of it restored, or no prompt given), room for the
+    # next token, as mlx-lm's growth leaves.
+    from mlx_lm.models.cache import KVCache as MlxKVCache
+
+    assert restore_capacity(rows, room, 256) == capacity
+    cold = MlxKVCache()
+    if room > rows:
+        rows_of = mx.zeros((1, 1, room, 8))
+        cold.update_and_fetch(rows_of, rows_of)
+        assert cold.keys.shape[2] == capacity
