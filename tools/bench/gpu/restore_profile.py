@@ -372,7 +372,12 @@ def main() -> int:
                 print(policy, "error:", runs[0]["error"], flush=True)
                 continue
             ms, best = median_run(good)
-            print(f"== {policy}: restore {ms:.1f} ms (median of {len(good)})")
+            usage = best.get("restore_thread") or {}
+            faults = sorted(r.get("restore_thread", {}).get("faults", -1) for r in good)
+            print(
+                f"== {policy}: restore {ms:.1f} ms (median of {len(good)}); the restoring "
+                f"thread's {usage} (faults in every run: {faults})"
+            )
             for name, p in sorted(best["phases"].items(), key=lambda kv: kv[1]["first_ms"]):
                 print(
                     f"   {name:<34} n={p['n']:<4} sum {p['sum_ms']:>8.2f} ms  "
