@@ -6,6 +6,7 @@ from __future__ import annotations
 import ast
 import hashlib
 import logging
+import os
 from pathlib import Path
 
 import mlx.core as mx
@@ -14,6 +15,7 @@ import pytest
 import kvstore
 from kvstore import kernel_cache, nvrtc
 from kvstore.cuda_kernel import PRECOMPILED, cuda_kernel, kernel_name, kernel_source
+from kvstore.errors import StoreConfigError
 from tools.bench.gpu import compile_check
 
 ROOT = Path(kvstore.__file__).parent
@@ -201,3 +203,50 @@ def test_the_switch_off_never_compiles(monkeypatch):
     kernel = cuda_kernel("kvstore_test_probe_off", ["params"], ["out"], "out[0] = 1;")
     assert kernel._build(((U64,), (U8,), ())) is None
     assert asked == []
+
+
+def test_the_kernels_folder_keeps_what_was_used_last_within_its_bound(tmp_path, monkeypatch):
+    # Room for five files: a sixth written removes the one used least recently (a read
+    # counts as a use), never the one just written.
+    monkeypatch.setenv("KVSTORE_CACHE_DIR", str(tmp_path))
+    size = len(kernel_cache._MAGIC) + 32 + len(_cubin(b"0"))
+    monkeypatch.setenv("KVSTORE_KERNEL_CACHE_MIB", repr(5.5 * size / 2**20))
+    keys = [kernel_cache.kernel_key(f"source {i}", 90, (12, 9)) for i in range(6)]
+    folder = tmp_path / "cuda-kernels"
+    for i, key in enumerate(keys[:5]):
+        kernel_cache.cached_cubin(key, lambda i=i: _cubin(b"%d" % i))
+        os.utime(folder / f"{key[:40]}.cubin", (1000 + i, 1000 + i))  # written in this order
+    compiles = []
+    assert kernel_cache.cached_cubin(keys[0], lambda: compiles.append(0) or b"") == _cubin(b"0")
+    assert not compiles  # the oldest file read: now the newest used
+    kernel_cache.cached_cubin(keys[5], lambda: _cubin(b"5"))
+    kept = sorted(f.name[:40] for f in folder.iterdir())
+    assert kept == sorted(k[:40] for k in (keys[0], keys[2], keys[3], keys[4], keys[5]))
+    # 0 keeps only the kernel just compiled.
+    monkeypatch.setenv("KVSTORE_KERNEL_CACHE_MIB", "0")
+    kernel_cache.cached_cubin(keys[1], lambda: _cubin(b"1"))
+    assert [f.name[:40] for f in folder.iterdir()] == [keys[1][:40]]
+
+
+def test_a_writers_abandoned_temporary_file_is_removed_a_live_one_kept(tmp_path, monkeypatch):
+    monkeypatch.setenv("KVSTORE_CACHE_DIR", str(tmp_path))
+    folder = tmp_path / "cuda-kernels"
+    folder.mkdir()
+    abandoned, live = folder / ".tmp-dead.cubin", folder / ".tmp-live.cubin"
+    abandoned.write_bytes(b"half")
+    live.write_bytes(b"half")
+    os.utime(abandoned, (1000, 1000))
+    kernel_cache.cached_cubin(kernel_cache.kernel_key("s", 90, (12, 9)), lambda: _cubin(b"a"))
+    assert not abandoned.exists() and live.exists()
+
+
+@pytest.mark.parametrize("value", ["lots", "-1", "nan"])
+def test_a_bad_bound_on_the_kernels_folder_is_refused_before_any_compile(
+    tmp_path, monkeypatch, value
+):
+    monkeypatch.setenv("KVSTORE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("KVSTORE_KERNEL_CACHE_MIB", value)
+    compiles = []
+    with pytest.raises(StoreConfigError, match="KVSTORE_KERNEL_CACHE_MIB"):
+        kernel_cache.cached_cubin("k" * 64, lambda: compiles.append(1) or _cubin(b"a"))
+    assert not compiles

@@ -14,8 +14,9 @@ in place: ``tools/bench/restore_rest.py``) and leaves it a size no fresh prefill
 cuDNN graph). The room is the prompt's rows rounded up to the step, the buffer a cold
 prefill of that prompt leaves: the restored session's steps then run over the sizes a
 cold one's do (a step more, 4352 rows for a 4096-token prompt, cost G1's first token a
-cuDNN graph of its own on an H100: 63 ms against 10-15). ``mlx_lm.server``'s batching copies a request's cache into a buffer of
-its own anyway (``BatchKVCache.merge``): there the room saves nothing.
+cuDNN graph of its own on an H100: 63 ms against 10-15). ``mlx_lm.server``'s batching
+copies a request's cache into a buffer of its own anyway (``BatchKVCache.merge``): there
+the room saves nothing.
 """
 
 from __future__ import annotations

@@ -20,8 +20,8 @@ from kvstore.bridge import generate_tokens
 from kvstore.bridge.namespace import namespace_for_model
 from kvstore.caches import KVCache, QuantizedKVCache
 from kvstore.codecs import snapshot, transcode
-from kvstore.codecs.rows import growth_capacity
 from kvstore.codecs.growing import restore_capacity
+from kvstore.codecs.rows import growth_capacity
 from kvstore.errors import StoreConfigError
 from kvstore.model import CachePolicy
 from kvstore.store import keys as K

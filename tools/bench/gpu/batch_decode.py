@@ -1,6 +1,6 @@
 """Decode steps after a restore, the way ``mlx_lm.server`` batches them, each step timed.
 
-    python3 tools/bench/gpu/batch_decode.py [--quick] [--steps 40] [--variants batched,unmasked,plain]
+    python3 tools/bench/gpu/batch_decode.py [--quick] [--steps 40] [--variants V,...]
 
 Each variant in a fresh process: mlx-lm's llama at the 8B shape (random bfloat16
 weights, built in memory), ``kvstore serve``'s warm-up (``build_kernels`` and
