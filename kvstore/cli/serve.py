@@ -70,7 +70,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="on a CUDA GPU, also build the decode graphs of conversations up to TOKENS "
         "as the model loads (cuDNN builds a graph per 256 tokens of context, the first "
         "time a process meets each: ~35-45 ms a size ahead on an H100; default 0: as "
-        "requests meet them)",
+        "requests meet them). Only requests served one at a time (a seed, a draft model) "
+        "take cuDNN's decode: a batched step's mask keeps MLX off it",
     )
     p.set_defaults(run=run, passthrough=PASSES_THROUGH)
 

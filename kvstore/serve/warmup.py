@@ -164,7 +164,10 @@ def build_decode_graphs(model: Any, up_to: int, step: int = 256) -> int:
     ``backend/cuda/scaled_dot_product_attention.cpp``): a conversation's first step into
     each new size waits for one. This builds them ahead, through the model's own forward
     so that the key is the one its steps make. Caches that do not grow (a sliding window)
-    stay empty: their buffers have one size. Run it on the thread that will generate."""
+    stay empty: their buffers have one size. Run it on the thread that will generate.
+    Only unmasked steps take that path: ``mlx_lm.server``'s batched steps pass an array
+    mask (``BatchKVCache.make_mask``), which MLX's CUDA attention runs without cuDNN, so
+    these graphs serve the requests it serves one at a time (a seed, a draft model)."""
     from mlx_lm.models.cache import make_prompt_cache
 
     token = mx.zeros((1, 1), mx.int32)
