@@ -3,11 +3,14 @@ when set, and a clear StoreConfigError naming the variable when it is not a valu
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
+import kvstore
 from kvstore.errors import StoreConfigError
 from kvstore.knobs import (
     choice_from_env,
@@ -165,3 +168,14 @@ def test_a_malformed_knob_read_at_import_says_which_and_how_to_fix_it():
         "kvstore.errors.StoreConfigError: [config] KVSTORE_CUDA_GATHER_MIN_MIB='two': "
         "expected a number of MiB, 0 or more; unset it for the default (16 MiB)."
     ) in done.stderr
+
+
+def test_every_variable_kvstore_reads_is_named_in_the_readme():
+    # A knob a user cannot find is one they cannot turn, nor know that it is turned.
+    root = Path(kvstore.__file__).parent
+    names: set[str] = set()
+    for path in root.rglob("*.py"):
+        names |= set(re.findall(r"\bKVSTORE_[A-Z0-9_]*[A-Z0-9]\b", path.read_text()))
+    readme = (root.parent / "README.md").read_text()
+    assert len(names) > 30  # the scan found them
+    assert sorted(name for name in names if name not in readme) == []
