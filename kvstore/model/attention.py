@@ -186,14 +186,6 @@ def quantized_attention(
     n_kv_heads = keys[0].shape[-3]
     n_repeats = n_q_heads // n_kv_heads
     queries = queries * scale
-    if default_is_cuda():
-        # MLX's CUDA quantized_matmul kernels take only packed operands that are whole
-        # contiguous arrays (``is_last_2_dims_row_contiguous`` in its backend/cuda/
-        # quantized/qmm/qmm.cu checks the array's contiguous flag); a cache's rows are a
-        # view of its buffer, so a decode step over 301 of them raised "No implementation
-        # for problem shape: 1x301x128x32" (tools/bench/results/gpu/d872e29-h100/
-        # gpu-check.txt). A copy of the packed rows costs far less than dequantizing them.
-        keys, values = tree_map(mx.contiguous, keys), tree_map(mx.contiguous, values)
     if n_repeats > 1:
         queries = mx.reshape(queries, (B, n_kv_heads, n_repeats, L, D))
         keys = tree_map(lambda x: mx.expand_dims(x, axis=-3), keys)
@@ -255,8 +247,7 @@ def dequantizes_queries(n_queries: int) -> bool:
     dequantized (:data:`DEQUANTIZED_PREFILL`).
 
     One query (a decode step) always reads the packed rows: that is where a quantized
-    cache saves bandwidth, and MLX has a kernel for it everywhere (on CUDA for whole
-    arrays only: :func:`quantized_attention` copies the rows there first).
+    cache saves bandwidth, and MLX has a kernel for it everywhere.
 
     Raises:
         KVStoreError: :data:`DEQUANTIZED_PREFILL` is set to something else than

@@ -265,29 +265,3 @@ def test_wrong_number_of_caches():
     model = build_model("tiny")
     with pytest.raises(ValueError, match=r"one cache per layer \(2\); received 1"):
         model(prompt_tokens()[None, :4], cache=model.make_cache()[:1])
-
-
-@pytest.mark.parametrize("bits", [4, 8])
-def test_quantized_attention_on_cuda_copies_a_caches_packed_rows_to_the_same_logits(
-    model, bits, monkeypatch
-):
-    # On MLX's CUDA backend quantized_matmul has no kernel for packed operands that are
-    # views of a cache's buffer; the route for it copies them whole first. Taken here on
-    # the CPU (the predicate forced), the logits are the same bits as the CPU's route.
-    from kvstore.model import attention
-
-    policy = CachePolicy(kv_bits=bits, kv_group_size=64)
-    tokens = prompt_tokens()
-    expected = teacher_forced(model, model.make_cache(policy), tokens)
-    copies = []
-    contiguous = mx.contiguous
-
-    def counted(x, *args, **kwargs):
-        copies.append(x.shape)
-        return contiguous(x, *args, **kwargs)
-
-    monkeypatch.setattr(attention, "default_is_cuda", lambda: True)
-    monkeypatch.setattr(attention.mx, "contiguous", counted)
-    got = teacher_forced(model, model.make_cache(policy), tokens)
-    assert copies  # the branch ran
-    assert mx.array_equal(got, expected)
