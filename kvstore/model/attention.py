@@ -247,7 +247,9 @@ def dequantizes_queries(n_queries: int) -> bool:
     dequantized (:data:`DEQUANTIZED_PREFILL`).
 
     One query (a decode step) always reads the packed rows: that is where a quantized
-    cache saves bandwidth, and MLX has a kernel for it everywhere.
+    cache saves bandwidth. (MLX 0.32.4's CUDA backend has no kernel for it over a
+    cache's rows, views of its buffer, nor for mlx-lm's own quantized caches:
+    ``tools/bench/results/gpu/qmmviews-h100/``.)
 
     Raises:
         KVStoreError: :data:`DEQUANTIZED_PREFILL` is set to something else than
