@@ -7,7 +7,13 @@ heads each, head_dim 128), 301 of 512 buffer rows: ``mx.quantized_matmul`` on th
 as views of the buffer (what ``update_and_fetch`` returns), then on the same rows made
 contiguous (``kvstore.model.attention.quantized_attention`` on CUDA); then mlx-lm's own
 ``QuantizedKVCache`` through its ``quantized_scaled_dot_product_attention`` (stock
-``mlx_lm.server --kv-bits``). One line each: runs, or MLX's error.
+``mlx_lm.server --kv-bits``). One line each: runs, or MLX's error. Then each
+``quantized_matmul`` of that step on the rows copied whole, on the GPU against the CPU
+(``stream=mx.cpu``) on the same inputs: the scores (``transpose=True``) and the values'
+(``transpose=False``), each with the keys broadcast over a head's query heads as
+attention calls it, and with the query heads as rows instead (no broadcast): which
+call, if any, computes something else (kvstore's model over copied rows gave logits
+2.96 from plain caches' on an H100, 0.244 on the CPU).
 """
 
 from __future__ import annotations
@@ -21,6 +27,38 @@ def attempt(label: str, run) -> None:  # type: ignore[no-untyped-def]
         print(f"{label}: runs", flush=True)
     except (RuntimeError, ValueError) as exc:
         print(f"{label}: {str(exc)[:200]}", flush=True)
+
+
+def compare_calls(queries, whole, heads: int, repeats: int, dim: int) -> None:  # type: ignore[no-untyped-def]
+    """Each quantized_matmul of a decode step on ``whole`` (packed rows, contiguous),
+    the default device against the CPU: the largest difference, in float32."""
+    rows = whole[0].shape[-2]
+    weights = mx.softmax(
+        mx.random.normal((1, heads, repeats, 1, rows)), axis=-1
+    ).astype(mx.bfloat16)
+    broadcast = [mx.expand_dims(x, -3) for x in whole]
+    flat_queries = queries.reshape(1, heads, repeats, dim)
+    flat_weights = weights.reshape(1, heads, repeats, rows)
+    calls = {
+        "scores, keys broadcast over query heads": (queries, broadcast, True),
+        "scores, query heads as rows": (flat_queries, whole, True),
+        "values, broadcast over query heads": (weights, broadcast, False),
+        "values, query heads as rows": (flat_weights, whole, False),
+    }
+    for label, (x, packed, transpose) in calls.items():
+
+        def call(stream, x=x, packed=packed, transpose=transpose):  # type: ignore[no-untyped-def]
+            return mx.quantized_matmul(
+                x, *packed, transpose=transpose, group_size=64, bits=4, stream=stream
+            ).astype(mx.float32)
+
+        try:
+            here, cpu = call(mx.default_device()), call(mx.cpu)
+            diff = float(mx.max(mx.abs(here - cpu)).item())
+            scale = float(mx.max(mx.abs(cpu)).item())
+            print(f"{label}: largest difference from the CPU's {diff:.4g} (up to {scale:.3g})")
+        except (RuntimeError, ValueError) as exc:
+            print(f"{label}: {str(exc)[:160]}", flush=True)
 
 
 def main() -> int:
@@ -55,6 +93,7 @@ def main() -> int:
         )
 
     attempt("mlx-lm's QuantizedKVCache decode step", mlx_lm_step)
+    compare_calls(queries, whole, heads, repeats, dim)
     from tools.bench.gpu.check import _quantized_attention_runs
 
     print("kvstore's model over kv:quant caches:", _quantized_attention_runs(), flush=True)
