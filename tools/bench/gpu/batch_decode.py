@@ -32,10 +32,13 @@ import sys
 import time
 from typing import Any
 
+#: The restored tokens and the prompt's rest after them (next.sh warmdecode's turn 2).
 CACHED, REST = 4069, 66
 
 
-def run(variant: str, quick: bool, steps: int) -> dict[str, Any]:
+def run(
+    variant: str, quick: bool, steps: int, cached: int = CACHED, rest: int = REST
+) -> dict[str, Any]:
     import mlx.core as mx
     import mlx.nn as nn
     from mlx_lm.models import llama
@@ -58,10 +61,10 @@ def run(variant: str, quick: bool, steps: int) -> dict[str, Any]:
     mx.synchronize()
 
     vocab = config["vocab_size"]
-    tokens = mx.random.randint(0, vocab, (1, CACHED + REST), key=mx.random.key(1))
+    tokens = mx.random.randint(0, vocab, (1, cached + rest), key=mx.random.key(1))
     caches = make_prompt_cache(model)
-    for start in range(0, CACHED, 2048):
-        stop = min(start + 2048, CACHED)
+    for start in range(0, cached, 2048):
+        stop = min(start + 2048, cached)
         mx.eval(model(tokens[:, start:stop], cache=caches), [c.keys for c in caches])
     if variant in ("batched", "unmasked"):
         caches = [c.merge([c]) for c in caches]  # BatchGenerator's _merge_caches
@@ -76,7 +79,7 @@ def run(variant: str, quick: bool, steps: int) -> dict[str, Any]:
     mx.synchronize()
 
     start = time.perf_counter()
-    logits = model(tokens[:, CACHED:], cache=caches)[:, -1]
+    logits = model(tokens[:, cached:], cache=caches)[:, -1]
     token = mx.argmax(logits, axis=-1)
     mx.eval(token)
     rest_ms = (time.perf_counter() - start) * 1e3
@@ -105,13 +108,17 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="the tiny stand-in (a CPU)")
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--variants", default="batched,unmasked,plain,batched")
+    parser.add_argument("--cached", type=int, default=CACHED, help="tokens standing for a restore")
+    parser.add_argument("--rest", type=int, default=REST, help="the prompt's tokens after them")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        print(json.dumps(run(args.child, args.quick, args.steps)), flush=True)
+        done = run(args.child, args.quick, args.steps, args.cached, args.rest)
+        print(json.dumps(done), flush=True)
         return 0
     for variant in args.variants.split(","):
         command = [sys.executable, __file__, "--child", variant, "--steps", str(args.steps)]
+        command += ["--cached", str(args.cached), "--rest", str(args.rest)]
         done = subprocess.run(
             command + (["--quick"] if args.quick else []),
             capture_output=True,
