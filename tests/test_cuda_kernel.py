@@ -209,7 +209,7 @@ def test_the_kernels_folder_keeps_what_was_used_last_within_its_bound(tmp_path, 
     # Room for five files: a sixth written removes the one used least recently (a read
     # counts as a use), never the one just written.
     monkeypatch.setenv("KVSTORE_CACHE_DIR", str(tmp_path))
-    size = len(kernel_cache._MAGIC) + 32 + len(_cubin(b"0"))
+    size = len(kernel_cache._MAGIC) + kernel_cache._DIGEST + len(_cubin(b"0"))
     monkeypatch.setenv("KVSTORE_KERNEL_CACHE_MIB", repr(5.5 * size / 2**20))
     keys = [kernel_cache.kernel_key(f"source {i}", 90, (12, 9)) for i in range(6)]
     folder = tmp_path / "cuda-kernels"
