@@ -99,6 +99,11 @@
 #                with --warm-decode 4608: the longest gap between tokens, ours against
 #                stock's (which builds the graph in the answer), and the warm-up's cost:
 #                ~150 s
+# STEP loopprofile warmdecode's run twice with tools/bench/gpu/loop_profile on both servers'
+#                path: each BatchGenerator.next call's time and the time between calls (the
+#                server loop), then with a cProfile of the generating thread; summaries in
+#                loop-{0,1}-summary.txt: where a streamed token's ~10 ms beyond the model go
+#                and the ~57 ms gap at the third: ~320 s (plus ~60 s to write the model)
 # STEP staging  serve_ttft.py with the llama-8B shape, 2 repeats, kvstore serve's staging set
 #                up on a thread of its own (the default since results/gpu/staging-h100/: it
 #                held the warm-up's thread 3.4-4.5 s) and on the warm-up's
@@ -255,6 +260,16 @@ case "$step" in
       --answer2 300 --ours-arg=--warm-decode --ours-arg=4608 --json "$out/warmdecode.json" \
       > "$out/warmdecode.txt" 2>&1
     tail -12 "$out/warmdecode.txt" ;;
+  loopprofile)
+    for cprofile in 0 1; do
+      PYTHONPATH=$PWD/tools/bench/gpu/loop_profile:$PYTHONPATH KVSTORE_BENCH_LOOP_PROFILE=$out/loop-$cprofile \
+        KVSTORE_BENCH_LOOP_PROFILE_CPROFILE=$cprofile timeout 280 python3 tools/bench/serve_ttft.py --model /tmp/m8b \
+        --shape llama8b --context 4000 --repeats 1 --answer2 300 --ours-arg=--warm-decode --ours-arg=4608 \
+        --json "$out/loop-$cprofile.json" > "$out/loop-$cprofile.txt" 2>&1
+      tail -4 "$out/loop-$cprofile.txt"
+      python3 -m tools.bench.gpu.loop_profile.summary "$out/loop-$cprofile" --top 30 > "$out/loop-$cprofile-summary.txt"
+      grep -E "^==|calls," "$out/loop-$cprofile-summary.txt"
+    done ;;
   staging)
     for thread in 1 0; do
       KVSTORE_WARMUP_STAGING_THREAD=$thread timeout 280 python3 tools/bench/serve_ttft.py \

@@ -1,0 +1,66 @@
+"""Summarize ``loop_profile``'s files: per server process, each run of
+``BatchGenerator.next`` calls (a request's stream: calls less than a second apart), the
+time inside ``next`` and between calls (the server loop: responses, detokenizing, the
+queue to the HTTP thread), and the profile's top functions.
+
+    python3 -m tools.bench.gpu.loop_profile.summary FOLDER [--top 25]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pstats
+import statistics
+import sys
+from pathlib import Path
+
+
+def runs(calls: list[list[float]]) -> list[list[list[float]]]:
+    """Calls split where the loop idled a second or more (between requests)."""
+    out: list[list[list[float]]] = []
+    for call in calls:
+        if out and call[0] - out[-1][-1][1] < 1.0:
+            out[-1].append(call)
+        else:
+            out.append([call])
+    return out
+
+
+def describe(run: list[list[float]]) -> str:
+    inside = [(end - start) * 1e3 for start, end, *_ in run]
+    between = [(b[0] - a[1]) * 1e3 for a, b in zip(run, run[1:])]
+    generated = sum(int(c[3]) for c in run)
+    first = ", ".join(f"{x:.1f}" for x in inside[:5])
+    gaps = ", ".join(f"{x:.1f}" for x in between[:5])
+    line = (
+        f"  {len(run)} calls, {generated} tokens, {(run[-1][1] - run[0][0]) * 1e3:.0f} ms: "
+        f"inside next median {statistics.median(inside):.2f} ms (first {first})"
+    )
+    if between:
+        line += f"; between calls median {statistics.median(between):.2f} ms (first {gaps}), "
+        line += f"longest {max(between):.1f} at call {between.index(max(between)) + 1}"
+    return line
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("folder", type=Path)
+    parser.add_argument("--top", type=int, default=25)
+    args = parser.parse_args(argv)
+    for path in sorted(args.folder.glob("*.json")):
+        data = json.loads(path.read_text())
+        name = "kvstore serve" if "serve" in data["argv"] else "mlx_lm.server"
+        print(f"== {path.stem} ({name}): {len(data['calls'])} calls")
+        for run in runs(data["calls"]):
+            print(describe(run))
+        prof = path.with_suffix(".prof")
+        if prof.exists():
+            stats = pstats.Stats(str(prof), stream=sys.stdout)
+            stats.sort_stats("tottime").print_stats(args.top)
+            stats.sort_stats("cumulative").print_stats(args.top)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
