@@ -180,25 +180,32 @@ def quantized_attention(
     bits: int,
     mode: str = "affine",
 ) -> mx.array:
-    """Attention on packed rows with ``mx.quantized_matmul`` (mlx-lm's algorithm):
-    affine ``(q, scales, biases)`` or microscaling ``(q, scales)`` in ``mode``."""
+    """Attention on packed rows with ``mx.quantized_matmul``: affine ``(q, scales,
+    biases)`` or microscaling ``(q, scales)`` in ``mode``.
+
+    A KV head's query heads are rows of one product (queries ``(B, kv_heads,
+    repeats * L, D)``), not a batch axis the keys are broadcast over as mlx-lm's
+    ``quantized_scaled_dot_product_attention`` has them: on the CPU the two are
+    bit-identical, but MLX 0.32.4's CUDA ``quantized_matmul`` computed the broadcast
+    form wrong (65 from the CPU's scores at most, against 1 as rows:
+    ``tools/bench/results/gpu/qmmviews-h100/``). On CUDA the rows are copied whole
+    first: every kernel there wants row-contiguous operands, and a cache's rows are a
+    view of its buffer."""
     B, n_q_heads, L, D = queries.shape
     n_kv_heads = keys[0].shape[-3]
     n_repeats = n_q_heads // n_kv_heads
-    queries = queries * scale
-    if n_repeats > 1:
-        queries = mx.reshape(queries, (B, n_kv_heads, n_repeats, L, D))
-        keys = tree_map(lambda x: mx.expand_dims(x, axis=-3), keys)
-        values = tree_map(lambda x: mx.expand_dims(x, axis=-3), values)
-
+    if default_is_cuda():
+        keys, values = tree_map(mx.contiguous, keys), tree_map(mx.contiguous, values)
+    queries = mx.reshape(queries * scale, (B, n_kv_heads, n_repeats * L, D))
     scores = mx.quantized_matmul(
         queries, *keys, transpose=True, group_size=group_size, bits=bits, mode=mode
     )
+    scores = mx.reshape(scores, (B, n_kv_heads, n_repeats, L, -1))
     if mask is not None:
         if type(mask) is str:  # "causal": built here, as the fused kernel would
             q_len, k_len = scores.shape[-2:]
             mask = mx.arange(k_len - q_len, k_len)[:, None] >= mx.arange(k_len)[None]
-        if n_repeats > 1 and mask.ndim > 3:
+        if mask.ndim > 3:  # (B, heads, L, K): over a KV head's query heads alike
             mask = mx.expand_dims(mask, -3)
         if mask.dtype == mx.bool_:
             scores = mx.where(mask, scores, mx.finfo(scores.dtype).min)
@@ -206,11 +213,14 @@ def quantized_attention(
             scores = scores + mask
     scores = mx.softmax(scores, axis=-1, precise=True)
     out = mx.quantized_matmul(
-        scores, *values, transpose=False, group_size=group_size, bits=bits, mode=mode
+        mx.reshape(scores, (B, n_kv_heads, n_repeats * L, -1)),
+        *values,
+        transpose=False,
+        group_size=group_size,
+        bits=bits,
+        mode=mode,
     )
-    if n_repeats > 1:
-        out = mx.reshape(out, (B, n_q_heads, L, D))
-    return out
+    return mx.reshape(out, (B, n_q_heads, L, D))
 
 
 def dequantized_attention(

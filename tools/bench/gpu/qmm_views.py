@@ -94,6 +94,19 @@ def main() -> int:
 
     attempt("mlx-lm's QuantizedKVCache decode step", mlx_lm_step)
     compare_calls(queries, whole, heads, repeats, dim)
+    from kvstore.model.attention import quantized_attention
+
+    def ours(stream):  # type: ignore[no-untyped-def]
+        with mx.stream(stream):
+            flat = queries.reshape(1, heads * repeats, 1, dim)
+            out = quantized_attention(flat, view, view, dim**-0.5, None, group_size=64, bits=4)
+            return out.astype(mx.float32)
+
+    try:
+        diff = float(mx.max(mx.abs(ours(mx.default_device()) - ours(mx.cpu))).item())
+        print(f"kvstore's quantized_attention over the views, a step: {diff:.4g} from the CPU's")
+    except (RuntimeError, ValueError) as exc:
+        print(f"kvstore's quantized_attention over the views, a step: {str(exc)[:160]}")
     from tools.bench.gpu.check import _quantized_attention_runs
 
     print("kvstore's model over kv:quant caches:", _quantized_attention_runs(), flush=True)
