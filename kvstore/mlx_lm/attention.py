@@ -8,8 +8,14 @@ a server prefills after a restored prefix has a new shape on nearly every reques
 4096-token restore's 47-token suffix took 54.6 ms through the fused kernel against
 11.6 once its shape was built, and 35.8 by plain ops (an H100) (``tools/bench/gpu/shape_probe.py``).
 :func:`unfused_for_model` puts :func:`~kvstore.model.attention.unfused_attention` in
-front of that function in the modules a model's layers come from; every other call
-(quantized caches, attention sinks, one query, long prefills) goes on as mlx-lm has it.
+front of that function in the modules a model's layers come from. A quantized cache's
+packed rows (mlx-lm's own test: the cache has ``bits``) go to
+:func:`~kvstore.model.attention.packed_attention`, the same algorithm as mlx-lm's
+``quantized_scaled_dot_product_attention`` (bit-identical on the CPU) with a KV head's
+query heads as rows: MLX 0.32.4's CUDA backend has no ``quantized_matmul`` kernel for
+mlx-lm's form over a cache's rows, and computed its broadcast wrong
+(``tools/bench/results/gpu/qmmviews-h100/``). Every other call (attention sinks, one
+query, long prefills) goes on as mlx-lm has it.
 """
 
 from __future__ import annotations
@@ -22,7 +28,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from kvstore.model.attention import attends_unfused, unfused_attention
+from kvstore.model.attention import attends_unfused, packed_attention, unfused_attention
 
 __all__ = ["unfused_for_model"]
 
@@ -31,7 +37,8 @@ _NAME = "scaled_dot_product_attention"
 
 
 def unfused_for_model(model: Any) -> list[str]:
-    """Route ``model``'s few-query dense attention through plain ops (see the module).
+    """Route ``model``'s few-query dense attention through plain ops, and its quantized
+    caches' attention through kvstore's kernel (see the module).
 
     Changes the modules its layers' classes are defined in, so every model of those
     classes in the process is served so; idempotent, and cheap once a model of its class
@@ -77,8 +84,18 @@ def _with_unfused(original: Callable[..., mx.array]) -> Callable[..., mx.array]:
         mask: Any,
         sinks: mx.array | None = None,
     ) -> mx.array:
-        # mlx-lm's own test for a quantized cache's packed rows.
-        if sinks is None and not hasattr(cache, "bits") and _unfused(queries, keys):
+        if sinks is None and hasattr(cache, "bits"):  # mlx-lm's own test for packed rows
+            return packed_attention(
+                queries,
+                keys,
+                values,
+                scale,
+                mask,
+                group_size=cache.group_size,
+                bits=cache.bits,
+                mode=getattr(cache, "mode", "affine"),
+            )
+        if sinks is None and _unfused(queries, keys):
             return unfused_attention(queries, keys, values, scale, mask)
         return original(queries, keys, values, cache, scale=scale, mask=mask, sinks=sinks)
 

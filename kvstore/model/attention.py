@@ -257,9 +257,8 @@ def dequantizes_queries(n_queries: int) -> bool:
     dequantized (:data:`DEQUANTIZED_PREFILL`).
 
     One query (a decode step) always reads the packed rows: that is where a quantized
-    cache saves bandwidth. (MLX 0.32.4's CUDA backend has no kernel for it over a
-    cache's rows, views of its buffer, nor for mlx-lm's own quantized caches:
-    ``tools/bench/results/gpu/qmmviews-h100/``.)
+    cache saves bandwidth (on MLX's CUDA backend copied whole first:
+    :func:`quantized_attention`).
 
     Raises:
         KVStoreError: :data:`DEQUANTIZED_PREFILL` is set to something else than

@@ -1,6 +1,6 @@
-"""mlx-lm models' few-query attention by plain ops (``kvstore.mlx_lm.attention``), as
-``kvstore serve`` routes the models it loads: the same logits as mlx-lm's own route,
-quantized caches and one-query steps left to it."""
+"""mlx-lm models' few-query attention by plain ops and quantized caches' attention by
+kvstore's kernel (``kvstore.mlx_lm.attention``), as ``kvstore serve`` routes the models
+it loads: the same logits as mlx-lm's own route, one-query dense steps left to it."""
 
 import sys
 
@@ -43,6 +43,11 @@ def test_routed_models_give_mlx_lms_logits(routed, monkeypatch, arch):
     model = routed(arch)
     tokens = mx.random.randint(0, 200, (64,), key=mx.random.key(3))
     want = run(model, make_prompt_cache(model), tokens)
+
+    def quantized():
+        return [QuantizedKVCache(group_size=32, bits=8) for _ in model.layers]
+
+    want_quantized = run(model, quantized(), tokens)
     module = type(model).__module__
     assert unfused_for_model(model) == [module]
     assert unfused_for_model(model) == [module]  # idempotent
@@ -63,10 +68,18 @@ def test_routed_models_give_mlx_lms_logits(routed, monkeypatch, arch):
     assert set(calls) == {30, 31}  # both chunks, in every layer; no one-token step
     assert mx.array_equal(got, want)
 
-    calls.clear()  # mlx-lm's quantized caches stay on mlx-lm's quantized route
-    quantized = [QuantizedKVCache(group_size=32, bits=8) for _ in model.layers]
-    mx.eval(run(model, quantized, tokens))
-    assert calls == []
+    calls.clear()  # quantized caches: kvstore's kernel, bit-identical to mlx-lm's here
+    packed_calls = []
+
+    def packed_spy(q, *args, **kwargs):
+        packed_calls.append(q.shape[-2])
+        return packed(q, *args, **kwargs)
+
+    packed = routing.packed_attention
+    monkeypatch.setattr(routing, "packed_attention", packed_spy)
+    got_quantized = run(model, quantized(), tokens)
+    assert calls == [] and set(packed_calls) == {30, 31, 1}
+    assert mx.array_equal(got_quantized, want_quantized)
 
 
 def test_a_model_whose_modules_attend_otherwise_is_left_alone(load):
