@@ -40,10 +40,9 @@ def main(argv: list[str] | None = None) -> int:
     dense = []
     for i in range(args.layers):
         k, v = (
-            mx.random.normal((1, heads, room, dim), key=mx.random.key(2 * i + j)).astype(mx.bfloat16)
-            for j in (0, 1)
+            mx.random.normal((1, heads, room, dim), key=mx.random.key(2 * i + j)) for j in (0, 1)
         )
-        dense.append((k, v))
+        dense.append((k.astype(mx.bfloat16), v.astype(mx.bfloat16)))
     queries = [
         mx.random.normal((1, q_heads, 1, dim), key=mx.random.key(1000 + i)).astype(mx.bfloat16)
         for i in range(args.layers)
@@ -71,17 +70,21 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(f"  plain (bf16 rows, fused): {plain_ms:.3f} ms")
     for bits in (4, 8):
-        packed = [
-            tuple(mx.quantize(x, group_size=64, bits=bits) for x in layer) for layer in dense
-        ]
+        packed = [tuple(mx.quantize(x, group_size=64, bits=bits) for x in layer) for layer in dense]
         mx.eval(packed)
-        for name, attend in (("quantized", quantized_attention), ("dequantized", dequantized_attention)):
+        routes = (("quantized", quantized_attention), ("dequantized", dequantized_attention))
+        for name, attend in routes:
 
-            def step(attend=attend, packed=packed):  # type: ignore[no-untyped-def]
+            def step(attend=attend, packed=packed, bits=bits):  # type: ignore[no-untyped-def]
                 return [
                     attend(
-                        q, tuple(map(rows, k)), tuple(map(rows, v)), scale, None,
-                        group_size=64, bits=bits,
+                        q,
+                        tuple(map(rows, k)),
+                        tuple(map(rows, v)),
+                        scale,
+                        None,
+                        group_size=64,
+                        bits=bits,
                     )
                     for q, (k, v) in zip(queries, packed, strict=True)
                 ]
@@ -92,8 +95,11 @@ def main(argv: list[str] | None = None) -> int:
                     float(mx.max(mx.abs(a.astype(mx.float32) - b.astype(mx.float32))).item())
                     for a, b in zip(out, plain, strict=True)
                 )
-                print(f"  {bits}-bit {name}: {ms:.3f} ms ({ms / plain_ms:.2f}x plain; "
-                      f"largest difference from plain {diff:.3g})", flush=True)
+                print(
+                    f"  {bits}-bit {name}: {ms:.3f} ms ({ms / plain_ms:.2f}x plain; "
+                    f"largest difference from plain {diff:.3g})",
+                    flush=True,
+                )
             except (RuntimeError, ValueError) as exc:
                 print(f"  {bits}-bit {name}: {str(exc)[:160]}", flush=True)
     return 0

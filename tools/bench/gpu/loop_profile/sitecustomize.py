@@ -31,7 +31,8 @@ def _install(folder: str) -> None:
     generate = importlib.import_module("mlx_lm.generate")  # the package exports a function so named
 
     calls: list[tuple[float, float, int, int]] = []
-    profiler = cProfile.Profile() if os.environ.get("KVSTORE_BENCH_LOOP_PROFILE_CPROFILE") == "1" else None
+    profiled = os.environ.get("KVSTORE_BENCH_LOOP_PROFILE_CPROFILE") == "1"
+    profiler = cProfile.Profile() if profiled else None
     state = {"thread": None}
     lock = threading.Lock()
     original = generate.BatchGenerator.next
