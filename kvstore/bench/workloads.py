@@ -256,6 +256,15 @@ def with_first_step(case: Case, kv: SyntheticKV) -> Case:
     return Case(f"{case.name} + step", case.role, run, reset=case.reset)
 
 
+def sync_file(path: Path) -> None:
+    """``fsync`` the file at ``path``: what a committed store write pays beyond the write."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def mlx_lm_save_case(
     caches: list[Any], path: Path, *, durable: bool = False, name: str | None = None
 ) -> Case:
@@ -266,11 +275,7 @@ def mlx_lm_save_case(
     def save() -> None:
         save_prompt_cache(str(path), caches)
         if durable:
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+            sync_file(path)
 
     label = name or ("mlx-lm save+fsync" if durable else "mlx-lm save")
     return Case(label, "peer", save, reset=lambda: path.unlink(missing_ok=True))

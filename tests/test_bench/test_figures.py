@@ -335,6 +335,9 @@ def test_the_gpu_figures_wait_for_a_gpu_and_smoke_on_a_cpu(tmp_path, monkeypatch
     assert len(sessions) == ctx.repeats and all("; collections: " in s for s in sessions)
     g3 = gpu_save.G3.run(ctx)
     assert g3.rows[0].values["held ms"] > 0 and "tq/lossless" in g3.rows[0].values
+    # The host's disk beside the bar: mlx-lm's save synced too, and ours against it.
+    assert "mlx-lm save+fsync" in g3.rows[0].samples
+    assert g3.rows[0].ratios["ours (durable) vs mlx-lm save+fsync"].median > 0
     g4 = gpu_namespace.G4.run(ctx)
     assert g4.rows[0].values["directory cached ms"] > 0
     gpu_common.release_all()

@@ -10,6 +10,8 @@ left on the device), side by side, interleaved:
 * ``mlx-lm save``: ``save_prompt_cache`` of the same KV (mlx-lm's own caches,
   made fresh on the device before each call, as generation leaves them) to a
   new file, not synced;
+* ``mlx-lm save+fsync``: the same, then ``fsync``: what the host's disk makes a
+  durable save cost (context for the bar, as in P2, not the bar);
 * at 4096 tokens, the same durable save under the storage policies
   ``kv:quant:8:64`` and ``kv:turboquant:4:4`` (encoded on the device).
 
@@ -32,10 +34,11 @@ from kvstore.bench.figures import gpu_common as G
 from kvstore.bench.figures.common import MIB
 from kvstore.bench.harness import BenchContext, Case, Figure, Ratio, at_least, at_most
 from kvstore.bench.results import FigureResult
+from kvstore.bench.workloads import sync_file
 
 __all__ = ["G3"]
 
-OURS, PEER = "ours (durable)", "mlx-lm save"
+OURS, PEER, PEER_SYNCED = "ours (durable)", "mlx-lm save", "mlx-lm save+fsync"
 POLICY_CASES = {"kv:quant:8:64": "ours q8 (durable)", "kv:turboquant:4:4": "ours tq4/4 (durable)"}
 HELD = "held ms"
 
@@ -79,19 +82,22 @@ def _save_case(setup: G.GpuSetup, name: str, policy: str, held: list[float]) -> 
     return Case(name, "ours", run, reset=reset), store
 
 
-def _peer_case(setup: G.GpuSetup, path: Any, save_prompt_cache: Any) -> Case:
-    """mlx-lm's save of the same KV, into caches made fresh on the device before each call."""
+def _peer_case(setup: G.GpuSetup, path: Any, save_prompt_cache: Any, synced: bool) -> Case:
+    """mlx-lm's save of the same KV, into caches made fresh on the device before each call;
+    ``synced``: then ``fsync`` (:data:`PEER_SYNCED`)."""
     state: dict[str, Any] = {}
     assert setup.caches is not None
 
     def peer() -> None:
         save_prompt_cache(str(path), state["caches"])
+        if synced:
+            sync_file(path)
 
     def fresh() -> None:
         path.unlink(missing_ok=True)
         state["caches"] = _mlx_lm_caches(setup.caches, setup.tokens)  # type: ignore[arg-type]
 
-    return Case(PEER, "peer", peer, reset=fresh)
+    return Case(PEER_SYNCED if synced else PEER, "peer", peer, reset=fresh)
 
 
 def _steps(setup: G.GpuSetup, store: Any) -> tuple[float, float]:
@@ -142,10 +148,11 @@ def run(ctx: BenchContext) -> FigureResult:
                 cases.append(case)
                 stores.append(other)
         path = setup.directory / "g3-mlx-lm.safetensors"
-        cases.append(_peer_case(setup, path, save_prompt_cache))
+        cases += [_peer_case(setup, path, save_prompt_cache, synced) for synced in (False, True)]
         ratios = [
             Ratio(f"{c.name} vs mlx-lm save", c.name, PEER) for c in cases if c.role == "ours"
         ]
+        ratios.append(Ratio(f"{OURS} vs mlx-lm save+fsync", OURS, PEER_SYNCED))
         row = ctx.measure(
             f"llama8b {tokens}", {"tokens": tokens, "mib": setup.kv_bytes / MIB}, cases, ratios
         )
@@ -173,7 +180,7 @@ def run(ctx: BenchContext) -> FigureResult:
 G3 = Figure(
     "G3",
     "durable save (write-behind, synced) and the time it holds the generating thread",
-    "mlx-lm save_prompt_cache of the same KV (not synced)",
+    "mlx-lm save_prompt_cache of the same KV (not synced; and, for context, the same plus fsync)",
     (
         at_least("durable save vs mlx-lm save", 1.0),
         at_most(HELD, 5.0, unit=" ms"),
