@@ -33,9 +33,9 @@ def compare_calls(queries, whole, heads: int, repeats: int, dim: int) -> None:  
     """Each quantized_matmul of a decode step on ``whole`` (packed rows, contiguous),
     the default device against the CPU: the largest difference, in float32."""
     rows = whole[0].shape[-2]
-    weights = mx.softmax(
-        mx.random.normal((1, heads, repeats, 1, rows)), axis=-1
-    ).astype(mx.bfloat16)
+    weights = mx.softmax(mx.random.normal((1, heads, repeats, 1, rows)), axis=-1).astype(
+        mx.bfloat16
+    )
     broadcast = [mx.expand_dims(x, -3) for x in whole]
     flat_queries = queries.reshape(1, heads, repeats, dim)
     flat_weights = weights.reshape(1, heads, repeats, rows)
