@@ -1,5 +1,6 @@
-"""mlx-lm models' dense attention for calls of few queries, by plain ops where
-:func:`~kvstore.model.attention.attends_unfused` says so.
+"""mlx-lm models' attention through kvstore's kernels: dense calls of few queries by
+plain ops where :func:`~kvstore.model.attention.attends_unfused` says so, and quantized
+caches' packed rows by :func:`~kvstore.model.attention.packed_attention`.
 
 mlx-lm's model modules attend through ``mlx_lm.models.base.scaled_dot_product_attention``,
 which each imports by name. On MLX's CUDA backend its fused kernel builds a cuDNN graph
@@ -13,9 +14,9 @@ packed rows (mlx-lm's own test: the cache has ``bits``) go to
 :func:`~kvstore.model.attention.packed_attention`, the same algorithm as mlx-lm's
 ``quantized_scaled_dot_product_attention`` (bit-identical on the CPU) with a KV head's
 query heads as rows: MLX 0.32.4's CUDA backend has no ``quantized_matmul`` kernel for
-mlx-lm's form over a cache's rows, and computed its broadcast wrong
-(``tools/bench/results/gpu/qmmviews-h100/``). Every other call (attention sinks, one
-query, long prefills) goes on as mlx-lm has it.
+mlx-lm's form over a cache's rows (``tools/bench/results/gpu/qmmviews-h100/``), and
+computed its broadcast wrong (``tools/bench/results/gpu/ffd1c4c-h100/``). Every other
+call (attention sinks, one query, long prefills) goes on as mlx-lm has it.
 """
 
 from __future__ import annotations
@@ -58,7 +59,7 @@ def unfused_for_model(model: Any) -> list[str]:
         if module is None:
             continue
         if getattr(module, _NAME, None) is original:
-            setattr(module, _NAME, _with_unfused(original))
+            setattr(module, _NAME, _routed_attention(original))
         if _routes(module, original):
             routed.append(module)
     _ROUTED[type(model)] = routed
@@ -73,7 +74,7 @@ def _routes(module: ModuleType, original: Callable[..., mx.array]) -> bool:
     return getattr(getattr(module, _NAME, None), "__wrapped__", None) is original
 
 
-def _with_unfused(original: Callable[..., mx.array]) -> Callable[..., mx.array]:
+def _routed_attention(original: Callable[..., mx.array]) -> Callable[..., mx.array]:
     @functools.wraps(original)
     def attend(
         queries: mx.array,

@@ -188,7 +188,7 @@ def quantized_attention(
     ``quantized_scaled_dot_product_attention`` has them: on the CPU the two are
     bit-identical, but MLX 0.32.4's CUDA ``quantized_matmul`` computed the broadcast
     form wrong (65 from the CPU's scores at most, against 1 as rows:
-    ``tools/bench/results/gpu/qmmviews-h100/``). On CUDA the rows are copied whole
+    ``tools/bench/results/gpu/ffd1c4c-h100/``). On CUDA the rows are copied whole
     first: every kernel there wants row-contiguous operands, and a cache's rows are a
     view of its buffer."""
     B, n_q_heads, L, D = queries.shape
