@@ -8,6 +8,10 @@ turn 1 from its store (a fresh LMDB directory per repeat) and prefills only
 the new question. For reference, the same turn 2 is also asked of the stock
 server *without* a restart (its in-memory cache serves it).
 
+Every answer runs its whole ``max_tokens``: the model's end tokens get a logit bias of
+-100 (a random-weight model's turn 2 otherwise ends at its sixth token or so, short of
+the next buffer size ``--answer2`` is meant to cross).
+
 TTFT is measured by the client: from sending a streaming chat request to the
 first SSE data chunk (one per generated token). Servers run side by side,
 started together, requests interleaved; the median of ``--repeats`` is reported
@@ -72,19 +76,29 @@ def context_text(tokens: int) -> str:
     return textwrap.dedent(text)
 
 
-def ttft(server: ServerProcess, messages: list[dict[str, str]], max_tokens: int) -> dict[str, Any]:
-    """Stream one greedy chat completion: seconds to the first token, the longest wait
-    between two tokens after it (a decode step that built a graph shows there), its text,
-    cached tokens."""
-    body = json.dumps(
-        {
-            "messages": messages,
-            "max_tokens": max_tokens,
-            "temperature": 0,
-            "stream": True,
-            "stream_options": {"include_usage": True},
-        }
-    )
+def end_tokens(model: Path) -> list[int]:
+    """The model's end-of-sequence token ids (its ``config.json``'s ``eos_token_id``)."""
+    eos = json.loads((model / "config.json").read_text()).get("eos_token_id")
+    return [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+
+
+def ttft(
+    server: ServerProcess,
+    messages: list[dict[str, str]],
+    max_tokens: int,
+    bias: dict[str, float] | None = None,
+) -> dict[str, Any]:
+    """Stream one greedy chat completion (``bias``: token id -> logit bias): seconds to
+    the first token, the longest wait between two tokens after it (a decode step that
+    built a graph shows there), its text, cached tokens."""
+    request = {
+        "messages": messages,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    body = json.dumps({**request, "logit_bias": bias} if bias else request)
     conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=600)
     start = time.perf_counter()
     conn.request("POST", "/v1/chat/completions", body, {"Content-Type": "application/json"})
@@ -183,6 +197,7 @@ def main(argv: list[str] | None = None) -> int:
         write_model_dir(
             model, "llama", scale=scale, dtype=dtype, shard_bytes=MLX_LM_SHARD_BYTES, **shape
         )
+    no_end = {str(token): -100.0 for token in end_tokens(model)}
     env = {"KVSTORE_CACHE_DIR": str(work / "digests")}
     blas = "OpenBLAS (preloaded)" if "openblas" in os.environ.get("LD_PRELOAD", "") else "bundled"
     system = context_text(args.context)
@@ -196,7 +211,10 @@ def main(argv: list[str] | None = None) -> int:
         stock = ServerProcess.stock(model, log=logs / "stock.log", env=env)
         ours = ServerProcess.kvstore(model, store, *args.ours_arg, log=logs / "ours.log", env=env)
         ServerProcess.start_all(stock, ours)
-        first = {"stock": ttft(stock, turn1, args.answer), "ours": ttft(ours, turn1, args.answer)}
+        first = {
+            name: ttft(server, turn1, args.answer, no_end)
+            for name, server in (("stock", stock), ("ours", ours))
+        }
         answer = first["ours"]["text"]
         # Not asserted (reported below): on a random-weight model a near-tie turns on
         # rounding, and `kvstore serve` may attend new tokens by plain ops
@@ -223,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
         order = [("stock", stock), ("ours", ours)]
         results = {}
         for name, server in order if rep % 2 == 0 else order[::-1]:
-            results[name] = ttft(server, turn2, args.answer2)
+            results[name] = ttft(server, turn2, args.answer2, no_end)
         # Not asserted either, for the same reason as turn 1.
         stock.stop()
         ours.stop()
