@@ -69,8 +69,9 @@ def _install(folder: str) -> None:
         dump()
         if callable(previous):
             previous(signum, frame)
-        else:
-            raise SystemExit(128 + signum)
+        else:  # as the server would have ended without this hook
+            signal.signal(signum, previous or signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
 
     signal.signal(signal.SIGTERM, on_term)
     atexit.register(dump)
