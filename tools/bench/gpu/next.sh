@@ -99,6 +99,11 @@
 #                with --warm-decode 4608: the longest gap between tokens, ours against
 #                stock's (which builds the graph in the answer), and the warm-up's cost:
 #                ~150 s
+# STEP kvbits    quantized caches on the device: serve_kv_bits.py (stock and kvstore serve with
+#                and without --kv-bits, a small model: each server's text or error),
+#                qdecode_probe.py (a decode step's attention over 32 layers of 4096
+#                quantized rows, by quantized_matmul against dequantized + fused) and
+#                qmm_views.py (the model over kv:quant:4:64 and 8:64 against plain): ~5 min
 # STEP loopprofile warmdecode's run twice with tools/bench/gpu/loop_profile on both servers'
 #                path: each BatchGenerator.next call's time and the time between calls (the
 #                server loop), then with a cProfile of the generating thread; summaries in
@@ -270,6 +275,10 @@ case "$step" in
       python3 -m tools.bench.gpu.loop_profile.summary "$out/loop-$cprofile" --top 30 > "$out/loop-$cprofile-summary.txt"
       grep -E "^==|calls," "$out/loop-$cprofile-summary.txt"
     done ;;
+  kvbits)
+    timeout 150 python3 tools/bench/gpu/serve_kv_bits.py 2>&1 | tee "$out/serve-kv-bits.txt"
+    timeout 200 python3 tools/bench/gpu/qdecode_probe.py 2>&1 | tee "$out/qdecode-probe.txt"
+    timeout 240 python3 tools/bench/gpu/qmm_views.py 2>&1 | tee "$out/qmm-views.txt" ;;
   staging)
     for thread in 1 0; do
       KVSTORE_WARMUP_STAGING_THREAD=$thread timeout 280 python3 tools/bench/serve_ttft.py \
