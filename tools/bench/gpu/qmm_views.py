@@ -11,9 +11,12 @@ contiguous (``kvstore.model.attention.quantized_attention`` on CUDA); then mlx-l
 ``quantized_matmul`` of that step on the rows copied whole, on the GPU against the CPU
 (``stream=mx.cpu``) on the same inputs: the scores (``transpose=True``) and the values'
 (``transpose=False``), each with the keys broadcast over a head's query heads as
-attention calls it, and with the query heads as rows instead (no broadcast): which
-call, if any, computes something else (kvstore's model over copied rows gave logits
-2.96 from plain caches' on an H100, 0.244 on the CPU).
+mlx-lm's attention calls it, and with the query heads as rows instead (no broadcast).
+On an H100 the broadcast calls differed (scores 65 from the CPU's), the rows calls did
+not (``results/gpu/ffd1c4c-h100/``): kvstore's attention takes the rows form since
+``6fc8851``. Last, kvstore's attention over the views against the CPU's, and its model
+over ``kv:quant:4:64`` and ``8:64`` against plain caches (``check.py``'s line; the
+CPU: 0.244 and 0.0508).
 """
 
 from __future__ import annotations
