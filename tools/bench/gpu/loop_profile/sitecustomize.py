@@ -5,7 +5,8 @@ when this folder leads its PYTHONPATH and ``KVSTORE_BENCH_LOOP_PROFILE`` names a
 ``mlx_lm.server`` and ``kvstore serve`` alike): every ``BatchGenerator.next`` call's
 start and end (``perf_counter``), how many prompt and generated responses it returned, and
 (with ``KVSTORE_BENCH_LOOP_PROFILE_CPROFILE=1``) a ``cProfile`` of the whole generating
-thread from its first ``next`` on, the server loop between calls included. Written to
+thread from its first ``next`` on, the server loop between calls included (from Python
+3.12 on, cProfile sees every thread's calls once enabled: the HTTP threads' too). Written to
 ``<folder>/<pid>.json`` and ``<pid>.prof`` every 50 calls and at SIGTERM; summarized by
 ``python3 -m tools.bench.gpu.loop_profile.summary <folder>``. A bench's probe, never
 imported by kvstore.

@@ -50,6 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     for path in sorted(args.folder.glob("*.json")):
         data = json.loads(path.read_text())
+        # argv: [".../kvstore/cli.py", "serve", ...] or [".../mlx_lm/__main__.py", "server", ...]
         name = "kvstore serve" if "serve" in data["argv"] else "mlx_lm.server"
         print(f"== {path.stem} ({name}): {len(data['calls'])} calls")
         for run in runs(data["calls"]):
