@@ -338,6 +338,9 @@ def test_the_gpu_figures_wait_for_a_gpu_and_smoke_on_a_cpu(tmp_path, monkeypatch
     # The host's disk beside the bar: mlx-lm's save synced too, and ours against it.
     assert "mlx-lm save+fsync" in g3.rows[0].samples
     assert g3.rows[0].ratios["ours (durable) vs mlx-lm save+fsync"].median > 0
+    # Every step taken while the writer commits, beside the one right after the hand-off.
+    during = g3.rows[0].values
+    assert during["longest step during save ms"] >= during["step during save ms"] > 0
     g4 = gpu_namespace.G4.run(ctx)
     assert g4.rows[0].values["directory cached ms"] > 0
     gpu_common.release_all()

@@ -18,7 +18,9 @@ left on the device), side by side, interleaved:
 Values: ``held ms``, the longest time ``save_behind`` kept the caller (the
 generating thread) over the repetitions; ``step ms`` and ``step with save ms``,
 one decode step of the model alone and right after a hand-off (the writer
-then busy), so what a save costs the next token shows; ``tq/lossless``, the
+then busy), so what a save costs the next token shows, and ``step during save
+ms`` / ``longest step during save ms``, the median and longest of every step
+taken while the writer commits (``steps during save`` of them); ``tq/lossless``, the
 TurboQuant policy's save over the lossless one. Bars (BENCHMARKS.md, issue 13):
 durable save >= 1.0x mlx-lm's; held <= 5 ms; a TurboQuant-policy save <= 1.5x a
 lossless one.
@@ -100,8 +102,11 @@ def _peer_case(setup: G.GpuSetup, path: Any, save_prompt_cache: Any, synced: boo
     return Case(PEER_SYNCED if synced else PEER, "peer", peer, reset=fresh)
 
 
-def _steps(setup: G.GpuSetup, store: Any) -> tuple[float, float]:
-    """A decode step alone, and right after a hand-off (medians of the repetitions)."""
+def _steps(setup: G.GpuSetup, store: Any) -> dict[str, float]:
+    """A decode step alone, right after a hand-off (medians of the repetitions), and
+    every step a generating thread takes while the writer commits the save (their
+    median and longest over the repetitions): what a save behind costs the tokens it
+    overlaps (the writer's Python holds the GIL up to a switch interval at a time)."""
     import mlx.core as mx
 
     model, caches = setup.model, setup.caches
@@ -117,15 +122,23 @@ def _steps(setup: G.GpuSetup, store: Any) -> tuple[float, float]:
         return elapsed
 
     step()
-    alone, loaded = [], []
+    alone, loaded, during = [], [], []
     for _ in range(setup.ctx.repeats):
         alone.append(step())
         store.delete(setup.namespace)
         store.flush()
-        store.save_behind(setup.namespace, setup.prompt, caches)
+        handle = store.save_behind(setup.namespace, setup.prompt, caches)
         loaded.append(step())
+        while not handle.done():
+            during.append(step())
         store.flush()
-    return statistics.median(alone) * 1e3, statistics.median(loaded) * 1e3
+    return {
+        "step ms": statistics.median(alone) * 1e3,
+        "step with save ms": statistics.median(loaded) * 1e3,
+        "steps during save": float(len(during)),
+        "step during save ms": statistics.median(during or loaded) * 1e3,
+        "longest step during save ms": max(during or loaded) * 1e3,
+    }
 
 
 def run(ctx: BenchContext) -> FigureResult:
@@ -164,7 +177,7 @@ def run(ctx: BenchContext) -> FigureResult:
             row.values["tq/lossless"] = statistics.median(row.samples[tq]) / statistics.median(
                 row.samples[OURS]
             )
-        row.values["step ms"], row.values["step with save ms"] = _steps(setup, stores[0])
+        row.values.update(_steps(setup, stores[0]))
         row.values["durable save vs mlx-lm save"] = row.ratios[f"{OURS} vs mlx-lm save"].median
         for store in stores:
             store.close()
