@@ -99,6 +99,9 @@
 #                with --warm-decode 4608: the longest gap between tokens, ours against
 #                stock's (which builds the graph in the answer), and the warm-up's cost:
 #                ~150 s
+# STEP switch    G3 at 4096 tokens with the GIL switch interval at 5 ms (Python's) and 0.5 ms
+#                (tools/bench/with_switch_interval.py): the decode steps taken while a save's
+#                writer commits, median and longest, each way: ~8 min
 # STEP kvbits    quantized caches on the device: serve_kv_bits.py (stock and kvstore serve with
 #                and without --kv-bits, a small model: each server's text or error),
 #                qdecode_probe.py (a decode step's attention over 32 layers of 4096
@@ -279,6 +282,13 @@ case "$step" in
     timeout 150 python3 tools/bench/gpu/serve_kv_bits.py 2>&1 | tee "$out/serve-kv-bits.txt"
     timeout 200 python3 tools/bench/gpu/qdecode_probe.py 2>&1 | tee "$out/qdecode-probe.txt"
     timeout 240 python3 tools/bench/gpu/qmm_views.py 2>&1 | tee "$out/qmm-views.txt" ;;
+  switch)
+    for ms in 5 0.5; do
+      KVSTORE_BENCH_GPU_TOKENS=4096 timeout 270 python3 tools/bench/with_switch_interval.py $ms bench \
+        --only G3 --repeats 5 --out "$out/switch-$ms" > "$out/switch-$ms.txt" 2>&1
+      grep -o "held ms [0-9.]*\|step ms [0-9.]*\|step with save ms [0-9.]*\|steps during save [0-9.]*\|step during save ms [0-9.]*\|longest step during save ms [0-9.]*" \
+        "$out/switch-$ms.txt" | head -6 | tr '\n' ' '; echo " (switch interval $ms ms)"
+    done ;;
   staging)
     for thread in 1 0; do
       KVSTORE_WARMUP_STAGING_THREAD=$thread timeout 280 python3 tools/bench/serve_ttft.py \
