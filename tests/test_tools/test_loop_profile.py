@@ -15,6 +15,7 @@ from .bench_tools import ROOT
 
 def test_a_servers_next_calls_are_timed_and_summarized(tmp_path, capsys):
     from tools.bench.gpu.loop_profile import summary
+    from tools.bench.serve_ttft import end_tokens
 
     model = write_model_dir(tmp_path / "model", "llama")
     hook = ROOT / "tools" / "bench" / "gpu" / "loop_profile"
@@ -32,7 +33,7 @@ def test_a_servers_next_calls_are_timed_and_summarized(tmp_path, capsys):
                 "messages": [{"role": "user", "content": "def f(x):"}],
                 "max_tokens": 6,
                 "temperature": 0,
-                "logit_bias": {"257": -100, "258": -100},  # no end token: all six
+                "logit_bias": {str(t): -100 for t in end_tokens(model)},  # all six
             },
         )
         assert status == 200, reply
