@@ -83,6 +83,9 @@
 # STEP g2bars    the same with the two policies G2 has bars for, kv:quant:8:64 and
 #                kv:turboquant:4:4, on one host and one lossless run: ~440 s (g2b alone
 #                took 339 s at 8e1beb9, g2q8 279)
+# STEP g3disk    disk_probe.py at 512 MiB and 2 GiB (the host's disk: a durable write of a
+#                4096- and a 16384-token llama-8B save's bytes), then G3 at both lengths: is
+#                G3's 0.456x at 16384 (ffd1c4c-h100) the host's disk? ~400 s
 # STEP g3ab      disk_probe.py and lmdb_put.py at 512 MiB, then G3 at 4096 tokens with the
 #                commit's writeback pump on and off (KVSTORE_COMMIT_WRITEBACK=1/0)
 # STEP serve8b   tools/bench/serve_ttft.py with the llama-8B shape (written once to
@@ -230,6 +233,9 @@ case "$step" in
         bash tools/bench/gpu/run.sh P11 "/tmp/p11-$ab" >/dev/null 2>&1
       cp "/tmp/p11-$ab/bench-table.txt" "$out/p11-$ab.txt"
     done ;;
+  g3disk)
+    timeout 100 python3 tools/bench/disk_probe.py --dir /tmp --mib 512 2048 --repeats 2 2>&1 | tee "$out/disk-probe.txt"
+    KVSTORE_BENCH_GIT=$rev CHECK_TIMEOUT=1 BENCH_TIMEOUT=430 bash tools/bench/gpu/run.sh G3 "$out/g3" ;;
   g3ab)
     # The disk and LMDB alone, then G3 at 4096 tokens with the commit's writeback pump on
     # and off (kvstore/store/engines/writeback.py).
