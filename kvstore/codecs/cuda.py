@@ -90,9 +90,6 @@ _GRID, _BLOCK = 1024 * 256, 256
 #: Threads of a download (a save's payloads to its pinned arena): under test
 #: (tools/bench/gpu/save_stall.py), ``KVSTORE_CUDA_DOWNLOAD_THREADS`` sets it.
 _DOWNLOAD_GRID = int(os.environ.get("KVSTORE_CUDA_DOWNLOAD_THREADS", _GRID))
-#: Bytes a download launch copies (0: the whole array in one), each evaluated before
-#: the next: under test, ``KVSTORE_CUDA_DOWNLOAD_PIECE``.
-_DOWNLOAD_PIECE = int(os.environ.get("KVSTORE_CUDA_DOWNLOAD_PIECE", 0))
 
 _COPY_BODY = """
     const unsigned char* s = reinterpret_cast<const unsigned char*>({src});
@@ -111,8 +108,8 @@ _COPY_BODY = """
 """
 #: Host (pinned, ``params[0]``) -> the new device array ``out``.
 _UPLOAD_SOURCE = _COPY_BODY.format(src="params[0]", dst="out", done="")
-#: Device array ``inp`` from byte ``params[2]`` -> host (pinned, ``params[0]``).
-_DOWNLOAD_SOURCE = _COPY_BODY.format(src="inp + params[2]", dst="params[0]", done="done[0] = 1;")
+#: Device array ``inp`` -> host (pinned, ``params[0]``).
+_DOWNLOAD_SOURCE = _COPY_BODY.format(src="inp", dst="params[0]", done="done[0] = 1;")
 #: Words per gather segment: ``src, src_pitch, dst_offset, dst_pitch, width, height``.
 SEGMENT_WORDS = 6
 #: Segments of registered host memory -> the new device array ``out``
@@ -583,18 +580,15 @@ class KernelTransport:
                 f"[cuda] {nbytes} bytes at {offset} do not fit a {slot.nbytes}-byte slot at a "
                 f"16-byte boundary."
             )
-        piece = _DOWNLOAD_PIECE or nbytes
-        for start in range(0, nbytes, piece):
-            n = min(piece, nbytes - start)
-            words = [slot.device_pointer + offset + start, n, start]
-            (done,) = self._download(
-                inputs=[mx.array(np.array(words, np.uint64)), array],
-                output_shapes=[(1,)],
-                output_dtypes=[mx.uint32],
-                grid=(_DOWNLOAD_GRID, 1, 1),
-                threadgroup=(_BLOCK, 1, 1),
-            )
-            mx.eval(done)
+        params = mx.array(np.array([slot.device_pointer + offset, nbytes], np.uint64))
+        (done,) = self._download(
+            inputs=[params, array],
+            output_shapes=[(1,)],
+            output_dtypes=[mx.uint32],
+            grid=(_DOWNLOAD_GRID, 1, 1),
+            threadgroup=(_BLOCK, 1, 1),
+        )
+        mx.eval(done)
 
     def register(self, base: int, nbytes: int) -> int:
         return self.driver.register_pages(base, nbytes)
