@@ -38,7 +38,6 @@ import contextlib
 import ctypes
 import math
 import mmap
-import os
 import queue
 import threading
 from collections.abc import Callable, Iterator, Sequence
@@ -87,9 +86,6 @@ _CU_MEMHOSTREGISTER_READ_ONLY = 0x08
 _CU_STREAM_NON_BLOCKING = 0x01
 #: Threads per copy kernel launch (and per block): enough to saturate PCIe.
 _GRID, _BLOCK = 1024 * 256, 256
-#: Threads of a download (a save's payloads to its pinned arena): under test
-#: (tools/bench/gpu/save_stall.py), ``KVSTORE_CUDA_DOWNLOAD_THREADS`` sets it.
-_DOWNLOAD_GRID = int(os.environ.get("KVSTORE_CUDA_DOWNLOAD_THREADS", _GRID))
 
 _COPY_BODY = """
     const unsigned char* s = reinterpret_cast<const unsigned char*>({src});
@@ -585,7 +581,7 @@ class KernelTransport:
             inputs=[params, array],
             output_shapes=[(1,)],
             output_dtypes=[mx.uint32],
-            grid=(_DOWNLOAD_GRID, 1, 1),
+            grid=(_GRID, 1, 1),
             threadgroup=(_BLOCK, 1, 1),
         )
         mx.eval(done)
