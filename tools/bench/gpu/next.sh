@@ -86,6 +86,9 @@
 # STEP g3disk    disk_probe.py at 512 MiB and 2 GiB (the host's disk: a durable write of a
 #                4096- and a 16384-token llama-8B save's bytes), then G3 at both lengths: is
 #                G3's 0.456x at 16384 (ffd1c4c-h100) the host's disk? ~400 s
+# STEP savestall save_stall.py at 4096 tokens (4 saves) and 16384 (2): each decode step during
+#                a save behind, with the writer's parts it overlaps (results/gpu/savestall-h100:
+#                the step overlapping the records' download runs 3-4x slower): ~40 s
 # STEP g3ab      disk_probe.py and lmdb_put.py at 512 MiB, then G3 at 4096 tokens with the
 #                commit's writeback pump on and off (KVSTORE_COMMIT_WRITEBACK=1/0)
 # STEP serve8b   tools/bench/serve_ttft.py with the llama-8B shape (written once to
@@ -236,6 +239,10 @@ case "$step" in
   g3disk)
     timeout 100 python3 tools/bench/disk_probe.py --dir /tmp --mib 512 2048 --repeats 2 2>&1 | tee "$out/disk-probe.txt"
     KVSTORE_BENCH_GIT=$rev CHECK_TIMEOUT=1 BENCH_TIMEOUT=430 bash tools/bench/gpu/run.sh G3 "$out/g3" ;;
+  savestall)
+    timeout 130 python3 tools/bench/gpu/save_stall.py --tokens 4096 --saves 4 > "$out/save-stall-4096.txt" 2>&1
+    timeout 130 python3 tools/bench/gpu/save_stall.py --tokens 16384 --saves 2 > "$out/save-stall-16384.txt" 2>&1
+    grep -hE "^Device|^save|download:" "$out"/save-stall-*.txt ;;
   g3ab)
     # The disk and LMDB alone, then G3 at 4096 tokens with the commit's writeback pump on
     # and off (kvstore/store/engines/writeback.py).
