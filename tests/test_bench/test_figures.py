@@ -346,6 +346,22 @@ def test_the_gpu_figures_wait_for_a_gpu_and_smoke_on_a_cpu(tmp_path, monkeypatch
     gpu_common.release_all()
 
 
+def test_g3_at_two_lengths_compares_turboquant_at_the_shortest_only(tmp_path, monkeypatch):
+    """The storage policies are saved at the shortest length; a longer row has no
+    TurboQuant case (its ``tq/lossless`` raised KeyError on the device at 16384 tokens)."""
+    from kvstore.bench.figures import gpu_common, gpu_save
+
+    monkeypatch.setenv("KVSTORE_BENCH_GPU_TOKENS", "600,300")
+    g3 = gpu_save.G3.run(context(tmp_path))
+    short, long = g3.rows
+    assert (short.params["tokens"], long.params["tokens"]) == (300, 600)
+    assert "tq/lossless" in short.values and "tq/lossless" not in long.values
+    assert "ours tq4/4 (durable)" not in long.samples
+    assert long.values["durable save vs mlx-lm save"] > 0
+    assert {c.status for c in evaluate(gpu_save.G3, g3)} <= {MET, MISSED}
+    gpu_common.release_all()
+
+
 def test_g1_rows_of_a_suffix_restore_the_rest_and_only_rows_of_one_are_judged(
     tmp_path, monkeypatch
 ):

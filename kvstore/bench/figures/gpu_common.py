@@ -94,12 +94,12 @@ def model_config(ctx: BenchContext) -> dict[str, Any]:
 
 
 def prompt_lengths(ctx: BenchContext) -> tuple[int, ...]:
-    """4096 and 16384 tokens; ``KVSTORE_BENCH_GPU_TOKENS`` (``4096``, say) narrows them,
-    for a run that must fit what is left of a device session."""
-    if ctx.quick:
-        return (300,)
+    """4096 and 16384 tokens (``--quick``: 300); ``KVSTORE_BENCH_GPU_TOKENS`` (``4096``,
+    say) names them instead, for a run that must fit what is left of a device session."""
     named = os.environ.get("KVSTORE_BENCH_GPU_TOKENS")
-    return tuple(int(t) for t in named.split(",")) if named else (4096, 16384)
+    if named:
+        return tuple(int(t) for t in named.split(","))
+    return (300,) if ctx.quick else (4096, 16384)
 
 
 def build(config: dict[str, Any]) -> Any:
