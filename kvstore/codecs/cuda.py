@@ -69,6 +69,8 @@ __all__ = [
     "SEGMENT_WORDS",
     "upload",
     "download",
+    "download_pieces",
+    "DOWNLOAD_PIECE",
     "slots_ready",
     "prepare_slots_later",
     "borrowed_slot",
@@ -86,6 +88,12 @@ _CU_MEMHOSTREGISTER_READ_ONLY = 0x08
 _CU_STREAM_NON_BLOCKING = 0x01
 #: Threads per copy kernel launch (and per block): enough to saturate PCIe.
 _GRID, _BLOCK = 1024 * 256, 256
+#: Bytes a download launch copies, each piece evaluated before the next is launched;
+#: 0 (the default): an array in one launch. A decode step overlapping a save's
+#: download ran 3-4x slower on an H100, whatever the launch's thread count
+#: (tools/bench/results/gpu/savestall-h100/); ``KVSTORE_CUDA_DOWNLOAD_PIECE_MIB`` sets
+#: pieces for the device to say whether shorter launches spare it.
+DOWNLOAD_PIECE = mib_from_env("KVSTORE_CUDA_DOWNLOAD_PIECE_MIB", 0)
 
 _COPY_BODY = """
     const unsigned char* s = reinterpret_cast<const unsigned char*>({src});
@@ -104,8 +112,8 @@ _COPY_BODY = """
 """
 #: Host (pinned, ``params[0]``) -> the new device array ``out``.
 _UPLOAD_SOURCE = _COPY_BODY.format(src="params[0]", dst="out", done="")
-#: Device array ``inp`` -> host (pinned, ``params[0]``).
-_DOWNLOAD_SOURCE = _COPY_BODY.format(src="inp", dst="params[0]", done="done[0] = 1;")
+#: Device array ``inp`` from its byte ``params[2]`` -> host (pinned, ``params[0]``).
+_DOWNLOAD_SOURCE = _COPY_BODY.format(src="inp + params[2]", dst="params[0]", done="done[0] = 1;")
 #: Words per gather segment: ``src, src_pitch, dst_offset, dst_pitch, width, height``.
 SEGMENT_WORDS = 6
 #: Segments of registered host memory -> the new device array ``out``
@@ -519,6 +527,15 @@ class Transport(Protocol):
         ``dst_offset`` naming its array (:data:`OUTPUT_OFFSET_BITS`)."""
 
 
+def download_pieces(nbytes: int, piece: int) -> list[tuple[int, int]]:
+    """``(start, length)`` of each launch downloading ``nbytes``: pieces of ``piece``
+    bytes rounded down to 16 (the kernel's stores; 16 at least), or one (``piece`` 0)."""
+    if piece <= 0 or nbytes <= piece:
+        return [(0, nbytes)]
+    piece = max(16, piece - piece % 16)
+    return [(start, min(piece, nbytes - start)) for start in range(0, nbytes, piece)]
+
+
 def transport_kernels() -> dict[str, Kernel]:
     """:class:`KernelTransport`'s kernels by role (nothing compiles before a call)."""
     many = [f"out{i}" for i in range(GATHER_OUTPUTS)]
@@ -576,15 +593,16 @@ class KernelTransport:
                 f"[cuda] {nbytes} bytes at {offset} do not fit a {slot.nbytes}-byte slot at a "
                 f"16-byte boundary."
             )
-        params = mx.array(np.array([slot.device_pointer + offset, nbytes], np.uint64))
-        (done,) = self._download(
-            inputs=[params, array],
-            output_shapes=[(1,)],
-            output_dtypes=[mx.uint32],
-            grid=(_GRID, 1, 1),
-            threadgroup=(_BLOCK, 1, 1),
-        )
-        mx.eval(done)
+        for start, n in download_pieces(nbytes, DOWNLOAD_PIECE):
+            words = [slot.device_pointer + offset + start, n, start]
+            (done,) = self._download(
+                inputs=[mx.array(np.array(words, np.uint64)), array],
+                output_shapes=[(1,)],
+                output_dtypes=[mx.uint32],
+                grid=(_GRID, 1, 1),
+                threadgroup=(_BLOCK, 1, 1),
+            )
+            mx.eval(done)
 
     def register(self, base: int, nbytes: int) -> int:
         return self.driver.register_pages(base, nbytes)

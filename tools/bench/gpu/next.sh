@@ -88,7 +88,9 @@
 #                G3's 0.456x at 16384 (ffd1c4c-h100) the host's disk? ~400 s
 # STEP savestall save_stall.py at 4096 tokens (4 saves) and 16384 (2): each decode step during
 #                a save behind, with the writer's parts it overlaps (results/gpu/savestall-h100:
-#                the step overlapping the records' download runs 3-4x slower): ~40 s
+#                the step overlapping the records' download runs 3-4x slower); then at 4096
+#                with the download in pieces of 16, 4 and 1 MiB (KVSTORE_CUDA_DOWNLOAD_PIECE_MIB):
+#                does the overlapped step shrink, and what does the download pay? ~80 s
 # STEP g3ab      disk_probe.py and lmdb_put.py at 512 MiB, then G3 at 4096 tokens with the
 #                commit's writeback pump on and off (KVSTORE_COMMIT_WRITEBACK=1/0)
 # STEP serve8b   tools/bench/serve_ttft.py with the llama-8B shape (written once to
@@ -242,7 +244,11 @@ case "$step" in
   savestall)
     timeout 130 python3 tools/bench/gpu/save_stall.py --tokens 4096 --saves 4 > "$out/save-stall-4096.txt" 2>&1
     timeout 130 python3 tools/bench/gpu/save_stall.py --tokens 16384 --saves 2 > "$out/save-stall-16384.txt" 2>&1
-    grep -hE "^Device|^save|download:" "$out"/save-stall-*.txt ;;
+    for mib in 16 4 1; do
+      KVSTORE_CUDA_DOWNLOAD_PIECE_MIB=$mib timeout 100 python3 tools/bench/gpu/save_stall.py --tokens 4096 \
+        --saves 4 > "$out/save-stall-4096-piece$mib.txt" 2>&1
+    done
+    for f in "$out"/save-stall-*.txt; do echo "== $f"; grep -E "^Device|^save|download:" "$f"; done ;;
   g3ab)
     # The disk and LMDB alone, then G3 at 4096 tokens with the commit's writeback pump on
     # and off (kvstore/store/engines/writeback.py).
