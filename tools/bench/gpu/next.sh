@@ -91,6 +91,9 @@
 #                the step overlapping the records' download runs 3-4x slower); then at 4096
 #                with the download in pieces of 16, 4 and 1 MiB (KVSTORE_CUDA_DOWNLOAD_PIECE_MIB):
 #                does the overlapped step shrink, and what does the download pay? ~80 s
+# STEP pipeline  save_pipeline.py with a 4096-token llama-8B save's 512 MiB (16 records of 32 MiB):
+#                every record written, then put and committed, against each put as it is
+#                written, on the host's 16 cores (on the 2-core VM: 0.98-1.14x): ~30 s
 # STEP g3ab      disk_probe.py and lmdb_put.py at 512 MiB, then G3 at 4096 tokens with the
 #                commit's writeback pump on and off (KVSTORE_COMMIT_WRITEBACK=1/0)
 # STEP serve8b   tools/bench/serve_ttft.py with the llama-8B shape (written once to
@@ -249,6 +252,8 @@ case "$step" in
         --saves 4 > "$out/save-stall-4096-piece$mib.txt" 2>&1
     done
     for f in "$out"/save-stall-*.txt; do echo "== $f"; grep -E "^Device|^save|download:" "$f"; done ;;
+  pipeline)
+    timeout 120 python3 tools/bench/save_pipeline.py --records 16 --mib 32 --repeats 5 2>&1 | tee "$out/save-pipeline.txt" ;;
   g3ab)
     # The disk and LMDB alone, then G3 at 4096 tokens with the commit's writeback pump on
     # and off (kvstore/store/engines/writeback.py).
