@@ -39,7 +39,7 @@ import struct
 import threading
 from collections.abc import Callable, Container, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import chain, compress
 from operator import add, attrgetter, le
 from typing import Any
@@ -189,6 +189,13 @@ class RecordPlan:
     tensors: tuple[tuple[Any, int], ...]
     payload_nbytes: int
     meta: Mapping[str, Any]
+    #: Per layer, what its entry was made from besides the range (``None`` where
+    #: absent): ``(signature, meta, ((name, shape, dtype), ...))`` -- what
+    #: :func:`plan_record`'s ``like`` compares.
+    layouts: tuple[tuple[Any, ...] | None, ...] = ()
+    #: The plan whose header differs from this one's in integers only (a layout lent by
+    #: ``plan_record(like=...)``): its bound check is this one's.
+    checked_as: RecordPlan | None = field(default=None, compare=False, repr=False)
 
     def _header(self, checksum: int) -> dict[str, Any]:
         return {
@@ -228,6 +235,8 @@ class RecordPlan:
         Raises:
             ValueError: the header is past a bound of the format.
         """
+        if self.checked_as is not None:  # no bound on integers: the same walk
+            return self.checked_as._within_bounds
         try:
             check_bounds("encode_record", self._header(0))
         except CorruptEntryError as exc:
@@ -246,20 +255,36 @@ _WIDEST_CHECKSUM = (1 << 64) - 1
 
 
 def plan_record(
-    layers: Sequence[Snapshot | None], *, meta: Mapping[str, Any] | None = None
+    layers: Sequence[Snapshot | None],
+    *,
+    meta: Mapping[str, Any] | None = None,
+    like: RecordPlan | None = None,
 ) -> RecordPlan:
     """Lay ``layers`` out as a record (no tensor data is read).
+
+    ``like``: a plan whose layers differ from ``layers`` at most in their ranges (a
+    save's blocks, cut alike from the same caches) lends its layout: the entries are
+    copied with the new ranges and its bound check stands, where a plan made afresh
+    cost a qwen-0.5B record ~0.55 ms of Python (32 of them in an 8192-token save). Any
+    other difference plans afresh.
 
     Raises:
         UnknownSignatureError: a snapshot of a kind no codec serves.
         TypeError: a tensor of a dtype records do not carry.
     """
+    record_meta = dict(meta or {})
+    if like is not None:
+        moved = _moved_plan(like, layers, record_meta)
+        if moved is not None:
+            return moved
     entries: list[dict[str, Any] | None] = []
+    layouts: list[tuple[Any, ...] | None] = []
     tensors: list[tuple[Any, int]] = []
     end = 0
     for snap in layers:
         if snap is None:
             entries.append(None)
+            layouts.append(None)
             continue
         manifest = tensor_manifest(snap)
         for entry, array in zip(manifest, snap.tensors.values(), strict=True):
@@ -270,7 +295,56 @@ def plan_record(
             tensors.append((array, start))
             end = start + nbytes
         entries.append(layer_entry(snap, manifest))
-    return RecordPlan(tuple(entries), tuple(tensors), end, dict(meta or {}))
+        layouts.append(_layout(snap))
+    return RecordPlan(tuple(entries), tuple(tensors), end, record_meta, tuple(layouts))
+
+
+def _layout(snap: Snapshot) -> tuple[Any, ...]:
+    """What a layer's entry is made of besides its range (see :attr:`RecordPlan.layouts`)."""
+    arrays = tuple((name, a.shape, a.dtype) for name, a in snap.tensors.items())
+    return (snap.signature, snap.meta, arrays)
+
+
+def _same_dtype(array: Any, dtype: Any) -> bool:
+    """``array``'s dtype is ``dtype``: for numpy the object itself (its equality ignores
+    the tag that makes uint16 words bfloat16, :func:`~kvstore.codecs.arrays.dtype_name`;
+    a view shares its base's object), for MLX equal (no tags there)."""
+    own = array.dtype
+    return own is dtype or (type(array) is mx.array and own == dtype)
+
+
+def _moved_plan(
+    like: RecordPlan, layers: Sequence[Snapshot | None], meta: dict[str, Any]
+) -> RecordPlan | None:
+    """``like``'s layout with the ranges of ``layers``, or ``None`` where a layer differs
+    in anything else: its signature, meta, tensor names, shapes or dtypes."""
+    if meta != like.meta or len(layers) != len(like.layouts):
+        return None
+    entries: list[dict[str, Any] | None] = []
+    arrays: list[Any] = []
+    for snap, layout, entry in zip(layers, like.layouts, like.entries, strict=True):
+        if snap is None or layout is None:
+            if snap is not layout:  # both absent, or not alike
+                return None
+            entries.append(None)
+            continue
+        signature, snap_meta, named = layout
+        if snap.signature != signature or snap.meta != snap_meta:
+            return None
+        tensors = snap.tensors
+        if len(tensors) != len(named):
+            return None
+        for (name, shape, dtype), (own, array) in zip(named, tensors.items(), strict=True):
+            if own != name or array.shape != shape or not _same_dtype(array, dtype):
+                return None
+            arrays.append(array)
+        assert entry is not None  # a layer with a layout has an entry
+        moved = dict(entry)
+        moved["start"], moved["stop"] = int(snap.start), int(snap.stop)
+        entries.append(moved)
+    tensors_at = tuple(zip(arrays, (offset for _, offset in like.tensors), strict=True))
+    checked = like.checked_as or like
+    return RecordPlan(tuple(entries), tensors_at, like.payload_nbytes, meta, like.layouts, checked)
 
 
 def encode_record(

@@ -313,6 +313,51 @@ def test_a_plans_header_is_checked_against_the_bounds_once_for_both_its_heads(mo
             too_long.head(0)
 
 
+def test_a_plan_lends_its_layout_only_to_layers_alike_but_for_their_ranges(monkeypatch):
+    walks = []
+    real = record.check_bounds
+    monkeypatch.setattr(record, "check_bounds", lambda *a: walks.append(a) or real(*a))
+    cache, quant = KVCache(), QuantizedKVCache(64, 4)
+    for c in (cache, quant):
+        fill_cache(c, [40], heads=3, dtype=mx.bfloat16)
+    first = plan_record([snapshot(cache, 0, 8), None, snapshot(quant, 0, 8)], meta={"n": 1})
+    layers = [snapshot(cache, 8, 16), None, snapshot(quant, 8, 16)]
+    lent = plan_record(layers, meta={"n": 1}, like=first)
+    again = plan_record(
+        [snapshot(cache, 16, 24), None, snapshot(quant, 16, 24)], like=lent, meta={"n": 1}
+    )
+    assert lent.checked_as is first and again.checked_as is first
+    for plan in (lent, again, first):
+        plan.head(0)
+    assert len(walks) == 1  # the first plan's bound check, made once for all three
+    fresh = plan_record(layers, meta={"n": 1})
+    assert fresh.checked_as is None
+    assert lent.entries == fresh.entries and lent.head(99) == fresh.head(99)
+    assert [o for _, o in lent.tensors] == [o for _, o in fresh.tensors]
+    assert all(a is b for (a, _), (b, _) in zip(lent.tensors, fresh.tensors, strict=True))
+    # Anything else different: planned afresh, as without ``like``.
+    words = snapshot(cache, 8, 16)
+    as_words = type(words)(
+        words.signature,
+        8,
+        16,
+        {k: np.asarray(v.view(mx.uint16)) for k, v in words.tensors.items()},
+        words.meta,
+    )
+    others = [
+        ([snapshot(cache, 8, 15), None, snapshot(quant, 8, 15)], {"n": 1}),  # a length
+        (layers, {"n": 2}),  # the record's meta
+        ([snapshot(cache, 8, 16), snapshot(cache, 8, 16), snapshot(quant, 8, 16)], {"n": 1}),
+        ([snapshot(quant, 8, 16), None, snapshot(cache, 8, 16)], {"n": 1}),  # signatures
+        ([as_words, None, snapshot(quant, 8, 16)], {"n": 1}),  # uint16, not bfloat16
+        (layers[:2], {"n": 1}),  # a layer fewer
+    ]
+    for other, meta in others:
+        plan = plan_record(other, meta=meta, like=first)
+        assert plan.checked_as is None
+        assert plan.entries == plan_record(other, meta=meta).entries
+
+
 def test_empty_and_zero_token_records():
     assert decode_record(encode_record([])).layers == []
     ring = RotatingKVCache(8)

@@ -27,6 +27,7 @@ from kvstore.model import CachePolicy
 from kvstore.store import keys as K
 from kvstore.store import open_backend, open_store
 from kvstore.store.kv import restore
+from kvstore.store.kv import save as save_module
 from kvstore.store.kv.save import BlockEncoder
 
 from .kv_helpers import (
@@ -372,6 +373,42 @@ def test_the_encoder_stores_none_for_rows_a_window_no_longer_holds():
     assert [s is None for s in encoder.layers(0, BLOCK)] == [True, True, False]
     assert [s is None for s in encoder.layers(80, 96)] == [False, False, False]
     assert encoder.family == "kv:plain+kv:rotating-plain"
+
+
+@pytest.mark.parametrize(
+    "family, storage", [("plain", "lossless"), ("window", "lossless"), ("plain", "kv:quant:8:64")]
+)
+def test_the_encoders_blocks_planned_alike_are_the_records_planned_afresh(family, storage):
+    """Each block's plan lends its layout to the next (the ranges differ, nothing else):
+    the records are byte for byte those planned afresh; a shorter last block, or a
+    window's block with other layers absent, is planned afresh."""
+    from kvstore.abc.store import BlockSpan
+    from kvstore.codecs import encode_record
+    from kvstore.codecs.record import RecordPlan
+
+    model, policy, _ = setup(family)
+    caches = prefilled(model, prompt(7, 72), policy)
+    spans = [BlockSpan(i, a, min(a + BLOCK, 72), b"") for i, a in enumerate(range(0, 72, BLOCK))]
+    made: list[RecordPlan] = []
+    real = save_module.plan_record
+
+    def spied(layers, **kw):
+        made.append(real(layers, **kw))
+        return made[-1]
+
+    encoder = BlockEncoder(caches, storage, {}, 72)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(save_module, "plan_record", spied)
+        records = [bytes(r) for r in encoder(spans)]
+    assert records == [encode_record(encoder.layers(s.start, s.stop)) for s in spans]
+    lent = [plan.checked_as is not None for plan in made]
+    absent = [tuple(e is None for e in plan.entries) for plan in made]
+    # Lent wherever the block before has the same length and the same layers absent.
+    assert lent == [False] + [
+        made[i].payload_nbytes == made[i - 1].payload_nbytes and absent[i] == absent[i - 1]
+        for i in range(1, len(made))
+    ]
+    assert lent[1] and not lent[-1]  # 16-token blocks alike; the last has 8 tokens
 
 
 # ---------------------------------------------------------------- encodings

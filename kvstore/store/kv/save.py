@@ -34,7 +34,7 @@ from kvstore.codecs import codec_for, cuda, get_codec
 from kvstore.codecs.arena import write_records
 from kvstore.codecs.arrays import as_numpy_all
 from kvstore.codecs.host_stacks import spread_packed
-from kvstore.codecs.record import plan_record
+from kvstore.codecs.record import RecordPlan, plan_record
 from kvstore.errors import CapabilityError
 from kvstore.signature import UNKNOWN
 from kvstore.store import keys as K
@@ -141,10 +141,14 @@ class BlockEncoder:
         self._on_host: dict[int, tuple[Snapshot, Snapshot]] = {}
 
     def __call__(self, spans: Sequence[BlockSpan]) -> list[memoryview]:
-        # Into this thread's arena: reused pages, several threads (pinned memory on a GPU).
-        return write_records(
-            [plan_record(self.layers(s.start, s.stop, checkpoint=s.checkpoint)) for s in spans]
-        )
+        # Each plan lends its layout to the next (blocks cut alike differ in their
+        # ranges only). Into this thread's arena: reused pages, several threads
+        # (pinned memory on a GPU).
+        plans: list[RecordPlan] = []
+        for s in spans:
+            layers = self.layers(s.start, s.stop, checkpoint=s.checkpoint)
+            plans.append(plan_record(layers, like=plans[-1] if plans else None))
+        return write_records(plans)
 
     def layers(self, start: int, stop: int, *, checkpoint: bool = False) -> list[Snapshot | None]:
         """Every layer's snapshot of the tokens ``[start, stop)``, as stored (or ``None``);
