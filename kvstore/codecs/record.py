@@ -340,7 +340,9 @@ def _moved_plan(
             arrays.append(array)
         assert entry is not None  # a layer with a layout has an entry
         moved = dict(entry)
-        moved["start"], moved["stop"] = int(snap.start), int(snap.stop)
+        # The meta as layer_entry makes it, from this snapshot: equal is not the same
+        # header (1 == 1.0 == True pack apart), though within the same bounds.
+        moved.update(start=int(snap.start), stop=int(snap.stop), meta=dict(snap.meta))
         entries.append(moved)
     tensors_at = tuple(zip(arrays, (offset for _, offset in like.tensors), strict=True))
     checked = like.checked_as or like

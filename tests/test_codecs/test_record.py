@@ -335,6 +335,14 @@ def test_a_plan_lends_its_layout_only_to_layers_alike_but_for_their_ranges(monke
     assert lent.entries == fresh.entries and lent.head(99) == fresh.head(99)
     assert [o for _, o in lent.tensors] == [o for _, o in fresh.tensors]
     assert all(a is b for (a, _), (b, _) in zip(lent.tensors, fresh.tensors, strict=True))
+    # A meta equal but packed otherwise (1.0 for 1) is lent the layout, with its own meta.
+    snap = snapshot(cache, 8, 16)
+    floated = type(snap)(snap.signature, 8, 16, snap.tensors, {**snap.meta, "offset": 40.0})
+    assert floated.meta == snap.meta
+    other = [floated, None, snapshot(quant, 8, 16)]
+    plan = plan_record(other, meta={"n": 1}, like=first)
+    assert plan.checked_as is first
+    assert plan.head(7) == plan_record(other, meta={"n": 1}).head(7) != lent.head(7)
     # Anything else different: planned afresh, as without ``like``.
     words = snapshot(cache, 8, 16)
     as_words = type(words)(
