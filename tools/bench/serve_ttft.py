@@ -91,14 +91,16 @@ def ttft(
     """Stream one greedy chat completion (``bias``: token id -> logit bias): seconds to
     the first token, the longest wait between two tokens after it (a decode step that
     built a graph shows there), its text, cached tokens."""
-    request = {
+    request: dict[str, Any] = {
         "messages": messages,
         "max_tokens": max_tokens,
         "temperature": 0,
         "stream": True,
         "stream_options": {"include_usage": True},
     }
-    body = json.dumps({**request, "logit_bias": bias} if bias else request)
+    if bias:
+        request["logit_bias"] = bias
+    body = json.dumps(request)
     conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=600)
     start = time.perf_counter()
     conn.request("POST", "/v1/chat/completions", body, {"Content-Type": "application/json"})

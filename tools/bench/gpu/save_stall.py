@@ -46,14 +46,13 @@ def instrument() -> None:
     """Wrap the writer's parts where the library looks them up."""
     from kvstore.codecs import arena, cuda
     from kvstore.store.engines import lmdb as lmdb_engine
-    from kvstore.store.kv import save, writer
+    from kvstore.store.kv import save
 
     cuda.new_buffer = timed("pinned buffer", cuda.new_buffer)
     cuda.download = timed("download", cuda.download)
     arena.device_payload = timed("device payload", arena.device_payload)
     arena.write_record = timed("hash + head", arena.write_record)
     save.write_records = timed("write_records", save.write_records)
-    writer.handoff_copies = timed("hand-off copies", writer.handoff_copies)
     view = lmdb_engine._LMDBView
     view.put = timed("lmdb put", view.put)  # type: ignore[method-assign]
     backend = lmdb_engine.LMDBBackend
