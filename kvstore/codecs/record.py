@@ -192,7 +192,7 @@ class RecordPlan:
     #: Per layer, what its entry was made from besides the range (``None`` where
     #: absent): ``(signature, meta, ((name, shape, dtype), ...))`` -- what
     #: :func:`plan_record`'s ``like`` compares.
-    layouts: tuple[tuple[Any, ...] | None, ...] = ()
+    layouts: tuple[tuple[Any, ...] | None, ...]
     #: The plan whose header differs from this one's in integers only (a layout lent by
     #: ``plan_record(like=...)``): its bound check is this one's.
     checked_as: RecordPlan | None = field(default=None, compare=False, repr=False)
