@@ -62,6 +62,7 @@ from __future__ import annotations
 import builtins
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
+from concurrent.futures import Future
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol, TypeVar
@@ -83,6 +84,7 @@ __all__ = [
     "StoreStats",
     "VerifyReport",
     "RecordEncoder",
+    "PendingRecord",
     "RecordVerifier",
     "BlockSave",
     "SaveHandle",
@@ -563,8 +565,33 @@ class VerifyReport:
         )
 
 
-#: ``encode(spans) -> records``: one bytes-like record per span, in order.
+#: ``encode(spans) -> records``: one bytes-like record (or :class:`PendingRecord`) per
+#: span, in order.
 RecordEncoder = Callable[[Sequence[BlockSpan]], Sequence[Any]]
+
+
+class PendingRecord:
+    """A record another thread is still writing, which an encoder may return in place of
+    its bytes: the commit puts each record as soon as it is written, while the next ones
+    are written (a save's checksums overlap its puts), and waits for none before that.
+
+    Args:
+        future: resolves to the record (a C-contiguous buffer), or raises the write's error.
+        nbytes_bound: the record's length or a little more, known before it is written
+            (the store makes room for this many bytes).
+    """
+
+    __slots__ = ("_future", "nbytes_bound")
+
+    def __init__(self, future: Future[Any], nbytes_bound: int) -> None:
+        self._future = future
+        self.nbytes_bound = nbytes_bound
+
+    def result(self) -> Any:
+        """The record once written (waits); the write's error if it failed."""
+        return self._future.result()
+
+
 #: ``verify(record)``: returns, or raises CorruptEntryError / FormatVersionError.
 RecordVerifier = Callable[[memoryview], None]
 

@@ -21,12 +21,13 @@ from __future__ import annotations
 import sys
 import threading
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, cast
 
 import mlx.core as mx
 import numpy as np
 
+from kvstore.abc.store import PendingRecord
 from kvstore.codecs import cuda
 from kvstore.codecs.record import ALIGN, RecordPlan, device_payload, write_record
 from kvstore.threads import cores
@@ -93,8 +94,14 @@ def _arena() -> _Arena:
     return arena
 
 
-def write_records(plans: Sequence[RecordPlan]) -> list[memoryview]:
-    """The records of ``plans``, each a memoryview into this thread's arena."""
+def write_records(plans: Sequence[RecordPlan], *, pending: bool = False) -> list[Any]:
+    """The records of ``plans``, each a memoryview into this thread's arena.
+
+    With ``pending``, records written on the pool come back at once as
+    :class:`~kvstore.abc.store.PendingRecord` s (a small save's, written on this
+    thread, as memoryviews): a commit then puts each as soon as it is written, while
+    the pool writes the next ones.
+    """
     if not plans:
         return []
     starts, end = [], 0
@@ -105,22 +112,30 @@ def write_records(plans: Sequence[RecordPlan]) -> list[memoryview]:
     # MLX evaluates a graph only on the thread whose stream built it: here, not in the pool.
     mx.eval([a for plan in plans for a, _ in plan.tensors if isinstance(a, mx.array)])
     buffer = _arena().take(end, on_gpu)
+    view = memoryview(cast(Any, buffer))
+
+    def one(i: int) -> memoryview:
+        n = write_record(plans[i], buffer[starts[i] :], payload_written=on_gpu)
+        return view[starts[i] : starts[i] + n]
+
+    parallel = end >= PARALLEL_MIN_BYTES and len(plans) > 1
+    futures: list[Future[memoryview]] = []
     if on_gpu:
         heads = [len(plan.head((1 << 64) - 1)) for plan in plans]
         payloads = [device_payload(plan) for plan in plans]
+        # Each record is checksummed on the pool as soon as its bytes are down, while
+        # the next record's cross the bus.
         cuda.download(
             payloads,
             _arena().pinned,
             [start + head for start, head in zip(starts, heads, strict=True)],
+            done=(lambda i: futures.append(_pool().submit(one, i))) if parallel else None,
         )
         del payloads
-
-    def one(i: int) -> int:
-        return write_record(plans[i], buffer[starts[i] :], payload_written=on_gpu)
-
-    if end < PARALLEL_MIN_BYTES or len(plans) < 2:
-        lengths = [one(i) for i in range(len(plans))]
-    else:
-        lengths = list(_pool().map(one, range(len(plans))))
-    view = memoryview(cast(Any, buffer))
-    return [view[start : start + n] for start, n in zip(starts, lengths, strict=True)]
+    if not parallel:
+        return [one(i) for i in range(len(plans))]
+    if not futures:
+        futures = [_pool().submit(one, i) for i in range(len(plans))]
+    if pending:
+        return [PendingRecord(f, plan.nbytes_bound) for f, plan in zip(futures, plans, strict=True)]
+    return [f.result() for f in futures]

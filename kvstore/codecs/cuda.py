@@ -845,13 +845,22 @@ def upload(specs: Sequence[LeafSpec], fill: Fill) -> list[mx.array]:
     return list(pool().map(one, range(len(specs))))
 
 
-def download(arrays: Sequence[mx.array], slot: PinnedBuffer, offsets: Sequence[int]) -> None:
-    """The bytes of each contiguous device array into ``slot`` at its offset (waits)."""
+def download(
+    arrays: Sequence[mx.array],
+    slot: PinnedBuffer,
+    offsets: Sequence[int],
+    *,
+    done: Callable[[int], None] | None = None,
+) -> None:
+    """The bytes of each contiguous device array into ``slot`` at its offset (waits);
+    ``done(i)`` as soon as array ``i``'s are there, before the next one's download."""
     staging = transport()
     flats = [a.reshape(-1).view(mx.uint8) for a in arrays]
     mx.eval(flats)
-    for flat, offset in zip(flats, offsets, strict=True):
+    for i, (flat, offset) in enumerate(zip(flats, offsets, strict=True)):
         staging.to_host(flat, slot, offset)
+        if done is not None:
+            done(i)
 
 
 def new_buffer(nbytes: int) -> PinnedBuffer:

@@ -373,6 +373,73 @@ def test_large_records_hashed_on_the_pool_equal_encoded_ones(staged):
     assert [bytes(r) for r in records] == [encode_record(layer) for layer in layers]
 
 
+def _large_layers():
+    from kvstore.caches import KVCache
+    from kvstore.codecs import codec_for
+
+    cache = KVCache()
+    rows = mx.random.normal((1, 32, 768, 64))  # 6 MiB a tensor
+    cache.update_and_fetch(rows, rows * 3)
+    codec = codec_for(cache)
+    return [[codec.snapshot(cache, s, s + 256)] for s in (0, 256, 512)]
+
+
+def test_pending_records_are_hashed_each_once_its_bytes_are_down(staged, monkeypatch):
+    """With ``pending``, each record's write goes to the pool as soon as its payload is
+    downloaded (the next one downloading meanwhile), and comes back at once as a
+    PendingRecord whose result is the encoded record."""
+    from kvstore.abc.store import PendingRecord
+    from kvstore.codecs import arena
+
+    layers = _large_layers()
+    plans = [plan_record(layer) for layer in layers]
+    downloaded_at_write: dict[int, int] = {}
+    real = arena.write_record
+
+    def spied(plan, out, **kw):
+        downloaded_at_write[plans.index(plan)] = staged.downloads
+        return real(plan, out, **kw)
+
+    monkeypatch.setattr(arena, "write_record", spied)
+    records = write_records(plans, pending=True)
+    assert all(isinstance(r, PendingRecord) for r in records)
+    assert [r.nbytes_bound for r in records] == [p.nbytes_bound for p in plans]
+    assert [bytes(r.result()) for r in records] == [encode_record(layer) for layer in layers]
+    assert all(downloaded_at_write[i] >= i + 1 for i in range(3))
+
+
+@pytest.mark.parametrize("pinned", [False, True], ids=["host", "pinned"])
+def test_pending_records_below_the_pools_threshold_are_written_at_once(request, pinned):
+    if pinned:
+        request.getfixturevalue("staged")
+    from kvstore.caches import KVCache
+    from kvstore.codecs import codec_for
+
+    cache = KVCache()
+    rows = mx.random.normal((1, 2, 32, 64))
+    cache.update_and_fetch(rows, rows)
+    layer = [codec_for(cache).snapshot(cache, 0, 16)]
+    (record,) = write_records([plan_record(layer)], pending=True)
+    assert isinstance(record, memoryview) and bytes(record) == encode_record(layer)
+
+
+def test_host_records_written_on_the_pool_come_back_pending_and_free_the_arena(monkeypatch):
+    from kvstore.abc.store import PendingRecord
+    from kvstore.codecs import arena
+
+    monkeypatch.setattr(cuda, "TRANSPORT", False)  # the host arena
+    monkeypatch.setattr(arena, "PARALLEL_MIN_BYTES", 0)
+    layers = _large_layers()
+    records = write_records([plan_record(layer) for layer in layers], pending=True)
+    assert all(isinstance(r, PendingRecord) for r in records)
+    written = [r.result() for r in records]
+    assert [bytes(r) for r in written] == [encode_record(layer) for layer in layers]
+    where = _address(written[0])
+    del records, written
+    again = write_records([plan_record(layer) for layer in layers], pending=True)
+    assert _address(again[0].result()) == where  # nothing held the arena: reused
+
+
 def test_an_arena_still_referenced_is_not_reused():
     from kvstore.caches import KVCache
     from kvstore.codecs import codec_for

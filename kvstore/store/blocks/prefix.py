@@ -422,7 +422,7 @@ class BlockPrefixStore(CacheMethods, PrefixStore):
                 writing.append(job)
             if not writing:
                 break
-            size = sum(saving.record_nbytes(r) for j in writing for r in j.encoded.values())
+            size = sum(saving.record_nbytes_bound(r) for j in writing for r in j.encoded.values())
             try:
                 outs = self._write_with_pending(
                     partial(self._commit_saves, jobs=writing, now=now), size_hint=size

@@ -26,7 +26,15 @@ from typing import Any
 
 import numpy as np
 
-from kvstore.abc.store import BlockSave, BlockSpan, ReadView, RecordEncoder, SaveResult, WriteView
+from kvstore.abc.store import (
+    BlockSave,
+    BlockSpan,
+    PendingRecord,
+    ReadView,
+    RecordEncoder,
+    SaveResult,
+    WriteView,
+)
 from kvstore.errors import CorruptEntryError, FormatVersionError, StoreConfigError
 from kvstore.store import keys as K
 from kvstore.store.blocks.eviction import Block
@@ -52,6 +60,7 @@ __all__ = [
     "encode_missing",
     "commit_blocks",
     "record_nbytes",
+    "record_nbytes_bound",
 ]
 
 #: ``make_room(txn, incoming bytes, pinned record keys) -> evicted blocks``.
@@ -244,7 +253,8 @@ def encode_missing(
             expected=len(spans),
         )
     for span, record in zip(spans, records, strict=True):
-        record_nbytes(record)  # rejects what is not a contiguous buffer, before the write
+        if not isinstance(record, PendingRecord):  # a pending one: checked once written
+            record_nbytes(record)  # rejects what is not a contiguous buffer, before the write
         encoded[span.index] = record
 
 
@@ -276,20 +286,23 @@ def commit_blocks(
     upgrades = []
     fresh = {s.index for s in new}
     for span in upgradable(txn, ns, [s for s in spans if s.index not in fresh], checkpoints):
-        if span.index in encoded and measure(encoded[span.index]) > 0:
+        if span.index in encoded and measure(_written(encoded, span.index)) > 0:
             found = _entry_of(txn, ns, span)
             assert found is not None
             upgrades.append((span, *found))
     superseded = _superseded(txn, ns, new)
-    new_bytes = sum(record_nbytes(encoded[s.index]) for s in new)
     grown = sum(record_nbytes(encoded[s.index]) - e.nbytes for s, _, e in upgrades)
     freed = sum(e.nbytes for _, e in superseded)
     pinned = {*existing, *(K.record_key(ns, e.digest) for _, e in superseded)}
-    incoming = new_bytes + grown - freed
+    # Records still being written count at their bound: room is made before the puts,
+    # each of which then waits for its record only (the next ones are written meanwhile).
+    incoming = sum(record_nbytes_bound(encoded[s.index]) for s in new) + grown - freed
     evicted = make_room(txn, incoming, pinned) if incoming > 0 else []
-    checkpoints_written = checkpoint_bytes = 0
+    checkpoints_written = checkpoint_bytes = new_bytes = 0
     for span in new:
-        record = encoded[span.index]
+        record = _written(encoded, span.index)
+        nbytes = record_nbytes(record)
+        new_bytes += nbytes
         ckpt = measure(record)
         checkpoints_written += ckpt > 0
         checkpoint_bytes += ckpt
@@ -299,7 +312,7 @@ def commit_blocks(
             span.parent,
             span.index,
             len(span.tokens),
-            record_nbytes(record),
+            nbytes,
             now,
             family,
             span.full,
@@ -353,6 +366,23 @@ def _superseded(txn: ReadView, ns: bytes, new: list[Span]) -> list[tuple[bytes, 
             ):
                 out.append((key, entry))
     return out
+
+
+def _written(encoded: dict[int, Any], index: int) -> Any:
+    """Block ``index``'s record, written: a :class:`PendingRecord` waited for, checked,
+    and kept in ``encoded`` in its place (a retried commit puts the same bytes)."""
+    record = encoded[index]
+    if isinstance(record, PendingRecord):
+        record = encoded[index] = record.result()
+        record_nbytes(record)
+    return record
+
+
+def record_nbytes_bound(record: Any) -> int:
+    """:func:`record_nbytes`, or a pending record's bound (its length or a little more)."""
+    if isinstance(record, PendingRecord):
+        return record.nbytes_bound
+    return record_nbytes(record)
 
 
 def record_nbytes(record: Any) -> int:

@@ -140,15 +140,16 @@ class BlockEncoder:
         #: Snapshots on the host, made once each: ``id(snapshot) -> (it, its host form)``.
         self._on_host: dict[int, tuple[Snapshot, Snapshot]] = {}
 
-    def __call__(self, spans: Sequence[BlockSpan]) -> list[memoryview]:
+    def __call__(self, spans: Sequence[BlockSpan]) -> list[Any]:
         # Each plan lends its layout to the next (blocks cut alike differ in their
         # ranges only). Into this thread's arena: reused pages, several threads
-        # (pinned memory on a GPU).
+        # (pinned memory on a GPU); pending, so the commit puts each record once it
+        # is written, while the pool writes the next.
         plans: list[RecordPlan] = []
         for s in spans:
             layers = self.layers(s.start, s.stop, checkpoint=s.checkpoint)
             plans.append(plan_record(layers, like=plans[-1] if plans else None))
-        return write_records(plans)
+        return write_records(plans, pending=True)
 
     def layers(self, start: int, stop: int, *, checkpoint: bool = False) -> list[Snapshot | None]:
         """Every layer's snapshot of the tokens ``[start, stop)``, as stored (or ``None``);
