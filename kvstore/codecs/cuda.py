@@ -94,6 +94,12 @@ _GRID, _BLOCK = 1024 * 256, 256
 #: (tools/bench/results/gpu/savestall-h100/); ``KVSTORE_CUDA_DOWNLOAD_PIECE_MIB`` sets
 #: pieces for the device to say whether shorter launches spare it.
 DOWNLOAD_PIECE = mib_from_env("KVSTORE_CUDA_DOWNLOAD_PIECE_MIB", 0)
+#: How a save's payloads cross to its pinned arena (``KVSTORE_CUDA_DOWNLOAD_ROUTE``):
+#: ``kernel`` (the default), a copy kernel on the calling thread's MLX stream; ``copy``,
+#: the copy engine (``cuMemcpyDtoHAsync``) on a driver stream of the thread's own, no
+#: kernel and no SM -- under test: does a decode step overlapping the download then run
+#: at its usual speed?
+DOWNLOAD_ROUTE = choice_from_env("KVSTORE_CUDA_DOWNLOAD_ROUTE", ("kernel", "copy"), "kernel")
 
 _COPY_BODY = """
     const unsigned char* s = reinterpret_cast<const unsigned char*>({src});
@@ -114,6 +120,13 @@ _COPY_BODY = """
 _UPLOAD_SOURCE = _COPY_BODY.format(src="params[0]", dst="out", done="")
 #: Device array ``inp`` from its byte ``params[2]`` -> host (pinned, ``params[0]``).
 _DOWNLOAD_SOURCE = _COPY_BODY.format(src="inp + params[2]", dst="params[0]", done="done[0] = 1;")
+#: The device address of ``inp``'s first byte (MLX hands none out), for the copy engine
+#: to read it from.
+_ADDRESS_SOURCE = """
+    if (blockIdx.x == 0 && threadIdx.x == 0) {
+        out[0] = reinterpret_cast<unsigned long long>(inp);
+    }
+"""
 #: Words per gather segment: ``src, src_pitch, dst_offset, dst_pitch, width, height``.
 SEGMENT_WORDS = 6
 #: Segments of registered host memory -> the new device array ``out``
@@ -398,6 +411,20 @@ class Driver:
             "cuMemcpyHtoDAsync",
         )
 
+    def copy_to_host(self, host: int, device: int, nbytes: int, stream: int) -> None:
+        """Queue a copy of ``nbytes`` at ``device`` into page-locked host memory at
+        ``host`` on ``stream`` (the copy engine)."""
+        self.bind()
+        self._check(
+            self._cu.cuMemcpyDtoHAsync_v2(
+                ctypes.c_void_p(host),
+                ctypes.c_uint64(device),
+                ctypes.c_size_t(nbytes),
+                ctypes.c_void_p(stream),
+            ),
+            "cuMemcpyDtoHAsync",
+        )
+
     def synchronize(self, stream: int) -> None:
         """Wait until everything queued on ``stream`` is done."""
         self.bind()
@@ -543,6 +570,7 @@ def transport_kernels() -> dict[str, Kernel]:
     return {
         "upload": cuda_kernel("kvstore_upload", ["params"], ["out"], _UPLOAD_SOURCE),
         "download": cuda_kernel("kvstore_download", ["params", "inp"], ["done"], _DOWNLOAD_SOURCE),
+        "address": cuda_kernel("kvstore_address", ["inp"], ["out"], _ADDRESS_SOURCE),
         "gather": cuda_kernel("kvstore_gather", ["params"], ["out"], _GATHER_SOURCE),
         "gather_many": cuda_kernel("kvstore_gather_many", ["params"], many, _GATHER_MANY_SOURCE),
         "assemble": cuda_kernel(
@@ -566,6 +594,7 @@ class KernelTransport:
         kernels = transport_kernels()
         self._upload = kernels["upload"]
         self._download = kernels["download"]
+        self._address = kernels["address"]
         self._gather = kernels["gather"]
         self._gather_many = kernels["gather_many"]
         self._assemble = kernels["assemble"]
@@ -593,6 +622,9 @@ class KernelTransport:
                 f"[cuda] {nbytes} bytes at {offset} do not fit a {slot.nbytes}-byte slot at a "
                 f"16-byte boundary."
             )
+        if DOWNLOAD_ROUTE == "copy":
+            self._copy_to_host(array, slot, offset, nbytes)
+            return
         for start, n in download_pieces(nbytes, DOWNLOAD_PIECE):
             words = [slot.device_pointer + offset + start, n, start]
             (done,) = self._download(
@@ -603,6 +635,23 @@ class KernelTransport:
                 threadgroup=(_BLOCK, 1, 1),
             )
             mx.eval(done)
+
+    def _copy_to_host(self, array: mx.array, slot: PinnedBuffer, offset: int, nbytes: int) -> None:
+        """The ``copy`` route (:data:`DOWNLOAD_ROUTE`): ``array``'s address read by a
+        one-thread kernel (which also waits for the array to exist), then the copy
+        engine on this thread's own stream. ``array`` is held until the copy is done."""
+        (address,) = self._address(
+            inputs=[array],
+            output_shapes=[(1,)],
+            output_dtypes=[mx.uint64],
+            grid=(1, 1, 1),
+            threadgroup=(1, 1, 1),
+        )
+        mx.eval(address)
+        stream = self.driver.thread_stream()
+        host = int(slot.array.ctypes.data) + offset
+        self.driver.copy_to_host(host, int(address.item()), nbytes, stream)
+        self.driver.synchronize(stream)
 
     def register(self, base: int, nbytes: int) -> int:
         return self.driver.register_pages(base, nbytes)

@@ -86,11 +86,13 @@
 # STEP g3disk    disk_probe.py at 512 MiB and 2 GiB (the host's disk: a durable write of a
 #                4096- and a 16384-token llama-8B save's bytes), then G3 at both lengths: is
 #                G3's 0.456x at 16384 (ffd1c4c-h100) the host's disk? ~400 s
-# STEP savestall save_stall.py at 4096 tokens (4 saves) and 16384 (2): each decode step during
-#                a save behind, with the writer's parts it overlaps (results/gpu/savestall-h100:
-#                the step overlapping the records' download runs 3-4x slower); then at 4096
-#                with the download in pieces of 16, 4 and 1 MiB (KVSTORE_CUDA_DOWNLOAD_PIECE_MIB):
-#                does the overlapped step shrink, and what does the download pay? ~80 s
+# STEP savestall save_stall.py at 4096 tokens (4 saves) and 16384 (2), the download by a kernel
+#                (the default) and by the copy engine (KVSTORE_CUDA_DOWNLOAD_ROUTE=copy; its
+#                records checked by check.py first): each decode step during a save behind,
+#                with the writer's parts it overlaps (results/gpu/savestall-h100: the step
+#                overlapping the records' download runs 3-4x slower); then at 4096 with the
+#                download in pieces of $PIECES MiB (default 4): ~250 s
+# STEP g3routes  G3 at both lengths, the download by a kernel, then by the copy engine: ~160 s
 # STEP pipeline  save_pipeline.py with a 4096-token llama-8B save's 512 MiB (16 records of 32 MiB):
 #                every record written, then put and committed, against each put as it is
 #                written, on the host's 16 cores (on the 2-core VM: 0.98-1.14x): ~30 s
@@ -245,13 +247,27 @@ case "$step" in
     timeout 100 python3 tools/bench/disk_probe.py --dir /tmp --mib 512 2048 --repeats 2 2>&1 | tee "$out/disk-probe.txt"
     KVSTORE_BENCH_GIT=$rev CHECK_TIMEOUT=1 BENCH_TIMEOUT=430 bash tools/bench/gpu/run.sh G3 "$out/g3" ;;
   savestall)
-    timeout 130 python3 tools/bench/gpu/save_stall.py --tokens 4096 --saves 4 > "$out/save-stall-4096.txt" 2>&1
-    timeout 130 python3 tools/bench/gpu/save_stall.py --tokens 16384 --saves 2 > "$out/save-stall-16384.txt" 2>&1
-    for mib in 16 4 1; do
+    # The copy route's records checked first (check.py: a save's records == encode_record).
+    KVSTORE_CUDA_DOWNLOAD_ROUTE=copy timeout 120 python3 tools/bench/gpu/check.py > "$out/check-copy-route.txt" 2>&1
+    head -4 "$out/check-copy-route.txt"
+    for route in kernel copy; do
+      KVSTORE_CUDA_DOWNLOAD_ROUTE=$route timeout 130 python3 tools/bench/gpu/save_stall.py --tokens 4096 \
+        --saves 4 > "$out/save-stall-4096-$route.txt" 2>&1
+      KVSTORE_CUDA_DOWNLOAD_ROUTE=$route timeout 130 python3 tools/bench/gpu/save_stall.py --tokens 16384 \
+        --saves 2 > "$out/save-stall-16384-$route.txt" 2>&1
+    done
+    for mib in ${PIECES:-4}; do
       KVSTORE_CUDA_DOWNLOAD_PIECE_MIB=$mib timeout 100 python3 tools/bench/gpu/save_stall.py --tokens 4096 \
         --saves 4 > "$out/save-stall-4096-piece$mib.txt" 2>&1
     done
     for f in "$out"/save-stall-*.txt; do echo "== $f"; grep -E "^Device|^save|download:" "$f"; done ;;
+  g3routes)
+    # G3 at both lengths with the download by a kernel (the default) and by the copy engine.
+    for route in kernel copy; do
+      KVSTORE_CUDA_DOWNLOAD_ROUTE=$route KVSTORE_BENCH_GIT=$rev CHECK_TIMEOUT=1 BENCH_TIMEOUT=200 \
+        bash tools/bench/gpu/run.sh G3 "$out/g3-$route" > /dev/null 2>&1
+      echo "== $route"; cat "$out/g3-$route/bench-table.txt" 2>/dev/null | head -30
+    done ;;
   pipeline)
     timeout 120 python3 tools/bench/save_pipeline.py --records 16 --mib 32 --repeats 5 2>&1 | tee "$out/save-pipeline.txt" ;;
   g3ab)
