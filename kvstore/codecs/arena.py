@@ -123,14 +123,26 @@ def write_records(plans: Sequence[RecordPlan], *, pending: bool = False) -> list
     if on_gpu:
         heads = [len(plan.head((1 << 64) - 1)) for plan in plans]
         payloads = [device_payload(plan) for plan in plans]
-        # Each record is checksummed on the pool as soon as its bytes are down, while
-        # the next record's cross the bus.
-        cuda.download(
-            payloads,
-            _arena().pinned,
-            [start + head for start, head in zip(starts, heads, strict=True)],
-            done=(lambda i: futures.append(_pool().submit(one, i))) if parallel else None,
-        )
+        pinned = _arena().pinned
+        offsets = [start + head for start, head in zip(starts, heads, strict=True)]
+        fetch = cuda.download_later(payloads, pinned, offsets) if parallel else None
+        if fetch is not None:
+            # The copy engine's route: each record downloaded by the pool thread that
+            # then hashes it (downloads, checksums and the commit's puts overlap).
+            def fetched(i: int) -> memoryview:
+                fetch(i)
+                return one(i)
+
+            futures = [_pool().submit(fetched, i) for i in range(len(plans))]
+        else:
+            # Each record is checksummed on the pool as soon as its bytes are down, while
+            # the next record's cross the bus.
+            cuda.download(
+                payloads,
+                pinned,
+                offsets,
+                done=(lambda i: futures.append(_pool().submit(one, i))) if parallel else None,
+            )
         del payloads
     if not parallel:
         return [one(i) for i in range(len(plans))]

@@ -70,6 +70,8 @@ __all__ = [
     "upload",
     "download",
     "download_pieces",
+    "download_later",
+    "DOWNLOAD_ROUTE",
     "DOWNLOAD_PIECE",
     "slots_ready",
     "prepare_slots_later",
@@ -95,10 +97,11 @@ _GRID, _BLOCK = 1024 * 256, 256
 #: pieces for the device to say whether shorter launches spare it.
 DOWNLOAD_PIECE = mib_from_env("KVSTORE_CUDA_DOWNLOAD_PIECE_MIB", 0)
 #: How a save's payloads cross to its pinned arena (``KVSTORE_CUDA_DOWNLOAD_ROUTE``):
-#: ``kernel`` (the default), a copy kernel on the calling thread's MLX stream; ``copy``,
-#: the copy engine (``cuMemcpyDtoHAsync``) on a driver stream of the thread's own, no
-#: kernel and no SM -- under test: does a decode step overlapping the download then run
-#: at its usual speed?
+#: ``kernel`` (the default), a copy kernel on the saving thread's MLX stream, one record
+#: after the other; ``copy``, the copy engine (``cuMemcpyDtoHAsync``), no kernel and no
+#: SM, each record on the pool thread that then hashes it (:func:`download_later`) --
+#: under test: does a decode step overlapping the download then run at its usual
+#: speed, and does the save gain from its downloads, checksums and puts overlapping?
 DOWNLOAD_ROUTE = choice_from_env("KVSTORE_CUDA_DOWNLOAD_ROUTE", ("kernel", "copy"), "kernel")
 
 _COPY_BODY = """
@@ -520,6 +523,14 @@ class Transport(Protocol):
     def to_host(self, array: mx.array, slot: PinnedBuffer, offset: int) -> None:
         """Copy the bytes of the contiguous uint8 ``array`` to ``slot[offset:]`` (waits)."""
 
+    def addresses(self, arrays: Sequence[mx.array]) -> list[int]:
+        """Each contiguous uint8 device array's address, once it exists (evaluates them,
+        on the calling thread); the caller holds the arrays while it copies from them."""
+
+    def copy_down(self, address: int, slot: PinnedBuffer, offset: int, nbytes: int) -> None:
+        """Copy ``nbytes`` at device ``address`` to ``slot[offset:]`` by the copy engine,
+        on the calling thread's own stream (waits): any thread may call it."""
+
     def register(self, base: int, nbytes: int) -> int:
         """Page-lock host pages ``[base, base + nbytes)`` for the GPU to read: the
         device address of ``base`` (raises OSError/RuntimeError when refused)."""
@@ -623,7 +634,7 @@ class KernelTransport:
                 f"16-byte boundary."
             )
         if DOWNLOAD_ROUTE == "copy":
-            self._copy_to_host(array, slot, offset, nbytes)
+            self.copy_down(self.addresses([array])[0], slot, offset, nbytes)
             return
         for start, n in download_pieces(nbytes, DOWNLOAD_PIECE):
             words = [slot.device_pointer + offset + start, n, start]
@@ -636,21 +647,29 @@ class KernelTransport:
             )
             mx.eval(done)
 
-    def _copy_to_host(self, array: mx.array, slot: PinnedBuffer, offset: int, nbytes: int) -> None:
-        """The ``copy`` route (:data:`DOWNLOAD_ROUTE`): ``array``'s address read by a
-        one-thread kernel (which also waits for the array to exist), then the copy
-        engine on this thread's own stream. ``array`` is held until the copy is done."""
-        (address,) = self._address(
-            inputs=[array],
-            output_shapes=[(1,)],
-            output_dtypes=[mx.uint64],
-            grid=(1, 1, 1),
-            threadgroup=(1, 1, 1),
-        )
-        mx.eval(address)
+    def addresses(self, arrays: Sequence[mx.array]) -> list[int]:
+        # A one-thread kernel reads each address (MLX hands none out); evaluating them
+        # waits for the arrays to exist.
+        found = [
+            self._address(
+                inputs=[array],
+                output_shapes=[(1,)],
+                output_dtypes=[mx.uint64],
+                grid=(1, 1, 1),
+                threadgroup=(1, 1, 1),
+            )[0]
+            for array in arrays
+        ]
+        mx.eval(found)
+        return [int(a) for a in np.array(mx.concatenate(found))] if found else []
+
+    def copy_down(self, address: int, slot: PinnedBuffer, offset: int, nbytes: int) -> None:
+        if offset + nbytes > slot.nbytes:
+            raise ValueError(
+                f"[cuda] {nbytes} bytes at {offset} do not fit a {slot.nbytes}-byte slot."
+            )
         stream = self.driver.thread_stream()
-        host = int(slot.array.ctypes.data) + offset
-        self.driver.copy_to_host(host, int(address.item()), nbytes, stream)
+        self.driver.copy_to_host(int(slot.array.ctypes.data) + offset, address, nbytes, stream)
         self.driver.synchronize(stream)
 
     def register(self, base: int, nbytes: int) -> int:
@@ -910,6 +929,25 @@ def download(
         staging.to_host(flat, slot, offset)
         if done is not None:
             done(i)
+
+
+def download_later(
+    arrays: Sequence[mx.array], slot: PinnedBuffer, offsets: Sequence[int]
+) -> Callable[[int], None] | None:
+    """Under the ``copy`` route (:data:`DOWNLOAD_ROUTE`): ``fetch(i)``, which copies
+    array ``i``'s bytes into ``slot`` at its offset by the copy engine and waits, on
+    whichever thread calls it (the arrays are evaluated now, on this one, and held by
+    ``fetch``); else ``None`` (:func:`download` then, on this thread)."""
+    if DOWNLOAD_ROUTE != "copy":
+        return None
+    staging = transport()
+    flats = [a.reshape(-1).view(mx.uint8) for a in arrays]
+    addresses = staging.addresses(flats)
+
+    def fetch(i: int) -> None:  # holds ``flats`` (their memory is read) while it lives
+        staging.copy_down(addresses[i], slot, offsets[i], int(flats[i].nbytes))
+
+    return fetch
 
 
 def new_buffer(nbytes: int) -> PinnedBuffer:

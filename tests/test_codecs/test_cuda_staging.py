@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ctypes
 import mmap
+import threading
 
 import mlx.core as mx
 import numpy as np
@@ -45,6 +46,10 @@ class HostTransport:
         self.device_memory: dict[int, int] = {}
         #: The pinned slots made (a copy from one needs no registration).
         self.slots: list[cuda.PinnedBuffer] = []
+        #: The ``copy`` route's arrays by their "device" address, and the threads that
+        #: copied each down (:meth:`copy_down`).
+        self.device_arrays: dict[int, np.ndarray] = {}
+        self.copied_on: list[str] = []
 
     def slot(self, nbytes: int) -> cuda.PinnedBuffer:
         made = cuda.PinnedBuffer(nbytes, None)
@@ -68,6 +73,22 @@ class HostTransport:
         self.downloads += 1
         data = np.asarray(array)
         slot.array[offset : offset + data.nbytes] = data
+
+    def addresses(self, arrays) -> list[int]:
+        out = []
+        for array in arrays:
+            data = np.asarray(array)
+            assert data.dtype == np.uint8 and data.ndim == 1
+            out.append(int(data.ctypes.data) + DEVICE_OFFSET)
+            self.device_arrays[out[-1]] = data
+        return out
+
+    def copy_down(self, address: int, slot: cuda.PinnedBuffer, offset: int, nbytes: int) -> None:
+        data = self.device_arrays[address]
+        assert nbytes == data.nbytes and offset + nbytes <= slot.nbytes
+        slot.array[offset : offset + nbytes] = data
+        self.downloads += 1
+        self.copied_on.append(threading.current_thread().name)
 
     def register(self, base: int, nbytes: int) -> int:
         if self.refuse:
@@ -406,6 +427,54 @@ def test_pending_records_are_hashed_each_once_its_bytes_are_down(staged, monkeyp
     assert [r.nbytes_bound for r in records] == [p.nbytes_bound for p in plans]
     assert [bytes(r.result()) for r in records] == [encode_record(layer) for layer in layers]
     assert all(downloaded_at_write[i] >= i + 1 for i in range(3))
+
+
+def test_on_the_copy_route_the_pool_downloads_each_record_before_hashing_it(staged, monkeypatch):
+    """KVSTORE_CUDA_DOWNLOAD_ROUTE=copy: the saving thread only evaluates the payloads and
+    reads their addresses; each record is copied down by the pool thread that then
+    hashes it, and the records are those encoded on the host."""
+    from kvstore.abc.store import PendingRecord
+    from kvstore.codecs import arena
+
+    monkeypatch.setattr(cuda, "DOWNLOAD_ROUTE", "copy")
+    layers = _large_layers()
+    plans = [plan_record(layer) for layer in layers]
+    downloaded_before_write: dict[int, bool] = {}
+    real = arena.write_record
+
+    def spied(plan, out, **kw):
+        head = len(plan.head((1 << 64) - 1))
+        want = np.frombuffer(device_bytes(plan), np.uint8)
+        downloaded = np.array_equal(out[head : head + want.size], want)
+        downloaded_before_write[plans.index(plan)] = bool(downloaded)
+        return real(plan, out, **kw)
+
+    def device_bytes(plan):
+        return bytes(np.array(arena.device_payload(plan)))
+
+    monkeypatch.setattr(arena, "write_record", spied)
+    records = write_records(plans, pending=True)
+    assert all(isinstance(r, PendingRecord) for r in records)
+    assert [bytes(r.result()) for r in records] == [encode_record(layer) for layer in layers]
+    assert downloaded_before_write == {0: True, 1: True, 2: True}
+    assert staged.downloads == 3
+    assert all(name.startswith("kvstore-records") for name in staged.copied_on)
+
+
+@pytest.mark.parametrize("route", ["kernel", "copy"])
+def test_a_small_save_downloads_on_the_saving_thread_by_either_route(staged, monkeypatch, route):
+    from kvstore.caches import KVCache
+    from kvstore.codecs import codec_for
+
+    monkeypatch.setattr(cuda, "DOWNLOAD_ROUTE", route)
+    cache = KVCache()
+    rows = mx.random.normal((1, 2, 40, 64)).astype(mx.bfloat16)
+    cache.update_and_fetch(rows, rows * 2)
+    codec = codec_for(cache)
+    layers = [[codec.snapshot(cache, s, s + 16)] for s in (0, 16)]
+    records = write_records([plan_record(layer) for layer in layers], pending=True)
+    assert [bytes(r) for r in records] == [encode_record(layer) for layer in layers]
+    assert staged.downloads == 2 and staged.copied_on == []  # to_host, this thread
 
 
 @pytest.mark.parametrize("pinned", [False, True], ids=["host", "pinned"])
