@@ -121,7 +121,7 @@ def write_records(plans: Sequence[RecordPlan], *, pending: bool = False) -> list
     parallel = end >= PARALLEL_MIN_BYTES and len(plans) > 1
     futures: list[Future[memoryview]] = []
     if on_gpu:
-        heads = [len(plan.head((1 << 64) - 1)) for plan in plans]
+        heads = [plan.head_nbytes_bound for plan in plans]
         payloads = [device_payload(plan) for plan in plans]
         pinned = _arena().pinned
         offsets = [start + head for start, head in zip(starts, heads, strict=True)]

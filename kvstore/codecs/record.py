@@ -243,10 +243,17 @@ class RecordPlan:
             raise ValueError(f"{exc} Store less meta per record.") from exc
         return True
 
+    @functools.cached_property
+    def head_nbytes_bound(self) -> int:
+        """Where the payload goes: the length of the head with the widest checksum (the
+        real one's, or a little more). Packed once per plan: a save asks it of each
+        record three times (the arena's layout, the pending record's bound, the write)."""
+        return len(self.head(_WIDEST_CHECKSUM))
+
     @property
     def nbytes_bound(self) -> int:
         """The record's length, or a little more (the header with the widest checksum)."""
-        return len(self.head(_WIDEST_CHECKSUM)) + self.payload_nbytes
+        return self.head_nbytes_bound + self.payload_nbytes
 
 
 # A u64 msgpack packs in 9 bytes at most: a header laid out with this checksum is
@@ -390,7 +397,7 @@ def write_record(plan: RecordPlan, out: np.ndarray, *, payload_written: bool = F
     ``len(plan.head(widest checksum))`` (a device wrote it there); otherwise the
     tensors are copied in (one copy each, from wherever they are).
     """
-    planned = len(plan.head(_WIDEST_CHECKSUM))
+    planned = plan.head_nbytes_bound
     payload = out[planned : planned + plan.payload_nbytes]
     if not payload_written:
         views = as_numpy_all([array for array, _ in plan.tensors])
