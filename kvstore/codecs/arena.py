@@ -94,13 +94,20 @@ def _arena() -> _Arena:
     return arena
 
 
-def write_records(plans: Sequence[RecordPlan], *, pending: bool = False) -> list[Any]:
+def write_records(
+    plans: Sequence[RecordPlan],
+    *,
+    pending: bool = False,
+    payloads: Sequence[mx.array | None] | None = None,
+) -> list[Any]:
     """The records of ``plans``, each a memoryview into this thread's arena.
 
     With ``pending``, records written on the pool come back at once as
     :class:`~kvstore.abc.store.PendingRecord` s (a small save's, written on this
     thread, as memoryviews): a commit then puts each as soon as it is written, while
-    the pool writes the next ones.
+    the pool writes the next ones. ``payloads``: on a CUDA GPU, each plan's payload
+    already built on the device (:mod:`~kvstore.codecs.stacked_payloads`), or ``None``
+    where :func:`~kvstore.codecs.record.device_payload` builds it.
     """
     if not plans:
         return []
@@ -122,10 +129,15 @@ def write_records(plans: Sequence[RecordPlan], *, pending: bool = False) -> list
     futures: list[Future[memoryview]] = []
     if on_gpu:
         heads = [plan.head_nbytes_bound for plan in plans]
-        payloads = [device_payload(plan) for plan in plans]
+        built = payloads or [None] * len(plans)
+        on_device = [
+            device_payload(plan) if made is None else made
+            for plan, made in zip(plans, built, strict=True)
+        ]
+        del payloads, built  # ``fetch`` holds them while it copies; no one else may
         pinned = _arena().pinned
         offsets = [start + head for start, head in zip(starts, heads, strict=True)]
-        fetch = cuda.download_later(payloads, pinned, offsets) if parallel else None
+        fetch = cuda.download_later(on_device, pinned, offsets) if parallel else None
         if fetch is not None:
             # The copy engine's route: each record downloaded by the pool thread that
             # then hashes it (downloads, checksums and the commit's puts overlap).
@@ -138,12 +150,12 @@ def write_records(plans: Sequence[RecordPlan], *, pending: bool = False) -> list
             # Each record is checksummed on the pool as soon as its bytes are down, while
             # the next record's cross the bus.
             cuda.download(
-                payloads,
+                on_device,
                 pinned,
                 offsets,
                 done=(lambda i: futures.append(_pool().submit(one, i))) if parallel else None,
             )
-        del payloads
+        del on_device
     if not parallel:
         return [one(i) for i in range(len(plans))]
     if not futures:

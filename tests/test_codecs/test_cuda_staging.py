@@ -406,12 +406,13 @@ def _large_layers():
 
 
 def test_pending_records_are_hashed_each_once_its_bytes_are_down(staged, monkeypatch):
-    """With ``pending``, each record's write goes to the pool as soon as its payload is
-    downloaded (the next one downloading meanwhile), and comes back at once as a
-    PendingRecord whose result is the encoded record."""
+    """The ``kernel`` route: with ``pending``, each record's write goes to the pool as
+    soon as its payload is downloaded (the next one downloading meanwhile), and comes
+    back at once as a PendingRecord whose result is the encoded record."""
     from kvstore.abc.store import PendingRecord
     from kvstore.codecs import arena
 
+    monkeypatch.setattr(cuda, "DOWNLOAD_ROUTE", "kernel")
     layers = _large_layers()
     plans = [plan_record(layer) for layer in layers]
     downloaded_at_write: dict[int, int] = {}
@@ -560,3 +561,44 @@ def test_in_use_asks_nothing_of_the_device(monkeypatch):
     assert cuda.in_use()
     monkeypatch.setattr(cuda, "TRANSPORT", False)
     assert not cuda.in_use()
+
+
+@pytest.mark.parametrize("encoder_kind", ["save", "handed off"])
+@pytest.mark.parametrize("policy", ["lossless", "kv:quant:8:64"])
+def test_a_gpu_saves_blocks_cut_alike_get_stacked_payloads_and_encode_records_bytes(
+    staged, monkeypatch, encoder_kind, policy
+):
+    """On a GPU a save's blocks cut from the same whole ranges get their payloads a run
+    at a time (kvstore.codecs.stacked_payloads): the records are encode_record's."""
+    from kvstore.abc.store import BlockSpan, PendingRecord
+    from kvstore.caches import KVCache
+    from kvstore.store.kv import save as save_module
+    from kvstore.store.kv.writer import HandedOff
+
+    caches = []
+    for layer in range(3):
+        cache = KVCache()
+        rows = mx.random.normal((1, 2, 56, 64), key=mx.random.key(layer)).astype(mx.bfloat16)
+        cache.update_and_fetch(rows, rows * 2)
+        caches.append(cache)
+    if encoder_kind == "save":
+        encoder = save_module.BlockEncoder(caches, policy, {}, 56)
+    else:
+        encoder = HandedOff(caches, policy, {}, (0, 56), 16)
+    stacked: list[list] = []
+    real = save_module.stacked_payloads
+
+    def spied(plans, cut_of):
+        stacked.append(real(plans, cut_of))
+        return stacked[-1]
+
+    monkeypatch.setattr(save_module, "stacked_payloads", spied)
+    spans = [BlockSpan(i, a, min(56, a + 16), b"") for i, a in enumerate(range(0, 56, 16))]
+    records = encoder(spans)
+    got = [bytes(r.result() if isinstance(r, PendingRecord) else r) for r in records]
+    assert got == [encode_record(encoder.layers(s.start, s.stop)) for s in spans]
+    if encoder_kind == "save" and policy != "lossless":
+        # A policy's encoding block by block (a save encodes no stored rows): no cuts.
+        assert stacked == []
+    else:  # three blocks of 16 rows in one run; the 8-row tail on its own
+        assert [p is None for p in stacked[0]] == [False, False, False, True]

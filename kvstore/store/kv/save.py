@@ -27,14 +27,18 @@ import functools
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import mlx.core as mx
+
 from kvstore.abc.cache import is_recurrent_cache, signature_string
 from kvstore.abc.codec import KVCodec, Snapshot
 from kvstore.abc.store import BlockSpan, PrefixStore, SaveResult
 from kvstore.codecs import codec_for, cuda, get_codec
 from kvstore.codecs.arena import write_records
 from kvstore.codecs.arrays import as_numpy_all
+from kvstore.codecs.growing import GrowingKVCodec
 from kvstore.codecs.host_stacks import spread_packed
 from kvstore.codecs.record import RecordPlan, plan_record
+from kvstore.codecs.stacked_payloads import Cut, stacked_payloads
 from kvstore.errors import CapabilityError
 from kvstore.signature import UNKNOWN
 from kvstore.store import keys as K
@@ -139,6 +143,9 @@ class BlockEncoder:
         self._wholes: dict[int, Snapshot | None] = {}
         #: Snapshots on the host, made once each: ``id(snapshot) -> (it, its host form)``.
         self._on_host: dict[int, tuple[Snapshot, Snapshot]] = {}
+        #: On a CUDA GPU, the MLX tensors :meth:`cut` made, by id: ``(it, the whole
+        #: tensor, first row, end row)`` -- for the payloads to be built a run at a time.
+        self._cuts: dict[int, tuple[Any, Any, int, int]] = {}
 
     def __call__(self, spans: Sequence[BlockSpan]) -> list[Any]:
         # Each plan lends its layout to the next (blocks cut alike differ in their
@@ -149,7 +156,13 @@ class BlockEncoder:
         for s in spans:
             layers = self.layers(s.start, s.stop, checkpoint=s.checkpoint)
             plans.append(plan_record(layers, like=plans[-1] if plans else None))
-        return write_records(plans, pending=True)
+        # On a GPU, the payloads of blocks cut alike in a few kernels, not a few per piece.
+        payloads = stacked_payloads(plans, self._cut_of) if self._cuts else None
+        return write_records(plans, pending=True, payloads=payloads)
+
+    def _cut_of(self, tensor: Any) -> Cut | None:
+        found = self._cuts.get(id(tensor))
+        return None if found is None or found[0] is not tensor else found[1:]
 
     def layers(self, start: int, stop: int, *, checkpoint: bool = False) -> list[Snapshot | None]:
         """Every layer's snapshot of the tokens ``[start, stop)``, as stored (or ``None``);
@@ -208,7 +221,15 @@ class BlockEncoder:
         its codec's ``slice``: from its host views where :meth:`to_host` made them."""
         held = self._on_host.get(id(whole))
         source = held[1] if held is not None and held[0] is whole else whole
-        return get_codec(whole.signature).slice(source, start, stop)
+        codec = get_codec(whole.signature)
+        out = codec.slice(source, start, stop)
+        if source is whole and isinstance(codec, GrowingKVCodec) and _cuts_rows(codec):
+            a, b = start - whole.start, stop - whole.start
+            for name in codec.tensor_names():
+                piece = out.tensors.get(name)
+                if isinstance(piece, mx.array):
+                    self._cuts[id(piece)] = (piece, whole.tensors[name], a, b)
+        return out
 
     def to_host(self, wholes: Sequence[Snapshot]) -> None:
         """Host views of ``wholes``' tensors, for :meth:`cut` to cut blocks from: each
@@ -235,6 +256,18 @@ class BlockEncoder:
         # every core.
         with spread_packed(stored_signature(snap.signature, self._policy, layer), layer):
             return apply_policy(snap, self._policy, layer)
+
+
+def _cuts_rows(codec: GrowingKVCodec) -> bool:
+    """On a CUDA GPU, whether ``codec.slice`` returns each of its tensors as the
+    snapshot's tensor cut on axis 2 and nothing else (a growing family that changes
+    neither step): what :func:`stacked_payloads` relies on."""
+    kind = type(codec)
+    return (
+        kind.slice is GrowingKVCodec.slice
+        and kind.sliced is GrowingKVCodec.sliced
+        and cuda.available()
+    )
 
 
 @functools.lru_cache(maxsize=64)

@@ -19,6 +19,27 @@ import mlx.core as mx
 import numpy as np
 
 
+def _handed_off_records_ok() -> bool:
+    """A save behind's records, 3 layers of 3 full blocks and a tail, 8 MiB and more
+    (the pool's and the stacked payloads' route), against encode_record."""
+    from kvstore.abc.store import BlockSpan, PendingRecord
+    from kvstore.caches import KVCache
+    from kvstore.codecs.record import encode_record
+    from kvstore.store.kv.writer import HandedOff
+
+    caches = []
+    for layer in range(3):
+        cache = KVCache()
+        rows = mx.random.normal((1, 8, 1100, 128), key=mx.random.key(layer)).astype(mx.bfloat16)
+        cache.update_and_fetch(rows, rows * 2)
+        caches.append(cache)
+    encoder = HandedOff(caches, "lossless", {}, (0, 1100), 256)
+    spans = [BlockSpan(i, a, min(1100, a + 256), b"") for i, a in enumerate(range(0, 1100, 256))]
+    records = encoder(spans)
+    got = [bytes(r.result() if isinstance(r, PendingRecord) else r) for r in records]
+    return got == [encode_record(encoder.layers(s.start, s.stop)) for s in spans]
+
+
 def main() -> int:
     from kvstore.bridge import digests
     from kvstore.caches import KVCache
@@ -40,6 +61,9 @@ def main() -> int:
     ok = got == [encode_record(layer) for layer in layers]
     failed += not ok
     print(f"records via the arena == encode_record: {ok}", flush=True)
+    ok = _handed_off_records_ok()
+    failed += not ok
+    print(f"a save behind's records (payloads stacked) == encode_record: {ok}", flush=True)
     specs = [((1, 8, 768, 128), "bfloat16"), ((3, 5), "float32"), ((1001,), "uint8")]
     from kvstore.codecs.fill import filled_arrays
 

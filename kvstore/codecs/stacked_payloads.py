@@ -1,0 +1,118 @@
+"""A save's record payloads built on the device in a few kernels, not a few per piece.
+
+:func:`~kvstore.codecs.record.device_payload` builds one record's payload on its own: a
+copy per tensor piece (a strided slice made flat) and a concatenation. A 4096-token
+llama-8B save has 16 records of 64 pieces: ~2000 kernel launches, which held the
+saving thread 35-39 ms on an H100, and the decode step overlapping them ran ~3x its
+usual time (``tools/bench/results/gpu/``, save-stall files).
+
+A save's blocks are cut alike from the same whole-range snapshots: record ``r``'s
+tensor ``j`` is rows ``[a + r n, a + (r + 1) n)`` (axis 2) of one whole tensor
+``W_j``. Here each ``W_j``'s rows for every record of such a run are copied once into
+record order (``[R, bytes_j]``), and one concatenation lays all the run's payloads
+out, zero padding included: record ``r``'s payload is row ``r`` (a contiguous view). The
+bytes are those :func:`device_payload` makes, piece for piece.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import mlx.core as mx
+
+from kvstore.codecs.record import RecordPlan
+
+__all__ = ["Cut", "stacked_payloads"]
+
+#: What a record's tensor was cut from: the whole tensor (4-D, rows on axis 2) and the
+#: rows ``[a, b)`` of it, or ``None`` where it was not cut so (or is not known to be).
+Cut = tuple[mx.array, int, int]
+
+
+def stacked_payloads(
+    plans: Sequence[RecordPlan], cut_of: Callable[[Any], Cut | None]
+) -> list[mx.array | None]:
+    """Each plan's payload (lazy uint8, as ``device_payload`` makes it) where it belongs
+    to a run of at least two records cut alike from the same whole tensors, block after
+    block; ``None`` for the others (built one by one)."""
+    out: list[mx.array | None] = [None] * len(plans)
+    i = 0
+    while i < len(plans):
+        cuts = _cuts(plans[i], cut_of)
+        end = i + 1
+        while (
+            cuts is not None
+            and end < len(plans)
+            and _follows(plans[end], plans[i], cuts, end - i, cut_of)
+        ):
+            end += 1
+        if cuts is not None and end - i >= 2:
+            out[i:end] = _stacked(plans[i], cuts, end - i)
+        i = end
+    return out
+
+
+def _cuts(plan: RecordPlan, cut_of: Callable[[Any], Cut | None]) -> list[Cut] | None:
+    """Where each of ``plan``'s tensors was cut from, if all were cut from 4-D MLX tensors
+    of their dtype along axis 2; else ``None``."""
+    cuts = []
+    for tensor, _ in plan.tensors:
+        cut = cut_of(tensor) if type(tensor) is mx.array else None
+        if cut is None:
+            return None
+        whole, a, b = cut
+        if (
+            whole.ndim != 4
+            or whole.dtype != tensor.dtype
+            or tuple(tensor.shape)
+            != (
+                whole.shape[0],
+                whole.shape[1],
+                b - a,
+                whole.shape[3],
+            )
+        ):
+            return None
+        cuts.append(cut)
+    return cuts or None
+
+
+def _follows(
+    plan: RecordPlan,
+    first: RecordPlan,
+    cuts: list[Cut],
+    r: int,
+    cut_of: Callable[[Any], Cut | None],
+) -> bool:
+    """Whether ``plan`` is record ``r`` of the run ``first`` starts: the same layout, each
+    tensor the next ``n`` rows of the same whole tensor."""
+    if plan.payload_nbytes != first.payload_nbytes or len(plan.tensors) != len(first.tensors):
+        return False
+    for (tensor, offset), (_, first_offset), (whole, a, b) in zip(
+        plan.tensors, first.tensors, cuts, strict=True
+    ):
+        cut = cut_of(tensor) if type(tensor) is mx.array and offset == first_offset else None
+        n = b - a
+        if cut is None or cut[0] is not whole or cut[1] != a + r * n or cut[2] != a + (r + 1) * n:
+            return False
+    return True
+
+
+def _stacked(first: RecordPlan, cuts: list[Cut], count: int) -> list[mx.array]:
+    pieces: list[mx.array] = []
+    end = 0
+    for (tensor, offset), (whole, a, b) in zip(first.tensors, cuts, strict=True):
+        if offset > end:
+            pieces.append(mx.zeros((count, offset - end), mx.uint8))
+        n = b - a
+        batch, heads, _, width = whole.shape
+        rows = whole[:, :, a : a + count * n].reshape(batch, heads, count, n, width)
+        # Record order: [count, batch, heads, n, width], each record's rows C-ordered.
+        flat = mx.moveaxis(rows, 2, 0).reshape(count, -1)
+        pieces.append(flat.view(mx.uint8))
+        end = offset + tensor.nbytes
+    if first.payload_nbytes > end:
+        pieces.append(mx.zeros((count, first.payload_nbytes - end), mx.uint8))
+    stacked = pieces[0] if len(pieces) == 1 else mx.concatenate(pieces, axis=1)
+    return [stacked[r] for r in range(count)]
