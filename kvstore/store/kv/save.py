@@ -40,6 +40,7 @@ from kvstore.codecs.host_stacks import spread_packed
 from kvstore.codecs.record import RecordPlan, plan_record
 from kvstore.codecs.stacked_payloads import Cut, stacked_payloads
 from kvstore.errors import CapabilityError
+from kvstore.knobs import switch_from_env
 from kvstore.signature import UNKNOWN
 from kvstore.store import keys as K
 from kvstore.store.kv.checkpoints import (
@@ -51,6 +52,10 @@ from kvstore.store.kv.checkpoints import (
 from kvstore.store.kv.policy import apply_policy, stored_signature
 
 __all__ = ["save_caches", "check_caches", "BlockEncoder", "Captured"]
+
+#: On a CUDA GPU, a run of blocks' payloads built together (:mod:`kvstore.codecs.stacked_payloads`);
+#: ``KVSTORE_STACKED_PAYLOADS=0``: each record's on its own, as before.
+STACKED = switch_from_env("KVSTORE_STACKED_PAYLOADS")
 
 #: Snapshots taken during prefill: ``(layer, block start) -> Snapshot`` of a whole block;
 #: for a recurrent layer ``(layer, position) -> `` its checkpoint there (``start == stop``).
@@ -157,7 +162,7 @@ class BlockEncoder:
             layers = self.layers(s.start, s.stop, checkpoint=s.checkpoint)
             plans.append(plan_record(layers, like=plans[-1] if plans else None))
         # On a GPU, the payloads of blocks cut alike in a few kernels, not a few per piece.
-        payloads = stacked_payloads(plans, self._cut_of) if self._cuts else None
+        payloads = stacked_payloads(plans, self._cut_of) if self._cuts and STACKED else None
         return write_records(plans, pending=True, payloads=payloads)
 
     def _cut_of(self, tensor: Any) -> Cut | None:
