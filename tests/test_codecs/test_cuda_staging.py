@@ -568,8 +568,9 @@ def test_in_use_asks_nothing_of_the_device(monkeypatch):
 def test_a_gpu_saves_blocks_cut_alike_get_stacked_payloads_and_encode_records_bytes(
     staged, monkeypatch, encoder_kind, policy
 ):
-    """On a GPU a save's blocks cut from the same whole ranges get their payloads a run
-    at a time (kvstore.codecs.stacked_payloads): the records are encode_record's."""
+    """KVSTORE_CUDA_SAVE_PAYLOADS=stacked: on a GPU a save's blocks cut from the same
+    whole ranges get their payloads a run at a time (kvstore.codecs.stacked_payloads):
+    the records are encode_record's."""
     from kvstore.abc.store import BlockSpan, PendingRecord
     from kvstore.caches import KVCache
     from kvstore.store.kv import save as save_module
@@ -593,6 +594,7 @@ def test_a_gpu_saves_blocks_cut_alike_get_stacked_payloads_and_encode_records_by
         return stacked[-1]
 
     monkeypatch.setattr(save_module, "stacked_payloads", spied)
+    monkeypatch.setattr(save_module, "SAVE_PAYLOADS", "stacked")
     spans = [BlockSpan(i, a, min(56, a + 16), b"") for i, a in enumerate(range(0, 56, 16))]
     records = encoder(spans)
     got = [bytes(r.result() if isinstance(r, PendingRecord) else r) for r in records]
@@ -602,3 +604,20 @@ def test_a_gpu_saves_blocks_cut_alike_get_stacked_payloads_and_encode_records_by
         assert stacked == []
     else:  # three blocks of 16 rows in one run; the 8-row tail on its own
         assert [p is None for p in stacked[0]] == [False, False, False, True]
+
+
+def test_by_default_a_gpu_save_builds_each_records_payload_on_its_own(staged, monkeypatch):
+    from kvstore.caches import KVCache
+    from kvstore.store.kv import save as save_module
+
+    assert save_module.SAVE_PAYLOADS == "record"
+    called = []
+    monkeypatch.setattr(save_module, "stacked_payloads", lambda *a: called.append(a))
+    cache = KVCache()
+    rows = mx.random.normal((1, 2, 48, 64)).astype(mx.bfloat16)
+    cache.update_and_fetch(rows, rows)
+    encoder = save_module.BlockEncoder([cache], "lossless", {}, 48)
+    from kvstore.abc.store import BlockSpan
+
+    records = encoder([BlockSpan(i, a, a + 16, b"") for i, a in enumerate(range(0, 48, 16))])
+    assert len(records) == 3 and called == []

@@ -40,7 +40,7 @@ from kvstore.codecs.host_stacks import spread_packed
 from kvstore.codecs.record import RecordPlan, plan_record
 from kvstore.codecs.stacked_payloads import Cut, stacked_payloads
 from kvstore.errors import CapabilityError
-from kvstore.knobs import switch_from_env
+from kvstore.knobs import choice_from_env
 from kvstore.signature import UNKNOWN
 from kvstore.store import keys as K
 from kvstore.store.kv.checkpoints import (
@@ -53,9 +53,15 @@ from kvstore.store.kv.policy import apply_policy, stored_signature
 
 __all__ = ["save_caches", "check_caches", "BlockEncoder", "Captured"]
 
-#: On a CUDA GPU, a run of blocks' payloads built together (:mod:`kvstore.codecs.stacked_payloads`);
-#: ``KVSTORE_STACKED_PAYLOADS=0``: each record's on its own, as before.
-STACKED = switch_from_env("KVSTORE_STACKED_PAYLOADS")
+#: How a save's payloads are built on a CUDA GPU (``KVSTORE_CUDA_SAVE_PAYLOADS``):
+#: ``record`` (the default), each record's on its own (a few kernels per tensor piece,
+#: ~2000 for a 4096-token llama-8B save); ``stacked``, a run of blocks cut alike a run at
+#: a time (:mod:`kvstore.codecs.stacked_payloads`). On two H100 hosts ``stacked`` held
+#: the saving thread 12-13 ms where ``record`` held it 35-39, and the longest decode step
+#: during a save fell from 31-32 to 18-23 ms, but the save took 9-11 % longer (and a
+#: ``kv:quant:8:64`` save 34-45 %): tools/bench/results/gpu/ffbfa55-h100/. A server that
+#: values its inter-token latency over its save's throughput may choose it.
+SAVE_PAYLOADS = choice_from_env("KVSTORE_CUDA_SAVE_PAYLOADS", ("record", "stacked"), "record")
 
 #: Snapshots taken during prefill: ``(layer, block start) -> Snapshot`` of a whole block;
 #: for a recurrent layer ``(layer, position) -> `` its checkpoint there (``start == stop``).
@@ -162,7 +168,11 @@ class BlockEncoder:
             layers = self.layers(s.start, s.stop, checkpoint=s.checkpoint)
             plans.append(plan_record(layers, like=plans[-1] if plans else None))
         # On a GPU, the payloads of blocks cut alike in a few kernels, not a few per piece.
-        payloads = stacked_payloads(plans, self._cut_of) if self._cuts and STACKED else None
+        payloads = (
+            stacked_payloads(plans, self._cut_of)
+            if self._cuts and SAVE_PAYLOADS == "stacked"
+            else None
+        )
         return write_records(plans, pending=True, payloads=payloads)
 
     def _cut_of(self, tensor: Any) -> Cut | None:

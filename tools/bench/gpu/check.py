@@ -61,9 +61,14 @@ def main() -> int:
     ok = got == [encode_record(layer) for layer in layers]
     failed += not ok
     print(f"records via the arena == encode_record: {ok}", flush=True)
-    ok = _handed_off_records_ok()
-    failed += not ok
-    print(f"a save behind's records (payloads stacked) == encode_record: {ok}", flush=True)
+    from kvstore.store.kv import save
+
+    for payloads in ("record", "stacked"):
+        save.SAVE_PAYLOADS, chosen = payloads, save.SAVE_PAYLOADS
+        ok = _handed_off_records_ok()
+        save.SAVE_PAYLOADS = chosen
+        failed += not ok
+        print(f"a save behind's records (payloads {payloads}) == encode_record: {ok}", flush=True)
     specs = [((1, 8, 768, 128), "bfloat16"), ((3, 5), "float32"), ((1001,), "uint8")]
     from kvstore.codecs.fill import filled_arrays
 

@@ -93,8 +93,9 @@
 #                overlapping the records' download runs 3-4x slower); then at 4096 with the
 #                download in pieces of $PIECES MiB (default 4): ~250 s
 # STEP stacked   check.py, then G3 at both lengths with a run of blocks' payloads built
-#                together (the default since d20f0d7), at 4096 record by record
-#                (KVSTORE_STACKED_PAYLOADS=0), and save_stall.py at 4096: ~200 s
+#                together (KVSTORE_CUDA_SAVE_PAYLOADS=stacked), at 4096 record by record
+#                (record, the default), and save_stall.py at 4096 stacked
+#                (results/gpu/ffbfa55-h100: stacked stalls the steps less, saves slower): ~200 s
 # STEP g3routes  G3 at both lengths, the download by a kernel, then by the copy engine: ~160 s
 # STEP pipeline  save_pipeline.py with a 4096-token llama-8B save's 512 MiB (16 records of 32 MiB):
 #                every record written, then put and committed, against each put as it is
@@ -266,15 +267,17 @@ case "$step" in
     for f in "$out"/save-stall-*.txt; do echo "== $f"; grep -E "^Device|^save|download:" "$f"; done ;;
   stacked)
     # check.py (a save behind's records, payloads stacked, == encode_record), then G3 at
-    # both lengths with a run of blocks' payloads built together (the default), G3 at
-    # 4096 built record by record (KVSTORE_STACKED_PAYLOADS=0), and save_stall.py at 4096.
+    # both lengths with a run of blocks' payloads built together, G3 at
+    # 4096 built record by record (the default), and save_stall.py at 4096 stacked.
     timeout 120 python3 tools/bench/gpu/check.py > "$out/check.txt" 2>&1; head -5 "$out/check.txt"
-    KVSTORE_BENCH_GIT=$rev CHECK_TIMEOUT=1 BENCH_TIMEOUT=200 bash tools/bench/gpu/run.sh G3 "$out/g3-stacked" > /dev/null 2>&1
+    KVSTORE_CUDA_SAVE_PAYLOADS=stacked KVSTORE_BENCH_GIT=$rev CHECK_TIMEOUT=1 BENCH_TIMEOUT=200 \
+      bash tools/bench/gpu/run.sh G3 "$out/g3-stacked" > /dev/null 2>&1
     echo "== stacked"; grep -E "llama8b" "$out/g3-stacked/bench-table.txt"
-    KVSTORE_STACKED_PAYLOADS=0 KVSTORE_BENCH_GPU_TOKENS=4096 KVSTORE_BENCH_GIT=$rev CHECK_TIMEOUT=1 BENCH_TIMEOUT=120 \
+    KVSTORE_CUDA_SAVE_PAYLOADS=record KVSTORE_BENCH_GPU_TOKENS=4096 KVSTORE_BENCH_GIT=$rev CHECK_TIMEOUT=1 BENCH_TIMEOUT=120 \
       bash tools/bench/gpu/run.sh G3 "$out/g3-unstacked" > /dev/null 2>&1
     echo "== unstacked"; grep -E "llama8b" "$out/g3-unstacked/bench-table.txt"
-    timeout 100 python3 tools/bench/gpu/save_stall.py --tokens 4096 --saves 4 > "$out/save-stall-4096.txt" 2>&1
+    KVSTORE_CUDA_SAVE_PAYLOADS=stacked timeout 100 python3 tools/bench/gpu/save_stall.py --tokens 4096 \
+      --saves 4 > "$out/save-stall-4096.txt" 2>&1
     grep -E "^Device|^save|write_records|lmdb" "$out/save-stall-4096.txt" ;;
   g3routes)
     # G3 at both lengths with the download by a kernel (the default) and by the copy engine.
