@@ -134,7 +134,7 @@ def write_records(
             device_payload(plan) if made is None else made
             for plan, made in zip(plans, built, strict=True)
         ]
-        del payloads, built  # ``fetch`` holds them while it copies; no one else may
+        del payloads, built  # from here only ``on_device`` (and ``fetch``) hold them
         pinned = _arena().pinned
         offsets = [start + head for start, head in zip(starts, heads, strict=True)]
         fetch = cuda.download_later(on_device, pinned, offsets) if parallel else None

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import ctypes
 import os
 import pstats
 import statistics
@@ -64,6 +65,13 @@ class FreeTransport:
     def to_host(self, array: mx.array, slot: cuda.PinnedBuffer, offset: int) -> None:
         data = np.asarray(array)
         slot.array[offset : offset + data.nbytes] = data
+
+    def addresses(self, arrays: Any) -> list[int]:
+        self._held = [np.asarray(array) for array in arrays]
+        return [int(held.ctypes.data) for held in self._held]
+
+    def copy_down(self, address: int, slot: cuda.PinnedBuffer, offset: int, nbytes: int) -> None:
+        ctypes.memmove(int(slot.array.ctypes.data) + offset, address, nbytes)
 
     def register(self, base: int, nbytes: int) -> int:
         return base

@@ -168,11 +168,7 @@ class BlockEncoder:
             layers = self.layers(s.start, s.stop, checkpoint=s.checkpoint)
             plans.append(plan_record(layers, like=plans[-1] if plans else None))
         # On a GPU, the payloads of blocks cut alike in a few kernels, not a few per piece.
-        payloads = (
-            stacked_payloads(plans, self._cut_of)
-            if self._cuts and SAVE_PAYLOADS == "stacked"
-            else None
-        )
+        payloads = stacked_payloads(plans, self._cut_of) if self._cuts else None
         return write_records(plans, pending=True, payloads=payloads)
 
     def _cut_of(self, tensor: Any) -> Cut | None:
@@ -274,12 +270,13 @@ class BlockEncoder:
 
 
 def _cuts_rows(codec: GrowingKVCodec) -> bool:
-    """On a CUDA GPU, whether ``codec.slice`` returns each of its tensors as the
-    snapshot's tensor cut on axis 2 and nothing else (a growing family that changes
-    neither step): what :func:`stacked_payloads` relies on."""
+    """Under ``KVSTORE_CUDA_SAVE_PAYLOADS=stacked`` on a CUDA GPU, whether ``codec.slice``
+    returns each of its tensors as the snapshot's tensor cut on axis 2 and nothing else
+    (a growing family that changes neither step): what :func:`stacked_payloads` relies on."""
     kind = type(codec)
     return (
-        kind.slice is GrowingKVCodec.slice
+        SAVE_PAYLOADS == "stacked"
+        and kind.slice is GrowingKVCodec.slice
         and kind.sliced is GrowingKVCodec.sliced
         and cuda.available()
     )
