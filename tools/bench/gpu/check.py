@@ -14,25 +14,33 @@ from __future__ import annotations
 
 import sys
 import time
+from typing import Any
 
 import mlx.core as mx
 import numpy as np
+
+
+def _bf16_caches(layers: int, rows: int) -> list[Any]:
+    """``layers`` KVCaches of ``rows`` random bf16 rows, 8 heads of 128 (values = 2 x keys)."""
+    from kvstore.caches import KVCache
+
+    caches = []
+    for layer in range(layers):
+        cache = KVCache()
+        keys = mx.random.normal((1, 8, rows, 128), key=mx.random.key(layer)).astype(mx.bfloat16)
+        cache.update_and_fetch(keys, keys * 2)
+        caches.append(cache)
+    return caches
 
 
 def _handed_off_records_ok() -> bool:
     """A save behind's records, 3 layers of 3 full blocks and a tail, 8 MiB and more
     (the pool's and the stacked payloads' route), against encode_record."""
     from kvstore.abc.store import BlockSpan, PendingRecord
-    from kvstore.caches import KVCache
     from kvstore.codecs.record import encode_record
     from kvstore.store.kv.writer import HandedOff
 
-    caches = []
-    for layer in range(3):
-        cache = KVCache()
-        rows = mx.random.normal((1, 8, 1100, 128), key=mx.random.key(layer)).astype(mx.bfloat16)
-        cache.update_and_fetch(rows, rows * 2)
-        caches.append(cache)
+    caches = _bf16_caches(3, 1100)
     encoder = HandedOff(caches, "lossless", {}, (0, 1100), 256)
     spans = [BlockSpan(i, a, min(1100, a + 256), b"") for i, a in enumerate(range(0, 1100, 256))]
     records = encoder(spans)
@@ -177,12 +185,7 @@ def _store_round_trips() -> bool:
     print(f"page route tried: {route} (spans copied to the device: {cuda_pages.STAGE_SPANS})")
     print(f"decoded rows joined on the device by one kernel: {cuda_pages.joins_proven()}")
 
-    caches = []
-    for i in range(2):
-        cache = KVCache()
-        rows = mx.random.normal((1, 8, 600, 128), key=mx.random.key(i)).astype(mx.bfloat16)
-        cache.update_and_fetch(rows, rows * 2)
-        caches.append(cache)
+    caches = _bf16_caches(2, 600)
     mx.eval([c.keys for c in caches])
     tokens = np.arange(600, dtype=np.uint32)
     ok = True
