@@ -99,3 +99,19 @@ def test_a_record_with_a_tensor_not_known_as_a_cut_is_left_alone(missing):
         cuts[id(tensor)] = (object(), *cuts[id(tensor)][1:])
     payloads = stacked_payloads(plans, of(cuts))
     assert [p is None for p in payloads] == [True, True, True]  # block 0's run ends at 1
+
+
+def test_pieces_of_one_shape_back_to_back_are_copied_once_into_place():
+    """A lossless model's keys and values: each whole tensor's rows copied straight into
+    place (one copy, not two); the bytes are the same."""
+    from kvstore.codecs import stacked_payloads as module
+
+    layers = [{"keys": t["keys"], "values": t["values"]} for t in wholes()]
+    plans, cuts = cut_plans(layers, [0, 16, 32])
+    cut_list = [of(cuts)(tensor) for tensor, _ in plans[0].tensors]
+    assert module._same_pieces(plans[0], cut_list) is not None
+    payloads = stacked_payloads(plans, of(cuts))
+    assert [as_bytes(p) for p in payloads] == [as_bytes(device_payload(p)) for p in plans]
+    mixed, mixed_cuts = cut_plans(wholes(), [0, 16])  # a side tensor of another shape
+    mixed_list = [of(mixed_cuts)(tensor) for tensor, _ in mixed[0].tensors]
+    assert module._same_pieces(mixed[0], mixed_list) is None
