@@ -127,8 +127,8 @@ def _same_pieces(first: RecordPlan, cuts: list[Cut]) -> Callable[[int], list[mx.
     back (a lossless model's keys and values): one copy of each whole tensor's rows
     straight into place (:func:`mx.stack` of their record-order views), where the
     general route copies them into record order and then again into place. On the CI
-    VM's CPU, a 4096-token 32-layer llama-8B's 16 blocks: 200-290 ms against 360-420
-    (two copies) and 430-570 record by record."""
+    VM's CPU, a 2048-token 32-layer llama-8B's 8 blocks: 256-349 ms against 616-712
+    with two copies, and 256-385 record by record."""
     shapes = [
         (whole.shape[0], whole.shape[1], b - a, whole.shape[3] * whole.dtype.size)
         for whole, a, b in cuts
