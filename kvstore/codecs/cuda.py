@@ -90,11 +90,10 @@ _CU_MEMHOSTREGISTER_READ_ONLY = 0x08
 _CU_STREAM_NON_BLOCKING = 0x01
 #: Threads per copy kernel launch (and per block): enough to saturate PCIe.
 _GRID, _BLOCK = 1024 * 256, 256
-#: Bytes a download launch copies, each piece evaluated before the next is launched;
-#: 0 (the default): an array in one launch. A decode step overlapping a save's
-#: download ran 3-4x slower on an H100, whatever the launch's thread count
-#: (tools/bench/results/gpu/savestall-h100/); ``KVSTORE_CUDA_DOWNLOAD_PIECE_MIB`` sets
-#: pieces for the device to say whether shorter launches spare it.
+#: Bytes a ``kernel``-route download launch copies, each piece evaluated before the next
+#: is launched; 0 (the default): an array in one launch. 4 MiB pieces on an H100 made the
+#: download 76-93 ms against 41-53 and spared the decode step beside it nothing
+#: (tools/bench/results/gpu/ba12939-h100/run1/save-stall-4096-piece4.txt).
 DOWNLOAD_PIECE = mib_from_env("KVSTORE_CUDA_DOWNLOAD_PIECE_MIB", 0)
 #: How a save's payloads cross to its pinned arena (``KVSTORE_CUDA_DOWNLOAD_ROUTE``):
 #: ``copy`` (the default), the copy engine (``cuMemcpyDtoHAsync``), no kernel and no
