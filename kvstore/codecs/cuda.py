@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import logging
 import math
 import mmap
 import queue
@@ -53,6 +54,8 @@ from kvstore.cuda_kernel import Kernel, cuda_kernel
 from kvstore.devices import default_is_cuda
 from kvstore.knobs import choice_from_env, count_from_env, mib_from_env, switch_from_env
 from kvstore.threads import KeptPool, cores
+
+log = logging.getLogger("kvstore.cuda")
 
 __all__ = [
     "LeafSpec",
@@ -635,8 +638,11 @@ class KernelTransport:
                 f"16-byte boundary."
             )
         if DOWNLOAD_ROUTE == "copy":
-            self.copy_down(self.addresses([array])[0], slot, offset, nbytes)
-            return
+            try:
+                self.copy_down(self.addresses([array])[0], slot, offset, nbytes)
+                return
+            except (OSError, RuntimeError) as exc:  # the kernel then, from now on
+                give_up_copy_route(exc)
         for start, n in download_pieces(nbytes, DOWNLOAD_PIECE):
             words = [slot.device_pointer + offset + start, n, start]
             (done,) = self._download(
@@ -943,12 +949,29 @@ def download_later(
         return None
     staging = transport()
     flats = [a.reshape(-1).view(mx.uint8) for a in arrays]
-    addresses = staging.addresses(flats)
+    try:
+        addresses = staging.addresses(flats)
+    except (OSError, RuntimeError) as exc:  # this save, and the later ones, by the kernel
+        give_up_copy_route(exc)
+        return None
 
     def fetch(i: int) -> None:  # holds ``flats`` (their memory is read) while it lives
-        staging.copy_down(addresses[i], slot, offsets[i], int(flats[i].nbytes))
+        try:
+            staging.copy_down(addresses[i], slot, offsets[i], int(flats[i].nbytes))
+        except (OSError, RuntimeError) as exc:  # this save fails; the next ones by the kernel
+            give_up_copy_route(exc)
+            raise
 
     return fetch
+
+
+def give_up_copy_route(exc: BaseException) -> None:
+    """The ``copy`` route failed here (a driver without the call, a copy refused): this
+    process downloads by the kernel from now on (:data:`DOWNLOAD_ROUTE`), said once."""
+    global DOWNLOAD_ROUTE
+    if DOWNLOAD_ROUTE == "copy":
+        DOWNLOAD_ROUTE = "kernel"
+        log.warning("kvstore: the copy engine's download failed (%s); saves use the kernel", exc)
 
 
 def new_buffer(nbytes: int) -> PinnedBuffer:

@@ -50,6 +50,8 @@ class HostTransport:
         #: copied each down (:meth:`copy_down`).
         self.device_arrays: dict[int, np.ndarray] = {}
         self.copied_on: list[str] = []
+        #: Make the ``copy`` route's calls fail, as a driver that refuses them would.
+        self.refuse_addresses = self.refuse_copies = False
 
     def slot(self, nbytes: int) -> cuda.PinnedBuffer:
         made = cuda.PinnedBuffer(nbytes, None)
@@ -75,6 +77,8 @@ class HostTransport:
         slot.array[offset : offset + data.nbytes] = data
 
     def addresses(self, arrays) -> list[int]:
+        if self.refuse_addresses:
+            raise RuntimeError("[cuda] the address kernel failed.")
         out = []
         for array in arrays:
             data = np.asarray(array)
@@ -84,6 +88,8 @@ class HostTransport:
         return out
 
     def copy_down(self, address: int, slot: cuda.PinnedBuffer, offset: int, nbytes: int) -> None:
+        if self.refuse_copies:
+            raise RuntimeError("[cuda] cuMemcpyDtoHAsync failed with CUresult 700.")
         data = self.device_arrays[address]
         assert nbytes == data.nbytes and offset + nbytes <= slot.nbytes
         slot.array[offset : offset + nbytes] = data
@@ -621,3 +627,46 @@ def test_by_default_a_gpu_save_builds_each_records_payload_on_its_own(staged, mo
 
     records = encoder([BlockSpan(i, a, a + 16, b"") for i, a in enumerate(range(0, 48, 16))])
     assert len(records) == 3 and called == []
+
+
+def _large_caches():
+    from kvstore.caches import KVCache
+
+    caches = []
+    for layer in range(3):
+        cache = KVCache()
+        rows = mx.random.normal((1, 8, 1100, 128), key=mx.random.key(layer)).astype(mx.bfloat16)
+        cache.update_and_fetch(rows, rows * 2)  # 13 MiB in all: the pool's route
+        caches.append(cache)
+    return caches
+
+
+def test_a_refused_copy_fails_that_save_alone_and_later_saves_take_the_kernel(
+    tmp_path, staged, monkeypatch, caplog
+):
+    monkeypatch.setattr(cuda, "DOWNLOAD_ROUTE", "copy")
+    staged.refuse_copies = True
+    caches = _large_caches()
+    tokens = list(range(1, 1101))
+    with open_store(f"lmdb://{tmp_path / 's'}", block_size=256) as store:
+        with caplog.at_level("WARNING", logger="kvstore.cuda"):
+            with pytest.raises(RuntimeError, match="cuMemcpyDtoHAsync failed"):
+                store.save("ns", tokens, caches)
+        assert store.lookup("ns", tokens).tokens == 0  # nothing of it stored
+        assert cuda.DOWNLOAD_ROUTE == "kernel"
+        assert "saves use the kernel" in caplog.text
+        downloads = staged.downloads
+        store.save("ns", tokens, caches)
+        assert staged.downloads > downloads and store.lookup("ns", tokens).tokens == 1099
+
+
+def test_a_refused_address_kernel_downloads_that_save_by_the_kernel(staged, monkeypatch):
+    from kvstore.abc.store import PendingRecord
+
+    monkeypatch.setattr(cuda, "DOWNLOAD_ROUTE", "copy")
+    staged.refuse_addresses = True
+    layers = _large_layers()
+    records = write_records([plan_record(layer) for layer in layers], pending=True)
+    got = [bytes(r.result() if isinstance(r, PendingRecord) else r) for r in records]
+    assert got == [encode_record(layer) for layer in layers]
+    assert cuda.DOWNLOAD_ROUTE == "kernel" and staged.copied_on == []
