@@ -27,6 +27,23 @@ def pending(records, *, bound_extra=0):
     return out
 
 
+def one_replaced(plain, index, *, result=None, error=None, bound=None):
+    """``plain``'s records, pending, with record ``index`` replaced by one whose write
+    gives ``result`` or raises ``error`` (its bound: ``bound``, else the one it replaces)."""
+
+    def encode(spans):
+        records = pending(plain(spans))
+        future: Future = Future()
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(result)
+        records[index] = PendingRecord(future, bound or records[index].nbytes_bound)
+        return records
+
+    return encode
+
+
 def test_pending_records_are_stored_as_the_finished_ones(store):
     tokens = list(range(30, 50))
     plain = encoder_for(tokens)
@@ -86,14 +103,7 @@ def test_the_commit_puts_each_record_before_waiting_for_the_next(store):
 def test_a_record_whose_write_failed_fails_the_save_and_stores_nothing(store):
     tokens = list(range(7, 19))
     plain = encoder_for(tokens)
-
-    def encode(spans):
-        records = pending(plain(spans))
-        broken: Future = Future()
-        broken.set_exception(OSError("the pool's copy failed"))
-        records[-1] = PendingRecord(broken, records[-1].nbytes_bound)
-        return records
-
+    encode = one_replaced(plain, -1, error=OSError("the pool's copy failed"))
     with pytest.raises(OSError, match="the pool's copy failed"):
         store.put_blocks(NS, tokens, encode)
     assert store.lookup(NS, tokens).tokens == 0
@@ -104,15 +114,7 @@ def test_a_record_whose_write_failed_fails_the_save_and_stores_nothing(store):
 
 def test_a_pending_record_that_is_not_a_contiguous_buffer_is_refused_at_the_put(store):
     tokens = list(range(5, 13))
-    plain = encoder_for(tokens)
-
-    def encode(spans):
-        records = pending(plain(spans))
-        strided: Future = Future()
-        strided.set_result(np.zeros(64, np.uint8)[::2])
-        records[0] = PendingRecord(strided, 32)
-        return records
-
+    encode = one_replaced(encoder_for(tokens), 0, result=np.zeros(64, np.uint8)[::2], bound=32)
     with pytest.raises(StoreConfigError, match="C-contiguous"):
         store.put_blocks(NS, tokens, encode)
     assert store.lookup(NS, tokens).tokens == 0
