@@ -267,13 +267,13 @@ case "$step" in
     for f in "$out"/save-stall-*.txt; do echo "== $f"; grep -E "^Device|^save|download:" "$f"; done ;;
   stacked)
     # check.py (a save behind's records, payloads stacked, == encode_record), then G3 at
-    # both lengths with a run of blocks' payloads built together, G3 at
-    # 4096 built record by record (the default), and save_stall.py at 4096 stacked.
+    # both lengths with a run of blocks' payloads built together, G3 at both lengths
+    # built record by record (the default), and save_stall.py at 4096 stacked.
     timeout 120 python3 tools/bench/gpu/check.py > "$out/check.txt" 2>&1; head -5 "$out/check.txt"
     KVSTORE_CUDA_SAVE_PAYLOADS=stacked KVSTORE_BENCH_GIT=$rev CHECK_TIMEOUT=1 BENCH_TIMEOUT=200 \
       bash tools/bench/gpu/run.sh G3 "$out/g3-stacked" > /dev/null 2>&1
     echo "== stacked"; grep -E "llama8b" "$out/g3-stacked/bench-table.txt"
-    KVSTORE_CUDA_SAVE_PAYLOADS=record KVSTORE_BENCH_GPU_TOKENS=4096 KVSTORE_BENCH_GIT=$rev CHECK_TIMEOUT=1 BENCH_TIMEOUT=120 \
+    KVSTORE_CUDA_SAVE_PAYLOADS=record KVSTORE_BENCH_GIT=$rev CHECK_TIMEOUT=1 BENCH_TIMEOUT=200 \
       bash tools/bench/gpu/run.sh G3 "$out/g3-unstacked" > /dev/null 2>&1
     echo "== unstacked"; grep -E "llama8b" "$out/g3-unstacked/bench-table.txt"
     KVSTORE_CUDA_SAVE_PAYLOADS=stacked timeout 100 python3 tools/bench/gpu/save_stall.py --tokens 4096 \
