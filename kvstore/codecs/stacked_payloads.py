@@ -15,8 +15,9 @@ Where every piece has one shape in bytes and they lie back to back (a lossless m
 keys and values), each whole tensor's rows go straight into place instead, one copy of
 every byte, not two. The bytes are those :func:`device_payload` makes, piece for piece.
 
-Opt-in (``KVSTORE_CUDA_SAVE_PAYLOADS=stacked``, :mod:`kvstore.store.kv.save`): with two
-copies a G3 save took 9-11 % longer on an H100 (``results/gpu/ffbfa55-h100/``).
+Where the one copy does it, the default (``KVSTORE_CUDA_SAVE_PAYLOADS=auto``,
+:mod:`kvstore.store.kv.save`); with two copies a G3 save took 9-11 % longer on an H100
+(``results/gpu/ffbfa55-h100/``), so the other layouts stack only under ``stacked``.
 """
 
 from __future__ import annotations
@@ -36,25 +37,40 @@ __all__ = ["Cut", "stacked_payloads"]
 Cut = tuple[mx.array, int, int]
 
 
+#: The most payload bytes one run stacks into one device array: a 16384-token llama-8B
+#: save is 2 GiB, and one array of it is one allocation the size of the save (the
+#: decode step beside its first use ran 242 ms on an H100, ``results/gpu/728fe43-h100``);
+#: runs of this size are arrays MLX's buffer cache keeps for the next save.
+RUN_BYTES = 256 << 20
+
+
 def stacked_payloads(
-    plans: Sequence[RecordPlan], cut_of: Callable[[Any], Cut | None]
+    plans: Sequence[RecordPlan],
+    cut_of: Callable[[Any], Cut | None],
+    *,
+    one_copy_only: bool = False,
 ) -> list[mx.array | None]:
     """Each plan's payload (lazy uint8, as ``device_payload`` makes it) where it belongs
     to a run of at least two records cut alike from the same whole tensors, block after
-    block; ``None`` for the others (built one by one)."""
+    block (at most :data:`RUN_BYTES` a run); ``None`` for the others (built one by one).
+    With ``one_copy_only``, only runs whose pieces take one copy (:func:`_same_pieces`)."""
     out: list[mx.array | None] = [None] * len(plans)
     i = 0
     while i < len(plans):
         cuts = _cuts(plans[i], cut_of)
+        most = max(1, RUN_BYTES // max(1, plans[i].payload_nbytes))
         end = i + 1
         while (
             cuts is not None
+            and end - i < most
             and end < len(plans)
             and _follows(plans[end], plans[i], cuts, end - i, cut_of)
         ):
             end += 1
         if cuts is not None and end - i >= 2:
-            out[i:end] = _stacked(plans[i], cuts, end - i)
+            built = _stacked(plans[i], cuts, end - i, one_copy_only=one_copy_only)
+            if built is not None:
+                out[i:end] = built
         i = end
     return out
 
@@ -98,10 +114,14 @@ def _follows(
     return True
 
 
-def _stacked(first: RecordPlan, cuts: list[Cut], count: int) -> list[mx.array]:
+def _stacked(
+    first: RecordPlan, cuts: list[Cut], count: int, *, one_copy_only: bool
+) -> list[mx.array] | None:
     same = _same_pieces(first, cuts)
     if same is not None:
         return same(count)
+    if one_copy_only:
+        return None
     pieces: list[mx.array] = []
     end = 0
     for (tensor, offset), (whole, a, b) in zip(first.tensors, cuts, strict=True):

@@ -569,14 +569,16 @@ def test_in_use_asks_nothing_of_the_device(monkeypatch):
     assert not cuda.in_use()
 
 
+@pytest.mark.parametrize("mode", ["stacked", "auto"])
 @pytest.mark.parametrize("encoder_kind", ["save", "handed off"])
 @pytest.mark.parametrize("policy", ["lossless", "kv:quant:8:64"])
 def test_a_gpu_saves_blocks_cut_alike_get_stacked_payloads_and_encode_records_bytes(
-    staged, monkeypatch, encoder_kind, policy
+    staged, monkeypatch, encoder_kind, policy, mode
 ):
     """KVSTORE_CUDA_SAVE_PAYLOADS=stacked: on a GPU a save's blocks cut from the same
     whole ranges get their payloads a run at a time (kvstore.codecs.stacked_payloads):
-    the records are encode_record's."""
+    the records are encode_record's. Under ``auto`` only the runs one copy builds
+    (lossless keys and values; not a quantized layout's pieces of several shapes)."""
     from kvstore.abc.store import BlockSpan, PendingRecord
     from kvstore.caches import KVCache
     from kvstore.store.kv import save as save_module
@@ -595,12 +597,12 @@ def test_a_gpu_saves_blocks_cut_alike_get_stacked_payloads_and_encode_records_by
     stacked: list[list] = []
     real = save_module.stacked_payloads
 
-    def spied(plans, cut_of):
-        stacked.append(real(plans, cut_of))
+    def spied(plans, cut_of, **kw):
+        stacked.append(real(plans, cut_of, **kw))
         return stacked[-1]
 
     monkeypatch.setattr(save_module, "stacked_payloads", spied)
-    monkeypatch.setattr(save_module, "SAVE_PAYLOADS", "stacked")
+    monkeypatch.setattr(save_module, "SAVE_PAYLOADS", mode)
     spans = [BlockSpan(i, a, min(56, a + 16), b"") for i, a in enumerate(range(0, 56, 16))]
     records = encoder(spans)
     got = [bytes(r.result() if isinstance(r, PendingRecord) else r) for r in records]
@@ -608,15 +610,18 @@ def test_a_gpu_saves_blocks_cut_alike_get_stacked_payloads_and_encode_records_by
     if encoder_kind == "save" and policy != "lossless":
         # A policy's encoding block by block (a save encodes no stored rows): no cuts.
         assert stacked == []
+    elif mode == "auto" and policy != "lossless":  # quantized pieces: two copies
+        assert [p is None for p in stacked[0]] == [True] * 4
     else:  # three blocks of 16 rows in one run; the 8-row tail on its own
         assert [p is None for p in stacked[0]] == [False, False, False, True]
 
 
-def test_by_default_a_gpu_save_builds_each_records_payload_on_its_own(staged, monkeypatch):
+def test_under_record_a_gpu_save_builds_each_records_payload_on_its_own(staged, monkeypatch):
     from kvstore.caches import KVCache
     from kvstore.store.kv import save as save_module
 
-    assert save_module.SAVE_PAYLOADS == "record"
+    assert save_module.SAVE_PAYLOADS == "auto"  # the default
+    monkeypatch.setattr(save_module, "SAVE_PAYLOADS", "record")
     called = []
     monkeypatch.setattr(save_module, "stacked_payloads", lambda *a: called.append(a))
     cache = KVCache()

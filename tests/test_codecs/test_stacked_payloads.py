@@ -115,3 +115,34 @@ def test_pieces_of_one_shape_back_to_back_are_copied_once_into_place():
     mixed, mixed_cuts = cut_plans(wholes(), [0, 16])  # a side tensor of another shape
     mixed_list = [of(mixed_cuts)(tensor) for tensor, _ in mixed[0].tensors]
     assert module._same_pieces(mixed[0], mixed_list) is None
+
+
+def test_one_copy_only_stacks_the_runs_of_one_shape_and_leaves_the_rest():
+    """``KVSTORE_CUDA_SAVE_PAYLOADS=auto``: a run whose pieces take two copies (a side
+    tensor of another shape) is left to device_payload; a lossless run is stacked."""
+    mixed, mixed_cuts = cut_plans(wholes(), [0, 16, 32])
+    assert stacked_payloads(mixed, of(mixed_cuts), one_copy_only=True) == [None] * 3
+    layers = [{"keys": t["keys"], "values": t["values"]} for t in wholes()]
+    plans, cuts = cut_plans(layers, [0, 16, 32])
+    payloads = stacked_payloads(plans, of(cuts), one_copy_only=True)
+    assert [as_bytes(p) for p in payloads] == [as_bytes(device_payload(p)) for p in plans]
+
+
+def test_a_run_stops_at_run_bytes_and_the_next_run_starts_there(monkeypatch):
+    from kvstore.codecs import stacked_payloads as module
+
+    plans, cuts = cut_plans(wholes(), [0, 16, 32, 48])
+    runs = []
+    real = module._stacked
+
+    def spied(first, cut_list, count, **kw):
+        runs.append(count)
+        return real(first, cut_list, count, **kw)
+
+    monkeypatch.setattr(module, "_stacked", spied)
+    monkeypatch.setattr(module, "RUN_BYTES", 2 * plans[0].payload_nbytes)
+    payloads = stacked_payloads(plans, of(cuts))
+    assert runs == [2, 2]
+    assert [as_bytes(p) for p in payloads] == [as_bytes(device_payload(p)) for p in plans]
+    monkeypatch.setattr(module, "RUN_BYTES", plans[0].payload_nbytes)  # one a run: none
+    assert stacked_payloads(plans, of(cuts)) == [None] * 4

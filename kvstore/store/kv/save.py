@@ -54,14 +54,15 @@ from kvstore.store.kv.policy import apply_policy, stored_signature
 __all__ = ["save_caches", "check_caches", "BlockEncoder", "Captured"]
 
 #: How a save's payloads are built on a CUDA GPU (``KVSTORE_CUDA_SAVE_PAYLOADS``):
-#: ``record`` (the default), each record's on its own (a few kernels per tensor piece,
-#: ~2000 for a 4096-token llama-8B save); ``stacked``, a run of blocks cut alike a run at
-#: a time (:mod:`kvstore.codecs.stacked_payloads`). On two H100 hosts ``stacked`` held
-#: the saving thread 12-13 ms where ``record`` held it 35-39, and the longest decode step
-#: during a save fell from 31-32 to 18-23 ms, but the save took 9-11 % longer (and a
-#: ``kv:quant:8:64`` save 34-45 %): tools/bench/results/gpu/ffbfa55-h100/. A server that
-#: values its inter-token latency over its save's throughput may choose it.
-SAVE_PAYLOADS = choice_from_env("KVSTORE_CUDA_SAVE_PAYLOADS", ("record", "stacked"), "record")
+#: ``record``, each record's on its own (a few kernels per tensor piece, ~2000 for a
+#: 4096-token llama-8B save); ``stacked``, a run of blocks cut alike a run at a time
+#: (:mod:`kvstore.codecs.stacked_payloads`); ``auto`` (the default), stacked where one
+#: copy of each byte does it (a lossless model's keys and values), record by record
+#: otherwise. Stacked, a 4096-token save on an H100 took 292 ms where record by record
+#: took 345, and the longest decode step beside it 17 ms where it took 33; where the
+#: pieces take two copies (``kv:quant:8:64``) it took 11-45 % longer
+#: (tools/bench/results/gpu/728fe43-h100/, ffbfa55-h100/).
+SAVE_PAYLOADS = choice_from_env("KVSTORE_CUDA_SAVE_PAYLOADS", ("auto", "record", "stacked"), "auto")
 
 #: Snapshots taken during prefill: ``(layer, block start) -> Snapshot`` of a whole block;
 #: for a recurrent layer ``(layer, position) -> `` its checkpoint there (``start == stop``).
@@ -168,7 +169,11 @@ class BlockEncoder:
             layers = self.layers(s.start, s.stop, checkpoint=s.checkpoint)
             plans.append(plan_record(layers, like=plans[-1] if plans else None))
         # On a GPU, the payloads of blocks cut alike in a few kernels, not a few per piece.
-        payloads = stacked_payloads(plans, self._cut_of) if self._cuts else None
+        payloads = (
+            stacked_payloads(plans, self._cut_of, one_copy_only=SAVE_PAYLOADS == "auto")
+            if self._cuts
+            else None
+        )
         return write_records(plans, pending=True, payloads=payloads)
 
     def _cut_of(self, tensor: Any) -> Cut | None:
@@ -270,12 +275,12 @@ class BlockEncoder:
 
 
 def _cuts_rows(codec: GrowingKVCodec) -> bool:
-    """Under ``KVSTORE_CUDA_SAVE_PAYLOADS=stacked`` on a CUDA GPU, whether ``codec.slice``
+    """Unless ``KVSTORE_CUDA_SAVE_PAYLOADS=record``, on a CUDA GPU, whether ``codec.slice``
     returns each of its tensors as the snapshot's tensor cut on axis 2 and nothing else
     (a growing family that changes neither step): what :func:`stacked_payloads` relies on."""
     kind = type(codec)
     return (
-        SAVE_PAYLOADS == "stacked"
+        SAVE_PAYLOADS != "record"
         and kind.slice is GrowingKVCodec.slice
         and kind.sliced is GrowingKVCodec.sliced
         and cuda.available()

@@ -71,7 +71,7 @@ def main() -> int:
     print(f"records via the arena == encode_record: {ok}", flush=True)
     from kvstore.store.kv import save
 
-    for payloads in ("record", "stacked"):
+    for payloads in ("auto", "record", "stacked"):
         save.SAVE_PAYLOADS, chosen = payloads, save.SAVE_PAYLOADS
         ok = _handed_off_records_ok()
         save.SAVE_PAYLOADS = chosen

@@ -93,9 +93,11 @@
 #                overlapping the records' download runs 3-4x slower); then at 4096 with the
 #                download in pieces of $PIECES MiB (default 4): ~250 s
 # STEP stacked   check.py, then G3 at both lengths with a run of blocks' payloads built
-#                together (KVSTORE_CUDA_SAVE_PAYLOADS=stacked), at 4096 record by record
-#                (record, the default), and save_stall.py at 4096 stacked
-#                (results/gpu/ffbfa55-h100: stacked stalls the steps less, saves slower): ~200 s
+#                together (KVSTORE_CUDA_SAVE_PAYLOADS=stacked), at both lengths record by
+#                record, and save_stall.py at 4096 stacked
+#                (results/gpu/ffbfa55-h100, 728fe43-h100): ~330 s
+# STEP autopay   check.py, then G3 at both lengths record by record, then under the
+#                default (auto: lossless runs stacked, RUN_BYTES a run at most): ~230 s
 # STEP g3routes  G3 at both lengths, the download by a kernel, then by the copy engine: ~160 s
 # STEP pipeline  save_pipeline.py with a 4096-token llama-8B save's 512 MiB (16 records of 32 MiB):
 #                every record written, then put and committed, against each put as it is
@@ -279,6 +281,16 @@ case "$step" in
     KVSTORE_CUDA_SAVE_PAYLOADS=stacked timeout 100 python3 tools/bench/gpu/save_stall.py --tokens 4096 \
       --saves 4 > "$out/save-stall-4096.txt" 2>&1
     grep -E "^Device|^save|write_records|lmdb" "$out/save-stall-4096.txt" ;;
+  autopay)
+    # check.py, then G3 at both lengths with each record's payload built on its own, then
+    # with the default (auto: the lossless runs stacked, at most RUN_BYTES a run).
+    timeout 120 python3 tools/bench/gpu/check.py > "$out/check.txt" 2>&1; head -6 "$out/check.txt"
+    for payloads in record auto; do
+      KVSTORE_CUDA_SAVE_PAYLOADS=$payloads KVSTORE_BENCH_GIT=$rev CHECK_TIMEOUT=1 BENCH_TIMEOUT=200 \
+        bash tools/bench/gpu/run.sh G3 "$out/g3-$payloads" > /dev/null 2>&1
+      echo "== $payloads"; grep -E "llama8b" "$out/g3-$payloads/bench-table.txt"
+      rm -f "$out/g3-$payloads/gpu-check.txt"
+    done ;;
   g3routes)
     # G3 at both lengths with the download by a kernel (the default) and by the copy engine.
     for route in kernel copy; do
