@@ -35,7 +35,8 @@ def describe(run: list[list[float]]) -> str:
     gaps = ", ".join(f"{x:.1f}" for x in between[:5])
     line = (
         f"  {len(run)} calls, {generated} tokens, {(run[-1][1] - run[0][0]) * 1e3:.0f} ms: "
-        f"inside next median {statistics.median(inside):.2f} ms (first {first})"
+        f"inside next median {statistics.median(inside):.2f} ms (first {first}; "
+        f"longest {max(inside):.1f} at call {inside.index(max(inside)) + 1})"
     )
     if between:
         line += f"; between calls median {statistics.median(between):.2f} ms (first {gaps}), "
