@@ -43,6 +43,9 @@ Cut = tuple[mx.array, int, int]
 #: runs of this size are arrays MLX's buffer cache keeps for the next save.
 RUN_BYTES = 256 << 20
 
+#: The most payload bytes of one save stacked; the rest are built record by record.
+SAVE_BYTES = 1 << 62
+
 
 def stacked_payloads(
     plans: Sequence[RecordPlan],
@@ -55,10 +58,11 @@ def stacked_payloads(
     block (at most :data:`RUN_BYTES` a run); ``None`` for the others (built one by one).
     With ``one_copy_only``, only runs whose pieces take one copy (:func:`_same_pieces`)."""
     out: list[mx.array | None] = [None] * len(plans)
+    left = SAVE_BYTES
     i = 0
     while i < len(plans):
         cuts = _cuts(plans[i], cut_of)
-        most = max(1, RUN_BYTES // max(1, plans[i].payload_nbytes))
+        most = max(1, min(RUN_BYTES, left) // max(1, plans[i].payload_nbytes))
         end = i + 1
         while (
             cuts is not None
@@ -71,6 +75,7 @@ def stacked_payloads(
             built = _stacked(plans[i], cuts, end - i, one_copy_only=one_copy_only)
             if built is not None:
                 out[i:end] = built
+                left -= (end - i) * plans[i].payload_nbytes
         i = end
     return out
 
