@@ -38,13 +38,10 @@ Cut = tuple[mx.array, int, int]
 
 
 #: The most payload bytes one run stacks into one device array: a 16384-token llama-8B
-#: save is 2 GiB, and one array of it is one allocation the size of the save (the
-#: decode step beside its first use ran 242 ms on an H100, ``results/gpu/728fe43-h100``);
-#: runs of this size are arrays MLX's buffer cache keeps for the next save.
+#: save is 2 GiB, and one array of it would be one allocation the size of the save;
+#: runs of this size are arrays MLX's buffer cache keeps for the next save (on an H100,
+#: 32 MiB runs and 256 MiB runs saved alike: ``results/gpu/4ac01ae-h100/``).
 RUN_BYTES = 256 << 20
-
-#: The most payload bytes of one save stacked; the rest are built record by record.
-SAVE_BYTES = 1 << 62
 
 
 def stacked_payloads(
@@ -58,11 +55,10 @@ def stacked_payloads(
     block (at most :data:`RUN_BYTES` a run); ``None`` for the others (built one by one).
     With ``one_copy_only``, only runs whose pieces take one copy (:func:`_same_pieces`)."""
     out: list[mx.array | None] = [None] * len(plans)
-    left = SAVE_BYTES
     i = 0
     while i < len(plans):
         cuts = _cuts(plans[i], cut_of)
-        most = max(1, min(RUN_BYTES, left) // max(1, plans[i].payload_nbytes))
+        most = max(1, RUN_BYTES // max(1, plans[i].payload_nbytes))
         end = i + 1
         while (
             cuts is not None
@@ -75,7 +71,6 @@ def stacked_payloads(
             built = _stacked(plans[i], cuts, end - i, one_copy_only=one_copy_only)
             if built is not None:
                 out[i:end] = built
-                left -= (end - i) * plans[i].payload_nbytes
         i = end
     return out
 

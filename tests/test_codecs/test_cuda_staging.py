@@ -616,22 +616,39 @@ def test_a_gpu_saves_blocks_cut_alike_get_stacked_payloads_and_encode_records_by
         assert [p is None for p in stacked[0]] == [False, False, False, True]
 
 
-def test_under_record_a_gpu_save_builds_each_records_payload_on_its_own(staged, monkeypatch):
+@pytest.mark.parametrize("case", ["record", "auto, a save over AUTO_STACKED_BYTES", "auto"])
+def test_a_gpu_save_stacks_unless_record_or_too_large_under_auto(staged, monkeypatch, case):
+    """Under ``record`` each record's payload is built on its own; under ``auto`` (the
+    default) too where the save's payloads pass AUTO_STACKED_BYTES (a 2 GiB save stacked
+    stalled a decode step beside it on an H100); else a lossless save stacks."""
+    from kvstore.abc.store import BlockSpan, PendingRecord
     from kvstore.caches import KVCache
     from kvstore.store.kv import save as save_module
 
     assert save_module.SAVE_PAYLOADS == "auto"  # the default
-    monkeypatch.setattr(save_module, "SAVE_PAYLOADS", "record")
+    if case == "record":
+        monkeypatch.setattr(save_module, "SAVE_PAYLOADS", "record")
+    elif case != "auto":  # three records of 8 KiB
+        monkeypatch.setattr(save_module, "AUTO_STACKED_BYTES", 3 * 8192 - 1)
     called = []
-    monkeypatch.setattr(save_module, "stacked_payloads", lambda *a: called.append(a))
+    real = save_module.stacked_payloads
+    monkeypatch.setattr(
+        save_module,
+        "stacked_payloads",
+        lambda *a, **kw: called.append(real(*a, **kw)) or called[-1],
+    )
     cache = KVCache()
     rows = mx.random.normal((1, 2, 48, 64)).astype(mx.bfloat16)
     cache.update_and_fetch(rows, rows)
     encoder = save_module.BlockEncoder([cache], "lossless", {}, 48)
-    from kvstore.abc.store import BlockSpan
-
-    records = encoder([BlockSpan(i, a, a + 16, b"") for i, a in enumerate(range(0, 48, 16))])
-    assert len(records) == 3 and called == []
+    spans = [BlockSpan(i, a, a + 16, b"") for i, a in enumerate(range(0, 48, 16))]
+    records = encoder(spans)
+    got = [bytes(r.result() if isinstance(r, PendingRecord) else r) for r in records]
+    assert got == [encode_record(encoder.layers(s.start, s.stop)) for s in spans]
+    if case == "auto":
+        assert [p is None for p in called[0]] == [False] * 3
+    else:
+        assert called == []
 
 
 def _large_caches():

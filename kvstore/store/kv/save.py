@@ -57,12 +57,19 @@ __all__ = ["save_caches", "check_caches", "BlockEncoder", "Captured"]
 #: ``record``, each record's on its own (a few kernels per tensor piece, ~2000 for a
 #: 4096-token llama-8B save); ``stacked``, a run of blocks cut alike a run at a time
 #: (:mod:`kvstore.codecs.stacked_payloads`); ``auto`` (the default), stacked where one
-#: copy of each byte does it (a lossless model's keys and values), record by record
-#: otherwise. Stacked, a 4096-token save on an H100 took 292 ms where record by record
-#: took 345, and the longest decode step beside it 17 ms where it took 33; where the
-#: pieces take two copies (``kv:quant:8:64``) it took 11-45 % longer
-#: (tools/bench/results/gpu/728fe43-h100/, ffbfa55-h100/).
+#: copy of each byte does it (a lossless model's keys and values) in a save of at most
+#: :data:`AUTO_STACKED_BYTES`, record by record otherwise. On H100 hosts
+#: (tools/bench/results/gpu/4ac01ae-h100/): a 4096-token save stacked took 276-292 ms
+#: where record by record took 324-345, and the longest decode step beside it 15-17 ms
+#: where it took 33-54; where the pieces take two copies (``kv:quant:8:64``) stacking
+#: took 11-45 % longer (ffbfa55-h100/).
 SAVE_PAYLOADS = choice_from_env("KVSTORE_CUDA_SAVE_PAYLOADS", ("auto", "record", "stacked"), "auto")
+
+#: Under ``auto``, the largest save (its payloads' bytes) stacked. A 16384-token (2 GiB)
+#: save stacked saved as fast as record by record but one decode step beside it took
+#: 176-251 ms where record by record the longest took 44-64, even with only its first
+#: 512 MiB stacked (4ac01ae-h100/, not traced); 512 MiB saves gained at every measure.
+AUTO_STACKED_BYTES = 1 << 30
 
 #: Snapshots taken during prefill: ``(layer, block start) -> Snapshot`` of a whole block;
 #: for a recurrent layer ``(layer, position) -> `` its checkpoint there (``start == stop``).
@@ -171,7 +178,7 @@ class BlockEncoder:
         # On a GPU, the payloads of blocks cut alike in a few kernels, not a few per piece.
         payloads = (
             stacked_payloads(plans, self._cut_of, one_copy_only=SAVE_PAYLOADS == "auto")
-            if self._cuts
+            if self._cuts and _stacks(plans)
             else None
         )
         return write_records(plans, pending=True, payloads=payloads)
@@ -272,6 +279,13 @@ class BlockEncoder:
         # every core.
         with spread_packed(stored_signature(snap.signature, self._policy, layer), layer):
             return apply_policy(snap, self._policy, layer)
+
+
+def _stacks(plans: Sequence[RecordPlan]) -> bool:
+    """Whether a save of ``plans`` has its payloads stacked (given its cuts are noted)."""
+    return SAVE_PAYLOADS == "stacked" or (
+        sum(plan.payload_nbytes for plan in plans) <= AUTO_STACKED_BYTES
+    )
 
 
 def _cuts_rows(codec: GrowingKVCodec) -> bool:
