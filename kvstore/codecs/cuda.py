@@ -72,10 +72,8 @@ __all__ = [
     "SEGMENT_WORDS",
     "upload",
     "download",
-    "download_pieces",
     "download_later",
     "DOWNLOAD_ROUTE",
-    "DOWNLOAD_PIECE",
     "slots_ready",
     "prepare_slots_later",
     "borrowed_slot",
@@ -93,11 +91,6 @@ _CU_MEMHOSTREGISTER_READ_ONLY = 0x08
 _CU_STREAM_NON_BLOCKING = 0x01
 #: Threads per copy kernel launch (and per block): enough to saturate PCIe.
 _GRID, _BLOCK = 1024 * 256, 256
-#: Bytes a ``kernel``-route download launch copies, each piece evaluated before the next
-#: is launched; 0 (the default): an array in one launch. 4 MiB pieces on an H100 made the
-#: download 76-93 ms against 41-53 and spared the decode step beside it nothing
-#: (tools/bench/results/gpu/ba12939-h100/run1/save-stall-4096-piece4.txt).
-DOWNLOAD_PIECE = mib_from_env("KVSTORE_CUDA_DOWNLOAD_PIECE_MIB", 0)
 #: How a save's payloads cross to its pinned arena (``KVSTORE_CUDA_DOWNLOAD_ROUTE``):
 #: ``copy`` (the default), the copy engine (``cuMemcpyDtoHAsync``), no kernel and no
 #: SM, each record on the pool thread that then hashes it (:func:`download_later`);
@@ -125,8 +118,11 @@ _COPY_BODY = """
 """
 #: Host (pinned, ``params[0]``) -> the new device array ``out``.
 _UPLOAD_SOURCE = _COPY_BODY.format(src="params[0]", dst="out", done="")
-#: Device array ``inp`` from its byte ``params[2]`` -> host (pinned, ``params[0]``).
-_DOWNLOAD_SOURCE = _COPY_BODY.format(src="inp + params[2]", dst="params[0]", done="done[0] = 1;")
+#: Device array ``inp`` -> host (pinned, ``params[0]``). In one launch: 4 MiB launches, each
+#: evaluated before the next, made a 4096-token save's download 76-93 ms against 41-53 on
+#: an H100 and spared the decode step beside it nothing
+#: (tools/bench/results/gpu/ba12939-h100/run1/save-stall-4096-piece4.txt).
+_DOWNLOAD_SOURCE = _COPY_BODY.format(src="inp", dst="params[0]", done="done[0] = 1;")
 #: The device address of ``inp``'s first byte (MLX hands none out), for the copy engine
 #: to read it from.
 _ADDRESS_SOURCE = """
@@ -569,15 +565,6 @@ class Transport(Protocol):
         ``dst_offset`` naming its array (:data:`OUTPUT_OFFSET_BITS`)."""
 
 
-def download_pieces(nbytes: int, piece: int) -> list[tuple[int, int]]:
-    """``(start, length)`` of each launch downloading ``nbytes``: pieces of ``piece``
-    bytes rounded down to 16 (the kernel's stores; 16 at least), or one (``piece`` 0)."""
-    if piece <= 0 or nbytes <= piece:
-        return [(0, nbytes)]
-    piece = max(16, piece - piece % 16)
-    return [(start, min(piece, nbytes - start)) for start in range(0, nbytes, piece)]
-
-
 def transport_kernels() -> dict[str, Kernel]:
     """:class:`KernelTransport`'s kernels by role (nothing compiles before a call)."""
     many = [f"out{i}" for i in range(GATHER_OUTPUTS)]
@@ -643,16 +630,15 @@ class KernelTransport:
                 return
             except (OSError, RuntimeError) as exc:  # the kernel then, from now on
                 give_up_copy_route(exc)
-        for start, n in download_pieces(nbytes, DOWNLOAD_PIECE):
-            words = [slot.device_pointer + offset + start, n, start]
-            (done,) = self._download(
-                inputs=[mx.array(np.array(words, np.uint64)), array],
-                output_shapes=[(1,)],
-                output_dtypes=[mx.uint32],
-                grid=(_GRID, 1, 1),
-                threadgroup=(_BLOCK, 1, 1),
-            )
-            mx.eval(done)
+        words = [slot.device_pointer + offset, nbytes]
+        (done,) = self._download(
+            inputs=[mx.array(np.array(words, np.uint64)), array],
+            output_shapes=[(1,)],
+            output_dtypes=[mx.uint32],
+            grid=(_GRID, 1, 1),
+            threadgroup=(_BLOCK, 1, 1),
+        )
+        mx.eval(done)
 
     def addresses(self, arrays: Sequence[mx.array]) -> list[int]:
         # A one-thread kernel reads each address (MLX hands none out); evaluating them

@@ -362,26 +362,6 @@ def test_records_downloaded_into_a_pinned_arena_equal_encoded_ones(staged):
     assert [bytes(r) for r in records] == [encode_record(layer) for layer in layers]
 
 
-@pytest.mark.parametrize(
-    "nbytes, piece, starts",
-    [
-        (100, 0, [0]),  # the default: one launch
-        (100, 100, [0]),
-        (100, 200, [0]),
-        (96, 32, [0, 32, 64]),
-        (100, 32, [0, 32, 64, 96]),  # the last piece shorter
-        (100, 40, [0, 32, 64, 96]),  # rounded down to the kernel's 16-byte stores
-        (100, 5, list(range(0, 100, 16))),  # 16 bytes at least
-    ],
-)
-def test_a_download_in_pieces_covers_every_byte_once_on_16_byte_boundaries(nbytes, piece, starts):
-    pieces = cuda.download_pieces(nbytes, piece)
-    assert [start for start, _ in pieces] == starts
-    assert all(start % 16 == 0 for start, _ in pieces)
-    ends = [start + n for start, n in pieces]
-    assert ends == [*starts[1:], nbytes]  # back to back, the last ends the array
-
-
 def test_large_records_hashed_on_the_pool_equal_encoded_ones(staged):
     """Over PARALLEL_MIN_BYTES the pool hashes the records whose payloads were downloaded
     into the pinned arena: the same bytes as encoded on the host."""

@@ -87,11 +87,10 @@
 #                4096- and a 16384-token llama-8B save's bytes), then G3 at both lengths: is
 #                G3's 0.456x at 16384 (ffd1c4c-h100) the host's disk? ~400 s
 # STEP savestall save_stall.py at 4096 tokens (4 saves) and 16384 (2), the download by a kernel
-#                (the default) and by the copy engine (KVSTORE_CUDA_DOWNLOAD_ROUTE=copy; its
+#                and by the copy engine (KVSTORE_CUDA_DOWNLOAD_ROUTE, copy the default; its
 #                records checked by check.py first): each decode step during a save behind,
 #                with the writer's parts it overlaps (results/gpu/savestall-h100: the step
-#                overlapping the records' download runs 3-4x slower); then at 4096 with the
-#                download in pieces of $PIECES MiB (default 4): ~250 s
+#                overlapping the records' download runs 3-4x slower): ~200 s
 # STEP stacked   check.py, then G3 at both lengths with a run of blocks' payloads built
 #                together (KVSTORE_CUDA_SAVE_PAYLOADS=stacked), at both lengths record by
 #                record, and save_stall.py at 4096 stacked
@@ -261,10 +260,6 @@ case "$step" in
         --saves 4 > "$out/save-stall-4096-$route.txt" 2>&1
       KVSTORE_CUDA_DOWNLOAD_ROUTE=$route timeout 130 python3 tools/bench/gpu/save_stall.py --tokens 16384 \
         --saves 2 > "$out/save-stall-16384-$route.txt" 2>&1
-    done
-    for mib in ${PIECES:-4}; do
-      KVSTORE_CUDA_DOWNLOAD_PIECE_MIB=$mib timeout 100 python3 tools/bench/gpu/save_stall.py --tokens 4096 \
-        --saves 4 > "$out/save-stall-4096-piece$mib.txt" 2>&1
     done
     for f in "$out"/save-stall-*.txt; do echo "== $f"; grep -E "^Device|^save|download:" "$f"; done ;;
   stacked)
