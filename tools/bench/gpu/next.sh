@@ -95,6 +95,8 @@
 #                together (KVSTORE_CUDA_SAVE_PAYLOADS=stacked), at both lengths record by
 #                record, and save_stall.py at 4096 stacked
 #                (results/gpu/ffbfa55-h100, 728fe43-h100): ~330 s
+# STEP g3stall   save_stall.py at 16384 tokens with G3's peer saves between (--churn),
+#                stacked then record by record: the 176-251 ms step of 4ac01ae-h100: ~250 s
 # STEP autopay   check.py, then G3 at both lengths record by record, then under the
 #                default (auto: lossless runs stacked, RUN_BYTES a run at most): ~230 s
 # STEP g3routes  G3 at both lengths, the download by a kernel, then by the copy engine: ~160 s
@@ -285,6 +287,14 @@ case "$step" in
         bash tools/bench/gpu/run.sh G3 "$out/g3-$payloads" > /dev/null 2>&1
       echo "== $payloads"; grep -E "llama8b" "$out/g3-$payloads/bench-table.txt"
       rm -f "$out/g3-$payloads/gpu-check.txt"
+    done ;;
+  g3stall)
+    # Why a stacked 2 GiB save stalls one step in G3 and not in save_stall.py: the same
+    # with G3's peer saves between (--churn), stacked then record by record.
+    for payloads in stacked record; do
+      KVSTORE_CUDA_SAVE_PAYLOADS=$payloads timeout 200 python3 tools/bench/gpu/save_stall.py --tokens 16384 \
+        --saves 3 --churn > "$out/save-stall-16384-churn-$payloads.txt" 2>&1
+      echo "== $payloads"; grep -E "^Device|^save|MLX memory|write_records|took" "$out/save-stall-16384-churn-$payloads.txt" | cut -c1-300
     done ;;
   g3routes)
     # G3 at both lengths with the download by a kernel (the default) and by the copy engine.

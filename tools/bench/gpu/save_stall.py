@@ -11,6 +11,12 @@ where they run: the arena's pinned buffer (``cuda.new_buffer``), the payloads bu
 the device and downloaded, the records hashed, LMDB's puts and commits. Each step over
 twice the median is printed with the parts it overlaps, and each save's parts summed.
 
+With ``--churn``, before each save the device memory is churned as G3's sequence
+churns it: mlx-lm caches made fresh from the same rows (``* 1``) and saved with
+``save_prompt_cache`` (G3's peer), then dropped; MLX's active, cached and peak memory
+are printed before each save. (At 16384 tokens a stacked save stalled one step 176-251
+ms in G3 and not here without it: ``results/gpu/4ac01ae-h100/``.)
+
 Without CUDA (``--quick``: a tiny model) the same runs on the CPU's path.
 """
 
@@ -59,11 +65,36 @@ def instrument() -> None:
     backend._commit = timed("lmdb commit", backend._commit)  # type: ignore[method-assign]
 
 
+def churn(caches: list[Any], tokens: int, path: Path) -> None:
+    """What G3's peer case does between our saves: fresh mlx-lm caches of the same rows
+    (new device buffers), saved by ``save_prompt_cache``, dropped."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import KVCache, save_prompt_cache
+
+    fresh = []
+    for cache in caches:
+        mine = KVCache()
+        mine.update_and_fetch(cache.keys[:, :, :tokens] * 1, cache.values[:, :, :tokens] * 1)
+        fresh.append(mine)
+    mx.eval([c.keys for c in fresh])
+    save_prompt_cache(str(path), fresh)
+    path.unlink(missing_ok=True)
+
+
+def memory_line(mx: Any) -> str:
+    mib = 1 << 20
+    return (
+        f"    MLX memory: active {mx.get_active_memory() / mib:.0f} MiB, cached "
+        f"{mx.get_cache_memory() / mib:.0f}, peak {mx.get_peak_memory() / mib:.0f}"
+    )
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--tokens", type=int, default=4096)
     parser.add_argument("--saves", type=int, default=4)
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--churn", action="store_true", help="G3's peer saves between saves")
     args = parser.parse_args()
 
     import mlx.core as mx
@@ -103,6 +134,9 @@ def main() -> int:
         for n in range(args.saves):
             store.delete(namespace)
             store.flush()
+            if args.churn:
+                churn(caches, tokens, Path(tmp) / "peer.safetensors")
+                print(memory_line(mx))
             SPANS.clear()
             began = time.perf_counter()
             handle = store.save_behind(namespace, toks, caches)
