@@ -50,4 +50,7 @@ def test_a_servers_next_calls_are_timed_and_summarized(tmp_path, capsys):
     assert summary.main([str(tmp_path / "loop"), "--top", "5"]) == 0
     out = capsys.readouterr().out
     assert f"(mlx_lm.server): {len(calls)} calls" in out and "6 tokens" in out
+    inside = [(end - start) * 1e3 for start, end, *_ in calls]
+    longest = inside.index(max(inside)) + 1
+    assert f"; longest {max(inside):.1f} at call {longest})" in out  # inside next
     assert "BatchGenerator" in out or "generate.py" in out  # the profile's functions

@@ -22,3 +22,15 @@ def test_it_reports_each_save_with_its_steps_and_the_writers_parts():
     for part in ("write_records", "lmdb put", "lmdb commit"):
         found = re.findall(rf"^    {part}: (\d+) calls, \d+\.\d ms in all", done.stdout, re.M)
         assert len(found) == 2 and all(int(n) >= 1 for n in found), part
+
+
+def test_churn_makes_and_saves_mlx_lm_caches_between_saves_and_reports_memory():
+    """``--churn``: G3's peer (fresh mlx-lm caches saved by save_prompt_cache) before each
+    save, and MLX's memory counters printed there."""
+    done = run_bench_tool("gpu/save_stall.py", "--quick", "--saves", "2", "--churn")
+    lines = done.stdout.splitlines()
+    memory = [i for i, line in enumerate(lines) if line.startswith("    MLX memory: active ")]
+    saves = [i for i, line in enumerate(lines) if line.startswith("save ")]
+    assert len(memory) == 2 and len(saves) == 2
+    assert all(m < s for m, s in zip(memory, saves))  # each before its save
+    assert re.search(r"active \d+ MiB, cached \d+, peak [1-9]\d*$", lines[memory[0]])
