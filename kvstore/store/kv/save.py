@@ -66,9 +66,11 @@ __all__ = ["save_caches", "check_caches", "BlockEncoder", "Captured"]
 SAVE_PAYLOADS = choice_from_env("KVSTORE_CUDA_SAVE_PAYLOADS", ("auto", "record", "stacked"), "auto")
 
 #: Under ``auto``, the largest save (its payloads' bytes) stacked. A 16384-token (2 GiB)
-#: save stacked saved as fast as record by record but one decode step beside it took
-#: 176-251 ms where record by record the longest took 44-64, even with only its first
-#: 512 MiB stacked (4ac01ae-h100/, not traced); 512 MiB saves gained at every measure.
+#: save under ``auto`` saved as fast as record by record but one decode step beside it
+#: took 176-251 ms where record by record the longest took 44-64, with all of it, its
+#: first 512 MiB or none of it stacked (runs of one record; 4ac01ae-h100/, not traced:
+#: the cut pieces were then held to the save's end); 512 MiB saves gained at every
+#: measure.
 AUTO_STACKED_BYTES = 1 << 30
 
 #: Snapshots taken during prefill: ``(layer, block start) -> Snapshot`` of a whole block;
@@ -181,6 +183,10 @@ class BlockEncoder:
             if self._cuts and _stacks(plans)
             else None
         )
+        # The pieces live as long as record by record from here (the plans hold them),
+        # not to the save's end: a save under ``auto`` that stacked nothing stalled a
+        # decode step in G3 where record by record did not (results/gpu/4ac01ae-h100/).
+        self._cuts.clear()
         return write_records(plans, pending=True, payloads=payloads)
 
     def _cut_of(self, tensor: Any) -> Cut | None:

@@ -14,8 +14,10 @@ twice the median is printed with the parts it overlaps, and each save's parts su
 With ``--churn``, before each save the device memory is churned as G3's sequence
 churns it: mlx-lm caches made fresh from the same rows (``* 1``) and saved with
 ``save_prompt_cache`` (G3's peer), then dropped; MLX's active, cached and peak memory
-are printed before each save. (At 16384 tokens a stacked save stalled one step 176-251
-ms in G3 and not here without it: ``results/gpu/4ac01ae-h100/``.)
+are printed before each save. (At 16384 tokens a save under ``auto`` stalled one step
+176-251 ms in G3 -- even with nothing stacked, runs of one record -- and not here
+without it: ``results/gpu/4ac01ae-h100/``.) Python's garbage collections are parts too
+(``gc gen0``..``gc gen2``): the ``auto`` path keeps each cut piece until the save ends.
 
 Without CUDA (``--quick``: a tiny model) the same runs on the CPU's path.
 """
@@ -48,8 +50,34 @@ def timed(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
     return wrapper
 
 
+def _gc_spans() -> None:
+    """Each of Python's garbage collections as a part (``gc gen2``: a full one), on
+    whichever thread ran it: a collection holds the GIL every other thread waits for."""
+    import gc
+
+    began: dict[int, float] = {}
+
+    def callback(phase: str, info: dict[str, int]) -> None:
+        me = threading.get_ident()
+        if phase == "start":
+            began[me] = time.perf_counter()
+        elif me in began:
+            with _LOCK:
+                SPANS.append(
+                    (
+                        f"gc gen{info['generation']}",
+                        threading.current_thread().name,
+                        began.pop(me),
+                        time.perf_counter(),
+                    )
+                )
+
+    gc.callbacks.append(callback)
+
+
 def instrument() -> None:
     """Wrap the writer's parts where the library looks them up."""
+    _gc_spans()
     from kvstore.codecs import arena, cuda
     from kvstore.store.engines import lmdb as lmdb_engine
     from kvstore.store.kv import save
