@@ -96,16 +96,11 @@ def instrument() -> None:
 def churn(caches: list[Any], tokens: int, path: Path) -> None:
     """What G3's peer case does between our saves: fresh mlx-lm caches of the same rows
     (new device buffers), saved by ``save_prompt_cache``, dropped."""
-    import mlx.core as mx
-    from mlx_lm.models.cache import KVCache, save_prompt_cache
+    from mlx_lm.models.cache import save_prompt_cache
 
-    fresh = []
-    for cache in caches:
-        mine = KVCache()
-        mine.update_and_fetch(cache.keys[:, :, :tokens] * 1, cache.values[:, :, :tokens] * 1)
-        fresh.append(mine)
-    mx.eval([c.keys for c in fresh])
-    save_prompt_cache(str(path), fresh)
+    from kvstore.bench.figures.gpu_save import _mlx_lm_caches  # G3's own
+
+    save_prompt_cache(str(path), _mlx_lm_caches(caches, tokens))
     path.unlink(missing_ok=True)
 
 
