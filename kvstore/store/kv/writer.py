@@ -426,7 +426,6 @@ class HandedOff(BlockEncoder):
         self._blocks.clear()
         self._states.clear()
         self._on_host.clear()
-        self._cuts.clear()
 
 
 class _OneByOne(Exception):
