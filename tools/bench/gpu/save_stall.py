@@ -87,10 +87,30 @@ def instrument() -> None:
     arena.device_payload = timed("device payload", arena.device_payload)
     arena.write_record = timed("hash + head", arena.write_record)
     save.write_records = timed("write_records", save.write_records)
+    # write_records' own parts: its evaluations (the pieces; on the copy route the
+    # payloads, through download_later's addresses), the payloads stacked, the blocks cut.
+    arena.mx = _TimedEval(arena.mx, "eval (pieces)")
+    cuda.download_later = timed("download_later (payloads evaluated)", cuda.download_later)
+    save.stacked_payloads = timed("stacked payloads (graph)", save.stacked_payloads)
+    save.plan_record = timed("plan", save.plan_record)
+    from kvstore.store.kv import writer
+
+    writer.HandedOff.layers = timed("cut layers", writer.HandedOff.layers)  # type: ignore[method-assign]
     view = lmdb_engine._LMDBView
     view.put = timed("lmdb put", view.put)  # type: ignore[method-assign]
     backend = lmdb_engine.LMDBBackend
     backend._commit = timed("lmdb commit", backend._commit)  # type: ignore[method-assign]
+
+
+class _TimedEval:
+    """A stand-in for a module's ``mx`` whose ``eval`` is timed (the rest passes through)."""
+
+    def __init__(self, mx: Any, name: str) -> None:
+        self._mx = mx
+        self.eval = timed(name, mx.eval)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._mx, name)
 
 
 def churn(caches: list[Any], tokens: int, path: Path) -> None:
