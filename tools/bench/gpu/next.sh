@@ -97,6 +97,11 @@
 #                (results/gpu/ffbfa55-h100, 728fe43-h100): ~330 s
 # STEP g3stall   save_stall.py at 16384 tokens with G3's peer saves between (--churn),
 #                stacked then record by record: the 176-251 ms step of 4ac01ae-h100: ~250 s
+# STEP autostall save_stall.py at 16384 tokens with G3's peer saves between (--churn), under
+#                auto (nothing stacked: the save is over AUTO_STACKED_BYTES) then record by
+#                record, write_records' parts timed; then G3 at 16384 alone under auto,
+#                record, auto: at 6f53194 auto's longest step was 252.9 ms, record's 68.2,
+#                with the same code run for both (is it the order, or the host?): ~330 s
 # STEP autopay   check.py, then G3 at both lengths record by record, then under the
 #                default (auto: lossless runs stacked, RUN_BYTES a run at most): ~230 s
 # STEP g3routes  G3 at both lengths, the download by a kernel, then by the copy engine: ~160 s
@@ -287,6 +292,20 @@ case "$step" in
         bash tools/bench/gpu/run.sh G3 "$out/g3-$payloads" > /dev/null 2>&1
       echo "== $payloads"; grep -E "llama8b" "$out/g3-$payloads/bench-table.txt"
       rm -f "$out/g3-$payloads/gpu-check.txt"
+    done ;;
+  autostall)
+    for payloads in auto record; do
+      KVSTORE_CUDA_SAVE_PAYLOADS=$payloads timeout 120 python3 tools/bench/gpu/save_stall.py --tokens 16384 \
+        --saves 3 --churn > "$out/save-stall-16384-churn-$payloads.txt" 2>&1
+      echo "== $payloads"; grep -E "^Device|^save|MLX memory|write_records|eval|download_later|took" \
+        "$out/save-stall-16384-churn-$payloads.txt" | cut -c1-260
+    done
+    for payloads in auto record auto; do
+      KVSTORE_CUDA_SAVE_PAYLOADS=$payloads KVSTORE_BENCH_GPU_TOKENS=16384 KVSTORE_BENCH_GIT=$rev CHECK_TIMEOUT=1 \
+        BENCH_TIMEOUT=150 bash tools/bench/gpu/run.sh G3 "/tmp/g3-$payloads" > /dev/null 2>&1
+      echo "== G3 16384 $payloads $(date +%T)"; grep -E "llama8b" "/tmp/g3-$payloads/bench-table.txt" | grep -o \
+        "ours (durable) [0-9.]* m\?s\|mlx-lm save [0-9.]* m\?s\|vs mlx-lm save [0-9.]*x\|longest step during save ms [0-9.]*" | tr '\n' ' '
+      echo; rm -rf "/tmp/g3-$payloads"
     done ;;
   g3stall)
     # Why a stacked 2 GiB save stalls one step in G3 and not in save_stall.py: the same
