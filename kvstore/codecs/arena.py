@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import sys
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, cast
 
@@ -28,8 +28,9 @@ import mlx.core as mx
 import numpy as np
 
 from kvstore.abc.store import PendingRecord
-from kvstore.codecs import cuda
+from kvstore.codecs import cuda, cut_segments
 from kvstore.codecs.record import ALIGN, RecordPlan, device_payload, write_record
+from kvstore.codecs.stacked_payloads import Cut
 from kvstore.threads import cores
 
 __all__ = ["write_records"]
@@ -99,6 +100,7 @@ def write_records(
     *,
     pending: bool = False,
     payloads: Sequence[mx.array | None] | None = None,
+    cuts: Sequence[Sequence[Cut]] | None = None,
 ) -> list[Any]:
     """The records of ``plans``, each a memoryview into this thread's arena.
 
@@ -107,7 +109,10 @@ def write_records(
     thread, as memoryviews): a commit then puts each as soon as it is written, while
     the pool writes the next ones. ``payloads``: on a CUDA GPU, each plan's payload
     already built on the device (:mod:`~kvstore.codecs.stacked_payloads`), or ``None``
-    where :func:`~kvstore.codecs.record.device_payload` builds it.
+    where :func:`~kvstore.codecs.record.device_payload` builds it. ``cuts``: on a CUDA
+    GPU, where each plan's tensors were cut from (one :data:`Cut` per tensor, every
+    plan): the payloads are then copied from those whole tensors straight into the
+    arena (:mod:`~kvstore.codecs.cut_segments`), and ``payloads`` is not read.
     """
     if not plans:
         return []
@@ -116,8 +121,11 @@ def write_records(
         starts.append(end)
         end += _align(plan.nbytes_bound)
     on_gpu = cuda.available()
-    # MLX evaluates a graph only on the thread whose stream built it: here, not in the pool.
-    mx.eval([a for plan in plans for a, _ in plan.tensors if isinstance(a, mx.array)])
+    cut = on_gpu and cuts is not None
+    # MLX evaluates a graph only on the thread whose stream built it: here, not in the
+    # pool (cut payloads are read from their whole tensors, evaluated below).
+    if not cut:
+        mx.eval([a for plan in plans for a, _ in plan.tensors if isinstance(a, mx.array)])
     buffer = _arena().take(end, on_gpu)
     view = memoryview(cast(Any, buffer))
 
@@ -127,7 +135,10 @@ def write_records(
 
     parallel = end >= PARALLEL_MIN_BYTES and len(plans) > 1
     futures: list[Future[memoryview]] = []
-    if on_gpu:
+    if cut:
+        assert cuts is not None
+        _download_cut(plans, cuts, starts, futures if parallel else None, one)
+    elif on_gpu:
         heads = [plan.head_nbytes_bound for plan in plans]
         built = payloads or [None] * len(plans)
         on_device = [
@@ -163,3 +174,27 @@ def write_records(
     if pending:
         return [PendingRecord(f, plan.nbytes_bound) for f, plan in zip(futures, plans, strict=True)]
     return [f.result() for f in futures]
+
+
+def _download_cut(
+    plans: Sequence[RecordPlan],
+    cuts: Sequence[Sequence[Cut]],
+    starts: Sequence[int],
+    futures: list[Future[memoryview]] | None,
+    one: Callable[[int], memoryview],
+) -> None:
+    """Each plan's payload copied from its whole tensors into this thread's arena, a
+    launch a record; with ``futures``, each record then hashed on the pool while the
+    next one's bytes cross the bus."""
+    staging = cuda.transport()
+    pinned = _arena().pinned
+    flats, index = cut_segments.flat_wholes(cuts)
+    addresses = staging.addresses(flats)  # evaluates the wholes; ``flats`` holds them
+    for i, plan in enumerate(plans):
+        offset = starts[i] + plan.head_nbytes_bound
+        staging.download_segments(
+            cut_segments.segments(plan, cuts[i], offset, addresses, index), pinned
+        )
+        if futures is not None:
+            futures.append(_pool().submit(one, i))
+    del flats

@@ -218,6 +218,15 @@ _GATHER_MANY_SOURCE = _segments_source(
     destination=_TO_NAMED_OUTPUT,
     OUTPUT_OFFSET_BITS=OUTPUT_OFFSET_BITS,
 )
+#: Segments of device memory -> a pinned host buffer (a save's arena): as
+#: :data:`_GATHER_SOURCE`, each ``src`` a device address, each ``dst_offset`` an offset
+#: from the buffer's device pointer (``base[0]``). A save's records are written straight
+#: from the whole tensors their blocks were cut from: no payload built on the device.
+_TO_BASE = (
+    "unsigned char* d = reinterpret_cast<unsigned char*>("
+    "reinterpret_cast<const unsigned long long*>(base)[0]);"
+)
+_DOWNLOAD_SEGMENTS_SOURCE = _segments_source(source=_FROM_ADDRESS, destination=_TO_BASE)
 #: Inputs of the assemble kernel besides ``params``: the buffers its segments read.
 ASSEMBLE_INPUTS = 8
 #: Bits of an assemble segment's ``src`` that hold the offset into its buffer; the bits
@@ -531,6 +540,11 @@ class Transport(Protocol):
         """Copy ``nbytes`` at device ``address`` to ``slot[offset:]`` by the copy engine,
         on the calling thread's own stream (waits): any thread may call it."""
 
+    def download_segments(self, params: np.ndarray, slot: PinnedBuffer) -> None:
+        """Copy the segments of ``params`` (uint64 words, as :data:`_GATHER_SOURCE`'s:
+        ``src`` device addresses, ``dst_offset`` offsets into ``slot``; ``src`` 0 writes
+        zeros) into ``slot`` (waits)."""
+
     def register(self, base: int, nbytes: int) -> int:
         """Page-lock host pages ``[base, base + nbytes)`` for the GPU to read: the
         device address of ``base`` (raises OSError/RuntimeError when refused)."""
@@ -573,6 +587,9 @@ def transport_kernels() -> dict[str, Kernel]:
         "upload": cuda_kernel("kvstore_upload", ["params"], ["out"], _UPLOAD_SOURCE),
         "download": cuda_kernel("kvstore_download", ["params", "inp"], ["done"], _DOWNLOAD_SOURCE),
         "address": cuda_kernel("kvstore_address", ["inp"], ["out"], _ADDRESS_SOURCE),
+        "download_segments": cuda_kernel(
+            "kvstore_download_segments", ["params", "base"], ["done"], _DOWNLOAD_SEGMENTS_SOURCE
+        ),
         "gather": cuda_kernel("kvstore_gather", ["params"], ["out"], _GATHER_SOURCE),
         "gather_many": cuda_kernel("kvstore_gather_many", ["params"], many, _GATHER_MANY_SOURCE),
         "assemble": cuda_kernel(
@@ -597,6 +614,7 @@ class KernelTransport:
         self._upload = kernels["upload"]
         self._download = kernels["download"]
         self._address = kernels["address"]
+        self._download_segments = kernels["download_segments"]
         self._gather = kernels["gather"]
         self._gather_many = kernels["gather_many"]
         self._assemble = kernels["assemble"]
@@ -664,6 +682,17 @@ class KernelTransport:
         stream = self.driver.thread_stream()
         self.driver.copy_to_host(int(slot.array.ctypes.data) + offset, address, nbytes, stream)
         self.driver.synchronize(stream)
+
+    def download_segments(self, params: np.ndarray, slot: PinnedBuffer) -> None:
+        words = params[1:].reshape(int(params[0]), SEGMENT_WORDS)
+        if not len(words):
+            return
+        end = int((words[:, 2] + (words[:, 5] - 1) * words[:, 3] + words[:, 4]).max())
+        if end > slot.nbytes:
+            raise ValueError(f"[cuda] segments reach byte {end} of a {slot.nbytes}-byte slot.")
+        base = mx.array(np.array([slot.device_pointer], np.uint64))
+        (done,) = self._segments(self._download_segments, params, [base], [16])
+        mx.eval(done)
 
     def register(self, base: int, nbytes: int) -> int:
         return self.driver.register_pages(base, nbytes)

@@ -52,6 +52,8 @@ class HostTransport:
         self.copied_on: list[str] = []
         #: Make the ``copy`` route's calls fail, as a driver that refuses them would.
         self.refuse_addresses = self.refuse_copies = False
+        #: :meth:`download_segments` calls (a record each, under ``gather``).
+        self.segment_downloads = 0
 
     def slot(self, nbytes: int) -> cuda.PinnedBuffer:
         made = cuda.PinnedBuffer(nbytes, None)
@@ -95,6 +97,23 @@ class HostTransport:
         slot.array[offset : offset + nbytes] = data
         self.downloads += 1
         self.copied_on.append(threading.current_thread().name)
+
+    def download_segments(self, params: np.ndarray, slot: cuda.PinnedBuffer) -> None:
+        """The gather kernel's segments from "device" addresses (:meth:`addresses`'
+        arrays) into ``slot`` at their offsets."""
+        self.segment_downloads += 1
+        words = params[1:].reshape(int(params[0]), cuda.SEGMENT_WORDS).tolist()
+        arrays = [(a - DEVICE_OFFSET, d) for a, d in self.device_arrays.items()]
+        for src, src_pitch, offset, pitch, width, height in words:
+            assert offset + (height - 1) * pitch + width <= slot.nbytes
+            for r in range(height):
+                at = slot.array.ctypes.data + offset + r * pitch
+                if not src:
+                    ctypes.memset(at, 0, width)
+                    continue
+                host = src - DEVICE_OFFSET + r * src_pitch
+                assert any(b <= host and host + width <= b + d.nbytes for b, d in arrays)
+                ctypes.memmove(at, host, width)
 
     def register(self, base: int, nbytes: int) -> int:
         if self.refuse:
@@ -630,6 +649,69 @@ def test_a_gpu_save_stacks_unless_record_or_too_large_under_auto(staged, monkeyp
         assert [p is None for p in called[0]] == [False] * 3
     else:
         assert called == []
+
+
+@pytest.mark.parametrize("encoder_kind", ["save", "handed off"])
+@pytest.mark.parametrize("policy", ["lossless", "kv:quant:8:64"])
+def test_under_gather_a_gpu_save_writes_records_from_the_whole_tensors(
+    staged, monkeypatch, encoder_kind, policy
+):
+    """KVSTORE_CUDA_SAVE_PAYLOADS=gather: a record whose tensors were all cut from whole
+    tensors gets its payload copied from them straight into the arena (a launch a
+    record, no payload built on the device): the records are encode_record's, zeros
+    between tensors included (the arena is filled with other bytes first)."""
+    from kvstore.abc.store import BlockSpan, PendingRecord
+    from kvstore.caches import KVCache
+    from kvstore.codecs import arena
+    from kvstore.store.kv import save as save_module
+    from kvstore.store.kv.writer import HandedOff
+
+    caches = []
+    for layer in range(3):
+        cache = KVCache()
+        rows = mx.random.normal((1, 2, 56, 64), key=mx.random.key(layer)).astype(mx.bfloat16)
+        cache.update_and_fetch(rows, rows * 2)
+        caches.append(cache)
+    if encoder_kind == "save":
+        encoder = save_module.BlockEncoder(caches, policy, {}, 56)
+    else:
+        encoder = HandedOff(caches, policy, {}, (0, 56), 16)
+    built, real = [], arena.device_payload
+    monkeypatch.setattr(arena, "device_payload", lambda plan: built.append(plan) or real(plan))
+    monkeypatch.setattr(save_module, "SAVE_PAYLOADS", "gather")
+    arena._arena().take(1 << 20, True).fill(0xCD)  # stale bytes where the zeros belong
+    spans = [BlockSpan(i, a, min(56, a + 16), b"") for i, a in enumerate(range(0, 56, 16))]
+    records = encoder(spans)
+    got = [bytes(r.result() if isinstance(r, PendingRecord) else r) for r in records]
+    assert encoder._cuts == {}
+    if encoder_kind == "save" and policy != "lossless":
+        # A policy's encoding block by block (a save encodes no stored rows): no cuts,
+        # each payload built on the device as before.
+        assert staged.segment_downloads == 0 and len(built) == 4
+        return
+    assert got == [encode_record(encoder.layers(s.start, s.stop)) for s in spans]
+    assert staged.segment_downloads == 4 and built == []
+
+
+def test_a_large_save_under_gather_restores_bit_exact(tmp_path, staged, monkeypatch):
+    """Through a store, records over the pool's threshold (hashed on the pool as each
+    one's bytes are down): every block comes back as saved."""
+    from kvstore.caches import KVCache
+    from kvstore.store.kv import save as save_module
+
+    monkeypatch.setattr(save_module, "SAVE_PAYLOADS", "gather")
+    caches = _large_caches()
+    tokens = list(range(1, 1101))
+    with open_store(f"lmdb://{tmp_path / 's'}", block_size=256) as store:
+        store.save("ns", tokens, caches)
+        match = store.lookup("ns", tokens)
+        restored = store.restore(match, [KVCache() for _ in caches])
+    assert match.tokens == 1099  # the last token is left to compute
+    assert staged.segment_downloads == 5  # a launch a record: four blocks of 256, the tail
+    for got, cache in zip(restored, caches, strict=True):
+        assert got.offset == 1099
+        for a, b in ((got.keys, cache.keys), (got.values, cache.values)):
+            assert mx.array_equal(a[:, :, :1099], b[:, :, :1099]).item()
 
 
 def _large_caches():

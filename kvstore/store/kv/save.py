@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 import mlx.core as mx
 
@@ -38,7 +38,7 @@ from kvstore.codecs.arrays import as_numpy_all
 from kvstore.codecs.growing import GrowingKVCodec
 from kvstore.codecs.host_stacks import spread_packed
 from kvstore.codecs.record import RecordPlan, plan_record
-from kvstore.codecs.stacked_payloads import Cut, stacked_payloads
+from kvstore.codecs.stacked_payloads import Cut, plan_cuts, stacked_payloads
 from kvstore.errors import CapabilityError
 from kvstore.knobs import choice_from_env
 from kvstore.signature import UNKNOWN
@@ -62,8 +62,12 @@ __all__ = ["save_caches", "check_caches", "BlockEncoder", "Captured"]
 #: (tools/bench/results/gpu/4ac01ae-h100/): a 4096-token save stacked took 276-292 ms
 #: where record by record took 324-345, and the longest decode step beside it 15-17 ms
 #: where it took 33-54; where the pieces take two copies (``kv:quant:8:64``) stacking
-#: took 11-45 % longer (ffbfa55-h100/).
-SAVE_PAYLOADS = choice_from_env("KVSTORE_CUDA_SAVE_PAYLOADS", ("auto", "record", "stacked"), "auto")
+#: took 11-45 % longer (ffbfa55-h100/). ``gather``: no payload built on the device; each
+#: record's bytes copied from the whole tensors its blocks were cut from straight into
+#: the pinned arena, a launch a record (:mod:`kvstore.codecs.cut_segments`).
+SAVE_PAYLOADS = choice_from_env(
+    "KVSTORE_CUDA_SAVE_PAYLOADS", ("auto", "record", "stacked", "gather"), "auto"
+)
 
 #: Under ``auto``, the largest save (its payloads' bytes) stacked. A 16384-token (2 GiB)
 #: save under ``auto`` saved as fast as record by record but one decode step beside it
@@ -177,6 +181,11 @@ class BlockEncoder:
         for s in spans:
             layers = self.layers(s.start, s.stop, checkpoint=s.checkpoint)
             plans.append(plan_record(layers, like=plans[-1] if plans else None))
+        if SAVE_PAYLOADS == "gather" and self._cuts:
+            cuts = [plan_cuts(plan, self._cut_of) for plan in plans]
+            self._cuts.clear()
+            if all(c is not None for c in cuts):
+                return write_records(plans, pending=True, cuts=cast(list[list[Cut]], cuts))
         # On a GPU, the payloads of blocks cut alike in a few kernels, not a few per piece.
         payloads = (
             stacked_payloads(plans, self._cut_of, one_copy_only=SAVE_PAYLOADS == "auto")

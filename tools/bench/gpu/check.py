@@ -33,15 +33,15 @@ def _bf16_caches(layers: int, rows: int) -> list[Any]:
     return caches
 
 
-def _handed_off_records_ok() -> bool:
-    """A save behind's records, 3 layers of 3 full blocks and a tail, 8 MiB and more
-    (the pool's and the stacked payloads' route), against encode_record."""
+def _handed_off_records_ok(policy: str = "lossless") -> bool:
+    """A save behind's records under ``policy``, 3 layers of 3 full blocks and a tail,
+    8 MiB and more (the pool's and the stacked payloads' route), against encode_record."""
     from kvstore.abc.store import BlockSpan, PendingRecord
     from kvstore.codecs.record import encode_record
     from kvstore.store.kv.writer import HandedOff
 
     caches = _bf16_caches(3, 1100)
-    encoder = HandedOff(caches, "lossless", {}, (0, 1100), 256)
+    encoder = HandedOff(caches, policy, {}, (0, 1100), 256)
     spans = [BlockSpan(i, a, min(1100, a + 256), b"") for i, a in enumerate(range(0, 1100, 256))]
     records = encoder(spans)
     got = [bytes(r.result() if isinstance(r, PendingRecord) else r) for r in records]
@@ -71,12 +71,21 @@ def main() -> int:
     print(f"records via the arena == encode_record: {ok}", flush=True)
     from kvstore.store.kv import save
 
-    for payloads in ("auto", "record", "stacked"):
+    for payloads, policy in [
+        ("auto", "lossless"),
+        ("record", "lossless"),
+        ("stacked", "lossless"),
+        ("gather", "lossless"),
+        ("gather", "kv:quant:8:64"),
+    ]:
         save.SAVE_PAYLOADS, chosen = payloads, save.SAVE_PAYLOADS
-        ok = _handed_off_records_ok()
+        ok = _handed_off_records_ok(policy)
         save.SAVE_PAYLOADS = chosen
         failed += not ok
-        print(f"a save behind's records (payloads {payloads}) == encode_record: {ok}", flush=True)
+        print(
+            f"a save behind's records (payloads {payloads}, {policy}) == encode_record: {ok}",
+            flush=True,
+        )
     specs = [((1, 8, 768, 128), "bfloat16"), ((3, 5), "float32"), ((1001,), "uint8")]
     from kvstore.codecs.fill import filled_arrays
 
