@@ -100,8 +100,8 @@
 # STEP gather    check.py (a save behind's records under gather == encode_record), then
 #                save_stall.py --churn at 16384 under gather (each record's payload copied
 #                from the whole tensors straight into the pinned arena, a launch a record:
-#                kvstore/codecs/cut_segments.py), then G3 at both lengths under gather and
-#                under auto: ~330 s
+#                kvstore/codecs/cut_segments.py), G3 at both lengths under gather and under
+#                auto first, the save_stall last: ~300 s
 # STEP autostall save_stall.py at 16384 tokens with G3's peer saves between (--churn), under
 #                auto (nothing stacked: the save is over AUTO_STACKED_BYTES) then record by
 #                record, write_records' parts timed; then G3 at 16384 alone under auto,
@@ -300,15 +300,15 @@ case "$step" in
     done ;;
   gather)
     timeout 120 python3 tools/bench/gpu/check.py > "$out/check.txt" 2>&1; head -9 "$out/check.txt"
-    KVSTORE_CUDA_SAVE_PAYLOADS=gather timeout 120 python3 tools/bench/gpu/save_stall.py --tokens 16384 \
-      --saves 3 --churn > "$out/save-stall-16384-churn-gather.txt" 2>&1
-    grep -E "^Device|^save|MLX memory|write_records|eval|download" "$out/save-stall-16384-churn-gather.txt" | cut -c1-260
     for payloads in gather auto; do
       KVSTORE_CUDA_SAVE_PAYLOADS=$payloads KVSTORE_BENCH_GIT=$rev CHECK_TIMEOUT=1 BENCH_TIMEOUT=200 \
         bash tools/bench/gpu/run.sh G3 "$out/g3-$payloads" > /dev/null 2>&1
       echo "== $payloads $(date +%T)"; grep -E "llama8b" "$out/g3-$payloads/bench-table.txt"
       rm -f "$out/g3-$payloads/gpu-check.txt" "$out/g3-$payloads/bench-log.txt"
-    done ;;
+    done
+    KVSTORE_CUDA_SAVE_PAYLOADS=gather timeout 100 python3 tools/bench/gpu/save_stall.py --tokens 16384 \
+      --saves 3 --churn > "$out/save-stall-16384-churn-gather.txt" 2>&1
+    grep -E "^Device|^save|MLX memory|write_records|eval|download" "$out/save-stall-16384-churn-gather.txt" | cut -c1-260 ;;
   autostall)
     for payloads in auto record; do
       KVSTORE_CUDA_SAVE_PAYLOADS=$payloads timeout 120 python3 tools/bench/gpu/save_stall.py --tokens 16384 \
