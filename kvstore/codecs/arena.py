@@ -183,18 +183,26 @@ def _download_cut(
     futures: list[Future[memoryview]] | None,
     one: Callable[[int], memoryview],
 ) -> None:
-    """Each plan's payload copied from its whole tensors into this thread's arena, a
-    launch a record; with ``futures``, each record then hashed on the pool while the
-    next one's bytes cross the bus."""
+    """Each plan's payload copied from its whole tensors into this thread's arena by the
+    copy engine; with ``futures``, each record's copies made by the pool thread that
+    then hashes it (copies, checksums and the commit's puts overlap), else here."""
     staging = cuda.transport()
     pinned = _arena().pinned
     flats, index = cut_segments.flat_wholes(cuts)
     addresses = staging.addresses(flats)  # evaluates the wholes; ``flats`` holds them
-    for i, plan in enumerate(plans):
-        offset = starts[i] + plan.head_nbytes_bound
-        staging.download_segments(
-            cut_segments.segments(plan, cuts[i], offset, addresses, index), pinned
-        )
-        if futures is not None:
-            futures.append(_pool().submit(one, i))
-    del flats
+    tables = [
+        cut_segments.segments(plan, cuts[i], starts[i] + plan.head_nbytes_bound, addresses, index)
+        for i, plan in enumerate(plans)
+    ]
+
+    # ``flats`` bound to ``fetched``: the wholes' memory is read until every copy is done
+    # (a whole that was a strided view has its flat copy alone).
+    def fetched(i: int, _held: list[mx.array] = flats) -> memoryview:
+        staging.download_segments(tables[i], pinned)
+        return one(i)
+
+    if futures is None:
+        for table in tables:
+            staging.download_segments(table, pinned)
+    else:
+        futures.extend(_pool().submit(fetched, i) for i in range(len(plans)))

@@ -218,15 +218,6 @@ _GATHER_MANY_SOURCE = _segments_source(
     destination=_TO_NAMED_OUTPUT,
     OUTPUT_OFFSET_BITS=OUTPUT_OFFSET_BITS,
 )
-#: Segments of device memory -> a pinned host buffer (a save's arena): as
-#: :data:`_GATHER_SOURCE`, each ``src`` a device address, each ``dst_offset`` an offset
-#: from the buffer's device pointer (``base[0]``). A save's records are written straight
-#: from the whole tensors their blocks were cut from: no payload built on the device.
-_TO_BASE = (
-    "unsigned char* d = reinterpret_cast<unsigned char*>("
-    "reinterpret_cast<const unsigned long long*>(base)[0]);"
-)
-_DOWNLOAD_SEGMENTS_SOURCE = _segments_source(source=_FROM_ADDRESS, destination=_TO_BASE)
 #: Inputs of the assemble kernel besides ``params``: the buffers its segments read.
 ASSEMBLE_INPUTS = 8
 #: Bits of an assemble segment's ``src`` that hold the offset into its buffer; the bits
@@ -318,6 +309,32 @@ class PinnedBuffer:
         except BufferError:  # a view is still alive somewhere: the pages go with it
             pass
         self._map = None
+
+
+_CU_MEMORYTYPE_HOST, _CU_MEMORYTYPE_DEVICE = 1, 2
+
+
+class _Memcpy2D(ctypes.Structure):
+    """The driver API's ``CUDA_MEMCPY2D``."""
+
+    _fields_ = [
+        ("srcXInBytes", ctypes.c_size_t),
+        ("srcY", ctypes.c_size_t),
+        ("srcMemoryType", ctypes.c_int),
+        ("srcHost", ctypes.c_void_p),
+        ("srcDevice", ctypes.c_uint64),
+        ("srcArray", ctypes.c_void_p),
+        ("srcPitch", ctypes.c_size_t),
+        ("dstXInBytes", ctypes.c_size_t),
+        ("dstY", ctypes.c_size_t),
+        ("dstMemoryType", ctypes.c_int),
+        ("dstHost", ctypes.c_void_p),
+        ("dstDevice", ctypes.c_uint64),
+        ("dstArray", ctypes.c_void_p),
+        ("dstPitch", ctypes.c_size_t),
+        ("WidthInBytes", ctypes.c_size_t),
+        ("Height", ctypes.c_size_t),
+    ]
 
 
 class Driver:
@@ -437,6 +454,33 @@ class Driver:
             "cuMemcpyDtoHAsync",
         )
 
+    def copy_2d_to_host(
+        self,
+        host: int,
+        device: int,
+        device_pitch: int,
+        host_pitch: int,
+        width: int,
+        height: int,
+        stream: int,
+    ) -> None:
+        """Queue a copy of ``height`` rows of ``width`` bytes, ``device_pitch`` apart at
+        ``device``, into page-locked host memory at ``host``, ``host_pitch`` apart, on
+        ``stream`` (the copy engine: no kernel, no SM)."""
+        self.bind()
+        copy = getattr(self._bound, "copy_2d", None)
+        if copy is None:
+            copy = self._bound.copy_2d = _Memcpy2D(
+                srcMemoryType=_CU_MEMORYTYPE_DEVICE, dstMemoryType=_CU_MEMORYTYPE_HOST
+            )
+        copy.srcDevice, copy.srcPitch = device, device_pitch
+        copy.dstHost, copy.dstPitch = host, host_pitch
+        copy.WidthInBytes, copy.Height = width, height
+        self._check(
+            self._cu.cuMemcpy2DAsync_v2(ctypes.byref(copy), ctypes.c_void_p(stream)),
+            "cuMemcpy2DAsync",
+        )
+
     def synchronize(self, stream: int) -> None:
         """Wait until everything queued on ``stream`` is done."""
         self.bind()
@@ -543,7 +587,8 @@ class Transport(Protocol):
     def download_segments(self, params: np.ndarray, slot: PinnedBuffer) -> None:
         """Copy the segments of ``params`` (uint64 words, as :data:`_GATHER_SOURCE`'s:
         ``src`` device addresses, ``dst_offset`` offsets into ``slot``; ``src`` 0 writes
-        zeros) into ``slot`` (waits)."""
+        zeros) into ``slot`` by the copy engine, a 2-D copy a segment, on the calling
+        thread's own stream (waits): any thread may call it."""
 
     def register(self, base: int, nbytes: int) -> int:
         """Page-lock host pages ``[base, base + nbytes)`` for the GPU to read: the
@@ -587,9 +632,6 @@ def transport_kernels() -> dict[str, Kernel]:
         "upload": cuda_kernel("kvstore_upload", ["params"], ["out"], _UPLOAD_SOURCE),
         "download": cuda_kernel("kvstore_download", ["params", "inp"], ["done"], _DOWNLOAD_SOURCE),
         "address": cuda_kernel("kvstore_address", ["inp"], ["out"], _ADDRESS_SOURCE),
-        "download_segments": cuda_kernel(
-            "kvstore_download_segments", ["params", "base"], ["done"], _DOWNLOAD_SEGMENTS_SOURCE
-        ),
         "gather": cuda_kernel("kvstore_gather", ["params"], ["out"], _GATHER_SOURCE),
         "gather_many": cuda_kernel("kvstore_gather_many", ["params"], many, _GATHER_MANY_SOURCE),
         "assemble": cuda_kernel(
@@ -614,7 +656,6 @@ class KernelTransport:
         self._upload = kernels["upload"]
         self._download = kernels["download"]
         self._address = kernels["address"]
-        self._download_segments = kernels["download_segments"]
         self._gather = kernels["gather"]
         self._gather_many = kernels["gather_many"]
         self._assemble = kernels["assemble"]
@@ -690,9 +731,17 @@ class KernelTransport:
         end = int((words[:, 2] + (words[:, 5] - 1) * words[:, 3] + words[:, 4]).max())
         if end > slot.nbytes:
             raise ValueError(f"[cuda] segments reach byte {end} of a {slot.nbytes}-byte slot.")
-        base = mx.array(np.array([slot.device_pointer], np.uint64))
-        (done,) = self._segments(self._download_segments, params, [base], [16])
-        mx.eval(done)
+        stream = self.driver.thread_stream()
+        host = int(slot.array.ctypes.data)
+        for src, src_pitch, offset, pitch, width, height in words.tolist():
+            if not src:  # zeros: the slot is host memory
+                for r in range(height):
+                    slot.array[offset + r * pitch : offset + r * pitch + width] = 0
+                continue
+            self.driver.copy_2d_to_host(
+                host + offset, src, src_pitch, max(pitch, width), width, height, stream
+            )
+        self.driver.synchronize(stream)
 
     def register(self, base: int, nbytes: int) -> int:
         return self.driver.register_pages(base, nbytes)

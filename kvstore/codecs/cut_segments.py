@@ -1,20 +1,24 @@
 """A save's payloads copied from the whole tensors their blocks were cut from, straight
-into the pinned arena: no payload built on the device.
+into the pinned arena by the copy engine: no payload built on the device.
 
 A save's blocks are cut from whole-range snapshots (:mod:`kvstore.store.kv.save`):
 record ``r``'s tensor ``j`` is rows ``[a, b)`` (axis 2) of a whole tensor ``W_j``
 ``[batch, heads, rows, width]``. In the record those rows lie back to back, C-ordered:
 ``batch * heads`` runs of ``(b - a) * width`` elements, each a run of ``W_j`` at a
-pitch of its row count. So each tensor of a record is one 2-D segment of the gather
-kernel's table (:data:`kvstore.codecs.cuda.SEGMENT_WORDS`): read from ``W_j``'s device
-address, written at the tensor's offset in the record's payload in the arena; the gaps
-between tensors (and after the last) are segments of zeros.
+pitch of its row count. So each tensor of a record is one 2-D copy (a segment of
+:data:`kvstore.codecs.cuda.SEGMENT_WORDS` words): read at ``W_j``'s device address,
+written at the tensor's offset in the record's payload in the arena; the gaps between
+tensors (and after the last) are segments of zeros, written by the host.
 
 :func:`~kvstore.codecs.record.device_payload` instead makes each piece flat (a copy on
-the device), concatenates a record's pieces (a second copy) and the record then crosses
-the bus (a third): ~65 kernels and two device allocations per record, evaluated on the
-writer's thread. Here every byte is read once on the device and written once to the
-host, and a record costs one launch.
+the device), concatenates a record's pieces (a second copy), and the record then
+crosses the bus (a third): ~65 kernels and two device allocations per record, evaluated
+on the writer's thread before any record is downloaded (at 16384 tokens of a llama-8B
+shape 301-405 ms, with decode steps beside it slowed 5-40x:
+``tools/bench/results/gpu/6f53194-h100/g3stall``). Here every byte is read once on the
+device and written once to the host, by the copy engine. (A kernel doing the same
+copies over the bus ran at ~9 GB/s and held the SMs a decode step beside it needed:
+``results/gpu/163f866-h100/``.)
 """
 
 from __future__ import annotations
@@ -52,7 +56,7 @@ def segments(
     addresses: Sequence[int],
     index: dict[int, int],
 ) -> np.ndarray:
-    """The gather table (count, then :data:`SEGMENT_WORDS` words a segment) writing the
+    """The segments (count, then :data:`SEGMENT_WORDS` words a segment) writing the
     payload of ``plan`` at ``payload_offset`` of the arena: each tensor from the device
     ``addresses`` of the flat wholes (:func:`flat_wholes`) it was cut from, zeros
     between, the bytes :func:`~kvstore.codecs.record.device_payload` makes followed by

@@ -52,8 +52,10 @@ class HostTransport:
         self.copied_on: list[str] = []
         #: Make the ``copy`` route's calls fail, as a driver that refuses them would.
         self.refuse_addresses = self.refuse_copies = False
-        #: :meth:`download_segments` calls (a record each, under ``gather``).
+        #: :meth:`download_segments` calls (a record each, under ``gather``), and the
+        #: threads that made each.
         self.segment_downloads = 0
+        self.segments_on: list[str] = []
 
     def slot(self, nbytes: int) -> cuda.PinnedBuffer:
         made = cuda.PinnedBuffer(nbytes, None)
@@ -102,6 +104,7 @@ class HostTransport:
         """The gather kernel's segments from "device" addresses (:meth:`addresses`'
         arrays) into ``slot`` at their offsets."""
         self.segment_downloads += 1
+        self.segments_on.append(threading.current_thread().name)
         words = params[1:].reshape(int(params[0]), cuda.SEGMENT_WORDS).tolist()
         arrays = [(a - DEVICE_OFFSET, d) for a, d in self.device_arrays.items()]
         for src, src_pitch, offset, pitch, width, height in words:
@@ -657,9 +660,9 @@ def test_under_gather_a_gpu_save_writes_records_from_the_whole_tensors(
     staged, monkeypatch, encoder_kind, policy
 ):
     """KVSTORE_CUDA_SAVE_PAYLOADS=gather: a record whose tensors were all cut from whole
-    tensors gets its payload copied from them straight into the arena (a launch a
-    record, no payload built on the device): the records are encode_record's, zeros
-    between tensors included (the arena is filled with other bytes first)."""
+    tensors gets its payload copied from them straight into the arena (the copy
+    engine's 2-D copies, no payload built on the device): the records are
+    encode_record's, zeros between tensors included (the arena holds other bytes first)."""
     from kvstore.abc.store import BlockSpan, PendingRecord
     from kvstore.caches import KVCache
     from kvstore.codecs import arena
@@ -694,8 +697,8 @@ def test_under_gather_a_gpu_save_writes_records_from_the_whole_tensors(
 
 
 def test_a_large_save_under_gather_restores_bit_exact(tmp_path, staged, monkeypatch):
-    """Through a store, records over the pool's threshold (hashed on the pool as each
-    one's bytes are down): every block comes back as saved."""
+    """Through a store, records over the pool's threshold: each record's copies made by
+    the pool thread that then hashes it; every block comes back as saved."""
     from kvstore.caches import KVCache
     from kvstore.store.kv import save as save_module
 
@@ -707,7 +710,8 @@ def test_a_large_save_under_gather_restores_bit_exact(tmp_path, staged, monkeypa
         match = store.lookup("ns", tokens)
         restored = store.restore(match, [KVCache() for _ in caches])
     assert match.tokens == 1099  # the last token is left to compute
-    assert staged.segment_downloads == 5  # a launch a record: four blocks of 256, the tail
+    assert staged.segment_downloads == 5  # a record each: four blocks of 256, the tail
+    assert all(name.startswith("kvstore-records") for name in staged.segments_on)
     for got, cache in zip(restored, caches, strict=True):
         assert got.offset == 1099
         for a, b in ((got.keys, cache.keys), (got.values, cache.values)):

@@ -62,9 +62,12 @@ __all__ = ["save_caches", "check_caches", "BlockEncoder", "Captured"]
 #: (tools/bench/results/gpu/4ac01ae-h100/): a 4096-token save stacked took 276-292 ms
 #: where record by record took 324-345, and the longest decode step beside it 15-17 ms
 #: where it took 33-54; where the pieces take two copies (``kv:quant:8:64``) stacking
-#: took 11-45 % longer (ffbfa55-h100/). ``gather``: no payload built on the device; each
-#: record's bytes copied from the whole tensors its blocks were cut from straight into
-#: the pinned arena, a launch a record (:mod:`kvstore.codecs.cut_segments`).
+#: took 11-45 % longer (ffbfa55-h100/). ``gather`` (an experiment): no payload built on
+#: the device; each record's bytes copied from the whole tensors its blocks were cut
+#: from straight into the pinned arena by the copy engine, on the pool threads
+#: (:mod:`kvstore.codecs.cut_segments`). Done by a kernel instead it lost to ``auto``
+#: (G3 16384 1.76 s against 1.09, its kernels holding the SMs a decode step beside them
+#: needed: results/gpu/163f866-h100/); by the copy engine, not measured yet.
 SAVE_PAYLOADS = choice_from_env(
     "KVSTORE_CUDA_SAVE_PAYLOADS", ("auto", "record", "stacked", "gather"), "auto"
 )

@@ -82,7 +82,6 @@ def kernels(
         (transport["upload"], ((U64,), (U8,), ())),
         (transport["download"], ((U64, U8), (U32,), ())),
         (transport["address"], ((U8,), (U64,), ())),
-        (transport["download_segments"], ((U64, U64), (U8,), ())),
         (transport["gather"], ((U64,), (U8,), ())),
         (transport["gather_many"], ((U64,), many, ())),
         (transport["assemble"], ((U64, *buffers), (U8,), ())),

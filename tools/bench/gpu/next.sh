@@ -99,9 +99,10 @@
 #                stacked then record by record: the 176-251 ms step of 4ac01ae-h100: ~250 s
 # STEP gather    check.py (a save behind's records under gather == encode_record), then
 #                save_stall.py --churn at 16384 under gather (each record's payload copied
-#                from the whole tensors straight into the pinned arena, a launch a record:
-#                kvstore/codecs/cut_segments.py), G3 at both lengths under gather and under
-#                auto first, the save_stall last: ~300 s
+#                from the whole tensors straight into the pinned arena by the copy engine,
+#                2-D copies on the pool threads: kvstore/codecs/cut_segments.py; by a kernel
+#                at 163f866 it lost, results/gpu/163f866-h100/), G3 at both lengths under
+#                gather and under auto first, the save_stall last: ~300 s
 # STEP autostall save_stall.py at 16384 tokens with G3's peer saves between (--churn), under
 #                auto (nothing stacked: the save is over AUTO_STACKED_BYTES) then record by
 #                record, write_records' parts timed; then G3 at 16384 alone under auto,
