@@ -571,17 +571,9 @@ def test_in_use_asks_nothing_of_the_device(monkeypatch):
     assert not cuda.in_use()
 
 
-@pytest.mark.parametrize("mode", ["stacked", "auto"])
-@pytest.mark.parametrize("encoder_kind", ["save", "handed off"])
-@pytest.mark.parametrize("policy", ["lossless", "kv:quant:8:64"])
-def test_a_gpu_saves_blocks_cut_alike_get_stacked_payloads_and_encode_records_bytes(
-    staged, monkeypatch, encoder_kind, policy, mode
-):
-    """KVSTORE_CUDA_SAVE_PAYLOADS=stacked: on a GPU a save's blocks cut from the same
-    whole ranges get their payloads a run at a time (kvstore.codecs.stacked_payloads):
-    the records are encode_record's. Under ``auto`` only the runs one copy builds
-    (lossless keys and values; not a quantized layout's pieces of several shapes)."""
-    from kvstore.abc.store import BlockSpan, PendingRecord
+def _three_layer_encoder(encoder_kind: str, policy: str):
+    """A save's encoder (``"save"``) or a save behind's (``"handed off"``, blocks of 16)
+    over three bfloat16 layers of 56 rows."""
     from kvstore.caches import KVCache
     from kvstore.store.kv import save as save_module
     from kvstore.store.kv.writer import HandedOff
@@ -593,9 +585,24 @@ def test_a_gpu_saves_blocks_cut_alike_get_stacked_payloads_and_encode_records_by
         cache.update_and_fetch(rows, rows * 2)
         caches.append(cache)
     if encoder_kind == "save":
-        encoder = save_module.BlockEncoder(caches, policy, {}, 56)
-    else:
-        encoder = HandedOff(caches, policy, {}, (0, 56), 16)
+        return save_module.BlockEncoder(caches, policy, {}, 56)
+    return HandedOff(caches, policy, {}, (0, 56), 16)
+
+
+@pytest.mark.parametrize("mode", ["stacked", "auto"])
+@pytest.mark.parametrize("encoder_kind", ["save", "handed off"])
+@pytest.mark.parametrize("policy", ["lossless", "kv:quant:8:64"])
+def test_a_gpu_saves_blocks_cut_alike_get_stacked_payloads_and_encode_records_bytes(
+    staged, monkeypatch, encoder_kind, policy, mode
+):
+    """KVSTORE_CUDA_SAVE_PAYLOADS=stacked: on a GPU a save's blocks cut from the same
+    whole ranges get their payloads a run at a time (kvstore.codecs.stacked_payloads):
+    the records are encode_record's. Under ``auto`` only the runs one copy builds
+    (lossless keys and values; not a quantized layout's pieces of several shapes)."""
+    from kvstore.abc.store import BlockSpan, PendingRecord
+    from kvstore.store.kv import save as save_module
+
+    encoder = _three_layer_encoder(encoder_kind, policy)
     stacked: list[list] = []
     real = save_module.stacked_payloads
 
@@ -664,21 +671,10 @@ def test_under_gather_a_gpu_save_writes_records_from_the_whole_tensors(
     engine's 2-D copies, no payload built on the device): the records are
     encode_record's, zeros between tensors included (the arena holds other bytes first)."""
     from kvstore.abc.store import BlockSpan, PendingRecord
-    from kvstore.caches import KVCache
     from kvstore.codecs import arena
     from kvstore.store.kv import save as save_module
-    from kvstore.store.kv.writer import HandedOff
 
-    caches = []
-    for layer in range(3):
-        cache = KVCache()
-        rows = mx.random.normal((1, 2, 56, 64), key=mx.random.key(layer)).astype(mx.bfloat16)
-        cache.update_and_fetch(rows, rows * 2)
-        caches.append(cache)
-    if encoder_kind == "save":
-        encoder = save_module.BlockEncoder(caches, policy, {}, 56)
-    else:
-        encoder = HandedOff(caches, policy, {}, (0, 56), 16)
+    encoder = _three_layer_encoder(encoder_kind, policy)
     built, real = [], arena.device_payload
     monkeypatch.setattr(arena, "device_payload", lambda plan: built.append(plan) or real(plan))
     monkeypatch.setattr(save_module, "SAVE_PAYLOADS", "gather")
