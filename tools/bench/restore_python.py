@@ -73,6 +73,16 @@ class FreeTransport:
     def copy_down(self, address: int, slot: cuda.PinnedBuffer, offset: int, nbytes: int) -> None:
         ctypes.memmove(int(slot.array.ctypes.data) + offset, address, nbytes)
 
+    def download_segments(self, params: np.ndarray, slot: cuda.PinnedBuffer) -> None:
+        words = params[1:].reshape(int(params[0]), cuda.SEGMENT_WORDS).tolist()
+        for src, src_pitch, offset, pitch, width, height in words:
+            for r in range(height):
+                at = int(slot.array.ctypes.data) + offset + r * pitch
+                if src:
+                    ctypes.memmove(at, src + r * src_pitch, width)
+                else:
+                    ctypes.memset(at, 0, width)
+
     def register(self, base: int, nbytes: int) -> int:
         return base
 
