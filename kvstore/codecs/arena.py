@@ -40,6 +40,9 @@ _LOCK = threading.Lock()
 _POOL: ThreadPoolExecutor | None = None
 #: Below this many bytes in all, records are written on the caller's thread.
 PARALLEL_MIN_BYTES = 8 << 20
+#: Whether a save's payloads may be copied from the whole tensors they were cut from
+#: (``KVSTORE_CUDA_SAVE_PAYLOADS=gather``): False once the driver refused it here.
+_GATHER_WORKS = True
 
 
 def _pool() -> ThreadPoolExecutor:
@@ -121,11 +124,6 @@ def write_records(
         starts.append(end)
         end += _align(plan.nbytes_bound)
     on_gpu = cuda.available()
-    cut = on_gpu and cuts is not None
-    # MLX evaluates a graph only on the thread whose stream built it: here, not in the
-    # pool (cut payloads are read from their whole tensors, evaluated below).
-    if not cut:
-        mx.eval([a for plan in plans for a, _ in plan.tensors if isinstance(a, mx.array)])
     buffer = _arena().take(end, on_gpu)
     view = memoryview(cast(Any, buffer))
 
@@ -135,10 +133,16 @@ def write_records(
 
     parallel = end >= PARALLEL_MIN_BYTES and len(plans) > 1
     futures: list[Future[memoryview]] = []
+    cut = on_gpu and cuts is not None and _GATHER_WORKS
     if cut:
         assert cuts is not None
-        _download_cut(plans, cuts, starts, futures if parallel else None, one)
-    elif on_gpu:
+        cut = _download_cut(plans, cuts, starts, futures if parallel else None, one)
+    if not cut:
+        # MLX evaluates a graph only on the thread whose stream built it: here, not in
+        # the pool (gathered payloads are read from their whole tensors, which
+        # ``_download_cut`` evaluates).
+        mx.eval([a for plan in plans for a, _ in plan.tensors if isinstance(a, mx.array)])
+    if on_gpu and not cut:
         heads = [plan.head_nbytes_bound for plan in plans]
         built = payloads or [None] * len(plans)
         on_device = [
@@ -182,14 +186,19 @@ def _download_cut(
     starts: Sequence[int],
     futures: list[Future[memoryview]] | None,
     one: Callable[[int], memoryview],
-) -> None:
+) -> bool:
     """Each plan's payload copied from its whole tensors into this thread's arena by the
     copy engine; with ``futures``, each record's copies made by the pool thread that
-    then hashes it (copies, checksums and the commit's puts overlap), else here."""
+    then hashes it (copies, checksums and the commit's puts overlap), else here. False
+    where the wholes' addresses could not be had (nothing copied)."""
     staging = cuda.transport()
     pinned = _arena().pinned
     flats, index = cut_segments.flat_wholes(cuts)
-    addresses = staging.addresses(flats)  # evaluates the wholes; ``flats`` holds them
+    try:
+        addresses = staging.addresses(flats)  # evaluates the wholes; ``flats`` holds them
+    except (OSError, RuntimeError) as exc:  # this save, and the later ones, built on the device
+        _give_up_gather(exc)
+        return False
     tables = [
         cut_segments.segments(plan, cuts[i], starts[i] + plan.head_nbytes_bound, addresses, index)
         for i, plan in enumerate(plans)
@@ -198,11 +207,32 @@ def _download_cut(
     # ``flats`` bound to ``fetched``: the wholes' memory is read until every copy is done
     # (a whole that was a strided view has its flat copy alone).
     def fetched(i: int, _held: list[mx.array] = flats) -> memoryview:
-        staging.download_segments(tables[i], pinned)
+        copied(i)
         return one(i)
 
+    def copied(i: int) -> None:
+        try:
+            staging.download_segments(tables[i], pinned)
+        except (OSError, RuntimeError) as exc:  # this save fails; the next ones on the device
+            _give_up_gather(exc)
+            raise
+
     if futures is None:
-        for table in tables:
-            staging.download_segments(table, pinned)
+        for i in range(len(plans)):
+            copied(i)
     else:
         futures.extend(_pool().submit(fetched, i) for i in range(len(plans)))
+    return True
+
+
+def _give_up_gather(exc: BaseException) -> None:
+    """A save's gathered copies failed here (the address kernel or a 2-D copy refused):
+    this process builds every save's payloads on the device from now on, said once."""
+    global _GATHER_WORKS
+    if _GATHER_WORKS:
+        _GATHER_WORKS = False
+        cuda.log.warning(
+            "kvstore: a save's copies from its whole tensors failed (%s); saves build their "
+            "payloads on the device",
+            exc,
+        )

@@ -101,8 +101,10 @@ class HostTransport:
         self.copied_on.append(threading.current_thread().name)
 
     def download_segments(self, params: np.ndarray, slot: cuda.PinnedBuffer) -> None:
-        """The gather kernel's segments from "device" addresses (:meth:`addresses`'
-        arrays) into ``slot`` at their offsets."""
+        """The segments' 2-D copies from "device" addresses (:meth:`addresses`' arrays)
+        into ``slot`` at their offsets."""
+        if self.refuse_copies:
+            raise RuntimeError("[cuda] cuMemcpy2DAsync failed with CUresult 700.")
         self.segment_downloads += 1
         self.segments_on.append(threading.current_thread().name)
         words = params[1:].reshape(int(params[0]), cuda.SEGMENT_WORDS).tolist()
@@ -712,6 +714,43 @@ def test_a_large_save_under_gather_restores_bit_exact(tmp_path, staged, monkeypa
         assert got.offset == 1099
         for a, b in ((got.keys, cache.keys), (got.values, cache.values)):
             assert mx.array_equal(a[:, :, :1099], b[:, :, :1099]).item()
+
+
+@pytest.mark.parametrize("refused", ["address kernel", "2-D copy"])
+def test_a_refused_gather_builds_the_payloads_on_the_device_from_then_on(
+    tmp_path, staged, monkeypatch, caplog, refused
+):
+    """Under ``gather``, where the driver refuses the wholes' addresses the save's
+    payloads are built on the device instead (the save stands); a refused copy fails
+    that save alone. Either way the later saves build theirs on the device, said once."""
+    from kvstore.codecs import arena
+    from kvstore.store.kv import save as save_module
+
+    monkeypatch.setattr(save_module, "SAVE_PAYLOADS", "gather")
+    monkeypatch.setattr(arena, "_GATHER_WORKS", True)
+    monkeypatch.setattr(cuda, "DOWNLOAD_ROUTE", "kernel")  # the addresses: gather's alone
+    if refused == "address kernel":
+        staged.refuse_addresses = True
+    else:
+        staged.refuse_copies = True
+    caches = _large_caches()
+    tokens = list(range(1, 1101))
+    with open_store(f"lmdb://{tmp_path / 's'}", block_size=256) as store:
+        with caplog.at_level("WARNING", logger="kvstore.cuda"):
+            if refused == "address kernel":
+                store.save("ns", tokens, caches)
+                assert store.lookup("ns", tokens).tokens == 1099
+                store.delete("ns")
+            else:
+                with pytest.raises(RuntimeError, match="cuMemcpy2DAsync failed"):
+                    store.save("ns", tokens, caches)
+                assert store.lookup("ns", tokens).tokens == 0  # nothing of it stored
+        assert not arena._GATHER_WORKS
+        assert caplog.text.count("saves build their payloads on the device") == 1
+        downloads = staged.downloads
+        store.save("ns", tokens, caches)
+        assert staged.downloads > downloads and store.lookup("ns", tokens).tokens == 1099
+    assert staged.segment_downloads == 0
 
 
 def _large_caches():
