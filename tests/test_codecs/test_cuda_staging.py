@@ -573,9 +573,9 @@ def test_in_use_asks_nothing_of_the_device(monkeypatch):
     assert not cuda.in_use()
 
 
-def _three_layer_encoder(encoder_kind: str, policy: str):
+def _three_layer_encoder(encoder_kind: str, policy: str, batch: int = 1):
     """A save's encoder (``"save"``) or a save behind's (``"handed off"``, blocks of 16)
-    over three bfloat16 layers of 56 rows."""
+    over three bfloat16 layers of 56 rows (of ``batch`` sequences)."""
     from kvstore.caches import KVCache
     from kvstore.store.kv import save as save_module
     from kvstore.store.kv.writer import HandedOff
@@ -583,7 +583,8 @@ def _three_layer_encoder(encoder_kind: str, policy: str):
     caches = []
     for layer in range(3):
         cache = KVCache()
-        rows = mx.random.normal((1, 2, 56, 64), key=mx.random.key(layer)).astype(mx.bfloat16)
+        shape = (batch, 2, 56, 64)
+        rows = mx.random.normal(shape, key=mx.random.key(layer)).astype(mx.bfloat16)
         cache.update_and_fetch(rows, rows * 2)
         caches.append(cache)
     if encoder_kind == "save":
@@ -663,10 +664,11 @@ def test_a_gpu_save_stacks_unless_record_or_too_large_under_auto(staged, monkeyp
         assert called == []
 
 
+@pytest.mark.parametrize("batch", [1, 2])
 @pytest.mark.parametrize("encoder_kind", ["save", "handed off"])
 @pytest.mark.parametrize("policy", ["lossless", "kv:quant:8:64"])
 def test_under_gather_a_gpu_save_writes_records_from_the_whole_tensors(
-    staged, monkeypatch, encoder_kind, policy
+    staged, monkeypatch, encoder_kind, policy, batch
 ):
     """KVSTORE_CUDA_SAVE_PAYLOADS=gather: a record whose tensors were all cut from whole
     tensors gets its payload copied from them straight into the arena (the copy
@@ -676,7 +678,7 @@ def test_under_gather_a_gpu_save_writes_records_from_the_whole_tensors(
     from kvstore.codecs import arena
     from kvstore.store.kv import save as save_module
 
-    encoder = _three_layer_encoder(encoder_kind, policy)
+    encoder = _three_layer_encoder(encoder_kind, policy, batch)
     built, real = [], arena.device_payload
     monkeypatch.setattr(arena, "device_payload", lambda plan: built.append(plan) or real(plan))
     monkeypatch.setattr(save_module, "SAVE_PAYLOADS", "gather")
