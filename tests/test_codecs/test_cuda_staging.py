@@ -696,6 +696,39 @@ def test_under_gather_a_gpu_save_writes_records_from_the_whole_tensors(
     assert staged.segment_downloads == 4 and built == []
 
 
+def test_a_gather_save_with_a_record_not_cut_from_whole_tensors_saves_as_auto_does(
+    staged, monkeypatch
+):
+    """Under ``gather`` a save whose records are not all cut from whole tensors (here one
+    made to look so) builds its payloads on the device as ``auto`` does: its lossless
+    runs stacked with one copy; the records are encode_record's."""
+    from kvstore.abc.store import BlockSpan, PendingRecord
+    from kvstore.store.kv import save as save_module
+
+    encoder = _three_layer_encoder("handed off", "lossless")
+    monkeypatch.setattr(save_module, "SAVE_PAYLOADS", "gather")
+    real_cuts, real_stacked = save_module.plan_cuts, save_module.stacked_payloads
+    calls: list[object] = []
+
+    def first_not_cut(plan, cut_of):
+        calls.append(plan)
+        return None if len(calls) == 1 else real_cuts(plan, cut_of)
+
+    monkeypatch.setattr(save_module, "plan_cuts", first_not_cut)
+    stacked: list[dict] = []
+    monkeypatch.setattr(
+        save_module,
+        "stacked_payloads",
+        lambda *a, **kw: stacked.append(kw) or real_stacked(*a, **kw),
+    )
+    spans = [BlockSpan(i, a, min(56, a + 16), b"") for i, a in enumerate(range(0, 56, 16))]
+    records = encoder(spans)
+    got = [bytes(r.result() if isinstance(r, PendingRecord) else r) for r in records]
+    assert got == [encode_record(encoder.layers(s.start, s.stop)) for s in spans]
+    assert staged.segment_downloads == 0
+    assert stacked == [{"one_copy_only": True}]
+
+
 def test_a_large_save_under_gather_restores_bit_exact(tmp_path, staged, monkeypatch):
     """Through a store, records over the pool's threshold: each record's copies made by
     the pool thread that then hashes it; every block comes back as saved."""

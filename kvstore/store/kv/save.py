@@ -65,7 +65,8 @@ __all__ = ["save_caches", "check_caches", "BlockEncoder", "Captured"]
 #: took 11-45 % longer (ffbfa55-h100/). ``gather`` (an experiment): no payload built on
 #: the device; each record's bytes copied from the whole tensors its blocks were cut
 #: from straight into the pinned arena by the copy engine, on the pool threads
-#: (:mod:`kvstore.codecs.cut_segments`). Done by a kernel instead it lost to ``auto``
+#: (:mod:`kvstore.codecs.cut_segments`); a save with a record not cut so (a hybrid
+#: model's checkpoints, say) as under ``auto``. Done by a kernel instead it lost to ``auto``
 #: (G3 16384 1.76 s against 1.09, its kernels holding the SMs a decode step beside them
 #: needed: results/gpu/163f866-h100/); by the copy engine, not measured yet.
 SAVE_PAYLOADS = choice_from_env(
@@ -186,12 +187,13 @@ class BlockEncoder:
             plans.append(plan_record(layers, like=plans[-1] if plans else None))
         if SAVE_PAYLOADS == "gather" and self._cuts:
             cuts = [plan_cuts(plan, self._cut_of) for plan in plans]
-            self._cuts.clear()
             if all(c is not None for c in cuts):
+                self._cuts.clear()
                 return write_records(plans, pending=True, cuts=cast(list[list[Cut]], cuts))
-        # On a GPU, the payloads of blocks cut alike in a few kernels, not a few per piece.
+        # On a GPU, the payloads of blocks cut alike in a few kernels, not a few per piece
+        # (``gather`` where not every record was cut: as ``auto``).
         payloads = (
-            stacked_payloads(plans, self._cut_of, one_copy_only=SAVE_PAYLOADS == "auto")
+            stacked_payloads(plans, self._cut_of, one_copy_only=SAVE_PAYLOADS != "stacked")
             if self._cuts and _stacks(plans)
             else None
         )
