@@ -133,16 +133,14 @@ def write_records(
 
     parallel = end >= PARALLEL_MIN_BYTES and len(plans) > 1
     futures: list[Future[memoryview]] = []
-    cut = on_gpu and cuts is not None and _GATHER_WORKS
-    if cut:
-        assert cuts is not None
-        cut = _download_cut(plans, cuts, starts, futures if parallel else None, one)
-    if not cut:
+    # ``fetch(i)`` puts record ``i``'s payload in the arena and waits, on any thread.
+    fetch = _gathered(plans, cuts, starts) if on_gpu and cuts is not None else None
+    if fetch is None:
         # MLX evaluates a graph only on the thread whose stream built it: here, not in
         # the pool (gathered payloads are read from their whole tensors, which
-        # ``_download_cut`` evaluates).
+        # ``_gathered`` evaluates).
         mx.eval([a for plan in plans for a, _ in plan.tensors if isinstance(a, mx.array)])
-    if on_gpu and not cut:
+    if on_gpu and fetch is None:
         heads = [plan.head_nbytes_bound for plan in plans]
         built = payloads or [None] * len(plans)
         on_device = [
@@ -153,15 +151,7 @@ def write_records(
         pinned = _arena().pinned
         offsets = [start + head for start, head in zip(starts, heads, strict=True)]
         fetch = cuda.download_later(on_device, pinned, offsets) if parallel else None
-        if fetch is not None:
-            # The copy engine's route: each record downloaded by the pool thread that
-            # then hashes it (downloads, checksums and the commit's puts overlap).
-            def fetched(i: int) -> memoryview:
-                fetch(i)
-                return one(i)
-
-            futures = [_pool().submit(fetched, i) for i in range(len(plans))]
-        else:
+        if fetch is None:
             # Each record is checksummed on the pool as soon as its bytes are down, while
             # the next record's cross the bus.
             cuda.download(
@@ -171,6 +161,17 @@ def write_records(
                 done=(lambda i: futures.append(_pool().submit(one, i))) if parallel else None,
             )
         del on_device
+    if fetch is not None and parallel:
+        # The copy engine's routes: each record fetched by the pool thread that then
+        # hashes it (copies, checksums and the commit's puts overlap).
+        def fetched(i: int) -> memoryview:
+            fetch(i)
+            return one(i)
+
+        futures = [_pool().submit(fetched, i) for i in range(len(plans))]
+    elif fetch is not None:
+        for i in range(len(plans)):
+            fetch(i)
     if not parallel:
         return [one(i) for i in range(len(plans))]
     if not futures:
@@ -180,49 +181,38 @@ def write_records(
     return [f.result() for f in futures]
 
 
-def _download_cut(
-    plans: Sequence[RecordPlan],
-    cuts: Sequence[Sequence[Cut]],
-    starts: Sequence[int],
-    futures: list[Future[memoryview]] | None,
-    one: Callable[[int], memoryview],
-) -> bool:
-    """Each plan's payload copied from its whole tensors into this thread's arena by the
-    copy engine; with ``futures``, each record's copies made by the pool thread that
-    then hashes it (copies, checksums and the commit's puts overlap), else here. False
-    where the wholes' addresses could not be had (nothing copied)."""
+def _gathered(
+    plans: Sequence[RecordPlan], cuts: Sequence[Sequence[Cut]], starts: Sequence[int]
+) -> Callable[[int], None] | None:
+    """``fetch(i)``, which copies plan ``i``'s payload from its whole tensors into this
+    thread's arena by the copy engine and waits, on whichever thread calls it (the
+    wholes are evaluated now, on this one, and held by ``fetch``); ``None`` where the
+    driver refused (now or before: :func:`_give_up_gather`)."""
+    if not _GATHER_WORKS:
+        return None
     staging = cuda.transport()
     pinned = _arena().pinned
     flats, index = cut_segments.flat_wholes(cuts)
     try:
-        addresses = staging.addresses(flats)  # evaluates the wholes; ``flats`` holds them
+        addresses = staging.addresses(flats)  # evaluates the wholes
     except (OSError, RuntimeError) as exc:  # this save, and the later ones, built on the device
         _give_up_gather(exc)
-        return False
+        return None
     tables = [
         cut_segments.segments(plan, cuts[i], starts[i] + plan.head_nbytes_bound, addresses, index)
         for i, plan in enumerate(plans)
     ]
 
-    # ``flats`` bound to ``fetched``: the wholes' memory is read until every copy is done
+    # ``flats`` bound to ``fetch``: the wholes' memory is read until every copy is done
     # (a whole that was a strided view has its flat copy alone).
-    def fetched(i: int, _held: list[mx.array] = flats) -> memoryview:
-        copied(i)
-        return one(i)
-
-    def copied(i: int) -> None:
+    def fetch(i: int, _held: list[mx.array] = flats) -> None:
         try:
             staging.download_segments(tables[i], pinned)
         except (OSError, RuntimeError) as exc:  # this save fails; the next ones on the device
             _give_up_gather(exc)
             raise
 
-    if futures is None:
-        for i in range(len(plans)):
-            copied(i)
-    else:
-        futures.extend(_pool().submit(fetched, i) for i in range(len(plans)))
-    return True
+    return fetch
 
 
 def _give_up_gather(exc: BaseException) -> None:

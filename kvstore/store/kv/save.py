@@ -76,9 +76,9 @@ SAVE_PAYLOADS = choice_from_env(
 #: Under ``auto``, the largest save (its payloads' bytes) stacked. A 16384-token (2 GiB)
 #: save under ``auto`` saved as fast as record by record but one decode step beside it
 #: took 176-251 ms where record by record the longest took 44-64, with all of it, its
-#: first 512 MiB or none of it stacked (runs of one record; 4ac01ae-h100/, not traced:
-#: the cut pieces were then held to the save's end); 512 MiB saves gained at every
-#: measure.
+#: first 512 MiB or none of it stacked (runs of one record; 4ac01ae-h100/); stacking
+#: none of it, and the cut map cleared early, it still took 159-253 ms against 68
+#: (6f53194-h100/, 163f866-h100/: not traced). 512 MiB saves gained at every measure.
 AUTO_STACKED_BYTES = 1 << 30
 
 #: Snapshots taken during prefill: ``(layer, block start) -> Snapshot`` of a whole block;
@@ -185,23 +185,27 @@ class BlockEncoder:
         for s in spans:
             layers = self.layers(s.start, s.stop, checkpoint=s.checkpoint)
             plans.append(plan_record(layers, like=plans[-1] if plans else None))
-        if SAVE_PAYLOADS == "gather" and self._cuts:
-            cuts = [plan_cuts(plan, self._cut_of) for plan in plans]
-            if all(c is not None for c in cuts):
-                self._cuts.clear()
-                return write_records(plans, pending=True, cuts=cast(list[list[Cut]], cuts))
+        cuts = self._gathered_cuts(plans)
         # On a GPU, the payloads of blocks cut alike in a few kernels, not a few per piece
         # (``gather`` where not every record was cut: as ``auto``).
         payloads = (
             stacked_payloads(plans, self._cut_of, one_copy_only=SAVE_PAYLOADS != "stacked")
-            if self._cuts and _stacks(plans)
+            if cuts is None and self._cuts and _stacks(plans)
             else None
         )
-        # The pieces live as long as record by record from here (the plans hold them),
-        # not to the save's end: a save under ``auto`` that stacked nothing stalled a
-        # decode step in G3 where record by record did not (results/gpu/4ac01ae-h100/).
+        # The map has done its work: the pieces live on in the plans alone. (Clearing it
+        # here rather than at the save's end did not remove the long decode step beside
+        # a 2 GiB save under ``auto``: results/gpu/6f53194-h100/.)
         self._cuts.clear()
-        return write_records(plans, pending=True, payloads=payloads)
+        return write_records(plans, pending=True, payloads=payloads, cuts=cuts)
+
+    def _gathered_cuts(self, plans: Sequence[RecordPlan]) -> list[list[Cut]] | None:
+        """Under ``gather``, where each plan's tensors were cut from, if every plan's
+        were (:func:`plan_cuts`); else ``None``."""
+        if SAVE_PAYLOADS != "gather" or not self._cuts:
+            return None
+        cuts = [plan_cuts(plan, self._cut_of) for plan in plans]
+        return cast(list[list[Cut]], cuts) if all(c is not None for c in cuts) else None
 
     def _cut_of(self, tensor: Any) -> Cut | None:
         found = self._cuts.get(id(tensor))

@@ -178,6 +178,14 @@ if ! python3 -c "import mlx.core" 2>/dev/null; then
   exit 3
 fi
 profile="python3 tools/bench/gpu/restore_profile.py --repeats 3"
+# G3 at both lengths with KVSTORE_CUDA_SAVE_PAYLOADS=$1 into $out/g3-$1: its llama8b rows
+# printed, its check and log files dropped (a call brings back a limited count of files).
+g3_under() {
+  KVSTORE_CUDA_SAVE_PAYLOADS=$1 KVSTORE_BENCH_GIT=$rev CHECK_TIMEOUT=1 BENCH_TIMEOUT=200 \
+    bash tools/bench/gpu/run.sh G3 "$out/g3-$1" > /dev/null 2>&1
+  echo "== $1 $(date +%T)"; grep -E "llama8b" "$out/g3-$1/bench-table.txt"
+  rm -f "$out/g3-$1/gpu-check.txt" "$out/g3-$1/bench-log.txt"
+}
 case "$step" in
   profiles)
     timeout 300 $profile --policies lossless,kv:quant:8:64,kv:quant:4:64,kv:turboquant:4:4,kv:turboquant:3:3 \
@@ -293,23 +301,13 @@ case "$step" in
     # check.py, then G3 at both lengths with each record's payload built on its own, then
     # with the default (auto: the lossless runs stacked, at most RUN_BYTES a run).
     timeout 120 python3 tools/bench/gpu/check.py > "$out/check.txt" 2>&1; head -6 "$out/check.txt"
-    for payloads in record auto; do
-      KVSTORE_CUDA_SAVE_PAYLOADS=$payloads KVSTORE_BENCH_GIT=$rev CHECK_TIMEOUT=1 BENCH_TIMEOUT=200 \
-        bash tools/bench/gpu/run.sh G3 "$out/g3-$payloads" > /dev/null 2>&1
-      echo "== $payloads"; grep -E "llama8b" "$out/g3-$payloads/bench-table.txt"
-      rm -f "$out/g3-$payloads/gpu-check.txt"
-    done ;;
+    for payloads in record auto; do g3_under "$payloads"; done ;;
   gather)
     timeout 120 python3 tools/bench/gpu/check.py > "$out/check.txt" 2>&1; head -9 "$out/check.txt"
-    for payloads in gather auto; do
-      KVSTORE_CUDA_SAVE_PAYLOADS=$payloads KVSTORE_BENCH_GIT=$rev CHECK_TIMEOUT=1 BENCH_TIMEOUT=200 \
-        bash tools/bench/gpu/run.sh G3 "$out/g3-$payloads" > /dev/null 2>&1
-      echo "== $payloads $(date +%T)"; grep -E "llama8b" "$out/g3-$payloads/bench-table.txt"
-      rm -f "$out/g3-$payloads/gpu-check.txt" "$out/g3-$payloads/bench-log.txt"
-    done
+    for payloads in gather auto; do g3_under "$payloads"; done
     KVSTORE_CUDA_SAVE_PAYLOADS=gather timeout 100 python3 tools/bench/gpu/save_stall.py --tokens 16384 \
       --saves 3 --churn > "$out/save-stall-16384-churn-gather.txt" 2>&1
-    grep -E "^Device|^save|MLX memory|write_records|eval|download" "$out/save-stall-16384-churn-gather.txt" | cut -c1-260 ;;
+    grep -E "^Device|^save|MLX memory|write_records|eval|gather" "$out/save-stall-16384-churn-gather.txt" | cut -c1-260 ;;
   autostall)
     for payloads in auto record; do
       KVSTORE_CUDA_SAVE_PAYLOADS=$payloads timeout 120 python3 tools/bench/gpu/save_stall.py --tokens 16384 \
