@@ -24,6 +24,7 @@ __all__ = [
     "as_mlx",
     "as_numpy",
     "as_numpy_all",
+    "byte_view",
     "contiguous_chunks",
     "owned_array",
     "owned_arrays",
@@ -110,6 +111,12 @@ def as_numpy(array: Any) -> np.ndarray:
     Evaluates a lazy ``mx.array`` first.
     """
     return as_numpy_all([array])[0]
+
+
+def byte_view(array: mx.array) -> mx.array:
+    """A contiguous MLX array's bytes as one flat ``uint8`` array: a free
+    reinterpretation (a strided view is copied by the reshape)."""
+    return array.reshape(-1).view(mx.uint8)
 
 
 def as_numpy_all(arrays: Sequence[Any]) -> list[np.ndarray]:

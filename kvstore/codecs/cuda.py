@@ -48,7 +48,7 @@ from typing import Any, Protocol
 import mlx.core as mx
 import numpy as np
 
-from kvstore.codecs.arrays import MLX_DTYPES, numpy_dtype
+from kvstore.codecs.arrays import MLX_DTYPES, byte_view, numpy_dtype
 from kvstore.codecs.host_memory import advise_huge_pages
 from kvstore.cuda_kernel import Kernel, cuda_kernel
 from kvstore.devices import default_is_cuda
@@ -994,7 +994,7 @@ def download(
     """The bytes of each contiguous device array into ``slot`` at its offset (waits);
     ``done(i)`` as soon as array ``i``'s are there, before the next one's download."""
     staging = transport()
-    flats = [a.reshape(-1).view(mx.uint8) for a in arrays]
+    flats = [byte_view(a) for a in arrays]
     mx.eval(flats)
     for i, (flat, offset) in enumerate(zip(flats, offsets, strict=True)):
         staging.to_host(flat, slot, offset)
@@ -1012,7 +1012,7 @@ def download_later(
     if DOWNLOAD_ROUTE != "copy":
         return None
     staging = transport()
-    flats = [a.reshape(-1).view(mx.uint8) for a in arrays]
+    flats = [byte_view(a) for a in arrays]
     try:
         addresses = staging.addresses(flats)
     except (OSError, RuntimeError) as exc:  # this save, and the later ones, by the kernel

@@ -28,6 +28,7 @@ from collections.abc import Sequence
 import mlx.core as mx
 import numpy as np
 
+from kvstore.codecs.arrays import byte_view
 from kvstore.codecs.cuda import SEGMENT_WORDS
 from kvstore.codecs.record import RecordPlan
 from kvstore.codecs.stacked_payloads import Cut
@@ -45,7 +46,7 @@ def flat_wholes(cuts: Sequence[Sequence[Cut]]) -> tuple[list[mx.array], dict[int
         for whole, _, _ in plan_cuts:
             if id(whole) not in index:
                 index[id(whole)] = len(flats)
-                flats.append(whole.reshape(-1).view(mx.uint8))
+                flats.append(byte_view(whole))
     return flats, index
 
 

@@ -20,7 +20,7 @@ import mlx.core as mx
 import numpy as np
 
 from kvstore.codecs import cuda
-from kvstore.codecs.arrays import MLX_DTYPES
+from kvstore.codecs.arrays import MLX_DTYPES, byte_view
 from kvstore.codecs.fill import LeafSpec
 
 __all__ = ["Placed", "joined"]
@@ -68,7 +68,7 @@ def joined(specs: Sequence[LeafSpec], columns: Sequence[Sequence[Placed]]) -> li
                 words += [src, src_pitch, dst, pitch, width, height]
         params = np.array([len(words) // cuda.SEGMENT_WORDS, *words], np.uint64)
         sizes = [cuda.nbytes_of(spec) for spec in specs[first:last]]
-        flat = [buffer.reshape(-1).view(mx.uint8) for buffer in buffers]
+        flat = [byte_view(buffer) for buffer in buffers]
         made.extend(cuda.transport().assemble_many(params, flat, sizes))
         first = last
     return [
