@@ -23,7 +23,7 @@ copies over the bus ran at ~9 GB/s and held the SMs a decode step beside it need
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import mlx.core as mx
 import numpy as np
@@ -33,7 +33,7 @@ from kvstore.codecs.cuda import SEGMENT_WORDS
 from kvstore.codecs.record import RecordPlan
 from kvstore.codecs.stacked_payloads import Cut
 
-__all__ = ["flat_wholes", "segments"]
+__all__ = ["flat_wholes", "row_copies", "segments"]
 
 
 def flat_wholes(cuts: Sequence[Sequence[Cut]]) -> tuple[list[mx.array], dict[int, int]]:
@@ -88,3 +88,13 @@ def segments(
     if rows:
         table[1:] = np.array(rows, np.uint64).reshape(-1)
     return table
+
+
+def row_copies(params: np.ndarray) -> Iterator[tuple[int, int, int]]:
+    """The segments of ``params`` (as :func:`segments` makes them) one row at a time:
+    ``(source address, or 0 for zeros; offset into the slot; bytes)``, the copies a
+    host stand-in for the copy engine makes (tests, the CPU profile tools)."""
+    words = params[1:].reshape(int(params[0]), SEGMENT_WORDS).tolist()
+    for src, src_pitch, offset, pitch, width, height in words:
+        for r in range(height):
+            yield (src + r * src_pitch if src else 0), offset + r * pitch, width

@@ -13,7 +13,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from kvstore.codecs import cuda
+from kvstore.codecs import cuda, cut_segments
 from kvstore.codecs.arena import write_records
 from kvstore.codecs.record import encode_record, plan_record
 from kvstore.store import open_store
@@ -107,18 +107,16 @@ class HostTransport:
             raise RuntimeError("[cuda] cuMemcpy2DAsync failed with CUresult 700.")
         self.segment_downloads += 1
         self.segments_on.append(threading.current_thread().name)
-        words = params[1:].reshape(int(params[0]), cuda.SEGMENT_WORDS).tolist()
         arrays = [(a - DEVICE_OFFSET, d) for a, d in self.device_arrays.items()]
-        for src, src_pitch, offset, pitch, width, height in words:
-            assert offset + (height - 1) * pitch + width <= slot.nbytes
-            for r in range(height):
-                at = slot.array.ctypes.data + offset + r * pitch
-                if not src:
-                    ctypes.memset(at, 0, width)
-                    continue
-                host = src - DEVICE_OFFSET + r * src_pitch
-                assert any(b <= host and host + width <= b + d.nbytes for b, d in arrays)
-                ctypes.memmove(at, host, width)
+        for src, offset, width in cut_segments.row_copies(params):
+            assert offset + width <= slot.nbytes
+            at = slot.array.ctypes.data + offset
+            if not src:
+                ctypes.memset(at, 0, width)
+                continue
+            host = src - DEVICE_OFFSET
+            assert any(b <= host and host + width <= b + d.nbytes for b, d in arrays)
+            ctypes.memmove(at, host, width)
 
     def register(self, base: int, nbytes: int) -> int:
         if self.refuse:

@@ -43,7 +43,7 @@ import numpy as np
 
 from kvstore.bench.workloads import WORKLOADS, SyntheticKV, attended_arrays
 from kvstore.caches import KVCache
-from kvstore.codecs import cuda, cuda_pages, one_buffer, plans, record
+from kvstore.codecs import cuda, cuda_pages, cut_segments, one_buffer, plans, record
 from kvstore.store import open_store
 from kvstore.store.kv import restore
 from kvstore.turboquant.quantizer import TurboQuantizer
@@ -74,14 +74,12 @@ class FreeTransport:
         ctypes.memmove(int(slot.array.ctypes.data) + offset, address, nbytes)
 
     def download_segments(self, params: np.ndarray, slot: cuda.PinnedBuffer) -> None:
-        words = params[1:].reshape(int(params[0]), cuda.SEGMENT_WORDS).tolist()
-        for src, src_pitch, offset, pitch, width, height in words:
-            for r in range(height):
-                at = int(slot.array.ctypes.data) + offset + r * pitch
-                if src:
-                    ctypes.memmove(at, src + r * src_pitch, width)
-                else:
-                    ctypes.memset(at, 0, width)
+        base = int(slot.array.ctypes.data)
+        for src, offset, width in cut_segments.row_copies(params):
+            if src:
+                ctypes.memmove(base + offset, src, width)
+            else:
+                ctypes.memset(base + offset, 0, width)
 
     def register(self, base: int, nbytes: int) -> int:
         return base
