@@ -103,6 +103,7 @@
 #                2-D copies on the pool threads: kvstore/codecs/cut_segments.py; by a kernel
 #                at 163f866 it lost, results/gpu/163f866-h100/), G3 at both lengths under
 #                gather and under auto first, the save_stall last: ~300 s
+# STEP gather16k check.py, then G3 at 16384 tokens only under gather and under auto (~200 s)
 # STEP autostall save_stall.py at 16384 tokens with G3's peer saves between (--churn), under
 #                auto (nothing stacked: the save is over AUTO_STACKED_BYTES) then record by
 #                record, write_records' parts timed; then G3 at 16384 alone under auto,
@@ -308,6 +309,16 @@ case "$step" in
     KVSTORE_CUDA_SAVE_PAYLOADS=gather timeout 100 python3 tools/bench/gpu/save_stall.py --tokens 16384 \
       --saves 3 --churn > "$out/save-stall-16384-churn-gather.txt" 2>&1
     grep -E "^Device|^save|MLX memory|write_records|eval|gather" "$out/save-stall-16384-churn-gather.txt" | cut -c1-260 ;;
+  gather16k)
+    # gather's short form, for a call with little device time left: check.py, then G3 at
+    # 16384 tokens alone (the row auto misses), under gather and under auto: ~200 s
+    timeout 100 python3 tools/bench/gpu/check.py > "$out/check.txt" 2>&1; head -9 "$out/check.txt"
+    for payloads in gather auto; do
+      KVSTORE_CUDA_SAVE_PAYLOADS=$payloads KVSTORE_BENCH_GPU_TOKENS=16384 KVSTORE_BENCH_GIT=$rev CHECK_TIMEOUT=1 \
+        BENCH_TIMEOUT=150 bash tools/bench/gpu/run.sh G3 "$out/g3-$payloads" > /dev/null 2>&1
+      echo "== G3 16384 $payloads $(date +%T)"; grep -E "llama8b" "$out/g3-$payloads/bench-table.txt"
+      rm -f "$out/g3-$payloads/gpu-check.txt" "$out/g3-$payloads/bench-log.txt"
+    done ;;
   autostall)
     for payloads in auto record; do
       KVSTORE_CUDA_SAVE_PAYLOADS=$payloads timeout 120 python3 tools/bench/gpu/save_stall.py --tokens 16384 \
