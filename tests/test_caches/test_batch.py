@@ -154,3 +154,20 @@ def test_what_does_not_batch_says_so():
     with pytest.raises(CapabilityError, match="keep 0"):
         merge_caches([filled(RotatingKVCache(32, keep=4), 8, 0)])
     assert not hasattr(TurboQuantKVCache(4, 4), "merge")  # mlx-lm serves these one at a time
+
+
+@pytest.mark.parametrize(
+    "empty, make",
+    [
+        (lambda: BatchKVCache([1, 0]), KVCache),
+        (lambda: BatchRotatingKVCache(32, [1, 0]), lambda: RotatingKVCache(32)),
+    ],
+)
+def test_left_padding_goes_on_an_empty_batch_only(empty, make):
+    batch = empty()
+    batch.prepare(left_padding=[2, 3])
+    assert batch.left_padding.tolist() == [3, 3] and batch.offset.tolist() == [-3, -3]
+    filled_batch = merge_caches([filled(make(), 4, 0), filled(make(), 6, 1)])
+    with pytest.raises(ValueError, match="only be added to an empty batch"):
+        filled_batch.prepare(left_padding=[1, 1])
+    assert filled_batch.offset.tolist() == [4, 6]  # unchanged

@@ -67,11 +67,7 @@ class BatchGrowing(BatchRows):
         right_padding: Sequence[int] | None = None,
     ) -> None:
         if left_padding is not None:
-            if self.keys is not None:
-                raise ValueError("[batch cache] Left padding can only be added to an empty batch.")
-            pad = mx.array(list(left_padding))
-            self.left_padding = self.left_padding + pad
-            self.offset = self.offset - pad
+            self._pad_left(left_padding)
         if right_padding is not None and max(right_padding) > 0:
             self._right_padding = mx.array(list(right_padding))
 

@@ -141,11 +141,7 @@ class BatchRing(BatchRows):
         right_padding: Sequence[int] | None = None,
     ) -> None:
         if left_padding is not None:
-            if self.keys is not None:
-                raise ValueError("[batch cache] Left padding can only be added to an empty batch.")
-            pad = mx.array(list(left_padding))
-            self.left_padding = self.left_padding + pad
-            self.offset = self.offset - pad
+            self._pad_left(left_padding)
         if right_padding is not None and max(right_padding) > 0:
             assert lengths is not None
             self._lengths = mx.array(list(lengths)) + self.offset

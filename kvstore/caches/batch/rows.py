@@ -87,6 +87,14 @@ class BatchRows(BaseKVCache):
         self.offset = mx.array([-p for p in left_padding])
         self._idx = 0
 
+    def _pad_left(self, left_padding: Sequence[int]) -> None:
+        """More left padding for each row of a batch that holds nothing yet (``prepare``)."""
+        if self.keys is not None:
+            raise ValueError("[batch cache] Left padding can only be added to an empty batch.")
+        pad = mx.array(list(left_padding))
+        self.left_padding = self.left_padding + pad
+        self.offset = self.offset - pad
+
     def _fill(self, pieces: Sequence[tuple[Tree | None, Tree | None, int]], length: int) -> None:
         """Rows ``pieces`` (keys, values, tokens) right-justified in ``length`` tokens."""
         ref = next((k, v) for k, v, n in pieces if k is not None and n > 0)
