@@ -179,8 +179,9 @@ if ! python3 -c "import mlx.core" 2>/dev/null; then
   exit 3
 fi
 profile="python3 tools/bench/gpu/restore_profile.py --repeats 3"
-# G3 at both lengths with KVSTORE_CUDA_SAVE_PAYLOADS=$1 into $out/g3-$1: its llama8b rows
-# printed, its check and log files dropped (a call brings back a limited count of files).
+# G3 at both lengths (or KVSTORE_BENCH_GPU_TOKENS's, set before the call) with
+# KVSTORE_CUDA_SAVE_PAYLOADS=$1 into $out/g3-$1: its llama8b rows printed, its check
+# and log files dropped (a call brings back a limited count of files).
 g3_under() {
   KVSTORE_CUDA_SAVE_PAYLOADS=$1 KVSTORE_BENCH_GIT=$rev CHECK_TIMEOUT=1 BENCH_TIMEOUT=200 \
     bash tools/bench/gpu/run.sh G3 "$out/g3-$1" > /dev/null 2>&1
@@ -313,12 +314,7 @@ case "$step" in
     # gather's short form, for a call with little device time left: check.py, then G3 at
     # 16384 tokens alone (the row auto misses), under gather and under auto: ~200 s
     timeout 100 python3 tools/bench/gpu/check.py > "$out/check.txt" 2>&1; head -9 "$out/check.txt"
-    for payloads in gather auto; do
-      KVSTORE_CUDA_SAVE_PAYLOADS=$payloads KVSTORE_BENCH_GPU_TOKENS=16384 KVSTORE_BENCH_GIT=$rev CHECK_TIMEOUT=1 \
-        BENCH_TIMEOUT=150 bash tools/bench/gpu/run.sh G3 "$out/g3-$payloads" > /dev/null 2>&1
-      echo "== G3 16384 $payloads $(date +%T)"; grep -E "llama8b" "$out/g3-$payloads/bench-table.txt"
-      rm -f "$out/g3-$payloads/gpu-check.txt" "$out/g3-$payloads/bench-log.txt"
-    done ;;
+    for payloads in gather auto; do KVSTORE_BENCH_GPU_TOKENS=16384 g3_under "$payloads"; done ;;
   autostall)
     for payloads in auto record; do
       KVSTORE_CUDA_SAVE_PAYLOADS=$payloads timeout 120 python3 tools/bench/gpu/save_stall.py --tokens 16384 \
