@@ -114,8 +114,8 @@ def as_numpy(array: Any) -> np.ndarray:
 
 
 def byte_view(array: mx.array) -> mx.array:
-    """A contiguous MLX array's bytes as one flat ``uint8`` array: a free
-    reinterpretation (a strided view is copied by the reshape)."""
+    """An MLX array's bytes, in C order, as one flat ``uint8`` array: free for a
+    contiguous array, a copy (by the reshape) for a strided view."""
     return array.reshape(-1).view(mx.uint8)
 
 
