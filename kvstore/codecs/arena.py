@@ -31,6 +31,7 @@ from kvstore.abc.store import PendingRecord
 from kvstore.codecs import cuda, cut_segments
 from kvstore.codecs.record import ALIGN, RecordPlan, device_payload, write_record
 from kvstore.codecs.stacked_payloads import Cut
+from kvstore.errors import StoreError
 from kvstore.threads import cores
 
 __all__ = ["write_records"]
@@ -210,7 +211,12 @@ def _gathered(
             staging.download_segments(tables[i], pinned)
         except (OSError, RuntimeError) as exc:  # this save fails; the next ones on the device
             _give_up_gather(exc)
-            raise
+            # The store's own error: its callers treat it as "recompute next time"
+            # (the record's siblings are pending in the commit, too late to rebuild).
+            raise StoreError(
+                f"a save's copies from its whole tensors failed ({exc}): this save is not "
+                "stored; later saves build their payloads on the device"
+            ) from exc
 
     return fetch
 
