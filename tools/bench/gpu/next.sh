@@ -385,14 +385,15 @@ case "$step" in
       > "$out/warmdecode.txt" 2>&1
     tail -12 "$out/warmdecode.txt" ;;
   loopprofile)
-    for cprofile in 0 1; do
+    for cprofile in ${CPROFILES:-0 1}; do
       PYTHONPATH=$PWD/tools/bench/gpu/loop_profile:$PYTHONPATH KVSTORE_BENCH_LOOP_PROFILE=$out/loop-$cprofile \
+        KVSTORE_BENCH_LOOP_PROFILE_SAMPLE=${SAMPLE_MS:-2} \
         KVSTORE_BENCH_LOOP_PROFILE_CPROFILE=$cprofile timeout 280 python3 tools/bench/serve_ttft.py --model /tmp/m8b \
         --shape llama8b --context 4000 --repeats 1 --answer2 300 --ours-arg=--warm-decode --ours-arg=4608 \
         --json "$out/loop-$cprofile.json" > "$out/loop-$cprofile.txt" 2>&1
       tail -4 "$out/loop-$cprofile.txt"
       python3 -m tools.bench.gpu.loop_profile.summary "$out/loop-$cprofile" --top 30 > "$out/loop-$cprofile-summary.txt"
-      grep -E "^==|calls," "$out/loop-$cprofile-summary.txt"
+      grep -E "^==|calls,|samples|  x[0-9]| x[0-9]" "$out/loop-$cprofile-summary.txt" | cut -c1-400 | head -60
     done ;;
   kvbits)
     timeout 150 python3 tools/bench/gpu/serve_kv_bits.py 2>&1 | tee "$out/serve-kv-bits.txt"

@@ -13,7 +13,9 @@ import json
 import pstats
 import statistics
 import sys
+from collections import Counter
 from pathlib import Path
+from typing import Any
 
 
 def runs(calls: list[list[float]]) -> list[list[list[float]]]:
@@ -44,6 +46,34 @@ def describe(run: list[list[float]]) -> str:
     return line
 
 
+def slow_windows(
+    calls: list[list[float]], over_ms: float = 100.0
+) -> list[tuple[str, float, float]]:
+    """Each ``next`` call, and each gap between calls of one run, that took over ``over_ms``:
+    (what, start, end)."""
+    out = []
+    for run in runs(calls):
+        for i, (start, end, *_) in enumerate(run):
+            if (end - start) * 1e3 > over_ms:
+                out.append((f"call {i + 1} inside next", start, end))
+            if i + 1 < len(run) and (run[i + 1][0] - end) * 1e3 > over_ms:
+                out.append((f"gap after call {i + 1}", end, run[i + 1][0]))
+    return out
+
+
+def print_samples(calls: list[list[float]], samples: list[list[Any]], top: int = 3) -> None:
+    """For each slow window, each thread's most common stacks sampled in it."""
+    for what, start, end in slow_windows(calls):
+        inside = [s for s in samples if start <= s[0] <= end]
+        print(f"  {what}: {(end - start) * 1e3:.1f} ms, {len(inside)} samples")
+        by_thread: dict[str, Counter[tuple[str, ...]]] = {}
+        for _, thread, stack in inside:
+            by_thread.setdefault(thread, Counter())[tuple(stack[:6])] += 1
+        for thread, stacks in sorted(by_thread.items()):
+            for stack, n in stacks.most_common(top):
+                print(f"    {thread} x{n}: " + " < ".join(stack))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("folder", type=Path)
@@ -56,6 +86,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"== {path.stem} ({name}): {len(data['calls'])} calls")
         for run in runs(data["calls"]):
             print(describe(run))
+        if data.get("samples"):
+            print_samples(data["calls"], data["samples"])
         prof = path.with_suffix(".prof")
         if prof.exists():
             stats = pstats.Stats(str(prof), stream=sys.stdout)
