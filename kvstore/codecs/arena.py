@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import sys
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, cast
 
@@ -28,10 +28,8 @@ import mlx.core as mx
 import numpy as np
 
 from kvstore.abc.store import PendingRecord
-from kvstore.codecs import cuda, cut_segments
+from kvstore.codecs import cuda
 from kvstore.codecs.record import ALIGN, RecordPlan, device_payload, write_record
-from kvstore.codecs.stacked_payloads import Cut
-from kvstore.errors import StoreError
 from kvstore.threads import cores
 
 __all__ = ["write_records"]
@@ -41,9 +39,6 @@ _LOCK = threading.Lock()
 _POOL: ThreadPoolExecutor | None = None
 #: Below this many bytes in all, records are written on the caller's thread.
 PARALLEL_MIN_BYTES = 8 << 20
-#: Whether a save's payloads may be copied from the whole tensors they were cut from
-#: (``KVSTORE_CUDA_SAVE_PAYLOADS=gather``): False once the driver refused it here.
-_GATHER_WORKS = True
 
 
 def _pool() -> ThreadPoolExecutor:
@@ -104,7 +99,6 @@ def write_records(
     *,
     pending: bool = False,
     payloads: Sequence[mx.array | None] | None = None,
-    cuts: Sequence[Sequence[Cut]] | None = None,
 ) -> list[Any]:
     """The records of ``plans``, each a memoryview into this thread's arena.
 
@@ -113,10 +107,7 @@ def write_records(
     thread, as memoryviews): a commit then puts each as soon as it is written, while
     the pool writes the next ones. ``payloads``: on a CUDA GPU, each plan's payload
     already built on the device (:mod:`~kvstore.codecs.stacked_payloads`), or ``None``
-    where :func:`~kvstore.codecs.record.device_payload` builds it. ``cuts``: on a CUDA
-    GPU, where each plan's tensors were cut from (one :data:`Cut` per tensor, every
-    plan): the payloads are then copied from those whole tensors straight into the
-    arena (:mod:`~kvstore.codecs.cut_segments`), and ``payloads`` is not read.
+    where :func:`~kvstore.codecs.record.device_payload` builds it.
     """
     if not plans:
         return []
@@ -125,6 +116,8 @@ def write_records(
         starts.append(end)
         end += _align(plan.nbytes_bound)
     on_gpu = cuda.available()
+    # MLX evaluates a graph only on the thread whose stream built it: here, not in the pool.
+    mx.eval([a for plan in plans for a, _ in plan.tensors if isinstance(a, mx.array)])
     buffer = _arena().take(end, on_gpu)
     view = memoryview(cast(Any, buffer))
 
@@ -134,14 +127,7 @@ def write_records(
 
     parallel = end >= PARALLEL_MIN_BYTES and len(plans) > 1
     futures: list[Future[memoryview]] = []
-    # ``fetch(i)`` puts record ``i``'s payload in the arena and waits, on any thread.
-    fetch = _gathered(plans, cuts, starts) if on_gpu and cuts is not None else None
-    if fetch is None:
-        # MLX evaluates a graph only on the thread whose stream built it: here, not in
-        # the pool (gathered payloads are read from their whole tensors, which
-        # ``_gathered`` evaluates).
-        mx.eval([a for plan in plans for a, _ in plan.tensors if isinstance(a, mx.array)])
-    if on_gpu and fetch is None:
+    if on_gpu:
         heads = [plan.head_nbytes_bound for plan in plans]
         built = payloads or [None] * len(plans)
         on_device = [
@@ -152,7 +138,15 @@ def write_records(
         pinned = _arena().pinned
         offsets = [start + head for start, head in zip(starts, heads, strict=True)]
         fetch = cuda.download_later(on_device, pinned, offsets) if parallel else None
-        if fetch is None:
+        if fetch is not None:
+            # The copy engine's route: each record downloaded by the pool thread that
+            # then hashes it (downloads, checksums and the commit's puts overlap).
+            def fetched(i: int) -> memoryview:
+                fetch(i)
+                return one(i)
+
+            futures = [_pool().submit(fetched, i) for i in range(len(plans))]
+        else:
             # Each record is checksummed on the pool as soon as its bytes are down, while
             # the next record's cross the bus.
             cuda.download(
@@ -162,17 +156,6 @@ def write_records(
                 done=(lambda i: futures.append(_pool().submit(one, i))) if parallel else None,
             )
         del on_device
-    if fetch is not None and parallel:
-        # The copy engine's routes: each record fetched by the pool thread that then
-        # hashes it (copies, checksums and the commit's puts overlap).
-        def fetched(i: int) -> memoryview:
-            fetch(i)
-            return one(i)
-
-        futures = [_pool().submit(fetched, i) for i in range(len(plans))]
-    elif fetch is not None:
-        for i in range(len(plans)):
-            fetch(i)
     if not parallel:
         return [one(i) for i in range(len(plans))]
     if not futures:
@@ -180,55 +163,3 @@ def write_records(
     if pending:
         return [PendingRecord(f, plan.nbytes_bound) for f, plan in zip(futures, plans, strict=True)]
     return [f.result() for f in futures]
-
-
-def _gathered(
-    plans: Sequence[RecordPlan], cuts: Sequence[Sequence[Cut]], starts: Sequence[int]
-) -> Callable[[int], None] | None:
-    """``fetch(i)``, which copies plan ``i``'s payload from its whole tensors into this
-    thread's arena by the copy engine and waits, on whichever thread calls it (the
-    wholes are evaluated now, on this one, and held by ``fetch``); ``None`` where the
-    driver refused (now or before: :func:`_give_up_gather`)."""
-    if not _GATHER_WORKS:
-        return None
-    staging = cuda.transport()
-    pinned = _arena().pinned
-    flats, index = cut_segments.flat_wholes(cuts)
-    try:
-        addresses = staging.addresses(flats)  # evaluates the wholes
-    except (OSError, RuntimeError) as exc:  # this save, and the later ones, built on the device
-        _give_up_gather(exc)
-        return None
-    tables = [
-        cut_segments.segments(plan, cuts[i], starts[i] + plan.head_nbytes_bound, addresses, index)
-        for i, plan in enumerate(plans)
-    ]
-
-    # ``flats`` bound to ``fetch``: the wholes' memory is read until every copy is done
-    # (a whole that was a strided view has its flat copy alone).
-    def fetch(i: int, _held: list[mx.array] = flats) -> None:
-        try:
-            staging.download_segments(tables[i], pinned)
-        except (OSError, RuntimeError) as exc:  # this save fails; the next ones on the device
-            _give_up_gather(exc)
-            # The store's own error: its callers treat it as "recompute next time"
-            # (the record's siblings are pending in the commit, too late to rebuild).
-            raise StoreError(
-                f"a save's copies from its whole tensors failed ({exc}): this save is not "
-                "stored; later saves build their payloads on the device"
-            ) from exc
-
-    return fetch
-
-
-def _give_up_gather(exc: BaseException) -> None:
-    """A save's gathered copies failed here (the address kernel or a 2-D copy refused):
-    this process builds every save's payloads on the device from now on, said once."""
-    global _GATHER_WORKS
-    if _GATHER_WORKS:
-        _GATHER_WORKS = False
-        cuda.log.warning(
-            "kvstore: a save's copies from its whole tensors failed (%s); saves build their "
-            "payloads on the device",
-            exc,
-        )

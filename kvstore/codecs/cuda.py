@@ -311,32 +311,6 @@ class PinnedBuffer:
         self._map = None
 
 
-_CU_MEMORYTYPE_HOST, _CU_MEMORYTYPE_DEVICE = 1, 2
-
-
-class _Memcpy2D(ctypes.Structure):
-    """The driver API's ``CUDA_MEMCPY2D``."""
-
-    _fields_ = [
-        ("srcXInBytes", ctypes.c_size_t),
-        ("srcY", ctypes.c_size_t),
-        ("srcMemoryType", ctypes.c_int),
-        ("srcHost", ctypes.c_void_p),
-        ("srcDevice", ctypes.c_uint64),
-        ("srcArray", ctypes.c_void_p),
-        ("srcPitch", ctypes.c_size_t),
-        ("dstXInBytes", ctypes.c_size_t),
-        ("dstY", ctypes.c_size_t),
-        ("dstMemoryType", ctypes.c_int),
-        ("dstHost", ctypes.c_void_p),
-        ("dstDevice", ctypes.c_uint64),
-        ("dstArray", ctypes.c_void_p),
-        ("dstPitch", ctypes.c_size_t),
-        ("WidthInBytes", ctypes.c_size_t),
-        ("Height", ctypes.c_size_t),
-    ]
-
-
 class Driver:
     """The few CUDA driver calls staging needs, through ctypes (raises OSError/RuntimeError
     when there is no driver or a call fails)."""
@@ -454,33 +428,6 @@ class Driver:
             "cuMemcpyDtoHAsync",
         )
 
-    def copy_2d_to_host(
-        self,
-        host: int,
-        device: int,
-        device_pitch: int,
-        host_pitch: int,
-        width: int,
-        height: int,
-        stream: int,
-    ) -> None:
-        """Queue a copy of ``height`` rows of ``width`` bytes, ``device_pitch`` apart at
-        ``device``, into page-locked host memory at ``host``, ``host_pitch`` apart, on
-        ``stream`` (the copy engine: no kernel, no SM)."""
-        self.bind()
-        copy = getattr(self._bound, "copy_2d", None)
-        if copy is None:
-            copy = self._bound.copy_2d = _Memcpy2D(
-                srcMemoryType=_CU_MEMORYTYPE_DEVICE, dstMemoryType=_CU_MEMORYTYPE_HOST
-            )
-        copy.srcDevice, copy.srcPitch = device, device_pitch
-        copy.dstHost, copy.dstPitch = host, host_pitch
-        copy.WidthInBytes, copy.Height = width, height
-        self._check(
-            self._cu.cuMemcpy2DAsync_v2(ctypes.byref(copy), ctypes.c_void_p(stream)),
-            "cuMemcpy2DAsync",
-        )
-
     def synchronize(self, stream: int) -> None:
         """Wait until everything queued on ``stream`` is done."""
         self.bind()
@@ -583,12 +530,6 @@ class Transport(Protocol):
     def copy_down(self, address: int, slot: PinnedBuffer, offset: int, nbytes: int) -> None:
         """Copy ``nbytes`` at device ``address`` to ``slot[offset:]`` by the copy engine,
         on the calling thread's own stream (waits): any thread may call it."""
-
-    def download_segments(self, params: np.ndarray, slot: PinnedBuffer) -> None:
-        """Copy the segments of ``params`` (uint64 words, as :data:`_GATHER_SOURCE`'s:
-        ``src`` device addresses, ``dst_offset`` offsets into ``slot``; ``src`` 0 writes
-        zeros) into ``slot`` by the copy engine, a 2-D copy a segment, on the calling
-        thread's own stream (waits): any thread may call it."""
 
     def register(self, base: int, nbytes: int) -> int:
         """Page-lock host pages ``[base, base + nbytes)`` for the GPU to read: the
@@ -722,25 +663,6 @@ class KernelTransport:
             )
         stream = self.driver.thread_stream()
         self.driver.copy_to_host(int(slot.array.ctypes.data) + offset, address, nbytes, stream)
-        self.driver.synchronize(stream)
-
-    def download_segments(self, params: np.ndarray, slot: PinnedBuffer) -> None:
-        words = params[1:].reshape(int(params[0]), SEGMENT_WORDS)
-        if not len(words):
-            return
-        end = int((words[:, 2] + (words[:, 5] - 1) * words[:, 3] + words[:, 4]).max())
-        if end > slot.nbytes:
-            raise ValueError(f"[cuda] segments reach byte {end} of a {slot.nbytes}-byte slot.")
-        stream = self.driver.thread_stream()
-        host = int(slot.array.ctypes.data)
-        for src, src_pitch, offset, pitch, width, height in words.tolist():
-            if not src:  # zeros: the slot is host memory
-                for r in range(height):
-                    slot.array[offset + r * pitch : offset + r * pitch + width] = 0
-                continue
-            self.driver.copy_2d_to_host(
-                host + offset, src, src_pitch, max(pitch, width), width, height, stream
-            )
         self.driver.synchronize(stream)
 
     def register(self, base: int, nbytes: int) -> int:

@@ -13,10 +13,9 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from kvstore.codecs import cuda, cut_segments
+from kvstore.codecs import cuda
 from kvstore.codecs.arena import write_records
 from kvstore.codecs.record import encode_record, plan_record
-from kvstore.errors import StoreError
 from kvstore.store import open_store
 
 #: Where the stand-in's "GPU" sees registered pages: elsewhere than the host, so a
@@ -53,10 +52,6 @@ class HostTransport:
         self.copied_on: list[str] = []
         #: Make the ``copy`` route's calls fail, as a driver that refuses them would.
         self.refuse_addresses = self.refuse_copies = False
-        #: :meth:`download_segments` calls (a record each, under ``gather``), and the
-        #: threads that made each.
-        self.segment_downloads = 0
-        self.segments_on: list[str] = []
 
     def slot(self, nbytes: int) -> cuda.PinnedBuffer:
         made = cuda.PinnedBuffer(nbytes, None)
@@ -100,24 +95,6 @@ class HostTransport:
         slot.array[offset : offset + nbytes] = data
         self.downloads += 1
         self.copied_on.append(threading.current_thread().name)
-
-    def download_segments(self, params: np.ndarray, slot: cuda.PinnedBuffer) -> None:
-        """The segments' 2-D copies from "device" addresses (:meth:`addresses`' arrays)
-        into ``slot`` at their offsets."""
-        if self.refuse_copies:
-            raise RuntimeError("[cuda] cuMemcpy2DAsync failed with CUresult 700.")
-        self.segment_downloads += 1
-        self.segments_on.append(threading.current_thread().name)
-        arrays = [(a - DEVICE_OFFSET, d) for a, d in self.device_arrays.items()]
-        for src, offset, width in cut_segments.row_copies(params):
-            assert offset + width <= slot.nbytes
-            at = slot.array.ctypes.data + offset
-            if not src:
-                ctypes.memset(at, 0, width)
-                continue
-            host = src - DEVICE_OFFSET
-            assert any(b <= host and host + width <= b + d.nbytes for b, d in arrays)
-            ctypes.memmove(at, host, width)
 
     def register(self, base: int, nbytes: int) -> int:
         if self.refuse:
@@ -663,143 +640,6 @@ def test_a_gpu_save_stacks_unless_record_or_too_large_under_auto(staged, monkeyp
         assert called == []
 
 
-@pytest.mark.parametrize("batch", [1, 2])
-@pytest.mark.parametrize("encoder_kind", ["save", "handed off"])
-@pytest.mark.parametrize("policy", ["lossless", "kv:quant:8:64"])
-def test_under_gather_a_gpu_save_writes_records_from_the_whole_tensors(
-    staged, monkeypatch, encoder_kind, policy, batch
-):
-    """KVSTORE_CUDA_SAVE_PAYLOADS=gather: a record whose tensors were all cut from whole
-    tensors gets its payload copied from them straight into the arena (the copy
-    engine's 2-D copies, no payload built on the device): the records are
-    encode_record's, zeros between tensors included (the arena holds other bytes first)."""
-    from kvstore.abc.store import BlockSpan, PendingRecord
-    from kvstore.codecs import arena
-    from kvstore.store.kv import save as save_module
-
-    encoder = _three_layer_encoder(encoder_kind, policy, batch)
-    built, real = [], arena.device_payload
-    monkeypatch.setattr(arena, "device_payload", lambda plan: built.append(plan) or real(plan))
-    monkeypatch.setattr(save_module, "SAVE_PAYLOADS", "gather")
-    arena._arena().take(1 << 20, True).fill(0xCD)  # stale bytes where the zeros belong
-    spans = [BlockSpan(i, a, min(56, a + 16), b"") for i, a in enumerate(range(0, 56, 16))]
-    records = encoder(spans)
-    got = [bytes(r.result() if isinstance(r, PendingRecord) else r) for r in records]
-    assert encoder._cuts == {}
-    if encoder_kind == "save" and policy != "lossless":
-        # A policy's encoding block by block (a save encodes no stored rows): no cuts,
-        # each payload built on the device as before.
-        assert staged.segment_downloads == 0 and len(built) == 4
-        return
-    assert got == [encode_record(encoder.layers(s.start, s.stop)) for s in spans]
-    assert staged.segment_downloads == 4 and built == []
-
-
-def test_a_gather_save_with_a_record_not_cut_from_whole_tensors_saves_as_auto_does(
-    staged, monkeypatch
-):
-    """Under ``gather`` a save whose records are not all cut from whole tensors (here one
-    made to look so) builds its payloads on the device as ``auto`` does: its lossless
-    runs stacked with one copy; the records are encode_record's."""
-    from kvstore.abc.store import BlockSpan, PendingRecord
-    from kvstore.store.kv import save as save_module
-
-    encoder = _three_layer_encoder("handed off", "lossless")
-    monkeypatch.setattr(save_module, "SAVE_PAYLOADS", "gather")
-    real_cuts, real_stacked = save_module.plan_cuts, save_module.stacked_payloads
-    calls: list[object] = []
-
-    def first_not_cut(plan, cut_of):
-        calls.append(plan)
-        return None if len(calls) == 1 else real_cuts(plan, cut_of)
-
-    monkeypatch.setattr(save_module, "plan_cuts", first_not_cut)
-    stacked: list[dict] = []
-    monkeypatch.setattr(
-        save_module,
-        "stacked_payloads",
-        lambda *a, **kw: stacked.append(kw) or real_stacked(*a, **kw),
-    )
-    spans = [BlockSpan(i, a, min(56, a + 16), b"") for i, a in enumerate(range(0, 56, 16))]
-    records = encoder(spans)
-    got = [bytes(r.result() if isinstance(r, PendingRecord) else r) for r in records]
-    assert got == [encode_record(encoder.layers(s.start, s.stop)) for s in spans]
-    assert staged.segment_downloads == 0
-    assert stacked == [{"one_copy_only": True}]
-
-
-def test_a_large_save_under_gather_restores_bit_exact(tmp_path, staged, monkeypatch):
-    """Through a store, records over the pool's threshold: each record's copies made by
-    the pool thread that then hashes it; every block comes back as saved."""
-    from kvstore.caches import KVCache
-    from kvstore.store.kv import save as save_module
-
-    monkeypatch.setattr(save_module, "SAVE_PAYLOADS", "gather")
-    caches = _large_caches()
-    tokens = list(range(1, 1101))
-    with open_store(f"lmdb://{tmp_path / 's'}", block_size=256) as store:
-        store.save("ns", tokens, caches)
-        match = store.lookup("ns", tokens)
-        restored = store.restore(match, [KVCache() for _ in caches])
-    assert match.tokens == 1099  # the last token is left to compute
-    assert staged.segment_downloads == 5  # a record each: four blocks of 256, the tail
-    assert all(name.startswith("kvstore-records") for name in staged.segments_on)
-    for got, cache in zip(restored, caches, strict=True):
-        assert got.offset == 1099
-        for a, b in ((got.keys, cache.keys), (got.values, cache.values)):
-            assert mx.array_equal(a[:, :, :1099], b[:, :, :1099]).item()
-
-
-@pytest.mark.parametrize("refused", ["address kernel", "2-D copy"])
-def test_a_refused_gather_builds_the_payloads_on_the_device_from_then_on(
-    tmp_path, staged, monkeypatch, caplog, refused
-):
-    """Under ``gather``, where the driver refuses the wholes' addresses the save's
-    payloads are built on the device instead (the save stands); a refused copy fails
-    that save alone, with the store's own error (a caller recomputes). Either way the
-    later saves build theirs on the device, said once."""
-    from kvstore.codecs import arena
-    from kvstore.store.kv import save as save_module
-
-    monkeypatch.setattr(save_module, "SAVE_PAYLOADS", "gather")
-    monkeypatch.setattr(arena, "_GATHER_WORKS", True)
-    monkeypatch.setattr(cuda, "DOWNLOAD_ROUTE", "kernel")  # the addresses: gather's alone
-    if refused == "address kernel":
-        staged.refuse_addresses = True
-    else:
-        staged.refuse_copies = True
-    caches = _large_caches()
-    tokens = list(range(1, 1101))
-    with open_store(f"lmdb://{tmp_path / 's'}", block_size=256) as store:
-        with caplog.at_level("WARNING", logger="kvstore.cuda"):
-            if refused == "address kernel":
-                store.save("ns", tokens, caches)
-                assert store.lookup("ns", tokens).tokens == 1099
-                store.delete("ns")
-            else:
-                with pytest.raises(StoreError, match="cuMemcpy2DAsync failed.*not stored"):
-                    store.save("ns", tokens, caches)
-                assert store.lookup("ns", tokens).tokens == 0  # nothing of it stored
-        assert not arena._GATHER_WORKS
-        assert caplog.text.count("saves build their payloads on the device") == 1
-        downloads = staged.downloads
-        store.save("ns", tokens, caches)
-        assert staged.downloads > downloads and store.lookup("ns", tokens).tokens == 1099
-    assert staged.segment_downloads == 0
-
-
-def _large_caches():
-    from kvstore.caches import KVCache
-
-    caches = []
-    for layer in range(3):
-        cache = KVCache()
-        rows = mx.random.normal((1, 8, 1100, 128), key=mx.random.key(layer)).astype(mx.bfloat16)
-        cache.update_and_fetch(rows, rows * 2)  # 13 MiB in all: the pool's route
-        caches.append(cache)
-    return caches
-
-
 def test_a_refused_copy_fails_that_save_alone_and_later_saves_take_the_kernel(
     tmp_path, staged, monkeypatch, caplog
 ):
@@ -829,3 +669,15 @@ def test_a_refused_address_kernel_downloads_that_save_by_the_kernel(staged, monk
     got = [bytes(r.result() if isinstance(r, PendingRecord) else r) for r in records]
     assert got == [encode_record(layer) for layer in layers]
     assert cuda.DOWNLOAD_ROUTE == "kernel" and staged.copied_on == []
+
+
+def _large_caches():
+    from kvstore.caches import KVCache
+
+    caches = []
+    for layer in range(3):
+        cache = KVCache()
+        rows = mx.random.normal((1, 8, 1100, 128), key=mx.random.key(layer)).astype(mx.bfloat16)
+        cache.update_and_fetch(rows, rows * 2)  # 13 MiB in all: the pool's route
+        caches.append(cache)
+    return caches

@@ -43,7 +43,7 @@ import numpy as np
 
 from kvstore.bench.workloads import WORKLOADS, SyntheticKV, attended_arrays
 from kvstore.caches import KVCache
-from kvstore.codecs import cuda, cuda_pages, cut_segments, one_buffer, plans, record
+from kvstore.codecs import cuda, cuda_pages, one_buffer, plans, record
 from kvstore.store import open_store
 from kvstore.store.kv import restore
 from kvstore.turboquant.quantizer import TurboQuantizer
@@ -72,14 +72,6 @@ class FreeTransport:
 
     def copy_down(self, address: int, slot: cuda.PinnedBuffer, offset: int, nbytes: int) -> None:
         ctypes.memmove(int(slot.array.ctypes.data) + offset, address, nbytes)
-
-    def download_segments(self, params: np.ndarray, slot: cuda.PinnedBuffer) -> None:
-        base = int(slot.array.ctypes.data)
-        for src, offset, width in cut_segments.row_copies(params):
-            if src:
-                ctypes.memmove(base + offset, src, width)
-            else:
-                ctypes.memset(base + offset, 0, width)
 
     def register(self, base: int, nbytes: int) -> int:
         return base

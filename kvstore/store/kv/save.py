@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Mapping, Sequence
-from typing import Any, cast
+from typing import Any
 
 import mlx.core as mx
 
@@ -38,7 +38,7 @@ from kvstore.codecs.arrays import as_numpy_all
 from kvstore.codecs.growing import GrowingKVCodec
 from kvstore.codecs.host_stacks import spread_packed
 from kvstore.codecs.record import RecordPlan, plan_record
-from kvstore.codecs.stacked_payloads import Cut, plan_cuts, stacked_payloads
+from kvstore.codecs.stacked_payloads import Cut, stacked_payloads
 from kvstore.errors import CapabilityError
 from kvstore.knobs import choice_from_env
 from kvstore.signature import UNKNOWN
@@ -62,16 +62,12 @@ __all__ = ["save_caches", "check_caches", "BlockEncoder", "Captured"]
 #: (tools/bench/results/gpu/4ac01ae-h100/): a 4096-token save stacked took 276-292 ms
 #: where record by record took 324-345, and the longest decode step beside it 15-17 ms
 #: where it took 33-54; where the pieces take two copies (``kv:quant:8:64``) stacking
-#: took 11-45 % longer (ffbfa55-h100/). ``gather`` (an experiment): no payload built on
-#: the device; each record's bytes copied from the whole tensors its blocks were cut
-#: from straight into the pinned arena by the copy engine, on the pool threads
-#: (:mod:`kvstore.codecs.cut_segments`); a save with a record not cut so (a hybrid
-#: model's checkpoints, say) as under ``auto``. Done by a kernel instead it lost to ``auto``
-#: (G3 16384 1.76 s against 1.09, its kernels holding the SMs a decode step beside them
-#: needed: results/gpu/163f866-h100/); by the copy engine, not measured yet.
-SAVE_PAYLOADS = choice_from_env(
-    "KVSTORE_CUDA_SAVE_PAYLOADS", ("auto", "record", "stacked", "gather"), "auto"
-)
+#: took 11-45 % longer (ffbfa55-h100/). Copying each record's bytes from the whole tensors
+#: its blocks were cut from straight into the pinned arena, without building payloads,
+#: lost to ``auto`` twice, by a kernel (G3 16384 1.76 s against 1.09: 163f866-h100/) and
+#: by the copy engine's 2-D copies (2.17 s against 1.26, a decode step beside it stalled
+#: 160-242 ms against 69-92: 161dfd3-h100/): removed.
+SAVE_PAYLOADS = choice_from_env("KVSTORE_CUDA_SAVE_PAYLOADS", ("auto", "record", "stacked"), "auto")
 
 #: Under ``auto``, the largest save (its payloads' bytes) stacked. A 16384-token (2 GiB)
 #: save under ``auto`` saved as fast as record by record but one decode step beside it
@@ -185,27 +181,17 @@ class BlockEncoder:
         for s in spans:
             layers = self.layers(s.start, s.stop, checkpoint=s.checkpoint)
             plans.append(plan_record(layers, like=plans[-1] if plans else None))
-        cuts = self._gathered_cuts(plans)
-        # On a GPU, the payloads of blocks cut alike in a few kernels, not a few per piece
-        # (``gather`` where not every record was cut: as ``auto``).
+        # On a GPU, the payloads of blocks cut alike in a few kernels, not a few per piece.
         payloads = (
             stacked_payloads(plans, self._cut_of, one_copy_only=SAVE_PAYLOADS != "stacked")
-            if cuts is None and self._cuts and _stacks(plans)
+            if self._cuts and _stacks(plans)
             else None
         )
         # The map has done its work: the pieces live on in the plans alone. (Clearing it
         # here rather than at the save's end did not remove the long decode step beside
         # a 2 GiB save under ``auto``: results/gpu/6f53194-h100/.)
         self._cuts.clear()
-        return write_records(plans, pending=True, payloads=payloads, cuts=cuts)
-
-    def _gathered_cuts(self, plans: Sequence[RecordPlan]) -> list[list[Cut]] | None:
-        """Under ``gather``, where each plan's tensors were cut from, if every plan's
-        were (:func:`plan_cuts`); else ``None``."""
-        if SAVE_PAYLOADS != "gather" or not self._cuts:
-            return None
-        cuts = [plan_cuts(plan, self._cut_of) for plan in plans]
-        return cast(list[list[Cut]], cuts) if all(c is not None for c in cuts) else None
+        return write_records(plans, pending=True, payloads=payloads)
 
     def _cut_of(self, tensor: Any) -> Cut | None:
         found = self._cuts.get(id(tensor))

@@ -75,8 +75,6 @@ def main() -> int:
         ("auto", "lossless"),
         ("record", "lossless"),
         ("stacked", "lossless"),
-        ("gather", "lossless"),
-        ("gather", "kv:quant:8:64"),
     ]:
         save.SAVE_PAYLOADS, chosen = payloads, save.SAVE_PAYLOADS
         ok = _handed_off_records_ok(policy)

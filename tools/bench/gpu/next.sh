@@ -97,13 +97,6 @@
 #                (results/gpu/ffbfa55-h100, 728fe43-h100): ~330 s
 # STEP g3stall   save_stall.py at 16384 tokens with G3's peer saves between (--churn),
 #                stacked then record by record: the 176-251 ms step of 4ac01ae-h100: ~250 s
-# STEP gather    check.py (a save behind's records under gather == encode_record), then
-#                save_stall.py --churn at 16384 under gather (each record's payload copied
-#                from the whole tensors straight into the pinned arena by the copy engine,
-#                2-D copies on the pool threads: kvstore/codecs/cut_segments.py; by a kernel
-#                at 163f866 it lost, results/gpu/163f866-h100/), G3 at both lengths under
-#                gather and under auto first, the save_stall last: ~300 s
-# STEP gather16k check.py, then G3 at 16384 tokens only under gather and under auto (~200 s)
 # STEP autostall save_stall.py at 16384 tokens with G3's peer saves between (--churn), under
 #                auto (nothing stacked: the save is over AUTO_STACKED_BYTES) then record by
 #                record, write_records' parts timed; then G3 at 16384 alone under auto,
@@ -119,8 +112,8 @@
 #                commit's writeback pump on and off (KVSTORE_COMMIT_WRITEBACK=1/0)
 # STEP serve8b   tools/bench/serve_ttft.py with the llama-8B shape (written once to
 #                /tmp/m8b in mlx-lm's 5 GiB files, 40 s), 3 repeats under KVSTORE_UNFUSED_ATTENTION=never, then
-#                auto (MODES="auto" for one): ~2 x 240 s (one repeat took 80-140 s); needs
-#                prometheus_client (prepare.sh with GPU_EXTRA_WHEELS="prometheus_client==0.26.0")
+#                auto (MODES="auto" for one): ~2 x 240 s (one repeat took 80-140 s); its
+#                prometheus_client is the device image's (warmdecode ran so at 161dfd3)
 # STEP firstpick shape_probe.py parts B and E as they are, then with CUDA_MODULE_LOADING=EAGER:
 #                is a new suffix length's remaining ~20 ms cuBLAS loading kernels? Then B
 #                after a warm-up of 18 suffix lengths (--spread), and D (520 decode steps)
@@ -143,7 +136,10 @@
 #                path: each BatchGenerator.next call's time and the time between calls (the
 #                server loop), then with a cProfile of the generating thread; summaries in
 #                loop-{0,1}-summary.txt: where a streamed token's ~10 ms beyond the model go
-#                and the ~57 ms gap at the third: ~320 s (plus ~60 s to write the model)
+#                and the ~57 ms gap at the third: ~320 s (plus ~60 s to write the model).
+#                Every thread's stack sampled each SAMPLE_MS (2) ms, printed for each call
+#                or gap over 100 ms (the 419-444 ms gap at the 69th token); CPROFILES=0
+#                for the first run alone (~160 s)
 # STEP staging  serve_ttft.py with the llama-8B shape, 2 repeats, kvstore serve's staging set
 #                up on a thread of its own (the default since results/gpu/staging-h100/: it
 #                held the warm-up's thread 3.4-4.5 s) and on the warm-up's
@@ -304,17 +300,6 @@ case "$step" in
     # with the default (auto: the lossless runs stacked, at most RUN_BYTES a run).
     timeout 120 python3 tools/bench/gpu/check.py > "$out/check.txt" 2>&1; head -6 "$out/check.txt"
     for payloads in record auto; do g3_under "$payloads"; done ;;
-  gather)
-    timeout 120 python3 tools/bench/gpu/check.py > "$out/check.txt" 2>&1; head -9 "$out/check.txt"
-    for payloads in gather auto; do g3_under "$payloads"; done
-    KVSTORE_CUDA_SAVE_PAYLOADS=gather timeout 100 python3 tools/bench/gpu/save_stall.py --tokens 16384 \
-      --saves 3 --churn > "$out/save-stall-16384-churn-gather.txt" 2>&1
-    grep -E "^Device|^save|MLX memory|write_records|eval|gather" "$out/save-stall-16384-churn-gather.txt" | cut -c1-260 ;;
-  gather16k)
-    # gather's short form, for a call with little device time left: check.py, then G3 at
-    # 16384 tokens alone (the row auto misses), under gather and under auto: ~200 s
-    timeout 100 python3 tools/bench/gpu/check.py > "$out/check.txt" 2>&1; head -9 "$out/check.txt"
-    for payloads in gather auto; do KVSTORE_BENCH_GPU_TOKENS=16384 g3_under "$payloads"; done ;;
   autostall)
     for payloads in auto record; do
       KVSTORE_CUDA_SAVE_PAYLOADS=$payloads timeout 120 python3 tools/bench/gpu/save_stall.py --tokens 16384 \

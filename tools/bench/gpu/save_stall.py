@@ -92,7 +92,6 @@ def instrument() -> None:
     arena.mx = _TimedEval(arena.mx, "eval (pieces)")
     cuda.download_later = timed("download_later (payloads evaluated)", cuda.download_later)
     save.stacked_payloads = timed("stacked payloads (graph)", save.stacked_payloads)
-    arena._gathered = timed("gather set-up (wholes evaluated, tables)", arena._gathered)
     save.plan_record = timed("plan", save.plan_record)
     from kvstore.store.kv import writer
 
