@@ -30,7 +30,7 @@ import mlx.core as mx
 
 from kvstore.codecs.record import RecordPlan
 
-__all__ = ["Cut", "plan_cuts", "stacked_payloads"]
+__all__ = ["Cut", "stacked_payloads"]
 
 #: What a record's tensor was cut from: the whole tensor (4-D, rows on axis 2) and the
 #: rows ``[a, b)`` of it, or ``None`` where it was not cut so (or is not known to be).
@@ -57,7 +57,7 @@ def stacked_payloads(
     out: list[mx.array | None] = [None] * len(plans)
     i = 0
     while i < len(plans):
-        cuts = plan_cuts(plans[i], cut_of)
+        cuts = _cuts(plans[i], cut_of)
         most = max(1, RUN_BYTES // max(1, plans[i].payload_nbytes))
         end = i + 1
         while (
@@ -75,7 +75,7 @@ def stacked_payloads(
     return out
 
 
-def plan_cuts(plan: RecordPlan, cut_of: Callable[[Any], Cut | None]) -> list[Cut] | None:
+def _cuts(plan: RecordPlan, cut_of: Callable[[Any], Cut | None]) -> list[Cut] | None:
     """Where each of ``plan``'s tensors was cut from, if all were cut from 4-D MLX tensors
     of their dtype along axis 2; else ``None``."""
     cuts = []
