@@ -68,6 +68,8 @@ def print_samples(calls: list[list[float]], samples: list[list[Any]], top: int =
         print(f"  {what}: {(end - start) * 1e3:.1f} ms, {len(inside)} samples")
         by_thread: dict[str, Counter[tuple[str, ...]]] = {}
         for _, thread, stack in inside:
+            if stack and stack[0].endswith(" _worker"):  # an idle pool thread
+                continue
             by_thread.setdefault(thread, Counter())[tuple(stack[:6])] += 1
         for thread, stacks in sorted(by_thread.items()):
             for stack, n in stacks.most_common(top):
