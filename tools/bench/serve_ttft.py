@@ -119,8 +119,8 @@ def ttft(
             else:
                 gaps.append(now - last)
             last = now
-        for choice in chunk.get("choices", []):
-            text.append(choice.get("delta", {}).get("content") or "")
+        if chunk.get("choices"):
+            text.append("".join(c.get("delta", {}).get("content") or "" for c in chunk["choices"]))
         if chunk.get("usage"):
             cached = chunk["usage"].get("prompt_tokens_details", {}).get("cached_tokens")
             prompt = chunk["usage"]["prompt_tokens"]
@@ -128,13 +128,27 @@ def ttft(
     return {
         "ttft_s": first,
         "max_gap_s": max(gaps),
-        # where the waits fell: (chunk index after the first, seconds), longest first
-        "longest_gaps": sorted(enumerate(gaps), key=lambda g: -g[1])[:3],
+        # where the waits fell, longest first: (chunk index, seconds, the chunk's text).
+        # A chunk is sent only once a token's text is out: tokens whose text the server
+        # holds back (a partial UTF-8 character, a possible control sequence) make a
+        # gap of the text's, not of the decode's (the text's tokens tell which).
+        "longest_gaps": sorted(
+            ((i, g, text[i]) for i, g in enumerate(gaps)), key=lambda g: -g[1]
+        )[:3],
         "median_gap_s": statistics.median(gaps),
         "text": "".join(text),
         "cached_tokens": cached,
         "prompt_tokens": prompt,
     }
+
+
+def token_counter(model: Path) -> Any:
+    """How many of the model's tokens a streamed chunk's text is (about: re-encoded): a
+    long gap before a chunk of several tokens is the server holding their text back."""
+    from mlx_lm.tokenizer_utils import load as load_tokenizer
+
+    tokenizer = load_tokenizer(model)
+    return lambda text: len(tokenizer.encode(text, add_special_tokens=False))
 
 
 def handoff_seconds(server: ServerProcess) -> list[float]:
@@ -189,6 +203,13 @@ def main(argv: list[str] | None = None) -> int:
         metavar="ARG",
         help="an option for kvstore serve (repeat it: --ours-arg=--warm-decode --ours-arg=8192)",
     )
+    parser.add_argument(
+        "--store-query",
+        default="",
+        metavar="QUERY",
+        help="store options for kvstore serve's LMDB URL (touch_interval=30: the restore's "
+        "recency writes 30 s after it instead of 1)",
+    )
     parser.add_argument("--json", help="write every sample here")
     args = parser.parse_args(argv)
 
@@ -210,6 +231,7 @@ def main(argv: list[str] | None = None) -> int:
     samples: list[dict[str, Any]] = []
     for rep in range(args.repeats):
         logs, store = work / f"logs-{rep}", f"lmdb://{work / f'store-{rep}'}"
+        store += f"?{args.store_query}" if args.store_query else ""
         stock = ServerProcess.stock(model, log=logs / "stock.log", env=env)
         ours = ServerProcess.kvstore(model, store, *args.ours_arg, log=logs / "ours.log", env=env)
         ServerProcess.start_all(stock, ours)
@@ -280,10 +302,14 @@ def main(argv: list[str] | None = None) -> int:
         f"turn 2: {last['ours_restarted']['prompt_tokens']} prompt tokens; BLAS: {blas}; "
         f"model {model}; median of {args.repeats}"
     )
+    count_tokens = token_counter(model)
     print(f"{'server':44} {'TTFT':>9} {'cached_tokens':>14} {'longest gap':>12}  at chunk")
     for label, key in rows:
         gap = statistics.median(s[key]["max_gap_s"] for s in samples)
-        where = ", ".join(f"{i}: {g * 1e3:.1f}" for i, g in last[key]["longest_gaps"])
+        where = ", ".join(
+            f"{i}: {g * 1e3:.1f} ({count_tokens(piece)} tok)"
+            for i, g, piece in last[key]["longest_gaps"]
+        )
         print(
             f"{label:44} {med(key) * 1e3:7.0f} ms {last[key]['cached_tokens']!s:>14} "
             f"{gap * 1e3:9.1f} ms  {where} (median {last[key]['median_gap_s'] * 1e3:.1f})"

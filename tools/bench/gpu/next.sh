@@ -140,6 +140,13 @@
 #                Every thread's stack sampled each SAMPLE_MS (2) ms, printed for each call
 #                or gap over 100 ms (the 419-444 ms gap at the 69th token); CPROFILES=0
 #                for the first run alone (~160 s)
+# STEP touchgap  the restarted 8B server's 419-444 ms gap at the 69th streamed chunk:
+#                warmdecode's run with every thread's stack sampled (loop_profile,
+#                SAMPLE_MS 2), then with touch_interval=30 (the restore's recency writes,
+#                batched for 1 s, after the turn instead). serve_ttft now prints the tokens
+#                behind each long gap's chunk: on the VM every long gap was a chunk of 12-22
+#                tokens whose text mlx-lm held back, alike in all three servers; run this
+#                only if warmdecode shows the 69th chunk is one or two tokens: ~250 s
 # STEP staging  serve_ttft.py with the llama-8B shape, 2 repeats, kvstore serve's staging set
 #                up on a thread of its own (the default since results/gpu/staging-h100/: it
 #                held the warm-up's thread 3.4-4.5 s) and on the warm-up's
@@ -379,6 +386,19 @@ case "$step" in
       tail -4 "$out/loop-$cprofile.txt"
       python3 -m tools.bench.gpu.loop_profile.summary "$out/loop-$cprofile" --top 30 > "$out/loop-$cprofile-summary.txt"
       grep -E "^==|calls,|samples|  x[0-9]| x[0-9]" "$out/loop-$cprofile-summary.txt" | cut -c1-400 | head -60
+    done ;;
+  touchgap)
+    for query in "" touch_interval=30; do
+      name=touch-${query:-default}; name=${name//=/-}
+      PYTHONPATH=$PWD/tools/bench/gpu/loop_profile:$PYTHONPATH KVSTORE_BENCH_LOOP_PROFILE=$out/$name \
+        KVSTORE_BENCH_LOOP_PROFILE_SAMPLE=${SAMPLE_MS:-2} timeout 280 python3 tools/bench/serve_ttft.py \
+        --model /tmp/m8b --shape llama8b --context 4000 --repeats 1 --answer2 300 \
+        --ours-arg=--warm-decode --ours-arg=4608 --store-query "$query" --json "$out/$name.json" \
+        > "$out/$name.txt" 2>&1
+      echo "== $name"; grep -E "^kvstore serve|^stock" "$out/$name.txt"
+      python3 -m tools.bench.gpu.loop_profile.summary "$out/$name" > "$out/$name-summary.txt"
+      sed -n '/(kvstore serve)/,$p' "$out/$name-summary.txt" | grep -E "calls,|samples| x[0-9]" \
+        | grep -v "selectors.py\|queue.py:180 get" | cut -c1-300 | tail -40
     done ;;
   kvbits)
     timeout 150 python3 tools/bench/gpu/serve_kv_bits.py 2>&1 | tee "$out/serve-kv-bits.txt"
