@@ -13,11 +13,8 @@ from kvstore.caches.batch.rows import (
     BatchPacked,
     BatchRows,
     cat,
-    check_same_family,
     dynamic_roll,
-    empty_rows,
     ints,
-    pad_rows,
 )
 from kvstore.caches.mask import create_causal_mask
 from kvstore.caches.plain import PLAIN_FAMILY, KVCache
@@ -121,37 +118,6 @@ class BatchGrowing(BatchRows):
                 )
             self._idx -= shift
             self.left_padding = self.left_padding - shift
-
-    def extend(self, other: BatchGrowing) -> None:
-        """Append ``other``'s rows (in place), both right-justified at the same index."""
-        check_same_family(self, other)
-        if self.keys is None and other.keys is None:
-            self.left_padding = mx.concatenate([self.left_padding, other.left_padding])
-            self.offset = mx.concatenate([self.offset, other.offset])
-            return
-        top = max(self._idx, other._idx)
-        size = max(tree_length(c.keys) for c in (self, other) if c.keys is not None)
-        ref = self if self.keys is not None else other
-
-        def pad(c: BatchGrowing) -> tuple[Tree, Tree, mx.array, mx.array]:
-            k, v = c.keys, c.values
-            if k is None:
-                rows = int(c.offset.shape[0])
-                k, v = empty_rows(ref.keys, rows), empty_rows(ref.values, rows)
-            left = top - c._idx
-            right = size - tree_length(k) - left
-            if right < 0:
-                k, v = tree_map(lambda a: a[..., :right, :], (k, v))
-                right = 0
-            if left or right:
-                k, v = pad_rows(k, left, right), pad_rows(v, left, right)
-            return k, v, c.offset, c.left_padding + left
-
-        a, b = pad(self), pad(other)
-        self.keys, self.values = cat([a[0], b[0]], 0), cat([a[1], b[1]], 0)
-        self.offset = mx.concatenate([a[2], b[2]])
-        self.left_padding = mx.concatenate([a[3], b[3]])
-        self._idx = top
 
     def extract(self, idx: int) -> Any:
         """Row ``idx`` as a single-sequence cache of the rows' family (its own arrays)."""

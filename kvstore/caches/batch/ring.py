@@ -13,11 +13,8 @@ from kvstore.caches.batch.rows import (
     BatchPacked,
     BatchRows,
     cat,
-    check_same_family,
     dynamic_roll,
-    empty_rows,
     ints,
-    pad_rows,
 )
 from kvstore.caches.quantized import AffineRows
 from kvstore.caches.rotating import (
@@ -225,38 +222,16 @@ class BatchRing(BatchRows):
         self.offset = self.offset[batch_indices]
         self.left_padding = self.left_padding[batch_indices]
 
-    def extend(self, other: BatchRing) -> None:
-        check_same_family(self, other)
-        if self.keys is None and other.keys is None:
-            self.left_padding = mx.concatenate([self.left_padding, other.left_padding])
-            self.offset = mx.concatenate([self.offset, other.offset])
-            return
+    def _align_with(self, other: BatchRows) -> None:
+        # Both rings in temporal order at the same index, so their rows pad alike.
+        assert isinstance(other, BatchRing)
         if self.rotated != other.rotated or self._idx != other._idx:
             self._temporal()
             other._temporal()
-        top = max(self._idx, other._idx)
-        size = max(tree_length(c.keys) for c in (self, other) if c.keys is not None)
-        ref = self if self.keys is not None else other
 
-        def pad(c: BatchRing) -> tuple[Tree, Tree, mx.array, mx.array]:
-            left = top - c._idx
-            k, v = c.keys, c.values
-            if k is None:
-                rows = int(c.offset.shape[0])
-                k, v = empty_rows(ref.keys, rows), empty_rows(ref.values, rows)
-            right = size - tree_length(k) - left
-            if right < 0:
-                k, v = tree_map(lambda a: a[..., :right, :], (k, v))
-                right = 0
-            if left or right:
-                k, v = pad_rows(k, left, right), pad_rows(v, left, right)
-            return k, v, c.offset, c.left_padding + left
-
-        a, b = pad(self), pad(other)
-        self.keys, self.values = cat([a[0], b[0]], 0), cat([a[1], b[1]], 0)
-        self.offset = mx.concatenate([a[2], b[2]])
-        self.left_padding = mx.concatenate([a[3], b[3]])
-        self._idx = top
+    def extend(self, other: BatchRows) -> None:
+        super().extend(other)
+        assert isinstance(other, BatchRing)
         self._offset = max(self._offset, other._offset)
 
     def extract(self, idx: int) -> Any:

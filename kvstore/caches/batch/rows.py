@@ -9,7 +9,7 @@ from typing import Any, cast
 import mlx.core as mx
 from mlx.utils import tree_map
 
-from kvstore.caches.base import BaseKVCache, Tree, row_leaves
+from kvstore.caches.base import BaseKVCache, Tree, row_leaves, tree_length
 from kvstore.caches.packed import PackedRows, quantize_rows
 from kvstore.errors import CapabilityError
 from kvstore.family import BATCH_STATE, Family, Quantization
@@ -112,6 +112,41 @@ class BatchRows(BaseKVCache):
             for buf, rows in zip(row_leaves((keys, values)), row_leaves((k, v))):
                 buf[i : i + 1, :, p : p + n] = rows
         self.keys, self.values = keys, values
+
+    def extend(self, other: BatchRows) -> None:
+        """Append ``other``'s rows (in place), both right-justified at the same index."""
+        check_same_family(self, other)
+        if self.keys is None and other.keys is None:
+            self.left_padding = mx.concatenate([self.left_padding, other.left_padding])
+            self.offset = mx.concatenate([self.offset, other.offset])
+            return
+        self._align_with(other)
+        top = max(self._idx, other._idx)
+        size = max(tree_length(c.keys) for c in (self, other) if c.keys is not None)
+        ref = self if self.keys is not None else other
+
+        def pad(c: BatchRows) -> tuple[Tree, Tree, mx.array, mx.array]:
+            k, v = c.keys, c.values
+            if k is None:
+                rows = int(c.offset.shape[0])
+                k, v = empty_rows(ref.keys, rows), empty_rows(ref.values, rows)
+            left = top - c._idx
+            right = size - tree_length(k) - left
+            if right < 0:
+                k, v = tree_map(lambda a: a[..., :right, :], (k, v))
+                right = 0
+            if left or right:
+                k, v = pad_rows(k, left, right), pad_rows(v, left, right)
+            return k, v, c.offset, c.left_padding + left
+
+        a, b = pad(self), pad(other)
+        self.keys, self.values = cat([a[0], b[0]], 0), cat([a[1], b[1]], 0)
+        self.offset = mx.concatenate([a[2], b[2]])
+        self.left_padding = mx.concatenate([a[3], b[3]])
+        self._idx = top
+
+    def _align_with(self, other: BatchRows) -> None:
+        """What ``extend`` does to both before it pads their rows alike (nothing here)."""
 
     @property
     def nbytes(self) -> int:
