@@ -307,8 +307,9 @@ def main(argv: list[str] | None = None) -> int:
     for label, key in rows:
         gap = statistics.median(s[key]["max_gap_s"] for s in samples)
         where = ", ".join(
-            f"{i}: {g * 1e3:.1f} ({count_tokens(piece)} tok)"
+            f"{i}: {g * 1e3:.1f} ({n} tok, {g * 1e3 / max(1, n):.1f} a token)"
             for i, g, piece in last[key]["longest_gaps"]
+            for n in [count_tokens(piece)]
         )
         print(
             f"{label:44} {med(key) * 1e3:7.0f} ms {last[key]['cached_tokens']!s:>14} "
