@@ -132,9 +132,7 @@ def ttft(
         # A chunk is sent only once a token's text is out: tokens whose text the server
         # holds back (a partial UTF-8 character, a possible control sequence) make a
         # gap of the text's, not of the decode's (the text's tokens tell which).
-        "longest_gaps": sorted(
-            ((i, g, text[i]) for i, g in enumerate(gaps)), key=lambda g: -g[1]
-        )[:3],
+        "longest_gaps": sorted(zip(range(len(gaps)), gaps, text), key=lambda g: -g[1])[:3],
         "median_gap_s": statistics.median(gaps),
         "text": "".join(text),
         "cached_tokens": cached,
