@@ -10,9 +10,10 @@ thread from its first ``next`` on, the server loop between calls included (from 
 ``<folder>/<pid>.json`` and ``<pid>.prof`` every 50 calls and at SIGTERM. With
 ``KVSTORE_BENCH_LOOP_PROFILE_SAMPLE=MS``, a thread samples every thread's Python stack
 every ``MS`` ms from the first ``next`` on (``sys._current_frames``: where each thread is,
-also while it waits in C code or for the GIL); those inside a call or gap over 100 ms
-are kept in ``samples``, and the summary prints each thread's most common stacks there
-(one long event, which cProfile's totals hide). Summarized by
+also while it waits in C code or for the GIL); those inside a call or gap over
+``KVSTORE_BENCH_LOOP_PROFILE_SLOW_MS`` (100) are kept in ``samples``, and the summary
+prints each thread's most common stacks there (one long event, which cProfile's totals
+hide). Summarized by
 ``python3 -m tools.bench.gpu.loop_profile.summary <folder>``. A bench's probe, never
 imported by kvstore.
 """
@@ -39,10 +40,11 @@ def _install(folder: str) -> None:
 
     calls: list[tuple[float, float, int, int]] = []
     # (time, thread name, innermost frames), the last few seconds' (``recent``), and those
-    # of each call or gap over 100 ms (``samples``, read by the summary).
+    # of each call or gap over ``slow_s`` (``samples``, read by the summary).
     recent: collections.deque[tuple[float, str, list[str]]] = collections.deque(maxlen=40000)
     samples: list[tuple[float, str, list[str]]] = []
     sample_ms = float(os.environ.get("KVSTORE_BENCH_LOOP_PROFILE_SAMPLE") or 0)
+    slow_s = float(os.environ.get("KVSTORE_BENCH_LOOP_PROFILE_SLOW_MS") or 100) / 1e3
     profiled = os.environ.get("KVSTORE_BENCH_LOOP_PROFILE_CPROFILE") == "1"
     profiler = cProfile.Profile() if profiled else None
     state = {"thread": None}
@@ -57,7 +59,8 @@ def _install(folder: str) -> None:
             path = os.path.join(folder, f"{os.getpid()}")
             with open(path + ".json", "w") as f:
                 kept = samples if final else []
-                json.dump({"argv": sys.argv, "calls": calls, "samples": kept}, f)
+                document = {"argv": sys.argv, "calls": calls, "samples": kept}
+                json.dump({**document, "slow_ms": slow_s * 1e3}, f)
             if profiler is not None and state["thread"] == threading.get_ident():
                 profiler.disable()
                 profiler.dump_stats(path + ".prof")
@@ -95,12 +98,12 @@ def _install(folder: str) -> None:
             if sample_ms > 0:
                 threading.Thread(target=sample, name="loop-profile-sampler", daemon=True).start()
         start = time.perf_counter()
-        if sample_ms > 0 and calls and start - calls[-1][1] > 0.1:
+        if sample_ms > 0 and calls and start - calls[-1][1] > slow_s:
             keep(calls[-1][1], start)
         result = original(self)
         prompt, gen = result if isinstance(result, tuple) else ((), result)
         calls.append((start, time.perf_counter(), len(prompt), len(gen)))
-        if sample_ms > 0 and calls[-1][1] - start > 0.1:
+        if sample_ms > 0 and calls[-1][1] - start > slow_s:
             keep(start, calls[-1][1])
         if len(calls) % 50 == 0:
             dump()

@@ -61,9 +61,12 @@ def slow_windows(
     return out
 
 
-def print_samples(calls: list[list[float]], samples: list[list[Any]], top: int = 3) -> None:
-    """For each slow window, each thread's most common stacks sampled in it."""
-    for what, start, end in slow_windows(calls):
+def print_samples(
+    calls: list[list[float]], samples: list[list[Any]], top: int = 3, over_ms: float = 100.0
+) -> None:
+    """For each slow window (over ``over_ms``), each thread's most common stacks sampled
+    in it."""
+    for what, start, end in slow_windows(calls, over_ms):
         inside = [s for s in samples if start <= s[0] <= end]
         print(f"  {what}: {(end - start) * 1e3:.1f} ms, {len(inside)} samples")
         by_thread: dict[str, Counter[tuple[str, ...]]] = {}
@@ -89,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
         for run in runs(data["calls"]):
             print(describe(run))
         if data.get("samples"):
-            print_samples(data["calls"], data["samples"])
+            print_samples(data["calls"], data["samples"], over_ms=data.get("slow_ms", 100.0))
         prof = path.with_suffix(".prof")
         if prof.exists():
             stats = pstats.Stats(str(prof), stream=sys.stdout)
