@@ -81,7 +81,7 @@ def test_the_summary_prints_each_threads_stacks_in_each_slow_call_or_gap(capsys)
         [0.30, "writer", ["lmdb.py:652 _commit", "prefix.py:3 flush"]],
         [0.50, "gen", ["late.py:1 after"]],  # in no slow window
     ]
-    summary.print_samples(calls, samples)
+    summary.print_samples(calls, samples, 100.0)
     out = capsys.readouterr().out
     assert "  call 2 inside next: 180.0 ms, 3 samples\n" in out
     assert "    gen x2: generate.py:1 step < server.py:2 loop\n" in out

@@ -182,14 +182,21 @@ if ! python3 -c "import mlx.core" 2>/dev/null; then
   exit 3
 fi
 profile="python3 tools/bench/gpu/restore_profile.py --repeats 3"
-# G3 at both lengths (or KVSTORE_BENCH_GPU_TOKENS's, set before the call) with
-# KVSTORE_CUDA_SAVE_PAYLOADS=$1 into $out/g3-$1: its llama8b rows printed, its check
-# and log files dropped (a call brings back a limited count of files).
+# G3 at both lengths with KVSTORE_CUDA_SAVE_PAYLOADS=$1 into $out/g3-$1: its llama8b rows
+# printed, its check and log files dropped (a call brings back a limited count of files).
 g3_under() {
   KVSTORE_CUDA_SAVE_PAYLOADS=$1 KVSTORE_BENCH_GIT=$rev CHECK_TIMEOUT=1 BENCH_TIMEOUT=200 \
     bash tools/bench/gpu/run.sh G3 "$out/g3-$1" > /dev/null 2>&1
   echo "== $1 $(date +%T)"; grep -E "llama8b" "$out/g3-$1/bench-table.txt"
   rm -f "$out/g3-$1/gpu-check.txt" "$out/g3-$1/bench-log.txt"
+}
+# The restarted 8B server's 300-token turn 2 (warmdecode's run) into $out/$1.{json,txt},
+# with serve_ttft.py's further options after $1 (the environment passes through).
+warm_stream() {
+  local name=$1; shift
+  timeout 280 python3 tools/bench/serve_ttft.py --model /tmp/m8b --shape llama8b --context 4000 \
+    --repeats 1 --answer2 300 --ours-arg=--warm-decode --ours-arg=4608 --json "$out/$name.json" "$@" \
+    > "$out/$name.txt" 2>&1
 }
 case "$step" in
   profiles)
@@ -372,17 +379,13 @@ case "$step" in
       tail -8 "$out/serve8b-$mode.txt"
     done ;;
   warmdecode)
-    timeout 280 python3 tools/bench/serve_ttft.py --model /tmp/m8b --shape llama8b --context 4000 --repeats 1 \
-      --answer2 300 --ours-arg=--warm-decode --ours-arg=4608 --json "$out/warmdecode.json" \
-      > "$out/warmdecode.txt" 2>&1
+    warm_stream warmdecode
     tail -12 "$out/warmdecode.txt" ;;
   loopprofile)
     for cprofile in ${CPROFILES:-0 1}; do
       PYTHONPATH=$PWD/tools/bench/gpu/loop_profile:$PYTHONPATH KVSTORE_BENCH_LOOP_PROFILE=$out/loop-$cprofile \
-        KVSTORE_BENCH_LOOP_PROFILE_SAMPLE=${SAMPLE_MS:-2} \
-        KVSTORE_BENCH_LOOP_PROFILE_CPROFILE=$cprofile timeout 280 python3 tools/bench/serve_ttft.py --model /tmp/m8b \
-        --shape llama8b --context 4000 --repeats 1 --answer2 300 --ours-arg=--warm-decode --ours-arg=4608 \
-        --json "$out/loop-$cprofile.json" > "$out/loop-$cprofile.txt" 2>&1
+        KVSTORE_BENCH_LOOP_PROFILE_SAMPLE=${SAMPLE_MS:-2} KVSTORE_BENCH_LOOP_PROFILE_CPROFILE=$cprofile \
+        warm_stream "loop-$cprofile"
       tail -4 "$out/loop-$cprofile.txt"
       python3 -m tools.bench.gpu.loop_profile.summary "$out/loop-$cprofile" --top 30 > "$out/loop-$cprofile-summary.txt"
       grep -E "^==|calls,|samples|  x[0-9]| x[0-9]" "$out/loop-$cprofile-summary.txt" | cut -c1-400 | head -60
@@ -391,10 +394,7 @@ case "$step" in
     for query in "" touch_interval=30; do
       name=touch-${query:-default}; name=${name//=/-}
       PYTHONPATH=$PWD/tools/bench/gpu/loop_profile:$PYTHONPATH KVSTORE_BENCH_LOOP_PROFILE=$out/$name \
-        KVSTORE_BENCH_LOOP_PROFILE_SAMPLE=${SAMPLE_MS:-2} timeout 280 python3 tools/bench/serve_ttft.py \
-        --model /tmp/m8b --shape llama8b --context 4000 --repeats 1 --answer2 300 \
-        --ours-arg=--warm-decode --ours-arg=4608 --store-query "$query" --json "$out/$name.json" \
-        > "$out/$name.txt" 2>&1
+        KVSTORE_BENCH_LOOP_PROFILE_SAMPLE=${SAMPLE_MS:-2} warm_stream "$name" --store-query "$query"
       echo "== $name"; grep -E "^kvstore serve|^stock" "$out/$name.txt"
       python3 -m tools.bench.gpu.loop_profile.summary "$out/$name" > "$out/$name-summary.txt"
       sed -n '/(kvstore serve)/,$p' "$out/$name-summary.txt" | grep -E "calls,|samples| x[0-9]" \

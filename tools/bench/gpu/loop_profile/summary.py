@@ -46,9 +46,7 @@ def describe(run: list[list[float]]) -> str:
     return line
 
 
-def slow_windows(
-    calls: list[list[float]], over_ms: float = 100.0
-) -> list[tuple[str, float, float]]:
+def slow_windows(calls: list[list[float]], over_ms: float) -> list[tuple[str, float, float]]:
     """Each ``next`` call, and each gap between calls of one run, that took over ``over_ms``:
     (what, start, end)."""
     out = []
@@ -62,10 +60,10 @@ def slow_windows(
 
 
 def print_samples(
-    calls: list[list[float]], samples: list[list[Any]], top: int = 3, over_ms: float = 100.0
+    calls: list[list[float]], samples: list[list[Any]], over_ms: float, top: int = 3
 ) -> None:
-    """For each slow window (over ``over_ms``), each thread's most common stacks sampled
-    in it."""
+    """For each slow window (over ``over_ms``: the probe's ``slow_ms``, the threshold its
+    samples were kept by), each thread's most common stacks sampled in it."""
     for what, start, end in slow_windows(calls, over_ms):
         inside = [s for s in samples if start <= s[0] <= end]
         print(f"  {what}: {(end - start) * 1e3:.1f} ms, {len(inside)} samples")
@@ -92,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
         for run in runs(data["calls"]):
             print(describe(run))
         if data.get("samples"):
-            print_samples(data["calls"], data["samples"], over_ms=data.get("slow_ms", 100.0))
+            print_samples(data["calls"], data["samples"], data["slow_ms"])
         prof = path.with_suffix(".prof")
         if prof.exists():
             stats = pstats.Stats(str(prof), stream=sys.stdout)
