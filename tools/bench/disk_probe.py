@@ -4,8 +4,10 @@ P2 and G3 compare a durable save with mlx-lm's unsynced ``save_prompt_cache``
 (a write into the page cache). This probe says what the disk allows: the same
 bytes written into the page cache and fsynced (appending to a file, and
 overwriting one already allocated, which is what LMDB does with freed pages),
-and written with ``O_DIRECT`` from page-aligned memory (no page-cache copy)
-then fsynced; a memcpy into fresh memory for scale. Nothing in the library is
+written into space reserved beforehand with ``posix_fallocate`` (allocated
+blocks not yet written: what a store could do ahead of its next save), and
+written with ``O_DIRECT`` from page-aligned memory (no page-cache copy) then
+fsynced; a memcpy into fresh memory for scale. Nothing in the library is
 used::
 
     python3 tools/bench/disk_probe.py --dir /tmp --mib 64 256
@@ -40,6 +42,21 @@ def _start_writeback(fd: int, offset: int, nbytes: int) -> None:
     sync_file_range = getattr(_libc, "sync_file_range", None)
     if sync_file_range is not None:
         sync_file_range(fd, ctypes.c_int64(offset), ctypes.c_int64(nbytes), SYNC_FILE_RANGE_WRITE)
+
+
+def _fs_type(directory: str) -> str:
+    """The mounted file system holding directory (/proc/mounts' longest prefix)."""
+    best, kind = "", "unknown"
+    try:
+        with open("/proc/mounts") as mounts:
+            for line in mounts:
+                fields = line.split()
+                point = fields[1]
+                if os.path.realpath(directory).startswith(point) and len(point) > len(best):
+                    best, kind = point, fields[2]
+    except OSError:
+        pass
+    return kind
 
 
 def probe(directory: str, nbytes: int, repeats: int) -> None:
@@ -99,24 +116,61 @@ def probe(directory: str, nbytes: int, repeats: int) -> None:
 
         return run
 
+    def reserved(chunk: int | None) -> tuple[Callable[[], None], Callable[[], None]]:
+        # The region past the file's end reserved (fallocate) and synced before the
+        # timed write, so only writing the data into blocks already allocated is timed.
+        at = [0]
+
+        def reserve() -> None:
+            fd = opened(0)
+            try:
+                at[0] = os.fstat(fd).st_size
+                os.posix_fallocate(fd, at[0], nbytes)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+
+        def run() -> None:
+            fd = opened(0)
+            try:
+                step = chunk or nbytes
+                for off in range(0, nbytes, step):
+                    os.pwrite(fd, view[off : off + step], at[0] + off)
+                    if chunk:
+                        _start_writeback(fd, at[0] + off, min(step, nbytes - off))
+                os.fdatasync(fd)
+            finally:
+                os.close(fd)
+
+        return reserve, run
+
     def memcpy() -> None:
         fresh = bytearray(nbytes)
         fresh[:] = view
 
-    cases = [
-        ("memcpy into fresh memory", memcpy),
-        ("page cache, append + fdatasync", append),
-        ("page cache, overwrite + fdatasync", overwrite),
-        ("page cache, append, writeback per 8 MiB", streamed(8 << 20)),
-        ("page cache, append, writeback per 32 MiB", streamed(32 << 20)),
-        ("O_DIRECT, append + fdatasync", direct(True)),
-        ("O_DIRECT, overwrite + fdatasync", direct(False)),
+    reserve, into_reserved = reserved(None)
+    reserve_streamed, into_reserved_streamed = reserved(32 << 20)
+    cases: list[tuple[str, Callable[[], None], Callable[[], None] | None]] = [
+        ("memcpy into fresh memory", memcpy, None),
+        ("page cache, append + fdatasync", append, None),
+        ("page cache, overwrite + fdatasync", overwrite, None),
+        ("page cache, append, writeback per 8 MiB", streamed(8 << 20), None),
+        ("page cache, append, writeback per 32 MiB", streamed(32 << 20), None),
+        ("reserved (fallocate), write + fdatasync", into_reserved, reserve),
+        ("reserved, writeback per 32 MiB", into_reserved_streamed, reserve_streamed),
+        ("O_DIRECT, append + fdatasync", direct(True), None),
+        ("O_DIRECT, overwrite + fdatasync", direct(False), None),
     ]
-    print(f"{nbytes >> 20} MiB into {directory}")
+    fs = os.statvfs(directory)
+    print(f"{nbytes >> 20} MiB into {directory} ({fs.f_bsize}-byte blocks, {_fs_type(directory)})")
     try:
-        for name, fn in cases:
+        for name, fn, prepare in cases:
             os.truncate(path, 0)
-            times = [_timed(fn) for _ in range(repeats)]
+            times = []
+            for _ in range(repeats):
+                if prepare is not None:
+                    prepare()
+                times.append(_timed(fn))
             med = statistics.median(times)
             print(
                 f"  {name:36s} {med * 1e3:8.1f} ms  {nbytes / med / 1e9:6.2f} GB/s"

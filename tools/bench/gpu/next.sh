@@ -86,6 +86,9 @@
 # STEP g3disk    disk_probe.py at 512 MiB and 2 GiB (the host's disk: a durable write of a
 #                4096- and a 16384-token llama-8B save's bytes), then G3 at both lengths: is
 #                G3's 0.456x at 16384 (ffd1c4c-h100) the host's disk? ~400 s
+# STEP disk      disk_probe.py alone at 512 MiB and 2 GiB, the file system named, space
+#                reserved by posix_fallocate beside appending and O_DIRECT: would a store
+#                that reserves its file's next space ahead write a 2 GiB save faster? ~60 s
 # STEP savestall save_stall.py at 4096 tokens (4 saves) and 16384 (2), the download by a kernel
 #                and by the copy engine (KVSTORE_CUDA_DOWNLOAD_ROUTE, copy the default; its
 #                records checked by check.py first): each decode step during a save behind,
@@ -284,6 +287,8 @@ case "$step" in
   g3disk)
     timeout 100 python3 tools/bench/disk_probe.py --dir /tmp --mib 512 2048 --repeats 2 2>&1 | tee "$out/disk-probe.txt"
     KVSTORE_BENCH_GIT=$rev CHECK_TIMEOUT=1 BENCH_TIMEOUT=430 bash tools/bench/gpu/run.sh G3 "$out/g3" ;;
+  disk)
+    timeout 150 python3 tools/bench/disk_probe.py --dir /tmp --mib 512 2048 --repeats 3 2>&1 | tee "$out/disk-probe.txt" ;;
   savestall)
     # The copy route's records checked first (check.py: a save's records == encode_record).
     KVSTORE_CUDA_DOWNLOAD_ROUTE=copy timeout 120 python3 tools/bench/gpu/check.py > "$out/check-copy-route.txt" 2>&1
