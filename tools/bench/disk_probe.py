@@ -46,13 +46,13 @@ def _start_writeback(fd: int, offset: int, nbytes: int) -> None:
 
 def _fs_type(directory: str) -> str:
     """The mounted file system holding directory (/proc/mounts' longest prefix)."""
-    best, kind = "", "unknown"
+    best, kind, real = "", "unknown", os.path.join(os.path.realpath(directory), "")
     try:
         with open("/proc/mounts") as mounts:
             for line in mounts:
                 fields = line.split()
-                point = fields[1]
-                if os.path.realpath(directory).startswith(point) and len(point) > len(best):
+                point = os.path.join(fields[1], "")  # "/tmp/" holds "/tmp/x/", not "/tmpx/"
+                if real.startswith(point) and len(point) > len(best):
                     best, kind = point, fields[2]
     except OSError:
         pass

@@ -193,6 +193,12 @@ g3_under() {
   echo "== $1 $(date +%T)"; grep -E "llama8b" "$out/g3-$1/bench-table.txt"
   rm -f "$out/g3-$1/gpu-check.txt" "$out/g3-$1/bench-log.txt"
 }
+# disk_probe.py at a 4096- and a 16384-token llama-8B save's bytes, $1 repeats each.
+probe_disk() {
+  timeout $((50 * $1)) python3 tools/bench/disk_probe.py --dir /tmp --mib 512 2048 --repeats "$1" 2>&1 \
+    | tee "$out/disk-probe.txt"
+}
+
 # The restarted 8B server's 300-token turn 2 (warmdecode's run) into $out/$1.{json,txt},
 # with serve_ttft.py's further options after $1 (the environment passes through).
 warm_stream() {
@@ -285,10 +291,10 @@ case "$step" in
       cp "/tmp/p11-$ab/bench-table.txt" "$out/p11-$ab.txt"
     done ;;
   g3disk)
-    timeout 100 python3 tools/bench/disk_probe.py --dir /tmp --mib 512 2048 --repeats 2 2>&1 | tee "$out/disk-probe.txt"
+    probe_disk 2
     KVSTORE_BENCH_GIT=$rev CHECK_TIMEOUT=1 BENCH_TIMEOUT=430 bash tools/bench/gpu/run.sh G3 "$out/g3" ;;
   disk)
-    timeout 150 python3 tools/bench/disk_probe.py --dir /tmp --mib 512 2048 --repeats 3 2>&1 | tee "$out/disk-probe.txt" ;;
+    probe_disk 3 ;;
   savestall)
     # The copy route's records checked first (check.py: a save's records == encode_record).
     KVSTORE_CUDA_DOWNLOAD_ROUTE=copy timeout 120 python3 tools/bench/gpu/check.py > "$out/check-copy-route.txt" 2>&1
