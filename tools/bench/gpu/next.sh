@@ -482,5 +482,6 @@ print('start under $loading: %.2f s' % (time.perf_counter() - t))"
       --spread 1,2,3,4,6,8,12,16,24,32,48,64,96,128,192,256,384,512 --decode 520 --decode-warm \
       --skip-c > "$out/firstpick-warm.txt" 2>&1
     grep -E "^(ours|spread w|decode|D )" "$out/firstpick-warm.txt" ;;
-  *) echo "next.sh: unknown step $step (serve8b, firstpick, ab, profiles, probe, graphs, stage, spans, model, parent, rht, floor, g1-4k, g1-16k, g2a, g2q8, g2b, g2c, g2bars, g3ab, copy, early, reader, alike, fwdgraphs)"; exit 2 ;;
+  *) echo "next.sh: unknown step $step; the steps: $(sed -n 's/^# STEP \([a-z0-9-]*\).*/\1/p' "$0" | tr '\n' ' ')" >&2
+     exit 2 ;;
 esac
