@@ -24,7 +24,8 @@ import os
 import statistics
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 
 def _timed(fn: Callable[[], None]) -> float:
@@ -68,35 +69,32 @@ def probe(directory: str, nbytes: int, repeats: int) -> None:
     fd_dir, path = tempfile.mkstemp(dir=directory, prefix="disk-probe-")
     os.close(fd_dir)
 
-    def opened(flags: int) -> int:
-        return os.open(path, os.O_WRONLY | flags)
+    @contextmanager
+    def opened(flags: int) -> Iterator[int]:
+        """The probe's file opened for writing with ``flags``, closed however the case ends."""
+        fd = os.open(path, os.O_WRONLY | flags)
+        try:
+            yield fd
+        finally:
+            os.close(fd)
 
     def append() -> None:
-        fd = opened(os.O_APPEND)
-        try:
+        with opened(os.O_APPEND) as fd:
             os.write(fd, view)
             os.fdatasync(fd)
-        finally:
-            os.close(fd)
 
     def overwrite() -> None:
-        fd = opened(0)
-        try:
+        with opened(0) as fd:
             os.pwrite(fd, view, 0)
             os.fdatasync(fd)
-        finally:
-            os.close(fd)
 
     def direct(at_end: bool) -> Callable[[], None]:
         def run() -> None:
-            fd = opened(getattr(os, "O_DIRECT", 0))
-            try:
+            with opened(getattr(os, "O_DIRECT", 0)) as fd:
                 offset = os.fstat(fd).st_size if at_end else 0
                 offset -= offset % 4096
                 os.pwrite(fd, view, offset)
                 os.fdatasync(fd)
-            finally:
-                os.close(fd)
 
         return run
 
@@ -104,15 +102,12 @@ def probe(directory: str, nbytes: int, repeats: int) -> None:
         # Writeback started behind each chunk (sync_file_range, SYNC_FILE_RANGE_WRITE),
         # so the disk writes while later chunks are still being copied in.
         def run() -> None:
-            fd = opened(os.O_APPEND)
-            try:
+            with opened(os.O_APPEND) as fd:
                 start = os.fstat(fd).st_size
                 for off in range(0, nbytes, chunk):
                     os.write(fd, view[off : off + chunk])
                     _start_writeback(fd, start + off, min(chunk, nbytes - off))
                 os.fdatasync(fd)
-            finally:
-                os.close(fd)
 
         return run
 
@@ -122,25 +117,19 @@ def probe(directory: str, nbytes: int, repeats: int) -> None:
         at = [0]
 
         def reserve() -> None:
-            fd = opened(0)
-            try:
+            with opened(0) as fd:
                 at[0] = os.fstat(fd).st_size
                 os.posix_fallocate(fd, at[0], nbytes)
                 os.fsync(fd)
-            finally:
-                os.close(fd)
 
         def run() -> None:
-            fd = opened(0)
-            try:
+            with opened(0) as fd:
                 step = chunk or nbytes
                 for off in range(0, nbytes, step):
                     os.pwrite(fd, view[off : off + step], at[0] + off)
                     if chunk:
                         _start_writeback(fd, at[0] + off, min(step, nbytes - off))
                 os.fdatasync(fd)
-            finally:
-                os.close(fd)
 
         return reserve, run
 
