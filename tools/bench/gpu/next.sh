@@ -113,6 +113,11 @@
 #                written, on the host's 16 cores (on the 2-core VM: 0.98-1.14x): ~30 s
 # STEP g3ab      disk_probe.py and lmdb_put.py at 512 MiB, then G3 at 4096 tokens with the
 #                commit's writeback pump on and off (KVSTORE_COMMIT_WRITEBACK=1/0)
+# STEP g3phases  where a durable save's time goes on the host, at 4096 and 16384 tokens:
+#                save_profile.py's wall clock per phase (the records' encode, LMDB's puts,
+#                its commit) for G3's saves behind (32 layers, the model's caches, G3's
+#                peer saved before each), and lmdb_put.py's puts of 512 MiB and 2 GiB
+#                alone (LMDB's copy without the download and hashing feeding it): ~200 s
 # STEP serve8b   tools/bench/serve_ttft.py with the llama-8B shape (written once to
 #                /tmp/m8b in mlx-lm's 5 GiB files, 40 s), 3 repeats under KVSTORE_UNFUSED_ATTENTION=never, then
 #                auto (MODES="auto" for one): ~2 x 240 s (one repeat took 80-140 s); its
@@ -366,6 +371,16 @@ case "$step" in
         CHECK_TIMEOUT=1 BENCH_TIMEOUT=180 REPEATS=5 bash tools/bench/gpu/run.sh G3 "/tmp/g3-wb$wb" >/dev/null 2>&1
       cp "/tmp/g3-wb$wb/bench-table.txt" "$out/g3-wb$wb.txt"
       tail -3 "/tmp/g3-wb$wb/bench-log.txt" > "$out/g3-wb$wb-log.txt"
+    done ;;
+  g3phases)
+    for mib in 512 2048; do
+      timeout 100 python3 tools/bench/lmdb_put.py --values $((mib / 32)) --mib 32 --repeats 3 2>&1 \
+        | tee "$out/lmdb-put-$mib.txt"
+    done
+    for tokens in 4096 16384; do
+      timeout 200 python3 tools/bench/save_profile.py --layers 32 --tokens $tokens --repeats 4 \
+        --policies lossless --behind --model-caches --with-peer --reuse --phases 2>&1 \
+        | tee "$out/phases-$tokens.txt"
     done ;;
   g1-4k)
     KVSTORE_BENCH_GPU_TOKENS=4096 KVSTORE_BENCH_GIT=$rev CHECK_TIMEOUT=60 BENCH_TIMEOUT=400 \
