@@ -35,10 +35,20 @@ from kvstore.errors import (
     StoreFullError,
     StoreUnavailableError,
 )
+from kvstore.knobs import choice_from_env
 from kvstore.store.engines import writeback as _writeback
 from kvstore.store.engines.boundary import Translation, raise_translated, translate_errors
 from kvstore.store.engines.lmdb_file import check_file, meta_damage
 from kvstore.store.engines.lmdb_guard import DAMAGED, NodeGuard, address_of, view_at
+from kvstore.store.engines.lmdb_values import (
+    POINTER_BYTES,
+    SPACE_KEY,
+    VALUE_MIN,
+    Pointer,
+    Space,
+    ValueFile,
+    oldest_reader,
+)
 from kvstore.store.keys import prefix_successor
 
 __all__ = ["LMDB_ERRORS", "LMDBBackend", "open_lmdb_backend"]
@@ -110,6 +120,9 @@ LMDB_ERRORS: dict[type[BaseException], Translation] = {
 }
 
 _MiB = 1 << 20
+#: Where a store's large values go unless ``open_store(values=...)`` says:
+#: ``KVSTORE_LMDB_VALUES`` (``inline``: LMDB's pages; ``file``: :mod:`.lmdb_values`).
+VALUES = choice_from_env("KVSTORE_LMDB_VALUES", ("inline", "file"), "inline")
 # LMDB errors about one value's pages: that value is damaged, the rest still reads.
 _UNREADABLE = (lmdb.PageNotFoundError, lmdb.CorruptedError)
 
@@ -220,6 +233,8 @@ class _SharedEnv:
         self.writeback = (
             _writeback.writeback_for(self._data) if not readonly and env.flags()["sync"] else None
         )
+        #: Large values written beside the file (:mod:`~kvstore.store.engines.lmdb_values`).
+        self.values = ValueFile(Path(key), sync=bool(env.flags()["sync"]))
 
     def file_size(self) -> int:
         """Bytes of ``data.mdb`` now (it only grows while open)."""
@@ -262,6 +277,7 @@ class _SharedEnv:
                 del self._open[self.key]
                 if self.writeback is not None:
                     self.writeback.close()
+                self.values.close()
                 self.env.close()
 
     def _close_inherited(self) -> None:
@@ -293,15 +309,35 @@ class _LMDBView:
     errors on one value make that value damaged, never a dead process.
     """
 
-    __slots__ = ("_txn", "_cursor", "_guard", "_end", "_shared", "_mapped")
+    __slots__ = (
+        "_txn",
+        "_cursor",
+        "_guard",
+        "_end",
+        "_shared",
+        "_mapped",
+        "_to_file",
+        "_file",
+        "_space",
+        "_reuse",
+    )
 
-    def __init__(self, txn: lmdb.Transaction, shared: _SharedEnv, write: bool) -> None:
+    def __init__(
+        self, txn: lmdb.Transaction, shared: _SharedEnv, write: bool, to_file: bool = False
+    ) -> None:
         self._txn = txn
         self._cursor: lmdb.Cursor | None = None
         self._shared = shared
         self._guard = shared.guard
         self._mapped = not write
         self._end = 0  # measured when the first value is read
+        #: A write view's large values go to the value file (``values="file"``), and
+        #: pointers it replaces or deletes free their space (wherever the file exists).
+        self._to_file = write and to_file
+        self._file = self._to_file or (write and shared.values.exists())
+        #: The value file's space as this transaction changes it (read at first use).
+        self._space: Space | None = None
+        self._reuse: Callable[[int], bool] | None = None
 
     def _cur(self) -> lmdb.Cursor:
         if self._cursor is None:
@@ -346,6 +382,13 @@ class _LMDBView:
         # checks and page-locking read the pages on threads of their own anyway.
         return view_at(base + offset, size)
 
+    def _resolved(self, cursor: lmdb.Cursor) -> Buffer:
+        """The value under the cursor, a pointer's from the value file."""
+        value = self._value(cursor)
+        if len(value) == POINTER_BYTES and Pointer.looks_like(value):
+            return self._shared.values.view(value)
+        return value
+
     def get(self, key: bytes) -> Buffer | None:
         cursor = self._cur()
         try:
@@ -353,7 +396,7 @@ class _LMDBView:
                 return None
         except _UNREADABLE:
             return DAMAGED  # LMDB found the node but not its overflow pages
-        return self._value(cursor)
+        return self._resolved(cursor)
 
     def contains(self, key: bytes) -> bool:
         # set_key positions the cursor without materialising the value.
@@ -371,7 +414,7 @@ class _LMDBView:
                     return
                 if not ascending and (key < prefix or not key.startswith(prefix)):
                     return
-                yield key, self._value(cursor)
+                yield key, self._resolved(cursor)
             if not step():
                 return
 
@@ -408,10 +451,60 @@ class _LMDBView:
                 return
 
     def put(self, key: bytes, value: Any, *, if_absent: bool = False) -> bool:
-        return self._txn.put(key, value, overwrite=not if_absent)
+        if not self._file:
+            return self._txn.put(key, value, overwrite=not if_absent)
+        cursor = self._cur()
+        if cursor.set_key(key):
+            if if_absent:
+                return False
+            self._release(cursor.value())
+        if self._to_file:
+            nbytes = memoryview(value).nbytes
+            if nbytes >= VALUE_MIN:
+                offset = self._space_now().allocate(nbytes, self._reusable())
+                value = self._shared.values.write(offset, value).encode()
+        return self._txn.put(key, value)
 
     def delete(self, key: bytes) -> bool:
+        if self._file:
+            cursor = self._cur()
+            if not cursor.set_key(key):
+                return False
+            self._release(cursor.value())
         return self._txn.delete(key)
+
+    # -- the value file (write views) ------------------------------------------------------
+    def _release(self, old: Any) -> None:
+        """Free the space of a pointer this transaction replaces or deletes."""
+        if len(old) != POINTER_BYTES or not Pointer.looks_like(old):
+            return
+        pointer = Pointer.decode(old)
+        if pointer is not None:  # a damaged pointer's space stays taken
+            self._space_now().release(pointer.offset, pointer.length, self._txn.id())
+
+    def _space_now(self) -> Space:
+        if self._space is None:
+            raw = self._txn.get(SPACE_KEY)
+            space = Space.decode(raw) if raw is not None else None
+            if space is None:  # none yet, or damaged: everything in the file is taken
+                space = Space(self._shared.values.size())
+            self._space = space
+        return self._space
+
+    def _reusable(self) -> Callable[[int], bool]:
+        """Whether space freed by a transaction may be written now: it committed before
+        this one, and every open read transaction (any process's) began after it."""
+        if self._reuse is None:  # once a transaction: the reader table is read, not locked
+            current = self._txn.id()
+            oldest = oldest_reader(self._shared.env.readers())
+            self._reuse = lambda freed: freed < current and (oldest is None or oldest >= freed)
+        return self._reuse
+
+    def before_commit(self) -> None:
+        """The value file's part of the commit: its values synced, its space recorded."""
+        if self._space is not None:
+            self._txn.put(SPACE_KEY, self._space.encode())
+        self._shared.values.before_commit()
 
 
 class _Reading:
@@ -475,6 +568,10 @@ class LMDBBackend(Backend):
         max_readers: concurrent read transactions across all processes.
         sync: fsync every commit (durable); ``False`` trades durability after a
             power loss (not a process crash) for commit latency.
+        values: where values of at least 1 MiB are written: ``"inline"``, LMDB's pages,
+            or ``"file"``, once into a file beside them, in place of values deleted
+            before (:mod:`~kvstore.store.engines.lmdb_values`); default
+            ``KVSTORE_LMDB_VALUES`` or ``"inline"``. Either way every value reads back.
     """
 
     def __init__(
@@ -487,9 +584,17 @@ class LMDBBackend(Backend):
         create: bool = True,
         max_readers: int = 126,
         sync: bool = True,
+        values: str | None = None,
         url: str | None = None,
     ) -> None:
         self.path = Path(path).expanduser()
+        self._values = VALUES if values is None else values
+        if self._values not in ("inline", "file"):
+            raise StoreConfigError(
+                f"[open_store] values must be 'inline' or 'file'; received {values!r}.",
+                setting="values",
+                supported=["inline", "file"],
+            )
         self.url = url or f"lmdb://{self.path.resolve()}"
         self._readonly = readonly
         self._max_map_size = max_map_size
@@ -634,7 +739,14 @@ class LMDBBackend(Backend):
             with self._begin("write", write=True) as txn:
                 with translate_errors(LMDB_ERRORS, "write", self.url):
                     try:
-                        result = fn(_LMDBView(txn, self._shared, write=True))  # type: ignore[arg-type]
+                        view = _LMDBView(
+                            txn,
+                            self._shared,  # type: ignore[arg-type]
+                            write=True,
+                            to_file=self._values == "file",
+                        )
+                        result = fn(view)
+                        view.before_commit()
                         self._commit(txn, size_hint)
                         return result
                     except lmdb.MapFullError:

@@ -32,7 +32,7 @@ from pathlib import Path
 
 from kvstore.knobs import switch_from_env
 
-__all__ = ["MIN_BYTES", "PERIOD_S", "Writeback", "writeback_for"]
+__all__ = ["MIN_BYTES", "PERIOD_S", "Writeback", "start", "writeback_for"]
 
 #: Commits smaller than this are left alone (their fsync is short either way).
 MIN_BYTES = 4 << 20
@@ -59,6 +59,15 @@ _CALL = _sync_file_range()
 def enabled() -> bool:
     """Whether commits start their writeback early here (Linux, not turned off)."""
     return _CALL is not None and switch_from_env("KVSTORE_COMMIT_WRITEBACK")
+
+
+def start(fd: int, offset: int, length: int) -> None:
+    """Start the writeback of ``length`` bytes of ``fd`` at ``offset`` (do not wait): a
+    value just written whole (:mod:`~kvstore.store.engines.lmdb_values`). Nothing off
+    Linux or with ``KVSTORE_COMMIT_WRITEBACK=0``; a failure leaves it to the sync."""
+    if enabled():
+        assert _CALL is not None
+        _CALL(fd, offset, length, _SYNC_FILE_RANGE_WRITE)
 
 
 class Writeback:

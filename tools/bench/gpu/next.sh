@@ -118,6 +118,10 @@
 #                its commit) for G3's saves behind (32 layers, the model's caches, G3's
 #                peer saved before each), and lmdb_put.py's puts of 512 MiB and 2 GiB
 #                alone (LMDB's copy without the download and hashing feeding it): ~200 s
+# STEP g3values  G3 at both lengths with a store's large values in a file beside LMDB,
+#                written in place (KVSTORE_LMDB_VALUES=file), then in LMDB's pages
+#                (inline, the default), then G1 at 4096 tokens restoring from the file:
+#                ~330 s
 # STEP serve8b   tools/bench/serve_ttft.py with the llama-8B shape (written once to
 #                /tmp/m8b in mlx-lm's 5 GiB files, 40 s), 3 repeats under KVSTORE_UNFUSED_ATTENTION=never, then
 #                auto (MODES="auto" for one): ~2 x 240 s (one repeat took 80-140 s); its
@@ -382,6 +386,17 @@ case "$step" in
         --policies lossless --behind --model-caches --with-peer --reuse --phases 2>&1 \
         | tee "$out/phases-$tokens.txt"
     done ;;
+  g3values)
+    for values in file inline; do
+      KVSTORE_LMDB_VALUES=$values KVSTORE_BENCH_GIT=$rev CHECK_TIMEOUT=1 BENCH_TIMEOUT=200 \
+        REPEATS=5 bash tools/bench/gpu/run.sh G3 "/tmp/g3-$values" >/dev/null 2>&1
+      cp "/tmp/g3-$values/bench-table.txt" "$out/g3-$values.txt"
+      tail -3 "/tmp/g3-$values/bench-log.txt" > "$out/g3-$values-log.txt"
+      echo "== $values"; grep -E "llama8b" "$out/g3-$values.txt" | cut -c1-400
+    done
+    KVSTORE_LMDB_VALUES=file KVSTORE_BENCH_GPU_TOKENS=4096 KVSTORE_BENCH_GIT=$rev CHECK_TIMEOUT=60 \
+      BENCH_TIMEOUT=170 REPEATS=5 bash tools/bench/gpu/run.sh G1 "$out/g1-4k-file" >/dev/null 2>&1
+    echo "== G1 4096, values in the file"; grep -E "llama8b" "$out/g1-4k-file/bench-table.txt" | cut -c1-600 ;;
   g1-4k)
     KVSTORE_BENCH_GPU_TOKENS=4096 KVSTORE_BENCH_GIT=$rev CHECK_TIMEOUT=60 BENCH_TIMEOUT=400 \
       REPEATS=5 bash tools/bench/gpu/run.sh G1 "$out/g1-4k" ;;

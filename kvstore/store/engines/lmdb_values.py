@@ -1,0 +1,319 @@
+"""Large values in one file beside LMDB, written once and in place of values deleted before.
+
+LMDB's ``put`` copies a value into pages it allocates for the transaction, and its
+commit writes those pages into the file: a durable save of a 2 GiB KV cache on an H100
+host spent 322 ms in the puts before its commit's 686 ms of writing could start, where
+the same bytes written into a file of their own, over the space the last save's values
+took, took 675 ms in all (``tools/bench/results/gpu/7edfb6b-h100/``). A store opened
+with ``values="file"`` writes each value of at least :data:`VALUE_MIN` bytes into
+``<store>/values.kv`` instead -- one ``pwrite`` straight from the caller's buffer, its
+writeback started at once, so the disk writes while the save is still encoding the
+next records -- and puts a :data:`POINTER_BYTES`-byte :class:`Pointer` under its key in
+LMDB, which stays the index. Readers resolve pointers wherever they find them, so a
+store may hold both kinds of value.
+
+* **Space**: which extents of the file are free, and where it ends, is one private
+  LMDB value (:data:`SPACE_KEY`, checksummed), read and written inside the write
+  transaction that puts or deletes the pointers: LMDB's writer lock orders every
+  process's allocations, and an aborted transaction (or a process killed in one) takes
+  its allocations and frees back with it.
+* **In place, never under a reader**: a value's extent is freed by the transaction
+  that deletes (or replaces) its pointer, tagged with that transaction's id. A later
+  writer reuses it only once every read transaction open in any process (LMDB's
+  reader table) began at or after that id: a reader that may still hold the pointer
+  never sees its bytes change. Otherwise the write goes at the file's end.
+* **Durability**: the values a transaction wrote are ``fdatasync``-ed before LMDB
+  commits (synced stores): a committed pointer never points at bytes not on disk.
+  Bytes an aborted transaction wrote lie in space its commit never claimed.
+* **Integrity**: a pointer carries the file's random salt and an xxh3 of its fields;
+  a flipped bit in one, a pointer into another file or past the file's end reads as
+  damaged, never as another value. The value's own bytes are the caller's to check
+  (kvstore's records carry their checksums). A damaged or missing space record is
+  rebuilt as "everything up to the file's end is taken": space may leak, values are
+  never overwritten.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import secrets
+import struct
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import xxhash
+
+from kvstore.store.engines import writeback as _writeback
+from kvstore.store.engines.lmdb_guard import DAMAGED
+
+__all__ = [
+    "ALIGN",
+    "FILE_NAME",
+    "POINTER_BYTES",
+    "Pointer",
+    "SPACE_KEY",
+    "Space",
+    "VALUE_MIN",
+    "ValueFile",
+    "oldest_reader",
+]
+
+#: Values at least this long go to the file (smaller ones stay in LMDB's pages).
+VALUE_MIN = 1 << 20
+#: Where values start in the file, and how their space is counted: page multiples
+#: (mapped, and page-locked for a GPU's copies, as LMDB's own values are).
+ALIGN = 4096
+FILE_NAME = "values.kv"
+#: The free extents and the end of the file (private: no store prefix scan reaches it).
+SPACE_KEY = b"\x00kvstore.values/space"
+
+_MAGIC = b"\x8bKVVAL1\n"
+_POINTER = struct.Struct("<8sQQQ")  # magic, the file's salt, offset, length
+#: A pointer's length: its fields and the xxh3-64 of them.
+POINTER_BYTES = _POINTER.size + 8
+#: The file's first page: magic and the random salt its pointers carry.
+_HEADER = struct.Struct("<8sQ")
+_FILE_MAGIC = b"\x8bKVVALF\n"
+_SPACE_HEAD = struct.Struct("<8sQQ")  # magic, end, extents
+_SPACE_MAGIC = b"\x8bKVSPC1\n"
+_EXTENT = struct.Struct("<QQQ")  # offset, length, the id of the transaction that freed it
+
+
+@dataclass(frozen=True)
+class Pointer:
+    """Where a value lives: ``length`` bytes at ``offset`` of the file salted ``salt``."""
+
+    salt: int
+    offset: int
+    length: int
+
+    def encode(self) -> bytes:
+        fields = _POINTER.pack(_MAGIC, self.salt, self.offset, self.length)
+        return fields + xxhash.xxh3_64_digest(fields)
+
+    @staticmethod
+    def looks_like(raw: Any) -> bool:
+        """Whether an LMDB value is a pointer (or a damaged one)."""
+        return len(raw) == POINTER_BYTES and bytes(raw[: len(_MAGIC)]) == _MAGIC
+
+    @classmethod
+    def decode(cls, raw: Any) -> Pointer | None:
+        """The pointer, or ``None`` where its checksum or fields are wrong."""
+        data = bytes(raw)
+        fields, check = data[: _POINTER.size], data[_POINTER.size :]
+        if xxhash.xxh3_64_digest(fields) != check:
+            return None
+        _, salt, offset, length = _POINTER.unpack(fields)
+        if not salt or offset < ALIGN or offset % ALIGN or length <= 0:
+            return None
+        return cls(salt, offset, length)
+
+
+def _pages(length: int) -> int:
+    return -(-length // ALIGN) * ALIGN
+
+
+class Space:
+    """The file's free extents and its end, as one write transaction sees them.
+
+    Args:
+        end: the first byte past every extent ever allocated (page-aligned).
+        free: ``(offset, length, freed_by)`` extents, sorted, none adjacent.
+    """
+
+    def __init__(self, end: int = ALIGN, free: list[tuple[int, int, int]] | None = None) -> None:
+        self.end = max(_pages(end), ALIGN)
+        self.free = sorted(free or [])
+
+    def encode(self) -> bytes:
+        body = _SPACE_HEAD.pack(_SPACE_MAGIC, self.end, len(self.free)) + b"".join(
+            _EXTENT.pack(*extent) for extent in self.free
+        )
+        return body + xxhash.xxh3_64_digest(body)
+
+    @classmethod
+    def decode(cls, raw: Any) -> Space | None:
+        """The space record, or ``None`` where it is damaged."""
+        data = bytes(raw)
+        body, check = data[:-8], data[-8:]
+        if len(data) < _SPACE_HEAD.size + 8 or xxhash.xxh3_64_digest(body) != check:
+            return None
+        magic, end, count = _SPACE_HEAD.unpack_from(body)
+        if magic != _SPACE_MAGIC or len(body) != _SPACE_HEAD.size + count * _EXTENT.size:
+            return None
+        free = [
+            _EXTENT.unpack_from(body, _SPACE_HEAD.size + i * _EXTENT.size) for i in range(count)
+        ]
+        if any(o % ALIGN or n % ALIGN or not n or o + n > end for o, n, _ in free):
+            return None
+        return cls(end, free)
+
+    def allocate(self, length: int, reusable: Callable[[int], bool]) -> int:
+        """The offset of ``length`` bytes: the first free extent that fits and that no
+        reader may still see (``reusable(freed_by)``), else the file's end."""
+        need = _pages(length)
+        for i, (offset, size, freed_by) in enumerate(self.free):
+            if size >= need and reusable(freed_by):
+                if size == need:
+                    del self.free[i]
+                else:
+                    self.free[i] = (offset + need, size - need, freed_by)
+                return offset
+        offset, self.end = self.end, self.end + need
+        return offset
+
+    def release(self, offset: int, length: int, freed_by: int) -> None:
+        """Free ``length`` bytes at ``offset`` (deleted by transaction ``freed_by``),
+        merged with the free extents on either side (the merge takes the later id)."""
+        size = _pages(length)
+        extents = self.free
+        i = 0
+        while i < len(extents) and extents[i][0] < offset:
+            i += 1
+        if i and extents[i - 1][0] + extents[i - 1][1] == offset:
+            prev = extents.pop(i - 1)
+            i -= 1
+            offset, size, freed_by = prev[0], prev[1] + size, max(prev[2], freed_by)
+        if i < len(extents) and offset + size == extents[i][0]:
+            nxt = extents.pop(i)
+            size, freed_by = size + nxt[1], max(nxt[2], freed_by)
+        extents.insert(i, (offset, size, freed_by))
+
+
+def oldest_reader(readers_table: str) -> int | None:
+    """The oldest snapshot any open read transaction holds, from LMDB's reader table
+    (``Environment.readers()``: a header, then ``pid thread txnid`` per slot, ``-``
+    for a slot with no transaction); ``None`` where none is open."""
+    oldest = None
+    for line in readers_table.splitlines()[1:]:
+        fields = line.split()
+        if len(fields) == 3 and fields[2].isdigit():
+            txn = int(fields[2])
+            oldest = txn if oldest is None else min(oldest, txn)
+    return oldest
+
+
+class ValueFile:
+    """``<store>/values.kv`` for one process: a write descriptor and read mappings.
+
+    Args:
+        directory: the store's directory.
+        sync: whether a transaction's values are synced before it commits.
+    """
+
+    def __init__(self, directory: Path, *, sync: bool) -> None:
+        self.path = directory / FILE_NAME
+        self._sync = sync
+        self._lock = threading.Lock()
+        self._read_fd: int | None = None
+        self._write_fd: int | None = None
+        self._salt: int | None = None
+        #: Mappings for reading, newest last (an older one stays while a view of it may
+        #: be alive; they go with the process or the last view).
+        self._maps: list[mmap.mmap] = []
+        #: Values written by the transaction under way (synced before it commits).
+        self.dirty = False
+
+    def exists(self) -> bool:
+        return self.path.exists()
+
+    # -- reading --------------------------------------------------------------------------
+    def view(self, raw: Any) -> Any:
+        """The value pointer ``raw`` refers to (a view of the mapped file), or
+        :data:`DAMAGED` where the pointer, or the file it points into, is damaged."""
+        pointer = Pointer.decode(raw)
+        if pointer is None:
+            return DAMAGED
+        end = pointer.offset + pointer.length
+        with self._lock:
+            if self._read_fd is None:
+                try:
+                    self._read_fd = os.open(self.path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+                except OSError:
+                    return DAMAGED
+            if self._salt is None:
+                self._salt = _salt_of(self._read_fd)
+            if self._salt is None or pointer.salt != self._salt:
+                return DAMAGED  # no header, or a pointer into another file of this name
+            if not self._maps or len(self._maps[-1]) < end:
+                size = os.fstat(self._read_fd).st_size
+                if size < end:
+                    return DAMAGED  # truncated: mapping past the end would fault
+                self._maps.append(mmap.mmap(self._read_fd, size, prot=mmap.PROT_READ))
+            return memoryview(self._maps[-1])[pointer.offset : end]
+
+    # -- writing, inside a write transaction ----------------------------------------------
+    def write(self, offset: int, value: Any) -> Pointer:
+        """``value`` written at ``offset`` (its writeback started); its pointer."""
+        fd, salt = self._writer()
+        view = memoryview(value).cast("B")
+        written = 0
+        while written < view.nbytes:
+            written += os.pwrite(fd, view[written:], offset + written)
+        if self._sync:
+            _writeback.start(fd, offset, view.nbytes)
+        self.dirty = True
+        return Pointer(salt, offset, view.nbytes)
+
+    def before_commit(self) -> None:
+        """Sync what the transaction wrote: its pointers may then commit."""
+        if self.dirty and self._sync and self._write_fd is not None:
+            os.fdatasync(self._write_fd)
+        self.dirty = False
+
+    def size(self) -> int:
+        """Bytes of the file now (0: none)."""
+        try:
+            return self.path.stat().st_size
+        except OSError:
+            return 0
+
+    def _writer(self) -> tuple[int, int]:
+        if self._write_fd is None:
+            created = not self.path.exists()
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o644)
+            salt = _salt_of(fd)
+            if salt is None:  # a new file (or an empty one a killed creator left)
+                salt = secrets.randbits(63) or 1
+                os.pwrite(fd, _HEADER.pack(_FILE_MAGIC, salt).ljust(ALIGN, b"\0"), 0)
+                os.fsync(fd)
+                if created:
+                    _fsync_directory(self.path.parent)
+            self._write_fd, self._salt = fd, salt
+        assert self._salt is not None
+        return self._write_fd, self._salt
+
+    def close(self) -> None:
+        with self._lock:
+            for fd in (self._read_fd, self._write_fd):
+                if fd is not None:
+                    os.close(fd)
+            self._read_fd = self._write_fd = None
+            for m in self._maps:
+                try:
+                    m.close()
+                except BufferError:
+                    pass  # a view outlives the store: its mapping goes with it
+            self._maps.clear()
+
+
+def _salt_of(fd: int) -> int | None:
+    """The file's salt, from its header (``None``: no header: not a value file)."""
+    head = os.pread(fd, _HEADER.size, 0)
+    if len(head) < _HEADER.size:
+        return None
+    magic, salt = _HEADER.unpack(head)
+    return salt if magic == _FILE_MAGIC and salt else None
+
+
+def _fsync_directory(directory: Path) -> None:
+    """A new file's name on disk before any pointer to it commits."""
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
