@@ -79,8 +79,12 @@ def run(args: argparse.Namespace) -> int:
             ("storage policy", settings.storage_policy),
             *(
                 (name, human_bytes(engine[key]))
-                for name, key in (("file size", "file_bytes"), ("map size", "map_size"))
-                if key in engine
+                for name, key in (
+                    ("file size", "file_bytes"),
+                    ("value file size", "value_file_bytes"),
+                    ("map size", "map_size"),
+                )
+                if engine.get(key)
             ),
         ]
     )

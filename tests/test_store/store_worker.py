@@ -13,7 +13,7 @@ import sys
 
 from kvstore.errors import StoreFullError
 from kvstore.store import open_store
-from kvstore.store.engines import writeback
+from kvstore.store.engines import lmdb_values, writeback
 from kvstore.testing.store import check_match, check_views, encoder_for, verify_record
 
 NS = "procs"
@@ -43,13 +43,16 @@ def say(*words: object) -> None:
     sys.stdout.flush()
 
 
-def writer(path: str, seed: int, filler: str, pump: str = "0") -> None:
+def writer(path: str, seed: int, filler: str, pump: str = "0", values: str = "inline") -> None:
     """Save prompts forever, acknowledging each once put_blocks returned (for the SIGKILL test).
     With ``pump`` "1", every commit has its writeback started early, however small
-    (:mod:`kvstore.store.engines.writeback`)."""
+    (:mod:`kvstore.store.engines.writeback`); with ``values`` "file", every record of
+    4 KiB or more goes to the value file (:mod:`kvstore.store.engines.lmdb_values`)."""
     if pump == "1":
         writeback.MIN_BYTES = 0
-    store = open_(path, map_size=1 << 20)
+    if values == "file":
+        lmdb_values.VALUE_MIN = 4096
+    store = open_(path, map_size=1 << 20, values=values)
     say("READY")
     for i in range(10**9):
         save(store, prompt(int(seed), i), int(filler))

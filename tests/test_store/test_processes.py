@@ -51,7 +51,9 @@ def test_sigkill_at_random_points_during_saves_loses_nothing_acknowledged(tmp_pa
     rng = random.Random(2024)
     acknowledged: list[list[int]] = []
     for kill in range(20):
-        writer = spawn("writer", path, kill, rng.choice([0, 20_000, 200_000]), kill % 2)
+        # Half the writers put their records into the value file (lmdb_values).
+        values = "file" if kill % 4 >= 2 else "inline"
+        writer = spawn("writer", path, kill, rng.choice([0, 20_000, 200_000]), kill % 2, values)
         assert writer.stdout.readline().strip() == "READY"
         seen = []
         for _ in range(rng.randrange(0, 4)):
@@ -71,6 +73,7 @@ def test_sigkill_at_random_points_during_saves_loses_nothing_acknowledged(tmp_pa
             check_match(store, match, tokens)
         store.close()
     assert len(acknowledged) >= 20
+    assert (path / "values.kv").stat().st_size > 4096  # the "file" writers' records
 
 
 def test_readers_never_wait_for_a_writer_in_another_process(tmp_path):

@@ -40,10 +40,10 @@ from kvstore.store.engines import writeback as _writeback
 from kvstore.store.engines.boundary import Translation, raise_translated, translate_errors
 from kvstore.store.engines.lmdb_file import check_file, meta_damage
 from kvstore.store.engines.lmdb_guard import DAMAGED, NodeGuard, address_of, view_at
+from kvstore.store.engines import lmdb_values as _values
 from kvstore.store.engines.lmdb_values import (
     POINTER_BYTES,
     SPACE_KEY,
-    VALUE_MIN,
     Pointer,
     Space,
     ValueFile,
@@ -460,7 +460,7 @@ class _LMDBView:
             self._release(cursor.value())
         if self._to_file:
             nbytes = memoryview(value).nbytes
-            if nbytes >= VALUE_MIN:
+            if nbytes >= _values.VALUE_MIN:
                 offset = self._space_now().allocate(nbytes, self._reusable())
                 value = self._shared.values.write(offset, value).encode()
         return self._txn.put(key, value)
@@ -825,6 +825,7 @@ class LMDBBackend(Backend):
             "map_size": info["map_size"],
             "used_bytes": (info["last_pgno"] + 1) * stat["psize"],
             "file_bytes": data.stat().st_size if data.exists() else 0,
+            "value_file_bytes": self._shared.values.size() if self._shared is not None else 0,
             "readers": info["num_readers"],
             "max_readers": info["max_readers"],
         }

@@ -28,6 +28,7 @@ import lmdb
 
 from kvstore.errors import CapabilityError, StoreError
 from kvstore.store.engines.lmdb_file import salvage
+from kvstore.store.engines.lmdb_values import FILE_NAME as VALUE_FILE
 from kvstore.store.maintenance.migrate.swap import exchange_paths
 
 __all__ = ["Rebuilt", "rebuild_lmdb"]
@@ -94,6 +95,7 @@ def _rebuilt(store: Path, old_bytes: int) -> Rebuilt:
     shutil.rmtree(fresh, ignore_errors=True)
     try:
         keys, nbytes = _copy_into(store, fresh, old_bytes)
+        _carry_values(store, fresh)
         _swap(store, fresh)
     finally:
         shutil.rmtree(fresh, ignore_errors=True)  # the old, damaged store after the swap
@@ -147,6 +149,20 @@ def _copy_into(store: Path, fresh: Path, size_hint: int) -> tuple[int, int]:
     finally:
         out.close()
     return keys, nbytes
+
+
+def _carry_values(store: Path, fresh: Path) -> None:
+    """The value file beside ``data.mdb`` (:mod:`kvstore.store.engines.lmdb_values`),
+    whose values the copied pointers name, into the fresh store: hard-linked, or
+    copied where the file system refuses links. Its bytes are checked as every value's
+    are, when read (the store-level repair after a rebuild reads them all)."""
+    source = store / VALUE_FILE
+    if not source.exists():
+        return
+    try:
+        os.link(source, fresh / VALUE_FILE)
+    except OSError:
+        shutil.copyfile(source, fresh / VALUE_FILE)
 
 
 def _swap(store: Path, fresh: Path) -> None:

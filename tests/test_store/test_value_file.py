@@ -1,0 +1,365 @@
+"""Large values in a file beside LMDB (``values="file"``, :mod:`kvstore.store.engines.lmdb_values`).
+
+The file's space (allocation, in-place reuse, merging) as a unit; then real stores:
+records read back bit for bit (synthetic records and a real model's caches, against
+the same saves kept in LMDB's pages), space reused in place but never under an open
+read, an aborted write leaving the store as it was, damage to the file, a pointer or
+the space record read as damage and never served, and ``verify --fix`` carrying the
+file through a rebuild. SIGKILLed writers on the file: ``test_processes.py``.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+from pathlib import Path
+
+import lmdb
+import pytest
+
+from kvstore.bridge import generate_tokens
+from kvstore.errors import StoreConfigError
+from kvstore.store import open_store
+from kvstore.store.engines import lmdb_values
+from kvstore.store.engines.lmdb_values import (
+    ALIGN,
+    FILE_NAME,
+    POINTER_BYTES,
+    SPACE_KEY,
+    Pointer,
+    Space,
+    oldest_reader,
+)
+from kvstore.testing.lmdb_pages import flip_bit, read_pages
+from kvstore.testing.store import check_match, check_views, encoder_for
+
+from .kv_helpers import BLOCK, CHUNK, assert_same_caches, model_for, prefilled
+from .kv_helpers import prompt as model_prompt
+from .store_worker import NS, open_, prompt, save
+from .test_damage import run_cli, verify_json
+
+#: Records of the synthetic prompts below: ~9 KiB each, over the lowered threshold.
+FILLER = 8192
+
+
+@pytest.fixture(autouse=True)
+def small_values(monkeypatch):
+    """Values of 4 KiB or more go to the file (1 MiB in use): small test records do."""
+    monkeypatch.setattr(lmdb_values, "VALUE_MIN", 4096)
+
+
+def file_store(path: Path, **options):
+    return open_(str(path), values="file", **options)
+
+
+def save_big(store, tokens):
+    return store.put_blocks(NS, tokens, encoder_for(tokens, filler=FILLER))
+
+
+def pointers(path: Path) -> list[Pointer]:
+    """Every pointer LMDB holds (read with python-lmdb directly, through the environment
+    this process has open on ``path`` if any: python-lmdb opens one per process)."""
+    from kvstore.store.engines.lmdb import _SharedEnv
+
+    shared = _SharedEnv._open.get(str(path.resolve()))
+    env = shared.env if shared is not None else lmdb.open(str(path), readonly=True, lock=False)
+    try:
+        with env.begin() as txn:
+            found = [Pointer.decode(v) for _, v in txn.cursor() if Pointer.looks_like(v)]
+    finally:
+        if shared is None:
+            env.close()
+    assert all(p is not None for p in found)
+    return found  # type: ignore[return-value]
+
+
+def raw_lmdb(path: Path, change) -> None:
+    env = lmdb.open(str(path), subdir=True)
+    try:
+        with env.begin(write=True) as txn:
+            change(txn)
+    finally:
+        env.close()
+
+
+def assert_read_stops_at_the_damage(store, match, tokens):
+    """A read of ``match`` serves the blocks before the damaged one, bit for bit, and
+    none from it on."""
+    with store.read(match.blocks) as views:
+        assert len(views) < len(match.blocks)
+        if views:
+            check_views(views, match.truncated(match.blocks[len(views)].start), tokens)
+
+
+# -- the file's space, alone ----------------------------------------------------------------
+def test_space_allocates_at_the_end_then_reuses_what_readers_no_longer_see():
+    space = Space()
+    first = space.allocate(5000, lambda freed: True)
+    second = space.allocate(ALIGN, lambda freed: True)
+    assert (first, second, space.end) == (ALIGN, 3 * ALIGN, 4 * ALIGN)
+    space.release(first, 5000, freed_by=7)
+    assert space.free == [(ALIGN, 2 * ALIGN, 7)]
+    # Not while a reader may still see it: the end instead.
+    assert space.allocate(ALIGN, lambda freed: freed < 7) == 4 * ALIGN
+    assert space.allocate(ALIGN, lambda freed: freed <= 7) == ALIGN  # split: the rest stays
+    assert space.free == [(2 * ALIGN, ALIGN, 7)]
+
+
+def test_space_merges_neighbours_under_the_later_transaction():
+    space = Space(end=10 * ALIGN)
+    space.release(2 * ALIGN, ALIGN, freed_by=3)
+    space.release(4 * ALIGN, ALIGN, freed_by=5)
+    space.release(3 * ALIGN, ALIGN, freed_by=4)
+    assert space.free == [(2 * ALIGN, 3 * ALIGN, 5)]
+    assert Space.decode(space.encode()).free == space.free
+
+
+def test_a_damaged_space_record_decodes_as_none():
+    raw = bytearray(Space(end=9 * ALIGN, free=[(ALIGN, ALIGN, 2)]).encode())
+    assert Space.decode(bytes(raw)) is not None
+    for at in range(len(raw)):
+        flipped = bytearray(raw)
+        flipped[at] ^= 0x10
+        assert Space.decode(bytes(flipped)) is None, at
+    assert Space.decode(b"") is None
+
+
+def test_a_pointer_with_a_flipped_bit_decodes_as_none():
+    raw = Pointer(salt=99, offset=ALIGN, length=12345).encode()
+    assert len(raw) == POINTER_BYTES and Pointer.decode(raw) == Pointer(99, ALIGN, 12345)
+    for at in range(len(raw)):
+        flipped = bytearray(raw)
+        flipped[at] ^= 0x01
+        assert Pointer.decode(bytes(flipped)) is None, at
+
+
+def test_the_oldest_reader_comes_from_lmdbs_reader_table(tmp_path):
+    env = lmdb.open(str(tmp_path))
+    with env.begin(write=True) as txn:
+        txn.put(b"k", b"v")
+    assert oldest_reader(env.readers()) is None
+    held = env.begin()
+    with env.begin(write=True) as txn:
+        txn.put(b"k", b"w")
+    assert oldest_reader(env.readers()) == held.id() == 1
+    held.abort()
+    env.close()
+
+
+# -- stores ---------------------------------------------------------------------------------
+def test_records_round_trip_through_the_file_and_lmdb_holds_pointers(tmp_path):
+    path = tmp_path / "s"
+    with file_store(path) as store:
+        prompts = [prompt(1, i) for i in range(6)]
+        for tokens in prompts:
+            save_big(store, tokens)
+        for tokens in prompts:
+            check_match(store, store.lookup(NS, tokens), tokens)
+        assert store.verify().clean
+    found = pointers(path)
+    assert found and (path / FILE_NAME).stat().st_size >= sum(p.length for p in found)
+    with open_(str(path)) as store:  # read back by a store opened without the option
+        for tokens in prompts:
+            check_match(store, store.lookup(NS, tokens), tokens)
+
+
+def test_space_is_reused_in_place_once_deleted(tmp_path):
+    path = tmp_path / "s"
+    with file_store(path) as store:
+        save_big(store, prompt(2, 0))
+        size = (path / FILE_NAME).stat().st_size
+        used = sorted(p.offset for p in pointers(path))
+        for round_ in range(1, 4):
+            store.delete(NS)
+            save_big(store, [t + round_ for t in prompt(2, 0)])  # a new prompt, same sizes
+            assert (path / FILE_NAME).stat().st_size == size
+            assert sorted(p.offset for p in pointers(path)) == used
+
+
+def test_space_a_reader_may_still_see_is_never_written(tmp_path):
+    path = tmp_path / "s"
+    with file_store(path) as store:
+        old = prompt(3, 0)
+        save_big(store, old)
+        match = store.lookup(NS, old)
+        size = (path / FILE_NAME).stat().st_size
+        with store.read(match.blocks) as views:  # a read transaction holds the old records
+            store.delete(NS)
+            new = [t + 1 for t in old]
+            save_big(store, new)
+            assert (path / FILE_NAME).stat().st_size > size  # written past the end
+            check_views(views, match, old)  # the held bytes did not change
+        check_match(store, store.lookup(NS, new), new)
+        store.delete(NS)
+        save_big(store, old)  # no reader now: into freed space, the file no longer grows
+        grown = (path / FILE_NAME).stat().st_size
+        store.delete(NS)
+        save_big(store, new)
+        assert (path / FILE_NAME).stat().st_size == grown
+        check_match(store, store.lookup(NS, new), new)
+
+
+def test_an_aborted_write_leaves_the_store_and_its_space_as_they_were(tmp_path):
+    path = tmp_path / "s"
+    with file_store(path) as store:
+        kept = prompt(4, 0)
+        save_big(store, kept)
+        before = sorted(pointers(path), key=lambda p: p.offset)
+        tokens = prompt(4, 1)
+        good = encoder_for(tokens, filler=FILLER)
+
+        def failing(spans):
+            records = good(spans)
+            records[-1] = None  # python-lmdb refuses it after the others were written
+            return records
+
+        with pytest.raises(Exception):  # noqa: B017 - whichever error the bad value raises
+            store.put_blocks(NS, tokens, failing)
+        assert sorted(pointers(path), key=lambda p: p.offset) == before
+        check_match(store, store.lookup(NS, kept), kept)
+        save_big(store, tokens)
+        check_match(store, store.lookup(NS, tokens), tokens)
+        assert store.verify().clean
+
+
+def test_a_flipped_bit_in_the_file_is_a_corrupt_record_never_served(tmp_path):
+    path = tmp_path / "s"
+    tokens = prompt(5, 0)
+    with file_store(path) as store:
+        save_big(store, tokens)
+    victim = min(pointers(path), key=lambda p: p.offset)
+    flip_bit(str(path / FILE_NAME), victim.offset + victim.length // 2, 3)
+    with file_store(path) as store:
+        match = store.lookup(NS, tokens)
+        assert_read_stops_at_the_damage(store, match, tokens)
+        report = store.verify()
+        assert len(report.corrupt) == 1
+
+
+@pytest.mark.parametrize("damage", ["truncated", "missing", "replaced", "pointer"])
+def test_a_damaged_file_or_pointer_reads_as_damage_without_a_crash(tmp_path, damage):
+    path = tmp_path / "s"
+    tokens = prompt(6, 0)
+    with file_store(path) as store:
+        save_big(store, tokens)
+    file = path / FILE_NAME
+    if damage == "truncated":
+        os.truncate(file, ALIGN + 10)
+    elif damage == "missing":
+        file.unlink()
+    elif damage == "replaced":  # another file of that name: its salt differs
+        file.unlink()
+        with file_store(tmp_path / "other") as other:
+            save_big(other, prompt(6, 1))
+        os.link(tmp_path / "other" / FILE_NAME, file)
+    else:
+
+        def flip(txn):
+            for key, value in txn.cursor():
+                if Pointer.looks_like(value):
+                    txn.put(key, bytes(value[:-1]) + bytes([value[-1] ^ 1]))
+                    return
+
+        raw_lmdb(path, flip)
+    with open_(str(path)) as store:
+        assert_read_stops_at_the_damage(store, store.lookup(NS, tokens), tokens)
+        report = store.verify()
+        assert report.corrupt and not report.clean
+
+
+def test_a_damaged_space_record_never_lets_a_write_overwrite_a_value(tmp_path):
+    path = tmp_path / "s"
+    kept = prompt(7, 0)
+    with file_store(path) as store:
+        save_big(store, kept)
+        save_big(store, prompt(7, 1))
+        store.delete(NS)
+        save_big(store, kept)  # into the freed space: it is on the free list now
+
+    def damage(txn):
+        raw = bytearray(txn.get(SPACE_KEY))
+        raw[len(raw) // 2] ^= 0xFF
+        txn.put(SPACE_KEY, bytes(raw))
+
+    raw_lmdb(path, damage)
+    size = (path / FILE_NAME).stat().st_size
+    with file_store(path) as store:
+        fresh = prompt(7, 2)
+        save_big(store, fresh)  # "everything taken": appended
+        assert min(p.offset for p in pointers(path)) < size <= max(p.offset for p in pointers(path))
+        check_match(store, store.lookup(NS, kept), kept)
+        check_match(store, store.lookup(NS, fresh), fresh)
+
+
+def test_a_store_may_hold_values_of_both_kinds(tmp_path):
+    path = tmp_path / "s"
+    inline = prompt(8, 0)
+    with open_(str(path)) as store:
+        save_big(store, inline)
+    assert not (path / FILE_NAME).exists()
+    with file_store(path) as store:
+        in_file = prompt(8, 1)
+        save_big(store, in_file)
+        for tokens in (inline, in_file):
+            check_match(store, store.lookup(NS, tokens), tokens)
+    with open_(str(path)) as store:  # deletes free the file's space, whatever the option
+        store.delete(NS)
+        assert store.verify().clean
+    env = lmdb.open(str(path), readonly=True, lock=False)
+    with env.begin() as txn:
+        space = Space.decode(txn.get(SPACE_KEY))
+    env.close()
+    assert space is not None and sum(n for _, n, _ in space.free) == space.end - ALIGN
+
+
+def test_an_unknown_values_setting_is_refused(tmp_path):
+    with pytest.raises(StoreConfigError, match="values must be 'inline' or 'file'"):
+        open_store(f"lmdb://{tmp_path / 's'}", values="segments")
+
+
+def test_a_models_caches_restore_bit_for_bit_from_the_file(tmp_path):
+    model = model_for("tiny")
+    tokens = model_prompt(12, 70)
+    for values in ("file", "inline"):
+        url = f"lmdb://{tmp_path / values}"
+        with open_store(url, block_size=16, touch_interval=0, values=values) as store:
+            generate_tokens(model, tokens, store=store, max_tokens=1, chunk_size=CHUNK)
+            match = store.lookup(store_namespace(model), [*tokens, 1])
+            caches = store.restore(match, model.make_cache())
+        assert caches[0].offset == len(tokens)
+        assert_same_caches(caches, prefilled(model, tokens))
+    assert pointers(tmp_path / "file") and not (tmp_path / "inline" / FILE_NAME).exists()
+
+
+def store_namespace(model):
+    from kvstore.bridge.namespace import namespace_for_model
+
+    return namespace_for_model(model)
+
+
+def test_verify_fix_rebuilds_a_damaged_file_and_keeps_the_value_file(tmp_path, capsys):
+    # test_damage's branch-page damage, on a store whose records are all in the file.
+    path, model = tmp_path / "s", model_for("tiny")
+    url = f"lmdb://{path}"
+    with open_store(url, block_size=BLOCK, touch_interval=0, values="file") as store:
+        for seed in range(12):  # enough keys for a branch page
+            generate_tokens(model, model_prompt(100 + seed, 40), store=store, max_tokens=1)
+    assert len(pointers(path)) >= 12
+    _, pages = read_pages(str(path / "data.mdb"))
+    branch = next(p for p in pages if p.kind == "branch")
+    data = (path / "data.mdb").read_bytes()
+    lower = struct.unpack_from("<H", data, branch.offset + 12)[0]
+    last = struct.unpack_from("<H", data, branch.offset + lower - 2)[0]
+    flip_bit(str(path / "data.mdb"), branch.offset + last, 0)
+    status, out, _ = run_cli(capsys, "verify", str(path), "--fix")
+    assert status == 0 and "rebuilt the damaged file" in out, out
+    status, report = verify_json(capsys, str(path))
+    assert status == 0 and report["clean"], report
+    assert pointers(path)  # the records the damage spared, still in the linked file
+    tokens = model_prompt(100, 40)
+    with open_store(url, touch_interval=0) as store:
+        generate_tokens(model, tokens, store=store, max_tokens=1, chunk_size=CHUNK)
+        match = store.lookup(store_namespace(model), [*tokens, 1])
+        caches = store.restore(match, model.make_cache())
+    assert caches[0].offset == len(tokens)
+    assert_same_caches(caches, prefilled(model, tokens))
