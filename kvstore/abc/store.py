@@ -67,7 +67,7 @@ from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol, TypeVar
 
-from kvstore.errors import CapabilityError, ReadOnlyStoreError, StoreError
+from kvstore.errors import CapabilityError, ReadOnlyStoreError, StoreConfigError, StoreError
 
 __all__ = [
     "StoreSettings",
@@ -169,6 +169,28 @@ class Backend(ABC):
     def supports_pipelining(self) -> bool:
         """Reads are round trips to a server: batch them (``contains_many``, ``view_many``)."""
         return False
+
+    @property
+    def supports_value_file(self) -> bool:
+        """Large values can be written once into a file beside the index (a store's
+        ``values="file"`` setting: :meth:`write_values_to`)."""
+        return False
+
+    @property
+    def has_value_file(self) -> bool:
+        """A value file exists beside the index (some values may be in it)."""
+        return False
+
+    def write_values_to(self, where: str) -> None:
+        """Where this backend's writes put large values from now on: ``"inline"`` or
+        ``"file"`` (only where :attr:`supports_value_file`). Reads find either kind."""
+        if where != "inline":
+            raise StoreConfigError(
+                f"[open_store] values={where!r} needs a backend that keeps a value file "
+                f"(LMDB); {self.url} keeps every value inline. Omit values.",
+                setting="values",
+                found=where,
+            )
 
     @abstractmethod
     def reader(self) -> AbstractContextManager[ReadView]:
@@ -292,6 +314,11 @@ class StoreSettings:
     #: Blocks between the recurrent-state checkpoints a save keeps of a hybrid
     #: model's prompt (issue 16); 0 keeps only the ones its rules name.
     checkpoint_stride: int = 8
+    #: Where large values are written: ``"inline"`` (the engine's own pages) or
+    #: ``"file"`` (LMDB: once, into a file beside its index,
+    #: :mod:`kvstore.store.engines.lmdb_values`). Fixed at creation; a record written
+    #: before the setting existed is ``"inline"``.
+    values: str = "inline"
 
     def budget_for(self, namespace: str) -> int | None:
         """The byte budget of ``namespace``: its own, else the per-namespace default."""

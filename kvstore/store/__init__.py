@@ -119,7 +119,6 @@ BACKEND_OPTIONS: dict[str, dict[str, Callable[[Any], Any]]] = {
         "create": lambda v: parse_bool(v, "create"),
         "max_readers": lambda v: parse_int(v, "max_readers", 1),
         "sync": lambda v: parse_bool(v, "sync"),
-        "values": str,
     },
     "memory": {},
     **{scheme: REDIS_OPTIONS for scheme in REDIS_SCHEMES},

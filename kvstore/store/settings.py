@@ -53,6 +53,7 @@ from kvstore import __version__
 from kvstore.abc.store import StoreSettings
 from kvstore.errors import CorruptEntryError, FormatVersionError, StoreConfigError
 from kvstore.family import families
+from kvstore.knobs import choice_from_env
 from kvstore.layout import LayerLayout, is_layout_text, parse_layout
 from kvstore.signature import parse_signature
 
@@ -62,7 +63,10 @@ __all__ = [
     "FIXED_SETTINGS",
     "MUTABLE_SETTINGS",
     "SETTING_PARSERS",
+    "DEFAULT_FILE_VALUES",
+    "INLINE_META_FORMAT",
     "parse_block_size",
+    "parse_values",
     "parse_storage_policy",
     "parse_byte_size",
     "parse_optional_byte_size",
@@ -76,14 +80,26 @@ __all__ = [
     "damaged_meta",
 ]
 
-#: Version of the meta record (the ``kvstore/v1`` layout it describes is unchanged).
+#: Version of the meta record (the ``kvstore/v1`` layout it describes is unchanged):
+#: the newest this kvstore reads and writes.
 #:
 #: .. versionchanged:: 0.1 meta format 2 frames the record with a checksum (issue 18);
 #:    format 1 (a bare msgpack map) is still read.
-META_FORMAT = 2
+#: .. versionchanged:: 0.1 meta format 3 is a store whose large values may be in a
+#:    value file (``values="file"``), which a reader of format 2 cannot find: such a
+#:    reader refuses the store as newer. A store with ``values="inline"`` is still
+#:    written as format 2, so older kvstores open it.
+META_FORMAT = 3
+#: The format of a store that keeps every value inline.
+INLINE_META_FORMAT = 2
 
 
-FIXED_SETTINGS = ("block_size", "storage_policy")
+FIXED_SETTINGS = ("block_size", "storage_policy", "values")
+
+#: ``values`` of a new store whose backend can keep a value file (LMDB):
+#: ``KVSTORE_LMDB_VALUES`` (``file`` or ``inline``), else ``file``: a durable save writes
+#: each large value once, in place of deleted ones (README "Durability").
+DEFAULT_FILE_VALUES = choice_from_env("KVSTORE_LMDB_VALUES", ("file", "inline"), "file")
 MUTABLE_SETTINGS = ("max_bytes", "namespace_max_bytes", "checkpoint_stride")
 
 
@@ -211,19 +227,30 @@ def parse_seconds(value: object, name: str = "seconds") -> float:
     return f
 
 
+def parse_values(value: object) -> str:
+    """Where a store writes its large values: ``"inline"`` or ``"file"``."""
+    if value not in ("inline", "file"):
+        raise _config_error("values", "'inline' or 'file'", value)
+    return str(value)
+
+
 SETTING_PARSERS: dict[str, Callable[[object], Any]] = {
     "block_size": parse_block_size,
     "storage_policy": parse_storage_policy,
     "max_bytes": parse_optional_byte_size("max_bytes"),
     "namespace_max_bytes": parse_optional_byte_size("namespace_max_bytes"),
     "checkpoint_stride": lambda v: parse_int(v, "checkpoint_stride", 0, 1 << 20),
+    "values": parse_values,
 }
 
 
 def resolve_settings(
-    stored: StoreSettings | None, explicit: Mapping[str, object]
+    stored: StoreSettings | None,
+    explicit: Mapping[str, object],
+    created: Mapping[str, object] | None = None,
 ) -> tuple[StoreSettings, bool]:
-    """Settings after ``defaults < stored < explicit``, and whether the meta record changes.
+    """Settings after ``defaults < stored < explicit``, and whether the meta record changes;
+    a store created now takes ``created`` over the defaults (what its backend makes best).
 
     Raises:
         StoreConfigError: an explicit fixed setting differs from the stored one; the
@@ -231,7 +258,7 @@ def resolve_settings(
     """
     parsed = {name: SETTING_PARSERS[name](value) for name, value in explicit.items()}
     if stored is None:
-        return replace(StoreSettings(), **parsed), True
+        return replace(StoreSettings(), **{**(created or {}), **parsed}), True
     for name in FIXED_SETTINGS:
         if name in parsed and parsed[name] != getattr(stored, name):
             raise StoreConfigError(
@@ -261,17 +288,21 @@ def encode_meta(settings: StoreSettings, created: float | None = None) -> bytes:
     body["namespace_budgets"] = dict(settings.namespace_budgets)
     if settings.checkpoint_stride == StoreSettings.checkpoint_stride:
         del body["checkpoint_stride"]  # older readers refuse fields they do not know
+    version = META_FORMAT
+    if settings.values == "inline":
+        del body["values"]
+        version = INLINE_META_FORMAT  # what older kvstores read
     packed = msgpack.packb(
         {
-            "format": META_FORMAT,
+            "format": version,
             "writer": f"kvstore {__version__}",
             "created": time.time() if created is None else created,
             "settings": body,
         }
     )
-    fixed = _META_PREFIX.pack(_META_MAGIC, META_FORMAT, 0, len(packed), 0)[:_META_FIXED]
+    fixed = _META_PREFIX.pack(_META_MAGIC, version, 0, len(packed), 0)[:_META_FIXED]
     checksum = xxhash.xxh3_64_intdigest(fixed + packed)
-    return _META_PREFIX.pack(_META_MAGIC, META_FORMAT, 0, len(packed), checksum) + packed
+    return _META_PREFIX.pack(_META_MAGIC, version, 0, len(packed), checksum) + packed
 
 
 _META_FIELDS = {"format", "writer", "created", "settings"}
@@ -348,7 +379,7 @@ def _framed_body(data: bytes, url: str) -> dict[str, Any]:
             found=version,
             supported=tuple(range(1, META_FORMAT + 1)),
         )
-    if version != META_FORMAT or flags or length > _META_BODY_BYTES:
+    if version < INLINE_META_FORMAT or flags or length > _META_BODY_BYTES:
         raise damaged_meta(url, f"format {version}, flags {flags:#x}")
     meta = _unpack(data[_META_PREFIX.size :], url)
     if meta.get("format") != version:

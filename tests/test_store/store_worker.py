@@ -46,12 +46,12 @@ def say(*words: object) -> None:
 def writer(path: str, seed: int, filler: str, pump: str = "0", values: str = "inline") -> None:
     """Save prompts forever, acknowledging each once put_blocks returned (for the SIGKILL test).
     With ``pump`` "1", every commit has its writeback started early, however small
-    (:mod:`kvstore.store.engines.writeback`); with ``values`` "file", every record of
-    4 KiB or more goes to the value file (:mod:`kvstore.store.engines.lmdb_values`)."""
+    (:mod:`kvstore.store.engines.writeback`); with ``values`` "file" (the store's setting),
+    every record of 4 KiB or more goes to the value file
+    (:mod:`kvstore.store.engines.lmdb_values`)."""
     if pump == "1":
         writeback.MIN_BYTES = 0
-    if values == "file":
-        lmdb_values.VALUE_MIN = 4096
+    lmdb_values.VALUE_MIN = 4096  # where the store's values setting is "file"
     store = open_(path, map_size=1 << 20, values=values)
     say("READY")
     for i in range(10**9):
@@ -108,9 +108,10 @@ def grow(path: str, megabytes: str) -> None:
     store.close()
 
 
-def fill(path: str) -> None:
-    """Save until the (small) filesystem is full; then check the store is intact."""
-    store = open_(path, map_size=1 << 30)
+def fill(path: str, values: str) -> None:
+    """Save until the (small) filesystem is full; then check the store is intact (its
+    1 MiB records in LMDB's pages, or in the value file)."""
+    store = open_(path, map_size=1 << 30, values=values)
     acked = []
     try:
         for i in range(10_000):

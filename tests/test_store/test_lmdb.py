@@ -89,7 +89,8 @@ def test_a_read_views_errors_are_ours_and_its_gate_is_released(tmp_path, raised,
 
 
 def test_the_map_grows_as_needed(tmp_path):
-    store = open_(tmp_path / "s", map_size=1 << 20)
+    # Values in LMDB's pages (a value file would take the 3 MiB records instead).
+    store = open_(tmp_path / "s", map_size=1 << 20, values="inline")
     tokens = list(range(64))
     save(store, tokens, filler=3 << 20)  # 4 blocks of 3 MiB into a 1 MiB map
     assert store.backend.stats()["map_size"] > 12 << 20
@@ -98,7 +99,7 @@ def test_the_map_grows_as_needed(tmp_path):
 
 
 def test_a_full_map_raises_and_leaves_the_store_intact(tmp_path):
-    store = open_(tmp_path / "s", map_size=1 << 20, max_map_size=8 << 20)
+    store = open_(tmp_path / "s", map_size=1 << 20, max_map_size=8 << 20, values="inline")
     kept = prompt(1, 0)
     save(store, kept, filler=100_000)
     before = store.stats()
@@ -124,7 +125,8 @@ def test_a_map_grown_by_another_process_is_adopted(tmp_path):
     store.close()
 
 
-def test_a_full_disk_raises_store_full_and_leaves_the_store_intact(tmp_path):
+@pytest.mark.parametrize("values", ["inline", "file"])
+def test_a_full_disk_raises_store_full_and_leaves_the_store_intact(tmp_path, values):
     # A 12 MiB tmpfs in a private mount namespace (no root needed where user
     # namespaces are enabled); the worker saves until the disk is full.
     if shutil.which("unshare") is None:
@@ -136,7 +138,7 @@ def test_a_full_disk_raises_store_full_and_leaves_the_store_intact(tmp_path):
     mnt.mkdir()
     script = (
         f"mount -t tmpfs -o size=12m tmpfs {mnt} && exec {sys.executable} "
-        f"-m tests.test_store.store_worker fill {mnt}/store"
+        f"-m tests.test_store.store_worker fill {mnt}/store {values}"
     )
     out = subprocess.run(
         ["unshare", "-rm", "sh", "-c", script],

@@ -17,7 +17,7 @@ from kvstore.errors import (
 )
 from kvstore.store import keys as K
 from kvstore.store import open_backend, open_store
-from kvstore.store.settings import StoreSettings, parse_byte_size
+from kvstore.store.settings import META_FORMAT, StoreSettings, parse_byte_size
 from kvstore.testing.store import encoder_for, verify_record
 
 
@@ -32,7 +32,7 @@ def test_url_forms(tmp_path, monkeypatch):
         (str(tmp_path / "e"), tmp_path / "e"),
     ]:
         with open_store(url) as store:
-            assert store.settings == StoreSettings()
+            assert store.settings == StoreSettings(values="file")  # a new LMDB store
         assert (where / "data.mdb").is_file(), url
 
 
@@ -136,11 +136,11 @@ def test_meta_from_a_newer_writer_is_a_format_error(tmp_path):
     open_store(url).close()
     body = _body(url)
     raw = open_backend(url)
-    raw.put_many([(key, _framed(body, version=3)) for key in K.META_KEYS])
+    raw.put_many([(key, _framed(body, version=META_FORMAT + 1)) for key in K.META_KEYS])
     raw.close()
     with pytest.raises(FormatVersionError, match="newer than this reader") as info:
         open_store(url)
-    assert info.value.found == 3
+    assert info.value.found == META_FORMAT + 1
 
 
 def test_a_format_1_meta_record_still_opens_and_is_upgraded(tmp_path):

@@ -18,8 +18,10 @@ import lmdb
 import pytest
 
 from kvstore.bridge import generate_tokens
-from kvstore.errors import StoreConfigError
+from kvstore.errors import FormatVersionError, StoreConfigError
+from kvstore.store import keys as K
 from kvstore.store import open_store
+from kvstore.store import settings as settings_module
 from kvstore.store.engines import lmdb_values
 from kvstore.store.engines.lmdb_values import (
     ALIGN,
@@ -35,7 +37,7 @@ from kvstore.testing.store import check_match, check_views, encoder_for
 
 from .kv_helpers import BLOCK, CHUNK, assert_same_caches, model_for, prefilled
 from .kv_helpers import prompt as model_prompt
-from .store_worker import NS, open_, prompt, save
+from .store_worker import NS, open_, prompt
 from .test_damage import run_cli, verify_json
 
 #: Records of the synthetic prompts below: ~9 KiB each, over the lowered threshold.
@@ -291,19 +293,60 @@ def test_a_damaged_space_record_never_lets_a_write_overwrite_a_value(tmp_path):
         check_match(store, store.lookup(NS, fresh), fresh)
 
 
+def meta_format(path: Path) -> int:
+    """The format of the store's settings record (kvstore.store.settings)."""
+    env = lmdb.open(str(path), readonly=True, lock=False)
+    try:
+        with env.begin() as txn:
+            raw = txn.get(K.META_KEYS[0])
+    finally:
+        env.close()
+    return struct.unpack_from("<H", raw, 4)[0]
+
+
+def test_a_new_store_keeps_its_large_values_in_the_file_as_format_3(tmp_path):
+    path = tmp_path / "s"
+    with open_(str(path)) as store:
+        assert store.settings.values == "file"
+        save_big(store, prompt(8, 2))
+    assert pointers(path) and meta_format(path) == 3
+
+
+def test_a_store_created_inline_stays_inline_and_format_2(tmp_path):
+    path = tmp_path / "s"
+    with open_(str(path), values="inline") as store:
+        save_big(store, prompt(8, 0))
+    with pytest.raises(StoreConfigError, match="values was fixed when the store was created"):
+        open_(str(path), values="file")
+    with open_(str(path)) as store:  # the stored setting, not the default for new stores
+        assert store.settings.values == "inline"
+        save_big(store, prompt(8, 1))
+    assert not (path / FILE_NAME).exists() and meta_format(path) == 2
+
+
+def test_a_reader_of_format_2_refuses_a_value_file_store_as_newer(tmp_path, monkeypatch):
+    path = tmp_path / "s"
+    with open_(str(path)) as store:
+        save_big(store, prompt(8, 3))
+    monkeypatch.setattr(settings_module, "META_FORMAT", 2)  # what kvstores before it read
+    with pytest.raises(FormatVersionError, match="store format 3, newer than this reader"):
+        open_(str(path))
+
+
 def test_a_store_may_hold_values_of_both_kinds(tmp_path):
     path = tmp_path / "s"
-    inline = prompt(8, 0)
-    with open_(str(path)) as store:
+    inline, in_file = prompt(8, 0), prompt(8, 1)
+    with open_(str(path), values="inline") as store:
         save_big(store, inline)
-    assert not (path / FILE_NAME).exists()
-    with file_store(path) as store:
-        in_file = prompt(8, 1)
+        store._backend.write_values_to("file")  # as a store recovered from its blocks does
         save_big(store, in_file)
         for tokens in (inline, in_file):
             check_match(store, store.lookup(NS, tokens), tokens)
-    with open_(str(path)) as store:  # deletes free the file's space, whatever the option
-        store.delete(NS)
+    with open_(str(path)) as store:  # the file is there: its values may be in it
+        assert store.settings.values == "file"
+        for tokens in (inline, in_file):
+            check_match(store, store.lookup(NS, tokens), tokens)
+        store.delete(NS)  # frees the file's space
         assert store.verify().clean
     env = lmdb.open(str(path), readonly=True, lock=False)
     with env.begin() as txn:
@@ -315,6 +358,8 @@ def test_a_store_may_hold_values_of_both_kinds(tmp_path):
 def test_an_unknown_values_setting_is_refused(tmp_path):
     with pytest.raises(StoreConfigError, match="values must be 'inline' or 'file'"):
         open_store(f"lmdb://{tmp_path / 's'}", values="segments")
+    with pytest.raises(StoreConfigError, match="values='file' needs a backend that keeps"):
+        open_store("memory://", values="file")
 
 
 def test_a_models_caches_restore_bit_for_bit_from_the_file(tmp_path):

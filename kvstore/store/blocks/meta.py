@@ -28,7 +28,13 @@ from kvstore.abc.store import Backend, ReadView, StoreSettings, WriteView
 from kvstore.errors import CorruptEntryError, StoreConfigError
 from kvstore.store import keys as K
 from kvstore.store.blocks.index import iter_entries
-from kvstore.store.settings import damaged_meta, decode_meta, encode_meta, resolve_settings
+from kvstore.store.settings import (
+    DEFAULT_FILE_VALUES,
+    damaged_meta,
+    decode_meta,
+    encode_meta,
+    resolve_settings,
+)
 
 __all__ = [
     "StoredSettings",
@@ -119,10 +125,13 @@ def open_settings(
     recover: bool = False,
     clock: Callable[[], float] = time.time,
 ) -> StoreSettings:
-    """The settings of the store in ``backend``, creating, updating or repairing its record.
+    """The settings of the store in ``backend``, creating, updating or repairing its record,
+    and the backend told where its large values go (``values``).
 
     ``clock`` stamps a record created now (the store's clock, so a store built
-    with a fixed clock is the same bytes every time).
+    with a fixed clock is the same bytes every time). A store created now on a backend
+    that can keep a value file takes :data:`~kvstore.store.settings.DEFAULT_FILE_VALUES`
+    unless ``explicit`` says otherwise.
 
     Raises:
         StoreConfigError: a read-only open of an empty location, a location holding
@@ -130,6 +139,7 @@ def open_settings(
         CorruptEntryError: the record is damaged (both copies), unless ``recover``.
         FormatVersionError: a meta record of a newer kvstore.
     """
+    created = {"values": DEFAULT_FILE_VALUES} if backend.supports_value_file else {}
     with backend.reader() as view:
         stored = read_settings(view, backend.url, recover=recover)
     if stored is None and not backend.supports_writes:
@@ -137,23 +147,37 @@ def open_settings(
         raise StoreConfigError(
             f"[open_store] {backend.url} is empty: no store to open read-only.", url=backend.url
         )
-    settings, changed = resolve_settings(None if stored is None else stored.settings, explicit)
+    settings, changed = resolve_settings(
+        None if stored is None else stored.settings, explicit, created
+    )
     # A damaged copy is rewritten now, except where verify is to report and repair it.
     mend = stored is not None and bool(stored.problems) and not recover
     if (changed or mend) and backend.supports_writes:
-        settings = backend.transact(lambda txn: _write_meta(backend, txn, explicit, clock))
-    return settings
+        settings = backend.transact(lambda txn: _write_meta(backend, txn, explicit, clock, created))
+    where = settings.values
+    if where == "inline" and backend.has_value_file:
+        where = "file"  # settings rebuilt from the blocks (recover): the file says so
+    elif where == "file" and not backend.supports_value_file and "values" not in explicit:
+        where = "inline"  # keys copied from a store that kept one: none is here
+    backend.write_values_to(where)  # refuses an explicit "file" it cannot keep
+    return replace(settings, values=where) if where != settings.values else settings
 
 
 def _write_meta(
-    backend: Backend, txn: WriteView, explicit: dict[str, Any], clock: Callable[[], float]
+    backend: Backend,
+    txn: WriteView,
+    explicit: dict[str, Any],
+    clock: Callable[[], float],
+    created: dict[str, Any] | None,
 ) -> StoreSettings:
     # Re-read inside the transaction: another process may have created the
     # store (or changed a budget) since we looked.
     stored = read_settings(txn, backend.url)
     if stored is None:
         _refuse_foreign(backend)  # consistent: we hold the write lock, nothing else commits
-    settings, changed = resolve_settings(None if stored is None else stored.settings, explicit)
+    settings, changed = resolve_settings(
+        None if stored is None else stored.settings, explicit, created
+    )
     if changed or stored is None or stored.problems:
         _put(txn, settings, clock() if stored is None else stored.created)
     return settings

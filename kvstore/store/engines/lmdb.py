@@ -35,12 +35,11 @@ from kvstore.errors import (
     StoreFullError,
     StoreUnavailableError,
 )
-from kvstore.knobs import choice_from_env
+from kvstore.store.engines import lmdb_values as _values
 from kvstore.store.engines import writeback as _writeback
 from kvstore.store.engines.boundary import Translation, raise_translated, translate_errors
 from kvstore.store.engines.lmdb_file import check_file, meta_damage
 from kvstore.store.engines.lmdb_guard import DAMAGED, NodeGuard, address_of, view_at
-from kvstore.store.engines import lmdb_values as _values
 from kvstore.store.engines.lmdb_values import (
     POINTER_BYTES,
     SPACE_KEY,
@@ -120,9 +119,6 @@ LMDB_ERRORS: dict[type[BaseException], Translation] = {
 }
 
 _MiB = 1 << 20
-#: Where a store's large values go unless ``open_store(values=...)`` says:
-#: ``KVSTORE_LMDB_VALUES`` (``inline``: LMDB's pages; ``file``: :mod:`.lmdb_values`).
-VALUES = choice_from_env("KVSTORE_LMDB_VALUES", ("inline", "file"), "inline")
 # LMDB errors about one value's pages: that value is damaged, the rest still reads.
 _UNREADABLE = (lmdb.PageNotFoundError, lmdb.CorruptedError)
 
@@ -319,6 +315,7 @@ class _LMDBView:
         "_to_file",
         "_file",
         "_space",
+        "_claimed",
         "_reuse",
     )
 
@@ -337,6 +334,8 @@ class _LMDBView:
         self._file = self._to_file or (write and shared.values.exists())
         #: The value file's space as this transaction changes it (read at first use).
         self._space: Space | None = None
+        #: The file's end as committed (bytes past it are claimed by nothing).
+        self._claimed = 0
         self._reuse: Callable[[int], bool] | None = None
 
     def _cur(self) -> lmdb.Cursor:
@@ -457,7 +456,7 @@ class _LMDBView:
         if cursor.set_key(key):
             if if_absent:
                 return False
-            self._release(cursor.value())
+            self._release(cursor)
         if self._to_file:
             nbytes = memoryview(value).nbytes
             if nbytes >= _values.VALUE_MIN:
@@ -470,13 +469,18 @@ class _LMDBView:
             cursor = self._cur()
             if not cursor.set_key(key):
                 return False
-            self._release(cursor.value())
+            self._release(cursor)
         return self._txn.delete(key)
 
     # -- the value file (write views) ------------------------------------------------------
-    def _release(self, old: Any) -> None:
-        """Free the space of a pointer this transaction replaces or deletes."""
-        if len(old) != POINTER_BYTES or not Pointer.looks_like(old):
+    def _release(self, cursor: lmdb.Cursor) -> None:
+        """Free the space of the pointer under ``cursor``, which this transaction replaces
+        or deletes. Only a value inside its node can be one (40 bytes): any other is left
+        untouched (python-lmdb reads a whole value, and a damaged size would fault)."""
+        if self._guard.inline_size(cursor.key()) != POINTER_BYTES:
+            return
+        old = cursor.value()
+        if not Pointer.looks_like(old):
             return
         pointer = Pointer.decode(old)
         if pointer is not None:  # a damaged pointer's space stays taken
@@ -488,7 +492,10 @@ class _LMDBView:
             space = Space.decode(raw) if raw is not None else None
             if space is None:  # none yet, or damaged: everything in the file is taken
                 space = Space(self._shared.values.size())
-            self._space = space
+            self._space, self._claimed = space, space.end
+            # What a killed or failed writer appended past the end: nothing claims it,
+            # and on a full disk LMDB's own file may need the room.
+            self._shared.values.truncate(space.end)
         return self._space
 
     def _reusable(self) -> Callable[[int], bool]:
@@ -499,6 +506,13 @@ class _LMDBView:
             oldest = oldest_reader(self._shared.env.readers())
             self._reuse = lambda freed: freed < current and (oldest is None or oldest >= freed)
         return self._reuse
+
+    def abandon(self) -> None:
+        """The transaction will not commit: give back the room it appended to the file
+        (LMDB's writer lock is still held: no other writer claims it meanwhile)."""
+        self._shared.values.dirty = False
+        if self._space is not None:
+            self._shared.values.truncate(self._claimed)
 
     def before_commit(self) -> None:
         """The value file's part of the commit: its values synced, its space recorded."""
@@ -568,10 +582,6 @@ class LMDBBackend(Backend):
         max_readers: concurrent read transactions across all processes.
         sync: fsync every commit (durable); ``False`` trades durability after a
             power loss (not a process crash) for commit latency.
-        values: where values of at least 1 MiB are written: ``"inline"``, LMDB's pages,
-            or ``"file"``, once into a file beside them, in place of values deleted
-            before (:mod:`~kvstore.store.engines.lmdb_values`); default
-            ``KVSTORE_LMDB_VALUES`` or ``"inline"``. Either way every value reads back.
     """
 
     def __init__(
@@ -584,17 +594,12 @@ class LMDBBackend(Backend):
         create: bool = True,
         max_readers: int = 126,
         sync: bool = True,
-        values: str | None = None,
         url: str | None = None,
     ) -> None:
         self.path = Path(path).expanduser()
-        self._values = VALUES if values is None else values
-        if self._values not in ("inline", "file"):
-            raise StoreConfigError(
-                f"[open_store] values must be 'inline' or 'file'; received {values!r}.",
-                setting="values",
-                supported=["inline", "file"],
-            )
+        #: Where writes put large values (the store's ``values`` setting says:
+        #: :meth:`write_values_to`); until then LMDB's pages.
+        self._values = "inline"
         self.url = url or f"lmdb://{self.path.resolve()}"
         self._readonly = readonly
         self._max_map_size = max_map_size
@@ -695,6 +700,25 @@ class LMDBBackend(Backend):
     def supports_writes(self) -> bool:
         return not self._readonly
 
+    @property
+    def supports_value_file(self) -> bool:
+        return True
+
+    @property
+    def has_value_file(self) -> bool:
+        return self._shared is not None and self._shared.values.exists()
+
+    def write_values_to(self, where: str) -> None:
+        """Values of at least :data:`~kvstore.store.engines.lmdb_values.VALUE_MIN` bytes
+        go to ``<store>/values.kv`` (``"file"``) or LMDB's pages (``"inline"``)."""
+        if where not in ("inline", "file"):
+            raise StoreConfigError(
+                f"[open_store] values must be 'inline' or 'file'; received {where!r}.",
+                setting="values",
+                found=where,
+            )
+        self._values = where
+
     @contextmanager
     def _begin(self, operation: str, write: bool) -> Iterator[lmdb.Transaction]:
         """A transaction under the gate, adopting a map another process grew."""
@@ -738,21 +762,24 @@ class LMDBBackend(Backend):
         while True:
             with self._begin("write", write=True) as txn:
                 with translate_errors(LMDB_ERRORS, "write", self.url):
+                    view = _LMDBView(
+                        txn,
+                        self._shared,  # type: ignore[arg-type]
+                        write=True,
+                        to_file=self._values == "file",
+                    )
                     try:
-                        view = _LMDBView(
-                            txn,
-                            self._shared,  # type: ignore[arg-type]
-                            write=True,
-                            to_file=self._values == "file",
-                        )
                         result = fn(view)
                         view.before_commit()
                         self._commit(txn, size_hint)
                         return result
                     except lmdb.MapFullError:
-                        pass  # the transaction is void: grow the map, run fn again
-                    except lmdb.Error as exc:
-                        self._raise_if_disk_full(exc, size_hint)
+                        view.abandon()
+                        # the transaction is void: grow the map, run fn again
+                    except BaseException as exc:
+                        view.abandon()
+                        if isinstance(exc, lmdb.Error):
+                            self._raise_if_disk_full(exc, size_hint)
                         raise
             self._grow(size_hint)
 

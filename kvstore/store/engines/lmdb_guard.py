@@ -119,6 +119,19 @@ class NodeGuard:
             return address_of(key) % self.psize + size <= self.psize
         return True
 
+    def inline_size(self, key: Any) -> int | None:
+        """The size of the value held inside the node whose key view is ``key``; ``None``
+        for a value in overflow pages, or a node that cannot be read safely (its value
+        is then never touched: a damaged size could fault past the file)."""
+        ksize = len(key)
+        if not 0 < ksize <= MAX_KEY:
+            return None
+        lo, hi, flags, node_ksize = _NODE.unpack(_EIGHT.from_address(address_of(key) - _NODE.size))
+        if node_ksize != ksize or flags:
+            return None
+        size = lo | hi << 16
+        return size if _NODE.size + ksize + size <= self.nodemax else None
+
     def value_span(self, key: Any, end: int, *, mapped: bool) -> tuple[int, int] | None:
         """Where the value of the node whose key view is ``key`` lies, checked as the
         module says: ``(offset, size)``, ``offset`` the value's first byte from the map's

@@ -35,18 +35,21 @@ store may hold both kinds of value.
 
 from __future__ import annotations
 
+import errno
 import mmap
 import os
 import secrets
 import struct
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import xxhash
 
+from kvstore.errors import StoreError, StoreFullError
 from kvstore.store.engines import writeback as _writeback
 from kvstore.store.engines.lmdb_guard import DAMAGED
 
@@ -248,12 +251,19 @@ class ValueFile:
 
     # -- writing, inside a write transaction ----------------------------------------------
     def write(self, offset: int, value: Any) -> Pointer:
-        """``value`` written at ``offset`` (its writeback started); its pointer."""
-        fd, salt = self._writer()
-        view = memoryview(value).cast("B")
-        written = 0
-        while written < view.nbytes:
-            written += os.pwrite(fd, view[written:], offset + written)
+        """``value`` written at ``offset`` (its writeback started); its pointer.
+
+        Raises:
+            StoreFullError: the disk is full (the transaction is then aborted: nothing
+                it wrote is claimed).
+            StoreError: the file could not be written.
+        """
+        with self._failing("write"):
+            fd, salt = self._writer()
+            view = memoryview(value).cast("B")
+            written = 0
+            while written < view.nbytes:
+                written += os.pwrite(fd, view[written:], offset + written)
         if self._sync:
             _writeback.start(fd, offset, view.nbytes)
         self.dirty = True
@@ -262,8 +272,38 @@ class ValueFile:
     def before_commit(self) -> None:
         """Sync what the transaction wrote: its pointers may then commit."""
         if self.dirty and self._sync and self._write_fd is not None:
-            os.fdatasync(self._write_fd)
+            with self._failing("sync"):
+                os.fdatasync(self._write_fd)
         self.dirty = False
+
+    @contextmanager
+    def _failing(self, what: str) -> Iterator[None]:
+        """An ``OSError`` of the file as ours: a full disk is :class:`StoreFullError`."""
+        try:
+            yield
+        except OSError as exc:
+            if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+                raise StoreFullError(
+                    f"[write] The disk holding {self.path} is full ({exc}); nothing was "
+                    f"written. Free space, or set a byte budget (max_bytes) below the free "
+                    f"space.",
+                    path=str(self.path),
+                ) from exc
+            raise StoreError(
+                f"[write] Could not {what} the value file {self.path} ({exc}); nothing was "
+                f"written. Check the disk and the file's permissions.",
+                path=str(self.path),
+            ) from exc
+
+    def truncate(self, end: int) -> None:
+        """Cut the file back to ``end`` bytes where it is longer (what a failed or killed
+        writer appended past the space claimed: no pointer reaches it). Called under
+        LMDB's writer lock; readers never map past what their pointers claim."""
+        if self.size() <= end or not self.exists():
+            return
+        with self._failing("truncate"):
+            fd, _ = self._writer()
+            os.ftruncate(fd, end)
 
     def size(self) -> int:
         """Bytes of the file now (0: none)."""
