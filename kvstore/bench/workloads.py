@@ -15,7 +15,6 @@ limit (``numpy.copyto`` into an already-touched buffer of the same size).
 from __future__ import annotations
 
 import mmap
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +26,7 @@ from mlx.utils import tree_flatten
 
 from kvstore.bench.harness import Case
 from kvstore.family import windowed_family
+from kvstore.files import fsync_path
 from kvstore.signature import parse_signature
 
 __all__ = [
@@ -256,15 +256,6 @@ def with_first_step(case: Case, kv: SyntheticKV) -> Case:
     return Case(f"{case.name} + step", case.role, run, reset=case.reset)
 
 
-def sync_file(path: Path) -> None:
-    """``fsync`` the file at ``path``: what a committed store write pays beyond the write."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def mlx_lm_save_case(
     caches: list[Any], path: Path, *, durable: bool = False, name: str | None = None
 ) -> Case:
@@ -275,7 +266,7 @@ def mlx_lm_save_case(
     def save() -> None:
         save_prompt_cache(str(path), caches)
         if durable:
-            sync_file(path)
+            fsync_path(path)  # what a committed store write pays beyond the write
 
     label = name or ("mlx-lm save+fsync" if durable else "mlx-lm save")
     return Case(label, "peer", save, reset=lambda: path.unlink(missing_ok=True))

@@ -36,7 +36,7 @@ from kvstore.bench.figures import gpu_common as G
 from kvstore.bench.figures.common import MIB
 from kvstore.bench.harness import BenchContext, Case, Figure, Ratio, at_least, at_most
 from kvstore.bench.results import FigureResult
-from kvstore.bench.workloads import sync_file
+from kvstore.files import fsync_path
 
 __all__ = ["G3"]
 
@@ -93,7 +93,7 @@ def _peer_case(setup: G.GpuSetup, path: Any, save_prompt_cache: Any, synced: boo
     def peer() -> None:
         save_prompt_cache(str(path), state["caches"])
         if synced:
-            sync_file(path)
+            fsync_path(path)
 
     def fresh() -> None:
         path.unlink(missing_ok=True)

@@ -50,6 +50,7 @@ from typing import Any
 import xxhash
 
 from kvstore.errors import StoreError, StoreFullError
+from kvstore.files import fsync_path
 from kvstore.store.engines import writeback as _writeback
 from kvstore.store.engines.lmdb_guard import DAMAGED
 
@@ -321,8 +322,8 @@ class ValueFile:
                 salt = secrets.randbits(63) or 1
                 os.pwrite(fd, _HEADER.pack(_FILE_MAGIC, salt).ljust(ALIGN, b"\0"), 0)
                 os.fsync(fd)
-                if created:
-                    _fsync_directory(self.path.parent)
+                if created:  # its name on disk before any pointer to it commits
+                    fsync_path(self.path.parent)
             self._write_fd, self._salt = fd, salt
         assert self._salt is not None
         return self._write_fd, self._salt
@@ -348,12 +349,3 @@ def _salt_of(fd: int) -> int | None:
         return None
     magic, salt = _HEADER.unpack(head)
     return salt if magic == _FILE_MAGIC and salt else None
-
-
-def _fsync_directory(directory: Path) -> None:
-    """A new file's name on disk before any pointer to it commits."""
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
