@@ -4,8 +4,9 @@ LMDB's ``put`` copies a value into pages it allocates for the transaction, and i
 commit writes those pages into the file: a durable save of a 2 GiB KV cache on an H100
 host spent 322 ms in the puts before its commit's 686 ms of writing could start, where
 the same bytes written into a file of their own, over the space the last save's values
-took, took 675 ms in all (``tools/bench/results/gpu/7edfb6b-h100/``). A store opened
-with ``values="file"`` writes each value of at least :data:`VALUE_MIN` bytes into
+took, took 675 ms in all (``tools/bench/results/gpu/7edfb6b-h100/``). A store whose
+``values`` setting is ``"file"`` (a new LMDB store's default) writes each value of at
+least :data:`VALUE_MIN` bytes into
 ``<store>/values.kv`` instead -- one ``pwrite`` straight from the caller's buffer, its
 writeback started at once, so the disk writes while the save is still encoding the
 next records -- and puts a :data:`POINTER_BYTES`-byte :class:`Pointer` under its key in
@@ -16,7 +17,9 @@ store may hold both kinds of value.
   LMDB value (:data:`SPACE_KEY`, checksummed), read and written inside the write
   transaction that puts or deletes the pointers: LMDB's writer lock orders every
   process's allocations, and an aborted transaction (or a process killed in one) takes
-  its allocations and frees back with it.
+  its allocations and frees back with it; what it appended past the claimed end is cut
+  off by the next writer (or by itself, where it fails rather than dies), so a full
+  disk gets its room back.
 * **In place, never under a reader**: a value's extent is freed by the transaction
   that deletes (or replaces) its pointer, tagged with that transaction's id. A later
   writer reuses it only once every read transaction open in any process (LMDB's
@@ -247,8 +250,19 @@ class ValueFile:
                 size = os.fstat(self._read_fd).st_size
                 if size < end:
                     return DAMAGED  # truncated: mapping past the end would fault
+                self._unmap_unused()
                 self._maps.append(mmap.mmap(self._read_fd, size, prot=mmap.PROT_READ))
             return memoryview(self._maps[-1])[pointer.offset : end]
+
+    def _unmap_unused(self) -> None:
+        """Close the mappings no view holds any more (a growing file maps anew)."""
+        kept = []
+        for m in self._maps:
+            try:
+                m.close()
+            except BufferError:  # a view of it is alive
+                kept.append(m)
+        self._maps = kept
 
     # -- writing, inside a write transaction ----------------------------------------------
     def write(self, offset: int, value: Any) -> Pointer:
