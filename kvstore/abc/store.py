@@ -273,6 +273,11 @@ class Backend(ABC):
         """
         return ()
 
+    def mend(self) -> None:
+        """Repair what :meth:`check` found that a transaction can (``verify`` with
+        ``repair``); nothing where there is nothing of the engine's own to repair."""
+        return None
+
     def set_ttl(self, keys: Sequence[bytes], seconds: float) -> None:
         """Let ``keys`` expire after ``seconds``."""
         self.require("supports_ttl", "set_ttl")

@@ -408,3 +408,50 @@ def test_verify_fix_rebuilds_a_damaged_file_and_keeps_the_value_file(tmp_path, c
         caches = store.restore(match, model.make_cache())
     assert caches[0].offset == len(tokens)
     assert_same_caches(caches, prefilled(model, tokens))
+
+
+def test_space_marked_free_under_a_value_is_found_and_mended(tmp_path):
+    # A space record with a valid checksum that frees a live value's pages (a buggy
+    # writer): verify reports it as the engine's damage, repair rewrites the space from
+    # the live values, and the next saves write elsewhere.
+    path = tmp_path / "s"
+    kept = prompt(10, 0)
+    with file_store(path) as store:
+        save_big(store, kept)
+    victim = min(pointers(path), key=lambda p: p.offset)
+
+    def free_it(txn):
+        space = Space.decode(txn.get(SPACE_KEY))
+        space.release(victim.offset, victim.length, freed_by=1)
+        txn.put(SPACE_KEY, space.encode())
+
+    raw_lmdb(path, free_it)
+    with file_store(path) as store:
+        report = store.verify()
+        assert any("overlaps" in p for p in report.engine), report.engine
+        assert store.verify(repair=True).repaired and store.verify().clean
+        for seed in range(1, 4):
+            save_big(store, prompt(10, seed))
+        check_match(store, store.lookup(NS, kept), kept)
+
+
+def test_a_damaged_pointer_repaired_leaves_no_space_behind(tmp_path):
+    path = tmp_path / "s"
+    with file_store(path) as store:
+        save_big(store, prompt(11, 0))
+
+    def flip(txn):
+        for key, value in txn.cursor():
+            if Pointer.looks_like(value):
+                txn.put(key, bytes(value[:-1]) + bytes([value[-1] ^ 1]))
+                return
+
+    raw_lmdb(path, flip)
+    with file_store(path) as store:
+        assert not store.verify().clean
+        store.verify(repair=True)  # the damaged block goes; its pages stayed taken
+        assert store.verify().clean  # ... and the engine's repair freed them
+        size = (path / FILE_NAME).stat().st_size
+        save_big(store, prompt(11, 0))
+        assert (path / FILE_NAME).stat().st_size == size  # into the freed pages
+        check_match(store, store.lookup(NS, prompt(11, 0)), prompt(11, 0))

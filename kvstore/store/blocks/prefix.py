@@ -642,6 +642,8 @@ class BlockPrefixStore(CacheMethods, PrefixStore):
                 meta.repair_settings(txn, self.url, self._settings)
 
             self._transact(fix)
+            if report.engine:
+                self._backend.mend()
             self._counters.add(corruptions=len(report.corrupt))
             report = replace(report, repaired=True)
         return report

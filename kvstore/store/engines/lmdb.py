@@ -47,6 +47,8 @@ from kvstore.store.engines.lmdb_values import (
     Space,
     ValueFile,
     oldest_reader,
+    space_of,
+    space_problems,
 )
 from kvstore.store.keys import prefix_successor
 
@@ -507,6 +509,29 @@ class _LMDBView:
             self._reuse = lambda freed: freed < current and (oldest is None or oldest >= freed)
         return self._reuse
 
+    @property
+    def txn_id(self) -> int:
+        return int(self._txn.id())
+
+    def value_file_space(self) -> tuple[list[Pointer], Space | None]:
+        """Every live value's pointer in the file (a damaged pointer is the record's
+        damage, found by reading it), and the space record as stored."""
+        live = []
+        cursor = self._txn.cursor()
+        for key in cursor.iternext(keys=True, values=False):
+            if self._guard.inline_size(cursor.key()) != POINTER_BYTES or key == SPACE_KEY:
+                continue
+            raw = cursor.value()
+            pointer = Pointer.decode(raw) if Pointer.looks_like(raw) else None
+            if pointer is not None:
+                live.append(pointer)
+        stored = self._txn.get(SPACE_KEY)
+        return live, Space.decode(stored) if stored is not None else None
+
+    def rewrite_space(self, space: Space) -> None:
+        """Replace the space record (:meth:`LMDBBackend.mend`)."""
+        self._space, self._claimed = space, space.end
+
     def abandon(self) -> None:
         """The transaction will not commit: give back the room it appended to the file
         (LMDB's writer lock is still held: no other writer claims it meanwhile)."""
@@ -859,10 +884,30 @@ class LMDBBackend(Backend):
 
     def check(self) -> tuple[str, ...]:
         """Damage in ``data.mdb``'s B-trees, free list or meta pages, read without LMDB
-        (:func:`~kvstore.store.engines.lmdb_file.check_file`); ``kvstore verify --fix``
-        rebuilds a damaged file."""
+        (:func:`~kvstore.store.engines.lmdb_file.check_file`; ``kvstore verify --fix``
+        rebuilds a damaged file), and the value file's space disagreeing with its live
+        values (:func:`~kvstore.store.engines.lmdb_values.space_problems`; :meth:`mend`
+        rewrites it)."""
         with translate_errors(LMDB_ERRORS, "verify", self.url):
-            return tuple(check_file(self.path).problems)
+            problems = tuple(check_file(self.path).problems)
+        if problems or not self.has_value_file:
+            return problems
+        with self.reader() as view:
+            live, space = view.value_file_space()  # type: ignore[attr-defined]
+        found = space_problems(live, space, self._shared.values.size())  # type: ignore[union-attr]
+        return tuple(f"value file: {p}" for p in found)
+
+    def mend(self) -> None:
+        """Rewrite the value file's space from its live values (what :meth:`check`
+        found wrong there: never again free under a value, leaked pages free again)."""
+        if not self.has_value_file:
+            return
+
+        def rewrite(view: Any) -> None:  # this backend's own view
+            live, _ = view.value_file_space()
+            view.rewrite_space(space_of(live, view.txn_id))
+
+        self.transact(rewrite)
 
     def close(self) -> None:
         shared, self._shared = getattr(self, "_shared", None), None

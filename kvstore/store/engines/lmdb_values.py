@@ -58,6 +58,8 @@ from kvstore.store.engines import writeback as _writeback
 from kvstore.store.engines.lmdb_guard import DAMAGED
 
 __all__ = [
+    "space_of",
+    "space_problems",
     "ALIGN",
     "FILE_NAME",
     "POINTER_BYTES",
@@ -189,6 +191,44 @@ class Space:
             nxt = extents.pop(i)
             size, freed_by = size + nxt[1], max(nxt[2], freed_by)
         extents.insert(i, (offset, size, freed_by))
+
+
+def space_problems(live: list[Pointer], space: Space | None, file_size: int) -> list[str]:
+    """How the file's space disagrees with the ``live`` pointers: every page from the
+    header to the end belongs to exactly one live value or one free extent. Space
+    marked free under a live value (a later write would overwrite it) or shared by two
+    values is damage; pages neither holds are leaked (from a damaged pointer deleted,
+    or a damaged space record); a value past the end or the file is damage."""
+    problems: list[str] = []
+    end = space.end if space is not None else _pages(file_size)
+    if space is None and live:
+        problems.append("the value file's space record is missing or damaged")
+    owned = sorted((p.offset, _pages(p.length), "a value") for p in live)
+    free = [(o, n, "free space") for o, n, _ in (space.free if space is not None else [])]
+    edge, last = ALIGN, None
+    for offset, size, what in sorted(owned + free):
+        if offset + size > end or (what == "a value" and offset + size > _pages(file_size)):
+            problems.append(f"{what} at byte {offset} runs past the value file's end")
+        if offset < edge and last is not None:
+            problems.append(f"{what} at byte {offset} overlaps {last} (space shared)")
+        elif offset > edge:
+            problems.append(f"{offset - edge} bytes at byte {edge} held by no value (leaked)")
+        edge, last = max(edge, offset + size), what
+    if edge < end:
+        problems.append(f"{end - edge} bytes at byte {edge} held by no value (leaked)")
+    return problems
+
+
+def space_of(live: list[Pointer], freed_by: int) -> Space:
+    """The space ``live`` values leave: the gaps between them free (freed by
+    transaction ``freed_by``: no reader older than it reuses them), the end after the
+    last one. What a repair writes where :func:`space_problems` found any."""
+    space = Space()
+    for pointer in sorted(live, key=lambda p: p.offset):
+        if pointer.offset > space.end:
+            space.release(space.end, pointer.offset - space.end, freed_by)
+        space.end = max(space.end, pointer.offset + _pages(pointer.length))
+    return space
 
 
 def oldest_reader(readers_table: str) -> int | None:
