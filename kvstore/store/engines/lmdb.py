@@ -285,6 +285,7 @@ class _SharedEnv:
         refuses a second environment of one path in a process)."""
         if self._open.get(self.key) is self:
             del self._open[self.key]
+        self.values.close()  # this process's descriptors and mappings of the value file
         self.env.close()  # a no-op once closed
 
     @classmethod
