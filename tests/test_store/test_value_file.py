@@ -455,3 +455,34 @@ def test_a_damaged_pointer_repaired_leaves_no_space_behind(tmp_path):
         save_big(store, prompt(11, 0))
         assert (path / FILE_NAME).stat().st_size == size  # into the freed pages
         check_match(store, store.lookup(NS, prompt(11, 0)), prompt(11, 0))
+
+
+def test_stats_name_the_value_file_s_bytes(tmp_path, capsys):
+    path = tmp_path / "s"
+    with file_store(path) as store:
+        save_big(store, prompt(12, 0))
+        engine = store.stats().backend
+    assert engine["value_file_bytes"] == (path / FILE_NAME).stat().st_size > ALIGN
+    status, out, _ = run_cli(capsys, "stats", str(path))
+    assert status == 0 and "value file size" in out
+
+
+def test_a_reader_drops_the_mappings_no_view_holds_as_the_file_grows(tmp_path):
+    path = tmp_path / "s"
+    with file_store(path) as store:
+        values = store._backend._shared.values
+        first = prompt(13, 0)
+        save_big(store, first)
+        with store.read(store.lookup(NS, first).blocks) as views:
+            assert views and len(values._maps) == 1
+            held = values._maps[0]
+            for seed in range(1, 4):  # the file grows past the mapping while a view holds it
+                tokens = prompt(13, seed)
+                save_big(store, tokens)
+                check_match(store, store.lookup(NS, tokens), tokens)
+            assert held in values._maps and not held.closed  # its views still read
+            check_views(views, store.lookup(NS, first), first)
+        more = prompt(13, 9)
+        save_big(store, more)
+        check_match(store, store.lookup(NS, more), more)
+        assert held not in values._maps and len(values._maps) == 1
