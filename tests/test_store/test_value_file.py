@@ -75,6 +75,24 @@ def pointers(path: Path) -> list[Pointer]:
     return found  # type: ignore[return-value]
 
 
+def raw_value(path: Path, key: bytes) -> bytes | None:
+    """``key``'s value as LMDB holds it (read with python-lmdb directly)."""
+    env = lmdb.open(str(path), readonly=True, lock=False)
+    try:
+        with env.begin() as txn:
+            return txn.get(key)
+    finally:
+        env.close()
+
+
+def flip_a_pointer(txn) -> None:
+    """Flip the last bit of the first pointer LMDB holds (for :func:`raw_lmdb`)."""
+    for key, value in txn.cursor():
+        if Pointer.looks_like(value):
+            txn.put(key, bytes(value[:-1]) + bytes([value[-1] ^ 1]))
+            return
+
+
 def raw_lmdb(path: Path, change) -> None:
     env = lmdb.open(str(path), subdir=True)
     try:
@@ -255,14 +273,7 @@ def test_a_damaged_file_or_pointer_reads_as_damage_without_a_crash(tmp_path, dam
             save_big(other, prompt(6, 1))
         os.link(tmp_path / "other" / FILE_NAME, file)
     else:
-
-        def flip(txn):
-            for key, value in txn.cursor():
-                if Pointer.looks_like(value):
-                    txn.put(key, bytes(value[:-1]) + bytes([value[-1] ^ 1]))
-                    return
-
-        raw_lmdb(path, flip)
+        raw_lmdb(path, flip_a_pointer)
     with open_(str(path)) as store:
         assert_read_stops_at_the_damage(store, store.lookup(NS, tokens), tokens)
         report = store.verify()
@@ -295,13 +306,7 @@ def test_a_damaged_space_record_never_lets_a_write_overwrite_a_value(tmp_path):
 
 def meta_format(path: Path) -> int:
     """The format of the store's settings record (kvstore.store.settings)."""
-    env = lmdb.open(str(path), readonly=True, lock=False)
-    try:
-        with env.begin() as txn:
-            raw = txn.get(K.META_KEYS[0])
-    finally:
-        env.close()
-    return struct.unpack_from("<H", raw, 4)[0]
+    return struct.unpack_from("<H", raw_value(path, K.META_KEYS[0]), 4)[0]
 
 
 def test_a_new_store_keeps_its_large_values_in_the_file_as_format_3(tmp_path):
@@ -348,10 +353,7 @@ def test_a_store_may_hold_values_of_both_kinds(tmp_path):
             check_match(store, store.lookup(NS, tokens), tokens)
         store.delete(NS)  # frees the file's space
         assert store.verify().clean
-    env = lmdb.open(str(path), readonly=True, lock=False)
-    with env.begin() as txn:
-        space = Space.decode(txn.get(SPACE_KEY))
-    env.close()
+    space = Space.decode(raw_value(path, SPACE_KEY))
     assert space is not None and sum(n for _, n, _ in space.free) == space.end - ALIGN
 
 
@@ -440,13 +442,7 @@ def test_a_damaged_pointer_repaired_leaves_no_space_behind(tmp_path):
     with file_store(path) as store:
         save_big(store, prompt(11, 0))
 
-    def flip(txn):
-        for key, value in txn.cursor():
-            if Pointer.looks_like(value):
-                txn.put(key, bytes(value[:-1]) + bytes([value[-1] ^ 1]))
-                return
-
-    raw_lmdb(path, flip)
+    raw_lmdb(path, flip_a_pointer)
     with file_store(path) as store:
         assert not store.verify().clean
         store.verify(repair=True)  # the damaged block goes; its pages stayed taken

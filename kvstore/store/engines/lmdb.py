@@ -387,7 +387,7 @@ class _LMDBView:
     def _resolved(self, cursor: lmdb.Cursor) -> Buffer:
         """The value under the cursor, a pointer's from the value file."""
         value = self._value(cursor)
-        if len(value) == POINTER_BYTES and Pointer.looks_like(value):
+        if Pointer.looks_like(value):  # its length first: one compare for any other value
             return self._shared.values.view(value)
         return value
 
@@ -519,8 +519,8 @@ class _LMDBView:
         damage, found by reading it), and the space record as stored."""
         live = []
         cursor = self._txn.cursor()
-        for key in cursor.iternext(keys=True, values=False):
-            if self._guard.inline_size(cursor.key()) != POINTER_BYTES or key == SPACE_KEY:
+        for _ in cursor.iternext(keys=True, values=False):
+            if self._guard.inline_size(cursor.key()) != POINTER_BYTES:
                 continue
             raw = cursor.value()
             pointer = Pointer.decode(raw) if Pointer.looks_like(raw) else None

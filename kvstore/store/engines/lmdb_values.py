@@ -58,8 +58,6 @@ from kvstore.store.engines import writeback as _writeback
 from kvstore.store.engines.lmdb_guard import DAMAGED
 
 __all__ = [
-    "space_of",
-    "space_problems",
     "ALIGN",
     "FILE_NAME",
     "POINTER_BYTES",
@@ -69,6 +67,9 @@ __all__ = [
     "VALUE_MIN",
     "ValueFile",
     "oldest_reader",
+    "reader_slots",
+    "space_of",
+    "space_problems",
 ]
 
 #: Values at least this long go to the file (smaller ones stay in LMDB's pages).
@@ -231,17 +232,22 @@ def space_of(live: list[Pointer], freed_by: int) -> Space:
     return space
 
 
-def oldest_reader(readers_table: str) -> int | None:
-    """The oldest snapshot any open read transaction holds, from LMDB's reader table
-    (``Environment.readers()``: a header, then ``pid thread txnid`` per slot, ``-``
-    for a slot with no transaction); ``None`` where none is open."""
-    oldest = None
+def reader_slots(readers_table: str) -> list[tuple[int, int | None]]:
+    """``(pid, snapshot)`` of each slot in LMDB's reader table (``Environment.readers()``:
+    a header, then ``pid thread txnid`` per slot, ``-`` for a slot with no transaction
+    open: ``None``)."""
+    slots = []
     for line in readers_table.splitlines()[1:]:
         fields = line.split()
-        if len(fields) == 3 and fields[2].isdigit():
-            txn = int(fields[2])
-            oldest = txn if oldest is None else min(oldest, txn)
-    return oldest
+        if len(fields) == 3 and fields[0].isdigit():
+            slots.append((int(fields[0]), int(fields[2]) if fields[2].isdigit() else None))
+    return slots
+
+
+def oldest_reader(readers_table: str) -> int | None:
+    """The oldest snapshot any open read transaction holds (:func:`reader_slots`);
+    ``None`` where none is open."""
+    return min((txn for _, txn in reader_slots(readers_table) if txn is not None), default=None)
 
 
 class ValueFile:
@@ -388,12 +394,8 @@ class ValueFile:
                 if fd is not None:
                     os.close(fd)
             self._read_fd = self._write_fd = None
-            for m in self._maps:
-                try:
-                    m.close()
-                except BufferError:
-                    pass  # a view outlives the store: its mapping goes with it
-            self._maps.clear()
+            self._unmap_unused()
+            self._maps.clear()  # a view outlives the store: its mapping goes with it
 
 
 def _salt_of(fd: int) -> int | None:

@@ -29,6 +29,7 @@ import lmdb
 from kvstore.errors import CapabilityError, StoreError
 from kvstore.store.engines.lmdb_file import salvage
 from kvstore.store.engines.lmdb_values import FILE_NAME as VALUE_FILE
+from kvstore.store.engines.lmdb_values import reader_slots
 from kvstore.store.maintenance.migrate.swap import exchange_paths
 
 __all__ = ["Rebuilt", "rebuild_lmdb"]
@@ -48,11 +49,7 @@ class Rebuilt:
 def _other_readers(env: lmdb.Environment) -> list[int]:
     """Pids in the reader table other than this process (dead ones cleared first)."""
     env.reader_check()
-    pids = set()
-    for line in env.readers().splitlines()[1:]:
-        fields = line.split()
-        if fields and fields[0].isdigit():
-            pids.add(int(fields[0]))
+    pids = {pid for pid, _ in reader_slots(env.readers())}
     pids.discard(os.getpid())
     return sorted(pids)
 
