@@ -1,9 +1,10 @@
 """What a durable write of N MiB costs on this machine's disk, four ways.
 
 P2 and G3 compare a durable save with mlx-lm's unsynced ``save_prompt_cache``
-(a write into the page cache). This probe says what the disk allows: the same
-bytes written into the page cache and fsynced (appending to a file, and
-overwriting one already allocated, which is what LMDB does with freed pages),
+(a write into the page cache, the second row). This probe says what the disk
+allows: the same bytes written into the page cache and fsynced (appending to a
+file, and overwriting one already allocated, which is what LMDB does with freed
+pages, and what a store's value file does value by value),
 written into space reserved beforehand with ``posix_fallocate`` (allocated
 blocks not yet written: what a store could do ahead of its next save), and
 written with ``O_DIRECT`` from page-aligned memory (no page-cache copy) then
@@ -133,6 +134,33 @@ def probe(directory: str, nbytes: int, repeats: int) -> None:
 
         return reserve, run
 
+    def filled() -> None:
+        # Untimed: the file holds the bytes already, on disk (the value file's space, reused).
+        if os.path.getsize(path) < nbytes:
+            with opened(0) as fd:
+                os.pwrite(fd, view, 0)
+                os.fdatasync(fd)
+
+    def overwrite_streamed(chunk: int) -> Callable[[], None]:
+        # What a store's value file does: each value written in place, its writeback
+        # started at once, one fdatasync before the commit.
+        def run() -> None:
+            with opened(0) as fd:
+                for off in range(0, nbytes, chunk):
+                    os.pwrite(fd, view[off : off + chunk], off)
+                    _start_writeback(fd, off, min(chunk, nbytes - off))
+                os.fdatasync(fd)
+
+        return run
+
+    def emptied() -> None:
+        os.truncate(path, 0)
+
+    def unsynced() -> None:
+        # What mlx-lm's save_prompt_cache does: a new file's bytes into the page cache.
+        with opened(os.O_APPEND) as fd:
+            os.write(fd, view)
+
     def memcpy() -> None:
         fresh = bytearray(nbytes)
         fresh[:] = view
@@ -141,10 +169,12 @@ def probe(directory: str, nbytes: int, repeats: int) -> None:
     reserve_streamed, into_reserved_streamed = reserved(32 << 20)
     cases: list[tuple[str, Callable[[], None], Callable[[], None] | None]] = [
         ("memcpy into fresh memory", memcpy, None),
+        ("page cache, new file, not synced", unsynced, emptied),
         ("page cache, append + fdatasync", append, None),
         ("page cache, overwrite + fdatasync", overwrite, None),
         ("page cache, append, writeback per 8 MiB", streamed(8 << 20), None),
         ("page cache, append, writeback per 32 MiB", streamed(32 << 20), None),
+        ("overwrite in place, writeback per 32 MiB", overwrite_streamed(32 << 20), filled),
         ("reserved (fallocate), write + fdatasync", into_reserved, reserve),
         ("reserved, writeback per 32 MiB", into_reserved_streamed, reserve_streamed),
         ("O_DIRECT, append + fdatasync", direct(True), None),
