@@ -1,8 +1,11 @@
 """``kvstore migrate SRC [DST] --to SIGNATURE``: re-encode a store's records into
 another family (``kv:plain`` -> ``kv:quant:8:64`` halves a store), or
-``--format-version N`` into another record format.
+``--format-version N`` into another record format; with neither, copy every record
+as it is (checked) into a store of today's layout (an LMDB store written before large
+values went to a file beside it moves to that layout: ``--in-place`` does it in place).
 
-SRC is only read; DST gets the same keys, prompts and settings. Lossy
+SRC is only read; DST gets the same keys, prompts and settings (where its large values
+live is DST's own: a new LMDB store keeps them in its value file). Lossy
 conversions are named before anything is written and their measured error
 (relative MSE of K and V) is reported per layer at the end. An interrupted
 migration resumes when run again with the same arguments. ``--in-place``
@@ -31,7 +34,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p = command_parser(
         sub,
         "migrate",
-        "re-encode a store into another family (or record format)",
+        "re-encode a store into another family (or record format), or copy it into today's layout",
         __doc__,
         store=False,
     )
@@ -249,4 +252,4 @@ def _what(plan: MigrationPlan) -> str:
         parts.append(f"layers {plan.layers.spec} to {plan.to}")
     if plan.format_version is not None:
         parts.append(f"records in format {plan.format_version}")
-    return "; ".join(parts)
+    return "; ".join(parts) or "nothing: records copied as they are (checked)"

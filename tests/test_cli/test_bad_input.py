@@ -147,7 +147,6 @@ def test_other_bad_options(make_store, tmp_path, capsys):
         (["migrate", path, dst, "--to", "kv:quant:8:64", "--layers", "3-1"], "--layers takes"),
         (["migrate", path, dst, "--to", "kv:quant:8:64", "--layers", "5"], "hold 2 layers"),
         (["migrate", path, dst, "--format-version", "2"], "known record formats: 1"),
-        (["migrate", path, dst], "Nothing to do"),
         (["migrate", path, path, "--to", "kv:quant:8:64"], "same store"),
         (["migrate", "memory://m", "--in-place", "--to", "kv:quant:8:64"], "cannot be swapped"),
         (["inspect", path, "zz-not-a-key"], "is not a block key"),

@@ -117,11 +117,9 @@ class Inputs:
 
 
 def _parse_inputs(to: str | None, layers: str | None, format_version: int | None) -> Inputs:
-    if to is None and format_version is None:
-        raise StoreConfigError(
-            "[migrate] Nothing to do: give --to SIGNATURE (a family to re-encode into) "
-            "and/or --format-version N (a record-format upgrade).",
-        )
+    # Neither ``to`` nor ``format_version``: every record is copied as it is (checked),
+    # into a store of today's layout (an LMDB store written before the value file moves
+    # to it so).
     if layers is not None and to is None:
         raise StoreConfigError(
             f"[migrate] --layers {layers} selects layers to convert with --to; give --to too.",

@@ -121,7 +121,9 @@ def migrate(
             layers go to its windowed counterpart); ``None`` keeps families.
         layers: ``"all"`` (default), ``"global"``, ``"sliding"`` or ``"0-3,7"``.
         format_version: re-encode every record in this record format (only
-            the current one, 1, exists).
+            the current one, 1, exists). With neither ``to`` nor this, every
+            record is copied as it is (checked): ``dst`` is ``src`` in the layout
+            a new store of its backend has (an LMDB store's value file).
         dry_run: plan, read every record header, estimate; write nothing.
         overwrite: replace a non-empty ``dst`` (or another migration's journal).
         in_place: migrate an LMDB store into ``<src>.migrate-tmp`` and swap
