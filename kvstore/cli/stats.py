@@ -13,6 +13,7 @@ import argparse
 from kvstore.abc.store import MissReason
 from kvstore.cli.options import add_json, command_parser
 from kvstore.cli.output import human_bytes, print_fields, print_json, print_table
+from kvstore.store.engines import lmdb_values
 from kvstore.store.maintenance.inventory import open_existing
 
 ACTIVITY_NOTE = (
@@ -32,6 +33,7 @@ def run(args: argparse.Namespace) -> int:
     with open_existing(args.url, operation="stats") as store:
         stats = store.stats(by_family=True)
         settings = store.settings
+        keeps_files = store.backend.supports_value_file
     families = dict(sorted((stats.by_family or {}).items(), key=lambda kv: -kv[1]))
     # Recurrent checkpoints (hybrid models, issue 16), counted apart; shown when there are any.
     checkpoints = (
@@ -77,6 +79,7 @@ def run(args: argparse.Namespace) -> int:
             ("budget", human_bytes(stats.max_bytes) if stats.max_bytes else "none"),
             ("block size", f"{settings.block_size} tokens"),
             ("storage policy", settings.storage_policy),
+            *([("large values", _where_values(settings.values, args.url))] if keeps_files else []),
             *(
                 (name, human_bytes(engine[key]))
                 for name, key in (
@@ -111,3 +114,15 @@ def run(args: argparse.Namespace) -> int:
     print()
     print(f"activity: {ACTIVITY_NOTE}")
     return 0
+
+
+def _where_values(values: str, url: str) -> str:
+    """Where a store that can keep a value file keeps its large values, and, for one
+    written before the file, how to move them there."""
+    least = human_bytes(lmdb_values.VALUE_MIN)
+    if values == "file":
+        return f"{least} or more: in {lmdb_values.FILE_NAME} beside LMDB"
+    return (
+        f"in LMDB's pages (this store's layout; `kvstore migrate {url} --in-place` moves "
+        f"values of {least} or more to {lmdb_values.FILE_NAME})"
+    )

@@ -100,6 +100,21 @@ def test_an_old_store_restores_bit_for_bit_and_verifies_clean(old_store):
         assert store.verify().clean
 
 
+def test_stats_say_where_its_large_values_are_and_how_to_move_them(old_store, capsys):
+    def where() -> str:
+        assert main(["stats", str(old_store)]) == 0
+        out = capsys.readouterr().out.splitlines()
+        return next(x for x in out if x.startswith("large values")).split(None, 2)[2]
+
+    assert where() == (
+        f"in LMDB's pages (this store's layout; `kvstore migrate {old_store} --in-place` "
+        "moves values of 4.0 KiB or more to values.kv)"
+    )
+    assert main(["migrate", str(old_store), "--in-place", "--no-progress"]) == 0
+    capsys.readouterr()
+    assert where() == "4.0 KiB or more: in values.kv beside LMDB"
+
+
 def test_saves_into_an_old_store_keep_its_layout(old_store):
     before = raw_values(old_store)
     new = list(range(3000, 3000 + 2 * BLOCK_SIZE))
