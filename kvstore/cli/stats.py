@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import argparse
 
-from kvstore.abc.store import MissReason
+from kvstore.abc.store import MissReason, PrefixStore
 from kvstore.cli.options import add_json, command_parser
 from kvstore.cli.output import human_bytes, print_fields, print_json, print_table
+from kvstore.errors import CapabilityError
 from kvstore.store.engines import lmdb_values
 from kvstore.store.maintenance.inventory import open_existing
 
@@ -33,7 +34,7 @@ def run(args: argparse.Namespace) -> int:
     with open_existing(args.url, operation="stats") as store:
         stats = store.stats(by_family=True)
         settings = store.settings
-        keeps_files = store.backend.supports_value_file
+        keeps_files = _keeps_value_file(store)
     families = dict(sorted((stats.by_family or {}).items(), key=lambda kv: -kv[1]))
     # Recurrent checkpoints (hybrid models, issue 16), counted apart; shown when there are any.
     checkpoints = (
@@ -114,6 +115,15 @@ def run(args: argparse.Namespace) -> int:
     print()
     print(f"activity: {ACTIVITY_NOTE}")
     return 0
+
+
+def _keeps_value_file(store: PrefixStore) -> bool:
+    """Whether the store's backend can keep a value file (a tiered store has no one
+    backend: its tiers' own stats say)."""
+    try:
+        return store.backend.supports_value_file
+    except CapabilityError:
+        return False
 
 
 def _where_values(values: str, url: str) -> str:

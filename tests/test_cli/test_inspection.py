@@ -81,6 +81,16 @@ def test_stats_reports_bytes_by_family_and_namespace_and_no_invented_activity(ma
     assert main(["stats", str(path)]) == 0
     text = capsys.readouterr().out
     assert "storage policy  lossless" in text and "misses by reason: cold" in text
+    assert "large values    1.0 MiB or more: in values.kv beside LMDB" in text
+
+
+def test_stats_of_stores_without_one_backend_or_value_file(capsys):
+    # A tiered store has no single backend, a memory store no value file: no "large
+    # values" line, and stats of either still work.
+    for url in ("tiered://?tiers=memory://a,memory://b", "memory://m"):
+        assert main(["stats", url]) == 0
+        text = capsys.readouterr().out
+        assert text.startswith(f"store           {url}") and "large values" not in text
 
 
 def test_inspect_key_shows_header_layers_and_verified_checksum(make_store, capsys):
