@@ -10,10 +10,12 @@ from .bench_tools import run_bench_tool
 
 WAYS = [
     "memcpy into fresh memory",
+    "page cache, new file, not synced",
     "page cache, append + fdatasync",
     "page cache, overwrite + fdatasync",
     "page cache, append, writeback per 8 MiB",
     "page cache, append, writeback per 32 MiB",
+    "overwrite in place, writeback per 32 MiB",
     "reserved (fallocate), write + fdatasync",
     "reserved, writeback per 32 MiB",
     "O_DIRECT, append + fdatasync",
