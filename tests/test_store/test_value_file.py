@@ -378,6 +378,30 @@ def test_a_models_caches_restore_bit_for_bit_from_the_file(tmp_path):
     assert pointers(tmp_path / "file") and not (tmp_path / "inline" / FILE_NAME).exists()
 
 
+def test_migrate_in_place_gives_a_files_freed_space_back(tmp_path, capsys):
+    # The file keeps its high-water size as values come and go; a migration copies the
+    # live records into a new store, whose file holds them alone.
+    model = model_for("tiny")
+    kept, dropped = model_prompt(12, 70), model_prompt(13, 70)
+    path = tmp_path / "s"
+    with open_store(f"lmdb://{path}", block_size=16, touch_interval=0) as store:
+        store.save(store_namespace(model), kept, prefilled(model, kept))
+        store.save("dropped", dropped, prefilled(model, dropped))
+        store.delete("dropped")
+    high = (path / FILE_NAME).stat().st_size
+    live = sum(p.length for p in pointers(path))
+    assert high > 1.5 * live  # half of it free, kept
+    status, out, err = run_cli(capsys, "migrate", str(path), "--in-place", "--no-progress")
+    assert status == 0, err
+    assert (path / FILE_NAME).stat().st_size < high and sum(
+        p.length for p in pointers(path)
+    ) == live
+    with open_store(f"lmdb://{path}", touch_interval=0) as store:
+        caches = store.restore(store.lookup(store_namespace(model), [*kept, 1]), model.make_cache())
+        assert store.verify().clean
+    assert_same_caches(caches, prefilled(model, kept))
+
+
 def store_namespace(model):
     from kvstore.bridge.namespace import namespace_for_model
 
