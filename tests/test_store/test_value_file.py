@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import os
 import struct
+import subprocess
+import sys
 from pathlib import Path
 
 import lmdb
@@ -31,6 +33,7 @@ from kvstore.store.engines.lmdb_values import (
     Pointer,
     Space,
     oldest_reader,
+    reader_slots,
 )
 from kvstore.testing.lmdb_pages import flip_bit, read_pages
 from kvstore.testing.store import check_match, check_views, encoder_for
@@ -216,6 +219,43 @@ def test_space_a_reader_may_still_see_is_never_written(tmp_path):
         store.delete(NS)
         save_big(store, new)
         assert (path / FILE_NAME).stat().st_size == grown
+        check_match(store, store.lookup(NS, new), new)
+
+
+def test_a_reader_killed_inside_its_snapshot_does_not_pin_the_space_forever(tmp_path):
+    # A process SIGKILLed inside a read transaction leaves its slot in LMDB's reader
+    # table. A long-running writer (the store open all along) clears such slots before
+    # it asks which freed space it may write, or the file would grow at every save.
+    path = tmp_path / "s"
+    with file_store(path) as store:
+        old = prompt(4, 0)
+        save_big(store, old)
+        size = (path / FILE_NAME).stat().st_size
+        reader = subprocess.Popen(
+            [
+                sys.executable,
+                "-c",
+                "import lmdb, sys, time\n"
+                "env = lmdb.open(sys.argv[1], readonly=True, max_dbs=0)\n"
+                "txn = env.begin()\n"
+                "print('reading', flush=True)\n"
+                "time.sleep(60)\n",
+                str(path),
+            ],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        with reader:
+            try:
+                assert reader.stdout is not None and reader.stdout.readline() == "reading\n"
+                slots = reader_slots(store._backend._shared.env.readers())
+                assert reader.pid in {pid for pid, _ in slots}
+            finally:
+                reader.kill()
+        store.delete(NS)
+        new = [t + 1 for t in old]
+        save_big(store, new)  # the dead reader's snapshot no longer counts
+        assert (path / FILE_NAME).stat().st_size == size
         check_match(store, store.lookup(NS, new), new)
 
 

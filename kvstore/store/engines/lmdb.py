@@ -506,6 +506,9 @@ class _LMDBView:
         this one, and every open read transaction (any process's) began after it."""
         if self._reuse is None:  # once a transaction: the reader table is read, not locked
             current = self._txn.id()
+            # Slots of processes that died inside a read transaction first (a store open
+            # for days would otherwise never reuse what they pinned: the file would grow).
+            self._shared.env.reader_check()
             oldest = oldest_reader(self._shared.env.readers())
             self._reuse = lambda freed: freed < current and (oldest is None or oldest >= freed)
         return self._reuse
