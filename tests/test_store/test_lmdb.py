@@ -5,6 +5,8 @@ from __future__ import annotations
 import shutil
 import subprocess
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import lmdb
@@ -13,6 +15,7 @@ import pytest
 from kvstore.errors import KVStoreError, StoreError, StoreFullError, StoreUnavailableError
 from kvstore.store.engines.boundary import translate_errors
 from kvstore.store.engines.lmdb import LMDB_ERRORS
+from kvstore.store.engines.lmdb_values import reader_slots
 from kvstore.testing.store import check_match
 
 from .store_worker import NS, open_, prompt, save
@@ -292,3 +295,48 @@ def test_a_store_the_parent_opened_refuses_a_forked_child_which_opens_its_own(tm
     with backend.reader() as view:  # the parent's store is as it was, the child's write in
         assert bytes(view.get(b"parent")) == b"1" and bytes(view.get(b"child")) == b"2"
     backend.close()
+
+
+@contextmanager
+def killed_reader(store, path: Path) -> Iterator[None]:
+    """A process inside a read transaction of the store at ``path`` for the block, then
+    SIGKILLed: its slot stays in LMDB's reader table, holding its snapshot."""
+    script = (
+        "import lmdb, sys, time\n"
+        "env = lmdb.open(sys.argv[1], readonly=True, max_dbs=0)\n"
+        "txn = env.begin()\n"
+        "print('reading', flush=True)\n"
+        "time.sleep(60)\n"
+    )
+    with subprocess.Popen(
+        [sys.executable, "-c", script, str(path)], stdout=subprocess.PIPE, text=True
+    ) as reader:
+        try:
+            assert reader.stdout is not None and reader.stdout.readline() == "reading\n"
+            slots = reader_slots(store.backend._shared.env.readers())
+            assert reader.pid in {pid for pid, _ in slots}
+            yield
+        finally:
+            reader.kill()
+
+
+def test_pages_a_reader_killed_inside_its_snapshot_pinned_are_reused(tmp_path):
+    # LMDB reuses a page freed after the oldest open snapshot only; a SIGKILLed reader's
+    # slot would pin it until the store is next opened. A writer clears such slots.
+    path = tmp_path / "s"
+    with open_(str(path), values="inline") as store:
+        prompts = [prompt(5, i) for i in range(3)]
+        for tokens in prompts:
+            save(store, tokens, filler=16384)
+        with killed_reader(store, path):
+            pass
+        sizes = []
+        for round_ in range(1, 9):
+            store.delete(NS)
+            for tokens in prompts:
+                save(store, [t + round_ for t in tokens], filler=16384)
+            sizes.append((path / "data.mdb").stat().st_size)
+        assert sizes[-1] == sizes[len(sizes) // 2], sizes  # no longer growing (it had each round)
+        for tokens in prompts:
+            new = [t + 8 for t in tokens]
+            check_match(store, store.lookup(NS, new), new)

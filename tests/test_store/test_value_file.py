@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import os
 import struct
-import subprocess
-import sys
 from pathlib import Path
 
 import lmdb
@@ -33,7 +31,6 @@ from kvstore.store.engines.lmdb_values import (
     Pointer,
     Space,
     oldest_reader,
-    reader_slots,
 )
 from kvstore.testing.lmdb_pages import flip_bit, read_pages
 from kvstore.testing.store import check_match, check_views, encoder_for
@@ -42,6 +39,7 @@ from .kv_helpers import BLOCK, CHUNK, assert_same_caches, model_for, prefilled
 from .kv_helpers import prompt as model_prompt
 from .store_worker import NS, open_, prompt
 from .test_damage import run_cli, verify_json
+from .test_lmdb import killed_reader
 
 #: Records of the synthetic prompts below: ~9 KiB each, over the lowered threshold.
 FILLER = 8192
@@ -231,27 +229,8 @@ def test_a_reader_killed_inside_its_snapshot_does_not_pin_the_space_forever(tmp_
         old = prompt(4, 0)
         save_big(store, old)
         size = (path / FILE_NAME).stat().st_size
-        reader = subprocess.Popen(
-            [
-                sys.executable,
-                "-c",
-                "import lmdb, sys, time\n"
-                "env = lmdb.open(sys.argv[1], readonly=True, max_dbs=0)\n"
-                "txn = env.begin()\n"
-                "print('reading', flush=True)\n"
-                "time.sleep(60)\n",
-                str(path),
-            ],
-            stdout=subprocess.PIPE,
-            text=True,
-        )
-        with reader:
-            try:
-                assert reader.stdout is not None and reader.stdout.readline() == "reading\n"
-                slots = reader_slots(store._backend._shared.env.readers())
-                assert reader.pid in {pid for pid, _ in slots}
-            finally:
-                reader.kill()
+        with killed_reader(store, path):
+            pass
         store.delete(NS)
         new = [t + 1 for t in old]
         save_big(store, new)  # the dead reader's snapshot no longer counts

@@ -506,9 +506,6 @@ class _LMDBView:
         this one, and every open read transaction (any process's) began after it."""
         if self._reuse is None:  # once a transaction: the reader table is read, not locked
             current = self._txn.id()
-            # Slots of processes that died inside a read transaction first (a store open
-            # for days would otherwise never reuse what they pinned: the file would grow).
-            self._shared.env.reader_check()
             oldest = oldest_reader(self._shared.env.readers())
             self._reuse = lambda freed: freed < current and (oldest is None or oldest >= freed)
         return self._reuse
@@ -755,6 +752,12 @@ class LMDBBackend(Backend):
         while True:
             with self._gate.shared():
                 with translate_errors(LMDB_ERRORS, operation, self.url):
+                    if write:
+                        # Slots of processes that died inside a read transaction pin the
+                        # pages (and value-file space) freed after their snapshot: a store
+                        # open for days would never reuse them and grow at every save.
+                        # Cleared here, as at open; ~0.1 us a transaction.
+                        self._env.reader_check()
                     try:
                         txn = self._env.begin(write=write, buffers=True)
                     except lmdb.MapResizedError:
