@@ -11,7 +11,7 @@ import pytest
 
 from kvstore.abc.store import DURABILITY_MODES
 from kvstore.codecs import codec_for
-from kvstore.errors import StoreConfigError, StoreFullError
+from kvstore.errors import StoreConfigError, StoreFullError, StoreUnavailableError
 from kvstore.store import open_store
 from kvstore.store.engines.lmdb import LMDBBackend
 
@@ -84,6 +84,42 @@ def test_a_lookup_waits_only_for_the_saves_that_can_add_to_it(tmp_path, tiny):
         late: list = []
         handle.add_done_callback(late.append)
         assert late == [handle]  # done already: called at once
+
+
+def test_saves_past_the_backlogs_bound_are_skipped_and_the_rest_commit(
+    tmp_path, tiny, monkeypatch, caplog
+):
+    """A disk slower than the saves coming in: a save that would take the copies
+    waiting for their commit past KVSTORE_BEHIND_MAX_MIB is skipped (its handle says
+    so, nothing of it is stored), one alone always goes, and the rest commit."""
+    from kvstore.store.kv import writer
+
+    _, tokens, caches = tiny
+    monkeypatch.setattr(writer, "MAX_PENDING_BYTES", 1)  # any save waiting fills it
+    gate = threading.Event()
+    with open_store(f"lmdb://{tmp_path / 's'}", block_size=BLOCK) as store:
+        real = store.put_blocks_many
+
+        def held(saves):
+            gate.wait(30)  # the commit waits for the test
+            return real(saves)
+
+        store.put_blocks_many = held  # type: ignore[method-assign]
+        first = store.save_behind("ns", tokens, caches)  # alone: goes, however large
+        with caplog.at_level("WARNING", logger="kvstore.store"):
+            skipped = [store.save_behind(f"ns{i}", tokens, caches) for i in range(3)]
+        for handle in skipped:
+            assert handle.done()
+            with pytest.raises(StoreUnavailableError, match=r"Skipped: the saves handed off"):
+                handle.result()
+        warned = [r for r in caplog.records if "was skipped" in r.getMessage()]
+        assert len(warned) == 1  # once until the backlog clears
+        gate.set()
+        assert first.result(timeout=60).written
+        assert store.lookup("ns0", tokens).tokens == 0  # nothing of a skipped save
+        again = store.save_behind("ns0", tokens, caches)  # the backlog is empty again
+        assert again.result(timeout=60).written
+        assert store.lookup("ns0", tokens).tokens == len(tokens) - 1
 
 
 def test_close_commits_what_was_handed_off(tmp_path, tiny):

@@ -23,6 +23,12 @@ Durability (the store's ``durability`` option; README "Durability"):
 
 A process killed at any point loses at most the saves not committed yet (the
 window) and never corrupts the store: every commit is one transaction.
+
+The copies of saves handed off and not committed yet are bounded
+(``KVSTORE_BEHIND_MAX_MIB``, 4096 MiB): a save that would take them past it while
+others wait is skipped -- its handle raises ``StoreUnavailableError``, its prompt is
+recomputed if asked for again -- rather than queued, so a disk slower than the saves
+coming in costs their reuse, never the process's memory (a save alone always goes).
 ``store.flush()`` waits until every save handed off before it is committed;
 ``close()`` does too, and so does the interpreter's exit; a lookup first waits
 for the namespace's pending saves that could add rows to it (:meth:`_Job.extends`;
@@ -48,7 +54,8 @@ import numpy as np
 from kvstore.abc.codec import Snapshot
 from kvstore.abc.store import DURABILITY_MODES, BlockSave, PrefixStore, SaveResult
 from kvstore.codecs import codec_for
-from kvstore.errors import CapabilityError, StoreError
+from kvstore.errors import CapabilityError, StoreError, StoreUnavailableError
+from kvstore.knobs import mib_from_env
 from kvstore.store import keys as K
 from kvstore.store.kv.checkpoints import (
     checkpoint_layers,
@@ -64,6 +71,8 @@ log = logging.getLogger("kvstore.store")
 
 #: Seconds a group commit waits for more saves after the first one arrives.
 DEFAULT_GROUP_WINDOW = 0.01
+#: The most bytes the copies of saves handed off and not committed yet may hold.
+MAX_PENDING_BYTES = mib_from_env("KVSTORE_BEHIND_MAX_MIB", 4096)
 
 
 class PendingSave:
@@ -142,6 +151,8 @@ class _Job:
     #: The first row the save may write (blocks the store lacked at the hand-off, or a
     #: stored block a hybrid's save upgrades with its checkpoint).
     start: int
+    #: About how many bytes its copies hold until it is committed (:func:`_rows_bytes`).
+    nbytes: int = 0
 
     def extends(self, tokens: np.ndarray | None) -> bool:
         """Whether this save can add rows to a lookup of ``tokens`` (``None``: any).
@@ -177,6 +188,8 @@ class WriteBehind:
         self._busy: list[_Job] = []
         self._closed = False
         self._thread: threading.Thread | None = None
+        #: Saves skipped since the backlog was last empty (warned of at the first).
+        self._skipped = 0
 
     # -- the generating thread ------------------------------------------------------------
     def submit(
@@ -187,6 +200,20 @@ class WriteBehind:
         check_caches(toks, caches)
         pending = PendingSave(namespace, len(toks))
         start = self._first_missing(namespace, toks)
+        nbytes = _rows_bytes(caches, len(toks) - start)
+        if self._backlog_full(nbytes, len(toks)):
+            pending.held_s = time.perf_counter() - t0
+            pending._finish(
+                None,
+                StoreUnavailableError(
+                    f"[save] Skipped: the saves handed off to {self._store.url} and not "
+                    f"committed yet hold more than {MAX_PENDING_BYTES >> 20} MiB "
+                    f"(KVSTORE_BEHIND_MAX_MIB); the disk is slower than the saves coming "
+                    f"in. The prompt is recomputed if asked for again.",
+                    url=self._store.url,
+                ),
+            )
+            return pending
         encoder = HandedOff(
             caches,
             self._store.settings.storage_policy,
@@ -198,7 +225,7 @@ class WriteBehind:
         # of those blocks waits for it too (it would not see its own checkpoints).
         bsize = self._store.block_size
         upgrades = [p - bsize for p in encoder.checkpoints if p <= start and p % bsize == 0]
-        job = _Job(namespace, np.array(toks), encoder, pending, min([start, *upgrades]))
+        job = _Job(namespace, np.array(toks), encoder, pending, min([start, *upgrades]), nbytes)
         pending._handed = time.perf_counter()
         pending.held_s = pending._handed - t0
         with self._cond:
@@ -216,6 +243,32 @@ class WriteBehind:
                 atexit.register(_close_at_exit, weakref.ref(self))
             self._cond.notify_all()
         return pending
+
+    def _backlog_full(self, nbytes: int, tokens: int) -> bool:
+        """Whether a save holding ``nbytes`` would take the backlog past
+        :data:`MAX_PENDING_BYTES` (never when nothing waits: a save alone always goes)."""
+        with self._cond:
+            waiting = [*self._busy, *self._queue]
+            if not waiting:
+                self._skipped = 0
+                return False
+            held = sum(j.nbytes for j in waiting)
+            if held + nbytes <= MAX_PENDING_BYTES:
+                return False
+            self._skipped += 1
+            first = self._skipped == 1
+        if first:
+            log.warning(
+                "kvstore: a save of %d tokens was skipped: %d saves handed off to %s hold "
+                "%.0f MiB not committed yet (KVSTORE_BEHIND_MAX_MIB=%d); further skips are "
+                "not logged until the backlog clears",
+                tokens,
+                len(waiting),
+                self._store.url,
+                held / 2**20,
+                MAX_PENDING_BYTES >> 20,
+            )
+        return True
 
     def _first_missing(self, namespace: str, toks: np.ndarray) -> int:
         """The start of the first full block the store does not hold (the tail's start
@@ -466,3 +519,17 @@ def _copied(snap: Snapshot, copies: list[mx.array]) -> Snapshot:
             copies.append(tensor)
         tensors[name] = tensor
     return Snapshot(snap.signature, snap.start, snap.stop, tensors, snap.meta)
+
+
+def _rows_bytes(caches: Sequence[Any], rows: int) -> int:
+    """About how many bytes copies of ``rows`` more rows of each of ``caches`` take
+    (a windowed layer's copies are fewer: this errs high)."""
+    total = 0
+    for cache in caches:
+        per_token = getattr(cache, "bytes_per_token", None)
+        if callable(per_token):
+            total += int(per_token()) * rows
+        else:  # mlx-lm's caches: their buffers over the rows they hold
+            held = int(getattr(cache, "offset", 0) or 0)
+            total += int(getattr(cache, "nbytes", 0) or 0) * rows // max(held, 1)
+    return total
