@@ -151,7 +151,7 @@ class _Job:
     #: The first row the save may write (blocks the store lacked at the hand-off, or a
     #: stored block a hybrid's save upgrades with its checkpoint).
     start: int
-    #: About how many bytes its copies hold until it is committed (:func:`_rows_bytes`).
+    #: Bytes its copies hold until it is committed.
     nbytes: int = 0
 
     def extends(self, tokens: np.ndarray | None) -> bool:
@@ -200,8 +200,7 @@ class WriteBehind:
         check_caches(toks, caches)
         pending = PendingSave(namespace, len(toks))
         start = self._first_missing(namespace, toks)
-        nbytes = _rows_bytes(caches, len(toks) - start)
-        if self._backlog_full(nbytes, len(toks)):
+        if self._backlog_full(caches, len(toks) - start, len(toks)):
             pending.held_s = time.perf_counter() - t0
             pending._finish(
                 None,
@@ -225,7 +224,9 @@ class WriteBehind:
         # of those blocks waits for it too (it would not see its own checkpoints).
         bsize = self._store.block_size
         upgrades = [p - bsize for p in encoder.checkpoints if p <= start and p % bsize == 0]
-        job = _Job(namespace, np.array(toks), encoder, pending, min([start, *upgrades]), nbytes)
+        job = _Job(
+            namespace, np.array(toks), encoder, pending, min([start, *upgrades]), encoder.nbytes
+        )
         pending._handed = time.perf_counter()
         pending.held_s = pending._handed - t0
         with self._cond:
@@ -244,17 +245,19 @@ class WriteBehind:
             self._cond.notify_all()
         return pending
 
-    def _backlog_full(self, nbytes: int, tokens: int) -> bool:
-        """Whether a save holding ``nbytes`` would take the backlog past
-        :data:`MAX_PENDING_BYTES` (never when nothing waits: a save alone always goes)."""
+    def _backlog_full(self, caches: Sequence[Any], rows: int, tokens: int) -> bool:
+        """Whether a save copying ``rows`` rows of ``caches`` would take the backlog past
+        :data:`MAX_PENDING_BYTES` (never when nothing waits: a save alone always goes,
+        and is not even sized)."""
         with self._cond:
             waiting = [*self._busy, *self._queue]
             if not waiting:
                 self._skipped = 0
                 return False
             held = sum(j.nbytes for j in waiting)
-            if held + nbytes <= MAX_PENDING_BYTES:
-                return False
+        if held + _rows_bytes(caches, rows) <= MAX_PENDING_BYTES:
+            return False
+        with self._cond:
             self._skipped += 1
             first = self._skipped == 1
         if first:
@@ -432,6 +435,8 @@ class HandedOff(BlockEncoder):
                     e = min(stop, s + block_size)
                     self._blocks[(i, s)] = self._snapshot_now(i, cache, codec, s, e, copies)
         mx.async_eval(copies)
+        #: Bytes the copies hold until the save is committed.
+        self.nbytes = sum(c.nbytes for c in copies)
 
     def _snapshot_now(
         self, layer: int, cache: Any, codec: Any, start: int, stop: int, copies: list[mx.array]
