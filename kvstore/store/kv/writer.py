@@ -249,17 +249,17 @@ class WriteBehind:
         """Whether a save copying ``rows`` rows of ``caches`` would take the backlog past
         :data:`MAX_PENDING_BYTES` (never when nothing waits: a save alone always goes,
         and is not even sized)."""
-        with self._cond:
-            waiting = [*self._busy, *self._queue]
-            if not waiting:
-                self._skipped = 0
-                return False
-            held = sum(j.nbytes for j in waiting)
+        # Read without the writer's lock (the generating thread would wait on it, and on
+        # the GIL after it): the bound is a heuristic, and a list read whole is atomic.
+        waiting = [j for j in (*self._busy, *self._queue) if not j.pending._finished]
+        if not waiting:
+            self._skipped = 0
+            return False
+        held = sum(j.nbytes for j in waiting)
         if held + _rows_bytes(caches, rows) <= MAX_PENDING_BYTES:
             return False
-        with self._cond:
-            self._skipped += 1
-            first = self._skipped == 1
+        self._skipped += 1
+        first = self._skipped == 1
         if first:
             log.warning(
                 "kvstore: a save of %d tokens was skipped: %d saves handed off to %s hold "
