@@ -24,16 +24,17 @@ Durability (the store's ``durability`` option; README "Durability"):
 A process killed at any point loses at most the saves not committed yet (the
 window) and never corrupts the store: every commit is one transaction.
 
-The copies of saves handed off and not committed yet are bounded
-(``KVSTORE_BEHIND_MAX_MIB``, 4096 MiB): a save that would take them past it while
-others wait is skipped -- its handle raises ``StoreUnavailableError``, its prompt is
-recomputed if asked for again -- rather than queued, so a disk slower than the saves
-coming in costs their reuse, never the process's memory (a save alone always goes).
 ``store.flush()`` waits until every save handed off before it is committed;
 ``close()`` does too, and so does the interpreter's exit; a lookup first waits
 for the namespace's pending saves that could add rows to it (:meth:`_Job.extends`;
 ``stats``, ``delete``, ``evict``, ``verify`` for all of them), so a process
 always reads its own writes.
+
+The copies of saves handed off and not committed yet are bounded
+(``KVSTORE_BEHIND_MAX_MIB``, 4096 MiB): a save that would take them past it while
+others wait is skipped -- its handle raises ``StoreUnavailableError``, its prompt is
+recomputed if asked for again -- rather than queued, so a disk slower than the saves
+coming in costs their reuse, never the process's memory (a save alone always goes).
 """
 
 from __future__ import annotations
@@ -259,8 +260,7 @@ class WriteBehind:
         if held + _rows_bytes(caches, rows) <= MAX_PENDING_BYTES:
             return False
         self._skipped += 1
-        first = self._skipped == 1
-        if first:
+        if self._skipped == 1:
             log.warning(
                 "kvstore: a save of %d tokens was skipped: %d saves handed off to %s hold "
                 "%.0f MiB not committed yet (KVSTORE_BEHIND_MAX_MIB=%d); further skips are "
