@@ -5,9 +5,9 @@ a store written by an earlier kvstore must open, look up and restore unchanged w
 later one (``tests/test_store/test_old_store.py``). It is run once, with the kvstore of
 the revision whose layout it pins, and its output is committed compressed::
 
-    git worktree add /tmp/old fd945d7
-    (cd /tmp/old && PYTHONPATH=. /work/main/.venv/bin/python \\
-        /work/main/tools/write_store_fixture.py /tmp/store)
+    git worktree add /tmp/old fd945d7      # from this checkout's root
+    (cd /tmp/old && PYTHONPATH=. "$OLDPWD/.venv/bin/python" \\
+        "$OLDPWD/tools/write_store_fixture.py" /tmp/store)
     xz -9e -c /tmp/store/data.mdb > tests/fixtures/stores/lmdb-fd945d7/data.mdb.xz
 
 Only the API every kvstore since the first prefix store has is used here (``open_store``,
