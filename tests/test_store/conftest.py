@@ -15,6 +15,7 @@ import os
 import pytest
 
 from kvstore.store import open_backend, open_store
+from kvstore.store.engines import lmdb_values
 from kvstore.testing.redis_servers import RedisClusterServers, RedisServer, redis_binaries
 from kvstore.testing.store import verify_record
 
@@ -187,3 +188,10 @@ def hashed_as_copied(copied_digests, monkeypatch):
 
     monkeypatch.setattr(reading, "in_background", _ChecksAtTheEnd)
     return copied_digests
+
+
+@pytest.fixture
+def small_values(monkeypatch):
+    """Values of 4 KiB or more go to a store's value file (1 MiB in use): small test
+    records do (``pytestmark = pytest.mark.usefixtures("small_values")``)."""
+    monkeypatch.setattr(lmdb_values, "VALUE_MIN", 4096)

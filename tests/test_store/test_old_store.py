@@ -11,7 +11,6 @@ of today's layout.
 from __future__ import annotations
 
 import lzma
-import struct
 from pathlib import Path
 
 import lmdb
@@ -22,7 +21,6 @@ from kvstore.caches import KVCache
 from kvstore.cli import main
 from kvstore.store import keys as K
 from kvstore.store import open_store
-from kvstore.store.engines import lmdb_values
 from kvstore.store.engines.lmdb_values import FILE_NAME, Pointer
 from tools.write_store_fixture import (
     BLOCK_SIZE,
@@ -33,14 +31,15 @@ from tools.write_store_fixture import (
     fixture_caches,
 )
 
+from .test_value_file import meta_format
+
 FIXTURE = Path(__file__).parent.parent / "fixtures" / "stores" / "lmdb-fd945d7"
 
 
-@pytest.fixture(autouse=True)
-def small_values(monkeypatch):
-    """Values of 4 KiB or more go to a new store's file: the fixture's ~128 KiB records
-    would, so keeping them in LMDB's pages is this store's layout, not their size."""
-    monkeypatch.setattr(lmdb_values, "VALUE_MIN", 4096)
+#: Values of 4 KiB or more go to a new store's file (conftest ``small_values``): the
+#: fixture's ~128 KiB records would, so keeping them in LMDB's pages is this store's
+#: layout, not their size.
+pytestmark = pytest.mark.usefixtures("small_values")
 
 
 @pytest.fixture
@@ -59,10 +58,6 @@ def raw_values(path: Path) -> dict[bytes, bytes]:
             return {bytes(k): bytes(v) for k, v in txn.cursor()}
     finally:
         env.close()
-
-
-def meta_format(path: Path) -> int:
-    return struct.unpack_from("<H", raw_values(path)[K.META_KEYS[0]], 4)[0]
 
 
 def restored(store, tokens: list[int]) -> list:

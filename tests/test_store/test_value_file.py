@@ -22,7 +22,6 @@ from kvstore.errors import FormatVersionError, StoreConfigError
 from kvstore.store import keys as K
 from kvstore.store import open_store
 from kvstore.store import settings as settings_module
-from kvstore.store.engines import lmdb_values
 from kvstore.store.engines.lmdb_values import (
     ALIGN,
     FILE_NAME,
@@ -45,10 +44,8 @@ from .test_lmdb import killed_reader
 FILLER = 8192
 
 
-@pytest.fixture(autouse=True)
-def small_values(monkeypatch):
-    """Values of 4 KiB or more go to the file (1 MiB in use): small test records do."""
-    monkeypatch.setattr(lmdb_values, "VALUE_MIN", 4096)
+#: Values of 4 KiB or more go to the file (conftest ``small_values``).
+pytestmark = pytest.mark.usefixtures("small_values")
 
 
 def file_store(path: Path, **options):
