@@ -67,6 +67,7 @@ from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol, TypeVar
 
+from kvstore.abc.placement import Placement
 from kvstore.errors import CapabilityError, ReadOnlyStoreError, StoreConfigError, StoreError
 
 __all__ = [
@@ -130,6 +131,11 @@ class WriteView(ReadView, Protocol):
 
     def delete(self, key: bytes) -> bool:
         """Remove ``key``; ``False`` if it was not stored."""
+
+    def place(self, key: bytes, record: PendingRecord) -> None:
+        """``record``, still being written, will be put under ``key`` in this
+        transaction: a view that writes values outside its engine may start writing
+        it now (:mod:`~kvstore.abc.placement`); one that does not does nothing."""
 
 
 class Backend(ABC):
@@ -611,13 +617,19 @@ class PendingRecord:
         future: resolves to the record (a C-contiguous buffer), or raises the write's error.
         nbytes_bound: the record's length or a little more, known before it is written
             (the store makes room for this many bytes).
+        placement: where its writer hands over each part as it is written, for a store
+            that writes the record while it is being written (``WriteView.place``);
+            ``None``: the record comes whole.
     """
 
-    __slots__ = ("_future", "nbytes_bound")
+    __slots__ = ("_future", "nbytes_bound", "placement")
 
-    def __init__(self, future: Future[Any], nbytes_bound: int) -> None:
+    def __init__(
+        self, future: Future[Any], nbytes_bound: int, placement: Placement | None = None
+    ) -> None:
         self._future = future
         self.nbytes_bound = nbytes_bound
+        self.placement = placement
 
     def result(self) -> Any:
         """The record once written (waits); the write's error if it failed."""

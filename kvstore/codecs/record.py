@@ -50,6 +50,7 @@ import numpy as np
 import xxhash
 
 from kvstore.abc.codec import Snapshot
+from kvstore.abc.placement import Placement
 from kvstore.codecs import cuda, cuda_pages, header_template
 from kvstore.codecs.arrays import (
     MLX_DTYPES,
@@ -389,16 +390,31 @@ def encode_record(
     return b"".join([plan.head(hasher.intdigest()), *chunks])
 
 
-def write_record(plan: RecordPlan, out: np.ndarray, *, payload_written: bool = False) -> int:
+#: With a placement, the payload is hashed and handed over in parts of about this many
+#: bytes as it is written (``tools/bench/save_parts.py``): the disk starts on a record's
+#: first part while the rest is still being copied.
+PART_BYTES = 4 << 20
+
+
+def write_record(
+    plan: RecordPlan,
+    out: np.ndarray,
+    *,
+    payload_written: bool = False,
+    placement: Placement | None = None,
+) -> int:
     """Write the record of ``plan`` at the start of ``out`` (a uint8 buffer of at
     least ``plan.nbytes_bound`` bytes); returns its length.
 
     With ``payload_written``, the payload is already in place at
     ``len(plan.head(widest checksum))`` (a device wrote it there); otherwise the
-    tensors are copied in (one copy each, from wherever they are).
+    tensors are copied in (one copy each, from wherever they are). With
+    ``placement``, each part of the payload is handed to it as soon as it is written
+    and hashed (about :data:`PART_BYTES` each), and the head last.
     """
     planned = plan.head_nbytes_bound
     payload = out[planned : planned + plan.payload_nbytes]
+    parts = _Parts(payload, planned, placement)
     if not payload_written:
         views = as_numpy_all([array for array, _ in plan.tensors])
         end = 0
@@ -407,12 +423,51 @@ def write_record(plan: RecordPlan, out: np.ndarray, *, payload_written: bool = F
             target = payload[offset : offset + view.nbytes].view(view.dtype).reshape(view.shape)
             np.copyto(target, view, casting="no")
             end = offset + view.nbytes
+            parts.reached(end)
         payload[end:] = 0
-    head = plan.head(xxhash.xxh3_64_intdigest(payload.data))
+    head = plan.head(parts.digest())
     if len(head) != planned:  # a checksum that packs shorter moved the payload: rare
+        if placement is not None:
+            placement.moved = True
         out[len(head) : len(head) + plan.payload_nbytes] = payload.copy()
     out[: len(head)] = np.frombuffer(head, np.uint8)
+    if placement is not None:
+        placement.written(0, memoryview(out[: len(head)]))  # type: ignore[arg-type]
     return len(head) + plan.payload_nbytes
+
+
+class _Parts:
+    """A payload hashed in the order it is written, and, with a placement, handed over
+    a part at a time (:data:`PART_BYTES`); without one, hashed whole at the end."""
+
+    __slots__ = ("_payload", "_at", "_placement", "_hasher", "_done")
+
+    def __init__(self, payload: np.ndarray, at: int, placement: Placement | None) -> None:
+        self._payload, self._at, self._placement = payload, at, placement
+        self._hasher = xxhash.xxh3_64() if placement is not None else None
+        self._done = 0  # bytes hashed and handed over
+
+    def reached(self, end: int) -> None:
+        """Every byte of the payload before ``end`` is written."""
+        if self._hasher is not None and end - self._done >= PART_BYTES:
+            self._hand_over(end)
+
+    def digest(self) -> int:
+        """The payload's xxh3-64, every byte of it handed over."""
+        if self._hasher is None:
+            return xxhash.xxh3_64_intdigest(self._payload.data)
+        size = self._payload.nbytes
+        while self._done < size:  # a payload a device wrote whole: in parts all the same
+            self._hand_over(min(size, self._done + PART_BYTES))
+        return int(self._hasher.intdigest())
+
+    def _hand_over(self, end: int) -> None:
+        assert self._hasher is not None and self._placement is not None
+        part = memoryview(self._payload[self._done : end])  # type: ignore[arg-type]
+        if part.nbytes:
+            self._hasher.update(part)  # just written: still in the CPU's cache
+            self._placement.written(self._at + self._done, part)
+        self._done = end
 
 
 def device_payload(plan: RecordPlan) -> mx.array:

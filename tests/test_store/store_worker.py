@@ -10,7 +10,10 @@ from __future__ import annotations
 
 import random
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
+from kvstore.abc.placement import Placement
+from kvstore.abc.store import PendingRecord, RecordEncoder
 from kvstore.errors import StoreFullError
 from kvstore.store import open_store
 from kvstore.store.engines import lmdb_values, writeback
@@ -43,19 +46,44 @@ def say(*words: object) -> None:
     sys.stdout.flush()
 
 
+def placed(encode: RecordEncoder) -> RecordEncoder:
+    """``encode``'s records handed over as a save's arena hands them: pending, each
+    written on a pool a part of 4 KiB at a time (:mod:`kvstore.abc.placement`), so a
+    store with a value file writes them there while they are being written."""
+    pool = ThreadPoolExecutor(2)
+
+    def encoder(spans):
+        records = []
+        for raw in encode(spans):
+            data, placement = memoryview(bytes(raw)), Placement()
+
+            def write(data: memoryview = data, placement: Placement = placement) -> memoryview:
+                for at in range(0, data.nbytes, 4096):
+                    placement.written(at, data[at : at + 4096])
+                return data
+
+            records.append(PendingRecord(pool.submit(write), data.nbytes, placement))
+        return records
+
+    return encoder
+
+
 def writer(path: str, seed: int, filler: str, pump: str = "0", values: str = "inline") -> None:
     """Save prompts forever, acknowledging each once put_blocks returned (for the SIGKILL test).
     With ``pump`` "1", every commit has its writeback started early, however small
     (:mod:`kvstore.store.engines.writeback`); with ``values`` "file" (the store's setting),
     every record of 4 KiB or more goes to the value file
-    (:mod:`kvstore.store.engines.lmdb_values`)."""
+    (:mod:`kvstore.store.engines.lmdb_values`); "placed": there too, each record written
+    into it while it is being written (:func:`placed`)."""
     if pump == "1":
         writeback.MIN_BYTES = 0
     lmdb_values.VALUE_MIN = 4096  # where the store's values setting is "file"
-    store = open_(path, map_size=1 << 20, values=values)
+    store = open_(path, map_size=1 << 20, values="inline" if values == "inline" else "file")
     say("READY")
     for i in range(10**9):
-        save(store, prompt(int(seed), i), int(filler))
+        tokens = prompt(int(seed), i)
+        encode = encoder_for(tokens, filler=int(filler))
+        store.put_blocks(NS, tokens, placed(encode) if values == "placed" else encode)
         say("ACK", i)
 
 

@@ -48,9 +48,10 @@ def read_acks(lines):
     return [int(line.split()[1]) for line in lines if line.startswith("ACK")]
 
 
-@pytest.mark.parametrize("values", ["inline", "file"])
+@pytest.mark.parametrize("values", ["inline", "file", "placed"])
 def test_sigkill_at_random_points_during_saves_loses_nothing_acknowledged(tmp_path, values):
-    # "file": every record of 4 KiB or more in the value file (lmdb_values).
+    # "file": every record of 4 KiB or more in the value file (lmdb_values); "placed":
+    # there too, written into it part by part while it is being written (placement).
     path = tmp_path / "s"
     rng = random.Random(2024)
     acknowledged: list[list[int]] = []
@@ -76,7 +77,7 @@ def test_sigkill_at_random_points_during_saves_loses_nothing_acknowledged(tmp_pa
         store.close()
     assert len(acknowledged) >= 20
     value_file = path / "values.kv"
-    assert (value_file.exists() and value_file.stat().st_size > 4096) == (values == "file")
+    assert (value_file.exists() and value_file.stat().st_size > 4096) == (values != "inline")
 
 
 def test_readers_never_wait_for_a_writer_in_another_process(tmp_path):

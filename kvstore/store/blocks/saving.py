@@ -298,6 +298,10 @@ def commit_blocks(
     # each of which then waits for its record only (the next ones are written meanwhile).
     incoming = sum(record_nbytes_bound(encoded[s.index]) for s in new) + grown - freed
     evicted = make_room(txn, incoming, pinned) if incoming > 0 else []
+    for span in new:  # where the store can, records go where they will lie as they are written
+        record = encoded[span.index]
+        if isinstance(record, PendingRecord):
+            txn.place(K.record_key(ns, span.digest), record)
     checkpoints_written = checkpoint_bytes = new_bytes = 0
     for span in new:
         record = _written(encoded, span.index)

@@ -27,7 +27,8 @@ from typing import Any, TypeVar
 
 import lmdb
 
-from kvstore.abc.store import Backend, Buffer
+from kvstore.abc.placement import Placement
+from kvstore.abc.store import Backend, Buffer, PendingRecord
 from kvstore.errors import (
     ReadOnlyStoreError,
     StoreConfigError,
@@ -320,6 +321,7 @@ class _LMDBView:
         "_space",
         "_claimed",
         "_reuse",
+        "_placed",
     )
 
     def __init__(
@@ -340,6 +342,9 @@ class _LMDBView:
         #: The file's end as committed (bytes past it are claimed by nothing).
         self._claimed = 0
         self._reuse: Callable[[int], bool] | None = None
+        #: Records placed in the value file while they are still being written (their
+        #: offset, the bytes allocated and their placement), until they are put.
+        self._placed: dict[bytes, tuple[int, int, Placement]] = {}
 
     def _cur(self) -> lmdb.Cursor:
         if self._cursor is None:
@@ -462,10 +467,62 @@ class _LMDBView:
             self._release(cursor)
         if self._to_file:
             nbytes = memoryview(value).nbytes
-            if nbytes >= _values.VALUE_MIN:
+            placed = self._placed.pop(key, None)
+            if placed is not None:
+                value = self._placed_pointer(placed, value, nbytes).encode()
+            elif nbytes >= _values.VALUE_MIN:
                 offset = self._space_now().allocate(nbytes, self._reusable())
                 value = self._shared.values.write(offset, value).encode()
         return self._txn.put(key, value)
+
+    def place(self, key: bytes, record: PendingRecord) -> None:
+        """Write ``record`` into the value file while it is being written: its bound's
+        space is allocated now and every part goes there as it comes
+        (:mod:`kvstore.abc.placement`); ``put(key, record)`` then puts its pointer."""
+        placement = record.placement
+        if (
+            not self._to_file
+            or placement is None
+            or record.nbytes_bound < _values.VALUE_MIN
+            or key in self._placed
+        ):
+            return
+        bound = record.nbytes_bound
+        offset = self._space_now().allocate(bound, self._reusable())
+        self._placed[key] = (offset, bound, placement)
+        placement.attach(self._shared.values.sink(offset, bound))
+
+    def _placed_pointer(
+        self, placed: tuple[int, int, Placement], value: Any, nbytes: int
+    ) -> Pointer:
+        """The pointer to a placed record, now written whole (``value``): its parts are
+        in the file, or, where they do not make it, it is written there now; the space
+        allocated past its pages is freed."""
+        offset, bound, placement = placed
+        placement.detach()
+        placement.check()  # a part the disk refused fails the transaction, as a write would
+        space = self._space_now()
+        if nbytes > bound:  # not what was placed: never written past its space
+            space.release(offset, bound, self._txn.id())
+            offset = space.allocate(nbytes, self._reusable())
+            return self._shared.values.write(offset, value)
+        if placement.moved:  # its parts are not the record's bytes: the record, whole
+            pointer = self._shared.values.write(offset, value)
+        else:
+            pointer = self._shared.values.pointer(offset, nbytes)
+        unused = _values.pages(bound) - _values.pages(nbytes)
+        if unused:
+            space.release(offset + _values.pages(nbytes), unused, self._txn.id())
+        return pointer
+
+    def _unplace(self) -> None:
+        """Records placed and never put: no part goes to the file any more, and their
+        space is free again (this transaction's end must not find a writer in it)."""
+        placed, self._placed = self._placed, {}
+        for offset, bound, placement in placed.values():
+            placement.detach()
+            if self._space is not None:
+                self._space.release(offset, bound, self._txn.id())
 
     def delete(self, key: bytes) -> bool:
         if self._file:
@@ -536,12 +593,14 @@ class _LMDBView:
     def abandon(self) -> None:
         """The transaction will not commit: give back the room it appended to the file
         (LMDB's writer lock is still held: no other writer claims it meanwhile)."""
+        self._unplace()
         self._shared.values.dirty = False
         if self._space is not None:
             self._shared.values.truncate(self._claimed)
 
     def before_commit(self) -> None:
         """The value file's part of the commit: its values synced, its space recorded."""
+        self._unplace()
         if self._space is not None:
             self._txn.put(SPACE_KEY, self._space.encode())
         self._shared.values.before_commit()

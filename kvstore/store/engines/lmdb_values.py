@@ -52,6 +52,7 @@ from typing import Any
 
 import xxhash
 
+from kvstore.abc.placement import Sink
 from kvstore.errors import StoreError, StoreFullError
 from kvstore.files import fsync_path
 from kvstore.store.engines import writeback as _writeback
@@ -67,6 +68,7 @@ __all__ = [
     "VALUE_MIN",
     "ValueFile",
     "oldest_reader",
+    "pages",
     "reader_slots",
     "space_of",
     "space_problems",
@@ -123,7 +125,8 @@ class Pointer:
         return cls(salt, offset, length)
 
 
-def _pages(length: int) -> int:
+def pages(length: int) -> int:
+    """``length`` bytes rounded up to whole pages (:data:`ALIGN`): the space a value takes."""
     return -(-length // ALIGN) * ALIGN
 
 
@@ -136,7 +139,7 @@ class Space:
     """
 
     def __init__(self, end: int = ALIGN, free: list[tuple[int, int, int]] | None = None) -> None:
-        self.end = max(_pages(end), ALIGN)
+        self.end = max(pages(end), ALIGN)
         self.free = sorted(free or [])
 
     def encode(self) -> bytes:
@@ -165,7 +168,7 @@ class Space:
     def allocate(self, length: int, reusable: Callable[[int], bool]) -> int:
         """The offset of ``length`` bytes: the first free extent that fits and that no
         reader may still see (``reusable(freed_by)``), else the file's end."""
-        need = _pages(length)
+        need = pages(length)
         for i, (offset, size, freed_by) in enumerate(self.free):
             if size >= need and reusable(freed_by):
                 if size == need:
@@ -179,7 +182,7 @@ class Space:
     def release(self, offset: int, length: int, freed_by: int) -> None:
         """Free ``length`` bytes at ``offset`` (deleted by transaction ``freed_by``),
         merged with the free extents on either side (the merge takes the later id)."""
-        size = _pages(length)
+        size = pages(length)
         extents = self.free
         i = 0
         while i < len(extents) and extents[i][0] < offset:
@@ -201,14 +204,14 @@ def space_problems(live: list[Pointer], space: Space | None, file_size: int) -> 
     values is damage; pages neither holds are leaked (from a damaged pointer deleted,
     or a damaged space record); a value past the end or the file is damage."""
     problems: list[str] = []
-    end = space.end if space is not None else _pages(file_size)
+    end = space.end if space is not None else pages(file_size)
     if space is None and live:
         problems.append("the value file's space record is missing or damaged")
-    owned = sorted((p.offset, _pages(p.length), "a value") for p in live)
+    owned = sorted((p.offset, pages(p.length), "a value") for p in live)
     free = [(o, n, "free space") for o, n, _ in (space.free if space is not None else [])]
     edge, last = ALIGN, None
     for offset, size, what in sorted(owned + free):
-        if offset + size > end or (what == "a value" and offset + size > _pages(file_size)):
+        if offset + size > end or (what == "a value" and offset + size > pages(file_size)):
             problems.append(f"{what} at byte {offset} runs past the value file's end")
         if offset < edge and last is not None:
             problems.append(f"{what} at byte {offset} overlaps {last} (space shared)")
@@ -228,7 +231,7 @@ def space_of(live: list[Pointer], freed_by: int) -> Space:
     for pointer in sorted(live, key=lambda p: p.offset):
         if pointer.offset > space.end:
             space.release(space.end, pointer.offset - space.end, freed_by)
-        space.end = max(space.end, pointer.offset + _pages(pointer.length))
+        space.end = max(space.end, pointer.offset + pages(pointer.length))
     return space
 
 
@@ -322,13 +325,44 @@ class ValueFile:
         with self._failing("write"):
             fd, salt = self._writer()
             view = memoryview(value).cast("B")
-            written = 0
-            while written < view.nbytes:
-                written += os.pwrite(fd, view[written:], offset + written)
+            _write_all(fd, view, offset)
         if self._sync:
             _writeback.start(fd, offset, view.nbytes)
         self.dirty = True
         return Pointer(salt, offset, view.nbytes)
+
+    def sink(self, offset: int, nbytes: int) -> Sink:
+        """Where the parts of a value placed at ``offset`` are written, each as it comes
+        (:mod:`kvstore.abc.placement`; on any thread, while the transaction that placed
+        it is open), its writeback started; none past ``nbytes``. The pointer comes
+        from :meth:`pointer` once every part is written.
+
+        Raises:
+            StoreFullError, StoreError: as :meth:`write` (so does the sink).
+        """
+        with self._failing("write"):
+            fd, _ = self._writer()  # opened here, on the transaction's thread
+        self.dirty = True
+        sync = self._sync
+
+        def write_part(at: int, part: memoryview) -> None:
+            if at < 0 or at + part.nbytes > nbytes:
+                raise StoreError(
+                    f"[write] A part of {part.nbytes} bytes at byte {at} runs past the "
+                    f"{nbytes} bytes placed for it in {self.path}; nothing was written.",
+                    path=str(self.path),
+                )
+            with self._failing("write"):
+                _write_all(fd, part.cast("B"), offset + at)
+            if sync:
+                _writeback.start(fd, offset + at, part.nbytes)
+
+        return write_part
+
+    def pointer(self, offset: int, length: int) -> Pointer:
+        """The pointer to ``length`` bytes written at ``offset`` of this file."""
+        _, salt = self._writer()
+        return Pointer(salt, offset, length)
 
     def before_commit(self) -> None:
         """Sync what the transaction wrote: its pointers may then commit."""
@@ -396,6 +430,12 @@ class ValueFile:
             self._read_fd = self._write_fd = None
             self._unmap_unused()
             self._maps.clear()  # a view outlives the store: its mapping goes with it
+
+
+def _write_all(fd: int, view: memoryview, offset: int) -> None:
+    written = 0
+    while written < view.nbytes:
+        written += os.pwrite(fd, view[written:], offset + written)
 
 
 def _salt_of(fd: int) -> int | None:
