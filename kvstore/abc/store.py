@@ -75,6 +75,7 @@ __all__ = [
     "Buffer",
     "ReadView",
     "WriteView",
+    "PlacingView",
     "Backend",
     "MissReason",
     "BlockSpan",
@@ -132,10 +133,15 @@ class WriteView(ReadView, Protocol):
     def delete(self, key: bytes) -> bool:
         """Remove ``key``; ``False`` if it was not stored."""
 
+
+
+class PlacingView(WriteView, Protocol):
+    """The write view of a backend that :attr:`~Backend.supports_placement`."""
+
     def place(self, key: bytes, record: PendingRecord) -> None:
         """``record``, still being written, will be put under ``key`` in this
-        transaction: a view that writes values outside its engine may start writing
-        it now (:mod:`~kvstore.abc.placement`); one that does not does nothing."""
+        transaction: start writing it where it will lie (:mod:`~kvstore.abc.placement`).
+        A view may decline a record (it is then written whole at ``put``)."""
 
 
 class Backend(ABC):
@@ -174,6 +180,13 @@ class Backend(ABC):
     @property
     def supports_pipelining(self) -> bool:
         """Reads are round trips to a server: batch them (``contains_many``, ``view_many``)."""
+        return False
+
+    @property
+    def supports_placement(self) -> bool:
+        """Write views are :class:`PlacingView` s: they take a record still being written
+        and write its parts where it will lie as they come; elsewhere records are put
+        whole."""
         return False
 
     @property

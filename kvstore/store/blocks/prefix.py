@@ -456,6 +456,7 @@ class BlockPrefixStore(CacheMethods, PrefixStore):
                 checkpoints=job.save.checkpoints,
                 describe=self._describe,
                 make_room=partial(self._make_room, ns=job.ns),
+                placing=self._backend.supports_placement,
             )
             for job in jobs
         ]

@@ -22,7 +22,7 @@ from __future__ import annotations
 from collections.abc import Callable, Collection
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -30,6 +30,7 @@ from kvstore.abc.store import (
     BlockSave,
     BlockSpan,
     PendingRecord,
+    PlacingView,
     ReadView,
     RecordEncoder,
     SaveResult,
@@ -269,9 +270,12 @@ def commit_blocks(
     make_room: MakeRoom,
     checkpoints: Collection[int] = (),
     describe: Describe | None = None,
+    placing: bool = False,
 ) -> SaveOutcome:
     """Write the prompt's missing blocks, and upgrade the stored ones that lack a
     checkpoint at one of ``checkpoints``, in ``txn`` (see the module docstring).
+    ``placing``: the backend :attr:`~kvstore.abc.store.Backend.supports_placement`:
+    records still being written are placed first, written as they come.
 
     Raises:
         Stale: a block the caller did not encode is missing now.
@@ -298,10 +302,10 @@ def commit_blocks(
     # each of which then waits for its record only (the next ones are written meanwhile).
     incoming = sum(record_nbytes_bound(encoded[s.index]) for s in new) + grown - freed
     evicted = make_room(txn, incoming, pinned) if incoming > 0 else []
-    for span in new:  # where the store can, records go where they will lie as they are written
+    for span in new if placing else ():  # records go where they lie as they are written
         record = encoded[span.index]
         if isinstance(record, PendingRecord):
-            txn.place(K.record_key(ns, span.digest), record)
+            cast(PlacingView, txn).place(K.record_key(ns, span.digest), record)
     checkpoints_written = checkpoint_bytes = new_bytes = 0
     for span in new:
         record = _written(encoded, span.index)

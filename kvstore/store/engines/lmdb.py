@@ -790,6 +790,10 @@ class LMDBBackend(Backend):
         return True
 
     @property
+    def supports_placement(self) -> bool:
+        return self._values == "file"
+
+    @property
     def has_value_file(self) -> bool:
         return self._shared is not None and self._shared.values.exists()
 

@@ -90,9 +90,6 @@ class _MemoryView:
         s.data[key] = bytes(value)
         return True
 
-    def place(self, key: bytes, record: Any) -> None:
-        """Nothing: values are written whole, at ``put``."""
-
     def delete(self, key: bytes) -> bool:
         s = self._s
         old = s.data.pop(key, _MISSING)

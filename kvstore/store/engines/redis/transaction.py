@@ -231,9 +231,6 @@ class RedisTransaction:
             self._writes[key] = view.cast("B")  # the caller's buffer, sent without a copy
         return True
 
-    def place(self, key: bytes, record: Any) -> None:
-        """Nothing: values are written whole, at ``put``."""
-
     def delete(self, key: bytes) -> bool:
         existed = self.contains(key)
         if existed:
