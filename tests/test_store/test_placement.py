@@ -158,3 +158,20 @@ def test_a_record_whose_parts_moved_is_written_whole(tmp_path, placed_parts, mon
     assert placed_parts
     assert_same_caches(caches, prefilled(model, tokens))
     assert report.clean, report
+
+
+def test_only_a_store_with_a_value_file_places_records(tmp_path, placed_parts):
+    tokens = model_prompt(6, 40)
+    for url, places in (
+        (f"lmdb://{tmp_path / 'file'}?values=file", True),
+        (f"lmdb://{tmp_path / 'inline'}?values=inline", False),
+        ("memory://placement", False),
+    ):
+        model = model_for("tiny")
+        with open_store(url, block_size=16, touch_interval=0) as store:
+            assert store._backend.supports_placement is places
+            store.save("ns", tokens, prefilled(model, tokens))
+            caches = store.restore(store.lookup("ns", [*tokens, 1]), model.make_cache())
+        assert_same_caches(caches, prefilled(model, tokens))
+        assert bool(placed_parts) is places
+        placed_parts.clear()
