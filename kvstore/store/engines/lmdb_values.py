@@ -28,6 +28,10 @@ store may hold both kinds of value.
 * **Durability**: the values a transaction wrote are ``fdatasync``-ed before LMDB
   commits (synced stores): a committed pointer never points at bytes not on disk.
   Bytes an aborted transaction wrote lie in space its commit never claimed.
+* **Placed while written**: a record still being written gets its space when the
+  transaction places it, and its writer's threads write its parts there as they come
+  (:meth:`ValueFile.sink`, :mod:`kvstore.abc.placement`); the transaction puts its
+  pointer once the record is whole, and ends only once no thread writes into its space.
 * **Integrity**: a pointer carries the file's random salt and an xxh3 of its fields;
   a flipped bit in one, a pointer into another file or past the file's end reads as
   damaged, never as another value. The value's own bytes are the caller's to check
