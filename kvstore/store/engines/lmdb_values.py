@@ -326,14 +326,9 @@ class ValueFile:
                 it wrote is claimed).
             StoreError: the file could not be written.
         """
-        with self._failing("write"):
-            fd, salt = self._writer()
-            view = memoryview(value).cast("B")
-            _write_all(fd, view, offset)
-        if self._sync:
-            _writeback.start(fd, offset, view.nbytes)
-        self.dirty = True
-        return Pointer(salt, offset, view.nbytes)
+        view = memoryview(value).cast("B")
+        self.sink(offset, view.nbytes)(0, view)  # one part: the whole value
+        return self.pointer(offset, view.nbytes)
 
     def sink(self, offset: int, nbytes: int) -> Sink:
         """Where the parts of a value placed at ``offset`` are written, each as it comes
