@@ -18,5 +18,11 @@ def test_it_times_each_way_and_leaves_no_file(tmp_path):
         ("3", str(tmp_path)),
     ]
     ways = re.findall(r"^  (.+?) +\d+\.\d ms  \((\d+), (\d+)\)$", done.stdout, re.M)
-    assert [way for way, *_ in ways] == ["whole", "whole on the pool", "in parts of 1 MiB"] * 2
+    assert [way for way, *_ in ways] == [
+        "whole",
+        "whole on the pool",
+        "in parts of 1 MiB",
+        "no copy, no checksum",
+        "not synced",
+    ] * 2
     assert list(tmp_path.iterdir()) == []  # its file is gone

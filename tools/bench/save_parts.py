@@ -13,7 +13,12 @@ and hashed on a pool of two threads, then
 * ``whole on the pool``: the same ``pwrite`` by the pool thread that hashed it;
 * ``in parts``: every ``--part-mib`` MiB copied, hashed and written at once by the
   pool thread, its writeback started, so the disk starts on a record's first part
-  while the rest is still being copied (a placed record's way).
+  while the rest is still being copied (a placed record's way);
+* ``no copy, no checksum``: each source written as it is by a pool thread, its
+  writeback started, then the ``fdatasync``: the floor of any durable save of these
+  bytes on this disk (what the copies and checksums cost is the distance to it);
+* ``not synced``: the same without the ``fdatasync``: what an unsynced save (mlx-lm's
+  ``save_prompt_cache``) can take at best.
 
 The file is written over in place (as the value file reuses a deleted save's space),
 and removed at the end. Prints each way's median in ms and its repetitions.
@@ -85,10 +90,22 @@ def probe(directory: str, mib: int, records: int, part_mib: int, repeats: int) -
                 future.result()
             os.fdatasync(fd)
 
+        def straight(synced: bool) -> Callable[[], None]:
+            def run() -> None:
+                futures = [pool.submit(write, sources[i], i * n) for i in range(records)]
+                for future in futures:
+                    future.result()
+                if synced:
+                    os.fdatasync(fd)
+
+            return run
+
         ways: list[tuple[str, Callable[[], None]]] = [
             ("whole", whole),
             ("whole on the pool", whole_on_the_pool),
             (f"in parts of {part_mib} MiB", in_parts),
+            ("no copy, no checksum", straight(True)),
+            ("not synced", straight(False)),
         ]
         times: dict[str, list[float]] = {name: [] for name, _ in ways}
         for _ in range(repeats + 1):  # the first round warms up
