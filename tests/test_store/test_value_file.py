@@ -11,6 +11,7 @@ file through a rebuild. SIGKILLed writers on the file: ``test_processes.py``.
 from __future__ import annotations
 
 import os
+import random
 import struct
 from pathlib import Path
 
@@ -30,6 +31,7 @@ from kvstore.store.engines.lmdb_values import (
     Pointer,
     Space,
     oldest_reader,
+    pages,
 )
 from kvstore.testing.lmdb_pages import flip_bit, read_pages
 from kvstore.testing.store import check_match, check_views, encoder_for
@@ -123,13 +125,21 @@ def test_space_allocates_at_the_end_then_reuses_what_readers_no_longer_see():
     assert space.free == [(2 * ALIGN, ALIGN, 7)]
 
 
-def test_space_merges_neighbours_under_the_later_transaction():
+def test_space_joins_neighbours_once_both_may_be_reused():
     space = Space(end=10 * ALIGN)
     space.release(2 * ALIGN, ALIGN, freed_by=3)
-    space.release(4 * ALIGN, ALIGN, freed_by=5)
-    space.release(3 * ALIGN, ALIGN, freed_by=4)
-    assert space.free == [(2 * ALIGN, 3 * ALIGN, 5)]
+    space.release(3 * ALIGN, ALIGN, freed_by=3)  # the same transaction's: one extent
+    space.release(5 * ALIGN, ALIGN, freed_by=5)
+    space.release(4 * ALIGN, ALIGN, freed_by=4)
+    assert space.free == [(2 * ALIGN, 2 * ALIGN, 3), (4 * ALIGN, ALIGN, 4), (5 * ALIGN, ALIGN, 5)]
     assert Space.decode(space.encode()).free == space.free
+    # Transaction 5 frees beside what 3 and 4 freed: their space is reused all the same
+    # (joined under 5 it would wait for 5's readers), and joined once 5's may be too.
+    assert space.allocate(2 * ALIGN, lambda freed: freed < 5) == 2 * ALIGN
+    assert space.free == [(4 * ALIGN, ALIGN, 4), (5 * ALIGN, ALIGN, 5)]
+    assert space.allocate(2 * ALIGN, lambda freed: freed < 5) == 10 * ALIGN  # the end
+    assert space.allocate(2 * ALIGN, lambda freed: freed <= 5) == 4 * ALIGN
+    assert space.free == []
 
 
 def test_a_damaged_space_record_decodes_as_none():
@@ -192,6 +202,22 @@ def test_space_is_reused_in_place_once_deleted(tmp_path):
             save_big(store, [t + round_ for t in prompt(2, 0)])  # a new prompt, same sizes
             assert (path / FILE_NAME).stat().st_size == size
             assert sorted(p.offset for p in pointers(path)) == used
+
+
+def test_a_store_kept_to_its_budget_keeps_its_file_near_it(tmp_path):
+    """A save over its budget evicts before it allocates, in one transaction: what it
+    evicts beside free space must not keep that space from it (the file grew without
+    end, 8x the budget after 600 saves, before eviction's frees stayed apart)."""
+    path, budget, rng = tmp_path / "s", 400 << 10, random.Random(5)
+    sizes = []
+    with file_store(path, max_bytes=budget) as store:
+        for _ in range(240):
+            save_big(store, [rng.randrange(1000) for _ in range(rng.randrange(17, 120))])
+            sizes.append((path / FILE_NAME).stat().st_size)
+        assert store.verify().clean
+    assert sum(p.length for p in pointers(path)) <= budget
+    pages_then, pages_now = pages(sizes[len(sizes) // 3]), pages(sizes[-1])  # not grown since
+    assert pages_now == pages_then <= 2 * budget, [s >> 10 for s in sizes[::20]]
 
 
 def test_space_a_reader_may_still_see_is_never_written(tmp_path):

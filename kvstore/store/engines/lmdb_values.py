@@ -139,7 +139,9 @@ class Space:
 
     Args:
         end: the first byte past every extent ever allocated (page-aligned).
-        free: ``(offset, length, freed_by)`` extents, sorted, none adjacent.
+        free: ``(offset, length, freed_by)`` extents, sorted, not overlapping; two are
+            adjacent only where different transactions freed them (joined once both may
+            be reused: :meth:`allocate`).
     """
 
     def __init__(self, end: int = ALIGN, free: list[tuple[int, int, int]] | None = None) -> None:
@@ -171,8 +173,10 @@ class Space:
 
     def allocate(self, length: int, reusable: Callable[[int], bool]) -> int:
         """The offset of ``length`` bytes: the first free extent that fits and that no
-        reader may still see (``reusable(freed_by)``), else the file's end."""
+        reader may still see (``reusable(freed_by)``), else the file's end. Neighbours
+        that may both be reused are joined first, under the later transaction."""
         need = pages(length)
+        self._join_reusable(reusable)
         for i, (offset, size, freed_by) in enumerate(self.free):
             if size >= need and reusable(freed_by):
                 if size == need:
@@ -185,20 +189,38 @@ class Space:
 
     def release(self, offset: int, length: int, freed_by: int) -> None:
         """Free ``length`` bytes at ``offset`` (deleted by transaction ``freed_by``),
-        merged with the free extents on either side (the merge takes the later id)."""
+        merged with a free neighbour only where the same transaction freed it.
+
+        A neighbour freed earlier stays apart: merged under the later id, space that
+        may be reused now would wait for the readers of this transaction, and a save
+        over its budget frees (evicts) before it allocates in the same transaction, so
+        every eviction beside the free space the save was about to reuse sent the save
+        to the file's end (a store kept to 300 MiB grew its file to 640 MiB)."""
         size = pages(length)
         extents = self.free
         i = 0
         while i < len(extents) and extents[i][0] < offset:
             i += 1
-        if i and extents[i - 1][0] + extents[i - 1][1] == offset:
+        if i and extents[i - 1][2] == freed_by and sum(extents[i - 1][:2]) == offset:
             prev = extents.pop(i - 1)
             i -= 1
-            offset, size, freed_by = prev[0], prev[1] + size, max(prev[2], freed_by)
-        if i < len(extents) and offset + size == extents[i][0]:
-            nxt = extents.pop(i)
-            size, freed_by = size + nxt[1], max(nxt[2], freed_by)
+            offset, size = prev[0], prev[1] + size
+        if i < len(extents) and extents[i][2] == freed_by and offset + size == extents[i][0]:
+            size += extents.pop(i)[1]
         extents.insert(i, (offset, size, freed_by))
+
+    def _join_reusable(self, reusable: Callable[[int], bool]) -> None:
+        """Join runs of adjacent extents that may all be reused, under the latest id
+        (whatever reuses the latest may reuse the others)."""
+        joined: list[tuple[int, int, int]] = []
+        for extent in self.free:
+            if joined:
+                offset, size, freed_by = joined[-1]
+                if offset + size == extent[0] and reusable(freed_by) and reusable(extent[2]):
+                    joined[-1] = (offset, size + extent[1], max(freed_by, extent[2]))
+                    continue
+            joined.append(extent)
+        self.free = joined
 
 
 def space_problems(live: list[Pointer], space: Space | None, file_size: int) -> list[str]:
