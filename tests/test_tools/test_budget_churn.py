@@ -16,7 +16,7 @@ def test_it_reports_the_file_against_the_budget_and_leaves_no_store(tmp_path):
     assert done.stdout.splitlines()[0] == "qwen0.5b, budget 8 MiB, 20 saves of 300-700 tokens"
     rows = re.findall(
         r"^ +(\d+) saves  file +([\d.]+) MiB  held +([\d.]+) MiB  free +([\d.]+) MiB in +\d+ "
-        r"extents  \(\d+ s\)$",
+        r"extents  LMDB +[\d.]+ MiB  \(\d+ s\)$",
         done.stdout,
         re.M,
     )

@@ -6,7 +6,8 @@
 Saves ``--saves`` prompts of random lengths (random tokens: nothing is shared, so every
 save over the budget evicts) of a synthetic KV of ``--workload``'s shape into a new
 LMDB store with ``max_bytes`` ``--budget-mib``, and prints, every tenth of the way,
-the value file's size, the bytes the store holds, its free extents and their bytes.
+the value file's size, the bytes the store holds, its free extents and their bytes,
+and LMDB's own file (the index and the small values).
 What a user sees on disk is the file; a budget that holds must keep it near the
 budget, flat once eviction begins. The store is removed at the end.
 """
@@ -57,6 +58,7 @@ def churn(directory: str, workload: str, budget_mib: int, saves: int, lo: int, h
 
 def report(store, folder: Path, saves: int, seconds: float) -> None:
     file_bytes = (folder / "s" / FILE_NAME).stat().st_size
+    index_bytes = (folder / "s" / "data.mdb").stat().st_size  # LMDB's file: the index
     with store._backend.reader() as view:  # the space record is private to the backend
         raw = view.get(SPACE_KEY)
     space = Space.decode(raw) if raw is not None else None
@@ -65,7 +67,7 @@ def report(store, folder: Path, saves: int, seconds: float) -> None:
     print(
         f"  {saves:5d} saves  file {file_bytes / MiB:8.1f} MiB  held {held / MiB:7.1f} MiB  "
         f"free {sum(n for _, n, _ in free) / MiB:7.1f} MiB in {len(free):3d} extents  "
-        f"({seconds:.0f} s)"
+        f"LMDB {index_bytes / MiB:6.1f} MiB  ({seconds:.0f} s)"
     )
 
 
