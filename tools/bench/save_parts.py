@@ -17,8 +17,8 @@ and hashed on a pool of two threads, then
 * ``no copy, no checksum``: each source written as it is by a pool thread, its
   writeback started, then the ``fdatasync``: the floor of any durable save of these
   bytes on this disk (what the copies and checksums cost is the distance to it);
-* ``not synced``: the same without the ``fdatasync``: what an unsynced save (mlx-lm's
-  ``save_prompt_cache``) can take at best.
+* ``not synced``: the same without the ``fdatasync`` (writeback still started): about
+  what an unsynced save (mlx-lm's ``save_prompt_cache``) can take at best.
 
 The file is written over in place (as the value file reuses a deleted save's space),
 and removed at the end. Prints each way's median in ms and its repetitions.

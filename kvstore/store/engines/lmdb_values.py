@@ -195,13 +195,14 @@ class Space:
         may be reused now would wait for the readers of this transaction, and a save
         over its budget frees (evicts) before it allocates in the same transaction, so
         every eviction beside the free space the save was about to reuse sent the save
-        to the file's end (a store kept to 300 MiB grew its file to 640 MiB)."""
+        to the file's end (a store kept to 300 MiB had a 736 MiB file after 1200 saves,
+        still growing: ``tools/bench/results/cpu-budget-churn/``)."""
         size = pages(length)
         extents = self.free
         i = 0
         while i < len(extents) and extents[i][0] < offset:
             i += 1
-        if i and extents[i - 1][2] == freed_by and sum(extents[i - 1][:2]) == offset:
+        if i and extents[i - 1][2] == freed_by and extents[i - 1][0] + extents[i - 1][1] == offset:
             prev = extents.pop(i - 1)
             i -= 1
             offset, size = prev[0], prev[1] + size
