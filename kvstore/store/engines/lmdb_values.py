@@ -147,6 +147,7 @@ class Space:
     def __init__(self, end: int = ALIGN, free: list[tuple[int, int, int]] | None = None) -> None:
         self.end = max(pages(end), ALIGN)
         self.free = sorted(free or [])
+        self._joined_for: Callable[[int], bool] | None = None  # see _join_reusable
 
     def encode(self) -> bytes:
         body = _SPACE_HEAD.pack(_SPACE_MAGIC, self.end, len(self.free)) + b"".join(
@@ -212,15 +213,22 @@ class Space:
 
     def _join_reusable(self, reusable: Callable[[int], bool]) -> None:
         """Join runs of adjacent extents that may all be reused, under the latest id
-        (whatever reuses the latest may reuse the others)."""
+        (whatever reuses the latest may reuse the others). Once per predicate: a write
+        transaction asks with one (:meth:`allocate` per record), and what it frees
+        itself may not be reused in it, so a second pass would join nothing."""
+        if self._joined_for is reusable:
+            return
+        self._joined_for = reusable
         joined: list[tuple[int, int, int]] = []
+        last_reusable = False
         for extent in self.free:
-            if joined:
+            now_reusable = reusable(extent[2])
+            if now_reusable and last_reusable and joined[-1][0] + joined[-1][1] == extent[0]:
                 offset, size, freed_by = joined[-1]
-                if offset + size == extent[0] and reusable(freed_by) and reusable(extent[2]):
-                    joined[-1] = (offset, size + extent[1], max(freed_by, extent[2]))
-                    continue
-            joined.append(extent)
+                joined[-1] = (offset, size + extent[1], max(freed_by, extent[2]))
+            else:
+                joined.append(extent)
+            last_reusable = now_reusable
         self.free = joined
 
 
