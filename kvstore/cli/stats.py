@@ -9,6 +9,7 @@ reads its own with ``store.stats()``. It says so rather than print zeros.
 from __future__ import annotations
 
 import argparse
+from typing import Any
 
 from kvstore.abc.store import MissReason, PrefixStore
 from kvstore.cli.options import add_json, command_parser
@@ -90,6 +91,11 @@ def run(args: argparse.Namespace) -> int:
                 )
                 if engine.get(key)
             ),
+            *(
+                [("value file free", _value_file_free(engine, args.url))]
+                if engine.get("value_file_bytes")
+                else []
+            ),
         ]
     )
     print()
@@ -115,6 +121,19 @@ def run(args: argparse.Namespace) -> int:
     print()
     print(f"activity: {ACTIVITY_NOTE}")
     return 0
+
+
+def _value_file_free(engine: dict[str, Any], url: str) -> str:
+    """The value file's freed space: later saves write there first; migrating the store
+    in place gives it back to the filesystem."""
+    free = int(engine.get("value_file_free_bytes", 0))
+    extents = int(engine.get("value_file_free_extents", 0))
+    if not free:
+        return "none"
+    return (
+        f"{human_bytes(free)} in {extents} extent{'s' if extents != 1 else ''}, reused by "
+        f"later saves (`kvstore migrate {url} --in-place` gives it back)"
+    )
 
 
 def _keeps_value_file(store: PrefixStore) -> bool:

@@ -19,6 +19,7 @@ import lmdb
 import pytest
 
 from kvstore.bridge import generate_tokens
+from kvstore.cli.output import human_bytes
 from kvstore.errors import FormatVersionError, StoreConfigError
 from kvstore.store import keys as K
 from kvstore.store import open_store
@@ -519,14 +520,24 @@ def test_a_damaged_pointer_repaired_leaves_no_space_behind(tmp_path):
         check_match(store, store.lookup(NS, prompt(11, 0)), prompt(11, 0))
 
 
-def test_stats_name_the_value_file_s_bytes(tmp_path, capsys):
+def test_stats_name_the_value_file_s_bytes_and_its_free_space(tmp_path, capsys):
     path = tmp_path / "s"
     with file_store(path) as store:
         save_big(store, prompt(12, 0))
         engine = store.stats().backend
+        assert (engine["value_file_free_bytes"], engine["value_file_free_extents"]) == (0, 0)
+        held = sum(pages(p.length) for p in pointers(path))
+        store.delete(NS)  # every value's pages freed by one transaction: one extent
+        freed = store.stats().backend
     assert engine["value_file_bytes"] == (path / FILE_NAME).stat().st_size > ALIGN
+    assert (freed["value_file_free_bytes"], freed["value_file_free_extents"]) == (held, 1)
     status, out, _ = run_cli(capsys, "stats", str(path))
     assert status == 0 and "value file size" in out
+    line = next(line for line in out.splitlines() if line.startswith("value file free"))
+    assert line.split(None, 3)[3] == (
+        f"{human_bytes(held)} in 1 extent, reused by later saves "
+        f"(`kvstore migrate {path} --in-place` gives it back)"
+    )
 
 
 def test_a_reader_drops_the_mappings_no_view_holds_as_the_file_grows(tmp_path):

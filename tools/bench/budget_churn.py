@@ -24,7 +24,6 @@ import numpy as np
 
 from kvstore.bench.workloads import synthetic_kv
 from kvstore.store import open_store
-from kvstore.store.engines.lmdb_values import FILE_NAME, SPACE_KEY, Space
 
 MiB = 1 << 20
 
@@ -57,16 +56,14 @@ def churn(directory: str, workload: str, budget_mib: int, saves: int, lo: int, h
 
 
 def report(store, folder: Path, saves: int, seconds: float) -> None:
-    file_bytes = (folder / "s" / FILE_NAME).stat().st_size
+    stats = store.stats()
+    engine = stats.backend  # LMDB's figures: the value file's size and free space
     index_bytes = (folder / "s" / "data.mdb").stat().st_size  # LMDB's file: the index
-    with store._backend.reader() as view:  # the space record is private to the backend
-        raw = view.get(SPACE_KEY)
-    space = Space.decode(raw) if raw is not None else None
-    free = space.free if space is not None else []
-    held = store.stats().bytes
     print(
-        f"  {saves:5d} saves  file {file_bytes / MiB:8.1f} MiB  held {held / MiB:7.1f} MiB  "
-        f"free {sum(n for _, n, _ in free) / MiB:7.1f} MiB in {len(free):3d} extents  "
+        f"  {saves:5d} saves  file {engine['value_file_bytes'] / MiB:8.1f} MiB  "
+        f"held {stats.bytes / MiB:7.1f} MiB  "
+        f"free {engine['value_file_free_bytes'] / MiB:7.1f} MiB in "
+        f"{engine['value_file_free_extents']:3d} extents  "
         f"LMDB {index_bytes / MiB:6.1f} MiB  ({seconds:.0f} s)"
     )
 

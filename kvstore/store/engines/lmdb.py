@@ -939,6 +939,9 @@ class LMDBBackend(Backend):
     def stats(self) -> dict[str, Any]:
         with translate_errors(LMDB_ERRORS, "stats", self.url):
             info, stat = self._env.info(), self._env.stat()
+            with self._env.begin() as txn:
+                raw = txn.get(SPACE_KEY)
+        space = Space.decode(raw) if raw is not None else None
         data = self.path / "data.mdb"
         return {
             "engine": f"lmdb {'.'.join(map(str, lmdb.version()))}",
@@ -948,6 +951,9 @@ class LMDBBackend(Backend):
             "used_bytes": (info["last_pgno"] + 1) * stat["psize"],
             "file_bytes": data.stat().st_size if data.exists() else 0,
             "value_file_bytes": self._shared.values.size() if self._shared is not None else 0,
+            # Freed and not yet reused (later saves write there first); 0 without a file.
+            "value_file_free_bytes": sum(n for _, n, _ in space.free) if space else 0,
+            "value_file_free_extents": len(space.free) if space else 0,
             "readers": info["num_readers"],
             "max_readers": info["max_readers"],
         }
