@@ -9,6 +9,7 @@ reads its own with ``store.stats()``. It says so rather than print zeros.
 from __future__ import annotations
 
 import argparse
+from collections.abc import Mapping
 from typing import Any
 
 from kvstore.abc.store import MissReason, PrefixStore
@@ -123,7 +124,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _value_file_free(engine: dict[str, Any], url: str) -> str:
+def _value_file_free(engine: Mapping[str, Any], url: str) -> str:
     """The value file's freed space: later saves write there first; migrating the store
     in place gives it back to the filesystem."""
     free = int(engine.get("value_file_free_bytes", 0))
