@@ -134,7 +134,6 @@ class WriteView(ReadView, Protocol):
         """Remove ``key``; ``False`` if it was not stored."""
 
 
-
 class PlacingView(WriteView, Protocol):
     """The write view of a backend that :attr:`~Backend.supports_placement`."""
 

@@ -50,6 +50,7 @@ from kvstore.store.engines.lmdb_values import (
     oldest_reader,
     space_of,
     space_problems,
+    stored_space,
 )
 from kvstore.store.keys import prefix_successor
 
@@ -548,8 +549,7 @@ class _LMDBView:
 
     def _space_now(self) -> Space:
         if self._space is None:
-            raw = self._txn.get(SPACE_KEY)
-            space = Space.decode(raw) if raw is not None else None
+            space = stored_space(self._txn)
             if space is None:  # none yet, or damaged: everything in the file is taken
                 space = Space(self._shared.values.size())
             self._space, self._claimed = space, space.end
@@ -583,8 +583,7 @@ class _LMDBView:
             pointer = Pointer.decode(raw) if Pointer.looks_like(raw) else None
             if pointer is not None:
                 live.append(pointer)
-        stored = self._txn.get(SPACE_KEY)
-        return live, Space.decode(stored) if stored is not None else None
+        return live, stored_space(self._txn)
 
     def rewrite_space(self, space: Space) -> None:
         """Replace the space record (:meth:`LMDBBackend.mend`)."""
@@ -940,8 +939,7 @@ class LMDBBackend(Backend):
         with translate_errors(LMDB_ERRORS, "stats", self.url):
             info, stat = self._env.info(), self._env.stat()
             with self._env.begin() as txn:
-                raw = txn.get(SPACE_KEY)
-        space = Space.decode(raw) if raw is not None else None
+                space = stored_space(txn)
         data = self.path / "data.mdb"
         return {
             "engine": f"lmdb {'.'.join(map(str, lmdb.version()))}",

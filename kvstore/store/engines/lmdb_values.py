@@ -76,6 +76,7 @@ __all__ = [
     "reader_slots",
     "space_of",
     "space_problems",
+    "stored_space",
 ]
 
 #: Values at least this long go to the file (smaller ones stay in LMDB's pages).
@@ -230,6 +231,13 @@ class Space:
                 joined.append(extent)
             last_reusable = now_reusable
         self.free = joined
+
+
+def stored_space(txn: Any) -> Space | None:
+    """The space record an LMDB transaction ``txn`` reads; ``None`` where there is none
+    (no value written yet) or it is damaged."""
+    raw = txn.get(SPACE_KEY)
+    return Space.decode(raw) if raw is not None else None
 
 
 def space_problems(live: list[Pointer], space: Space | None, file_size: int) -> list[str]:
