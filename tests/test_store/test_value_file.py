@@ -192,6 +192,23 @@ def test_records_round_trip_through_the_file_and_lmdb_holds_pointers(tmp_path):
             check_match(store, store.lookup(NS, tokens), tokens)
 
 
+def test_where_the_os_has_no_fdatasync_the_values_are_fsynced(tmp_path, monkeypatch):
+    # macOS: Python has no os.fdatasync there, and a synced save into the file raised.
+    monkeypatch.delattr(os, "fdatasync")
+    synced, fsync = [], os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: synced.append(os.fstat(fd).st_ino) or fsync(fd))
+    path = tmp_path / "s"
+    with file_store(path) as store:
+        prompts = [prompt(1, i) for i in range(3)]
+        for tokens in prompts:
+            assert save_big(store, tokens).written
+    # Each save's values, synced before LMDB committed their pointers.
+    assert synced.count((path / FILE_NAME).stat().st_ino) >= len(prompts)
+    with file_store(path) as store:
+        for tokens in prompts:
+            check_match(store, store.lookup(NS, tokens), tokens)
+
+
 def test_space_is_reused_in_place_once_deleted(tmp_path):
     path = tmp_path / "s"
     with file_store(path) as store:

@@ -25,8 +25,9 @@ store may hold both kinds of value.
   writer reuses it only once every read transaction open in any process (LMDB's
   reader table) began at or after that id: a reader that may still hold the pointer
   never sees its bytes change. Otherwise the write goes at the file's end.
-* **Durability**: the values a transaction wrote are ``fdatasync``-ed before LMDB
-  commits (synced stores): a committed pointer never points at bytes not on disk.
+* **Durability**: the values a transaction wrote are ``fdatasync``-ed (``fsync`` on
+  macOS: :func:`kvstore.files.sync_data`) before LMDB commits (synced stores): a
+  committed pointer never points at bytes not handed to the disk.
   Bytes an aborted transaction wrote lie in space its commit never claimed.
 * **Placed while written**: a record still being written gets its space when the
   transaction places it, and its writer's threads write its parts there as they come
@@ -58,7 +59,7 @@ import xxhash
 
 from kvstore.abc.placement import Sink
 from kvstore.errors import StoreError, StoreFullError
-from kvstore.files import fsync_path
+from kvstore.files import fsync_path, sync_data
 from kvstore.store.engines import writeback as _writeback
 from kvstore.store.engines.lmdb_guard import DAMAGED
 
@@ -406,7 +407,7 @@ class ValueFile:
         """Sync what the transaction wrote: its pointers may then commit."""
         if self.dirty and self._sync and self._write_fd is not None:
             with self._failing("sync"):
-                os.fdatasync(self._write_fd)
+                sync_data(self._write_fd)
         self.dirty = False
 
     @contextmanager
