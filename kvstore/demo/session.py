@@ -134,18 +134,25 @@ def _bar(show: bool, **kwargs: Any) -> Any:
 
 
 def _write_mlx_lm_file(path: str, caches: list[Any]) -> tuple[int, str]:
-    """Write ``caches`` as an mlx-lm prompt-cache file; ``(bytes, which writer)``."""
+    """Write ``caches`` as an mlx-lm prompt-cache file; ``(bytes, which writer)``: mlx-lm's
+    own writer where a tested mlx-lm is installed, else ours, which writes its layout
+    (mlx-lm is an optional extra, and the releases Python 3.10 gets, 0.31 and older, need
+    caches of their own classes)."""
     try:
         from mlx_lm.models.cache import save_prompt_cache
-    except ImportError:  # mlx-lm is an optional extra; ours writes the same layout
-        from kvstore.codecs.prompt_cache import export_prompt_cache
 
-        export_prompt_cache(path, caches)
-        writer = "kvstore export_prompt_cache (mlx-lm not installed)"
+        from kvstore.mlx_lm.version import mlx_lm_version, tested_mlx_lm_installed
+    except ImportError:
+        untested = "not installed"
     else:
-        save_prompt_cache(path, caches)
-        writer = "mlx_lm save_prompt_cache"
-    return os.path.getsize(path), writer
+        if tested_mlx_lm_installed():
+            save_prompt_cache(path, caches)
+            return os.path.getsize(path), "mlx_lm save_prompt_cache"
+        untested = f"{mlx_lm_version()} untested"
+    from kvstore.codecs.prompt_cache import export_prompt_cache
+
+    export_prompt_cache(path, caches)
+    return os.path.getsize(path), f"kvstore export_prompt_cache (mlx-lm {untested})"
 
 
 def run_session(spec: SessionSpec) -> SessionResult:

@@ -10,14 +10,17 @@ start, with a message that says what is installed and what to install.
 from __future__ import annotations
 
 import re
+import sys
 from importlib import metadata
 
 from kvstore.errors import CapabilityError
 
-__all__ = ["TESTED_MLX_LM", "mlx_lm_version", "check_mlx_lm_version"]
+__all__ = ["TESTED_MLX_LM", "mlx_lm_version", "check_mlx_lm_version", "tested_mlx_lm_installed"]
 
 #: ``(lowest, first untested)``: the releases the integration and the server are tested with.
 TESTED_MLX_LM: tuple[tuple[int, int, int], tuple[int, int, int]] = ((0, 32, 2), (0, 33, 0))
+#: The Python the tested mlx-lm releases need (mlx-lm 0.32 dropped 3.10).
+TESTED_MLX_LM_PYTHON = (3, 11)
 
 
 def _parse(text: str) -> tuple[int, int, int]:
@@ -55,11 +58,29 @@ def check_mlx_lm_version(operation: str = "kvstore.mlx_lm") -> str:
             supported=wanted,
         )
     if not low <= _parse(found) < high:
+        if sys.version_info[:2] < TESTED_MLX_LM_PYTHON:
+            fix = (
+                f"Those releases need Python >= {_python(TESTED_MLX_LM_PYTHON)} and this is "
+                f"{_python(sys.version_info[:2])}: run kvstore under a newer Python."
+            )
+        else:
+            fix = f"Install a tested release: pip install 'mlx-lm{wanted}'."
         raise CapabilityError(
             f"[{operation}] mlx-lm {found} is installed; this kvstore is tested with "
             f"mlx-lm{wanted} (it builds on mlx-lm's prompt cache and server internals). "
-            f"Install a tested release: pip install 'mlx-lm{wanted}'.",
+            f"{fix}",
             found=found,
             supported=wanted,
         )
     return found
+
+
+def tested_mlx_lm_installed() -> bool:
+    """Whether the installed mlx-lm is one of :data:`TESTED_MLX_LM`'s releases."""
+    found = mlx_lm_version()
+    low, high = TESTED_MLX_LM
+    return found is not None and low <= _parse(found) < high
+
+
+def _python(version: tuple[int, ...]) -> str:
+    return ".".join(map(str, version[:2]))

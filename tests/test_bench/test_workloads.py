@@ -21,6 +21,7 @@ from kvstore.bench.workloads import (
     windowed_signature,
 )
 from kvstore.family import Family, register_family
+from tests.markers import needs_tested_mlx_lm
 
 KIB = 1024
 TINY_SWA = KVShape("tiny-swa", layers=3, kv_heads=2, head_dim=8, window=16, global_every=3)
@@ -50,6 +51,7 @@ def test_data_is_seeded_finite_bfloat16():
     assert mx.min(magnitude).item() >= 0.125 and mx.max(magnitude).item() < 0.5
 
 
+@needs_tested_mlx_lm
 def test_our_caches_and_mlx_lms_hold_the_same_state_after_the_same_prefill():
     kv = SyntheticKV(TINY_SWA, tokens=40)
     ours, theirs = kv.ours(), kv.mlx_lm()

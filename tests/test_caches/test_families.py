@@ -9,6 +9,7 @@ from mlx.utils import tree_flatten
 from kvstore.caches import KVCache, QuantizedKVCache, RotatingKVCache, RotatingQuantizedKVCache
 from kvstore.caches.quantized import packed_width
 from kvstore.errors import CapabilityError
+from tests.markers import needs_tested_mlx_lm
 
 FAMILIES = {
     "plain": lambda: KVCache(),
@@ -164,6 +165,7 @@ def test_quantized_rejects_bad_parameters(bad):
         RotatingQuantizedKVCache(16, **bad)
 
 
+@needs_tested_mlx_lm
 def test_our_caches_load_in_stock_mlx_lm(tmp_path):
     lm = pytest.importorskip("mlx_lm.models.cache")
     caches = [KVCache(), QuantizedKVCache(64, 4), RotatingKVCache(32, keep=4)]

@@ -22,6 +22,7 @@ from kvstore.store import keys as K  # noqa: E402
 from kvstore.store import namespace_for_model, open_store  # noqa: E402
 from kvstore.testing.codec import assert_arrays_equal, assert_snapshots_equal  # noqa: E402
 from kvstore.testing.mlx_lm_models import TINY_ARGS, build_mlx_lm_model  # noqa: E402
+from tests.markers import needs_tested_mlx_lm
 
 from ..test_model.conftest import save_mlx_lm_dir  # noqa: E402
 from .conftest import kvstore_cli, raw_items  # noqa: E402
@@ -113,6 +114,7 @@ def records(path) -> dict[bytes, bytes]:
     return {k: v for k, v in raw_items(path).items() if K.split_record_key(k)}
 
 
+@needs_tested_mlx_lm
 @pytest.mark.parametrize("family", ["plain", "quant-8-64"])
 def test_import_then_export_gives_stock_mlx_lm_the_same_logits(llama, tmp_path, capsys, family):
     model, model_dir = llama
@@ -178,6 +180,7 @@ def test_importing_a_stored_prompt_again_writes_nothing(llama, tmp_path, capsys)
     assert report["saved"]["deduplicated"] == -(-PROMPT // BLOCK) and report["served"] == PROMPT
 
 
+@needs_tested_mlx_lm
 def test_sliding_window_caches_round_trip(gemma, tmp_path, capsys):
     """Sliding layers (window 16) past their window keep the blocks their window holds."""
     model, model_dir = gemma
@@ -216,6 +219,7 @@ def write_legacy_prompt_cache(path, caches, metadata) -> None:
     mx.save_safetensors(str(path), dict(tree_flatten(states)), meta)
 
 
+@needs_tested_mlx_lm
 def test_import_of_the_older_mlx_lm_layout(llama, tmp_path, capsys):
     model, model_dir = llama
     _, tokens_file, _, original = write_prompt_cache(tmp_path, model)

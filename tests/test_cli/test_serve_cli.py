@@ -8,10 +8,12 @@ import sys
 import pytest
 
 from kvstore.cli import EXIT_USAGE, main
+from tests.markers import needs_tested_mlx_lm
 
 pytest.importorskip("mlx_lm")
 
 
+@needs_tested_mlx_lm
 def test_options_kvstore_does_not_know_go_to_mlx_lm_server(capsys, tmp_path):
     with pytest.raises(SystemExit) as exited:  # mlx_lm.server's own parser refuses it
         main(["serve", "--store", f"lmdb://{tmp_path / 's'}", "--model", "x", "--bogus-flag"])

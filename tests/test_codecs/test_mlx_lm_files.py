@@ -26,6 +26,7 @@ from kvstore.testing.codec import (  # noqa: E402
     fill_cache,
 )
 from kvstore.testing.mlx_lm_models import build_mlx_lm_model  # noqa: E402
+from tests.markers import needs_tested_mlx_lm
 
 FIXTURES = Path(__file__).parent.parent / "fixtures" / "mlx_lm"
 
@@ -39,6 +40,7 @@ PAIRS = {
 HISTORY = [30, 1, 1, 5, 1, 1]
 
 
+@needs_tested_mlx_lm
 @pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16], ids=["fp16", "bf16"])
 def test_import_current_layout_written_by_stock_mlx_lm(tmp_path, dtype):
     ours = [make() for make, _ in PAIRS.values()]
@@ -93,6 +95,7 @@ def logits_after(model, caches, chunks, seed=5):
     "family",
     ["plain", "quant-4-64", "rotating"],
 )
+@needs_tested_mlx_lm
 def test_export_loads_in_stock_mlx_lm_with_identical_logits(tmp_path, family):
     model = build_mlx_lm_model("llama")
     make = PAIRS[family][0]

@@ -10,6 +10,9 @@ from mlx_lm.generate import stream_generate as mlx_lm_stream_generate
 from kvstore.abc.cache import signature_string
 from kvstore.mlx_lm import StorePromptCache, stream_generate
 from kvstore.store import open_store
+from tests.markers import needs_tested_mlx_lm
+
+pytestmark = needs_tested_mlx_lm
 
 TEXTS = ["Once upon a time there was a store. " * 3, "Caches restored from disk join batches. " * 3]
 

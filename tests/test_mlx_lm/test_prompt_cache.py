@@ -15,18 +15,19 @@ from mlx_lm.models.cache import (
 
 from kvstore.abc.store import MissReason
 from kvstore.caches import QuantizedKVCache as OurQuantizedKVCache
-from kvstore.errors import CapabilityError
 from kvstore.mlx_lm import (
     IMAGE_PROMPT,
     NOT_PERSISTED,
     QUEUE_FULL,
     StorePromptCache,
-    check_mlx_lm_version,
     stream_generate,
 )
-from kvstore.mlx_lm import version as V
 from kvstore.mlx_lm.capture import CapturingRotatingKVCache
 from kvstore.store import open_store
+from tests.markers import needs_tested_mlx_lm
+
+# StorePromptCache checks mlx-lm's version as it starts: a tested release only.
+pytestmark = needs_tested_mlx_lm
 
 PROMPT = "The quick brown fox jumps over the lazy dog. " * 4
 
@@ -250,16 +251,3 @@ def test_a_store_that_fails_is_a_miss_never_an_error(load, tmp_path):
         assert fresh.stats()["prompt_cache"]["save_errors"] == {MissReason.UNAVAILABLE: 1}
     finally:
         server.stop()
-
-
-def test_the_mlx_lm_version_is_checked_with_a_clear_message(monkeypatch):
-    assert check_mlx_lm_version() == V.mlx_lm_version()
-    monkeypatch.setattr(V, "mlx_lm_version", lambda: "0.31.1")
-    with pytest.raises(
-        CapabilityError, match=r"mlx-lm 0.31.1 is installed; .*tested with mlx-lm>=0.32.2,<0.33.0"
-    ) as info:
-        check_mlx_lm_version("kvstore serve")
-    assert info.value.found == "0.31.1" and str(info.value).startswith("[kvstore serve]")
-    monkeypatch.setattr(V, "mlx_lm_version", lambda: None)
-    with pytest.raises(CapabilityError, match="mlx-lm is not installed"):
-        check_mlx_lm_version()

@@ -11,6 +11,7 @@ from mlx_lm.models.cache import QuantizedKVCache, make_prompt_cache
 
 from kvstore.mlx_lm.attention import unfused_for_model
 from kvstore.model.attention import UNFUSED_ATTENTION
+from tests.markers import needs_tested_mlx_lm
 
 
 @pytest.fixture
@@ -88,6 +89,7 @@ def test_a_model_whose_modules_attend_otherwise_is_left_alone(load):
     assert unfused_for_model(nn.Sequential(nn.Linear(2, 2))) == []
 
 
+@needs_tested_mlx_lm
 def test_stream_generate_routes_the_model_it_is_given(load, monkeypatch, tmp_path):
     from kvstore.mlx_lm import StorePromptCache, stream_generate
     from kvstore.store import open_store

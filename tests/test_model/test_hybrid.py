@@ -28,6 +28,7 @@ from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
 from mlx_lm.utils import load_model as mlx_lm_load_model  # noqa: E402
 
 from kvstore.testing.mlx_lm_models import TINY_ARGS, build_mlx_lm_model  # noqa: E402
+from tests.markers import needs_tested_mlx_lm
 
 
 @pytest.fixture(scope="module")
@@ -36,6 +37,7 @@ def qwen3_5_dir(tmp_path_factory):
     return save_mlx_lm_dir(tmp_path_factory.mktemp("qwen3_5"), model, TINY_ARGS["qwen3_5"])
 
 
+@needs_tested_mlx_lm
 def test_logits_equal_mlx_lm_bit_for_bit(qwen3_5_dir):
     theirs, _ = mlx_lm_load_model(qwen3_5_dir)
     ours, _ = load_model(qwen3_5_dir)
@@ -152,6 +154,7 @@ def test_layers_and_caches_routed_by_predicates():
     assert all(c.offset == 0 for c in caches)  # nothing was updated before the check
 
 
+@needs_tested_mlx_lm
 def test_mlx_lm_layers_run_on_our_cache(qwen3_5_dir):
     """The cache speaks mlx-lm's ArraysCache protocol: mlx-lm's model runs on it."""
     theirs, _ = mlx_lm_load_model(qwen3_5_dir)

@@ -7,8 +7,11 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvstore.testing.redis_servers import RedisServer, redis_binaries
 from kvstore.testing.serve_processes import ServerProcess
+from tests.markers import needs_tested_mlx_lm
 
 from .conftest import chat, conversation
+
+pytestmark = needs_tested_mlx_lm
 
 
 def metric(server: ServerProcess, name: str, **labels: str) -> float:

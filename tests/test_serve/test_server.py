@@ -12,8 +12,11 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvstore.model.attention import UNFUSED_ATTENTION
 from kvstore.testing.serve_processes import ServerProcess
+from tests.markers import needs_tested_mlx_lm
 
 from .conftest import SYSTEM, chat, chat_stream, complete, conversation
+
+pytestmark = needs_tested_mlx_lm
 
 
 @pytest.fixture(scope="module")

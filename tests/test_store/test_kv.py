@@ -29,6 +29,7 @@ from kvstore.store import open_backend, open_store
 from kvstore.store.kv import restore
 from kvstore.store.kv import save as save_module
 from kvstore.store.kv.save import BlockEncoder
+from tests.markers import needs_tested_mlx_lm
 
 from .kv_helpers import (
     BLOCK,
@@ -243,6 +244,7 @@ def test_a_rings_room_a_restore_leaves_unwritten_is_zeroed_before_the_whole_buff
     assert_same_caches(restored, expected)
 
 
+@needs_tested_mlx_lm
 def test_a_restored_cache_handed_to_mlx_lm_has_no_unwritten_room(
     lmdb_url, copied_digests, poisoned_allocations, tmp_path
 ):
