@@ -141,11 +141,11 @@ def _write_mlx_lm_file(path: str, caches: list[Any]) -> tuple[int, str]:
     try:
         from mlx_lm.models.cache import save_prompt_cache
 
-        from kvstore.mlx_lm.version import mlx_lm_version, tested_mlx_lm_installed
+        from kvstore.mlx_lm.version import mlx_lm_is_tested, mlx_lm_version
     except ImportError:
         untested = "not installed"
     else:
-        if tested_mlx_lm_installed():
+        if mlx_lm_is_tested():
             save_prompt_cache(path, caches)
             return os.path.getsize(path), "mlx_lm save_prompt_cache"
         untested = f"{mlx_lm_version()} untested"

@@ -15,7 +15,7 @@ from importlib import metadata
 
 from kvstore.errors import CapabilityError
 
-__all__ = ["TESTED_MLX_LM", "mlx_lm_version", "check_mlx_lm_version", "tested_mlx_lm_installed"]
+__all__ = ["TESTED_MLX_LM", "mlx_lm_version", "check_mlx_lm_version", "mlx_lm_is_tested"]
 
 #: ``(lowest, first untested)``: the releases the integration and the server are tested with.
 TESTED_MLX_LM: tuple[tuple[int, int, int], tuple[int, int, int]] = ((0, 32, 2), (0, 33, 0))
@@ -75,7 +75,7 @@ def check_mlx_lm_version(operation: str = "kvstore.mlx_lm") -> str:
     return found
 
 
-def tested_mlx_lm_installed() -> bool:
+def mlx_lm_is_tested() -> bool:
     """Whether the installed mlx-lm is one of :data:`TESTED_MLX_LM`'s releases."""
     found = mlx_lm_version()
     low, high = TESTED_MLX_LM

@@ -34,6 +34,7 @@ def test_an_untested_mlx_lm_is_refused_at_start_with_a_clear_message(capsys, mon
     from kvstore.mlx_lm import version
 
     monkeypatch.setattr(version, "mlx_lm_version", lambda: "0.40.0")
+    monkeypatch.setattr(version, "TESTED_MLX_LM_PYTHON", (3, 0))  # this Python runs them
     assert main(["serve", "--store", "memory://", "--model", "x"]) == EXIT_USAGE
     err = capsys.readouterr().err
     assert err.startswith("kvstore serve: error: [kvstore serve] mlx-lm 0.40.0 is installed")

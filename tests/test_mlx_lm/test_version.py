@@ -16,7 +16,7 @@ from tests.markers import needs_tested_mlx_lm
 @needs_tested_mlx_lm
 def test_a_tested_mlx_lm_passes_the_version_check():
     assert check_mlx_lm_version() == V.mlx_lm_version()
-    assert V.tested_mlx_lm_installed()
+    assert V.mlx_lm_is_tested()
 
 
 def test_the_mlx_lm_version_is_checked_with_a_clear_message(monkeypatch):
