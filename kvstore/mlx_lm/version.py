@@ -57,7 +57,7 @@ def check_mlx_lm_version(operation: str = "kvstore.mlx_lm") -> str:
             found=None,
             supported=wanted,
         )
-    if not low <= _parse(found) < high:
+    if not _tested(found):
         if sys.version_info[:2] < TESTED_MLX_LM_PYTHON:
             fix = (
                 f"Those releases need Python >= {_python(TESTED_MLX_LM_PYTHON)} and this is "
@@ -67,8 +67,7 @@ def check_mlx_lm_version(operation: str = "kvstore.mlx_lm") -> str:
             fix = f"Install a tested release: pip install 'mlx-lm{wanted}'."
         raise CapabilityError(
             f"[{operation}] mlx-lm {found} is installed; this kvstore is tested with "
-            f"mlx-lm{wanted} (it builds on mlx-lm's prompt cache and server internals). "
-            f"{fix}",
+            f"mlx-lm{wanted} (it builds on mlx-lm's prompt cache and server internals). " + fix,
             found=found,
             supported=wanted,
         )
@@ -78,8 +77,12 @@ def check_mlx_lm_version(operation: str = "kvstore.mlx_lm") -> str:
 def mlx_lm_is_tested() -> bool:
     """Whether the installed mlx-lm is one of :data:`TESTED_MLX_LM`'s releases."""
     found = mlx_lm_version()
+    return found is not None and _tested(found)
+
+
+def _tested(version: str) -> bool:
     low, high = TESTED_MLX_LM
-    return found is not None and low <= _parse(found) < high
+    return low <= _parse(version) < high
 
 
 def _python(version: tuple[int, ...]) -> str:
