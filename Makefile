@@ -10,7 +10,7 @@ PYTEST_ARGS ?=
 .PHONY: demo test venv lint clean
 
 $(BIN)/python:
-	$(PYTHON) -c 'import sys; assert sys.version_info >= (3, 10), "mlx-kvstore needs Python >= 3.10, found " + sys.version'
+	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 10) else "mlx-kvstore needs Python >= 3.10; $(PYTHON) is " + sys.version.split()[0] + ". Name another: make PYTHON=python3.12 $(MAKECMDGOALS)")'
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 
