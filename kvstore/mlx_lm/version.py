@@ -50,21 +50,22 @@ def check_mlx_lm_version(operation: str = "kvstore.mlx_lm") -> str:
     low, high = TESTED_MLX_LM
     wanted = f">={_dotted(low)},<{_dotted(high)}"
     found = mlx_lm_version()
+    too_old = sys.version_info[:2] < TESTED_MLX_LM_PYTHON
+    python = (
+        f"mlx-lm{wanted} needs Python >= {_python(TESTED_MLX_LM_PYTHON)} and this is "
+        f"{_python(sys.version_info[:2])}: run kvstore under a newer Python."
+    )
     if found is None:
+        fix = (
+            python
+            if too_old
+            else f"install it with pip install 'mlx-kvstore[serve]' (mlx-lm{wanted})."
+        )
         raise CapabilityError(
-            f"[{operation}] mlx-lm is not installed; install it with "
-            f"pip install 'mlx-kvstore[serve]' (mlx-lm{wanted}).",
-            found=None,
-            supported=wanted,
+            f"[{operation}] mlx-lm is not installed; " + fix, found=None, supported=wanted
         )
     if not _tested(found):
-        if sys.version_info[:2] < TESTED_MLX_LM_PYTHON:
-            fix = (
-                f"Those releases need Python >= {_python(TESTED_MLX_LM_PYTHON)} and this is "
-                f"{_python(sys.version_info[:2])}: run kvstore under a newer Python."
-            )
-        else:
-            fix = f"Install a tested release: pip install 'mlx-lm{wanted}'."
+        fix = python if too_old else f"Install a tested release: pip install 'mlx-lm{wanted}'."
         raise CapabilityError(
             f"[{operation}] mlx-lm {found} is installed; this kvstore is tested with "
             f"mlx-lm{wanted} (it builds on mlx-lm's prompt cache and server internals). " + fix,

@@ -31,8 +31,11 @@ def test_the_mlx_lm_version_is_checked_with_a_clear_message(monkeypatch):
     # Under a Python the tested releases do not support, installing them is no fix.
     monkeypatch.setattr(V, "TESTED_MLX_LM_PYTHON", (99, 0))
     now = ".".join(map(str, sys.version_info[:2]))
-    with pytest.raises(CapabilityError, match=rf"need Python >= 99.0 and this is {now}: run"):
+    with pytest.raises(CapabilityError, match=rf"needs Python >= 99.0 and this is {now}: run"):
         check_mlx_lm_version("kvstore serve")
     monkeypatch.setattr(V, "mlx_lm_version", lambda: None)
-    with pytest.raises(CapabilityError, match="mlx-lm is not installed"):
+    with pytest.raises(CapabilityError, match=r"not installed; .*needs Python >= 99.0 and"):
+        check_mlx_lm_version()
+    monkeypatch.setattr(V, "TESTED_MLX_LM_PYTHON", (3, 0))
+    with pytest.raises(CapabilityError, match=r"not installed; install it with pip install"):
         check_mlx_lm_version()
