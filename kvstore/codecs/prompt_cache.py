@@ -3,11 +3,12 @@
 mlx-lm writes ``tree_flatten([c.state for c in cache])`` as tensors and a
 three-part metadata tree, in one of two layouts:
 
-* current (mlx-lm >= 0.29, 0.32.2 here): ``0.*`` user metadata, ``1.*`` class
-  names, ``2.*`` scalars -- ``2.0`` is ``""``, then ``(position, kind)``
-  pairs naming which tensors are really ints/strings/None. States are
-  ``(keys, values, offset[, ...])`` with capacity-padded buffers.
-* older (up to 0.28): ``0.*`` each cache's ``meta_state`` strings, ``1.*``
+* current (mlx-lm 0.32, the tested release; 0.31.3 still writes the older one):
+  ``0.*`` user metadata, ``1.*`` class names, ``2.*`` scalars -- ``2.0`` is
+  ``""``, then ``(position, kind)`` pairs naming which tensors are really
+  ints/strings/None. States are ``(keys, values, offset[, ...])`` with
+  capacity-padded buffers.
+* older (up to 0.31 at least): ``0.*`` each cache's ``meta_state`` strings, ``1.*``
   user metadata, ``2.*`` class names. States are ``(keys, values)`` already
   cut to ``offset``.
 
