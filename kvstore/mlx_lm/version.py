@@ -15,7 +15,13 @@ from importlib import metadata
 
 from kvstore.errors import CapabilityError
 
-__all__ = ["TESTED_MLX_LM", "mlx_lm_version", "check_mlx_lm_version", "mlx_lm_is_tested"]
+__all__ = [
+    "TESTED_MLX_LM",
+    "TESTED_MLX_LM_RANGE",
+    "mlx_lm_version",
+    "check_mlx_lm_version",
+    "mlx_lm_is_tested",
+]
 
 #: ``(lowest, first untested)``: the releases the integration and the server are tested with.
 TESTED_MLX_LM: tuple[tuple[int, int, int], tuple[int, int, int]] = ((0, 32, 2), (0, 33, 0))
@@ -28,8 +34,12 @@ def _parse(text: str) -> tuple[int, int, int]:
     return (parts + [0, 0, 0])[0], (parts + [0, 0, 0])[1], (parts + [0, 0, 0])[2]
 
 
-def _dotted(version: tuple[int, int, int]) -> str:
+def _dotted(version: tuple[int, ...]) -> str:
     return ".".join(map(str, version))
+
+
+#: :data:`TESTED_MLX_LM` as a pip version specifier.
+TESTED_MLX_LM_RANGE = f">={_dotted(TESTED_MLX_LM[0])},<{_dotted(TESTED_MLX_LM[1])}"
 
 
 def mlx_lm_version() -> str | None:
@@ -47,28 +57,20 @@ def check_mlx_lm_version(operation: str = "kvstore.mlx_lm") -> str:
         CapabilityError: mlx-lm is missing, or its version is outside the tested
             range (``exc.found``, ``exc.supported``).
     """
-    low, high = TESTED_MLX_LM
-    wanted = f">={_dotted(low)},<{_dotted(high)}"
+    wanted = TESTED_MLX_LM_RANGE
     found = mlx_lm_version()
-    too_old = sys.version_info[:2] < TESTED_MLX_LM_PYTHON
-    python = (
-        f"mlx-lm{wanted} needs Python >= {_python(TESTED_MLX_LM_PYTHON)} and this is "
-        f"{_python(sys.version_info[:2])}: run kvstore under a newer Python."
-    )
     if found is None:
-        fix = (
-            python
-            if too_old
-            else f"install it with pip install 'mlx-kvstore[serve]' (mlx-lm{wanted})."
-        )
         raise CapabilityError(
-            f"[{operation}] mlx-lm is not installed; " + fix, found=None, supported=wanted
+            f"[{operation}] mlx-lm is not installed; "
+            + _remedy(f"install it with pip install 'mlx-kvstore[serve]' (mlx-lm{wanted})."),
+            found=None,
+            supported=wanted,
         )
     if not _tested(found):
-        fix = python if too_old else f"Install a tested release: pip install 'mlx-lm{wanted}'."
         raise CapabilityError(
             f"[{operation}] mlx-lm {found} is installed; this kvstore is tested with "
-            f"mlx-lm{wanted} (it builds on mlx-lm's prompt cache and server internals). " + fix,
+            f"mlx-lm{wanted} (it builds on mlx-lm's prompt cache and server internals). "
+            + _remedy(f"Install a tested release: pip install 'mlx-lm{wanted}'."),
             found=found,
             supported=wanted,
         )
@@ -86,5 +88,11 @@ def _tested(version: str) -> bool:
     return low <= _parse(version) < high
 
 
-def _python(version: tuple[int, ...]) -> str:
-    return ".".join(map(str, version[:2]))
+def _remedy(install: str) -> str:
+    """``install``, unless this Python is older than the tested releases need: then that."""
+    if sys.version_info[:2] >= TESTED_MLX_LM_PYTHON:
+        return install
+    return (
+        f"mlx-lm{TESTED_MLX_LM_RANGE} needs Python >= {_dotted(TESTED_MLX_LM_PYTHON)} and "
+        f"this is {_dotted(sys.version_info[:2])}: run kvstore under a newer Python."
+    )

@@ -50,21 +50,20 @@ def churn(directory: str, workload: str, budget_mib: int, saves: int, lo: int, h
                 prompt = rng.integers(0, 150_000, tokens, dtype=np.uint32)
                 store.save("churn", prompt, caches[rounded])
                 if i % max(saves // 10, 1) == 0 or i == saves:
-                    report(store, folder, i, time.perf_counter() - started)
+                    report(store, i, time.perf_counter() - started)
     finally:
         shutil.rmtree(folder, ignore_errors=True)
 
 
-def report(store, folder: Path, saves: int, seconds: float) -> None:
+def report(store, saves: int, seconds: float) -> None:
     stats = store.stats()
-    engine = stats.backend  # LMDB's figures: the value file's size and free space
-    index_bytes = (folder / "s" / "data.mdb").stat().st_size  # LMDB's file: the index
+    engine = stats.backend  # LMDB's figures: its own file (the index), the value file's
     print(
         f"  {saves:5d} saves  file {engine['value_file_bytes'] / MiB:8.1f} MiB  "
         f"held {stats.bytes / MiB:7.1f} MiB  "
         f"free {engine['value_file_free_bytes'] / MiB:7.1f} MiB in "
         f"{engine['value_file_free_extents']:3d} extents  "
-        f"LMDB {index_bytes / MiB:6.1f} MiB  ({seconds:.0f} s)"
+        f"LMDB {engine['file_bytes'] / MiB:6.1f} MiB  ({seconds:.0f} s)"
     )
 
 
