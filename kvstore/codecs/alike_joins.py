@@ -39,7 +39,7 @@ from typing import Any, cast
 import mlx.core as mx
 
 from kvstore.abc.codec import Snapshot
-from kvstore.codecs import cuda, cuda_pages, one_buffer
+from kvstore.codecs import cuda, cuda_pages, gather_tables, one_buffer
 from kvstore.codecs.arrays import MLX_DTYPES
 from kvstore.codecs.fill import LeafSpec
 from kvstore.codecs.header import LayerEntry, TensorEntry
@@ -252,14 +252,14 @@ def _gathered(
     layer's join) and where its first layer's lies. ``None`` where the gather cannot."""
     count = len(entries)
     specs: list[LeafSpec] = [((*s[:2], capacity, *s[3:]), dtype) for s, dtype in kinds]
-    rows = cuda_pages.StackedRows(
+    rows = gather_tables.StackedRows(
         [p.address for p in payloads],
         [[laid_out[n].offset for laid_out in entries] for n in names],
         [s for s, _ in kinds],
         [dtype for _, dtype in kinds],
         [rows_read(cuts, s[2]) for s, _ in kinds],
     )
-    table = cuda_pages.stacked_table(rows, specs)
+    table = gather_tables.stacked_table(rows, specs)
     if table is None:
         return None
     # The gather sizes its output from its arrays' specs: a kind's arrays as one stack

@@ -29,7 +29,7 @@ import numpy as np
 
 from kvstore.abc.codec import RestorePlan, Snapshot
 from kvstore.caches.base import Tree
-from kvstore.codecs import cuda, cuda_pages, device_joins, one_buffer
+from kvstore.codecs import cuda, cuda_pages, device_joins, gather_tables, one_buffer
 from kvstore.codecs.arrays import MLX_DTYPES, as_numpy_all, dtype_name, owned_arrays
 from kvstore.codecs.copied_sums import Claims
 from kvstore.codecs.fill import LeafSpec, filled_arrays
@@ -440,7 +440,7 @@ def join_runs(
     flat = None
     if on_gpu:
         alike = _alike_rows([joins[i][2] for i in hosted]) if pages is not None else None
-        table = cuda_pages.alike_table(alike, specs) if alike is not None else None
+        table = gather_tables.alike_table(alike, specs) if alike is not None else None
         flat = cuda_pages.gathered_flat(
             specs,
             table if table is not None else [_gathered_from(joins[i][2]) for i in hosted],
@@ -545,15 +545,17 @@ class _StoredRows:
     def leaves(self) -> list[LeafSpec]:
         return [self.spec]
 
-    def layout(self) -> cuda_pages.RowsLayout | None:
-        """Where a gather reads the rows (:func:`cuda_pages.stored_layout`)."""
+    def layout(self) -> gather_tables.RowsLayout | None:
+        """Where a gather reads the rows (:func:`gather_tables.stored_layout`)."""
         name = self.name
         if self.bases is not None:  # one header template: one entry, each payload's address
             entry = self.tensors[0].entries[name]
             offset = entry.offset
             addresses = [base + offset for base in self.bases.addresses]
             counts = self.bases.counts(entry.shape[2])
-            return cuda_pages.alike_layout(addresses, entry.shape, counts, entry.dtype, *self.spec)
+            return gather_tables.alike_layout(
+                addresses, entry.shape, counts, entry.dtype, *self.spec
+            )
         addresses, shapes, counts, dtypes = [], [], [], []
         for t in self.tensors:  # one pass (192 joins of 16 in a lossy restore)
             e = t.entries[name]
@@ -561,7 +563,7 @@ class _StoredRows:
             shapes.append(e.shape)
             counts.append(t.shape(name)[2])  # a match's cut, where it ends inside the block
             dtypes.append(e.dtype)
-        return cuda_pages.stored_layout(addresses, shapes, counts, dtypes, *self.spec)
+        return gather_tables.stored_layout(addresses, shapes, counts, dtypes, *self.spec)
 
     def rows_join(self) -> RowsJoin:
         if self._join is None:
@@ -586,8 +588,8 @@ def write_rows(views: Sequence[np.ndarray], target: np.ndarray) -> None:
     target[:, :, rows:] = 0
 
 
-def _alike_rows(joins: Sequence[RowsJoin | _StoredRows]) -> cuda_pages.AlikeRows | None:
-    """``joins`` as one :class:`~kvstore.codecs.cuda_pages.AlikeRows` when each is a
+def _alike_rows(joins: Sequence[RowsJoin | _StoredRows]) -> gather_tables.AlikeRows | None:
+    """``joins`` as one :class:`~kvstore.codecs.gather_tables.AlikeRows` when each is a
     :class:`_StoredRows` of pieces laid out alike in the same records (a lossy restore of
     a model whose every layer reads every block); else ``None``."""
     first: _Bases | None = None
@@ -607,10 +609,10 @@ def _alike_rows(joins: Sequence[RowsJoin | _StoredRows]) -> cuda_pages.AlikeRows
         counts.append(bases.counts(entry.shape[2]))
     if first is None:
         return None
-    return cuda_pages.AlikeRows(first.addresses, offsets, shapes, dtypes, counts)
+    return gather_tables.AlikeRows(first.addresses, offsets, shapes, dtypes, counts)
 
 
-def _gathered_from(join: RowsJoin | _StoredRows) -> Sequence[Any] | cuda_pages.RowsLayout:
+def _gathered_from(join: RowsJoin | _StoredRows) -> Sequence[Any] | gather_tables.RowsLayout:
     """What a gather of ``join``'s rows reads: where they lie, or their views."""
     if isinstance(join, _StoredRows):
         return join.layout() or join.rows_join().columns[0]

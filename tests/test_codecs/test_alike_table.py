@@ -1,5 +1,5 @@
 """A one-buffer gather's segment table made for every array at once
-(kvstore.codecs.cuda_pages.alike_table): word for word the table the per-array path makes
+(kvstore.codecs.gather_tables.alike_table): word for word the table the per-array path makes
 from each array's alike_layout, and None wherever one of those is None."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kvstore.codecs import cuda_pages, one_buffer
+from kvstore.codecs import gather_tables, one_buffer
 
 #: Kinds of tensor as a lossy record stores them: (stored shape, dtype).
 KINDS = [
@@ -36,8 +36,8 @@ def case(rng, kinds, records, counts_of):
         counts.append(cuts)
         specs.append(spec)
         addresses = [base + offset for base in bases]
-        layouts.append(cuda_pages.alike_layout(addresses, shape, cuts, dtype, *spec))
-    return cuda_pages.AlikeRows(bases, offsets, shapes, dtypes, counts), specs, layouts
+        layouts.append(gather_tables.alike_layout(addresses, shape, cuts, dtype, *spec))
+    return gather_tables.AlikeRows(bases, offsets, shapes, dtypes, counts), specs, layouts
 
 
 def cut_counts(records, cuts):
@@ -68,8 +68,8 @@ def test_the_table_for_all_arrays_is_the_per_array_paths_table(records, cuts):
     kinds = [0, 1, 2, 3, 0, 1, 3, 2, 1, 0]
     rows, specs, layouts = case(rng, kinds, records, counts_of)
     assert all(layout is not None for layout in layouts)
-    want = cuda_pages._segment_table(layouts, one_buffer.buffer_starts(specs))
-    got = cuda_pages.alike_table(rows, specs)
+    want = gather_tables.segment_table(layouts, one_buffer.buffer_starts(specs))
+    got = gather_tables.alike_table(rows, specs)
     assert got is not None and got.dtype == want.dtype
     assert np.array_equal(got, want)
 
@@ -102,8 +102,8 @@ def test_a_table_some_array_cannot_be_gathered_by_is_none(change, why):
         counts[2][1] = -1
     else:
         specs[2] = ((*shape[:2], sum(counts[2]) - 1, *shape[3:]), name)
-    changed = cuda_pages.AlikeRows(rows.bases, rows.offsets, shapes, dtypes, counts)
-    assert cuda_pages.alike_table(changed, specs) is None, why
+    changed = gather_tables.AlikeRows(rows.bases, rows.offsets, shapes, dtypes, counts)
+    assert gather_tables.alike_table(changed, specs) is None, why
 
 
 def stacked_case(rng, kinds, layers, records, counts_of):
@@ -120,8 +120,8 @@ def stacked_case(rng, kinds, layers, records, counts_of):
         dtypes.append(dtype)
         counts.append(cuts)
         specs.append(((*shape[:2], sum(cuts) + int(rng.integers(0, 3)), *shape[3:]), dtype))
-    stacked = cuda_pages.StackedRows(bases, offsets, shapes, dtypes, counts)
-    alike = cuda_pages.AlikeRows(
+    stacked = gather_tables.StackedRows(bases, offsets, shapes, dtypes, counts)
+    alike = gather_tables.AlikeRows(
         bases,
         [o for layer_offsets in offsets for o in layer_offsets],
         [s for s in shapes for _ in range(layers)],
@@ -141,8 +141,8 @@ def test_the_table_made_per_kind_is_the_table_made_per_array(layers, records, cu
     rng = np.random.default_rng(layers * 10 + records)
     counts_of = cut_counts(records, cuts)
     stacked, specs, alike, every = stacked_case(rng, [0, 1, 3, 2], layers, records, counts_of)
-    want = cuda_pages.alike_table(alike, every)
-    got = cuda_pages.stacked_table(stacked, specs)
+    want = gather_tables.alike_table(alike, every)
+    got = gather_tables.stacked_table(stacked, specs)
     assert want is not None and got is not None
     assert np.array_equal(got, want)
 
@@ -164,5 +164,5 @@ def test_a_table_per_kind_some_array_cannot_be_gathered_by_is_none(change):
         specs[1] = ((*shape[:2], sum(counts[1]) - 1, *shape[3:]), name)
     else:  # a kind with fewer layers than the others
         offsets[1] = offsets[1][:-1]
-    changed = cuda_pages.StackedRows(stacked.bases, offsets, stacked.shapes, dtypes, counts)
-    assert cuda_pages.stacked_table(changed, specs) is None, change
+    changed = gather_tables.StackedRows(stacked.bases, offsets, stacked.shapes, dtypes, counts)
+    assert gather_tables.stacked_table(changed, specs) is None, change

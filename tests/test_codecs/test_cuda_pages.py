@@ -15,7 +15,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from kvstore.codecs import cuda, cuda_pages, one_buffer
+from kvstore.codecs import cuda, cuda_pages, gather_tables, one_buffer
 from kvstore.store import open_store
 from kvstore.threads import KeptPool
 from tests.test_codecs.test_cuda_staging import HostTransport
@@ -409,13 +409,13 @@ def test_a_lossy_restore_gathers_each_tensors_joined_rows_from_the_pinned_pages(
     tokens = prompt(8, 3 * BLOCK + 7)
     url = f"lmdb://{tmp_path / 's'}"
     viewed = []
-    real_layout = cuda_pages._layout
+    real_layout = gather_tables.host_layout
 
     def layout(pieces, shape, name):
         viewed.append(len(pieces))
         return real_layout(pieces, shape, name)
 
-    monkeypatch.setattr(cuda_pages, "_layout", layout)
+    monkeypatch.setattr(gather_tables, "host_layout", layout)
     stacks, given = [], []
 
     def stacked(snapshots, to_signature, views=None, decoded=None):
@@ -969,18 +969,18 @@ def test_a_lossy_restore_makes_every_joins_segments_in_one_go_and_equals_the_cpu
     tmp_path, staged, monkeypatch, policy
 ):
     # Every layer reads the same records, laid out alike: the segments of all the joins
-    # are made at once, from each tensor name's kind (cuda_pages.stacked_table: one spec
+    # are made at once, from each tensor name's kind (gather_tables.stacked_table: one spec
     # per name), no layout made per join.
     made, per_join = [], []
-    real_table = cuda_pages.stacked_table
+    real_table = gather_tables.stacked_table
     monkeypatch.setattr(
-        cuda_pages,
+        gather_tables,
         "stacked_table",
         lambda rows, specs: made.append(len(specs)) or real_table(rows, specs),
     )
-    real_layout = cuda_pages.alike_layout
+    real_layout = gather_tables.alike_layout
     monkeypatch.setattr(
-        cuda_pages, "alike_layout", lambda *a: per_join.append(1) or real_layout(*a)
+        gather_tables, "alike_layout", lambda *a: per_join.append(1) or real_layout(*a)
     )
     from kvstore.store.kv import restore as restoring
 
@@ -1097,14 +1097,14 @@ def test_with_alike_joins_switched_off_a_lossy_restore_joins_per_layer_and_equal
 
     monkeypatch.setattr(alike_joins, "ALIKE_JOINS", False)
     decodes, per_name = [], []
-    real_decoded, real_table = restoring._decoded, cuda_pages.stacked_table
+    real_decoded, real_table = restoring._decoded, gather_tables.stacked_table
     monkeypatch.setattr(
         restoring,
         "_decoded",
         lambda views, *a: decodes.append(len(views)) or real_decoded(views, *a),
     )
     monkeypatch.setattr(
-        cuda_pages, "stacked_table", lambda *a: per_name.append(1) or real_table(*a)
+        gather_tables, "stacked_table", lambda *a: per_name.append(1) or real_table(*a)
     )
     model = model_for("tiny")
     tokens = prompt(41, 4 * BLOCK)

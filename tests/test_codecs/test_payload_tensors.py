@@ -1,12 +1,12 @@
 """A lazily decoded layer (kvstore.codecs.payload_tensors): the same views a decode
-makes, made only when asked, and where a gather reads them (cuda_pages.stored_layout)."""
+makes, made only when asked, and where a gather reads them (gather_tables.stored_layout)."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from kvstore.codecs import cuda_pages, decode_record, encode_record
+from kvstore.codecs import decode_record, encode_record, gather_tables
 from kvstore.codecs.payload_tensors import PayloadTensors, stored
 
 from .test_record import mixed_layers
@@ -64,7 +64,7 @@ def test_a_stored_layout_reads_what_the_views_layout_reads(record):
     b, _ = described_keys(record, 7)
     shape = (*a.shape(name)[:2], 30, *a.shape(name)[3:])
     dtype = a.entries[name].dtype
-    got = cuda_pages.stored_layout(
+    got = gather_tables.stored_layout(
         [t.address(name) for t in (a, b)],
         [t.entries[name].shape for t in (a, b)],
         [t.shape(name)[2] for t in (a, b)],
@@ -72,7 +72,7 @@ def test_a_stored_layout_reads_what_the_views_layout_reads(record):
         shape,
         dtype,
     )
-    assert got == cuda_pages._layout([a[name], b[name]], shape, dtype)
+    assert got == gather_tables.host_layout([a[name], b[name]], shape, dtype)
 
 
 @pytest.mark.parametrize(
@@ -104,7 +104,7 @@ def test_a_stored_layout_that_cannot_be_gathered_is_none(record, change, why):
     else:
         shape = (*stored_shape[:2], 2 * stored_shape[2] - 1, *stored_shape[3:])
     address = tensors.address(name)
-    got = cuda_pages.stored_layout([address] * 2, shapes, counts, dtypes, shape, dtype)
+    got = gather_tables.stored_layout([address] * 2, shapes, counts, dtypes, shape, dtype)
     assert got is None, why
 
 
@@ -116,10 +116,10 @@ def test_an_alike_layout_is_the_stored_layout_of_pieces_laid_out_alike(record, c
     shape = (*stored_shape[:2], 2 * stored_shape[2], *stored_shape[3:])
     addresses = [t.address(name) for t in pieces]
     counts = [t.shape(name)[2] for t in pieces]
-    want = cuda_pages.stored_layout(
+    want = gather_tables.stored_layout(
         addresses, [stored_shape] * 2, counts, [dtype] * 2, shape, dtype
     )
-    got = cuda_pages.alike_layout(addresses, stored_shape, counts, dtype, shape, dtype)
+    got = gather_tables.alike_layout(addresses, stored_shape, counts, dtype, shape, dtype)
     assert got is not None and got == want
 
 
@@ -147,7 +147,7 @@ def test_an_alike_layout_that_cannot_be_gathered_is_none(record, change, why):
     else:
         shape = (stored_shape[0], stored_shape[1] + 1, *shape[2:])
     address = tensors.address(name)
-    got = cuda_pages.alike_layout([address] * 2, stored_shape, counts, dtype, shape, name_asked)
+    got = gather_tables.alike_layout([address] * 2, stored_shape, counts, dtype, shape, name_asked)
     assert got is None, why
 
 

@@ -43,7 +43,7 @@ import numpy as np
 
 from kvstore.bench.workloads import WORKLOADS, SyntheticKV, attended_arrays
 from kvstore.caches import KVCache
-from kvstore.codecs import cuda, cuda_pages, one_buffer, plans, record
+from kvstore.codecs import cuda, cuda_pages, gather_tables, one_buffer, plans, record
 from kvstore.store import open_store
 from kvstore.store.kv import restore
 from kvstore.turboquant.quantizer import TurboQuantizer
@@ -125,8 +125,8 @@ PHASES: tuple[tuple[Any, str], ...] = (
     (restore, "joined_records"),
     (plans, "_row_names"),
     (cuda_pages, "gathered_flat"),
-    (cuda_pages, "_layout"),
-    (cuda_pages, "_segment_tables"),
+    (gather_tables, "host_layout"),
+    (gather_tables, "segment_tables"),
     (cuda_pages._DeviceTable, "params"),
     (cuda_pages, "_group_buffers"),
     (cuda_pages, "views_in"),

@@ -105,7 +105,7 @@ def child_restore(url: str, tokens: int, layers: int, switch_ms: float) -> dict[
 
     from kvstore.bench.figures.gpu_session import thread_usage
     from kvstore.caches import KVCache
-    from kvstore.codecs import cuda, cuda_pages, growing, one_buffer, plans
+    from kvstore.codecs import cuda, cuda_pages, gather_tables, growing, one_buffer, plans
     from kvstore.store import open_store
     from kvstore.store.kv import restore
 
@@ -201,7 +201,7 @@ def child_restore(url: str, tokens: int, layers: int, switch_ms: float) -> dict[
         line.wrap(plans, "_row_names", "join: row names")
         line.wrap(plans._StoredRows, "layout", "join: layouts")
         line.wrap(cuda_pages, "gathered_flat", "join: gathered_flat")
-        line.wrap(cuda_pages, "_segment_tables", "gather: segment tables")
+        line.wrap(gather_tables, "segment_tables", "gather: segment tables")
         line.wrap(cuda_pages._DeviceTable, "params", "gather: device table")
         line.wrap(cuda_pages, "_group_buffers", "gather: group buffers")
         line.wrap(cuda_pages, "views_in", "join: views")
