@@ -1,12 +1,13 @@
-"""Write the older-layout mlx-lm prompt-cache fixture under tests/fixtures/mlx_lm/.
+"""Write a legacy-layout mlx-lm prompt-cache fixture under tests/fixtures/mlx_lm/.
 
 The file must come from a real older mlx-lm, not from our imitation of it, so
-run this with mlx-lm 0.28.0 (the last release with the ``meta_state`` layout)
-first on the path::
+run this with that mlx-lm first on the path: 0.28.0 (the last release whose
+``meta_state`` fields begin with the cache's step) and 0.31.3 (the last release of
+the legacy layout, what Python 3.10 gets) are there::
 
-    .venv/bin/pip download mlx-lm==0.28.0 --no-deps -d /tmp/mlx-lm-wheel
-    .venv/bin/python -m zipfile -e /tmp/mlx-lm-wheel/mlx_lm-0.28.0-py3-none-any.whl /tmp/mlx-lm-0.28
-    PYTHONPATH=/tmp/mlx-lm-0.28 .venv/bin/python tools/write_mlx_lm_fixture.py --write
+    .venv/bin/pip download mlx-lm==0.31.3 --no-deps -d /tmp/mlx-lm-wheel
+    .venv/bin/python -m zipfile -e /tmp/mlx-lm-wheel/mlx_lm-0.31.3-py3-none-any.whl /tmp/mlx-lm-0.31
+    PYTHONPATH=/tmp/mlx-lm-0.31 .venv/bin/python tools/write_mlx_lm_fixture.py --write
 
 It writes the prompt cache itself, the rows fed to each layer (so the test can
 rebuild the same caches with kvstore's families and compare bit for bit), and

@@ -3,8 +3,10 @@ write the longest stored prefix of some tokens to a prompt-cache file.
 
 The caches are restored in the families the store's records hold. ``--format
 mlx-lm`` (the default) writes a file stock ``mlx_lm.models.cache.load_prompt_cache``
-loads (plain, quantized and sliding-window plain caches); ``--format kvstore`` a
-kvstore ``.safetensors`` snapshot file (any family; ``kvstore import`` reads both).
+loads (plain, quantized and sliding-window plain caches), in the layout of the
+installed mlx-lm (``--mlx-lm-layout``: mlx-lm 0.32 changed it, and Python 3.10 gets
+0.31); ``--format kvstore`` a kvstore ``.safetensors`` snapshot file (any family;
+``kvstore import`` reads both).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import argparse
 
 from kvstore.cli.options import add_json, command_parser, read_tokens
 from kvstore.cli.output import human_bytes, print_json
+from kvstore.codecs.prompt_cache import LAYOUTS
 
 OPERATION = "export"
 
@@ -30,6 +33,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         default="mlx-lm",
         help="mlx-lm: a prompt-cache file (default); kvstore: a snapshot file",
     )
+    p.add_argument(
+        "--mlx-lm-layout",
+        choices=("auto", *LAYOUTS),
+        default="auto",
+        help="an mlx-lm file's layout: current (mlx-lm >= 0.32), legacy (0.28.1 to 0.31); "
+        "auto (default): the installed mlx-lm's, current without one",
+    )
     add_json(p)
     p.set_defaults(run=run)
 
@@ -39,8 +49,11 @@ def run(args: argparse.Namespace) -> int:
     from kvstore.store.maintenance.inventory import open_existing
 
     tokens = read_tokens(args.tokens, OPERATION)
+    layout = args.mlx_lm_layout
+    if layout == "auto":
+        layout = _installed_layout()
     with open_existing(args.url, operation=OPERATION) as store:
-        result = export_cache_file(store, args.namespace, tokens, args.out, args.format)
+        result = export_cache_file(store, args.namespace, tokens, args.out, args.format, layout)
     if args.json:
         print_json(
             {
@@ -62,5 +75,20 @@ def run(args: argparse.Namespace) -> int:
         f"{human_bytes(result.bytes)}"
     )
     if result.format == "mlx-lm":
-        print("load it with mlx_lm.models.cache.load_prompt_cache(path)")
+        loads = _LOADED_BY[layout]
+        print(f"load it with mlx_lm.models.cache.load_prompt_cache(path) ({loads})")
     return 0
+
+
+#: Which mlx-lm releases load each layout (kvstore.codecs.prompt_cache).
+_LOADED_BY = {"current": "mlx-lm >= 0.32", "legacy": "mlx-lm 0.28.1 to 0.31"}
+
+
+def _installed_layout() -> str:
+    """The layout the installed mlx-lm loads; ``current`` where none is installed (the
+    integration does not import without it)."""
+    try:
+        from kvstore.mlx_lm.version import installed_file_layout
+    except ImportError:
+        return "current"
+    return installed_file_layout()

@@ -3,18 +3,21 @@
 mlx-lm writes ``tree_flatten([c.state for c in cache])`` as tensors and a
 three-part metadata tree, in one of two layouts:
 
-* current (mlx-lm 0.32, the tested release; 0.31.3 still writes the older one):
+* current (mlx-lm 0.32.0 on, the tested releases):
   ``0.*`` user metadata, ``1.*`` class names, ``2.*`` scalars -- ``2.0`` is
   ``""``, then ``(position, kind)`` pairs naming which tensors are really
   ints/strings/None. States are ``(keys, values, offset[, ...])`` with
   capacity-padded buffers.
-* older (up to 0.31 at least): ``0.*`` each cache's ``meta_state`` strings, ``1.*``
-  user metadata, ``2.*`` class names. States are ``(keys, values)`` already
-  cut to ``offset``.
+* legacy (up to 0.31.3, the last release Python 3.10 gets): ``0.*`` each cache's
+  ``meta_state`` strings, ``1.*`` user metadata, ``2.*`` class names. States are
+  ``(keys, values)`` already cut to ``offset``. Each release loads only its own
+  ``meta_state`` fields: up to 0.28.0 they began with the cache's ``step``
+  (``QuantizedKVCache``: step, offset, group size, bits), from 0.28.1 they do not.
 
-Import detects the layout, rebuilds each cache's state and returns its
-logical snapshots (padding dropped, rings in temporal order). Export writes
-the current layout without padding; stock ``load_prompt_cache`` loads it.
+Import detects the layout (and reads both kinds of ``meta_state``), rebuilds each
+cache's state and returns its logical snapshots (padding dropped, rings in temporal
+order). Export writes either layout without padding (legacy: 0.28.1's to 0.31's
+fields), which stock ``load_prompt_cache`` of those releases loads.
 """
 
 from __future__ import annotations
@@ -34,7 +37,20 @@ from kvstore.codecs.registry import codec_for, get_codec
 from kvstore.codecs.rows import slice_rows
 from kvstore.errors import CapabilityError, CorruptEntryError
 
-__all__ = ["ImportedPromptCache", "import_prompt_cache", "export_prompt_cache"]
+__all__ = [
+    "CURRENT_LAYOUT_SINCE",
+    "LAYOUTS",
+    "ImportedPromptCache",
+    "export_prompt_cache",
+    "import_prompt_cache",
+]
+
+#: The layouts of a prompt-cache file (module docstring): what import reports, what
+#: export writes.
+LAYOUTS = ("current", "legacy")
+#: The first mlx-lm release that writes and loads the current layout; the ones before
+#: it load the legacy one only.
+CURRENT_LAYOUT_SINCE = (0, 32, 0)
 
 # mlx-lm class name -> (our class with the same state layout, its kind)
 _CLASSES: dict[str, tuple[Any, str]] = {
@@ -122,16 +138,25 @@ def export_prompt_cache(
     path: str | os.PathLike[str],
     caches: Sequence[Any],
     metadata: Mapping[str, str] | None = None,
+    *,
+    layout: str = "current",
 ) -> None:
-    """Write ``caches`` as an mlx-lm prompt-cache file (current layout, no padding).
+    """Write ``caches`` as an mlx-lm prompt-cache file (no padding) in ``layout``.
 
     Stock ``mlx_lm.models.cache.load_prompt_cache`` loads it into mlx-lm's own
-    ``KVCache``/``QuantizedKVCache``/``RotatingKVCache``.
+    ``KVCache``/``QuantizedKVCache``/``RotatingKVCache``: ``"current"`` in mlx-lm
+    0.32 and later, ``"legacy"`` in 0.28.1 to 0.31 (the file those releases'
+    ``save_prompt_cache`` writes of the same caches, byte for byte in the tensors).
 
     Raises:
         CapabilityError: a cache family mlx-lm has no class for
             (``kv:rotating-quant``, TurboQuant).
+        ValueError: ``layout`` is not one of :data:`LAYOUTS`.
     """
+    if layout not in LAYOUTS:
+        raise ValueError(
+            f"[export_prompt_cache] layout is one of {', '.join(LAYOUTS)}; received {layout!r}."
+        )
     states, classes = [], []
     for i, cache in enumerate(caches):
         codec = codec_for(cache)
@@ -150,14 +175,21 @@ def export_prompt_cache(
         rebuilt.values = slice_rows(rebuilt.values, 0, used)
         states.append(rebuilt.state)
         classes.append(name)
+    user = dict(metadata or {})
+    if layout == "legacy":
+        legacy = [_legacy_of(name, state) for name, state in zip(classes, states, strict=True)]
+        tensors = dict(tree_flatten([arrays for arrays, _ in legacy]))
+        flat_meta = dict(tree_flatten([[info for _, info in legacy], user, classes]))
+        mx.save_safetensors(os.fspath(path), tensors, flat_meta)
+        return
     scalars: list[Any] = [""]  # mlx-lm: "must be non-empty otherwise tree_flatten drops it"
-    tensors: dict[str, mx.array] = {}
+    tensors = {}
     for key, value in cast(list[tuple[str, Any]], tree_flatten(states)):
         if isinstance(value, int):
             scalars.append((key, "scalar"))
             value = mx.array(value)
         tensors[key] = value
-    flat_meta = dict(tree_flatten([dict(metadata or {}), classes, scalars]))
+    flat_meta = dict(tree_flatten([user, classes, scalars]))
     mx.save_safetensors(os.fspath(path), tensors, flat_meta)
 
 
@@ -193,3 +225,16 @@ def _legacy_state(name: str, state: Sequence[Any], info: Any) -> tuple[Any, ...]
         return tuple(keys), tuple(values), offset, group_size, bits
     keep, max_size, *rest = fields  # keep, max_size, (step,) offset, _idx
     return keys, values, rest[-2], keep, max_size, rest[-1]
+
+
+def _legacy_of(name: str, state: Sequence[Any]) -> tuple[tuple[Any, Any], str | tuple[str, ...]]:
+    """Today's state tuple as the legacy ``(keys, values)`` and ``meta_state`` strings of
+    mlx-lm 0.28.1 to 0.31 (the inverse of :func:`_legacy_state`)."""
+    keys, values, offset, *rest = state
+    if name == "KVCache":
+        return (keys, values), ""  # its offset is its rows
+    if name == "QuantizedKVCache":
+        group_size, bits = rest
+        return (tuple(keys), tuple(values)), tuple(map(str, (offset, group_size, bits)))
+    keep, max_size, idx = rest
+    return (keys, values), tuple(map(str, (keep, max_size, offset, idx)))

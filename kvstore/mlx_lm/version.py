@@ -13,6 +13,7 @@ import re
 import sys
 from importlib import metadata
 
+from kvstore.codecs.prompt_cache import CURRENT_LAYOUT_SINCE
 from kvstore.errors import CapabilityError
 
 __all__ = [
@@ -21,6 +22,7 @@ __all__ = [
     "mlx_lm_version",
     "check_mlx_lm_version",
     "mlx_lm_is_tested",
+    "installed_file_layout",
 ]
 
 #: ``(lowest, first untested)``: the releases the integration and the server are tested with.
@@ -81,6 +83,14 @@ def mlx_lm_is_tested() -> bool:
     """Whether the installed mlx-lm is one of :data:`TESTED_MLX_LM`'s releases."""
     found = mlx_lm_version()
     return found is not None and _tested(found)
+
+
+def installed_file_layout() -> str:
+    """The prompt-cache file layout the installed mlx-lm loads
+    (:data:`~kvstore.codecs.prompt_cache.LAYOUTS`): ``"legacy"`` for a release before
+    0.32 (what Python 3.10 gets), ``"current"`` for a later one or none."""
+    found = mlx_lm_version()
+    return "legacy" if found is not None and _parse(found) < CURRENT_LAYOUT_SINCE else "current"
 
 
 def _tested(version: str) -> bool:

@@ -17,9 +17,12 @@ from mlx_lm.models import cache as lm_cache  # noqa: E402
 from kvstore.bridge import generate_tokens  # noqa: E402
 from kvstore.cli import main  # noqa: E402
 from kvstore.codecs.prompt_cache import import_prompt_cache  # noqa: E402
+from kvstore.errors import StoreConfigError  # noqa: E402
+from kvstore.mlx_lm.version import installed_file_layout  # noqa: E402
 from kvstore.model import CachePolicy, build_model, load_model  # noqa: E402
 from kvstore.store import keys as K  # noqa: E402
 from kvstore.store import namespace_for_model, open_store  # noqa: E402
+from kvstore.store.maintenance.cache_files import export_cache_file  # noqa: E402
 from kvstore.testing.codec import assert_arrays_equal, assert_snapshots_equal  # noqa: E402
 from kvstore.testing.mlx_lm_models import TINY_ARGS, build_mlx_lm_model  # noqa: E402
 from tests.markers import needs_tested_mlx_lm
@@ -211,7 +214,7 @@ def test_export_of_a_longer_prompt_covers_the_stored_prefix(llama, tmp_path, cap
 
 
 def write_legacy_prompt_cache(path, caches, metadata) -> None:
-    """A prompt-cache file as mlx-lm <= 0.28 wrote it: (keys, values) cut to the
+    """A prompt-cache file as mlx-lm <= 0.31 wrote it: (keys, values) cut to the
     offset, then [meta_state per cache, user metadata, class names]."""
     states = [(c.keys[..., : c.offset, :], c.values[..., : c.offset, :]) for c in caches]
     info = ["" for _ in caches]  # KVCache's meta_state was ""
@@ -224,10 +227,10 @@ def test_import_of_the_older_mlx_lm_layout(llama, tmp_path, capsys):
     model, model_dir = llama
     _, tokens_file, _, original = write_prompt_cache(tmp_path, model)
     legacy = tmp_path / "legacy.safetensors"
-    write_legacy_prompt_cache(legacy, original, {"written_by": "mlx-lm 0.28"})
+    write_legacy_prompt_cache(legacy, original, {"written_by": "mlx-lm 0.31"})
     store = tmp_path / "store"
     out = import_file(capsys, legacy, tokens_file, store, model_dir)
-    assert "(mlx-lm prompt cache (mlx-lm <= 0.28 layout): 70 tokens" in out
+    assert "(mlx-lm prompt cache (legacy layout, mlx-lm <= 0.31): 70 tokens" in out
     exported = tmp_path / "exported.safetensors"
     export_file(capsys, store, only_namespace(capsys, store), tokens_file, exported)
     loaded = lm_cache.load_prompt_cache(str(exported))
@@ -275,6 +278,35 @@ def imported(llama, tmp_path, capsys):
     store = tmp_path / "store"
     import_file(capsys, file, tokens_file, store, model_dir)
     return store, only_namespace(capsys, store), file, tokens_file
+
+
+def test_export_writes_the_layout_asked_and_by_default_the_installed_mlx_lm_s(
+    imported, tmp_path, capsys
+):
+    store, namespace, file, tokens_file = imported
+    legacy, current = tmp_path / "legacy.safetensors", tmp_path / "current.safetensors"
+    out = export_file(capsys, store, namespace, tokens_file, legacy, "--mlx-lm-layout", "legacy")
+    assert "load_prompt_cache(path) (mlx-lm 0.28.1 to 0.31)" in out
+    out = export_file(capsys, store, namespace, tokens_file, current, "--mlx-lm-layout", "current")
+    assert "load_prompt_cache(path) (mlx-lm >= 0.32)" in out
+    # The same rows in either layout, and the rows the imported file held.
+    want = import_prompt_cache(file)
+    for path, layout in ((legacy, "legacy"), (current, "current")):
+        got = import_prompt_cache(path)
+        assert got.layout == layout
+        for a, b in zip(want.layers, got.layers, strict=True):
+            assert_snapshots_equal(a, b)
+    # Without the option: the layout the installed mlx-lm loads, named in --json too.
+    auto = tmp_path / "auto.safetensors"
+    argv = ["export", str(store), "-n", namespace, "--tokens", str(tokens_file)]
+    report = json.loads(run_ok(capsys, [*argv, "--out", str(auto), "--json"]))
+    assert report["layout"] == installed_file_layout() == import_prompt_cache(auto).layout
+    lm_cache.load_prompt_cache(str(auto))  # the installed mlx-lm loads it
+    snapshot = tmp_path / "snapshot.safetensors"
+    report = json.loads(
+        run_ok(capsys, [*argv, "--out", str(snapshot), "--format", "kvstore", "--json"])
+    )
+    assert report["layout"] is None
 
 
 def test_import_bad_input(imported, llama, tmp_path, capsys):
@@ -368,6 +400,10 @@ def test_export_bad_input(imported, tmp_path, capsys):
         + ["--out", out],
         "No store at",
     )
+    with open_store(str(store)) as opened, pytest.raises(StoreConfigError) as info:
+        export_cache_file(opened, namespace, json.loads(tokens_file.read_text()), out, layout="v0")
+    assert "[export] layout is one of current, legacy; received 'v0'." in str(info.value)
+    assert info.value.supported == ["current", "legacy"]
     assert not (tmp_path / "out.safetensors").exists()
 
 

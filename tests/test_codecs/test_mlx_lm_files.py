@@ -1,5 +1,6 @@
 """Acceptance 5: mlx-lm prompt-cache files both ways, against the installed mlx-lm
-and a file written by a real mlx-lm 0.28.0 (the older layout)."""
+and files written by a real mlx-lm 0.28.0 and 0.31.3 (the legacy layout, two kinds of
+``meta_state``: tools/write_mlx_lm_fixture.py)."""
 
 import json
 from pathlib import Path
@@ -58,28 +59,81 @@ def test_import_current_layout_written_by_stock_mlx_lm(tmp_path, dtype):
         check_continue(stock, restored, [1, 1, 7, 1], dtype=dtype)
 
 
-def test_import_older_layout_written_by_mlx_lm_0_28():
-    config = json.loads((FIXTURES / "config-mlx-lm-0.28.0.json").read_text())
-    inputs = mx.load(str(FIXTURES / "inputs-mlx-lm-0.28.0.safetensors"))
-    imported = import_prompt_cache(FIXTURES / "prompt-cache-mlx-lm-0.28.0.safetensors")
-    assert imported.layout == "legacy"
-    assert imported.metadata == {"written_by": "mlx-lm 0.28.0"}
+def fixture_caches(version: str) -> tuple[dict, list]:
+    """The config of the fixture mlx-lm ``version`` wrote and kvstore's caches fed the
+    same rows."""
+    config = json.loads((FIXTURES / f"config-mlx-lm-{version}.json").read_text())
+    inputs = mx.load(str(FIXTURES / f"inputs-mlx-lm-{version}.safetensors"))
     ours_by_class = {
         "KVCache": KVCache,
         "QuantizedKVCache": QuantizedKVCache,
         "RotatingKVCache": RotatingKVCache,
     }
-    restored = imported.caches()
-    for i, (spec, layer) in enumerate(zip(config["layers"], imported.layers, strict=True)):
+    caches = []
+    for i, spec in enumerate(config["layers"]):
         mine = ours_by_class[spec["class"]](*spec["args"])
         for j in range(len(spec["updates"])):
             mine.update_and_fetch(
                 inputs[f"layer.{i}.update.{j}.keys"], inputs[f"layer.{i}.update.{j}.values"]
             )
-        assert_snapshots_equal(snapshot_held(mine), layer)
-        check_continue(mine, restored[i], [1, 1, 7, 1], dtype=getattr(mx, spec["dtype"]))
+        caches.append(mine)
+    return config, caches
+
+
+@pytest.mark.parametrize("version", ["0.28.0", "0.31.3"])
+def test_import_legacy_layout_written_by_real_mlx_lm(version):
+    # 0.28.0's meta_state fields begin with the cache's step, 0.31.3's do not.
+    config, ours = fixture_caches(version)
+    imported = import_prompt_cache(FIXTURES / f"prompt-cache-mlx-lm-{version}.safetensors")
+    assert imported.layout == "legacy"
+    assert imported.metadata == {"written_by": f"mlx-lm {version}"}
+    restored = imported.caches()
+    for i, (spec, layer) in enumerate(zip(config["layers"], imported.layers, strict=True)):
+        assert_snapshots_equal(snapshot_held(ours[i]), layer)
+        check_continue(ours[i], restored[i], [1, 1, 7, 1], dtype=getattr(mx, spec["dtype"]))
     # the rotated ring kept its rotation
     assert imported.layers[2][0].meta["ring_idx"] == 6
+
+
+def test_legacy_export_is_the_file_mlx_lm_0_31_wrote(tmp_path):
+    _, ours = fixture_caches("0.31.3")
+    path = tmp_path / "legacy.safetensors"
+    export_prompt_cache(path, ours, {"written_by": "mlx-lm 0.31.3"}, layout="legacy")
+    got, got_meta = mx.load(str(path), return_metadata=True)
+    want, want_meta = mx.load(
+        str(FIXTURES / "prompt-cache-mlx-lm-0.31.3.safetensors"), return_metadata=True
+    )
+    assert sorted(got) == sorted(want)
+    # The last layer is a window of 16 after a 12-token chunk: mlx-lm 0.31 keeps the
+    # chunk's whole buffer (22 rows, the next write at 22); the export holds the window
+    # those rows end in (16 rows, the next write at 16), as the current layout's does.
+    # Everything else is what mlx-lm wrote, tensor for tensor and string for string.
+    window = {"3.0", "3.1"}
+    for name in sorted(set(want) - window):
+        assert_arrays_equal(want[name], got[name], name)
+    for name in window:
+        assert_arrays_equal(want[name][..., -16:, :], got[name], name)
+    assert (want_meta.pop("0.3.3"), got_meta.pop("0.3.3")) == ("22", "16")
+    assert got_meta == want_meta
+
+
+def test_legacy_export_round_trips_through_import(tmp_path):
+    ours = [make() for make, _ in PAIRS.values()]
+    for cache in ours:
+        fill_cache(cache, HISTORY, dtype=mx.bfloat16)
+    export_prompt_cache(tmp_path / "x.safetensors", ours, {"a": "b"}, layout="legacy")
+    imported = import_prompt_cache(tmp_path / "x.safetensors")
+    assert imported.layout == "legacy" and imported.metadata == {"a": "b"}
+    for mine, layer in zip(ours, imported.layers, strict=True):
+        assert_snapshots_equal(snapshot_held(mine), layer)
+
+
+def test_export_of_an_unknown_layout_is_refused(tmp_path):
+    cache = KVCache()
+    fill_cache(cache, [3])
+    with pytest.raises(ValueError, match="layout is one of current, legacy; received 'v0.30'"):
+        export_prompt_cache(tmp_path / "x.safetensors", [cache], layout="v0.30")
+    assert not (tmp_path / "x.safetensors").exists()
 
 
 def logits_after(model, caches, chunks, seed=5):

@@ -29,7 +29,7 @@ from kvstore.abc.cache import signature_string
 from kvstore.abc.store import Match, PrefixStore, SaveResult
 from kvstore.codecs import get_codec, read_header, restore, snapshot_held
 from kvstore.codecs.files import METADATA_KEY, load_snapshots, read_safetensors, save_snapshots
-from kvstore.codecs.prompt_cache import export_prompt_cache, import_prompt_cache
+from kvstore.codecs.prompt_cache import LAYOUTS, export_prompt_cache, import_prompt_cache
 from kvstore.errors import CapabilityError, CorruptEntryError, StoreConfigError
 from kvstore.store import keys as K
 from kvstore.store.maintenance.inventory import require_namespace
@@ -112,7 +112,11 @@ def read_cache_file(path: str | os.PathLike[str], operation: str = "import") -> 
             kind, caches = "kvstore snapshot file", [restore(s) for s in layers if s is not None]
         else:
             imported = import_prompt_cache(file)
-            layout = "current layout" if imported.layout == "current" else "mlx-lm <= 0.28 layout"
+            layout = (
+                "current layout"
+                if imported.layout == "current"
+                else "legacy layout, mlx-lm <= 0.31"
+            )
             kind, caches = f"mlx-lm prompt cache ({layout})", imported.caches()
     except CorruptEntryError as exc:
         raise CorruptEntryError(
@@ -293,6 +297,9 @@ class ExportResult:
     requested: int
     families: list[str]
     bytes: int
+    #: An mlx-lm file's layout (``"current"``: mlx-lm 0.32 on; ``"legacy"``: 0.28.1 to
+    #: 0.31); ``None`` for a kvstore snapshot file.
+    layout: str | None = None
 
 
 def export_cache_file(
@@ -301,6 +308,7 @@ def export_cache_file(
     tokens: Sequence[int] | np.ndarray,
     path: str | os.PathLike[str],
     format: Format = "mlx-lm",
+    layout: str = "current",
 ) -> ExportResult:
     """Write the longest stored prefix of ``tokens`` in ``namespace`` to a file.
 
@@ -313,9 +321,12 @@ def export_cache_file(
             (MLX does), and the result says where it went.
         format: ``"mlx-lm"`` (stock ``load_prompt_cache`` loads it) or
             ``"kvstore"`` (a snapshot file, any family).
+        layout: an mlx-lm file's layout: ``"current"`` (mlx-lm 0.32 and later load
+            it) or ``"legacy"`` (0.28.1 to 0.31, what Python 3.10 gets).
 
     Raises:
-        StoreConfigError: an unknown namespace, or no stored prefix of ``tokens``.
+        StoreConfigError: an unknown format or layout, an unknown namespace, or no
+            stored prefix of ``tokens``.
         CapabilityError: a family the format has no class for (TurboQuant and
             quantized windows in mlx-lm files; a window holding its sink tokens
             apart from the rest in a snapshot file).
@@ -325,6 +336,12 @@ def export_cache_file(
             f"[export] format is one of {', '.join(FORMATS)}; received {format!r}.",
             found=format,
             supported=list(FORMATS),
+        )
+    if layout not in LAYOUTS:
+        raise StoreConfigError(
+            f"[export] layout is one of {', '.join(LAYOUTS)}; received {layout!r}.",
+            found=layout,
+            supported=list(LAYOUTS),
         )
     require_namespace(store, namespace, "export")
     caches, covered = stored_prefix(store, namespace, tokens)
@@ -341,7 +358,7 @@ def export_cache_file(
     meta = {"kvstore_namespace": namespace, "kvstore_tokens": str(covered)}
     if format == "mlx-lm":
         try:
-            export_prompt_cache(out, caches, meta)
+            export_prompt_cache(out, caches, meta, layout=layout)
         except CapabilityError as exc:
             raise CapabilityError(
                 f"[export] {_reason(exc)}. Use --format kvstore (a kvstore snapshot file holds "
@@ -351,7 +368,8 @@ def export_cache_file(
     else:
         save_snapshots(out, [_one_range(i, c) for i, c in enumerate(caches)], meta=meta)
     families = [signature_string(c) for c in caches]
-    return ExportResult(out, format, covered, len(tokens), families, out.stat().st_size)
+    written = layout if format == "mlx-lm" else None
+    return ExportResult(out, format, covered, len(tokens), families, out.stat().st_size, written)
 
 
 def _one_range(layer: int, cache: Any) -> Any:
