@@ -20,6 +20,7 @@ from kvstore.caches import (  # noqa: E402
 from kvstore.codecs import snapshot_held  # noqa: E402
 from kvstore.codecs.prompt_cache import export_prompt_cache, import_prompt_cache  # noqa: E402
 from kvstore.errors import CapabilityError, CorruptEntryError  # noqa: E402
+from kvstore.mlx_lm.version import installed_file_layout  # noqa: E402
 from kvstore.testing.codec import (  # noqa: E402
     assert_arrays_equal,
     assert_snapshots_equal,
@@ -149,8 +150,9 @@ def logits_after(model, caches, chunks, seed=5):
     "family",
     ["plain", "quant-4-64", "rotating"],
 )
-@needs_tested_mlx_lm
 def test_export_loads_in_stock_mlx_lm_with_identical_logits(tmp_path, family):
+    # In the layout the installed mlx-lm loads: the current one with mlx-lm 0.32, the
+    # legacy one with 0.31 (Python 3.10).
     model = build_mlx_lm_model("llama")
     make = PAIRS[family][0]
     ours = [make() for _ in model.layers]
@@ -159,7 +161,7 @@ def test_export_loads_in_stock_mlx_lm_with_identical_logits(tmp_path, family):
     for i in range(64, 70):  # decode: a rotating window wraps and rotates
         model(prompt[:, i : i + 1], cache=ours)
     path = tmp_path / "ours.safetensors"
-    export_prompt_cache(path, ours, {"source": "kvstore"})
+    export_prompt_cache(path, ours, {"source": "kvstore"}, layout=installed_file_layout())
     stock, metadata = lm_cache.load_prompt_cache(str(path), return_metadata=True)
     assert metadata == {"source": "kvstore"}
     assert [type(c) for c in stock] == [type(PAIRS[family][1]())] * len(ours)
