@@ -9,7 +9,7 @@ stored prefix, prefill the rest, generate, save), and exit. It reads its
 Besides the store's own figures, a session writes the mlx-lm prompt-cache
 file the same session would keep without a store (the caches after
 generation, through the installed ``mlx_lm.models.cache.save_prompt_cache``,
-or kvstore's exporter of the same layout without mlx-lm) and reports its size.
+or kvstore's exporter in the installed mlx-lm's layout) and reports its size.
 """
 
 from __future__ import annotations
@@ -135,13 +135,14 @@ def _bar(show: bool, **kwargs: Any) -> Any:
 
 def _write_mlx_lm_file(path: str, caches: list[Any]) -> tuple[int, str]:
     """Write ``caches`` as an mlx-lm prompt-cache file; ``(bytes, which writer)``: mlx-lm's
-    own writer where a tested mlx-lm is installed, else ours, which writes its layout
-    (mlx-lm is an optional extra, and the releases Python 3.10 gets, 0.31 and older, need
-    caches of their own classes)."""
+    own writer where a tested mlx-lm is installed, else ours, in the layout the installed
+    mlx-lm loads (mlx-lm is an optional extra, and the releases Python 3.10 gets, 0.31 and
+    older, write only caches of their own classes)."""
+    layout = "current"
     try:
         from mlx_lm.models.cache import save_prompt_cache
 
-        from kvstore.mlx_lm.version import mlx_lm_is_tested, mlx_lm_version
+        from kvstore.mlx_lm.version import installed_file_layout, mlx_lm_is_tested, mlx_lm_version
     except ImportError:
         untested = "not installed"
     else:
@@ -149,9 +150,10 @@ def _write_mlx_lm_file(path: str, caches: list[Any]) -> tuple[int, str]:
             save_prompt_cache(path, caches)
             return os.path.getsize(path), "mlx_lm save_prompt_cache"
         untested = f"{mlx_lm_version()} untested"
+        layout = installed_file_layout()
     from kvstore.codecs.prompt_cache import export_prompt_cache
 
-    export_prompt_cache(path, caches)
+    export_prompt_cache(path, caches, layout=layout)
     return os.path.getsize(path), f"kvstore export_prompt_cache (mlx-lm {untested})"
 
 
