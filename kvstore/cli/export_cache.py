@@ -15,7 +15,7 @@ import argparse
 
 from kvstore.cli.options import add_json, command_parser, read_tokens
 from kvstore.cli.output import human_bytes, print_json
-from kvstore.codecs.prompt_cache import LAYOUTS
+from kvstore.codecs.prompt_cache import LAYOUTS, LOADED_BY
 
 OPERATION = "export"
 
@@ -37,8 +37,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--mlx-lm-layout",
         choices=("auto", *LAYOUTS),
         default="auto",
-        help="an mlx-lm file's layout: current (mlx-lm >= 0.32), legacy (0.28.1 to 0.31); "
-        "auto (default): the installed mlx-lm's, current without one",
+        help=f"an mlx-lm file's layout: current ({LOADED_BY['current']}), legacy "
+        f"({LOADED_BY['legacy']}); auto (default): the installed mlx-lm's, current without one",
     )
     add_json(p)
     p.set_defaults(run=run)
@@ -75,13 +75,8 @@ def run(args: argparse.Namespace) -> int:
         f"{human_bytes(result.bytes)}"
     )
     if result.format == "mlx-lm":
-        loads = _LOADED_BY[layout]
-        print(f"load it with mlx_lm.models.cache.load_prompt_cache(path) ({loads})")
+        print(f"load it with mlx_lm.models.cache.load_prompt_cache(path) ({LOADED_BY[layout]})")
     return 0
-
-
-#: Which mlx-lm releases load each layout (kvstore.codecs.prompt_cache).
-_LOADED_BY = {"current": "mlx-lm >= 0.32", "legacy": "mlx-lm 0.28.1 to 0.31"}
 
 
 def _installed_layout() -> str:

@@ -40,6 +40,7 @@ from kvstore.errors import CapabilityError, CorruptEntryError
 __all__ = [
     "CURRENT_LAYOUT_SINCE",
     "LAYOUTS",
+    "LOADED_BY",
     "ImportedPromptCache",
     "export_prompt_cache",
     "import_prompt_cache",
@@ -51,6 +52,8 @@ LAYOUTS = ("current", "legacy")
 #: The first mlx-lm release that writes and loads the current layout; the ones before
 #: it load the legacy one only.
 CURRENT_LAYOUT_SINCE = (0, 32, 0)
+#: The mlx-lm releases whose ``load_prompt_cache`` loads what export writes, by layout.
+LOADED_BY = {"current": "mlx-lm >= 0.32", "legacy": "mlx-lm 0.28.1 to 0.31"}
 
 # mlx-lm class name -> (our class with the same state layout, its kind)
 _CLASSES: dict[str, tuple[Any, str]] = {
@@ -145,8 +148,10 @@ def export_prompt_cache(
 
     Stock ``mlx_lm.models.cache.load_prompt_cache`` loads it into mlx-lm's own
     ``KVCache``/``QuantizedKVCache``/``RotatingKVCache``: ``"current"`` in mlx-lm
-    0.32 and later, ``"legacy"`` in 0.28.1 to 0.31 (the file those releases'
-    ``save_prompt_cache`` writes of the same caches, byte for byte in the tensors).
+    0.32 and later, ``"legacy"`` in 0.28.1 to 0.31 (:data:`LOADED_BY`). A legacy file
+    holds what those releases' ``save_prompt_cache`` writes of the same caches, tensor
+    for tensor, but for a window just after a multi-token chunk: mlx-lm keeps the
+    chunk's longer buffer, the export the window it ends in.
 
     Raises:
         CapabilityError: a cache family mlx-lm has no class for
