@@ -15,7 +15,7 @@ import argparse
 
 from kvstore.cli.options import add_json, command_parser, read_tokens
 from kvstore.cli.output import human_bytes, print_json
-from kvstore.codecs.prompt_cache import LAYOUTS, LOADED_BY
+from kvstore.codecs.prompt_cache import LAYOUTS, LOADED_BY, installed_file_layout
 
 OPERATION = "export"
 
@@ -51,7 +51,7 @@ def run(args: argparse.Namespace) -> int:
     tokens = read_tokens(args.tokens, OPERATION)
     layout = args.mlx_lm_layout
     if layout == "auto":
-        layout = _installed_layout()
+        layout = installed_file_layout()
     with open_existing(args.url, operation=OPERATION) as store:
         result = export_cache_file(store, args.namespace, tokens, args.out, args.format, layout)
     if args.json:
@@ -77,13 +77,3 @@ def run(args: argparse.Namespace) -> int:
     if result.format == "mlx-lm":
         print(f"load it with mlx_lm.models.cache.load_prompt_cache(path) ({LOADED_BY[layout]})")
     return 0
-
-
-def _installed_layout() -> str:
-    """The layout the installed mlx-lm loads; ``current`` where none is installed (the
-    integration does not import without it)."""
-    try:
-        from kvstore.mlx_lm.version import installed_file_layout
-    except ImportError:
-        return "current"
-    return installed_file_layout()

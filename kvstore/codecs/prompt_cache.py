@@ -36,6 +36,7 @@ from kvstore.codecs.files import read_safetensors
 from kvstore.codecs.registry import codec_for, get_codec
 from kvstore.codecs.rows import slice_rows
 from kvstore.errors import CapabilityError, CorruptEntryError
+from kvstore.mlx_lm_installed import mlx_lm_version, version_tuple
 
 __all__ = [
     "CURRENT_LAYOUT_SINCE",
@@ -44,6 +45,7 @@ __all__ = [
     "ImportedPromptCache",
     "export_prompt_cache",
     "import_prompt_cache",
+    "installed_file_layout",
 ]
 
 #: The layouts of a prompt-cache file (module docstring): what import reports, what
@@ -54,6 +56,18 @@ LAYOUTS = ("current", "legacy")
 CURRENT_LAYOUT_SINCE = (0, 32, 0)
 #: The mlx-lm releases whose ``load_prompt_cache`` loads what export writes, by layout.
 LOADED_BY = {"current": "mlx-lm >= 0.32", "legacy": "mlx-lm 0.28.1 to 0.31"}
+
+
+def installed_file_layout() -> str:
+    """The layout the installed mlx-lm loads (:data:`LAYOUTS`): ``"legacy"`` for a release
+    before 0.32 (what Python 3.10 gets), ``"current"`` for a later one or none. Read from
+    mlx-lm's package metadata: kvstore's mlx-lm integration does not import with 0.31 or
+    older."""
+    found = mlx_lm_version()
+    return (
+        "legacy" if found is not None and version_tuple(found) < CURRENT_LAYOUT_SINCE else "current"
+    )
+
 
 # mlx-lm class name -> (our class with the same state layout, its kind)
 _CLASSES: dict[str, tuple[Any, str]] = {

@@ -138,11 +138,10 @@ def _write_mlx_lm_file(path: str, caches: list[Any]) -> tuple[int, str]:
     own writer where a tested mlx-lm is installed, else ours, in the layout the installed
     mlx-lm loads (mlx-lm is an optional extra, and the releases Python 3.10 gets, 0.31 and
     older, write only caches of their own classes)."""
-    layout = "current"
     try:
         from mlx_lm.models.cache import save_prompt_cache
 
-        from kvstore.mlx_lm.version import installed_file_layout, mlx_lm_is_tested, mlx_lm_version
+        from kvstore.mlx_lm.version import mlx_lm_is_tested, mlx_lm_version
     except ImportError:
         untested = "not installed"
     else:
@@ -150,10 +149,9 @@ def _write_mlx_lm_file(path: str, caches: list[Any]) -> tuple[int, str]:
             save_prompt_cache(path, caches)
             return os.path.getsize(path), "mlx_lm save_prompt_cache"
         untested = f"{mlx_lm_version()} untested"
-        layout = installed_file_layout()
-    from kvstore.codecs.prompt_cache import export_prompt_cache
+    from kvstore.codecs.prompt_cache import export_prompt_cache, installed_file_layout
 
-    export_prompt_cache(path, caches, layout=layout)
+    export_prompt_cache(path, caches, layout=installed_file_layout())
     return os.path.getsize(path), f"kvstore export_prompt_cache (mlx-lm {untested})"
 
 

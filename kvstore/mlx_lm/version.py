@@ -9,12 +9,10 @@ start, with a message that says what is installed and what to install.
 
 from __future__ import annotations
 
-import re
 import sys
-from importlib import metadata
 
-from kvstore.codecs.prompt_cache import CURRENT_LAYOUT_SINCE
 from kvstore.errors import CapabilityError
+from kvstore.mlx_lm_installed import mlx_lm_version, version_tuple
 
 __all__ = [
     "TESTED_MLX_LM",
@@ -22,7 +20,6 @@ __all__ = [
     "mlx_lm_version",
     "check_mlx_lm_version",
     "mlx_lm_is_tested",
-    "installed_file_layout",
 ]
 
 #: ``(lowest, first untested)``: the releases the integration and the server are tested with.
@@ -31,25 +28,12 @@ TESTED_MLX_LM: tuple[tuple[int, int, int], tuple[int, int, int]] = ((0, 32, 2), 
 TESTED_MLX_LM_PYTHON = (3, 11)
 
 
-def _parse(text: str) -> tuple[int, int, int]:
-    parts = [int(p) for p in re.findall(r"\d+", text)[:3]]
-    return (parts + [0, 0, 0])[0], (parts + [0, 0, 0])[1], (parts + [0, 0, 0])[2]
-
-
 def _dotted(version: tuple[int, ...]) -> str:
     return ".".join(map(str, version))
 
 
 #: :data:`TESTED_MLX_LM` as a pip version specifier.
 TESTED_MLX_LM_RANGE = f">={_dotted(TESTED_MLX_LM[0])},<{_dotted(TESTED_MLX_LM[1])}"
-
-
-def mlx_lm_version() -> str | None:
-    """The installed mlx-lm's version string, or ``None`` when it is not installed."""
-    try:
-        return metadata.version("mlx-lm")
-    except metadata.PackageNotFoundError:
-        return None
 
 
 def check_mlx_lm_version(operation: str = "kvstore.mlx_lm") -> str:
@@ -85,17 +69,9 @@ def mlx_lm_is_tested() -> bool:
     return found is not None and _tested(found)
 
 
-def installed_file_layout() -> str:
-    """The prompt-cache file layout the installed mlx-lm loads
-    (:data:`~kvstore.codecs.prompt_cache.LAYOUTS`): ``"legacy"`` for a release before
-    0.32 (what Python 3.10 gets), ``"current"`` for a later one or none."""
-    found = mlx_lm_version()
-    return "legacy" if found is not None and _parse(found) < CURRENT_LAYOUT_SINCE else "current"
-
-
 def _tested(version: str) -> bool:
     low, high = TESTED_MLX_LM
-    return low <= _parse(version) < high
+    return low <= version_tuple(version) < high
 
 
 def _remedy(install: str) -> str:

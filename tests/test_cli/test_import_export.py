@@ -17,9 +17,8 @@ from mlx_lm.models import cache as lm_cache  # noqa: E402
 
 from kvstore.bridge import generate_tokens  # noqa: E402
 from kvstore.cli import main  # noqa: E402
-from kvstore.codecs.prompt_cache import import_prompt_cache  # noqa: E402
+from kvstore.codecs.prompt_cache import import_prompt_cache, installed_file_layout  # noqa: E402
 from kvstore.errors import StoreConfigError  # noqa: E402
-from kvstore.mlx_lm.version import installed_file_layout  # noqa: E402
 from kvstore.model import CachePolicy, build_model, load_model  # noqa: E402
 from kvstore.store import keys as K  # noqa: E402
 from kvstore.store import namespace_for_model, open_store  # noqa: E402

@@ -3,6 +3,8 @@ and files written by a real mlx-lm 0.28.0 and 0.31.3 (the legacy layout, two kin
 ``meta_state``: tools/write_mlx_lm_fixture.py)."""
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import mlx.core as mx
@@ -18,9 +20,12 @@ from kvstore.caches import (  # noqa: E402
     RotatingQuantizedKVCache,
 )
 from kvstore.codecs import snapshot_held  # noqa: E402
-from kvstore.codecs.prompt_cache import export_prompt_cache, import_prompt_cache  # noqa: E402
+from kvstore.codecs.prompt_cache import (  # noqa: E402
+    export_prompt_cache,
+    import_prompt_cache,
+    installed_file_layout,  # noqa: E402
+)
 from kvstore.errors import CapabilityError, CorruptEntryError  # noqa: E402
-from kvstore.mlx_lm.version import installed_file_layout  # noqa: E402
 from kvstore.testing.codec import (  # noqa: E402
     assert_arrays_equal,
     assert_snapshots_equal,
@@ -127,6 +132,46 @@ def test_legacy_export_round_trips_through_import(tmp_path):
     assert imported.layout == "legacy" and imported.metadata == {"a": "b"}
     for mine, layer in zip(ours, imported.layers, strict=True):
         assert_snapshots_equal(snapshot_held(mine), layer)
+
+
+@pytest.mark.parametrize(
+    ("version", "layout"),
+    [
+        (None, "current"),
+        ("0.28.4", "legacy"),
+        ("0.30.7", "legacy"),
+        ("0.31.3", "legacy"),
+        ("0.32.0", "current"),
+        ("0.32.2", "current"),
+        ("1.0.0", "current"),
+    ],
+)
+def test_the_installed_mlx_lm_s_layout_comes_from_its_metadata(monkeypatch, version, layout):
+    from importlib import metadata
+
+    def installed(name: str) -> str:
+        assert name == "mlx-lm"
+        if version is None:
+            raise metadata.PackageNotFoundError(name)
+        return version
+
+    monkeypatch.setattr(metadata, "version", installed)
+    assert installed_file_layout() == layout
+
+
+def test_the_installed_layout_is_read_without_importing_the_integration():
+    # mlx-lm 0.28-0.30 lack what kvstore.mlx_lm imports (LRUPromptCache, ...): the layout
+    # auto picks must not depend on it. Here mlx_lm cannot be imported at all.
+    code = (
+        "import sys; sys.modules['mlx_lm'] = None\n"
+        "from kvstore.codecs.prompt_cache import installed_file_layout\n"
+        "import kvstore.cli.export_cache\n"
+        "print(installed_file_layout())\n"
+        "assert 'kvstore.mlx_lm' not in sys.modules, 'the integration was imported'\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() in ("current", "legacy")
 
 
 def test_export_of_an_unknown_layout_is_refused(tmp_path):
