@@ -75,6 +75,12 @@
 #                launch (the default) and with a launch each (KVSTORE_TQ_TOGETHER=0): ~350 s
 # STEP g1-4k     G1 at 4096 tokens: ~150 s
 # STEP g1-16k    G1 at 16384 tokens: ~230 s
+# STEP g1ab      G1 at 4096 tokens for an older revision and this tree on one host,
+#                alternated twice (old, new, old, new): is a G1 reading the host or the
+#                code? Here first: rm -rf .gpu/old && mkdir -p .gpu/old && git archive OLD
+#                kvstore tools/bench/gpu | tar -x -C .gpu/old && echo OLD > .gpu/old/rev,
+#                and carry [".gpu/b", ".gpu/inc", ".gpu/old"]. Each run from its own tree
+#                (the directory a run starts in wins over PYTHONPATH): ~4 x 110 s
 # STEP g2a       G2 at 4096 tokens, lossless + kv:quant:8:64 and 4:64: ~330 s
 # STEP g2q8      the same with kv:quant:8:64 alone: ~285 s (G2's bar 0.35)
 # STEP g2b       the same with kv:turboquant:4:4 alone: ~250 s (with 3:3 as well it outlasted
@@ -400,6 +406,19 @@ case "$step" in
   g1-4k)
     KVSTORE_BENCH_GPU_TOKENS=4096 KVSTORE_BENCH_GIT=$rev CHECK_TIMEOUT=60 BENCH_TIMEOUT=400 \
       REPEATS=5 bash tools/bench/gpu/run.sh G1 "$out/g1-4k" ;;
+  g1ab)
+    [ -s .gpu/old/rev ] || { echo "next.sh g1ab: no .gpu/old (see the step's comment)" >&2; exit 2; }
+    old=$(cat .gpu/old/rev)
+    for round in 1 2; do
+      for side in old new; do
+        if [ $side = old ]; then tree=.gpu/old; name=$old; else tree=.; name=$rev; fi
+        (cd "$tree" && KVSTORE_BENCH_GPU_TOKENS=4096 KVSTORE_BENCH_GIT=$name CHECK_TIMEOUT=1 \
+          BENCH_TIMEOUT=130 REPEATS=5 bash tools/bench/gpu/run.sh G1 "$out/g1-$side-$round" >/dev/null 2>&1)
+        echo "== $side ($name), round $round $(date +%T)"
+        grep -E "llama8b" "$out/g1-$side-$round/bench-table.txt" | cut -c1-420
+        rm -f "$out/g1-$side-$round/gpu-check.txt"
+      done
+    done ;;
   g1-16k)
     KVSTORE_BENCH_GPU_TOKENS=16384 KVSTORE_BENCH_GIT=$rev CHECK_TIMEOUT=1 BENCH_TIMEOUT=520 \
       REPEATS=5 bash tools/bench/gpu/run.sh G1 "$out/g1-16k" ;;
