@@ -24,5 +24,5 @@ def mlx_lm_version() -> str | None:
 
 def version_tuple(text: str) -> tuple[int, int, int]:
     """``"0.31.3"`` (or ``"0.32.0rc1"``) as ``(0, 31, 3)``: major, minor, patch."""
-    parts = [int(p) for p in re.findall(r"\d+", text)[:3]]
-    return (parts + [0, 0, 0])[0], (parts + [0, 0, 0])[1], (parts + [0, 0, 0])[2]
+    major, minor, patch = ([int(p) for p in re.findall(r"\d+", text)] + [0, 0, 0])[:3]
+    return major, minor, patch

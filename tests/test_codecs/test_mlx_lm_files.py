@@ -23,7 +23,7 @@ from kvstore.codecs import snapshot_held  # noqa: E402
 from kvstore.codecs.prompt_cache import (  # noqa: E402
     export_prompt_cache,
     import_prompt_cache,
-    installed_file_layout,  # noqa: E402
+    installed_file_layout,
 )
 from kvstore.errors import CapabilityError, CorruptEntryError  # noqa: E402
 from kvstore.testing.codec import (  # noqa: E402

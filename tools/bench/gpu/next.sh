@@ -409,6 +409,7 @@ case "$step" in
   g1ab)
     [ -s .gpu/old/rev ] || { echo "next.sh g1ab: no .gpu/old (see the step's comment)" >&2; exit 2; }
     old=$(cat .gpu/old/rev)
+    out=$(mkdir -p "$out" && cd "$out" && pwd)  # each run starts in its own tree
     for round in 1 2; do
       for side in old new; do
         if [ $side = old ]; then tree=.gpu/old; name=$old; else tree=.; name=$rev; fi
