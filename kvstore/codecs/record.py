@@ -35,13 +35,9 @@ from __future__ import annotations
 
 import functools
 import math
-import struct
 import threading
-from collections.abc import Callable, Container, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Container, Mapping, Sequence
 from dataclasses import dataclass, field
-from itertools import chain, compress
-from operator import add, attrgetter, le
 from typing import Any
 
 import mlx.core as mx
@@ -51,7 +47,7 @@ import xxhash
 
 from kvstore.abc.codec import Snapshot
 from kvstore.abc.placement import Placement
-from kvstore.codecs import cuda, cuda_pages, header_template
+from kvstore.codecs import cuda, cuda_pages, record_header
 from kvstore.codecs.arrays import (
     MLX_DTYPES,
     as_mlx,
@@ -63,23 +59,27 @@ from kvstore.codecs.copied_sums import digest_of, taking_digests
 from kvstore.codecs.header import (
     BOUNDS,
     FORMAT_VERSION,
-    SUPPORTED_VERSIONS,
-    LayerEntry,
     check_bounds,
-    check_format,
     corrupt,
-    is_int,
-    is_map,
     layer_entry,
-    parse_fields,
     tensor_manifest,
     writer,
 )
-from kvstore.codecs.header_parse import forget_tensor_tables, parse_header
 from kvstore.codecs.payload_tensors import Payload, PayloadTensors, numpy_view
+from kvstore.codecs.record_header import (
+    ALIGN,
+    CHECKSUM_ALGORITHM,
+    MAGIC,
+    PREFIX,
+    SUMMED_PREFIX_BYTES,
+    RecordHeader,
+    align,
+    forget_parsed_headers,
+    payload_offset,
+    reader_parses,
+)
 from kvstore.codecs.snapshot_meta import note_checked
 from kvstore.errors import CorruptEntryError, FormatVersionError
-from kvstore.knobs import switch_from_env
 
 __all__ = [
     "MAGIC",
@@ -105,64 +105,12 @@ __all__ = [
     "forget_parsed_headers",
 ]
 
-MAGIC = b"KVST"
-ALIGN = 64
-CHECKSUM_ALGORITHM = "xxh3-64"
-_PREFIX = struct.Struct("<4sHHIQ")
-_FIXED = 12  # magic, version, flags, header length: the bytes the header checksum covers
 # Below this a second thread for the checksum costs more than it saves.
 _PARALLEL_CHECKSUM_BYTES = 4 << 20
 # Largest copy into MLX memory when its buffer cache is cold: measured on Linux,
 # 8 MiB pieces land in reused heap memory, while one 512 MiB piece faults every
 # page fresh (4x slower).
 _SEGMENT_BYTES = 8 << 20
-# Parsed headers, each with its exact bytes (prefix included), by the header's own
-# checksum (checked before): a record verified by the store and then decoded by a
-# restore is parsed once, and a prefix restored again and again (a shared system
-# prompt) not at all. Parsing is a pure function of these bytes, and a hit is one whose
-# bytes are equal, so it is exactly what a parse would return. (Keyed by the bytes
-# themselves, each lookup hashed them anew: ~30 us for a 36 KB TurboQuant header, a
-# quarter of its parse from a template; compared, ~1 us.)
-_PARSED: dict[int, tuple[bytes, RecordHeader]] = {}
-_PARSED_LIMIT = 512
-#: Headers being parsed now, by their checksum (see :func:`_parsed_once`).
-_PARSING: dict[int, threading.Event] = {}
-_PARSED_LOCK = threading.Lock()
-#: Headers a reader parses next, by their checksum: the event set when it is done with
-#: them, and its thread (see :func:`reader_parses`).
-_PROMISED: dict[int, tuple[threading.Event, int]] = {}
-#: Whether checks wait for the headers a reader promised (:func:`reader_parses`;
-#: ``KVSTORE_READER_PARSES=0``: they parse whichever they reach first, as before).
-READER_PARSES = switch_from_env("KVSTORE_READER_PARSES")
-
-
-def _align(n: int) -> int:
-    return -(-n // ALIGN) * ALIGN
-
-
-def _payload_offset(header_length: int) -> int:
-    """Where the payload starts: after the prefix and a header of ``header_length``
-    bytes, at the next aligned offset (the writer pads with zeros up to it)."""
-    return _align(_PREFIX.size + header_length)
-
-
-@dataclass(frozen=True)
-class RecordHeader:
-    """A record's parsed header: enough to list, inspect and locate, no payload touched."""
-
-    format: int
-    flags: int
-    writer: str
-    layers: tuple[LayerEntry | None, ...]
-    meta: Mapping[str, Any]
-    payload_offset: int
-    payload_nbytes: int
-    checksum: int
-
-    @property
-    def nbytes(self) -> int:
-        """The record's total length."""
-        return self.payload_offset + self.payload_nbytes
 
 
 @dataclass(frozen=True)
@@ -221,10 +169,10 @@ class RecordPlan:
                 f"[encode_record] The header is {len(packed)} bytes; records allow "
                 f"{BOUNDS.header_bytes}. Store fewer layers or less meta per record."
             )
-        fixed = _PREFIX.pack(MAGIC, FORMAT_VERSION, 0, len(packed), 0)[:_FIXED]
+        fixed = PREFIX.pack(MAGIC, FORMAT_VERSION, 0, len(packed), 0)[:SUMMED_PREFIX_BYTES]
         header_sum = xxhash.xxh3_64_intdigest(fixed + packed)
-        head = _PREFIX.pack(MAGIC, FORMAT_VERSION, 0, len(packed), header_sum) + packed
-        return head + bytes(_payload_offset(len(packed)) - len(head))
+        head = PREFIX.pack(MAGIC, FORMAT_VERSION, 0, len(packed), header_sum) + packed
+        return head + bytes(payload_offset(len(packed)) - len(head))
 
     @functools.cached_property
     def _within_bounds(self) -> bool:
@@ -296,7 +244,7 @@ def plan_record(
             continue
         manifest = tensor_manifest(snap)
         for entry, array in zip(manifest, snap.tensors.values(), strict=True):
-            start = _align(end)
+            start = align(end)
             # math.prod of the shape's ints: np.prod was ~4 us a tensor, half of a plan.
             nbytes = math.prod(entry["shape"]) * numpy_dtype(entry["dtype"]).itemsize
             entry.update(offset=start, nbytes=nbytes)
@@ -499,7 +447,7 @@ def read_header(buffer: Any) -> RecordHeader:
         FormatVersionError: a format (or header field, or codec version)
             this reader does not read.
     """
-    return _read_header(_bytes_view(buffer, "read_header"), "read_header")
+    return record_header.read(_bytes_view(buffer, "read_header"), "read_header")
 
 
 def checkpoint_nbytes(buffer: Any) -> int:
@@ -548,7 +496,7 @@ def decode_record(
     """
     view = _bytes_view(buffer, "decode_record")
     if header is None:
-        header = _read_header(view, "decode_record")
+        header = record_header.read(view, "decode_record")
     payload = _payload(view, header, "decode_record")
     if verify:
         _verify(header, xxhash.xxh3_64_intdigest(payload), "decode_record")
@@ -588,7 +536,7 @@ def verify_record(buffer: Any) -> None:
     # parses the same headers (a restore on a GPU: its parse is remembered here).
     # A restore copying the record's rows may hash them as it goes (copied_sums).
     computed = digest_of(view, _payload_digest)
-    header = _read_header(view, "verify")
+    header = record_header.read(view, "verify")
     payload = _payload(view, header, "verify")
     if computed is None:
         computed = xxhash.xxh3_64_intdigest(payload)
@@ -606,7 +554,7 @@ def decode_record_to_mlx(buffer: Any) -> Record:
         CorruptEntryError, FormatVersionError: as :func:`decode_record`.
     """
     view = _bytes_view(buffer, "decode_record")
-    header = _read_header(view, "decode_record")
+    header = record_header.read(view, "decode_record")
     payload = _payload(view, header, "decode_record")
     computed: list[int] = []
     worker = None
@@ -656,7 +604,7 @@ def decode_records_on_device(buffers: Sequence[Any]) -> list[Record]:
         CorruptEntryError, FormatVersionError: a header that does not parse.
     """
     views = [_bytes_view(buffer, "decode_record") for buffer in buffers]
-    headers = [_read_header(view, "decode_record") for view in views]
+    headers = [record_header.read(view, "decode_record") for view in views]
     payloads = [_payload(v, h, "decode_record") for v, h in zip(views, headers, strict=True)]
     sized = [i for i, payload in enumerate(payloads) if len(payload)]
     # Each payload as one row of bytes (a gather's [batch, heads, rows, ...] layout).
@@ -717,16 +665,6 @@ def _segments(header: RecordHeader) -> list[tuple[int, int]]:
     return segments
 
 
-def forget_parsed_headers(*, keep_templates: bool = False) -> None:
-    """Drop the remembered header parses, and the tensor tables they share
-    (benchmarks measuring a first read call this); ``keep_templates``: only the
-    parses (a session whose warm-up read a header of the same layout)."""
-    _PARSED.clear()
-    if not keep_templates:
-        forget_tensor_tables()
-        header_template.forget()
-
-
 def snapshot_to_mlx(snapshot: Snapshot) -> Snapshot:
     """``snapshot`` with every tensor an ``mx.array``: one copy of each numpy
     view (bfloat16 words reinterpreted for free); MLX tensors pass as they are."""
@@ -747,259 +685,13 @@ def _bytes_view(buffer: Any, op: str) -> memoryview:
     return view.cast("B") if view.format != "B" or view.ndim != 1 else view
 
 
-def _read_header(view: memoryview, op: str) -> RecordHeader:
-    if len(view) < _PREFIX.size:
-        raise corrupt(op, f"A record is at least {_PREFIX.size} bytes; received {len(view)}.")
-    magic, version, flags, length, header_sum = _PREFIX.unpack_from(view)
-    if magic != MAGIC:
-        raise corrupt(op, f"Not a kvstore record: magic {bytes(magic)!r}, expected {MAGIC!r}.")
-    # The checksum covers the version: it is checked first, so a flipped version
-    # is damage (a corrupt miss), and only an intact record can be "newer" (#18).
-    # The prefix is the same in every format version; a newer header may be larger.
-    if version in SUPPORTED_VERSIONS and length > BOUNDS.header_bytes:
-        raise corrupt(op, f"Header length {length} exceeds the bound {BOUNDS.header_bytes}.")
-    end = _PREFIX.size + length
-    if len(view) < end:
-        raise corrupt(op, f"Truncated: the header needs {end} bytes; received {len(view)}.")
-    hasher = xxhash.xxh3_64(view[:_FIXED])
-    hasher.update(view[_PREFIX.size : end])
-    if hasher.intdigest() != header_sum:
-        raise corrupt(
-            op,
-            f"Header checksum mismatch: stored {header_sum:#018x}, "
-            f"computed {hasher.intdigest():#018x}.",
-            stored=header_sum,
-            computed=hasher.intdigest(),
-        )
-    check_format(op, version)
-    if length > BOUNDS.header_bytes:
-        raise corrupt(op, f"Header length {length} exceeds the bound {BOUNDS.header_bytes}.")
-    if flags != 0:
-        raise corrupt(op, f"Flags {flags:#06x} are set; format 1 defines none.")
-    header = view[:end]
-    parsed = _parsed_before(header_sum, header)
-    if parsed is None and op == "verify":
-        parsed = _promised(header_sum, header)
-    if parsed is None:
-        raw = bytes(header)
-        parsed = _parsed_once(
-            header_sum,
-            raw,
-            lambda: (
-                _from_template(op, raw[_PREFIX.size :], version, flags, length)
-                or _parse_header(
-                    op, view[_PREFIX.size : end], version, flags, _payload_offset(length)
-                )
-            ),
-            wait=op == "verify",
-        )
-    return parsed
-
-
-@contextmanager
-def reader_parses(buffers: Sequence[Any]) -> Iterator[None]:
-    """Within, the calling thread parses the headers of ``buffers`` (records, in the
-    order it reads them), and a check (``verify``) on another thread that reaches one of
-    them first waits for that parse instead of making its own: a restore's checks hash
-    each record and then parse its header, holding the GIL the restore's own thread
-    needs for the same parses (H200, TurboQuant 4/4, 4096 tokens: its headers took
-    5.9 ms of wall for 2.9 of its CPU, ``tools/bench/results/gpu/d0ceccd/ab-early.txt``),
-    and a parse the reader finds under way on a check's thread it makes again rather
-    than queue behind the checks for the GIL (:func:`_parsed_once`). When the block
-    ends, the checks parse any of them the reader did not (one that failed to parse,
-    or after it)."""
-    done, me = threading.Event(), threading.get_ident()
-    mine = []
-    if READER_PARSES:
-        with _PARSED_LOCK:
-            for buffer in buffers:
-                try:
-                    header_sum = _PREFIX.unpack_from(buffer)[4]
-                except (struct.error, TypeError, ValueError):
-                    continue  # not a record (or released): its check says why, unhindered
-                if header_sum not in _PROMISED:
-                    _PROMISED[header_sum] = (done, me)
-                    mine.append(header_sum)
-    try:
-        yield
-    finally:
-        with _PARSED_LOCK:
-            for header_sum in mine:
-                del _PROMISED[header_sum]
-        done.set()
-
-
-def _promised(header_sum: int, header: memoryview) -> RecordHeader | None:
-    """The parse of a header a reader on another thread promised (:func:`reader_parses`),
-    once it is done with its headers; ``None`` when none promised it, or the reader
-    did not parse it."""
-    promise = _PROMISED.get(header_sum)
-    if promise is None or promise[1] == threading.get_ident():
-        return None
-    promise[0].wait()
-    return _parsed_before(header_sum, header)
-
-
-def _parsed_before(header_sum: int, header: memoryview) -> RecordHeader | None:
-    """The parse of a header of exactly these bytes (``header_sum``: its checksum),
-    remembered; ``None`` if none is."""
-    found = _PARSED.get(header_sum)
-    if found is None:
-        return None
-    raw, parsed = found
-    # startswith is one memcmp; == between bytes and a memoryview compares byte by byte.
-    return parsed if len(raw) == len(header) and raw.startswith(header) else None
-
-
-def _from_template(
-    op: str, packed: bytes, version: int, flags: int, length: int
-) -> RecordHeader | None:
-    """The header ``packed`` read from an earlier one of its layout
-    (:mod:`~kvstore.codecs.header_template`); ``None`` when none vouches for it."""
-    filled = header_template.fill(op, version, packed)
-    if filled is None:
-        return None
-    f, layers, checksum = filled
-    return _record_header(version, flags, f, layers, _payload_offset(length), checksum)
-
-
-def _record_header(
-    version: int,
-    flags: int,
-    fields: Mapping[str, Any],
-    layers: tuple[LayerEntry | None, ...],
-    payload_offset: int,
-    checksum: int,
-) -> RecordHeader:
-    """The parsed header of a record: its checked ``fields`` and ``layers``, and the rest."""
-    return RecordHeader(
-        version,
-        flags,
-        fields["writer"],
-        layers,
-        fields["meta"],
-        payload_offset,
-        fields["payload_nbytes"],
-        checksum,
-    )
-
-
-def _parsed_once(
-    header_sum: int, raw: bytes, parse: Callable[[], RecordHeader], *, wait: bool
-) -> RecordHeader:
-    """``parse()`` of header ``raw`` (``header_sum``: its checksum), remembered. A thread
-    that finds the same header being parsed by another waits for that parse when
-    ``wait`` (the store's checks: nothing waits for them until a read ends), else parses
-    it too (a reader): a restore on a GPU parses its headers while the checks, on a
-    dozen other threads, parse the same ones, and the reader's wait for a parse on one
-    of those queued behind the rest of them for the GIL (H200, TurboQuant 4/4, 4096
-    tokens: its 16 parses took 5-7 ms of wall for 1.8 of its CPU;
-    ``tools/bench/results/gpu/d1643e2/``). Parsed twice, they once queued on the GIL for
-    28 ms where one parse of each took 16 (before a header's template made a parse tens
-    of microseconds): the checks never parse one twice."""
-    with _PARSED_LOCK:
-        parsed = _parsed_before(header_sum, memoryview(raw))
-        if parsed is not None:
-            return parsed
-        running = _PARSING.get(header_sum)
-        mine = running is None
-        if running is None:
-            running = _PARSING[header_sum] = threading.Event()
-    if not mine:
-        if not wait:
-            return parse()
-        running.wait()
-        parsed = _parsed_before(header_sum, memoryview(raw))
-        # its parse raised (so does this), or it was of other bytes with this checksum
-        return parsed if parsed is not None else parse()
-    try:
-        parsed = parse()
-        with _PARSED_LOCK:
-            if len(_PARSED) >= _PARSED_LIMIT:
-                _PARSED.clear()  # crude, but bounded
-            _PARSED[header_sum] = (raw, parsed)
-        return parsed
-    finally:
-        with _PARSED_LOCK:
-            del _PARSING[header_sum]
-        running.set()
-
-
-def _parse_header(
-    op: str, packed: memoryview, version: int, flags: int, payload_offset: int
-) -> RecordHeader:
-    try:
-        obj = msgpack.unpackb(
-            packed,
-            raw=False,
-            strict_map_key=True,
-            use_list=True,
-            max_str_len=BOUNDS.str_len,
-            max_bin_len=BOUNDS.bin_len,
-            max_array_len=BOUNDS.array_len,
-            max_map_len=BOUNDS.map_len,
-            max_ext_len=0,
-        )
-    except Exception as exc:  # msgpack raises a dozen types; all mean "not a header"
-        raise corrupt(op, f"The header is not valid msgpack: {type(exc).__name__}: {exc}.") from exc
-    f, layers = parse_header(
-        op, obj, located=True, extra={"payload_nbytes": is_int, "checksum": is_map}
-    )
-    if f["format"] != version:
-        raise corrupt(op, f"Header format {f['format']} disagrees with the prefix's {version}.")
-    check = parse_fields(
-        op,
-        f["checksum"],
-        "header.checksum",
-        {"algorithm": lambda v: v == CHECKSUM_ALGORITHM, "value": _is_u64},
-    )
-    _check_extents(op, layers, f["payload_nbytes"])
-    header_template.learn(version, bytes(packed), f, layers, check["value"])
-    return _record_header(version, flags, f, layers, payload_offset, check["value"])
-
-
-def _is_u64(value: Any) -> bool:
-    return type(value) is int and 0 <= value < 1 << 64
-
-
-def _check_extents(op: str, layers: Sequence[LayerEntry | None], payload_nbytes: int) -> None:
-    tensors = list(chain.from_iterable(map(_TENSORS, filter(None, layers))))
-    offsets = list(map(_OFFSET, tensors))
-    ends = list(map(add, offsets, map(_NBYTES, tensors)))
-    sized = list(map(_NBYTES, tensors))
-    starts, stops = list(compress(offsets, sized)), list(compress(ends, sized))
-    # The usual layout, checked by C loops: aligned, inside, and each tensor with bytes
-    # after the one before it (so in sorted order, none overlapping).
-    if (
-        not any(map(ALIGN.__rmod__, offsets))
-        and max(ends, default=0) <= payload_nbytes
-        and all(map(le, stops, starts[1:]))
-    ):
-        return
-    for i, layer in enumerate(layers):
-        for t in layer.tensors if layer is not None else ():
-            if t.offset % ALIGN or t.offset + t.nbytes > payload_nbytes:
-                raise corrupt(
-                    op,
-                    f"layers[{i}] tensor '{t.name}' at [{t.offset}, {t.offset + t.nbytes}) is "
-                    f"misaligned or outside the {payload_nbytes}-byte payload.",
-                )
-    extents = sorted(zip(starts, stops, strict=True))
-    for (_, end), (start, _) in zip(extents, extents[1:], strict=False):
-        if start < end:
-            raise corrupt(op, "Two tensors overlap in the payload.")
-
-
-_OFFSET, _NBYTES, _TENSORS = attrgetter("offset"), attrgetter("nbytes"), attrgetter("tensors")
-
-
 def placed_payload(view: memoryview) -> memoryview | None:
     """The payload record ``view``'s prefix places (``None``: it places none): the bytes
     its check hashes, before the header, parsed next, says whether that is the payload
     and the sum it must have."""
-    if len(view) < _PREFIX.size:
+    if len(view) < PREFIX.size:
         return None
-    offset = _payload_offset(_PREFIX.unpack_from(view)[3])
+    offset = payload_offset(PREFIX.unpack_from(view)[3])
     return view[offset:] if offset <= len(view) else None
 
 
@@ -1018,7 +710,7 @@ def _payload(view: memoryview, header: RecordHeader, op: str) -> memoryview:
             found=len(view),
             expected=header.nbytes,
         )
-    pad_start = _PREFIX.size + _PREFIX.unpack_from(view)[3]
+    pad_start = PREFIX.size + PREFIX.unpack_from(view)[3]
     if any(view[pad_start : header.payload_offset]):
         raise corrupt(op, "The padding after the header is not zero.")
     return view[header.payload_offset :]

@@ -20,6 +20,7 @@ from kvstore.codecs import (
     snapshot_held,
     snapshot_to_mlx,
 )
+from kvstore.codecs import record_header as H
 from kvstore.codecs.arrays import BFLOAT16_WORDS
 from kvstore.codecs.header import BOUNDS
 from kvstore.codecs.record import plan_record
@@ -136,10 +137,10 @@ def test_a_remembered_parse_is_served_only_for_the_same_bytes():
     first = read_header(record)
     assert read_header(bytes(record)) is first  # the same bytes: the parse remembered
     header_sum = struct.unpack_from("<Q", record, 12)[0]
-    (remembered,) = R._PARSED.values()
+    (remembered,) = H._PARSED.values()
     assert remembered[1] is first and bytes(record).startswith(remembered[0])
     other = dataclasses.replace(first, writer="another writer")
-    R._PARSED[header_sum] = (b"other bytes of a colliding header", other)
+    H._PARSED[header_sum] = (b"other bytes of a colliding header", other)
     again = read_header(record)
     assert again == first and again != other
     R.forget_parsed_headers()
@@ -412,7 +413,7 @@ def _parse_race(monkeypatch, outcome, checking=False):
         time.sleep(0.05)  # the others arrive while this one runs
         return outcome(*args)
 
-    monkeypatch.setattr(R, "_parse_header", slow_parse)
+    monkeypatch.setattr(H, "_parse_header", slow_parse)
     R.forget_parsed_headers()
     got: list = [None] * 8
 
@@ -434,17 +435,15 @@ def _parse_race(monkeypatch, outcome, checking=False):
 def test_readers_of_one_header_at_once_each_parse_it_and_agree(monkeypatch):
     # A reader does not wait for another's parse (on a GPU the restore's reader would
     # queue behind a dozen checking threads for the GIL): each parses, all read alike.
-    from kvstore.codecs import record as R
 
-    parses, got = _parse_race(monkeypatch, R._parse_header)
+    parses, got = _parse_race(monkeypatch, H._parse_header)
     assert parses == 8
     assert all(header == got[0] for header in got) and got[0].layers
 
 
 def test_checks_of_one_record_at_once_parse_its_header_once(monkeypatch):
-    from kvstore.codecs import record as R
 
-    parses, got = _parse_race(monkeypatch, R._parse_header, checking=True)
+    parses, got = _parse_race(monkeypatch, H._parse_header, checking=True)
     assert parses == 1
     assert got == [None] * 8  # every check passed
 
@@ -453,14 +452,14 @@ def test_a_header_parsed_once_is_not_parsed_again(monkeypatch):
     from kvstore.codecs import record as R
 
     parses = []
-    real = R._parse_header
+    real = H._parse_header
 
     def counted(*args):
         parses.append(1)
         return real(*args)
 
-    monkeypatch.setattr(R, "_parse_header", counted)
-    monkeypatch.setattr(R, "_from_template", lambda *args: None)
+    monkeypatch.setattr(H, "_parse_header", counted)
+    monkeypatch.setattr(H, "_from_template", lambda *args: None)
     R.forget_parsed_headers()
     record = small_record()
     first = R.read_header(record)
@@ -493,14 +492,14 @@ def _promised_checks(monkeypatch, reader, parse=None, checks=4):
 
     record = bytes(small_record())
     parsers = []
-    real = parse or R._parse_header
+    real = parse or H._parse_header
 
     def counted(*args):
         parsers.append(threading.get_ident())
         return real(*args)
 
-    monkeypatch.setattr(R, "_parse_header", counted)
-    monkeypatch.setattr(R, "_from_template", lambda *args: None)
+    monkeypatch.setattr(H, "_parse_header", counted)
+    monkeypatch.setattr(H, "_from_template", lambda *args: None)
     R.forget_parsed_headers()
     got: list = [None] * checks
 
@@ -571,19 +570,18 @@ def test_with_reader_parses_off_checks_parse_what_they_reach(monkeypatch):
 
     from kvstore.codecs import record as R
 
-    monkeypatch.setattr(R, "READER_PARSES", False)
+    monkeypatch.setattr(H, "READER_PARSES", False)
     parsers, got = _promised_checks(monkeypatch, R.read_header)
     assert parsers and threading.get_ident() not in parsers
     assert got == [None] * 4
 
 
 def test_a_decode_given_the_header_already_read_is_the_decode_that_reads_it(monkeypatch):
-    from kvstore.codecs import record as R
 
     record = bytes(encode_record(mixed_layers()))
     header = read_header(record)
     want = decode_record(record)
-    monkeypatch.setattr(R, "_read_header", lambda *args: pytest.fail("parsed again"))
+    monkeypatch.setattr(H, "read", lambda *args: pytest.fail("parsed again"))
     got = decode_record(record, header=header)
     assert got.header is header
     for a, b in zip(want.layers, got.layers, strict=True):

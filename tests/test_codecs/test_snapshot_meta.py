@@ -11,6 +11,7 @@ import pytest
 from kvstore.abc.codec import Snapshot
 from kvstore.caches import KVCache, RotatingKVCache, TurboQuantKVCache
 from kvstore.codecs import decode_record, encode_record, snapshot
+from kvstore.codecs import record_header as H
 from kvstore.codecs.snapshot_meta import MAX_POSITION, MAX_WINDOW
 from kvstore.errors import CorruptEntryError
 from kvstore.testing.codec import fill_cache
@@ -155,7 +156,7 @@ def test_a_snapshot_decoded_from_a_header_template_is_noted_as_checked(monkeypat
     first = encode_record([snapshot(cache, 0, 16)])
     later = encode_record([snapshot(cache, 4, 20)])
     decode_record(first)  # parsed in full: the template
-    monkeypatch.setattr(R, "_parse_header", lambda *args: pytest.fail("parsed in full"))
+    monkeypatch.setattr(H, "_parse_header", lambda *args: pytest.fail("parsed in full"))
     (snap,) = decode_record(later).layers
     assert (snap.start, snap.stop) == (4, 20)
     assert checked_by(snap) is type(get_codec(snap.signature))

@@ -65,7 +65,7 @@ def check_records(
             if turn >= len(records) or raised:
                 return
             # Last record first: a restore meanwhile parses the same headers from the
-            # first on (record.py's _parsed_once), and the checks' parses, each after its
+            # first on (record_header.py's _parsed_once), and the checks' parses, each after its
             # record's hash, reach the headers it has parsed only at the end.
             i = len(records) - 1 - turn
             try:
