@@ -62,9 +62,9 @@ def save_big(store, tokens):
 def pointers(path: Path) -> list[Pointer]:
     """Every pointer LMDB holds (read with python-lmdb directly, through the environment
     this process has open on ``path`` if any: python-lmdb opens one per process)."""
-    from kvstore.store.engines.lmdb import _SharedEnv
+    from kvstore.store.engines.lmdb_env import SharedEnv
 
-    shared = _SharedEnv._open.get(str(path.resolve()))
+    shared = SharedEnv._open.get(str(path.resolve()))
     env = shared.env if shared is not None else lmdb.open(str(path), readonly=True, lock=False)
     try:
         with env.begin() as txn:
