@@ -410,7 +410,7 @@ case "$step" in
     [ -s .gpu/old/rev ] || { echo "next.sh g1ab: no .gpu/old (see the step's comment)" >&2; exit 2; }
     old=$(cat .gpu/old/rev)
     out=$(mkdir -p "$out" && cd "$out" && pwd)  # each run starts in its own tree
-    for round in 1 2; do
+    for round in $(seq "${ROUNDS:-2}"); do  # ROUNDS=1: one of each, ~220 s
       for side in old new; do
         if [ $side = old ]; then tree=.gpu/old; name=$old; else tree=.; name=$rev; fi
         (cd "$tree" && KVSTORE_BENCH_GPU_TOKENS=4096 KVSTORE_BENCH_GIT=$name CHECK_TIMEOUT=1 \
