@@ -1,4 +1,4 @@
-"""kvstore.codecs.cuda.Driver and DeviceStaging against a stand-in ``libcuda.so.1``.
+"""kvstore.codecs.cuda_driver.Driver and DeviceStaging against a stand-in ``libcuda.so.1``.
 
 No CUDA driver exists here, so a small C library with the driver's names and
 signatures is built (``cc``) and loaded in its place in a child process. Its "device"
