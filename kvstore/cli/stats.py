@@ -125,15 +125,17 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _value_file_free(engine: Mapping[str, Any], url: str) -> str:
-    """The value file's freed space: later saves write there first; migrating the store
-    in place gives it back to the filesystem."""
+    """The value file's freed space: later saves write there first, and what ends the
+    file is cut off by the next write once no read sees it; migrating the store in
+    place gives the rest back to the filesystem."""
     free = int(engine.get("value_file_free_bytes", 0))
     extents = int(engine.get("value_file_free_extents", 0))
     if not free:
         return "none"
     return (
         f"{human_bytes(free)} in {extents} extent{'s' if extents != 1 else ''}, reused by "
-        f"later saves (`kvstore migrate {url} --in-place` gives it back)"
+        f"later saves; the file's free end is given back by the next write "
+        f"(`kvstore migrate {url} --in-place` gives back all of it)"
     )
 
 

@@ -427,6 +427,10 @@ class _LMDBView:
         """The value file's part of the commit: its values synced, its space recorded."""
         self._unplace()
         if self._space is not None:
+            # Under LMDB's writer lock, past every value placed: should the commit fail,
+            # the file is only shorter than free space it records, which a write extends.
+            if self._space.ends_free and self._space.give_back_end(self._reusable()):
+                self._shared.values.truncate(self._space.end)
             self._txn.put(SPACE_KEY, self._space.encode())
         self._shared.values.before_commit()
 

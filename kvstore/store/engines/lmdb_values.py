@@ -24,7 +24,9 @@ store may hold both kinds of value.
   that deletes (or replaces) its pointer, tagged with that transaction's id. A later
   writer reuses it only once every read transaction open in any process (LMDB's
   reader table) began at or after that id: a reader that may still hold the pointer
-  never sees its bytes change. Otherwise the write goes at the file's end.
+  never sees its bytes change. Otherwise the write goes at the file's end. Free
+  extents that end the file, once reusable so, are cut off it by the next transaction
+  that writes the space (:meth:`Space.give_back_end`): the file shrinks with the store.
 * **Durability**: the values a transaction wrote are ``fdatasync``-ed (``fsync`` on
   macOS: :func:`kvstore.files.sync_data`) before LMDB commits (synced stores): a
   committed pointer never points at bytes not handed to the disk.
@@ -212,6 +214,29 @@ class Space:
         if i < len(extents) and extents[i][2] == freed_by and offset + size == extents[i][0]:
             size += extents.pop(i)[1]
         extents.insert(i, (offset, size, freed_by))
+
+    @property
+    def ends_free(self) -> bool:
+        """Whether a free extent ends the file."""
+        return bool(self.free) and self.free[-1][0] + self.free[-1][1] == self.end
+
+    def give_back_end(self, reusable: Callable[[int], bool]) -> bool:
+        """Move the end down past the free extents that end the file and that no reader
+        may still see (``reusable(freed_by)``): whether it moved. The file is then cut
+        there (:meth:`ValueFile.truncate`), so a store that shrinks, by eviction or
+        deletion, gives the tail of its file back at its next write instead of keeping
+        its high-water size. Space freed inside the file stays free for later values."""
+        if not self.ends_free:
+            return False
+        self._join_reusable(reusable)
+        end = self.end
+        while self.ends_free:
+            offset, _, freed_by = self.free[-1]
+            if not reusable(freed_by):
+                break
+            self.free.pop()
+            self.end = max(offset, ALIGN)
+        return self.end < end
 
     def _join_reusable(self, reusable: Callable[[int], bool]) -> None:
         """Join runs of adjacent extents that may all be reused, under the latest id
