@@ -199,6 +199,14 @@ class Backend(ABC):
         """A value file exists beside the index (some values may be in it)."""
         return False
 
+    def give_back_space(self) -> int:
+        """Give the filesystem the room freed values leave at the end of this engine's
+        files, where no read can still see them: the bytes given back (0: none, or an
+        engine that keeps no such room). A write gives it back by itself; maintenance
+        (``kvstore gc``, ``kvstore delete``) calls this after freeing, so that the disk
+        space comes back at once."""
+        return 0
+
     def write_values_to(self, where: str) -> None:
         """Where this backend's writes put large values from now on: ``"inline"`` or
         ``"file"`` (only where :attr:`supports_value_file`). Reads find either kind."""

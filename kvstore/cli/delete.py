@@ -2,7 +2,8 @@
 blocks of every stored prompt that starts with the given tokens.
 
 Blocks shared with prompts that do not start with those tokens stay, so the
-remaining chains stay whole.
+remaining chains stay whole. The value file's freed end goes back to the filesystem at
+once, where no other process's read still sees it.
 """
 
 from __future__ import annotations
@@ -11,7 +12,11 @@ import argparse
 
 from kvstore.cli.options import add_json, command_parser, read_tokens
 from kvstore.cli.output import human_bytes, print_json
-from kvstore.store.maintenance.inventory import open_existing, require_namespace
+from kvstore.store.maintenance.inventory import (
+    give_back_space,
+    open_existing,
+    require_namespace,
+)
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -30,15 +35,24 @@ def run(args: argparse.Namespace) -> int:
         require_namespace(store, args.namespace, "delete")
         before = store.stats().namespaces.get(args.namespace)
         removed = store.delete(args.namespace, tokens)
+        given_back = give_back_space(store)
         after = store.stats().namespaces.get(args.namespace)
     freed = (before.bytes if before else 0) - (after.bytes if after else 0)
     if args.json:
         print_json(
-            {"store": store.url, "namespace": args.namespace, "blocks": removed, "bytes": freed}
+            {
+                "store": store.url,
+                "namespace": args.namespace,
+                "blocks": removed,
+                "bytes": freed,
+                "file_bytes_given_back": given_back,
+            }
         )
         return 0
     scope = (
         "" if args.tokens is None else f" starting with the {len(tokens)} tokens of {args.tokens}"
     )
     print(f"deleted {removed} blocks ({human_bytes(freed)}) from namespace {args.namespace}{scope}")
+    if given_back:
+        print(f"gave {human_bytes(given_back)} of the value file back to the filesystem")
     return 0

@@ -2,7 +2,9 @@
 leaf blocks until the store (or one namespace) holds at most SIZE bytes.
 
 Without ``--max-bytes``, enforce the budgets the store was configured with.
-Only leaves go (blocks nothing is stored after), so stored chains stay whole.
+Only leaves go (blocks nothing is stored after), so stored chains stay whole. The
+value file's freed end goes back to the filesystem at once, where no other process's
+read still sees it.
 """
 
 from __future__ import annotations
@@ -11,7 +13,11 @@ import argparse
 
 from kvstore.cli.options import add_json, command_parser, parse_size
 from kvstore.cli.output import human_bytes, print_fields, print_json
-from kvstore.store.maintenance.inventory import open_existing, require_namespace
+from kvstore.store.maintenance.inventory import (
+    give_back_space,
+    open_existing,
+    require_namespace,
+)
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -33,6 +39,7 @@ def run(args: argparse.Namespace) -> int:
             require_namespace(store, args.namespace, "gc")
         before = store.stats()
         freed = store.evict(namespace=args.namespace, max_bytes=limit)
+        given_back = give_back_space(store)
         after = store.stats()
     result = {
         "store": store.url,
@@ -43,6 +50,7 @@ def run(args: argparse.Namespace) -> int:
         "blocks_after": after.blocks,
         "bytes_before": before.bytes,
         "bytes_after": after.bytes,
+        "file_bytes_given_back": given_back,
     }
     if args.json:
         print_json(result)
@@ -52,6 +60,11 @@ def run(args: argparse.Namespace) -> int:
             ("target", human_bytes(limit) if limit is not None else "the configured budgets"),
             ("evicted", f"{before.blocks - after.blocks} blocks, {human_bytes(freed)}"),
             ("store now", f"{after.blocks} blocks, {human_bytes(after.bytes)}"),
+            *(
+                [("given back", f"{human_bytes(given_back)} of the value file")]
+                if given_back
+                else []
+            ),
         ]
     )
     return 0

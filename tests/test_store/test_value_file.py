@@ -10,6 +10,7 @@ file through a rebuild. SIGKILLed writers on the file: ``test_processes.py``.
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import struct
@@ -310,6 +311,33 @@ def test_a_store_that_shrinks_gives_its_file_s_free_end_back(tmp_path):
     with file_store(path) as store:
         check_match(store, store.lookup(NS, first), first)
         assert store.verify().clean
+
+
+@pytest.mark.parametrize("command", ["gc", "delete"])
+def test_gc_and_delete_give_the_file_s_freed_end_back_at_once(tmp_path, capsys, command):
+    # A maintenance command frees, then gives the file's end back in a transaction of
+    # its own: the disk space returns now, not at the store's next write.
+    path = tmp_path / "s"
+    with file_store(path) as store:
+        for base in (100, 200):
+            save_big(store, [base + i for i in range(48)])
+    size = (path / FILE_NAME).stat().st_size
+    args = ["--max-bytes", "1"] if command == "gc" else ["-n", NS]
+    status, out, err = run_cli(capsys, command, str(path), *args, "--json")
+    assert status == 0, err
+    assert (path / FILE_NAME).stat().st_size == ALIGN  # the header alone
+    assert json.loads(out)["file_bytes_given_back"] == size - ALIGN
+    with file_store(path) as store:
+        assert store.verify().clean and store.backend.give_back_space() == 0
+        save_big(store, [100 + i for i in range(48)])
+        check_match(
+            store, store.lookup(NS, [100 + i for i in range(48)]), [100 + i for i in range(48)]
+        )
+
+
+def test_engines_without_a_value_file_give_nothing_back():
+    with open_store("memory://") as store:
+        assert store.backend.give_back_space() == 0
 
 
 def test_a_reader_killed_inside_its_snapshot_does_not_pin_the_space_forever(tmp_path):

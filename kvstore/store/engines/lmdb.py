@@ -415,6 +415,11 @@ class _LMDBView:
         """Replace the space record (:meth:`LMDBBackend.mend`)."""
         self._space, self._claimed = space, space.end
 
+    def read_space(self) -> None:
+        """Read the value file's space, so that this transaction's commit records it and
+        cuts its free end off the file (:meth:`before_commit`)."""
+        self._space_now()
+
     def abandon(self) -> None:
         """The transaction will not commit: give back the room it appended to the file
         (LMDB's writer lock is still held: no other writer claims it meanwhile)."""
@@ -625,6 +630,18 @@ class LMDBBackend(Backend):
     @property
     def has_value_file(self) -> bool:
         return self._shared is not None and self._shared.values.exists()
+
+    def give_back_space(self) -> int:
+        """The value file's free end cut off it (:meth:`Space.give_back_end`) by a write
+        transaction of its own: the bytes given back. Its commit writes the space record
+        even when nothing could go (another process's read still sees the end)."""
+        if not self.has_value_file:
+            return 0
+        self.require_writes("give_back_space")
+        values = self._shared.values  # type: ignore[union-attr]
+        before = values.size()
+        self._transact(_LMDBView.read_space, 0)
+        return max(0, before - values.size())
 
     def write_values_to(self, where: str) -> None:
         """Values of at least :data:`~kvstore.store.engines.lmdb_values.VALUE_MIN` bytes

@@ -16,7 +16,7 @@ from typing import Any
 
 from kvstore.abc.store import PrefixStore
 from kvstore.codecs.record import verify_record
-from kvstore.errors import StoreConfigError
+from kvstore.errors import CapabilityError, StoreConfigError
 from kvstore.store import BACKEND_OPTIONS, _split_url, open_store
 from kvstore.store import keys as K
 from kvstore.store.blocks.index import decode_entry, iter_entries, read_use
@@ -29,6 +29,7 @@ __all__ = [
     "lmdb_path",
     "open_existing",
     "require_namespace",
+    "give_back_space",
     "list_blocks",
     "list_prompts",
     "find_block",
@@ -144,6 +145,17 @@ def require_namespace(store: PrefixStore, namespace: str, operation: str) -> byt
             supported=sorted(n.decode() for n in held),
         )
     return ns
+
+
+def give_back_space(store: PrefixStore) -> int:
+    """The room freed values leave at the end of the store's files, given back to the
+    filesystem now rather than at its next write (:meth:`Backend.give_back_space`): the
+    bytes; 0 for a composite store, whose tiers give theirs back as they write."""
+    try:
+        backend = store.backend
+    except CapabilityError:
+        return 0
+    return backend.give_back_space()
 
 
 def list_blocks(store: PrefixStore, namespace: bytes) -> list[BlockInfo]:
