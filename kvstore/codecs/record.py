@@ -20,7 +20,8 @@ Layout (little-endian; DESIGN.md section 3)::
 Both checksums are verified on every decode, the header's before any field
 it covers is interpreted (the version and flags included), so a flipped bit
 anywhere is a ``CorruptEntryError``, never data, and never a "newer format":
-only an intact record of a higher version is a ``FormatVersionError``. The
+only an intact record of a higher version is a ``FormatVersionError`` (the header's
+parse, and the parses remembered: :mod:`kvstore.codecs.record_header`). The
 20-byte prefix (magic, version, flags, header length, header checksum) is the
 same in every format version, so a reader can check a newer record's checksum
 before it refuses the record's version.
