@@ -455,9 +455,10 @@ class ValueFile:
             ) from exc
 
     def truncate(self, end: int) -> None:
-        """Cut the file back to ``end`` bytes where it is longer (what a failed or killed
-        writer appended past the space claimed: no pointer reaches it). Called under
-        LMDB's writer lock; readers never map past what their pointers claim."""
+        """Cut the file back to ``end`` bytes where it is longer: what a failed or killed
+        writer appended past the space claimed, or a free end no reader can still see
+        (:meth:`Space.give_back_end`); no pointer reaches either. Called under LMDB's
+        writer lock; readers never map past what their pointers claim."""
         if self.size() <= end or not self.exists():
             return
         with self._failing("truncate"):
