@@ -11,6 +11,7 @@ from __future__ import annotations
 import random
 import sys
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 from kvstore.abc.placement import Placement
 from kvstore.abc.store import PendingRecord, RecordEncoder
@@ -21,6 +22,8 @@ from kvstore.testing.store import check_match, check_views, encoder_for, verify_
 
 NS = "procs"
 BLOCK = 16
+#: The churner's budget: a few prompts' records (~9 KiB each), so every save evicts.
+CHURN_BUDGET = 96 << 10
 
 
 def prompt(seed: int, i: int) -> list[int]:
@@ -85,6 +88,19 @@ def writer(path: str, seed: int, filler: str, pump: str = "0", values: str = "in
         encode = encoder_for(tokens, filler=int(filler))
         store.put_blocks(NS, tokens, placed(encode) if values == "placed" else encode)
         say("ACK", i)
+
+
+def churner(path: str, seed: str) -> None:
+    """Save prompts forever into a store kept to a small budget, every record in the value
+    file, acknowledging each with the file's size then (for the SIGKILL test): each save
+    evicts, and the file's end, freed, is cut off it by a later save's commit."""
+    lmdb_values.VALUE_MIN = 4096
+    store = open_(path, map_size=1 << 20, values="file", max_bytes=CHURN_BUDGET)
+    say("READY")
+    for i in range(10**9):
+        tokens = prompt(int(seed), i)
+        store.put_blocks(NS, tokens, encoder_for(tokens, filler=8192))
+        say("ACK", i, (Path(path) / lmdb_values.FILE_NAME).stat().st_size)
 
 
 def check_still_held(store, match, tokens) -> None:
@@ -162,4 +178,11 @@ def fill(path: str, values: str) -> None:
 
 if __name__ == "__main__":
     mode, *args = sys.argv[1:]
-    {"writer": writer, "worker": worker, "hold": hold, "grow": grow, "fill": fill}[mode](*args)
+    {
+        "writer": writer,
+        "churner": churner,
+        "worker": worker,
+        "hold": hold,
+        "grow": grow,
+        "fill": fill,
+    }[mode](*args)
