@@ -144,6 +144,21 @@ def hold(path: str) -> None:
     store.close()
 
 
+def read_hold(path: str, first: str) -> None:
+    """Read the prompt of 48 tokens from ``first`` on and hold that read until stdin
+    closes; then say whether the bytes read are still what was saved (SAME)."""
+    lmdb_values.VALUE_MIN = 4096
+    store = open_(path)
+    tokens = [int(first) + i for i in range(3 * BLOCK)]
+    match = store.lookup(NS, tokens)
+    with store.read(match.blocks) as views:
+        say("READING", len(views))
+        sys.stdin.read()
+        check_views(views, match, tokens)
+        say("SAME")
+    store.close()
+
+
 def grow(path: str, megabytes: str) -> None:
     """Write enough to make the map grow while another process has the store open."""
     store = open_(path)
@@ -183,6 +198,7 @@ if __name__ == "__main__":
         "churner": churner,
         "worker": worker,
         "hold": hold,
+        "read_hold": read_hold,
         "grow": grow,
         "fill": fill,
     }[mode](*args)

@@ -313,6 +313,43 @@ def test_a_store_that_shrinks_gives_its_file_s_free_end_back(tmp_path):
         assert store.verify().clean
 
 
+def test_a_read_in_another_process_keeps_the_file_s_end_until_it_ends(tmp_path):
+    # LMDB's reader table holds every process's reads: the end a read elsewhere still
+    # sees is not cut, and its bytes do not change; once that read ends, it goes.
+    import subprocess
+    import sys
+
+    from .test_lmdb import ROOT
+
+    path = tmp_path / "s"
+    prompts = [[base + i for i in range(48)] for base in (100, 200, 300)]
+    with file_store(path) as store:
+        for tokens in prompts:
+            save_big(store, tokens)
+    full = (path / FILE_NAME).stat().st_size
+    reader = subprocess.Popen(
+        [sys.executable, "-m", "tests.test_store.store_worker", "read_hold", str(path), "300"],
+        cwd=ROOT,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert reader.stdout.readline().split() == ["READING", "3"]
+        with file_store(path) as store:
+            store.delete(NS, prompts[2][:1])
+            assert store.backend.give_back_space() == 0  # the reader still sees it
+            assert (path / FILE_NAME).stat().st_size == full
+            out, _ = reader.communicate("", timeout=60)
+            assert out.split() == ["SAME"] and reader.returncode == 0
+            assert store.backend.give_back_space() > 0  # the read ended: it goes
+            assert (path / FILE_NAME).stat().st_size < full
+            assert store.verify().clean
+            check_match(store, store.lookup(NS, prompts[1]), prompts[1])
+    finally:
+        reader.kill()
+
+
 @pytest.mark.parametrize("command", ["gc", "delete"])
 def test_gc_and_delete_give_the_file_s_freed_end_back_at_once(tmp_path, capsys, command):
     # A maintenance command frees, then gives the file's end back in a transaction of
