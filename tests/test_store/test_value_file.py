@@ -14,6 +14,8 @@ import json
 import os
 import random
 import struct
+import subprocess
+import sys
 from pathlib import Path
 
 import lmdb
@@ -42,7 +44,7 @@ from .kv_helpers import BLOCK, CHUNK, assert_same_caches, model_for, prefilled
 from .kv_helpers import prompt as model_prompt
 from .store_worker import NS, open_, prompt
 from .test_damage import run_cli, verify_json
-from .test_lmdb import killed_reader
+from .test_lmdb import ROOT, killed_reader
 
 #: Records of the synthetic prompts below: ~9 KiB each, over the lowered threshold.
 FILLER = 8192
@@ -316,11 +318,6 @@ def test_a_store_that_shrinks_gives_its_file_s_free_end_back(tmp_path):
 def test_a_read_in_another_process_keeps_the_file_s_end_until_it_ends(tmp_path):
     # LMDB's reader table holds every process's reads: the end a read elsewhere still
     # sees is not cut, and its bytes do not change; once that read ends, it goes.
-    import subprocess
-    import sys
-
-    from .test_lmdb import ROOT
-
     path = tmp_path / "s"
     prompts = [[base + i for i in range(48)] for base in (100, 200, 300)]
     with file_store(path) as store:
@@ -364,12 +361,11 @@ def test_gc_and_delete_give_the_file_s_freed_end_back_at_once(tmp_path, capsys, 
     assert status == 0, err
     assert (path / FILE_NAME).stat().st_size == ALIGN  # the header alone
     assert json.loads(out)["file_bytes_given_back"] == size - ALIGN
+    again = [100 + i for i in range(48)]
     with file_store(path) as store:
         assert store.verify().clean and store.backend.give_back_space() == 0
-        save_big(store, [100 + i for i in range(48)])
-        check_match(
-            store, store.lookup(NS, [100 + i for i in range(48)]), [100 + i for i in range(48)]
-        )
+        save_big(store, again)
+        check_match(store, store.lookup(NS, again), again)
 
 
 def test_engines_without_a_value_file_give_nothing_back():
