@@ -633,11 +633,16 @@ class LMDBBackend(Backend):
 
     def give_back_space(self) -> int:
         """The value file's free end cut off it (:meth:`Space.give_back_end`) by a write
-        transaction of its own: the bytes given back. Its commit writes the space record
-        even when nothing could go (another process's read still sees the end)."""
+        transaction of its own: the bytes given back. None is made where the space record
+        ends in no free extent; one is where another process's read still sees the end
+        (nothing goes then)."""
         if not self.has_value_file:
             return 0
         self.require_writes("give_back_space")
+        with self._begin("give_back_space", write=False) as txn:
+            space = stored_space(txn)
+        if space is None or not space.ends_free:
+            return 0
         values = self._shared.values  # type: ignore[union-attr]
         before = values.size()
         self._transact(_LMDBView.read_space, 0)
