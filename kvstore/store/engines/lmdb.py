@@ -434,6 +434,7 @@ class _LMDBView:
         if self._space is not None:
             # Under LMDB's writer lock, past every value placed: should the commit fail,
             # the file is only shorter than free space it records, which a write extends.
+            # (ends_free first: the reader table is read only where an end might go.)
             if self._space.ends_free and self._space.give_back_end(self._reusable()):
                 self._shared.values.truncate(self._space.end)
             self._txn.put(SPACE_KEY, self._space.encode())

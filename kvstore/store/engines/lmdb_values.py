@@ -229,14 +229,14 @@ class Space:
         if not self.ends_free:
             return False
         self._join_reusable(reusable)
-        end = self.end
-        while self.ends_free:
-            offset, _, freed_by = self.free[-1]
-            if not reusable(freed_by):
-                break
-            self.free.pop()
-            self.end = max(offset, ALIGN)
-        return self.end < end
+        # Joined, every reusable extent that ends the file is this last one: one touching
+        # it from before is one that may not be reused yet.
+        offset, _, freed_by = self.free[-1]
+        if not reusable(freed_by):
+            return False
+        self.free.pop()
+        self.end = max(offset, ALIGN)
+        return True
 
     def _join_reusable(self, reusable: Callable[[int], bool]) -> None:
         """Join runs of adjacent extents that may all be reused, under the latest id
